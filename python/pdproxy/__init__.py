@@ -1,0 +1,38 @@
+"""pdproxy: a proxy and router for fleets of OpenAI-compatible LLM inference servers.
+
+The data plane (selection, in-flight accounting, forwarding) is the Rust extension
+``pdproxy._pdproxy``; this package is the control plane around it.
+"""
+
+from ._pdproxy import Response, __version__
+from .config import Settings
+from .errors import (
+    ConfigError,
+    InvalidNode,
+    InvalidRequest,
+    ModelNotFound,
+    NodeNotFound,
+    NoNodeAvailable,
+    PdproxyError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from .router import Router
+
+__all__ = [
+    "ConfigError",
+    "InvalidNode",
+    "InvalidRequest",
+    "ModelNotFound",
+    "NoNodeAvailable",
+    "NodeNotFound",
+    "PdproxyError",
+    "Response",
+    "Router",
+    "Settings",
+    "UpstreamConnectError",
+    "UpstreamError",
+    "UpstreamTimeout",
+    "__version__",
+]

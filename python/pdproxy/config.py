@@ -1,0 +1,163 @@
+"""Settings: every default of pdproxy lives here.
+
+The CLI (`pdproxy serve`), the environment (``PDPROXY_<FIELD>``), a TOML file (``--config``)
+and the embedded ``Router`` all read these fields; precedence is CLI > environment > file >
+the defaults below. The Rust data plane reads the same object by attribute and declares no
+defaults of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["ENV_PREFIX", "Settings"]
+
+ENV_PREFIX = "PDPROXY_"
+
+
+def _opt(help: str, *, flag: str | None = None, section: str = "proxy") -> dict[str, Any]:
+    """Field metadata: the help text and CLI spelling of a setting."""
+    return {"help": help, "flag": flag, "section": section}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """Configuration of a pdproxy server or embedded router."""
+
+    host: str = field(default="127.0.0.1", metadata=_opt("Address to listen on.", section="server"))
+    port: int = field(default=8000, metadata=_opt("Port to listen on.", section="server"))
+    nodes: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt(
+            "Base URL of an inference server (LMDeploy, vLLM, SGLang api_server); repeat for several. "
+            "In the environment: URLs separated by spaces.",
+            flag="--node",
+        ),
+    )
+    demo: bool = field(
+        default=False,
+        metadata=_opt(
+            "Start two built-in mock engines and route to them (try pdproxy without GPUs).", section="server"
+        ),
+    )
+    demo_model: str = field(
+        default="pdproxy-demo", metadata=_opt("Model name served by the demo mock engines.", section="server")
+    )
+    workers: int = field(
+        default=1,
+        metadata=_opt(
+            "granian worker processes. Each has its own node table and counters, so keep 1 unless one "
+            "process is saturated.",
+            section="server",
+        ),
+    )
+    log_level: str = field(default="info", metadata=_opt("Log level: debug, info, warning, error.", section="server"))
+    policy: str = field(default="round_robin", metadata=_opt("Routing policy: round_robin."))
+    runtime_threads: int = field(default=2, metadata=_opt("Threads of the data plane's I/O runtime."))
+    connect_timeout: float = field(default=2.0, metadata=_opt("Seconds to connect to a node."))
+    first_byte_timeout: float = field(
+        default=300.0,
+        metadata=_opt("Seconds from sending a request to a node until its response head (covers long prefills)."),
+    )
+    pool_idle_timeout: float = field(
+        default=60.0, metadata=_opt("Seconds an idle keep-alive connection to a node is kept.")
+    )
+    pool_max_idle_per_node: int = field(default=256, metadata=_opt("Idle keep-alive connections kept per node."))
+    prefetch_limit: int = field(
+        default=1 << 20,
+        metadata=_opt("Non-streaming responses up to this many bytes are read whole before forwarding."),
+    )
+    max_body_size: int = field(default=32 << 20, metadata=_opt("Largest request body accepted, in bytes."))
+    discovery_timeout: float = field(
+        default=2.0, metadata=_opt("Seconds to wait for a node's /v1/models when discovering its models.")
+    )
+    discovery_interval: float = field(
+        default=5.0, metadata=_opt("Seconds between retries of model discovery for nodes that have not answered yet.")
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.nodes, str | list):
+            object.__setattr__(self, "nodes", (self.nodes,) if isinstance(self.nodes, str) else tuple(self.nodes))
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), f.type)
+        if not 0 < self.port < 65536 and self.port != 0:
+            raise ConfigError(f"port must be between 1 and 65535, got {self.port}")
+        for name in ("workers", "runtime_threads", "pool_max_idle_per_node", "max_body_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in (
+            "connect_timeout",
+            "first_byte_timeout",
+            "pool_idle_timeout",
+            "discovery_timeout",
+            "discovery_interval",
+        ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if self.prefetch_limit < 0:
+            raise ConfigError(f"prefetch_limit must not be negative, got {self.prefetch_limit}")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ConfigError(f"log_level must be one of debug, info, warning, error, critical; got {self.log_level!r}")
+
+    def replace(self, **changes: Any) -> Settings:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Settings:
+        return cls(**_coerce(json.loads(text)))
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> Settings:
+        return cls(**load_toml(path))
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Reads a TOML settings file: top-level keys are field names (``nodes = [...]``)."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+    known = {f.name for f in dataclasses.fields(Settings)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) in {path}: {', '.join(unknown)}")
+    return _coerce(data)
+
+
+def _coerce(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+
+
+def _check_type(name: str, value: Any, annotation: Any) -> None:
+    expected = _TYPES.get(annotation if isinstance(annotation, str) else str(annotation))
+    if expected is None:
+        return
+    ok = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if expected is tuple:
+        ok = isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+    if not ok:
+        raise ConfigError(f"{name} must be of type {annotation}, got {value!r}")
+
+
+_TYPES: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool, "tuple[str, ...]": tuple}
+
+
+def field_type(f: dataclasses.Field[Any]) -> type:
+    """The Python type of a settings field (annotations are strings under `from __future__`)."""
+    return _TYPES[f.type if isinstance(f.type, str) else str(f.type)]

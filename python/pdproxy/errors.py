@@ -1,0 +1,155 @@
+"""Exceptions raised by pdproxy, and the one OpenAI-style error body they map to.
+
+    PdproxyError
+    ├── ConfigError(ValueError)            bad settings
+    ├── InvalidRequest(ValueError)         400 invalid_request: the client's request is unusable
+    │   └── RequestTooLarge                413 request_too_large
+    ├── InvalidNode(ValueError)            a node URL that cannot be used
+    ├── NodeNotFound(KeyError)             no node with that URL is registered
+    ├── NoNodeAvailable                    503 no_healthy_node: nothing can serve the request now
+    │   └── ModelNotFound                  404 model_not_found: no node serves the model
+    └── UpstreamError                      502 upstream_error: the node failed after receiving it
+        ├── UpstreamConnectError(ConnectionError)  503 upstream_connect_failed: never reached a node
+        └── UpstreamTimeout(TimeoutError)          504 upstream_timeout
+
+The data plane (Rust) raises these same classes. Each carries the HTTP status and error code
+the proxy answers with; ``message`` is safe to show a client, ``detail`` (the underlying cause,
+which may name addresses) is for logs only.
+"""
+
+from __future__ import annotations
+
+import json
+
+__all__ = [
+    "ConfigError",
+    "InvalidNode",
+    "InvalidRequest",
+    "ModelNotFound",
+    "NoNodeAvailable",
+    "NodeNotFound",
+    "PdproxyError",
+    "RequestTooLarge",
+    "UpstreamConnectError",
+    "UpstreamError",
+    "UpstreamTimeout",
+    "error_body",
+]
+
+
+class PdproxyError(Exception):
+    """Base class of every pdproxy error."""
+
+    status: int = 500
+    code: str = "internal_error"
+    type: str = "internal_error"
+    #: Seconds a client should wait before retrying, when retrying may help.
+    retry_after: int | None = None
+
+    def __init__(self, message: str = "", detail: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self) -> bytes:
+        """The OpenAI-style error body for this error."""
+        return error_body(self.message, type=self.type, code=self.code)
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """Response headers for this error, as ASGI wants them."""
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"x-pdproxy-error", self.code.encode()),
+        ]
+        if self.retry_after is not None:
+            headers.append((b"retry-after", str(self.retry_after).encode()))
+        return headers
+
+
+class ConfigError(PdproxyError, ValueError):
+    """A setting has a value pdproxy cannot use."""
+
+    code = "invalid_config"
+
+
+class InvalidRequest(PdproxyError, ValueError):
+    """The client's request cannot be routed: bad JSON, wrong field types."""
+
+    status = 400
+    code = "invalid_request"
+    type = "invalid_request_error"
+
+
+class RequestTooLarge(InvalidRequest):
+    """The request body exceeds the configured limit."""
+
+    status = 413
+    code = "request_too_large"
+
+
+class InvalidNode(PdproxyError, ValueError):
+    """A node URL that cannot be used (not http, no host)."""
+
+    status = 400
+    code = "invalid_node"
+    type = "invalid_request_error"
+
+
+class NodeNotFound(PdproxyError, KeyError):
+    """No node with that URL is registered."""
+
+    status = 404
+    code = "node_not_found"
+    type = "invalid_request_error"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.message
+
+
+class NoNodeAvailable(PdproxyError):
+    """No node can take the request now; nothing was executed, so retrying is safe."""
+
+    status = 503
+    code = "no_healthy_node"
+    type = "service_unavailable"
+    retry_after = 1
+
+
+class ModelNotFound(NoNodeAvailable):
+    """No registered node serves the requested model."""
+
+    status = 404
+    code = "model_not_found"
+    type = "invalid_request_error"
+    retry_after = None
+
+
+class UpstreamError(PdproxyError):
+    """The node failed after it received the request; it may have done work."""
+
+    status = 502
+    code = "upstream_error"
+    type = "upstream_error"
+
+
+class UpstreamConnectError(UpstreamError, ConnectionError):
+    """The node could not be reached: the request never ran, retrying is safe."""
+
+    status = 503
+    code = "upstream_connect_failed"
+    retry_after = 1
+
+
+class UpstreamTimeout(UpstreamError, TimeoutError):
+    """The node did not answer in time."""
+
+    status = 504
+    code = "upstream_timeout"
+
+
+def error_body(message: str, *, type: str, code: str, param: str | None = None) -> bytes:
+    """The OpenAI error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
+    return json.dumps({"error": {"message": message, "type": type, "param": param, "code": code}}).encode()

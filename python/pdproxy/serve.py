@@ -1,0 +1,122 @@
+"""`pdproxy serve`: run the proxy under granian (ASGI, uvloop, HTTP/1.1)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+
+from granian import Granian
+from granian.constants import HTTPModes, Interfaces, Loops
+from granian.log import LogLevels
+
+from .app import SETTINGS_ENV
+from .config import Settings
+from .errors import ConfigError
+
+#: Mock engines started by --demo: how many, and how long to wait for them.
+DEMO_ENGINES = 2
+DEMO_STARTUP_TIMEOUT = 20.0
+DEMO_TOKEN_DELAY_MS = 20.0
+
+
+def serve(settings: Settings) -> None:
+    """Serves until interrupted (Ctrl-C or SIGTERM)."""
+    with _demo_engines(settings) as demo_nodes:
+        if demo_nodes:
+            settings = settings.replace(nodes=(*settings.nodes, *demo_nodes))
+        if not settings.nodes:
+            print("pdproxy: no nodes yet; pass --node URL (or --demo to try it with mock engines)", file=sys.stderr)
+        os.environ[SETTINGS_ENV] = settings.to_json()
+        _print_banner(settings)
+        Granian(
+            target="pdproxy.app:app_from_environment",
+            factory=True,
+            address=settings.host,
+            port=settings.port,
+            interface=Interfaces.ASGI,
+            workers=settings.workers,
+            loop=Loops.uvloop,
+            http=HTTPModes.http1,
+            log_level=LogLevels(settings.log_level.lower()),
+            log_access=False,
+            backlog=2048,
+        ).serve()
+
+
+def _print_banner(settings: Settings) -> None:
+    base = f"http://{settings.host}:{settings.port}"
+    print(f"pdproxy: serving on {base} -> {', '.join(settings.nodes) or 'no nodes'}", file=sys.stderr)
+    if settings.demo:
+        body = json.dumps(
+            {"model": settings.demo_model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+        )
+        print(
+            f"pdproxy: try  curl -N {base}/v1/chat/completions -H 'content-type: application/json' -d '{body}'",
+            file=sys.stderr,
+        )
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ConfigError(f"demo mock engine at {url} exited with status {proc.returncode}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+            if response.status == 200:
+                return
+        time.sleep(0.1)
+    raise ConfigError(f"demo mock engine at {url} did not become healthy in {DEMO_STARTUP_TIMEOUT:.0f}s")
+
+
+@contextlib.contextmanager
+def _demo_engines(settings: Settings) -> Iterator[list[str]]:
+    """With --demo, runs mock engines next to the proxy for its lifetime."""
+    if not settings.demo:
+        yield []
+        return
+    procs: list[subprocess.Popen[bytes]] = []
+    urls: list[str] = []
+    try:
+        for _ in range(DEMO_ENGINES):
+            port = _free_port("127.0.0.1")
+            url = f"http://127.0.0.1:{port}"
+            print(f"pdproxy: starting demo mock engine {url} (model {settings.demo_model})", file=sys.stderr)
+            cmd = [
+                sys.executable,
+                "-m",
+                "pdproxy",
+                "mock-engine",
+                "--port",
+                str(port),
+                "--model",
+                settings.demo_model,
+                "--token-delay-ms",
+                str(DEMO_TOKEN_DELAY_MS),
+            ]
+            procs.append(subprocess.Popen(cmd))
+            urls.append(url)
+        deadline = time.monotonic() + DEMO_STARTUP_TIMEOUT
+        for url, proc in zip(urls, procs, strict=True):
+            _wait_healthy(url, proc, deadline)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()

@@ -1,0 +1,14 @@
+"""Test helpers shipped with pdproxy: the mock inference engine.
+
+Run one with ``pdproxy mock-engine --port 8001``, or in-process::
+
+    from pdproxy.testing import MockEngine
+
+    async with MockEngine(model="m") as engine:
+        print(engine.url)
+"""
+
+from .faults import FAULT_HEADER, Faults, parse_faults
+from .mock_engine import MockEngine, MockSettings, build_app
+
+__all__ = ["FAULT_HEADER", "Faults", "MockEngine", "MockSettings", "build_app", "parse_faults"]

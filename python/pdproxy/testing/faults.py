@@ -1,0 +1,70 @@
+"""Fault injection for the mock engine.
+
+A fault spec is a ``;``-separated list of knobs, given per process (``--fault``) or per
+request (header ``x-mock-fault``, which overrides the process's knobs one by one)::
+
+    status=503            answer with this HTTP status and an OpenAI error body
+    hang                  accept the request and never send the response head
+    drop_after=3          close the connection after 3 events (at once when not streaming)
+    ttft_ms=200           wait this long before the first token
+    token_delay_ms=50     wait this long between tokens
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+FAULT_HEADER = "x-mock-fault"
+
+
+class FaultSpecError(ValueError):
+    """A fault spec that cannot be parsed."""
+
+
+@dataclass(frozen=True)
+class Faults:
+    status: int | None = None
+    hang: bool = False
+    drop_after: int | None = None
+    ttft_ms: float | None = None
+    token_delay_ms: float | None = None
+
+    def merged(self, override: Faults) -> Faults:
+        """These knobs with every knob that ``override`` sets replaced."""
+        changes = {
+            f.name: getattr(override, f.name)
+            for f in dataclasses.fields(override)
+            if getattr(override, f.name) not in (None, False)
+        }
+        return dataclasses.replace(self, **changes)
+
+
+NO_FAULTS = Faults()
+
+
+def parse_faults(spec: str) -> Faults:
+    knobs: dict[str, object] = {}
+    for item in spec.replace(",", ";").split(";"):
+        item = item.strip()
+        if not item:
+            continue
+        name, _, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        try:
+            if name == "hang" and not value:
+                knobs["hang"] = True
+            elif name in ("status", "drop_after"):
+                knobs[name] = int(value)
+            elif name in ("ttft_ms", "token_delay_ms"):
+                knobs[name] = float(value)
+            else:
+                raise FaultSpecError(f"unknown fault knob {item!r}")
+        except ValueError as e:
+            if isinstance(e, FaultSpecError):
+                raise
+            raise FaultSpecError(f"bad value in fault knob {item!r}") from e
+    status = knobs.get("status")
+    if isinstance(status, int) and not 100 <= status <= 599:
+        raise FaultSpecError(f"status must be an HTTP status, got {status}")
+    return Faults(**knobs)  # type: ignore[arg-type]

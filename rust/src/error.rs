@@ -1,0 +1,89 @@
+//! One opaque error type for the data plane; the kind decides how the control plane answers.
+
+use std::error::Error as StdError;
+use std::fmt;
+
+pub type BoxError = Box<dyn StdError + Send + Sync>;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// The request body is not a JSON object, or a field has the wrong type.
+    InvalidRequest,
+    /// No registered node serves the requested model.
+    ModelNotFound,
+    /// No node is registered at all.
+    NoNodes,
+    /// The node URL given to the registry cannot be used.
+    InvalidNode,
+    /// The connection to the node could not be made: the request never ran.
+    Connect,
+    /// The node did not answer in time.
+    Timeout,
+    /// The node accepted the request, then failed (reset, malformed response).
+    Upstream,
+    /// The response body was cancelled by the caller.
+    Cancelled,
+}
+
+pub struct Error {
+    kind: Kind,
+    message: String,
+    source: Option<BoxError>,
+}
+
+impl Error {
+    #[cold]
+    pub(crate) fn new(kind: Kind, message: impl Into<String>) -> Self {
+        Self { kind, message: message.into(), source: None }
+    }
+
+    #[cold]
+    pub(crate) fn with_source(kind: Kind, message: impl Into<String>, source: impl Into<BoxError>) -> Self {
+        Self { kind, message: message.into(), source: Some(source.into()) }
+    }
+
+    pub fn kind(&self) -> Kind {
+        self.kind
+    }
+
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    pub fn is_connect(&self) -> bool {
+        self.kind == Kind::Connect
+    }
+
+    pub fn is_timeout(&self) -> bool {
+        self.kind == Kind::Timeout
+    }
+}
+
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Error");
+        d.field("kind", &self.kind).field("message", &self.message);
+        if let Some(source) = &self.source {
+            d.field("source", source);
+        }
+        d.finish()
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)?;
+        if let Some(source) = &self.source {
+            write!(f, ": {source}")?;
+        }
+        Ok(())
+    }
+}
+
+impl StdError for Error {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source.as_deref().map(|e| e as &(dyn StdError + 'static))
+    }
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

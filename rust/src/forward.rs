@@ -1,0 +1,133 @@
+//! The upstream client: one pooled keep-alive HTTP/1.1 client for all nodes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+
+use crate::body::BodyStream;
+use crate::error::{Error, Kind, Result};
+use crate::headers::{client_response_headers, upstream_request_headers};
+use crate::node::Node;
+use crate::permit::{InFlightPermit, Outcome};
+use crate::sse;
+
+/// Client settings. Values come from the control plane's settings; no defaults live here.
+#[derive(Debug, Clone)]
+pub struct ForwardConfig {
+    pub connect_timeout: Duration,
+    /// Time allowed from sending the request to receiving the response head.
+    pub first_byte_timeout: Duration,
+    pub pool_idle_timeout: Duration,
+    pub pool_max_idle_per_node: usize,
+    /// Bodies that are not event streams and announce at most this many bytes are read
+    /// whole before the head is handed over, so a small JSON answer crosses into Python once.
+    pub prefetch_limit: usize,
+}
+
+/// A request to forward, as received from the client.
+#[derive(Debug)]
+pub struct ForwardRequest {
+    pub method: Method,
+    pub path_and_query: String,
+    pub headers: Vec<(Vec<u8>, Vec<u8>)>,
+    pub body: Bytes,
+}
+
+/// The node's answer: head now, body either already read or still streaming.
+#[derive(Debug)]
+pub struct UpstreamResponse {
+    pub status: StatusCode,
+    pub headers: Vec<(HeaderName, HeaderValue)>,
+    pub node: Arc<Node>,
+    pub body: ResponseBody,
+}
+
+#[derive(Debug)]
+pub enum ResponseBody {
+    /// Read whole; the permit is already released.
+    Complete(Bytes),
+    Streaming(Arc<BodyStream>),
+}
+
+#[derive(Debug, Clone)]
+pub struct Forwarder {
+    client: Client<HttpConnector, Full<Bytes>>,
+    config: ForwardConfig,
+}
+
+impl Forwarder {
+    /// Builds the client. Needs no runtime; connections are spawned on the caller's runtime.
+    pub fn new(config: ForwardConfig) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(config.connect_timeout));
+        connector.set_keepalive(Some(Duration::from_secs(60)));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(config.pool_idle_timeout)
+            .pool_max_idle_per_host(config.pool_max_idle_per_node)
+            .build(connector);
+        Self { client, config }
+    }
+
+    /// Sends `request` to `node`. The permit travels with the response body and is released
+    /// when the body ends, fails or is dropped.
+    pub async fn forward(&self, node: Arc<Node>, mut permit: InFlightPermit, request: ForwardRequest) -> Result<UpstreamResponse> {
+        let uri = node.uri_for(&request.path_and_query)?;
+        let mut headers = upstream_request_headers(&request.headers);
+        let mut builder = Request::builder().method(request.method).uri(uri);
+        if let Some(map) = builder.headers_mut() {
+            std::mem::swap(map, &mut headers);
+        }
+        let upstream_request = builder
+            .body(Full::new(request.body))
+            .map_err(|e| Error::with_source(Kind::InvalidRequest, "request cannot be forwarded", e))?;
+
+        let sent = tokio::time::timeout(self.config.first_byte_timeout, self.client.request(upstream_request)).await;
+        let response = match sent {
+            Ok(Ok(response)) => response,
+            Ok(Err(e)) => {
+                permit.set_outcome(Outcome::Failed);
+                let kind = if e.is_connect() { Kind::Connect } else { Kind::Upstream };
+                let message = if e.is_connect() { "could not connect to the node" } else { "the node closed the connection before answering" };
+                return Err(Error::with_source(kind, message, e));
+            }
+            Err(_) => {
+                permit.set_outcome(Outcome::Failed);
+                return Err(Error::new(Kind::Timeout, "the node did not answer in time"));
+            }
+        };
+
+        let (parts, body) = response.into_parts();
+        let outcome_at_end = if parts.status.is_server_error() { Outcome::Failed } else { Outcome::Succeeded };
+        let headers = client_response_headers(&parts.headers);
+        let event_stream = parts.headers.get(CONTENT_TYPE).is_some_and(|ct| sse::is_event_stream(ct.as_bytes()));
+
+        let body = if !event_stream && content_length(&parts.headers).is_some_and(|len| len <= self.config.prefetch_limit) {
+            match body.collect().await {
+                Ok(collected) => {
+                    permit.set_outcome(outcome_at_end);
+                    ResponseBody::Complete(collected.to_bytes())
+                }
+                Err(e) => {
+                    permit.set_outcome(Outcome::Failed);
+                    return Err(Error::with_source(Kind::Upstream, "the node broke off the response", e));
+                }
+            }
+        } else {
+            ResponseBody::Streaming(Arc::new(BodyStream::new(body, event_stream, permit, outcome_at_end)))
+        };
+        Ok(UpstreamResponse { status: parts.status, headers, node, body })
+    }
+}
+
+fn content_length(headers: &HeaderMap) -> Option<usize> {
+    headers.get(CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
+}

@@ -1,0 +1,17 @@
+//! pdproxy data plane: the node table, selection, in-flight accounting and the upstream
+//! forwarder. Plain Rust except `py/`, the only module that touches pyo3.
+
+pub mod body;
+pub mod error;
+pub mod forward;
+pub mod headers;
+pub mod inspect;
+pub mod node;
+pub mod permit;
+pub mod registry;
+pub mod runtime;
+pub mod select;
+pub mod sse;
+
+#[cfg(feature = "python")]
+mod py;

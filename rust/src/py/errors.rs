@@ -1,0 +1,37 @@
+//! Data-plane errors raised as the exception classes defined once in `pdproxy/errors.py`.
+//! The exception's message is safe to show a client; the underlying cause (which may name
+//! addresses or OS errors) goes to its `detail` attribute only.
+
+use std::error::Error as _;
+
+use pyo3::prelude::*;
+
+use crate::error::{Error, Kind};
+
+pyo3::import_exception!(pdproxy.errors, InvalidRequest);
+pyo3::import_exception!(pdproxy.errors, InvalidNode);
+pyo3::import_exception!(pdproxy.errors, NodeNotFound);
+pyo3::import_exception!(pdproxy.errors, NoNodeAvailable);
+pyo3::import_exception!(pdproxy.errors, ModelNotFound);
+pyo3::import_exception!(pdproxy.errors, UpstreamError);
+pyo3::import_exception!(pdproxy.errors, UpstreamConnectError);
+pyo3::import_exception!(pdproxy.errors, UpstreamTimeout);
+
+/// The most specific Python exception for a data-plane error.
+pub fn to_pyerr(err: &Error) -> PyErr {
+    let args = (err.message().to_owned(), err.source().map(ToString::to_string));
+    match err.kind() {
+        Kind::InvalidRequest => InvalidRequest::new_err(args),
+        Kind::InvalidNode => InvalidNode::new_err(args),
+        Kind::ModelNotFound => ModelNotFound::new_err(args),
+        Kind::NoNodes => NoNodeAvailable::new_err(args),
+        Kind::Connect => UpstreamConnectError::new_err(args),
+        Kind::Timeout => UpstreamTimeout::new_err(args),
+        Kind::Upstream | Kind::Cancelled => UpstreamError::new_err(args),
+    }
+}
+
+/// A `remove_node` of a URL that is not registered.
+pub fn node_not_found(err: &Error) -> PyErr {
+    NodeNotFound::new_err((err.message().to_owned(), None::<String>))
+}

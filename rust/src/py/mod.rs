@@ -1,0 +1,16 @@
+//! The only code that touches pyo3: the `pdproxy._pdproxy` extension module.
+
+mod config;
+mod errors;
+mod response;
+mod router;
+
+use pyo3::prelude::*;
+
+#[pymodule(gil_used = false)]
+fn _pdproxy(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<router::Router>()?;
+    m.add_class::<response::Response>()?;
+    Ok(())
+}
