@@ -7,53 +7,11 @@ import hashlib
 import random
 from typing import Any
 
-_WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "bright",
-    "stars",
-    "watch",
-    "from",
-    "far",
-    "away",
-    "and",
-    "every",
-    "token",
-    "travels",
-    "through",
-    "the",
-    "proxy",
-    "exactly",
-    "once",
-    "before",
-    "it",
-    "reaches",
-    "its",
-    "reader",
-    "so",
-    "nothing",
-    "is",
-    "lost",
-    "nothing",
-    "is",
-    "repeated",
-    "and",
-    "the",
-    "stream",
-    "ends",
-    "cleanly",
-    "with",
-    "done",
-]
+_WORDS = tuple(
+    "the quick brown fox jumps over a lazy dog while seven bright stars watch from far away and every "
+    "token travels through the proxy exactly once before it reaches its reader so nothing is lost "
+    "nothing is repeated and the stream ends cleanly with done".split(" ")
+)
 
 #: Token counts of natural (unlimited) answers fall in this range.
 NATURAL_LENGTH = (8, 32)
