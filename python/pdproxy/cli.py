@@ -78,8 +78,9 @@ def main() -> None:
     show_envvar=True,
     help="TOML file of settings (keys are the option names with underscores).",
 )
+@click.option("--print-config", is_flag=True, help="Print the effective settings as JSON and exit.")
 @settings_options(Settings, ENV_PREFIX)
-def serve(**options: Any) -> None:
+def serve(print_config: bool, **options: Any) -> None:
     """Serve the OpenAI API, routing each request to one of the nodes."""
     from .serve import serve as run
 
@@ -88,6 +89,9 @@ def serve(**options: Any) -> None:
         settings = Settings(**options)
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
+    if print_config:
+        click.echo(settings.to_json())
+        return
     try:
         run(settings)
     except ConfigError as e:

@@ -156,4 +156,6 @@ async def _stream_body(response: Response, send: Send) -> None:
             await send({"type": "http.response.body", "body": _stream_error_event(e), "more_body": False})
             return
         raise
+    if response.closed:  # cut short because the client left: there is nobody to tell
+        return
     await send({"type": "http.response.body", "body": b"", "more_body": False})

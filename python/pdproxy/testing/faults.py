@@ -8,6 +8,7 @@ request (header ``x-mock-fault``, which overrides the process's knobs one by one
     drop_after=3          close the connection after 3 events (at once when not streaming)
     ttft_ms=200           wait this long before the first token
     token_delay_ms=50     wait this long between tokens
+    fragment=7            write each event in pieces of 7 bytes (tests that framing survives)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class Faults:
     drop_after: int | None = None
     ttft_ms: float | None = None
     token_delay_ms: float | None = None
+    fragment: int | None = None
 
     def merged(self, override: Faults) -> Faults:
         """These knobs with every knob that ``override`` sets replaced."""
@@ -54,7 +56,7 @@ def parse_faults(spec: str) -> Faults:
         try:
             if name == "hang" and not value:
                 knobs["hang"] = True
-            elif name in ("status", "drop_after"):
+            elif name in ("status", "drop_after", "fragment"):
                 knobs[name] = int(value)
             elif name in ("ttft_ms", "token_delay_ms"):
                 knobs[name] = float(value)
@@ -67,4 +69,7 @@ def parse_faults(spec: str) -> Faults:
     status = knobs.get("status")
     if isinstance(status, int) and not 100 <= status <= 599:
         raise FaultSpecError(f"status must be an HTTP status, got {status}")
+    fragment = knobs.get("fragment")
+    if isinstance(fragment, int) and fragment < 1:
+        raise FaultSpecError(f"fragment must be at least 1 byte, got {fragment}")
     return Faults(**knobs)  # type: ignore[arg-type]

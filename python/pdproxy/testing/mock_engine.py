@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
 import itertools
 import json
 import time
@@ -179,7 +180,13 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         body = json.loads(raw)
     except ValueError:
         body = None
-    state.records.append({"path": request.path, "headers": dict(request.headers), "body": body})
+    record: dict[str, Any] = {
+        "path": request.path,
+        "headers": {name.lower(): value for name, value in request.headers.items()},
+        "body": body,
+        "sent_sha256": None,  # of every byte of the response body, once it was sent in full
+    }
+    state.records.append(record)
     if not isinstance(body, dict):
         return _error(400, "request body must be a JSON object", "invalid_request")
     try:
@@ -207,14 +214,16 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         ttft = faults.ttft_ms if faults.ttft_ms is not None else state.settings.ttft_ms
         delay = faults.token_delay_ms if faults.token_delay_ms is not None else state.settings.token_delay_ms
         if body.get("stream"):
-            response = await _stream(request, completion, ttft, delay, faults.drop_after)
+            response = await _stream(request, completion, ttft, delay, faults, record)
         else:
             if faults.drop_after is not None:
                 _drop_connection(request)
                 return web.Response()
             await _sleep_ms(ttft)
             await _sleep_ms(delay * max(0, len(completion.tokens) - 1))
-            response = web.json_response(completion.whole())
+            payload = json.dumps(completion.whole()).encode()
+            record["sent_sha256"] = hashlib.sha256(payload).hexdigest()
+            response = web.Response(body=payload, content_type="application/json")
         completed = response is not None
         return response if response is not None else web.Response()
     except (asyncio.CancelledError, ConnectionResetError):
@@ -230,24 +239,41 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
 
 
 async def _stream(
-    request: web.Request, completion: _Completion, ttft: float, delay: float, drop_after: int | None
+    request: web.Request,
+    completion: _Completion,
+    ttft: float,
+    delay: float,
+    faults: Faults,
+    record: dict[str, Any],
 ) -> web.StreamResponse | None:
     """Streams the answer; returns None when a fault cut it short."""
     response = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
     await response.prepare(request)
+    digest = hashlib.sha256()
+
+    async def write(data: bytes) -> None:
+        digest.update(data)
+        if faults.fragment is None:
+            await response.write(data)
+            return
+        for start in range(0, len(data), faults.fragment):
+            await response.write(data[start : start + faults.fragment])
+            await asyncio.sleep(0)  # let each piece leave as its own segment
+
     await _sleep_ms(ttft)
     for i, token in enumerate(completion.tokens):
-        if drop_after is not None and i >= drop_after:
+        if faults.drop_after is not None and i >= faults.drop_after:
             _drop_connection(request)
             return None
         if i:
             await _sleep_ms(delay)
-        await response.write(completion.token_event(token, first=i == 0))
-    if drop_after == len(completion.tokens):
+        await write(completion.token_event(token, first=i == 0))
+    if faults.drop_after == len(completion.tokens):
         _drop_connection(request)
         return None
-    await response.write(completion.final_events())
+    await write(completion.final_events())
     await response.write_eof()
+    record["sent_sha256"] = digest.hexdigest()
     return response
 
 

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+
+import aiohttp
+import pytest
+
+from servers import Process, get_json, mock_engine, pdproxy_serve
+
+
+@pytest.fixture(autouse=True)
+def clean_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings must come from the test, never from the developer's shell."""
+    for name in list(os.environ):
+        if name.startswith("PDPROXY_") or name.lower() in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Process]]:
+    """Three mock engines as subprocesses: two serve `alpha`, one serves `beta`."""
+    logs = tmp_path_factory.mktemp("engines")
+    with mock_engine(logs, "alpha") as a1, mock_engine(logs, "alpha") as a2, mock_engine(logs, "beta") as b:
+        yield {"alpha-1": a1, "alpha-2": a2, "beta": b}
+
+
+def _knows_models(url: str, wanted: set[str]) -> bool:
+    return {m["id"] for m in get_json(url + "/v1/models")["data"]} == wanted
+
+
+@pytest.fixture(scope="session")
+def proxy(engines: dict[str, Process], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
+    """`pdproxy serve` (granian subprocess) in front of the three engines, models discovered."""
+    args: list[str] = []
+    for engine in engines.values():
+        args += ["--node", engine.url]
+    with pdproxy_serve(
+        tmp_path_factory.mktemp("proxy"), *args, ready=lambda url: _knows_models(url, {"alpha", "beta"})
+    ) as process:
+        yield process
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        yield session

@@ -1,0 +1,146 @@
+"""Real processes on real sockets for the tests: mock engines and `pdproxy serve`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+#: Upper bound for a process to become ready; polled, never slept through.
+READY_TIMEOUT = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def get_json(url: str, timeout: float = 5.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def post_json(url: str, payload: object, timeout: float = 5.0) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), headers={"content-type": "application/json"}, method="POST"
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+    """Polls ``predicate`` until it holds; fails after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@dataclass
+class Process:
+    proc: subprocess.Popen[str]
+    url: str
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@contextlib.contextmanager
+def run_process(
+    args: list[str],
+    url: str,
+    ready_path: str,
+    log_path: str,
+    env: dict[str, str] | None = None,
+    ready: Callable[[], bool] | None = None,
+) -> Iterator[Process]:
+    """Starts ``pdproxy <args>`` and yields once ``url + ready_path`` answers 200."""
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdproxy", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+    process = Process(proc, url, log_path)
+
+    def is_ready() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(f"pdproxy {' '.join(args)} exited with {proc.returncode}:\n{process.log()}")
+        try:
+            with urllib.request.urlopen(url + ready_path, timeout=1) as response:
+                if response.status != 200:
+                    return False
+        except (urllib.error.URLError, OSError):
+            return False
+        return ready() if ready else True
+
+    try:
+        wait_until(is_ready, READY_TIMEOUT, f"{' '.join(args)} to be ready")
+        yield process
+    finally:
+        process.stop()
+
+
+@contextlib.contextmanager
+def mock_engine(tmp_path: Any, model: str, *extra: str) -> Iterator[Process]:
+    port = free_port()
+    with run_process(
+        ["mock-engine", "--port", str(port), "--model", model, *extra],
+        f"http://127.0.0.1:{port}",
+        "/health",
+        str(tmp_path / f"mock-{model}-{port}.log"),
+    ) as process:
+        yield process
+
+
+@contextlib.contextmanager
+def pdproxy_serve(
+    tmp_path: Any, *args: str, env: dict[str, str] | None = None, ready: Callable[[str], bool] | None = None
+) -> Iterator[Process]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with run_process(
+        ["serve", "--port", str(port), *args],
+        url,
+        "/health",
+        str(tmp_path / f"pdproxy-{port}.log"),
+        env=env,
+        ready=(lambda: ready(url)) if ready else None,
+    ) as process:
+        yield process
+
+
+def chat_body(
+    model: str | None = "alpha", stream: bool = False, prompt: str = "hello there", **extra: Any
+) -> dict[str, Any]:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": prompt}], "stream": stream, **extra}
+    if model is not None:
+        body["model"] = model
+    return body

@@ -1,0 +1,96 @@
+"""The ASGI app driven in-process over the ASGI protocol, to watch what a socket test cannot:
+the router's in-flight counts while a client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+
+from pdproxy.app import create_app
+from pdproxy.config import Settings
+from pdproxy.testing import FAULT_HEADER, MockEngine
+from servers import chat_body
+
+
+class Client:
+    """One ASGI HTTP connection: feeds the request body, records what the app sends, and can
+    disconnect at any moment."""
+
+    def __init__(self, body: bytes) -> None:
+        self._messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._messages.put_nowait({"type": "http.request", "body": body, "more_body": False})
+        self.sent: list[dict[str, Any]] = []
+        self.body_messages = asyncio.Event()
+
+    async def receive(self) -> dict[str, Any]:
+        return await self._messages.get()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        self.sent.append(message)
+        if message["type"] == "http.response.body":
+            self.body_messages.set()
+
+    def disconnect(self) -> None:
+        self._messages.put_nowait({"type": "http.disconnect"})
+
+
+def scope(path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+    return {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "query_string": b"",
+        "headers": headers,
+        "http_version": "1.1",
+        "scheme": "http",
+    }
+
+
+@pytest.fixture
+async def engine():  # type: ignore[no-untyped-def]
+    async with MockEngine(model="m") as engine:
+        yield engine
+
+
+async def test_disconnect_mid_stream_releases_the_node(engine: MockEngine) -> None:
+    app = create_app(Settings(nodes=(engine.url,)))
+    await app.startup()
+    try:
+        client = Client(json.dumps(chat_body("m", stream=True)).encode())
+        headers = [(b"content-type", b"application/json"), (FAULT_HEADER.encode(), b"token_delay_ms=300")]
+        handling = asyncio.create_task(app(scope("/v1/chat/completions", headers), client.receive, client.send))
+        await asyncio.wait_for(client.body_messages.wait(), 5)
+        assert app.router is not None
+        assert app.router.nodes()[0]["in_flight"] == 1
+        client.disconnect()
+        await asyncio.wait_for(handling, 1)  # returns at once, not when the stream would end
+        assert app.router.nodes()[0]["in_flight"] == 0
+        assert app.router.nodes()[0]["cancelled"] == 1
+        for _ in range(100):
+            if engine.state.disconnected:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.state.disconnected == 1
+        # The app never claimed a normal end of the stream.
+        assert not any(m["type"] == "http.response.body" and not m.get("more_body") for m in client.sent)
+    finally:
+        await app.shutdown()
+
+
+async def test_completed_stream_ends_the_response(engine: MockEngine) -> None:
+    app = create_app(Settings(nodes=(engine.url,)))
+    await app.startup()
+    try:
+        client = Client(json.dumps(chat_body("m", stream=True)).encode())
+        await app(scope("/v1/chat/completions", []), client.receive, client.send)
+        assert client.sent[0]["status"] == 200
+        assert client.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+        body = b"".join(m.get("body", b"") for m in client.sent[1:])
+        assert body.endswith(b"data: [DONE]\n\n")
+        assert app.router is not None
+        assert app.router.nodes()[0]["in_flight"] == 0
+    finally:
+        await app.shutdown()

@@ -1,0 +1,193 @@
+"""`pdproxy serve` under granian, in front of mock engines, all real processes on real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import uuid
+
+import aiohttp
+
+from pdproxy.testing import FAULT_HEADER
+from servers import Process, chat_body, get_json, wait_until
+
+
+def record_for(engines: dict[str, Process], request_id: str) -> tuple[str, dict]:
+    """The engine that served ``request_id`` and what it recorded about it."""
+    for name, engine in engines.items():
+        for record in get_json(engine.url + "/mock/requests"):
+            if record["headers"].get("x-request-id") == request_id:
+                return name, record
+    raise AssertionError(f"no engine received request {request_id}")
+
+
+async def test_models_are_the_deduplicated_union(proxy: Process, http: aiohttp.ClientSession) -> None:
+    async with http.get(proxy.url + "/v1/models") as r:
+        assert r.status == 200
+        listing = await r.json()
+    assert listing["object"] == "list"
+    assert sorted(card["id"] for card in listing["data"]) == ["alpha", "beta"]
+
+
+async def test_stream_is_byte_for_byte(
+    proxy: Process, engines: dict[str, Process], http: aiohttp.ClientSession
+) -> None:
+    for fault in ("", "fragment=7", "token_delay_ms=2"):
+        request_id = uuid.uuid4().hex
+        headers = {"x-request-id": request_id} | ({FAULT_HEADER: fault} if fault else {})
+        body = chat_body("alpha", stream=True, stream_options={"include_usage": True})
+        async with http.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            received = await r.read()
+        name, record = record_for(engines, request_id)
+        assert name.startswith("alpha")
+        assert record["sent_sha256"] == hashlib.sha256(received).hexdigest(), fault
+        assert received.endswith(b"data: [DONE]\n\n")
+
+
+async def test_non_stream(proxy: Process, engines: dict[str, Process], http: aiohttp.ClientSession) -> None:
+    request_id = uuid.uuid4().hex
+    body = {"model": "beta", "prompt": "tell me", "max_tokens": 4}
+    async with http.post(proxy.url + "/v1/completions", json=body, headers={"x-request-id": request_id}) as r:
+        assert r.status == 200
+        received = await r.read()
+    name, record = record_for(engines, request_id)
+    assert name == "beta"
+    assert record["sent_sha256"] == hashlib.sha256(received).hexdigest()
+    assert json.loads(received)["usage"]["completion_tokens"] == 4
+    assert record["body"] == body
+
+
+async def test_round_robin_spreads_a_model_over_its_nodes(
+    proxy: Process, engines: dict[str, Process], http: aiohttp.ClientSession
+) -> None:
+    before = {n: get_json(engines[n].url + "/mock/stats")["requests"] for n in ("alpha-1", "alpha-2", "beta")}
+    for _ in range(6):
+        async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("alpha")) as r:
+            assert r.status == 200
+    after = {n: get_json(engines[n].url + "/mock/stats")["requests"] for n in ("alpha-1", "alpha-2", "beta")}
+    assert after["alpha-1"] - before["alpha-1"] == 3
+    assert after["alpha-2"] - before["alpha-2"] == 3
+    assert after["beta"] == before["beta"]
+
+
+async def test_upstream_error_passes_through(proxy: Process, http: aiohttp.ClientSession) -> None:
+    for status in (400, 429, 500, 503):
+        async with http.post(
+            proxy.url + "/v1/chat/completions", json=chat_body("alpha"), headers={FAULT_HEADER: f"status={status}"}
+        ) as r:
+            assert r.status == status
+            assert (await r.json())["error"]["code"] == "mock_fault"
+            assert "x-pdproxy-error" not in r.headers  # the node's error, not the proxy's
+
+
+async def test_proxy_errors_use_the_openai_envelope(proxy: Process, http: aiohttp.ClientSession) -> None:
+    cases = [
+        (chat_body("no-such-model"), 404, "model_not_found"),
+        (b"{not json", 400, "invalid_request"),
+        (b"[1, 2]", 400, "invalid_request"),
+        (json.dumps({"model": 7}).encode(), 400, "invalid_request"),
+    ]
+    for body, status, code in cases:
+        kwargs = {"json": body} if isinstance(body, dict) else {"data": body}
+        async with http.post(proxy.url + "/v1/chat/completions", **kwargs) as r:
+            assert r.status == status, body
+            error = (await r.json())["error"]
+            assert error["code"] == code
+            assert set(error) == {"message", "type", "param", "code"}
+            assert r.headers["x-pdproxy-error"] == code
+    async with http.get(proxy.url + "/v1/nothing-here") as r:
+        assert r.status == 404
+        assert (await r.json())["error"]["code"] == "not_found"
+    async with http.get(proxy.url + "/v1/chat/completions") as r:
+        assert r.status == 405
+
+
+async def test_request_without_model_goes_to_any_node(proxy: Process, http: aiohttp.ClientSession) -> None:
+    # The engines accept a request without `model` (vLLM does too), so it must be routed.
+    async with http.post(proxy.url + "/v1/chat/completions", json=chat_body(None)) as r:
+        assert r.status == 200
+
+
+async def test_mid_stream_drop_ends_with_an_error_event(proxy: Process, http: aiohttp.ClientSession) -> None:
+    async with http.post(
+        proxy.url + "/v1/chat/completions",
+        json=chat_body("alpha", stream=True),
+        headers={FAULT_HEADER: "drop_after=3"},
+    ) as r:
+        assert r.status == 200
+        received = await r.read()
+    events = [e for e in received.split(b"\n\n") if e]
+    assert len(events) == 4
+    last = json.loads(events[-1].removeprefix(b"data: "))
+    assert last["error"]["code"] == "upstream_error"
+    assert b"[DONE]" not in received
+
+
+async def _disconnect_mid_stream(proxy: Process, fault: str, read_events: int) -> None:
+    """Sends a streaming request on a raw socket, reads some events, then hangs up."""
+    host, port = proxy.url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = json.dumps(chat_body("beta", stream=True, prompt=uuid.uuid4().hex)).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + f"{FAULT_HEADER}: {fault}\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    seen = b""
+    while seen.count(b"data: ") < read_events:
+        seen += await asyncio.wait_for(reader.read(65536), 10)
+    writer.close()
+    await writer.wait_closed()
+
+
+async def test_client_disconnect_mid_stream_cancels_upstream(proxy: Process, engines: dict[str, Process]) -> None:
+    beta = engines["beta"]
+    before = get_json(beta.url + "/mock/stats")["disconnected"]
+    # 200 ms between tokens: the stream would run for seconds if nobody cancelled it.
+    await _disconnect_mid_stream(proxy, "token_delay_ms=200", read_events=2)
+    wait_until(
+        lambda: get_json(beta.url + "/mock/stats")["disconnected"] == before + 1,
+        timeout=2,  # far below the ~4 s the stream would take to finish
+        what="the engine to see its connection closed",
+    )
+    assert get_json(beta.url + "/mock/stats")["active"] == 0
+
+
+async def test_client_disconnect_before_the_head_cancels_upstream(proxy: Process, engines: dict[str, Process]) -> None:
+    beta = engines["beta"]
+    before = get_json(beta.url + "/mock/stats")["disconnected"]
+    host, port = proxy.url.removeprefix("http://").split(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    body = json.dumps(chat_body("beta", prompt=uuid.uuid4().hex)).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + f"{FAULT_HEADER}: hang\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    wait_until(
+        lambda: get_json(beta.url + "/mock/stats")["active"] == 1, timeout=5, what="the request to reach the engine"
+    )
+    writer.close()
+    await writer.wait_closed()
+    wait_until(
+        lambda: get_json(beta.url + "/mock/stats")["disconnected"] == before + 1,
+        timeout=2,
+        what="the hanging upstream request to be cancelled",
+    )
+
+
+async def test_body_over_limit_is_refused(engines: dict[str, Process], tmp_path, http: aiohttp.ClientSession) -> None:
+    from servers import pdproxy_serve
+
+    with pdproxy_serve(tmp_path, "--node", engines["beta"].url, "--max-body-size", "1000") as small:
+        big = chat_body("beta", prompt="x" * 2000)
+        async with http.post(small.url + "/v1/chat/completions", json=big) as r:
+            assert r.status == 413
+            assert (await r.json())["error"]["code"] == "request_too_large"
+        async with http.post(small.url + "/v1/chat/completions", json=chat_body("beta")) as r:
+            assert r.status == 200

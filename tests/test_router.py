@@ -1,0 +1,197 @@
+"""`pdproxy.Router` embedded in a plain asyncio program, against in-process mock engines."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+
+import pdproxy
+from pdproxy.testing import FAULT_HEADER, MockEngine
+from servers import chat_body, free_port
+
+
+def body(model: str | None = "m", stream: bool = True, **extra: object) -> bytes:
+    return json.dumps(chat_body(model, stream=stream, **extra)).encode()
+
+
+def in_flight(router: pdproxy.Router) -> int:
+    return sum(n["in_flight"] for n in router.nodes())
+
+
+async def eventually(predicate, timeout: float = 2.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[list[MockEngine]]:
+    async with MockEngine(model="m") as a, MockEngine(model="m") as b:
+        yield [a, b]
+
+
+async def test_forward_and_stream(engines: list[MockEngine]) -> None:
+    async with pdproxy.Router(nodes=[e.url for e in engines]) as router:
+        assert router.models() == ["m"]
+        response = await router.forward("/v1/chat/completions", body())
+        assert response.status == 200
+        assert (b"content-type", b"text/event-stream") in response.headers
+        assert response.body is None
+        received = b"".join([chunk async for chunk in response])
+        assert received.endswith(b"data: [DONE]\n\n")
+        # Every batch holds whole events, so the joined body splits cleanly.
+        assert all(block.startswith(b"data: ") for block in received.split(b"\n\n") if block)
+        stats = {n["url"]: n for n in router.nodes()}
+        assert stats[response.node]["succeeded"] == 1
+        assert in_flight(router) == 0
+
+
+async def test_batches_are_whole_events(engines: list[MockEngine]) -> None:
+    async with pdproxy.Router(nodes=[engines[0].url]) as router:
+        response = await router.forward(
+            "/v1/completions",
+            json.dumps({"model": "m", "prompt": "p", "stream": True}).encode(),
+            headers=[(FAULT_HEADER.encode(), b"fragment=3")],
+        )
+        async for chunk in response:
+            assert chunk.endswith(b"\n\n"), chunk
+            assert chunk.startswith(b"data: ")
+
+
+async def test_non_stream_body_arrives_with_the_head(engines: list[MockEngine]) -> None:
+    async with pdproxy.Router(nodes=[engines[0].url]) as router:
+        response = await router.forward("/v1/chat/completions", body(stream=False))
+        assert response.body is not None
+        assert json.loads(response.body)["object"] == "chat.completion"
+        assert [chunk async for chunk in response] == [response.body]
+        assert in_flight(router) == 0
+
+
+async def test_add_remove_and_discovery(engines: list[MockEngine]) -> None:
+    async with pdproxy.Router() as router:
+        url = router.add_node(engines[0].url + "/")
+        assert url == engines[0].url
+        await router._discovery.probe_pending()
+        assert router.nodes()[0]["models"] == ["m"]
+        router.add_node(engines[1].url, models=["x", "m", "x"])
+        assert router.models() == ["m", "x"]
+        assert router.remove_node(engines[1].url) == engines[1].url
+        with pytest.raises(pdproxy.NodeNotFound):
+            router.remove_node(engines[1].url)
+        with pytest.raises(pdproxy.InvalidNode):
+            router.add_node("https://secure:1")
+        assert [n["url"] for n in router.nodes()] == [engines[0].url]
+
+
+async def test_errors_before_any_node_is_asked() -> None:
+    async with pdproxy.Router() as router:
+        with pytest.raises(pdproxy.NoNodeAvailable):
+            router.forward("/v1/chat/completions", body())
+        router.add_node("127.0.0.1:1", models=["m"])
+        with pytest.raises(pdproxy.ModelNotFound):
+            router.forward("/v1/chat/completions", body("other"))
+        with pytest.raises(pdproxy.InvalidRequest):
+            router.forward("/v1/chat/completions", b"[]")
+        with pytest.raises(pdproxy.InvalidRequest):
+            router.forward("/v1/chat/completions", b'{"stream": "yes"}')
+
+
+async def test_connect_failure() -> None:
+    port = free_port()  # nothing listens here
+    async with pdproxy.Router(nodes=[f"127.0.0.1:{port}"]) as router:
+        with pytest.raises(pdproxy.UpstreamConnectError) as info:
+            await router.forward("/v1/chat/completions", body())
+        assert isinstance(info.value, ConnectionError)
+        assert info.value.status == 503
+        node = router.nodes()[0]
+        assert (node["failed"], node["in_flight"]) == (1, 0)
+
+
+async def test_first_byte_timeout(engines: list[MockEngine]) -> None:
+    async with pdproxy.Router(nodes=[engines[0].url], first_byte_timeout=0.2) as router:
+        with pytest.raises(pdproxy.UpstreamTimeout):
+            await router.forward("/v1/chat/completions", body(), headers=[(FAULT_HEADER.encode(), b"hang")])
+        assert in_flight(router) == 0
+    await eventually(lambda: engines[0].state.disconnected == 1)
+
+
+async def test_close_cancels_the_upstream_at_once(engines: list[MockEngine]) -> None:
+    engine = engines[0]
+    async with pdproxy.Router(nodes=[engine.url]) as router:
+        response = await router.forward(
+            "/v1/chat/completions", body(), headers=[(FAULT_HEADER.encode(), b"token_delay_ms=500")]
+        )
+        first = await response.__anext__()
+        assert first.startswith(b"data: ")
+        assert in_flight(router) == 1
+        response.close()
+        assert response.closed
+        assert in_flight(router) == 0
+        assert [chunk async for chunk in response] == []
+        await eventually(lambda: engine.state.disconnected == 1)
+        assert router.nodes()[0]["cancelled"] == 1
+
+
+async def test_close_while_waiting_for_a_batch(engines: list[MockEngine]) -> None:
+    engine = engines[0]
+    async with pdproxy.Router(nodes=[engine.url]) as router:
+        response = await router.forward(
+            "/v1/chat/completions", body(), headers=[(FAULT_HEADER.encode(), b"ttft_ms=5000")]
+        )
+        waiting = asyncio.ensure_future(response.__anext__())
+        await asyncio.sleep(0.05)
+        response.close()
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(waiting, 2)
+        await eventually(lambda: in_flight(router) == 0)
+        await eventually(lambda: engine.state.disconnected == 1)
+
+
+async def test_cancelling_the_pending_forward(engines: list[MockEngine]) -> None:
+    engine = engines[0]
+    async with pdproxy.Router(nodes=[engine.url]) as router:
+        pending = router.forward("/v1/chat/completions", body(), headers=[(FAULT_HEADER.encode(), b"hang")])
+        await eventually(lambda: engine.state.active == 1)
+        pending.cancel()
+        await eventually(lambda: in_flight(router) == 0)
+        await eventually(lambda: engine.state.disconnected == 1)
+
+
+async def test_dropping_an_unread_response_releases_the_node(engines: list[MockEngine]) -> None:
+    engine = engines[0]
+    async with pdproxy.Router(nodes=[engine.url]) as router:
+        response = await router.forward(
+            "/v1/chat/completions", body(), headers=[(FAULT_HEADER.encode(), b"token_delay_ms=500")]
+        )
+        assert in_flight(router) == 1
+        del response
+        gc.collect()
+        # The runtime may hold the resolved future for a moment after handing it over.
+        await eventually(lambda: (gc.collect(), in_flight(router))[1] == 0)
+        await eventually(lambda: engine.state.disconnected == 1)
+
+
+async def test_removed_node_keeps_counting_until_its_requests_end(engines: list[MockEngine]) -> None:
+    engine = engines[0]
+    async with pdproxy.Router(nodes=[engine.url]) as router:
+        response = await router.forward(
+            "/v1/chat/completions", body(), headers=[(FAULT_HEADER.encode(), b"token_delay_ms=20")]
+        )
+        router.remove_node(engine.url)
+        assert router.nodes() == []
+        received = b"".join([chunk async for chunk in response])
+        assert received.endswith(b"data: [DONE]\n\n")  # the stream finished on the removed node
+
+
+async def test_settings_reach_the_data_plane() -> None:
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        pdproxy.Router(policy="nope")
+    with pytest.raises(pdproxy.ConfigError):
+        pdproxy.Router(connect_timeout=0)
+    router = pdproxy.Router(policy="round_robin")
+    assert router.policy == "round_robin"
