@@ -4,12 +4,12 @@
 
 use bytes::{Bytes, BytesMut};
 use futures_util::FutureExt;
+use http_body_util::combinators::BoxBody;
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 
-use crate::error::{Error, Kind, Result};
+use crate::error::{BoxError, Error, Kind, Result};
 use crate::permit::{InFlightPermit, Outcome};
 use crate::sse;
 
@@ -22,7 +22,7 @@ pub struct BodyStream {
 #[derive(Debug)]
 struct State {
     /// `None` once the body ended, failed or was cancelled: the connection is released.
-    body: Option<Incoming>,
+    body: Option<UpstreamBody>,
     pending: BytesMut,
     /// Bytes of `pending` already scanned for an event boundary.
     scanned: usize,
@@ -40,8 +40,11 @@ enum Step {
     Failed(Error),
 }
 
+/// The node's response body (boxed so tests can feed one from a channel).
+pub type UpstreamBody = BoxBody<Bytes, BoxError>;
+
 impl BodyStream {
-    pub(crate) fn new(body: Incoming, event_stream: bool, permit: InFlightPermit, outcome_at_end: Outcome) -> Self {
+    pub fn new(body: UpstreamBody, event_stream: bool, permit: InFlightPermit, outcome_at_end: Outcome) -> Self {
         Self {
             state: Mutex::new(State {
                 body: Some(body),
@@ -155,10 +158,7 @@ impl State {
     }
 }
 
-fn read_frame(
-    frame: Option<std::result::Result<hyper::body::Frame<Bytes>, hyper::Error>>,
-    pending: &mut BytesMut,
-) -> Step {
+fn read_frame(frame: Option<std::result::Result<hyper::body::Frame<Bytes>, BoxError>>, pending: &mut BytesMut) -> Step {
     match frame {
         None => Step::End,
         Some(Ok(frame)) => {
@@ -169,5 +169,96 @@ fn read_frame(
             Step::Data
         }
         Some(Err(e)) => Step::Failed(Error::with_source(Kind::Upstream, "the node broke off the response", e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use http_body_util::channel::{Channel, Sender};
+
+    use super::*;
+    use crate::node::NodeCounters;
+
+    fn stream(event_stream: bool) -> (Sender<Bytes, BoxError>, BodyStream, Arc<NodeCounters>) {
+        let (tx, body) = Channel::<Bytes, BoxError>::new(64);
+        let counters = Arc::new(NodeCounters::default());
+        let permit = InFlightPermit::acquire(&counters);
+        (tx, BodyStream::new(body.boxed(), event_stream, permit, Outcome::Succeeded), counters)
+    }
+
+    fn in_flight(counters: &NodeCounters) -> u64 {
+        counters.snapshot().in_flight
+    }
+
+    #[tokio::test]
+    async fn a_burst_is_one_batch_of_whole_events() {
+        let (mut tx, body, counters) = stream(true);
+        for piece in ["data: 1\n\nda", "ta: 2\n", "\ndata: 3\n\ndata: 4"] {
+            tx.send_data(Bytes::from(piece)).await.unwrap();
+        }
+        // Everything ready is handed over at once, up to the last complete event.
+        assert_eq!(body.next_batch().await.unwrap().unwrap(), "data: 1\n\ndata: 2\n\ndata: 3\n\n");
+        tx.send_data(Bytes::from("\n\n")).await.unwrap();
+        drop(tx);
+        assert_eq!(body.next_batch().await.unwrap().unwrap(), "data: 4\n\n");
+        assert!(body.next_batch().await.unwrap().is_none());
+        let snap = counters.snapshot();
+        assert_eq!((snap.in_flight, snap.succeeded), (0, 1));
+    }
+
+    #[tokio::test]
+    async fn a_partial_event_waits_for_its_end() {
+        let (mut tx, body, _counters) = stream(true);
+        tx.send_data(Bytes::from("data: {\"a\":")).await.unwrap();
+        let next = body.next_batch();
+        tokio::pin!(next);
+        assert!(next.as_mut().now_or_never().is_none(), "no event is complete yet");
+        tx.send_data(Bytes::from("1}\r\n\r\n")).await.unwrap();
+        assert_eq!(next.await.unwrap().unwrap(), "data: {\"a\":1}\r\n\r\n");
+    }
+
+    #[tokio::test]
+    async fn other_bodies_pass_as_they_come() {
+        let (mut tx, body, _counters) = stream(false);
+        tx.send_data(Bytes::from("{\"partial\":")).await.unwrap();
+        assert_eq!(body.next_batch().await.unwrap().unwrap(), "{\"partial\":");
+    }
+
+    #[tokio::test]
+    async fn a_torn_stream_keeps_whole_events_then_fails() {
+        let (mut tx, body, counters) = stream(true);
+        tx.send_data(Bytes::from("data: 1\n\ndata: 2")).await.unwrap();
+        tx.abort("connection reset".into());
+        assert_eq!(body.next_batch().await.unwrap().unwrap(), "data: 1\n\n");
+        assert_eq!(body.next_batch().await.unwrap_err().kind(), Kind::Upstream);
+        assert!(body.next_batch().await.unwrap().is_none());
+        let snap = counters.snapshot();
+        assert_eq!((snap.in_flight, snap.failed), (0, 1));
+    }
+
+    #[tokio::test]
+    async fn cancel_releases_at_once_even_while_waiting() {
+        let (_tx, body, counters) = stream(true);
+        let body = Arc::new(body);
+        let waiting = tokio::spawn({
+            let body = Arc::clone(&body);
+            async move { body.next_batch().await }
+        });
+        tokio::task::yield_now().await;
+        body.cancel();
+        assert!(waiting.await.unwrap().unwrap().is_none());
+        assert_eq!(in_flight(&counters), 0);
+        assert_eq!(counters.snapshot().cancelled, 1);
+        assert!(body.next_batch().await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn dropping_the_body_releases_the_permit() {
+        let (_tx, body, counters) = stream(true);
+        assert_eq!(in_flight(&counters), 1);
+        drop(body);
+        assert_eq!(in_flight(&counters), 0);
     }
 }

@@ -12,7 +12,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::body::BodyStream;
-use crate::error::{Error, Kind, Result};
+use crate::error::{BoxError, Error, Kind, Result};
 use crate::headers::{client_response_headers, upstream_request_headers};
 use crate::node::Node;
 use crate::permit::{InFlightPermit, Outcome};
@@ -79,7 +79,12 @@ impl Forwarder {
 
     /// Sends `request` to `node`. The permit travels with the response body and is released
     /// when the body ends, fails or is dropped.
-    pub async fn forward(&self, node: Arc<Node>, mut permit: InFlightPermit, request: ForwardRequest) -> Result<UpstreamResponse> {
+    pub async fn forward(
+        &self,
+        node: Arc<Node>,
+        mut permit: InFlightPermit,
+        request: ForwardRequest,
+    ) -> Result<UpstreamResponse> {
         let uri = node.uri_for(&request.path_and_query)?;
         let mut headers = upstream_request_headers(&request.headers);
         let mut builder = Request::builder().method(request.method).uri(uri);
@@ -96,7 +101,11 @@ impl Forwarder {
             Ok(Err(e)) => {
                 permit.set_outcome(Outcome::Failed);
                 let kind = if e.is_connect() { Kind::Connect } else { Kind::Upstream };
-                let message = if e.is_connect() { "could not connect to the node" } else { "the node closed the connection before answering" };
+                let message = if e.is_connect() {
+                    "could not connect to the node"
+                } else {
+                    "the node closed the connection before answering"
+                };
                 return Err(Error::with_source(kind, message, e));
             }
             Err(_) => {
@@ -110,20 +119,22 @@ impl Forwarder {
         let headers = client_response_headers(&parts.headers);
         let event_stream = parts.headers.get(CONTENT_TYPE).is_some_and(|ct| sse::is_event_stream(ct.as_bytes()));
 
-        let body = if !event_stream && content_length(&parts.headers).is_some_and(|len| len <= self.config.prefetch_limit) {
-            match body.collect().await {
-                Ok(collected) => {
-                    permit.set_outcome(outcome_at_end);
-                    ResponseBody::Complete(collected.to_bytes())
+        let body =
+            if !event_stream && content_length(&parts.headers).is_some_and(|len| len <= self.config.prefetch_limit) {
+                match body.collect().await {
+                    Ok(collected) => {
+                        permit.set_outcome(outcome_at_end);
+                        ResponseBody::Complete(collected.to_bytes())
+                    }
+                    Err(e) => {
+                        permit.set_outcome(Outcome::Failed);
+                        return Err(Error::with_source(Kind::Upstream, "the node broke off the response", e));
+                    }
                 }
-                Err(e) => {
-                    permit.set_outcome(Outcome::Failed);
-                    return Err(Error::with_source(Kind::Upstream, "the node broke off the response", e));
-                }
-            }
-        } else {
-            ResponseBody::Streaming(Arc::new(BodyStream::new(body, event_stream, permit, outcome_at_end)))
-        };
+            } else {
+                let body = body.map_err(BoxError::from).boxed();
+                ResponseBody::Streaming(Arc::new(BodyStream::new(body, event_stream, permit, outcome_at_end)))
+            };
         Ok(UpstreamResponse { status: parts.status, headers, node, body })
     }
 }

@@ -3,8 +3,16 @@
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 /// Headers that describe one connection, never forwarded (RFC 9110 §7.6.1).
-const HOP_BY_HOP: [&str; 8] =
-    ["connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"];
+const HOP_BY_HOP: [&str; 8] = [
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
 
 fn is_hop_by_hop(name: &[u8]) -> bool {
     HOP_BY_HOP.iter().any(|h| h.as_bytes().eq_ignore_ascii_case(name))

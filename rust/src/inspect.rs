@@ -32,10 +32,7 @@ pub fn inspect(body: &[u8]) -> Result<RequestInfo> {
     }
     let fields: Fields<'_> = serde_json::from_slice(body)
         .map_err(|e| Error::new(Kind::InvalidRequest, format!("request body is not valid JSON: {e}")))?;
-    Ok(RequestInfo {
-        model: fields.model.map(Cow::into_owned),
-        stream: fields.stream.unwrap_or(false),
-    })
+    Ok(RequestInfo { model: fields.model.map(Cow::into_owned), stream: fields.stream.unwrap_or(false) })
 }
 
 #[cfg(test)]

@@ -128,11 +128,13 @@ impl NodeUrl {
             .map_err(|e| Error::with_source(Kind::InvalidNode, format!("invalid node URL {raw:?}"), e))?;
         let scheme = uri.scheme().cloned().unwrap_or(Scheme::HTTP);
         if scheme != Scheme::HTTP {
-            return Err(Error::new(Kind::InvalidNode, format!("unsupported scheme in node URL {raw:?}: only http is supported")));
+            return Err(Error::new(
+                Kind::InvalidNode,
+                format!("unsupported scheme in node URL {raw:?}: only http is supported"),
+            ));
         }
-        let authority = uri
-            .authority()
-            .ok_or_else(|| Error::new(Kind::InvalidNode, format!("node URL {raw:?} has no host")))?;
+        let authority =
+            uri.authority().ok_or_else(|| Error::new(Kind::InvalidNode, format!("node URL {raw:?} has no host")))?;
         if uri.query().is_some() {
             return Err(Error::new(Kind::InvalidNode, format!("node URL {raw:?} must not have a query")));
         }

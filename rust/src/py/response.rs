@@ -43,7 +43,10 @@ impl<'py> IntoPyObject<'py> for ResponseOut {
         let upstream = self.0;
         let headers = PyList::empty(py);
         for (name, value) in &upstream.headers {
-            headers.append(PyTuple::new(py, [PyBytes::new(py, name.as_str().as_bytes()), PyBytes::new(py, value.as_bytes())])?)?;
+            headers.append(PyTuple::new(
+                py,
+                [PyBytes::new(py, name.as_str().as_bytes()), PyBytes::new(py, value.as_bytes())],
+            )?)?;
         }
         let (body, complete_unread, stream) = match upstream.body {
             ResponseBody::Complete(bytes) => (Some(PyBytes::new(py, &bytes).unbind()), Some(bytes), None),

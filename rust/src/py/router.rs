@@ -83,12 +83,15 @@ impl Router {
         headers: Vec<(Vec<u8>, Vec<u8>)>,
         method: &str,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let method = Method::from_bytes(method.as_bytes()).map_err(|_| PyValueError::new_err(format!("invalid HTTP method {method:?}")))?;
+        let method = Method::from_bytes(method.as_bytes())
+            .map_err(|_| PyValueError::new_err(format!("invalid HTTP method {method:?}")))?;
         let info = inspect(body).map_err(|e| to_pyerr(&e))?;
-        let node = select(&self.registry.load(), info.model.as_deref(), self.policy.as_ref()).map_err(|e| to_pyerr(&e))?;
+        let node =
+            select(&self.registry.load(), info.model.as_deref(), self.policy.as_ref()).map_err(|e| to_pyerr(&e))?;
         // Counted from selection on, so concurrent selections see it.
         let permit = InFlightPermit::acquire(node.counters());
-        let request = ForwardRequest { method, path_and_query: path, headers, body: bytes::Bytes::copy_from_slice(body) };
+        let request =
+            ForwardRequest { method, path_and_query: path, headers, body: bytes::Bytes::copy_from_slice(body) };
         let forwarder = Arc::clone(&self.forwarder);
         pyo3_async_runtimes::tokio::future_into_py(py, async move {
             match forwarder.forward(node, permit, request).await {

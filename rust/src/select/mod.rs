@@ -31,9 +31,8 @@ pub fn select(set: &NodeSet, model: Option<&str>, policy: &dyn Policy) -> Result
     match set.candidates(model) {
         Ok(candidates) => Ok(Arc::clone(&candidates[policy.pick(candidates)])),
         Err(NoCandidates::NoNodes) => Err(Error::new(Kind::NoNodes, "no node is registered")),
-        Err(NoCandidates::ModelNotFound) => Err(Error::new(
-            Kind::ModelNotFound,
-            format!("the model `{}` does not exist", model.unwrap_or_default()),
-        )),
+        Err(NoCandidates::ModelNotFound) => {
+            Err(Error::new(Kind::ModelNotFound, format!("the model `{}` does not exist", model.unwrap_or_default())))
+        }
     }
 }

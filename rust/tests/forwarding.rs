@@ -1,0 +1,115 @@
+//! The forwarder against a real upstream socket: bytes, batches, errors and accounting.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use _pdproxy::error::Kind;
+use _pdproxy::forward::{ForwardConfig, ForwardRequest, Forwarder, ResponseBody, UpstreamResponse};
+use _pdproxy::node::Node;
+use _pdproxy::permit::InFlightPermit;
+use _pdproxy::registry::Registry;
+use http::Method;
+
+fn forwarder(first_byte_timeout: Duration) -> Forwarder {
+    Forwarder::new(ForwardConfig {
+        connect_timeout: Duration::from_secs(2),
+        first_byte_timeout,
+        pool_idle_timeout: Duration::from_secs(30),
+        pool_max_idle_per_node: 8,
+        prefetch_limit: 1 << 20,
+    })
+}
+
+fn node(addr: &str) -> Arc<Node> {
+    Registry::new().add(addr, vec![]).unwrap()
+}
+
+async fn send(fwd: &Forwarder, node: &Arc<Node>, path: &str) -> _pdproxy::error::Result<UpstreamResponse> {
+    let permit = InFlightPermit::acquire(node.counters());
+    let request = ForwardRequest {
+        method: Method::POST,
+        path_and_query: path.to_owned(),
+        headers: vec![(b"content-type".to_vec(), b"application/json".to_vec())],
+        body: bytes::Bytes::from_static(b"{}"),
+    };
+    fwd.forward(Arc::clone(node), permit, request).await
+}
+
+#[tokio::test]
+async fn fragmented_sse_arrives_byte_for_byte_in_whole_events() {
+    let addr = common::upstream().await;
+    let node = node(&addr.to_string());
+    let fwd = forwarder(Duration::from_secs(5));
+    for _ in 0..3 {
+        let response = send(&fwd, &node, "/sse").await.unwrap();
+        assert_eq!(response.status, 200);
+        let ResponseBody::Streaming(body) = response.body else { panic!("an event stream must stream") };
+        let mut received = Vec::new();
+        while let Some(batch) = body.next_batch().await.unwrap() {
+            assert!(batch.ends_with(b"\n\n"), "batch cut inside an event: {batch:?}");
+            received.extend_from_slice(&batch);
+        }
+        assert_eq!(received, common::sse_body(200));
+    }
+    let c = node.counters().snapshot();
+    assert_eq!((c.in_flight, c.succeeded), (0, 3));
+}
+
+#[tokio::test]
+async fn small_json_is_read_before_the_head_is_handed_over() {
+    let addr = common::upstream().await;
+    let node = node(&addr.to_string());
+    let response = send(&forwarder(Duration::from_secs(5)), &node, "/json").await.unwrap();
+    let ResponseBody::Complete(body) = response.body else { panic!("small JSON must be prefetched") };
+    assert_eq!(body, r#"{"ok":true}"#);
+    assert_eq!(node.counters().snapshot().in_flight, 0);
+}
+
+#[tokio::test]
+async fn upstream_errors_pass_through_and_count_as_failures() {
+    let addr = common::upstream().await;
+    let node = node(&addr.to_string());
+    let response = send(&forwarder(Duration::from_secs(5)), &node, "/error").await.unwrap();
+    assert_eq!(response.status, 503);
+    let ResponseBody::Complete(body) = response.body else { panic!() };
+    assert_eq!(body, r#"{"error":{"message":"busy"}}"#);
+    let c = node.counters().snapshot();
+    assert_eq!((c.in_flight, c.failed), (0, 1));
+}
+
+#[tokio::test]
+async fn torn_stream_reports_an_upstream_error() {
+    let addr = common::upstream().await;
+    let node = node(&addr.to_string());
+    let response = send(&forwarder(Duration::from_secs(5)), &node, "/sse-torn").await.unwrap();
+    let ResponseBody::Streaming(body) = response.body else { panic!() };
+    let err = loop {
+        match body.next_batch().await {
+            Ok(Some(batch)) => assert!(batch.ends_with(b"\n\n")),
+            Ok(None) => panic!("a torn stream must not end cleanly"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err.kind(), Kind::Upstream);
+    assert_eq!(node.counters().snapshot().in_flight, 0);
+}
+
+#[tokio::test]
+async fn connect_failure_and_timeout_have_their_kinds() {
+    // Bind then drop a listener: nothing listens on that port now.
+    let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+    let dead = node(&free.to_string());
+    let err = send(&forwarder(Duration::from_secs(5)), &dead, "/json").await.unwrap_err();
+    assert!(err.is_connect(), "{err:?}");
+
+    let addr = common::upstream().await;
+    let slow = node(&addr.to_string());
+    let err = send(&forwarder(Duration::from_millis(100)), &slow, "/hang").await.unwrap_err();
+    assert!(err.is_timeout(), "{err:?}");
+    for n in [&dead, &slow] {
+        let c = n.counters().snapshot();
+        assert_eq!((c.in_flight, c.failed), (0, 1));
+    }
+}
