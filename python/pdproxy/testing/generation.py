@@ -39,11 +39,22 @@ def count_tokens(text: str) -> int:
     return max(1, len(text.split()))
 
 
-def generate(prompt: str, max_tokens: int | None) -> tuple[list[str], str]:
-    """The answer's tokens and its finish reason (``stop`` or ``length``)."""
+def generate(prompt: str, max_tokens: int | None, ignore_eos: bool = False) -> tuple[list[str], str]:
+    """The answer's tokens and its finish reason (``stop`` or ``length``).
+
+    With ``ignore_eos`` (as vLLM, SGLang and LMDeploy accept it) the answer runs to
+    ``max_tokens`` whatever its natural length.
+    """
     seed = int.from_bytes(hashlib.blake2b(prompt.encode(), digest_size=8).digest(), "big")
     rng = random.Random(seed)
     natural = rng.randint(*NATURAL_LENGTH)
-    length = natural if max_tokens is None else min(natural, max_tokens)
+    if max_tokens is None:
+        length = natural
+    elif ignore_eos:
+        length = max_tokens
+    else:
+        length = min(natural, max_tokens)
     tokens = [" " + rng.choice(_WORDS) for _ in range(length)]
-    return tokens, "length" if length < natural else "stop"
+    # `length`: cut by max_tokens before the answer's natural end (or with the end ignored).
+    stopped_by_limit = max_tokens is not None and (ignore_eos or length < natural)
+    return tokens, "length" if stopped_by_limit else "stop"

@@ -105,7 +105,9 @@ class _Completion:
         if max_tokens is None:
             max_tokens = body.get("max_tokens")
         prompt = prompt_text(body)
-        self.tokens, self.finish_reason = generate(prompt, max_tokens)
+        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
+            raise ValueError("max_tokens must be a non-negative integer")
+        self.tokens, self.finish_reason = generate(prompt, max_tokens, ignore_eos=bool(body.get("ignore_eos")))
         self.usage = {
             "prompt_tokens": count_tokens(prompt),
             "completion_tokens": len(self.tokens),
@@ -210,7 +212,11 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         if faults.status is not None:
             completed = True
             return _error(faults.status, f"injected fault: status {faults.status}", "mock_fault", "server_error")
-        completion = _Completion(state, body, chat)
+        try:
+            completion = _Completion(state, body, chat)
+        except ValueError as e:
+            completed = True
+            return _error(400, str(e), "invalid_request")
         ttft = faults.ttft_ms if faults.ttft_ms is not None else state.settings.ttft_ms
         delay = faults.token_delay_ms if faults.token_delay_ms is not None else state.settings.token_delay_ms
         if body.get("stream"):

@@ -1,0 +1,169 @@
+"""Benchmark plumbing: processes, CPU and memory accounting, the load generator."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+LOADGEN = ROOT / "target" / "release" / "pdproxy-loadgen"
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+
+
+def say(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def build_loadgen() -> None:
+    say("building the load generator (cargo build --release -p pdproxy-loadgen)")
+    subprocess.run(["cargo", "build", "--release", "-q", "-p", "pdproxy-loadgen"], cwd=ROOT, check=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                ppid = int(stat.rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of ``pid`` and its descendants."""
+    total = 0
+    for p in _tree(pid):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / CLOCK_TICKS
+
+
+def rss_bytes(pid: int) -> int:
+    total = 0
+    for p in _tree(pid):
+        with contextlib.suppress(OSError):
+            total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * PAGE_SIZE
+    return total
+
+
+@dataclass
+class Service:
+    name: str
+    proc: subprocess.Popen[bytes]
+    url: str
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=1) as r:
+            if r.status == 200:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready after {timeout}s")
+
+
+@contextlib.contextmanager
+def service(name: str, args: list[str], ready_url: str, base_url: str) -> Iterator[Service]:
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_ready(ready_url, proc)
+        yield Service(name, proc, base_url)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def mock_engines(count: int, model: str, token_delay_ms: float = 0.0) -> Iterator[list[Service]]:
+    with contextlib.ExitStack() as stack:
+        engines = []
+        for i in range(count):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            args = [sys.executable, "-m", "pdproxy", "mock-engine", "--port", str(port), "--model", model,
+                    "--token-delay-ms", str(token_delay_ms)]
+            engines.append(stack.enter_context(service(f"mock-{i}", args, url + "/health", url)))
+        yield engines
+
+
+@contextlib.contextmanager
+def pdproxy(nodes: list[str], model: str) -> Iterator[Service]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [sys.executable, "-m", "pdproxy", "serve", "--port", str(port), "--log-level", "warning"]
+    for node in nodes:
+        args += ["--node", node]
+    with service("pdproxy", args, url + "/health", url) as svc:
+        # Wait for model discovery so every request is routed by model from the start.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(url + "/v1/models", timeout=1) as r:
+                if model in r.read().decode():
+                    break
+            time.sleep(0.1)
+        yield svc
+
+
+@dataclass
+class LoadResult:
+    load: dict
+    cpu_s: dict[str, float]
+    rss_bytes: dict[str, int]
+
+
+def run_load(
+    urls: list[str],
+    body: dict,
+    connections: int,
+    duration: float,
+    watch: dict[str, int],
+    warmup: float = 1.0,
+) -> LoadResult:
+    """Runs the load generator; measures CPU and RSS of the ``watch`` processes (name -> pid)
+    over the measurement window."""
+    args = [str(LOADGEN), "--connections", str(connections), "--duration", str(duration), "--warmup", str(warmup),
+            "--body", json.dumps(body)]
+    for url in urls:
+        args += ["--url", url]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE)
+    time.sleep(warmup)
+    before = {name: cpu_seconds(pid) for name, pid in watch.items()}
+    time.sleep(duration * 0.9)
+    rss = {name: rss_bytes(pid) for name, pid in watch.items()}
+    time.sleep(duration * 0.1)
+    after = {name: cpu_seconds(pid) for name, pid in watch.items()}
+    out, _ = proc.communicate(timeout=duration + 120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"load generator failed with {proc.returncode}")
+    return LoadResult(json.loads(out), {n: after[n] - before[n] for n in watch}, rss)

@@ -1,0 +1,249 @@
+//! Closed-loop load generator for pdproxy's benchmarks.
+//!
+//! Each of `--connections` tasks keeps one keep-alive HTTP/1.1 connection and sends the same
+//! request back to back for `--duration` seconds (after `--warmup`). Responses are read as
+//! they arrive; server-sent events are counted and timestamped on arrival, which wrk cannot
+//! do. Prints one JSON object of results.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1;
+use hyper::Request;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+struct Args {
+    /// Connections are spread over these round-robin.
+    urls: Vec<hyper::Uri>,
+    body: Bytes,
+    headers: Vec<(String, String)>,
+    connections: usize,
+    duration: Duration,
+    warmup: Duration,
+    threads: usize,
+}
+
+const USAGE: &str = "usage: pdproxy-loadgen --url URL [--url URL]... [--body JSON] [--header NAME:VALUE]... \
+[--connections N] [--duration SECONDS] [--warmup SECONDS] [--threads N]";
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        urls: Vec::new(),
+        body: Bytes::new(),
+        headers: Vec::new(),
+        connections: 64,
+        duration: Duration::from_secs(10),
+        warmup: Duration::from_secs(1),
+        threads: 1,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value\n{USAGE}"));
+        let secs = |v: String| v.parse::<f64>().map(Duration::from_secs_f64).map_err(|e| format!("{e}"));
+        match flag.as_str() {
+            "--url" => args.urls.push(value()?.parse::<hyper::Uri>().map_err(|e| e.to_string())?),
+            "--body" => args.body = Bytes::from(value()?),
+            "--header" => {
+                let v = value()?;
+                let (name, val) = v.split_once(':').ok_or("--header takes NAME:VALUE")?;
+                args.headers.push((name.trim().to_owned(), val.trim().to_owned()));
+            }
+            "--connections" => args.connections = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--duration" => args.duration = secs(value()?)?,
+            "--warmup" => args.warmup = secs(value()?)?,
+            "--threads" => args.threads = value()?.parse().map_err(|e| format!("{e}"))?,
+            "-h" | "--help" => return Err(USAGE.to_owned()),
+            other => return Err(format!("unknown argument {other}\n{USAGE}")),
+        }
+    }
+    if args.urls.is_empty() {
+        return Err(USAGE.to_owned());
+    }
+    Ok(args)
+}
+
+/// What one connection measured inside the measurement window.
+#[derive(Default)]
+struct Samples {
+    latency_us: Vec<u32>,
+    ttft_us: Vec<u32>,
+    gap_us: Vec<u32>,
+    events: u64,
+    errors: u64,
+    bytes: u64,
+}
+
+fn micros(d: Duration) -> u32 {
+    u32::try_from(d.as_micros()).unwrap_or(u32::MAX)
+}
+
+async fn connect(url: &hyper::Uri) -> Option<http1::SendRequest<Full<Bytes>>> {
+    let host = url.host()?;
+    let port = url.port_u16().unwrap_or(80);
+    let stream = TcpStream::connect((host, port)).await.ok()?;
+    stream.set_nodelay(true).ok()?;
+    let (sender, conn) = http1::handshake(TokioIo::new(stream)).await.ok()?;
+    tokio::spawn(conn);
+    Some(sender)
+}
+
+/// Counts event ends (`\n\n`) in `chunk`; `last_was_newline` carries across chunks.
+fn count_events(chunk: &[u8], last_was_newline: &mut bool) -> u64 {
+    let mut events = 0;
+    for pos in memchr::memchr_iter(b'\n', chunk) {
+        if if pos == 0 { *last_was_newline } else { chunk[pos - 1] == b'\n' } {
+            events += 1;
+        }
+    }
+    if let Some(&last) = chunk.last() {
+        *last_was_newline = last == b'\n';
+    }
+    events
+}
+
+async fn run_connection(args: Arc<Args>, index: usize, measure_from: Instant, end: Instant) -> Samples {
+    let url = &args.urls[index % args.urls.len()];
+    let mut samples = Samples::default();
+    let mut sender = None;
+    while Instant::now() < end {
+        if sender.is_none() {
+            sender = connect(url).await;
+            if sender.is_none() {
+                samples.errors += 1;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        }
+        let Some(s) = sender.as_mut() else { continue };
+        if s.ready().await.is_err() {
+            sender = None;
+            continue;
+        }
+        // Origin-form request target, as clients send to servers (not proxies).
+        let mut request = Request::post(url.path_and_query().map_or("/", |p| p.as_str()))
+            .header("host", url.authority().map_or("localhost", |a| a.as_str()))
+            .header("content-type", "application/json");
+        for (name, value) in &args.headers {
+            request = request.header(name, value);
+        }
+        let request = request.body(Full::new(args.body.clone())).expect("valid request");
+        let t0 = Instant::now();
+        let measured = t0 >= measure_from;
+        let Ok(response) = s.send_request(request).await else {
+            samples.errors += u64::from(measured);
+            sender = None;
+            continue;
+        };
+        let ok = response.status().is_success();
+        let mut body = response.into_body();
+        let (mut first_event, mut last_event) = (None::<Instant>, None::<Instant>);
+        let mut last_was_newline = false;
+        let mut broken = false;
+        while let Some(frame) = body.frame().await {
+            let Ok(frame) = frame else {
+                broken = true;
+                break;
+            };
+            let Ok(data) = frame.into_data() else { continue };
+            let now = Instant::now();
+            let events = count_events(&data, &mut last_was_newline);
+            if measured {
+                samples.bytes += data.len() as u64;
+                samples.events += events;
+                if events > 0 {
+                    if first_event.is_none() {
+                        first_event = Some(now);
+                        samples.ttft_us.push(micros(now - t0));
+                    }
+                    if let Some(prev) = last_event {
+                        samples.gap_us.push(micros(now - prev));
+                    }
+                    // Events of one chunk arrived together: gaps of zero.
+                    samples.gap_us.extend(std::iter::repeat_n(0, usize::try_from(events - 1).unwrap_or(0)));
+                    last_event = Some(now);
+                }
+            }
+        }
+        if broken {
+            sender = None;
+        }
+        if measured && Instant::now() <= end {
+            if ok && !broken {
+                samples.latency_us.push(micros(t0.elapsed()));
+            } else {
+                samples.errors += 1;
+            }
+        }
+    }
+    samples
+}
+
+fn percentiles(mut v: Vec<u32>) -> serde_json::Value {
+    if v.is_empty() {
+        return serde_json::Value::Null;
+    }
+    v.sort_unstable();
+    let at = |q: f64| {
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+        let i = ((v.len() - 1) as f64 * q).round() as usize;
+        f64::from(v[i]) / 1000.0
+    };
+    #[allow(clippy::cast_precision_loss)]
+    let mean = v.iter().map(|&x| f64::from(x)).sum::<f64>() / v.len() as f64 / 1000.0;
+    serde_json::json!({"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": at(1.0), "mean": mean})
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => Arc::new(a),
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(args.threads.max(1))
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let all = runtime.block_on(async {
+        let start = Instant::now();
+        let measure_from = start + args.warmup;
+        let end = measure_from + args.duration;
+        let tasks: Vec<_> = (0..args.connections)
+            .map(|i| tokio::spawn(run_connection(Arc::clone(&args), i, measure_from, end)))
+            .collect();
+        let mut all = Samples::default();
+        for task in tasks {
+            let s = task.await.expect("connection task");
+            all.latency_us.extend(s.latency_us);
+            all.ttft_us.extend(s.ttft_us);
+            all.gap_us.extend(s.gap_us);
+            all.events += s.events;
+            all.errors += s.errors;
+            all.bytes += s.bytes;
+        }
+        all
+    });
+    let secs = args.duration.as_secs_f64();
+    #[allow(clippy::cast_precision_loss)]
+    let result = serde_json::json!({
+        "connections": args.connections,
+        "duration_s": secs,
+        "requests": all.latency_us.len(),
+        "errors": all.errors,
+        "rps": all.latency_us.len() as f64 / secs,
+        "events": all.events,
+        "events_per_s": all.events as f64 / secs,
+        "bytes": all.bytes,
+        "latency_ms": percentiles(all.latency_us),
+        "ttft_ms": percentiles(all.ttft_us),
+        "gap_ms": percentiles(all.gap_us),
+    });
+    println!("{result}");
+    ExitCode::SUCCESS
+}

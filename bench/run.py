@@ -1,0 +1,219 @@
+"""pdproxy benchmarks: one command starts mock engines and proxies side by side and prints
+one table per scenario, with ratios measured in the same run.
+
+    python bench/run.py                      # every scenario, 10 s each
+    python bench/run.py S1 S4 --duration 5   # some scenarios
+    python bench/run.py --write-readme       # also refresh the results in bench/README.md
+
+Targets: `direct` (the load generator talks to the mock engines itself: the physical limit)
+and `pdproxy` (`pdproxy serve` under granian, one worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness  # noqa: E402
+
+MODEL = "bench-model"
+RESULTS = Path(__file__).resolve().parent / "results"
+README = Path(__file__).resolve().parent / "README.md"
+
+
+def chat(stream: bool, tokens: int) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "benchmark prompt"}],
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+@dataclass
+class Scenario:
+    name: str
+    title: str
+    body: dict
+    connections: int
+    engines: int = 2
+    token_delay_ms: float = 0.0
+    render: Callable[[dict[str, harness.LoadResult]], list[str]] = field(default=lambda r: [])
+
+
+def _ms(result: harness.LoadResult, key: str, q: str) -> float:
+    return float(result.load[key][q]) if result.load.get(key) else float("nan")
+
+
+def _cpu_us(result: harness.LoadResult, per: str) -> float:
+    count = result.load["requests"] if per == "request" else result.load["events"]
+    return result.cpu_s.get("proxy", float("nan")) / max(count, 1) * 1e6
+
+
+def render_s1(results: dict[str, harness.LoadResult]) -> list[str]:
+    direct = results["direct"].load["rps"]
+    rows = ["| target | req/s | % of direct | p50 ms | p99 ms | proxy CPU µs/req | errors |", "|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        cpu = "" if name == "direct" else f"{_cpu_us(r, 'request'):.0f}"
+        rows.append(
+            f"| {name} | {r.load['rps']:.0f} | {100 * r.load['rps'] / direct:.0f}% | {_ms(r, 'latency_ms', 'p50'):.2f} | "
+            f"{_ms(r, 'latency_ms', 'p99'):.2f} | {cpu} | {r.load['errors']} |"
+        )
+    return rows
+
+
+def render_s2(results: dict[str, harness.LoadResult]) -> list[str]:
+    direct = results["direct"].load["events_per_s"]
+    rows = ["| target | events/s | % of direct | req/s | proxy CPU µs/event | errors |", "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        cpu = "" if name == "direct" else f"{_cpu_us(r, 'event'):.1f}"
+        rows.append(
+            f"| {name} | {r.load['events_per_s']:.0f} | {100 * r.load['events_per_s'] / direct:.0f}% | "
+            f"{r.load['rps']:.0f} | {cpu} | {r.load['errors']} |"
+        )
+    return rows
+
+
+def render_s3(results: dict[str, harness.LoadResult]) -> list[str]:
+    d = results["direct"]
+    rows = [
+        "| target | events/s | % of direct | gap p50 ms | gap p99 ms | added gap p99 ms | TTFT p99 ms | "
+        "proxy CPU µs/event | proxy RSS MB | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        proxy = name != "direct"
+        added = f"{_ms(r, 'gap_ms', 'p99') - _ms(d, 'gap_ms', 'p99'):+.2f}" if proxy else ""
+        cpu = f"{_cpu_us(r, 'event'):.1f}" if proxy else ""
+        rss = f"{r.rss_bytes.get('proxy', 0) / 1e6:.0f}" if proxy else ""
+        share = 100 * r.load["events_per_s"] / d.load["events_per_s"]
+        rows.append(
+            f"| {name} | {r.load['events_per_s']:.0f} | {share:.1f}% | {_ms(r, 'gap_ms', 'p50'):.2f} | "
+            f"{_ms(r, 'gap_ms', 'p99'):.2f} | {added} | {_ms(r, 'ttft_ms', 'p99'):.1f} | {cpu} | {rss} | "
+            f"{r.load['errors']} |"
+        )
+    return rows
+
+
+def render_s4(results: dict[str, harness.LoadResult]) -> list[str]:
+    d = results["direct"]
+    rows = ["| target | p50 ms | p99 ms | added p50 µs | added p99 µs | proxy CPU µs/req |", "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        proxy = name != "direct"
+        a50 = f"{(_ms(r, 'latency_ms', 'p50') - _ms(d, 'latency_ms', 'p50')) * 1000:+.0f}" if proxy else ""
+        a99 = f"{(_ms(r, 'latency_ms', 'p99') - _ms(d, 'latency_ms', 'p99')) * 1000:+.0f}" if proxy else ""
+        cpu = f"{_cpu_us(r, 'request'):.0f}" if proxy else ""
+        rows.append(
+            f"| {name} | {_ms(r, 'latency_ms', 'p50'):.3f} | {_ms(r, 'latency_ms', 'p99'):.3f} | {a50} | {a99} | {cpu} |"
+        )
+    return rows
+
+
+def render_mock(results: dict[str, harness.LoadResult]) -> list[str]:
+    rows = ["| load | req/s | events/s | mock CPU (cores) | mock CPU µs/req | mock CPU µs/event |", "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        cpu = r.cpu_s["mock"]
+        dur = r.load["duration_s"]
+        per_event = f"{cpu / max(r.load['events'], 1) * 1e6:.1f}" if r.load["events"] else ""
+        rows.append(
+            f"| {name} | {r.load['rps']:.0f} | {r.load['events_per_s']:.0f} | {cpu / dur:.2f} | "
+            f"{cpu / max(r.load['requests'], 1) * 1e6:.0f} | {per_event} |"
+        )
+    return rows
+
+
+SCENARIOS = {
+    "S1": Scenario("S1", "S1: non-stream chat, 64 connections", chat(False, 16), 64, render=render_s1),
+    "S2": Scenario("S2", "S2: stream, 64 events per response without delay, 64 connections", chat(True, 62), 64,
+                   render=render_s2),
+    "S3": Scenario("S3", "S3: 512 concurrent streams, 100 tokens at 20 ms/token", chat(True, 100), 512,
+                   token_delay_ms=20.0, render=render_s3),
+    "S4": Scenario("S4", "S4: one connection, non-stream", chat(False, 16), 1, render=render_s4),
+}
+
+
+def run_scenario(s: Scenario, duration: float) -> dict[str, harness.LoadResult]:
+    harness.say(f"{s.title}: starting {s.engines} mock engine(s)")
+    results: dict[str, harness.LoadResult] = {}
+    with harness.mock_engines(s.engines, MODEL, s.token_delay_ms) as engines:
+        path = "/v1/chat/completions"
+        mocks = {f"mock-{i}": e.proc.pid for i, e in enumerate(engines)}
+        harness.say(f"{s.name}: direct to the engines for {duration:.0f} s")
+        results["direct"] = harness.run_load([e.url + path for e in engines], s.body, s.connections, duration, mocks)
+        with harness.pdproxy([e.url for e in engines], MODEL) as proxy:
+            harness.say(f"{s.name}: through pdproxy for {duration:.0f} s")
+            results["pdproxy"] = harness.run_load(
+                [proxy.url + path], s.body, s.connections, duration, {"proxy": proxy.proc.pid, **mocks}
+            )
+    return results
+
+
+def run_mock_capacity(duration: float) -> dict[str, harness.LoadResult]:
+    harness.say("mock engine capacity: one process, 64 connections")
+    results = {}
+    with harness.mock_engines(1, MODEL) as (engine,):
+        url = engine.url + "/v1/chat/completions"
+        watch = {"mock": engine.proc.pid}
+        results["non-stream, 16 tokens"] = harness.run_load([url], chat(False, 16), 64, duration, watch)
+        results["stream, 64 events"] = harness.run_load([url], chat(True, 62), 64, duration, watch)
+    return results
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    return f"{os.cpu_count()} cores ({cpu}), Linux {platform.release()}, Python {platform.python_version()}"
+
+
+def update_readme(markdown: str) -> None:
+    text = README.read_text()
+    start, end = "<!-- results:start -->", "<!-- results:end -->"
+    block = f"{start}\n{markdown}\n{end}"
+    text = re.sub(re.escape(start) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    README.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("scenarios", nargs="*", help=f"any of {', '.join(SCENARIOS)}, mock (default: all)")
+    parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per run (after 1 s warm-up)")
+    parser.add_argument("--write-readme", action="store_true", help="refresh the results section of bench/README.md")
+    args = parser.parse_args()
+    chosen = args.scenarios or [*SCENARIOS, "mock"]
+    harness.build_loadgen()
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    sections = [f"Run {started} on {machine()}; `python bench/run.py {' '.join(sys.argv[1:])}`.".rstrip()]
+    raw = {}
+    for name in chosen:
+        if name == "mock":
+            results = run_mock_capacity(args.duration)
+            title, rows = "Mock engine capacity (one process, 64 connections, direct)", render_mock(results)
+        else:
+            scenario = SCENARIOS[name]
+            results = run_scenario(scenario, args.duration)
+            title, rows = scenario.title, scenario.render(results)
+        raw[name] = {k: {"load": v.load, "cpu_s": v.cpu_s, "rss_bytes": v.rss_bytes} for k, v in results.items()}
+        section = "\n".join([f"### {title}", "", *rows])
+        print(section + "\n", flush=True)
+        sections.append(section)
+    markdown = "\n\n".join(sections)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "latest.json").write_text(json.dumps({"run": started, "machine": machine(), "results": raw}, indent=1))
+    (RESULTS / "latest.md").write_text(markdown + "\n")
+    if args.write_readme:
+        update_readme(markdown)
+
+
+if __name__ == "__main__":
+    main()
