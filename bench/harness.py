@@ -111,8 +111,18 @@ def mock_engines(count: int, model: str, token_delay_ms: float = 0.0) -> Iterato
         for i in range(count):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            args = [sys.executable, "-m", "pdproxy", "mock-engine", "--port", str(port), "--model", model,
-                    "--token-delay-ms", str(token_delay_ms)]
+            args = [
+                sys.executable,
+                "-m",
+                "pdproxy",
+                "mock-engine",
+                "--port",
+                str(port),
+                "--model",
+                model,
+                "--token-delay-ms",
+                str(token_delay_ms),
+            ]
             engines.append(stack.enter_context(service(f"mock-{i}", args, url + "/health", url)))
         yield engines
 
@@ -152,8 +162,17 @@ def run_load(
 ) -> LoadResult:
     """Runs the load generator; measures CPU and RSS of the ``watch`` processes (name -> pid)
     over the measurement window."""
-    args = [str(LOADGEN), "--connections", str(connections), "--duration", str(duration), "--warmup", str(warmup),
-            "--body", json.dumps(body)]
+    args = [
+        str(LOADGEN),
+        "--connections",
+        str(connections),
+        "--duration",
+        str(duration),
+        "--warmup",
+        str(warmup),
+        "--body",
+        json.dumps(body),
+    ]
     for url in urls:
         args += ["--url", url]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE)

@@ -19,13 +19,12 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import harness  # noqa: E402
+import harness
 
 MODEL = "bench-model"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -64,12 +63,15 @@ def _cpu_us(result: harness.LoadResult, per: str) -> float:
 
 def render_s1(results: dict[str, harness.LoadResult]) -> list[str]:
     direct = results["direct"].load["rps"]
-    rows = ["| target | req/s | % of direct | p50 ms | p99 ms | proxy CPU µs/req | errors |", "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| target | req/s | % of direct | p50 ms | p99 ms | proxy CPU µs/req | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         cpu = "" if name == "direct" else f"{_cpu_us(r, 'request'):.0f}"
         rows.append(
-            f"| {name} | {r.load['rps']:.0f} | {100 * r.load['rps'] / direct:.0f}% | {_ms(r, 'latency_ms', 'p50'):.2f} | "
-            f"{_ms(r, 'latency_ms', 'p99'):.2f} | {cpu} | {r.load['errors']} |"
+            f"| {name} | {r.load['rps']:.0f} | {100 * r.load['rps'] / direct:.0f}% | "
+            f"{_ms(r, 'latency_ms', 'p50'):.2f} | {_ms(r, 'latency_ms', 'p99'):.2f} | {cpu} | {r.load['errors']} |"
         )
     return rows
 
@@ -109,20 +111,27 @@ def render_s3(results: dict[str, harness.LoadResult]) -> list[str]:
 
 def render_s4(results: dict[str, harness.LoadResult]) -> list[str]:
     d = results["direct"]
-    rows = ["| target | p50 ms | p99 ms | added p50 µs | added p99 µs | proxy CPU µs/req |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| target | p50 ms | p99 ms | added p50 µs | added p99 µs | proxy CPU µs/req |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         proxy = name != "direct"
         a50 = f"{(_ms(r, 'latency_ms', 'p50') - _ms(d, 'latency_ms', 'p50')) * 1000:+.0f}" if proxy else ""
         a99 = f"{(_ms(r, 'latency_ms', 'p99') - _ms(d, 'latency_ms', 'p99')) * 1000:+.0f}" if proxy else ""
         cpu = f"{_cpu_us(r, 'request'):.0f}" if proxy else ""
         rows.append(
-            f"| {name} | {_ms(r, 'latency_ms', 'p50'):.3f} | {_ms(r, 'latency_ms', 'p99'):.3f} | {a50} | {a99} | {cpu} |"
+            f"| {name} | {_ms(r, 'latency_ms', 'p50'):.3f} | {_ms(r, 'latency_ms', 'p99'):.3f} | "
+            f"{a50} | {a99} | {cpu} |"
         )
     return rows
 
 
 def render_mock(results: dict[str, harness.LoadResult]) -> list[str]:
-    rows = ["| load | req/s | events/s | mock CPU (cores) | mock CPU µs/req | mock CPU µs/event |", "|---|---|---|---|---|---|"]
+    rows = [
+        "| load | req/s | events/s | mock CPU (cores) | mock CPU µs/req | mock CPU µs/event |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         cpu = r.cpu_s["mock"]
         dur = r.load["duration_s"]
@@ -136,10 +145,17 @@ def render_mock(results: dict[str, harness.LoadResult]) -> list[str]:
 
 SCENARIOS = {
     "S1": Scenario("S1", "S1: non-stream chat, 64 connections", chat(False, 16), 64, render=render_s1),
-    "S2": Scenario("S2", "S2: stream, 64 events per response without delay, 64 connections", chat(True, 62), 64,
-                   render=render_s2),
-    "S3": Scenario("S3", "S3: 512 concurrent streams, 100 tokens at 20 ms/token", chat(True, 100), 512,
-                   token_delay_ms=20.0, render=render_s3),
+    "S2": Scenario(
+        "S2", "S2: stream, 64 events per response without delay, 64 connections", chat(True, 62), 64, render=render_s2
+    ),
+    "S3": Scenario(
+        "S3",
+        "S3: 512 concurrent streams, 100 tokens at 20 ms/token",
+        chat(True, 100),
+        512,
+        token_delay_ms=20.0,
+        render=render_s3,
+    ),
     "S4": Scenario("S4", "S4: one connection, non-stream", chat(False, 16), 1, render=render_s4),
 }
 
@@ -172,7 +188,8 @@ def run_mock_capacity(duration: float) -> dict[str, harness.LoadResult]:
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
     return f"{os.cpu_count()} cores ({cpu}), Linux {platform.release()}, Python {platform.python_version()}"
 
 

@@ -68,7 +68,9 @@ async def test_chat_non_stream_is_deterministic_and_honours_max_tokens(
 
 
 async def test_ignore_eos_runs_to_max_tokens(engine: MockEngine, http: aiohttp.ClientSession) -> None:
-    async with http.post(engine.url + "/v1/chat/completions", json=chat_body("m", max_tokens=100, ignore_eos=True)) as r:
+    async with http.post(
+        engine.url + "/v1/chat/completions", json=chat_body("m", max_tokens=100, ignore_eos=True)
+    ) as r:
         answer = await r.json()
     assert answer["usage"]["completion_tokens"] == 100
     assert answer["choices"][0]["finish_reason"] == "length"
