@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import socket
@@ -11,10 +12,11 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from typing import Any
 
 from granian import Granian
 from granian.constants import HTTPModes, Interfaces, Loops
-from granian.log import LogLevels
+from granian.log import LOGGING_CONFIG, LogLevels
 
 from .app import SETTINGS_ENV
 from .config import Settings
@@ -45,9 +47,17 @@ def serve(settings: Settings) -> None:
             loop=Loops.uvloop,
             http=HTTPModes.http1,
             log_level=LogLevels(settings.log_level.lower()),
+            log_dictconfig=_logging_config(settings.log_level),
             log_access=False,
             backlog=2048,
         ).serve()
+
+
+def _logging_config(level: str) -> dict[str, Any]:
+    """granian's logging setup plus pdproxy's logger, so both print the same way."""
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["pdproxy"] = {"handlers": ["console"], "level": level.upper(), "propagate": False}
+    return config
 
 
 def _print_banner(settings: Settings) -> None:
