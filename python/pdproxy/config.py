@@ -74,6 +74,13 @@ class Settings:
         default=1 << 20,
         metadata=_opt("Non-streaming responses up to this many bytes are read whole before forwarding."),
     )
+    stream_idle_timeout: float = field(
+        default=120.0, metadata=_opt("Seconds a streaming response may stay silent before it is cut off.")
+    )
+    stream_buffer_limit: int = field(
+        default=1 << 20,
+        metadata=_opt("Bytes of a stream kept for a client that reads slowly before the node's stream is held back."),
+    )
     max_body_size: int = field(default=32 << 20, metadata=_opt("Largest request body accepted, in bytes."))
     discovery_timeout: float = field(
         default=2.0, metadata=_opt("Seconds to wait for a node's /v1/models when discovering its models.")
@@ -89,7 +96,7 @@ class Settings:
             _check_type(f.name, getattr(self, f.name), f.type)
         if not 0 < self.port < 65536 and self.port != 0:
             raise ConfigError(f"port must be between 1 and 65535, got {self.port}")
-        for name in ("workers", "runtime_threads", "pool_max_idle_per_node", "max_body_size"):
+        for name in ("workers", "runtime_threads", "pool_max_idle_per_node", "max_body_size", "stream_buffer_limit"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in (

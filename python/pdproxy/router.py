@@ -46,6 +46,7 @@ class Router:
 
     async def aclose(self) -> None:
         await self._discovery.aclose()
+        self._core.close()
 
     async def __aenter__(self) -> Router:
         await self.start()

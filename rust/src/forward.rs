@@ -6,12 +6,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use http::{Method, Request, StatusCode};
+use http_body_util::combinators::BoxBody;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
-use crate::body::BodyStream;
 use crate::error::{BoxError, Error, Kind, Result};
 use crate::headers::{client_response_headers, upstream_request_headers};
 use crate::node::Node;
@@ -29,6 +29,10 @@ pub struct ForwardConfig {
     /// Bodies that are not event streams and announce at most this many bytes are read
     /// whole before the head is handed over, so a small JSON answer crosses into Python once.
     pub prefetch_limit: usize,
+    /// Longest silence allowed between two pieces of a streamed body.
+    pub stream_idle_timeout: Duration,
+    /// Bytes kept for a reader that falls behind before the node's stream is held back.
+    pub stream_buffer_limit: usize,
 }
 
 /// A request to forward, as received from the client.
@@ -53,7 +57,21 @@ pub struct UpstreamResponse {
 pub enum ResponseBody {
     /// Read whole; the permit is already released.
     Complete(Bytes),
-    Streaming(Arc<BodyStream>),
+    /// Still arriving: to be pumped (see `exchange::pump`).
+    Streaming(StreamBody),
+}
+
+/// The node's response body, boxed so tests can feed one from a channel.
+pub type UpstreamBody = BoxBody<Bytes, BoxError>;
+
+/// A body still arriving, with the permit it releases when it ends.
+#[derive(Debug)]
+pub struct StreamBody {
+    pub body: UpstreamBody,
+    pub event_stream: bool,
+    pub permit: InFlightPermit,
+    /// Outcome recorded when the body ends normally (a 5xx body still counts as a failure).
+    pub outcome_at_end: Outcome,
 }
 
 #[derive(Debug, Clone)]
@@ -133,7 +151,7 @@ impl Forwarder {
                 }
             } else {
                 let body = body.map_err(BoxError::from).boxed();
-                ResponseBody::Streaming(Arc::new(BodyStream::new(body, event_stream, permit, outcome_at_end)))
+                ResponseBody::Streaming(StreamBody { body, event_stream, permit, outcome_at_end })
             };
         Ok(UpstreamResponse { status: parts.status, headers, node, body })
     }

@@ -1,8 +1,9 @@
 //! pdproxy data plane: the node table, selection, in-flight accounting and the upstream
 //! forwarder. Plain Rust except `py/`, the only module that touches pyo3.
 
-pub mod body;
+pub mod doorbell;
 pub mod error;
+pub mod exchange;
 pub mod forward;
 pub mod headers;
 pub mod inspect;

@@ -2,7 +2,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::node::NodeCounters;
 
@@ -17,6 +17,15 @@ pub enum Outcome {
     Cancelled,
 }
 
+/// What a streamed body showed, recorded into the node's statistics at release.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Report {
+    /// Time from sending the request to the first body byte.
+    pub first_byte: Option<Duration>,
+    /// Server-sent events forwarded.
+    pub events: u64,
+}
+
 /// Holds one unit of a node's in-flight count. It travels with the request and then with
 /// the response body, so the count drops on whichever exit comes first; an unfinished
 /// permit counts as cancelled.
@@ -25,18 +34,33 @@ pub struct InFlightPermit {
     counters: Arc<NodeCounters>,
     started: Instant,
     outcome: Outcome,
+    report: Report,
 }
 
 impl InFlightPermit {
     pub fn acquire(counters: &Arc<NodeCounters>) -> Self {
         counters.in_flight.fetch_add(1, Ordering::AcqRel);
         counters.requests.fetch_add(1, Ordering::Relaxed);
-        Self { counters: Arc::clone(counters), started: Instant::now(), outcome: Outcome::Cancelled }
+        Self {
+            counters: Arc::clone(counters),
+            started: Instant::now(),
+            outcome: Outcome::Cancelled,
+            report: Report::default(),
+        }
     }
 
     /// Sets the outcome recorded at release.
     pub fn set_outcome(&mut self, outcome: Outcome) {
         self.outcome = outcome;
+    }
+
+    pub fn set_report(&mut self, report: Report) {
+        self.report = report;
+    }
+
+    /// When the request was admitted.
+    pub fn started(&self) -> Instant {
+        self.started
     }
 }
 

@@ -5,8 +5,9 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use _pdproxy::error::Kind;
-use _pdproxy::forward::{ForwardConfig, ForwardRequest, Forwarder, ResponseBody, UpstreamResponse};
+use _pdproxy::error::{Error, Kind};
+use _pdproxy::exchange::{pump, Delivery, Exchange};
+use _pdproxy::forward::{ForwardConfig, ForwardRequest, Forwarder, ResponseBody, StreamBody, UpstreamResponse};
 use _pdproxy::node::Node;
 use _pdproxy::permit::InFlightPermit;
 use _pdproxy::registry::Registry;
@@ -19,6 +20,8 @@ fn forwarder(first_byte_timeout: Duration) -> Forwarder {
         pool_idle_timeout: Duration::from_secs(30),
         pool_max_idle_per_node: 8,
         prefetch_limit: 1 << 20,
+        stream_idle_timeout: Duration::from_secs(5),
+        stream_buffer_limit: 1 << 20,
     })
 }
 
@@ -37,6 +40,30 @@ async fn send(fwd: &Forwarder, node: &Arc<Node>, path: &str) -> _pdproxy::error:
     fwd.forward(Arc::clone(node), permit, request).await
 }
 
+/// Pumps `stream` and reads it as the Python side does: batches until the end or an error.
+async fn read_all(stream: StreamBody) -> (Vec<bytes::Bytes>, Option<Error>) {
+    let exchange = Arc::new(Exchange::new(1 << 20));
+    let pumping = Arc::clone(&exchange);
+    tokio::spawn(async move { pump(&pumping, stream, std::time::Instant::now(), Duration::from_secs(5)).await });
+    let mut batches = Vec::new();
+    loop {
+        let delivery = if let Some(d) = exchange.take_ready() {
+            d
+        } else {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            match exchange.wait(Box::new(move |d| drop(tx.send(d)))) {
+                Ok(()) => rx.await.unwrap(),
+                Err((d, _)) => d,
+            }
+        };
+        match delivery {
+            Delivery::Batch(b) => batches.push(b),
+            Delivery::End => return (batches, None),
+            Delivery::Failed(e) => return (batches, Some(e)),
+        }
+    }
+}
+
 #[tokio::test]
 async fn fragmented_sse_arrives_byte_for_byte_in_whole_events() {
     let addr = common::upstream().await;
@@ -46,8 +73,10 @@ async fn fragmented_sse_arrives_byte_for_byte_in_whole_events() {
         let response = send(&fwd, &node, "/sse").await.unwrap();
         assert_eq!(response.status, 200);
         let ResponseBody::Streaming(body) = response.body else { panic!("an event stream must stream") };
+        let (batches, error) = read_all(body).await;
+        assert!(error.is_none(), "{error:?}");
         let mut received = Vec::new();
-        while let Some(batch) = body.next_batch().await.unwrap() {
+        for batch in batches {
             assert!(batch.ends_with(b"\n\n"), "batch cut inside an event: {batch:?}");
             received.extend_from_slice(&batch);
         }
@@ -85,14 +114,9 @@ async fn torn_stream_reports_an_upstream_error() {
     let node = node(&addr.to_string());
     let response = send(&forwarder(Duration::from_secs(5)), &node, "/sse-torn").await.unwrap();
     let ResponseBody::Streaming(body) = response.body else { panic!() };
-    let err = loop {
-        match body.next_batch().await {
-            Ok(Some(batch)) => assert!(batch.ends_with(b"\n\n")),
-            Ok(None) => panic!("a torn stream must not end cleanly"),
-            Err(e) => break e,
-        }
-    };
-    assert_eq!(err.kind(), Kind::Upstream);
+    let (batches, error) = read_all(body).await;
+    assert!(batches.iter().all(|b| b.ends_with(b"\n\n")));
+    assert_eq!(error.expect("a torn stream must not end cleanly").kind(), Kind::Upstream);
     assert_eq!(node.counters().snapshot().in_flight, 0);
 }
 

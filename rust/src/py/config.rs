@@ -17,6 +17,8 @@ pub struct RouterConfig {
     pub pool_idle_timeout: f64,
     pub pool_max_idle_per_node: usize,
     pub prefetch_limit: usize,
+    pub stream_idle_timeout: f64,
+    pub stream_buffer_limit: usize,
 }
 
 fn seconds(name: &str, value: f64) -> PyResult<Duration> {
@@ -34,6 +36,8 @@ impl RouterConfig {
             pool_idle_timeout: seconds("pool_idle_timeout", self.pool_idle_timeout)?,
             pool_max_idle_per_node: self.pool_max_idle_per_node,
             prefetch_limit: self.prefetch_limit,
+            stream_idle_timeout: seconds("stream_idle_timeout", self.stream_idle_timeout)?,
+            stream_buffer_limit: self.stream_buffer_limit.max(1),
         })
     }
 }

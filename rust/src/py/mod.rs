@@ -1,5 +1,6 @@
 //! The only code that touches pyo3: the `pdproxy._pdproxy` extension module.
 
+mod bridge;
 mod config;
 mod errors;
 mod response;
@@ -12,5 +13,6 @@ fn _pdproxy(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<router::Router>()?;
     m.add_class::<response::Response>()?;
+    m.add_class::<bridge::LoopBridge>()?;
     Ok(())
 }

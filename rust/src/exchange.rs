@@ -1,0 +1,409 @@
+//! One request/response exchange between the pump task (tokio) and its reader (Python).
+//!
+//! The pump reads the node's body as fast as it arrives and keeps it here; the reader takes
+//! everything complete in one step. When the reader finds nothing ready it leaves a waiter,
+//! which the pump completes with the next batch. So a reader that keeps up never waits on a
+//! thread hand-off, and one that falls behind gets a whole burst at once. No event is ever
+//! split across batches, and the bytes are exactly the node's.
+
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use futures_util::FutureExt;
+use http_body_util::BodyExt;
+use tokio::sync::Notify;
+use tokio::task::AbortHandle;
+
+use crate::error::{Error, Kind};
+use crate::forward::StreamBody;
+use crate::permit::{Outcome, Report};
+use crate::sse;
+
+/// What the reader gets.
+#[derive(Debug)]
+pub enum Delivery {
+    Batch(Bytes),
+    End,
+    Failed(Error),
+}
+
+/// Completes a reader that found nothing ready. Runs on a runtime thread.
+pub type Waiter = Box<dyn FnOnce(Delivery) + Send>;
+
+#[derive(Default)]
+struct Inner {
+    pending: BytesMut,
+    /// Bytes of `pending` already scanned for an event boundary.
+    scanned: usize,
+    event_stream: bool,
+    /// How the body ended, once it has; reported after `pending` is drained.
+    end: Option<Result<(), Error>>,
+    waiter: Option<Waiter>,
+    closed: bool,
+}
+
+/// Shared by the pump task and the Python `Response`.
+pub struct Exchange {
+    inner: Mutex<Inner>,
+    /// Signalled when the reader takes data, so a pump held back by a full buffer resumes.
+    space: Notify,
+    task: OnceLock<AbortHandle>,
+    /// The pump holds back once this many bytes wait for the reader (slow clients).
+    buffer_limit: usize,
+}
+
+impl std::fmt::Debug for Exchange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Exchange").field("closed", &self.is_closed()).finish_non_exhaustive()
+    }
+}
+
+impl Exchange {
+    pub fn new(buffer_limit: usize) -> Self {
+        Self { inner: Mutex::default(), space: Notify::new(), task: OnceLock::new(), buffer_limit }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Ties the exchange to the task that forwards the request and pumps the body.
+    pub fn set_task(&self, task: AbortHandle) {
+        let _ = self.task.set(task);
+    }
+
+    /// Takes everything ready, if anything is.
+    pub fn take_ready(&self) -> Option<Delivery> {
+        let delivery = self.lock().ready();
+        if delivery.is_some() {
+            self.space.notify_one();
+        }
+        delivery
+    }
+
+    /// Keeps `waiter` for the next batch, unless one is ready by now: then it is handed
+    /// back with the batch.
+    pub fn wait(&self, waiter: Waiter) -> Result<(), (Delivery, Waiter)> {
+        let mut inner = self.lock();
+        if let Some(delivery) = inner.ready() {
+            drop(inner);
+            self.space.notify_one();
+            return Err((delivery, waiter));
+        }
+        inner.waiter = Some(waiter);
+        Ok(())
+    }
+
+    /// Stops the exchange now: the node's connection is dropped and its permit released.
+    /// Returns a waiting reader's waiter, to be completed with `Delivery::End`.
+    pub fn close(&self) -> Option<Waiter> {
+        if let Some(task) = self.task.get() {
+            task.abort();
+        }
+        let mut inner = self.lock();
+        inner.closed = true;
+        inner.pending.clear();
+        inner.end.get_or_insert(Ok(()));
+        inner.waiter.take()
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.lock().closed
+    }
+
+    /// The pump's side: appends body bytes; completes a waiting reader when a batch is ready.
+    fn push(&self, burst: &[Bytes]) {
+        if burst.is_empty() {
+            return;
+        }
+        let mut inner = self.lock();
+        if inner.closed {
+            return;
+        }
+        for data in burst {
+            inner.pending.extend_from_slice(data);
+        }
+        Self::wake(inner);
+    }
+
+    fn finish(&self, end: Result<(), Error>) {
+        let mut inner = self.lock();
+        if inner.closed {
+            return;
+        }
+        if end.is_err() && inner.event_stream {
+            // Whole events still go out; a torn trailing event could never parse.
+            let whole = sse::last_event_end(&inner.pending, 0).unwrap_or(0);
+            inner.pending.truncate(whole);
+            inner.scanned = whole;
+        }
+        inner.end = Some(end);
+        Self::wake(inner);
+    }
+
+    fn wake(mut inner: MutexGuard<'_, Inner>) {
+        if inner.waiter.is_some() {
+            if let Some(delivery) = inner.ready() {
+                let waiter = inner.waiter.take();
+                drop(inner);
+                if let Some(waiter) = waiter {
+                    waiter(delivery);
+                }
+            }
+        }
+    }
+
+    fn over_limit(&self) -> bool {
+        self.lock().pending.len() >= self.buffer_limit
+    }
+}
+
+impl Inner {
+    /// Whole events (everything, for other bodies), else how the body ended, else nothing.
+    fn ready(&mut self) -> Option<Delivery> {
+        let batch = if self.end.is_some() || !self.event_stream {
+            (!self.pending.is_empty()).then(|| self.pending.split())
+        } else {
+            let end = sse::last_event_end(&self.pending, self.scanned);
+            let batch = end.map(|end| self.pending.split_to(end));
+            // What is left followed the last boundary, so it holds none.
+            self.scanned = self.pending.len();
+            batch
+        };
+        if let Some(batch) = batch {
+            self.scanned = self.pending.len();
+            return Some(Delivery::Batch(batch.freeze()));
+        }
+        match self.end.take()? {
+            Ok(()) => {
+                self.end = Some(Ok(()));
+                Some(Delivery::End)
+            }
+            // Report a failure once; afterwards the body has simply ended.
+            Err(e) => {
+                self.end = Some(Ok(()));
+                Some(Delivery::Failed(e))
+            }
+        }
+    }
+}
+
+/// Reads the node's body into `exchange` until it ends, fails, goes idle for longer than
+/// `idle_timeout`, or the exchange is closed (which aborts this task). The permit inside
+/// `body` is released when the body ends, with the outcome it ended with.
+pub async fn pump(exchange: &Exchange, body: StreamBody, started: Instant, idle_timeout: Duration) {
+    let StreamBody { mut body, event_stream, mut permit, outcome_at_end } = body;
+    exchange.lock().event_stream = event_stream;
+    let mut report = Report::default();
+    let mut last_was_newline = false;
+    let mut burst: Vec<Bytes> = Vec::new();
+    let end = loop {
+        if exchange.over_limit() {
+            exchange.space.notified().await;
+            continue;
+        }
+        let Ok(mut next) = tokio::time::timeout(idle_timeout, body.frame()).await else {
+            break Err(Error::new(Kind::Timeout, "the node sent nothing for too long"));
+        };
+        // Take whatever else is ready without waiting, so one hand-over carries a burst.
+        let ended = loop {
+            match next {
+                None => break Some(Ok(())),
+                Some(Err(e)) => {
+                    break Some(Err(Error::with_source(Kind::Upstream, "the node broke off the response", e)))
+                }
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        report.first_byte.get_or_insert_with(|| started.elapsed());
+                        report.events += count_events(&data, &mut last_was_newline);
+                        burst.push(data);
+                    }
+                }
+            }
+            match body.frame().now_or_never() {
+                Some(frame) => next = frame,
+                None => break None,
+            }
+        };
+        exchange.push(&burst);
+        burst.clear();
+        if let Some(end) = ended {
+            break end;
+        }
+    };
+    permit.set_outcome(if end.is_ok() { outcome_at_end } else { Outcome::Failed });
+    permit.set_report(report);
+    drop(permit);
+    exchange.finish(end);
+}
+
+/// Counts event ends (a blank line) in `chunk`; `last_was_newline` carries across chunks.
+fn count_events(chunk: &[u8], last_was_newline: &mut bool) -> u64 {
+    let mut events = 0;
+    for pos in memchr::memchr_iter(b'\n', chunk) {
+        let previous = if pos == 0 { *last_was_newline } else { chunk[pos - 1] == b'\n' };
+        if previous || (pos >= 2 && chunk[pos - 1] == b'\r' && chunk[pos - 2] == b'\n') {
+            events += 1;
+        }
+    }
+    if let Some(&last) = chunk.last() {
+        *last_was_newline = last == b'\n';
+    }
+    events
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use http_body_util::channel::{Channel, Sender};
+
+    use super::*;
+    use crate::error::BoxError;
+    use crate::node::NodeCounters;
+    use crate::permit::InFlightPermit;
+
+    const IDLE: Duration = Duration::from_secs(5);
+
+    /// A body fed by the test, pumped into an exchange.
+    fn pumped(event_stream: bool, buffer_limit: usize) -> (Sender<Bytes, BoxError>, Arc<Exchange>, Arc<NodeCounters>) {
+        let (tx, body) = Channel::<Bytes, BoxError>::new(64);
+        let counters = Arc::new(NodeCounters::default());
+        let permit = InFlightPermit::acquire(&counters);
+        let exchange = Arc::new(Exchange::new(buffer_limit));
+        let stream = StreamBody { body: body.boxed(), event_stream, permit, outcome_at_end: Outcome::Succeeded };
+        let pumping = Arc::clone(&exchange);
+        let task = tokio::spawn(async move { pump(&pumping, stream, Instant::now(), IDLE).await });
+        exchange.set_task(task.abort_handle());
+        (tx, exchange, counters)
+    }
+
+    /// Waits for the next delivery the way the Python side does.
+    async fn next(exchange: &Exchange) -> Delivery {
+        if let Some(d) = exchange.take_ready() {
+            return d;
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        match exchange.wait(Box::new(move |d| drop(tx.send(d)))) {
+            Ok(()) => rx.await.unwrap(),
+            Err((d, _)) => d,
+        }
+    }
+
+    fn batch(d: Delivery) -> Bytes {
+        match d {
+            Delivery::Batch(b) => b,
+            other => panic!("expected a batch, got {other:?}"),
+        }
+    }
+
+    async fn settle() {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_burst_is_one_batch_of_whole_events() {
+        let (mut tx, exchange, counters) = pumped(true, 1 << 20);
+        for piece in ["data: 1\n\nda", "ta: 2\n", "\ndata: 3\n\ndata: 4"] {
+            tx.send_data(Bytes::from(piece)).await.unwrap();
+        }
+        settle().await;
+        assert_eq!(batch(next(&exchange).await), "data: 1\n\ndata: 2\n\ndata: 3\n\n");
+        tx.send_data(Bytes::from("\n\n")).await.unwrap();
+        drop(tx);
+        assert_eq!(batch(next(&exchange).await), "data: 4\n\n");
+        assert!(matches!(next(&exchange).await, Delivery::End));
+        let snap = counters.snapshot();
+        assert_eq!((snap.in_flight, snap.succeeded), (0, 1));
+    }
+
+    #[tokio::test]
+    async fn a_partial_event_waits_for_its_end() {
+        let (mut tx, exchange, _counters) = pumped(true, 1 << 20);
+        tx.send_data(Bytes::from("data: {\"a\":")).await.unwrap();
+        settle().await;
+        assert!(exchange.take_ready().is_none(), "no event is complete yet");
+        tx.send_data(Bytes::from("1}\r\n\r\n")).await.unwrap();
+        assert_eq!(batch(next(&exchange).await), "data: {\"a\":1}\r\n\r\n");
+    }
+
+    #[tokio::test]
+    async fn other_bodies_pass_as_they_come() {
+        let (mut tx, exchange, _counters) = pumped(false, 1 << 20);
+        tx.send_data(Bytes::from("{\"partial\":")).await.unwrap();
+        assert_eq!(batch(next(&exchange).await), "{\"partial\":");
+    }
+
+    #[tokio::test]
+    async fn a_torn_stream_keeps_whole_events_then_fails() {
+        let (mut tx, exchange, counters) = pumped(true, 1 << 20);
+        tx.send_data(Bytes::from("data: 1\n\ndata: 2")).await.unwrap();
+        settle().await;
+        tx.abort("connection reset".into());
+        settle().await;
+        assert_eq!(batch(next(&exchange).await), "data: 1\n\n");
+        assert!(matches!(next(&exchange).await, Delivery::Failed(e) if e.kind() == Kind::Upstream));
+        assert!(matches!(next(&exchange).await, Delivery::End));
+        let snap = counters.snapshot();
+        assert_eq!((snap.in_flight, snap.failed), (0, 1));
+    }
+
+    #[tokio::test]
+    async fn close_releases_at_once_and_ends_a_waiting_reader() {
+        let (_tx, exchange, counters) = pumped(true, 1 << 20);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        assert!(exchange.wait(Box::new(move |d| drop(tx.send(d)))).is_ok());
+        let waiter = exchange.close().expect("the waiting reader is handed back");
+        waiter(Delivery::End);
+        assert!(matches!(rx.await.unwrap(), Delivery::End));
+        settle().await;
+        let snap = counters.snapshot();
+        assert_eq!((snap.in_flight, snap.cancelled), (0, 1));
+        assert!(matches!(next(&exchange).await, Delivery::End));
+    }
+
+    #[tokio::test]
+    async fn a_slow_reader_holds_the_node_back() {
+        let (mut tx, exchange, _counters) = pumped(true, 64);
+        let event = Bytes::from(format!("data: {}\n\n", "x".repeat(60)));
+        // The pump stops reading once 64 bytes wait; the channel (64 deep) then fills up.
+        let mut sent = 0;
+        while tokio::time::timeout(Duration::from_millis(50), tx.send_data(event.clone())).await.is_ok() {
+            sent += 1;
+            assert!(sent < 1000, "the pump kept reading past its buffer limit");
+        }
+        let mut read = 0;
+        while let Some(Delivery::Batch(b)) = exchange.take_ready() {
+            read += b.len() / event.len();
+            settle().await;
+        }
+        assert!(read >= 1);
+    }
+
+    #[tokio::test]
+    async fn idle_node_times_out() {
+        let (tx, body) = Channel::<Bytes, BoxError>::new(1);
+        let counters = Arc::new(NodeCounters::default());
+        let exchange = Exchange::new(1 << 20);
+        let stream = StreamBody {
+            body: body.boxed(),
+            event_stream: true,
+            permit: InFlightPermit::acquire(&counters),
+            outcome_at_end: Outcome::Succeeded,
+        };
+        pump(&exchange, stream, Instant::now(), Duration::from_millis(20)).await;
+        assert!(matches!(exchange.take_ready(), Some(Delivery::Failed(e)) if e.is_timeout()));
+        assert_eq!(counters.snapshot().failed, 1);
+        drop(tx);
+    }
+
+    #[test]
+    fn counts_events_across_chunks() {
+        let mut nl = false;
+        assert_eq!(count_events(b"data: 1\n\ndata: 2\n", &mut nl), 1);
+        assert_eq!(count_events(b"\ndata: 3\r\n\r\n", &mut nl), 2);
+    }
+}
