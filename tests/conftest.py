@@ -32,7 +32,7 @@ def _knows_models(url: str, wanted: set[str]) -> bool:
 @pytest.fixture(scope="session")
 def proxy(engines: dict[str, Process], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
     """`pdproxy serve` (granian subprocess) in front of the three engines, models discovered."""
-    args: list[str] = []
+    args: list[str] = ["--policy", "round_robin"]
     for engine in engines.values():
         args += ["--node", engine.url]
     with pdproxy_serve(

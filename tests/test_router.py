@@ -193,5 +193,10 @@ async def test_settings_reach_the_data_plane() -> None:
         pdproxy.Router(policy="nope")
     with pytest.raises(pdproxy.ConfigError):
         pdproxy.Router(connect_timeout=0)
-    router = pdproxy.Router(policy="round_robin")
-    assert router.policy == "round_robin"
+    router = pdproxy.Router(policy="round_robin", decode_policy="prefix", model_policies=("m=random",))
+    assert router.policies == {
+        "hybrid": "round_robin",
+        "prefill": "min_expected_latency",
+        "decode": "prefix",
+        "model:m": "random",
+    }

@@ -10,27 +10,51 @@ class _RouterConfig(Protocol):
     """What the router reads from `pdproxy.Settings` (by attribute)."""
 
     policy: str
+    prefill_policy: str
+    decode_policy: str
+    model_policies: Sequence[str]
+    hash_load_factor: float
+    prefix_block_bytes: int
+    prefix_max_blocks: int
+    prefix_cache_entries: int
+    prefix_balance_threshold: int
+    queue_size: int
+    queue_timeout: float
     runtime_threads: int
     connect_timeout: float
     first_byte_timeout: float
     pool_idle_timeout: float
     pool_max_idle_per_node: int
     prefetch_limit: int
+    stream_idle_timeout: float
+    stream_buffer_limit: int
 
 @final
 class Router:
-    """The node table, selection and forwarding. Every method but `forward` returns at once."""
+    """The node table, selection, admission and forwarding. Every method but `forward`
+    returns at once."""
 
     def __init__(self, config: _RouterConfig) -> None: ...
     @property
-    def policy(self) -> str:
-        """The routing policy's name."""
+    def policies(self) -> list[tuple[str, str]]:
+        """(scope, policy) pairs: each role, then per-model overrides as `model:NAME`."""
 
-    def add_node(self, url: str, models: list[str] | None = None) -> str:
-        """Adds a node (or updates the models of a registered one); returns its normalised URL.
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a node with room."""
+
+    def add_node(
+        self,
+        url: str,
+        models: list[str] | None = None,
+        role: str = "hybrid",
+        speed: float | None = None,
+        max_concurrency: int | None = None,
+    ) -> str:
+        """Adds a node (or updates a registered one); returns its normalised URL.
 
         Raises:
-            InvalidNode: the URL is not a usable http URL.
+            InvalidNode: the URL is not a usable http URL, or the role or speed is invalid.
         """
 
     def remove_node(self, url: str) -> str:
@@ -40,26 +64,55 @@ class Router:
             NodeNotFound: no node with this URL is registered.
         """
 
+    def set_node_state(self, url: str, state: str) -> None:
+        """`healthy`, `unhealthy`, `draining` or `sleeping`; only healthy nodes are selected."""
+
+    def set_max_concurrency(self, url: str, max_concurrency: int | None) -> None:
+        """Sets (or with None lifts) a node's hard cap on requests in flight."""
+
     def models(self) -> list[str]:
         """Models served by the registered nodes, deduplicated."""
 
     def nodes(self) -> list[dict[str, Any]]:
-        """A snapshot of each node: url, generation, models, in_flight, requests, succeeded,
-        failed, cancelled, mean_latency (seconds, or None)."""
+        """A snapshot of each node: url, generation, role, models, speed, state,
+        max_concurrency, in_flight, requests, succeeded, failed, cancelled, events,
+        mean_latency, recent_latency, recent_latency_per_token, mean_ttft, ttft_ewma
+        (seconds, or None)."""
+
+    def select(self, model: str | None = None, role: str = "hybrid", affinity: str | None = None) -> str:
+        """The URL of the node the policy would choose now; nothing is sent or counted."""
+
+    @staticmethod
+    def inspect(body: bytes) -> dict[str, Any]:
+        """The routing fields of a body: model, stream, n, user, session_id, max_tokens."""
+
+    @staticmethod
+    def patch(body: bytes, set: Sequence[tuple[str, str]] = ..., remove: Sequence[str] = ...) -> bytes:
+        """A copy of `body` with members set (values as JSON text) or removed."""
 
     def forward(
-        self, path: str, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ..., method: str = "POST"
+        self,
+        path: str,
+        body: bytes,
+        headers: Sequence[tuple[bytes, bytes]] = ...,
+        method: str = "POST",
+        role: str = "hybrid",
     ) -> asyncio.Future[Response]:
         """Selects a node for `body` (by its `model`) and sends the request to it.
 
         Raises at once:
             InvalidRequest: the body is not a JSON object or a field has the wrong type.
             ModelNotFound: no node serves the model.
-            NoNodeAvailable: no node is registered.
+            NoNodeAvailable: no node is registered, or none is healthy.
+            Overloaded: every node is at its limit and the queue is full.
 
         The returned future raises `UpstreamConnectError`, `UpstreamTimeout` or `UpstreamError`
-        when the node fails before its response head. Cancelling it cancels the upstream request.
+        when the node fails before its response head, `Overloaded` when the request waited in
+        the queue too long. Cancelling it cancels the upstream request.
         """
+
+    def close(self) -> None:
+        """Stops serving: requests in flight end now and the router leaves its event loop."""
 
 @final
 class Response:
@@ -90,3 +143,9 @@ class Response:
 
     def close(self) -> None:
         """Stops reading: closes the node's connection and releases its in-flight count now."""
+
+@final
+class _LoopBridge:
+    """Internal: wakes the event loop from the data plane's threads."""
+
+    def __call__(self) -> None: ...

@@ -38,7 +38,7 @@ class ProxyApp:
     async def startup(self) -> None:
         self.router = Router(settings=self.settings)
         await self.router.start()
-        log.info("pdproxy routing to %d node(s) with policy %s", len(self.router.nodes()), self.router.policy)
+        log.info("pdproxy routing to %d node(s); policies %s", len(self.router.nodes()), self.router.policies)
 
     async def shutdown(self) -> None:
         if self.router is not None:

@@ -59,7 +59,35 @@ class Settings:
         ),
     )
     log_level: str = field(default="info", metadata=_opt("Log level: debug, info, warning, error.", section="server"))
-    policy: str = field(default="round_robin", metadata=_opt("Routing policy: round_robin."))
+    policy: str = field(
+        default="min_expected_latency",
+        metadata=_opt(
+            "Routing policy: min_expected_latency (LMDeploy's default), random, min_observed_latency, "
+            "min_observed_latency_per_token, round_robin, least_requests, consistent_hash, prefix."
+        ),
+    )
+    prefill_policy: str = field(default="min_expected_latency", metadata=_opt("Routing policy for prefill nodes."))
+    decode_policy: str = field(default="min_expected_latency", metadata=_opt("Routing policy for decode nodes."))
+    model_policies: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt("MODEL=POLICY: a routing policy for one model; repeat for several.", flag="--model-policy"),
+    )
+    hash_load_factor: float = field(
+        default=1.25,
+        metadata=_opt("consistent_hash: a node keeps a key while its in-flight count is below this times the average."),
+    )
+    prefix_block_bytes: int = field(default=256, metadata=_opt("prefix: prompt bytes per cached block."))
+    prefix_max_blocks: int = field(default=64, metadata=_opt("prefix: blocks of a prompt considered (its head)."))
+    prefix_cache_entries: int = field(default=65536, metadata=_opt("prefix: prefix-to-node entries remembered."))
+    prefix_balance_threshold: int = field(
+        default=8,
+        metadata=_opt("prefix: leave a prefix's node when it has this many more requests than the least busy one."),
+    )
+    queue_size: int = field(
+        default=256,
+        metadata=_opt("Requests that may wait when every node is at its limit (0: refuse at once with 429)."),
+    )
+    queue_timeout: float = field(default=30.0, metadata=_opt("Seconds a request may wait in the queue before 429."))
     runtime_threads: int = field(default=2, metadata=_opt("Threads of the data plane's I/O runtime."))
     connect_timeout: float = field(default=2.0, metadata=_opt("Seconds to connect to a node."))
     first_byte_timeout: float = field(
@@ -90,24 +118,42 @@ class Settings:
     )
 
     def __post_init__(self) -> None:
-        if isinstance(self.nodes, str | list):
-            object.__setattr__(self, "nodes", (self.nodes,) if isinstance(self.nodes, str) else tuple(self.nodes))
+        for name in ("nodes", "model_policies"):
+            value = getattr(self, name)
+            if isinstance(value, str | list):
+                object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
         if not 0 < self.port < 65536 and self.port != 0:
             raise ConfigError(f"port must be between 1 and 65535, got {self.port}")
-        for name in ("workers", "runtime_threads", "pool_max_idle_per_node", "max_body_size", "stream_buffer_limit"):
+        for name in (
+            "workers",
+            "runtime_threads",
+            "pool_max_idle_per_node",
+            "max_body_size",
+            "stream_buffer_limit",
+            "prefix_block_bytes",
+            "prefix_max_blocks",
+            "prefix_cache_entries",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in (
             "connect_timeout",
             "first_byte_timeout",
+            "queue_timeout",
+            "stream_idle_timeout",
             "pool_idle_timeout",
             "discovery_timeout",
             "discovery_interval",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if not self.hash_load_factor >= 1:
+            raise ConfigError(f"hash_load_factor must be at least 1, got {self.hash_load_factor}")
+        for name in ("prefix_balance_threshold", "queue_size"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.prefetch_limit < 0:
             raise ConfigError(f"prefetch_limit must not be negative, got {self.prefetch_limit}")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):

@@ -8,6 +8,7 @@
     ├── NodeNotFound(KeyError)             no node with that URL is registered
     ├── NoNodeAvailable                    503 no_healthy_node: nothing can serve the request now
     │   └── ModelNotFound                  404 model_not_found: no node serves the model
+    ├── Overloaded                         429 overloaded: every node is at its limit and the queue is full
     └── UpstreamError                      502 upstream_error: the node failed after receiving it
         ├── UpstreamConnectError(ConnectionError)  503 upstream_connect_failed: never reached a node
         └── UpstreamTimeout(TimeoutError)          504 upstream_timeout
@@ -28,6 +29,7 @@ __all__ = [
     "ModelNotFound",
     "NoNodeAvailable",
     "NodeNotFound",
+    "Overloaded",
     "PdproxyError",
     "RequestTooLarge",
     "UpstreamConnectError",
@@ -46,10 +48,12 @@ class PdproxyError(Exception):
     #: Seconds a client should wait before retrying, when retrying may help.
     retry_after: int | None = None
 
-    def __init__(self, message: str = "", detail: str | None = None) -> None:
+    def __init__(self, message: str = "", detail: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.detail = detail
+        if retry_after is not None:
+            self.retry_after = retry_after
 
     def __str__(self) -> str:
         return self.message
@@ -125,6 +129,16 @@ class ModelNotFound(NoNodeAvailable):
     code = "model_not_found"
     type = "invalid_request_error"
     retry_after = None
+
+
+class Overloaded(PdproxyError):
+    """Every node that could serve the request is at its limit and the wait queue is full
+    (or the wait timed out). ``retry_after`` comes from the observed completion rate."""
+
+    status = 429
+    code = "overloaded"
+    type = "rate_limit_error"
+    retry_after = 1
 
 
 class UpstreamError(PdproxyError):

@@ -12,7 +12,8 @@ model discovery and the lifecycle.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Sequence
+import json
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from . import _pdproxy
@@ -56,15 +57,32 @@ class Router:
         await self.aclose()
 
     @property
-    def policy(self) -> str:
-        return self._core.policy
+    def policies(self) -> dict[str, str]:
+        """The routing policy of each role (``hybrid``, ``prefill``, ``decode``), and per-model
+        overrides as ``model:NAME``."""
+        return dict(self._core.policies)
 
-    def add_node(self, url: str, models: Sequence[str] | None = None) -> str:
-        """Adds a node, or updates an existing one; returns its normalised URL.
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a node with room."""
+        return self._core.queued
 
-        Without ``models`` the node serves any model until discovery learns its list.
+    def add_node(
+        self,
+        url: str,
+        models: Sequence[str] | None = None,
+        *,
+        role: str = "hybrid",
+        speed: float | None = None,
+        max_concurrency: int | None = None,
+    ) -> str:
+        """Adds a node, or updates a registered one; returns its normalised URL.
+
+        Without ``models`` the node serves any model until discovery learns its list. ``role``
+        is ``hybrid``, ``prefill`` or ``decode`` (or LMDeploy's 1, 2, 3); ``speed`` weighs it in
+        ``random`` and ``min_expected_latency``; ``max_concurrency`` caps its requests in flight.
         """
-        normalized = self._core.add_node(url, None if models is None else list(models))
+        normalized = self._core.add_node(url, None if models is None else list(models), role, speed, max_concurrency)
         if models is None:
             self._discovery.watch(normalized)
         else:
@@ -77,21 +95,54 @@ class Router:
         self._discovery.forget(normalized)
         return normalized
 
+    def set_node_state(self, url: str, state: str) -> None:
+        """``healthy``, ``unhealthy``, ``draining`` or ``sleeping``; only healthy nodes are selected."""
+        self._core.set_node_state(url, state)
+
+    def drain_node(self, url: str) -> None:
+        """Stops sending new requests to a node; those in flight finish."""
+        self._core.set_node_state(url, "draining")
+
+    def set_max_concurrency(self, url: str, max_concurrency: int | None) -> None:
+        """Sets (or with ``None`` lifts) a node's hard cap on requests in flight."""
+        self._core.set_max_concurrency(url, max_concurrency)
+
     def nodes(self) -> list[dict[str, Any]]:
-        """One snapshot of every node: url, generation, models, in_flight, request counts, mean latency."""
+        """One snapshot of every node: url, role, models, state, in_flight, counts, latencies."""
         return self._core.nodes()
+
+    def stats(self) -> dict[str, Any]:
+        """Nodes, queue and policies in one snapshot."""
+        return {"nodes": self._core.nodes(), "queued": self._core.queued, "policies": self.policies}
 
     def models(self) -> list[str]:
         """The models served by the registered nodes, deduplicated."""
         return self._core.models()
 
+    def select(self, model: str | None = None, *, role: str = "hybrid", affinity: str | None = None) -> str:
+        """The URL of the node the policy would choose now (nothing is sent or counted)."""
+        return self._core.select(model, role, affinity)
+
+    @staticmethod
+    def inspect(body: bytes) -> dict[str, Any]:
+        """The routing fields of a request body (model, stream, n, user, session_id, max_tokens)."""
+        return _pdproxy.Router.inspect(body)
+
+    @staticmethod
+    def patch(body: bytes, set: Mapping[str, Any] | None = None, remove: Sequence[str] = ()) -> bytes:
+        """A copy of ``body`` with top-level members set or removed; the rest keeps its bytes."""
+        members = [(key, json.dumps(value)) for key, value in (set or {}).items()]
+        return _pdproxy.Router.patch(body, members, list(remove))
+
     def forward(
-        self, path: str, body: bytes, headers: Headers = (), method: str = "POST"
+        self, path: str, body: bytes, headers: Headers = (), method: str = "POST", *, role: str = "hybrid"
     ) -> asyncio.Future[_pdproxy.Response]:
         """Routes ``body`` by its ``model`` and sends it to the chosen node.
 
-        Returns an awaitable of the node's ``Response``. Raises ``InvalidRequest`` for a body
-        that is not a JSON object, ``ModelNotFound`` or ``NoNodeAvailable`` when no node can
-        take it; awaiting raises ``UpstreamError`` and its subclasses when the node fails.
+        Returns a future of the node's ``Response``. Raises at once ``InvalidRequest`` for a
+        body that is not a JSON object, ``ModelNotFound`` or ``NoNodeAvailable`` when no node
+        can take it, ``Overloaded`` when every node is at its limit and the queue is full; the
+        future raises ``UpstreamError`` and its subclasses when the node fails, ``Overloaded``
+        when the request waited in the queue too long. Cancelling it cancels the upstream request.
         """
-        return self._core.forward(path, body, headers if isinstance(headers, list) else list(headers), method)
+        return self._core.forward(path, body, headers if isinstance(headers, list) else list(headers), method, role)

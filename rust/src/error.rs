@@ -11,8 +11,14 @@ pub enum Kind {
     InvalidRequest,
     /// No registered node serves the requested model.
     ModelNotFound,
-    /// No node is registered at all.
+    /// No node is registered at all (for the role).
     NoNodes,
+    /// Nodes exist for the request but none is healthy.
+    NoHealthyNode,
+    /// Every candidate is at its cap and the wait queue is full or timed out.
+    Overloaded,
+    /// No node with that URL is registered.
+    NodeNotFound,
     /// The node URL given to the registry cannot be used.
     InvalidNode,
     /// The connection to the node could not be made: the request never ran.
@@ -29,17 +35,29 @@ pub struct Error {
     kind: Kind,
     message: String,
     source: Option<BoxError>,
+    retry_after: Option<u32>,
 }
 
 impl Error {
     #[cold]
     pub(crate) fn new(kind: Kind, message: impl Into<String>) -> Self {
-        Self { kind, message: message.into(), source: None }
+        Self { kind, message: message.into(), source: None, retry_after: None }
     }
 
     #[cold]
     pub(crate) fn with_source(kind: Kind, message: impl Into<String>, source: impl Into<BoxError>) -> Self {
-        Self { kind, message: message.into(), source: Some(source.into()) }
+        Self { kind, message: message.into(), source: Some(source.into()), retry_after: None }
+    }
+
+    /// Seconds after which a retry may succeed, for errors that say so (`Retry-After`).
+    #[must_use]
+    pub fn with_retry_after(mut self, seconds: u32) -> Self {
+        self.retry_after = Some(seconds);
+        self
+    }
+
+    pub fn retry_after(&self) -> Option<u32> {
+        self.retry_after
     }
 
     pub fn kind(&self) -> Kind {
@@ -62,7 +80,7 @@ impl Error {
 impl fmt::Debug for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut d = f.debug_struct("Error");
-        d.field("kind", &self.kind).field("message", &self.message);
+        d.field("kind", &self.kind).field("message", &self.message).field("retry_after", &self.retry_after);
         if let Some(source) = &self.source {
             d.field("source", source);
         }

@@ -127,6 +127,11 @@ impl Exchange {
         Self::wake(inner);
     }
 
+    /// Ends the exchange with `error` (the router is shutting down).
+    pub fn fail(&self, error: Error) {
+        self.finish(Err(error));
+    }
+
     fn finish(&self, end: Result<(), Error>) {
         let mut inner = self.lock();
         if inner.closed {
@@ -261,16 +266,18 @@ mod tests {
 
     use super::*;
     use crate::error::BoxError;
-    use crate::node::NodeCounters;
+    use crate::node::{NodeCounters, NodeSpec};
     use crate::permit::InFlightPermit;
+    use crate::registry::Registry;
 
     const IDLE: Duration = Duration::from_secs(5);
 
     /// A body fed by the test, pumped into an exchange.
     fn pumped(event_stream: bool, buffer_limit: usize) -> (Sender<Bytes, BoxError>, Arc<Exchange>, Arc<NodeCounters>) {
         let (tx, body) = Channel::<Bytes, BoxError>::new(64);
-        let counters = Arc::new(NodeCounters::default());
-        let permit = InFlightPermit::acquire(&counters);
+        let node = Registry::new().add("h:1", NodeSpec::default()).unwrap();
+        let counters = Arc::clone(node.counters());
+        let permit = InFlightPermit::acquire(&node);
         let exchange = Arc::new(Exchange::new(buffer_limit));
         let stream = StreamBody { body: body.boxed(), event_stream, permit, outcome_at_end: Outcome::Succeeded };
         let pumping = Arc::clone(&exchange);
@@ -386,12 +393,13 @@ mod tests {
     #[tokio::test]
     async fn idle_node_times_out() {
         let (tx, body) = Channel::<Bytes, BoxError>::new(1);
-        let counters = Arc::new(NodeCounters::default());
+        let node = Registry::new().add("h:1", NodeSpec::default()).unwrap();
+        let counters = Arc::clone(node.counters());
         let exchange = Exchange::new(1 << 20);
         let stream = StreamBody {
             body: body.boxed(),
             event_stream: true,
-            permit: InFlightPermit::acquire(&counters),
+            permit: InFlightPermit::acquire(&node),
             outcome_at_end: Outcome::Succeeded,
         };
         pump(&exchange, stream, Instant::now(), Duration::from_millis(20)).await;

@@ -1,17 +1,34 @@
-//! Request-body inspection: the few fields routing needs, read straight from the bytes
-//! without building a document tree.
+//! Request bodies: the fields routing needs, read straight from the bytes without building
+//! a document tree; and top-level patching for the adapters that rewrite requests.
 
 use std::borrow::Cow;
+use std::fmt::Write as _;
 
+use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
 use crate::error::{Error, Kind, Result};
 
 /// What the data plane needs to know about a request body.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct RequestInfo {
-    pub model: Option<String>,
+pub struct RequestInfo<'a> {
+    pub model: Option<Cow<'a, str>>,
     pub stream: bool,
+    pub n: Option<u64>,
+    pub user: Option<Cow<'a, str>>,
+    /// `session_id`, as LMDeploy accepts it (a string or an integer).
+    pub session_id: Option<Cow<'a, str>>,
+    pub max_tokens: Option<u64>,
+    /// The raw JSON of `messages` (chat) or `prompt` (completions), for cache-aware routing.
+    pub prompt: Option<&'a [u8]>,
+}
+
+impl RequestInfo<'_> {
+    /// The affinity key: `session_id`, else `user`.
+    pub fn body_affinity(&self) -> Option<&str> {
+        self.session_id.as_deref().or(self.user.as_deref())
+    }
 }
 
 #[derive(Deserialize)]
@@ -20,19 +37,119 @@ struct Fields<'a> {
     model: Option<Cow<'a, str>>,
     #[serde(default)]
     stream: Option<bool>,
+    #[serde(default)]
+    n: Option<u64>,
+    #[serde(borrow, default)]
+    user: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    session_id: Option<&'a RawValue>,
+    #[serde(default)]
+    max_tokens: Option<u64>,
+    #[serde(borrow, default)]
+    messages: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
 }
 
-/// Reads `model` and `stream` from a JSON object body. Unknown fields are skipped unparsed.
-pub fn inspect(body: &[u8]) -> Result<RequestInfo> {
+fn require_object(body: &[u8]) -> Result<()> {
     // serde would also accept a JSON array for a struct; a request body must be an object.
     match body.iter().find(|b| !b.is_ascii_whitespace()) {
-        Some(b'{') => {}
-        Some(_) => return Err(Error::new(Kind::InvalidRequest, "request body must be a JSON object")),
-        None => return Err(Error::new(Kind::InvalidRequest, "request body is empty")),
+        Some(b'{') => Ok(()),
+        Some(_) => Err(Error::new(Kind::InvalidRequest, "request body must be a JSON object")),
+        None => Err(Error::new(Kind::InvalidRequest, "request body is empty")),
     }
-    let fields: Fields<'_> = serde_json::from_slice(body)
-        .map_err(|e| Error::new(Kind::InvalidRequest, format!("request body is not valid JSON: {e}")))?;
-    Ok(RequestInfo { model: fields.model.map(Cow::into_owned), stream: fields.stream.unwrap_or(false) })
+}
+
+fn invalid(e: &serde_json::Error) -> Error {
+    Error::new(Kind::InvalidRequest, format!("request body is not valid: {e}"))
+}
+
+/// Reads the routing fields of a JSON object body. Other fields are skipped unparsed.
+pub fn inspect(body: &[u8]) -> Result<RequestInfo<'_>> {
+    require_object(body)?;
+    let fields: Fields<'_> = serde_json::from_slice(body).map_err(|e| invalid(&e))?;
+    let session_id = match fields.session_id {
+        None => None,
+        Some(raw) => {
+            let text = raw.get();
+            if text.starts_with('"') {
+                Some(serde_json::from_str::<Cow<'_, str>>(text).map_err(|e| invalid(&e))?)
+            } else if text.parse::<i64>().is_ok() {
+                Some(Cow::Borrowed(text))
+            } else if text == "null" {
+                None
+            } else {
+                return Err(Error::new(Kind::InvalidRequest, "session_id must be a string or an integer"));
+            }
+        }
+    };
+    Ok(RequestInfo {
+        model: fields.model,
+        stream: fields.stream.unwrap_or(false),
+        n: fields.n,
+        user: fields.user,
+        session_id,
+        max_tokens: fields.max_tokens,
+        prompt: fields.messages.or(fields.prompt).map(|raw| raw.get().as_bytes()),
+    })
+}
+
+/// The top-level members of a JSON object, in order, values kept as raw JSON.
+struct Members<'a>(Vec<(Cow<'a, str>, &'a RawValue)>);
+
+impl<'de> Deserialize<'de> for Members<'de> {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct MembersVisitor;
+        impl<'de> Visitor<'de> for MembersVisitor {
+            type Value = Members<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut members = Vec::with_capacity(map.size_hint().unwrap_or(8));
+                while let Some((key, value)) = map.next_entry::<Cow<'de, str>, &'de RawValue>()? {
+                    members.push((key, value));
+                }
+                Ok(Members(members))
+            }
+        }
+        deserializer.deserialize_map(MembersVisitor).map_err(de::Error::custom)
+    }
+}
+
+/// Rewrites a JSON object body: every `(key, json)` in `set` replaces or appends that member
+/// (its value given as JSON text), every key in `remove` is dropped. Other members keep their
+/// order and their exact bytes.
+pub fn patch(body: &[u8], set: &[(&str, &str)], remove: &[&str]) -> Result<Vec<u8>> {
+    require_object(body)?;
+    let members: Members<'_> = serde_json::from_slice(body).map_err(|e| invalid(&e))?;
+    let mut values: Vec<(Cow<'_, str>, Cow<'_, str>)> = Vec::with_capacity(members.0.len() + set.len());
+    for (key, value) in members.0 {
+        if remove.contains(&key.as_ref()) || values.iter().any(|(k, _)| *k == key) {
+            continue;
+        }
+        values.push((key, Cow::Borrowed(value.get())));
+    }
+    for (key, json) in set {
+        let checked: &RawValue = serde_json::from_str(json)
+            .map_err(|e| Error::new(Kind::InvalidRequest, format!("patch value for {key:?} is not JSON: {e}")))?;
+        let text = checked.get().to_owned();
+        match values.iter_mut().find(|(k, _)| k == key) {
+            Some(slot) => slot.1 = Cow::Owned(text),
+            None => values.push((Cow::Owned((*key).to_owned()), Cow::Owned(text))),
+        }
+    }
+    let mut out = String::with_capacity(body.len() + 64);
+    out.push('{');
+    for (i, (key, value)) in values.iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        // Keys are re-encoded so that any escaping in the original stays valid.
+        let _ = write!(out, "{}:{value}", serde_json::to_string(key.as_ref()).unwrap_or_default());
+    }
+    out.push('}');
+    Ok(out.into_bytes())
 }
 
 #[cfg(test)]
@@ -40,9 +157,21 @@ mod tests {
     use super::*;
 
     #[test]
-    fn reads_model_and_stream() {
-        let info = inspect(br#"{"messages":[{"role":"user","content":"hi"}],"model":"m1","stream":true}"#).unwrap();
-        assert_eq!(info, RequestInfo { model: Some("m1".into()), stream: true });
+    fn reads_routing_fields() {
+        let body = br#"{"messages":[{"role":"user","content":"hi"}],"model":"m1","stream":true,"n":2,"user":"u","max_tokens":5}"#;
+        let info = inspect(body).unwrap();
+        assert_eq!(info.model.as_deref(), Some("m1"));
+        assert!(info.stream);
+        assert_eq!((info.n, info.max_tokens), (Some(2), Some(5)));
+        assert_eq!(info.body_affinity(), Some("u"));
+        assert_eq!(info.prompt, Some(&br#"[{"role":"user","content":"hi"}]"#[..]));
+    }
+
+    #[test]
+    fn session_id_may_be_a_number() {
+        assert_eq!(inspect(br#"{"session_id": 42, "user": "u"}"#).unwrap().body_affinity(), Some("42"));
+        assert_eq!(inspect(br#"{"session_id": "s-1"}"#).unwrap().body_affinity(), Some("s-1"));
+        assert!(inspect(br#"{"session_id": [1]}"#).is_err());
     }
 
     #[test]
@@ -58,9 +187,27 @@ mod tests {
 
     #[test]
     fn rejects_bad_bodies() {
-        for body in [&b""[..], b"[]", b"not json", br#"{"model":1}"#, br#"{"stream":"yes"}"#, br#"{"model":"m""#] {
+        for body in [
+            &b""[..],
+            b"[]",
+            b"not json",
+            br#"{"model":1}"#,
+            br#"{"stream":"yes"}"#,
+            br#"{"model":"m""#,
+            br#"{"n":-1}"#,
+        ] {
             let err = inspect(body).unwrap_err();
             assert_eq!(err.kind(), Kind::InvalidRequest, "{:?}", String::from_utf8_lossy(body));
         }
+    }
+
+    #[test]
+    fn patch_sets_replaces_and_removes_keeping_the_rest() {
+        let body = br#"{"model":"m","stream":true,"messages":[{"content":"h\u00e9"}],"max_tokens":100}"#;
+        let out =
+            patch(body, &[("max_tokens", "1"), ("stream", "false"), ("with_cache", "true")], &["messages"]).unwrap();
+        assert_eq!(String::from_utf8(out).unwrap(), r#"{"model":"m","stream":false,"max_tokens":1,"with_cache":true}"#);
+        assert!(patch(body, &[("x", "not json")], &[]).is_err());
+        assert!(patch(b"[1]", &[], &[]).is_err());
     }
 }

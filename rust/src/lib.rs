@@ -1,6 +1,7 @@
 //! pdproxy data plane: the node table, selection, in-flight accounting and the upstream
 //! forwarder. Plain Rust except `py/`, the only module that touches pyo3.
 
+pub mod admission;
 pub mod doorbell;
 pub mod error;
 pub mod exchange;

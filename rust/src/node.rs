@@ -1,6 +1,6 @@
 //! A node: one upstream inference server, with counters that outlive any snapshot.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,8 +9,88 @@ use http::Uri;
 
 use crate::error::{Error, Kind, Result};
 
-/// Per-node counters. Plain atomics with no pointers inside, so the same layout could later
-/// live in a shared-memory table used by several worker processes.
+/// What a node does in a disaggregated deployment (LMDeploy's `EngineRole`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Role {
+    #[default]
+    Hybrid,
+    Prefill,
+    Decode,
+}
+
+impl Role {
+    pub const ALL: [Role; 3] = [Role::Hybrid, Role::Prefill, Role::Decode];
+
+    /// Accepts LMDeploy's integers (Hybrid=1, Prefill=2, Decode=3) and names, any case.
+    pub fn parse(raw: &str) -> Result<Self> {
+        match raw.trim().to_ascii_lowercase().as_str() {
+            "hybrid" | "1" => Ok(Role::Hybrid),
+            "prefill" | "2" => Ok(Role::Prefill),
+            "decode" | "3" => Ok(Role::Decode),
+            _ => Err(Error::new(Kind::InvalidNode, format!("unknown role {raw:?}: use hybrid, prefill or decode"))),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Role::Hybrid => "hybrid",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+/// Whether a node may take new requests. Only `Healthy` nodes are selected.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum NodeState {
+    Healthy = 0,
+    Unhealthy = 1,
+    /// Finishing its requests; takes no new ones.
+    Draining = 2,
+    /// Up but not serving (an LMDeploy engine put to sleep).
+    Sleeping = 3,
+}
+
+impl NodeState {
+    pub fn parse(raw: &str) -> Result<Self> {
+        match raw.trim().to_ascii_lowercase().as_str() {
+            "healthy" => Ok(NodeState::Healthy),
+            "unhealthy" => Ok(NodeState::Unhealthy),
+            "draining" => Ok(NodeState::Draining),
+            "sleeping" => Ok(NodeState::Sleeping),
+            _ => Err(Error::new(
+                Kind::InvalidNode,
+                format!("unknown node state {raw:?}: use healthy, unhealthy, draining or sleeping"),
+            )),
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            NodeState::Healthy => "healthy",
+            NodeState::Unhealthy => "unhealthy",
+            NodeState::Draining => "draining",
+            NodeState::Sleeping => "sleeping",
+        }
+    }
+
+    fn from_u8(raw: u8) -> Self {
+        match raw {
+            0 => NodeState::Healthy,
+            1 => NodeState::Unhealthy,
+            2 => NodeState::Draining,
+            _ => NodeState::Sleeping,
+        }
+    }
+}
+
+/// How many recent requests the latency window keeps (LMDeploy keeps 15).
+pub const LATENCY_WINDOW: usize = 15;
+
+/// Per-node counters and mutable attributes. Plain fixed-size atomics with no pointers
+/// inside, so the same layout could later live in a shared-memory table used by several
+/// worker processes.
 #[derive(Debug, Default)]
 pub struct NodeCounters {
     pub in_flight: AtomicU64,
@@ -19,10 +99,23 @@ pub struct NodeCounters {
     pub failed: AtomicU64,
     pub cancelled: AtomicU64,
     pub latency_us_sum: AtomicU64,
+    /// Server-sent events forwarded from this node.
+    pub events: AtomicU64,
+    pub ttft_us_sum: AtomicU64,
+    pub ttft_count: AtomicU64,
+    /// Exponentially weighted mean of time to first byte, microseconds (0: none yet).
+    pub ttft_us_ewma: AtomicU64,
+    /// The last `LATENCY_WINDOW` successful requests: latency (µs) and events served.
+    recent_latency_us: [AtomicU32; LATENCY_WINDOW],
+    recent_events: [AtomicU32; LATENCY_WINDOW],
+    recent_cursor: AtomicU64,
+    /// Hard cap on `in_flight`; 0 means none.
+    pub max_concurrency: AtomicU32,
+    state: AtomicU8,
 }
 
 /// One point-in-time copy of a node's counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct CountersSnapshot {
     pub in_flight: u64,
     pub requests: u64,
@@ -30,10 +123,24 @@ pub struct CountersSnapshot {
     pub failed: u64,
     pub cancelled: u64,
     pub latency_us_sum: u64,
+    pub events: u64,
+    pub mean_ttft_us: Option<f64>,
+    pub ttft_us_ewma: Option<f64>,
+    /// Mean latency of the recent window, microseconds.
+    pub recent_latency_us: Option<f64>,
+    /// Mean of latency per event over the recent window, microseconds.
+    pub recent_latency_per_event_us: Option<f64>,
+    pub max_concurrency: Option<u32>,
+    pub state: Option<&'static str>,
 }
 
 impl NodeCounters {
     pub fn snapshot(&self) -> CountersSnapshot {
+        let ttft_count = self.ttft_count.load(Ordering::Relaxed);
+        #[allow(clippy::cast_precision_loss)]
+        let mean_ttft_us =
+            (ttft_count > 0).then(|| self.ttft_us_sum.load(Ordering::Relaxed) as f64 / ttft_count as f64);
+        let ewma = f64::from_bits(self.ttft_us_ewma.load(Ordering::Relaxed));
         CountersSnapshot {
             in_flight: self.in_flight.load(Ordering::Relaxed),
             requests: self.requests.load(Ordering::Relaxed),
@@ -41,16 +148,95 @@ impl NodeCounters {
             failed: self.failed.load(Ordering::Relaxed),
             cancelled: self.cancelled.load(Ordering::Relaxed),
             latency_us_sum: self.latency_us_sum.load(Ordering::Relaxed),
+            events: self.events.load(Ordering::Relaxed),
+            mean_ttft_us,
+            ttft_us_ewma: (ewma > 0.0).then_some(ewma),
+            recent_latency_us: self.recent_mean(false),
+            recent_latency_per_event_us: self.recent_mean(true),
+            max_concurrency: self.max_concurrency(),
+            state: Some(self.state().name()),
         }
     }
 
-    pub(crate) fn record_latency(&self, elapsed: Duration) {
-        let micros = u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX);
+    pub fn state(&self) -> NodeState {
+        NodeState::from_u8(self.state.load(Ordering::Acquire))
+    }
+
+    pub fn set_state(&self, state: NodeState) {
+        self.state.store(state as u8, Ordering::Release);
+    }
+
+    pub fn max_concurrency(&self) -> Option<u32> {
+        Some(self.max_concurrency.load(Ordering::Relaxed)).filter(|&m| m > 0)
+    }
+
+    pub fn set_max_concurrency(&self, max: Option<u32>) {
+        self.max_concurrency.store(max.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    pub fn in_flight(&self) -> u64 {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// True when the node may be selected now: healthy and below its cap.
+    pub fn is_available(&self) -> bool {
+        self.state() == NodeState::Healthy && self.max_concurrency().is_none_or(|max| self.in_flight() < u64::from(max))
+    }
+
+    /// Mean latency over the recent window (optionally per event served); `None` before any.
+    pub fn recent_mean(&self, per_event: bool) -> Option<f64> {
+        let filled =
+            usize::try_from(self.recent_cursor.load(Ordering::Relaxed)).unwrap_or(usize::MAX).min(LATENCY_WINDOW);
+        if filled == 0 {
+            return None;
+        }
+        let sum: f64 = (0..filled)
+            .map(|i| {
+                let latency = f64::from(self.recent_latency_us[i].load(Ordering::Relaxed));
+                if per_event {
+                    latency / f64::from(self.recent_events[i].load(Ordering::Relaxed).max(1))
+                } else {
+                    latency
+                }
+            })
+            .sum();
+        #[allow(clippy::cast_precision_loss)]
+        Some(sum / filled as f64)
+    }
+
+    pub(crate) fn record_success(&self, latency: Duration, first_byte: Option<Duration>, events: u64) {
+        let micros = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
         self.latency_us_sum.fetch_add(micros, Ordering::Relaxed);
+        let slot =
+            usize::try_from(self.recent_cursor.fetch_add(1, Ordering::Relaxed) % LATENCY_WINDOW as u64).unwrap_or(0);
+        self.recent_latency_us[slot].store(u32::try_from(micros).unwrap_or(u32::MAX), Ordering::Relaxed);
+        self.recent_events[slot].store(u32::try_from(events).unwrap_or(u32::MAX), Ordering::Relaxed);
+        self.events.fetch_add(events, Ordering::Relaxed);
+        if let Some(first) = first_byte {
+            #[allow(clippy::cast_precision_loss)]
+            let ttft = first.as_micros() as f64;
+            self.ttft_us_sum.fetch_add(u64::try_from(first.as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
+            self.ttft_count.fetch_add(1, Ordering::Relaxed);
+            // A lost update under a race only skews a statistic; no lock for it.
+            let old = f64::from_bits(self.ttft_us_ewma.load(Ordering::Relaxed));
+            let new = if old > 0.0 { old + 0.2 * (ttft - old) } else { ttft };
+            self.ttft_us_ewma.store(new.to_bits(), Ordering::Relaxed);
+        }
     }
 }
 
-/// An immutable description of a node plus its shared counters. Changing a node's models
+/// What a node is registered with.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NodeSpec {
+    /// Models the node serves; empty when unknown (the node is then eligible for any model).
+    pub models: Vec<String>,
+    pub role: Role,
+    /// Relative throughput (LMDeploy's `speed`); `None` when not declared.
+    pub speed: Option<f64>,
+    pub max_concurrency: Option<u32>,
+}
+
+/// An immutable description of a node plus its shared counters. Changing a node's spec
 /// builds a new `Node` that shares the same counters and generation.
 #[derive(Debug)]
 pub struct Node {
@@ -59,19 +245,20 @@ pub struct Node {
     authority: Authority,
     base_path: String,
     generation: u64,
-    models: Vec<String>,
+    spec: NodeSpec,
     counters: Arc<NodeCounters>,
 }
 
 impl Node {
-    pub(crate) fn new(url: &NodeUrl, generation: u64, models: Vec<String>, counters: Arc<NodeCounters>) -> Self {
+    pub(crate) fn new(url: &NodeUrl, generation: u64, spec: NodeSpec, counters: Arc<NodeCounters>) -> Self {
+        counters.set_max_concurrency(spec.max_concurrency);
         Self {
             url: url.normalized.clone(),
             scheme: url.scheme.clone(),
             authority: url.authority.clone(),
             base_path: url.base_path.clone(),
             generation,
-            models,
+            spec,
             counters,
         }
     }
@@ -86,9 +273,20 @@ impl Node {
         self.generation
     }
 
-    /// Models the node serves; empty when unknown (the node is then eligible for any model).
+    pub fn spec(&self) -> &NodeSpec {
+        &self.spec
+    }
+
     pub fn models(&self) -> &[String] {
-        &self.models
+        &self.spec.models
+    }
+
+    pub fn role(&self) -> Role {
+        self.spec.role
+    }
+
+    pub fn speed(&self) -> Option<f64> {
+        self.spec.speed
     }
 
     pub fn counters(&self) -> &Arc<NodeCounters> {
@@ -175,7 +373,39 @@ mod tests {
     #[test]
     fn joins_base_path() {
         let url = NodeUrl::parse("http://h:1/base/").unwrap();
-        let node = Node::new(&url, 1, vec![], Arc::default());
+        let node = Node::new(&url, 1, NodeSpec::default(), Arc::default());
         assert_eq!(node.uri_for("/v1/models?x=1").unwrap().to_string(), "http://h:1/base/v1/models?x=1");
+    }
+
+    #[test]
+    fn roles_and_states_parse_like_lmdeploy() {
+        assert_eq!(Role::parse("2").unwrap(), Role::Prefill);
+        assert_eq!(Role::parse("Decode").unwrap(), Role::Decode);
+        assert!(Role::parse("4").is_err());
+        assert_eq!(NodeState::parse("Sleeping").unwrap(), NodeState::Sleeping);
+    }
+
+    #[test]
+    fn recent_window_keeps_the_last_fifteen() {
+        let c = NodeCounters::default();
+        assert_eq!(c.recent_mean(false), None);
+        for ms in 1..=20u64 {
+            c.record_success(Duration::from_millis(ms), None, 2);
+        }
+        // 6..=20 ms remain: mean 13 ms; per event: 6.5 ms.
+        assert_eq!(c.recent_mean(false), Some(13_000.0));
+        assert_eq!(c.recent_mean(true), Some(6_500.0));
+    }
+
+    #[test]
+    fn availability_follows_state_and_cap() {
+        let c = NodeCounters::default();
+        assert!(c.is_available());
+        c.set_max_concurrency(Some(1));
+        c.in_flight.store(1, Ordering::Relaxed);
+        assert!(!c.is_available());
+        c.in_flight.store(0, Ordering::Relaxed);
+        c.set_state(NodeState::Draining);
+        assert!(!c.is_available());
     }
 }

@@ -4,7 +4,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::node::NodeCounters;
+use crate::admission::Admission;
+use crate::node::Node;
 
 /// How a request ended, as recorded in the node's counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,6 +16,8 @@ pub enum Outcome {
     Failed,
     /// The caller gave up first (client disconnect, body dropped unread).
     Cancelled,
+    /// Selected but never sent (a dry-run selection): recorded nowhere.
+    Unused,
 }
 
 /// What a streamed body showed, recorded into the node's statistics at release.
@@ -28,25 +31,58 @@ pub struct Report {
 
 /// Holds one unit of a node's in-flight count. It travels with the request and then with
 /// the response body, so the count drops on whichever exit comes first; an unfinished
-/// permit counts as cancelled.
+/// permit counts as cancelled. Releasing one wakes a request queued for that node.
 #[derive(Debug)]
 pub struct InFlightPermit {
-    counters: Arc<NodeCounters>,
+    node: Arc<Node>,
+    admission: Option<Arc<Admission>>,
     started: Instant,
     outcome: Outcome,
     report: Report,
 }
 
 impl InFlightPermit {
-    pub fn acquire(counters: &Arc<NodeCounters>) -> Self {
+    /// Takes a permit unless the node is at its cap. The check and the increment are one
+    /// atomic step, so concurrent callers can never push a node past its cap.
+    pub fn try_acquire(node: &Arc<Node>, admission: Option<&Arc<Admission>>) -> Option<Self> {
+        let counters = node.counters();
+        match counters.max_concurrency() {
+            None => {
+                counters.in_flight.fetch_add(1, Ordering::AcqRel);
+            }
+            Some(max) => {
+                counters
+                    .in_flight
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < u64::from(max)).then_some(n + 1))
+                    .ok()?;
+            }
+        }
+        counters.requests.fetch_add(1, Ordering::Relaxed);
+        Some(Self {
+            node: Arc::clone(node),
+            admission: admission.cloned(),
+            started: Instant::now(),
+            outcome: Outcome::Cancelled,
+            report: Report::default(),
+        })
+    }
+
+    /// Takes a permit whatever the cap (tests and tools that account by hand).
+    pub fn acquire(node: &Arc<Node>) -> Self {
+        let counters = node.counters();
         counters.in_flight.fetch_add(1, Ordering::AcqRel);
         counters.requests.fetch_add(1, Ordering::Relaxed);
         Self {
-            counters: Arc::clone(counters),
+            node: Arc::clone(node),
+            admission: None,
             started: Instant::now(),
             outcome: Outcome::Cancelled,
             report: Report::default(),
         }
+    }
+
+    pub fn node(&self) -> &Arc<Node> {
+        &self.node
     }
 
     /// Sets the outcome recorded at release.
@@ -58,6 +94,12 @@ impl InFlightPermit {
         self.report = report;
     }
 
+    /// Releases a permit that was never used for a request.
+    pub fn unused(mut self) {
+        self.node.counters().requests.fetch_sub(1, Ordering::Relaxed);
+        self.outcome = Outcome::Unused;
+    }
+
     /// When the request was admitted.
     pub fn started(&self) -> Instant {
         self.started
@@ -66,11 +108,11 @@ impl InFlightPermit {
 
 impl Drop for InFlightPermit {
     fn drop(&mut self) {
-        let counters = &self.counters;
+        let counters = self.node.counters();
         match self.outcome {
             Outcome::Succeeded => {
                 counters.succeeded.fetch_add(1, Ordering::Relaxed);
-                counters.record_latency(self.started.elapsed());
+                counters.record_success(self.started.elapsed(), self.report.first_byte, self.report.events);
             }
             Outcome::Failed => {
                 counters.failed.fetch_add(1, Ordering::Relaxed);
@@ -78,25 +120,41 @@ impl Drop for InFlightPermit {
             Outcome::Cancelled => {
                 counters.cancelled.fetch_add(1, Ordering::Relaxed);
             }
+            Outcome::Unused => {}
         }
         counters.in_flight.fetch_sub(1, Ordering::AcqRel);
+        if let Some(admission) = &self.admission {
+            admission.released(&self.node);
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::node::NodeSpec;
+    use crate::registry::Registry;
 
     #[test]
     fn counts_once_per_exit() {
-        let counters = Arc::new(NodeCounters::default());
-        let mut ok = InFlightPermit::acquire(&counters);
-        let dropped = InFlightPermit::acquire(&counters);
-        assert_eq!(counters.snapshot().in_flight, 2);
+        let node = Registry::new().add("h:1", NodeSpec::default()).unwrap();
+        let mut ok = InFlightPermit::acquire(&node);
+        let dropped = InFlightPermit::acquire(&node);
+        assert_eq!(node.counters().snapshot().in_flight, 2);
         ok.set_outcome(Outcome::Succeeded);
         drop(ok);
         drop(dropped);
-        let snap = counters.snapshot();
+        let snap = node.counters().snapshot();
         assert_eq!((snap.in_flight, snap.requests, snap.succeeded, snap.cancelled), (0, 2, 1, 1));
+    }
+
+    #[test]
+    fn the_cap_is_hard() {
+        let node = Registry::new().add("h:1", NodeSpec { max_concurrency: Some(2), ..NodeSpec::default() }).unwrap();
+        let a = InFlightPermit::try_acquire(&node, None).unwrap();
+        let _b = InFlightPermit::try_acquire(&node, None).unwrap();
+        assert!(InFlightPermit::try_acquire(&node, None).is_none());
+        drop(a);
+        assert!(InFlightPermit::try_acquire(&node, None).is_some());
     }
 }

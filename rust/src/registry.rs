@@ -1,5 +1,5 @@
 //! The node table: an immutable snapshot swapped atomically. Readers never lock; writers
-//! (rare: add, remove) serialise on a mutex and publish a new snapshot.
+//! (rare: add, update, remove) serialise on a mutex and publish a new snapshot.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -8,41 +8,54 @@ use std::sync::{Arc, Mutex, PoisonError};
 use arc_swap::{ArcSwap, Guard};
 
 use crate::error::{Error, Kind, Result};
-use crate::node::{Node, NodeCounters, NodeUrl};
+use crate::node::{Node, NodeCounters, NodeSpec, NodeUrl, Role};
 
 /// One published version of the node table, indexed for selection.
 #[derive(Debug, Default)]
 pub struct NodeSet {
     nodes: Vec<Arc<Node>>,
-    /// Per model: the nodes that declare it, followed by the nodes whose models are unknown.
-    by_model: HashMap<String, Vec<Arc<Node>>>,
-    /// Nodes whose models are unknown: eligible for any model.
+    by_role: HashMap<Role, RoleNodes>,
+    /// Per role and model: the nodes that declare it, then the nodes of unknown models.
+    by_model: HashMap<Role, HashMap<String, Vec<Arc<Node>>>>,
+}
+
+/// Per role: all its nodes, and those whose models are unknown (eligible for any model).
+#[derive(Debug, Default)]
+struct RoleNodes {
+    all: Vec<Arc<Node>>,
     wildcard: Vec<Arc<Node>>,
 }
 
 /// Why a request has no candidate node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NoCandidates {
+    /// No node of the role is registered.
     NoNodes,
     ModelNotFound,
 }
 
 impl NodeSet {
     fn build(nodes: Vec<Arc<Node>>) -> Self {
-        let wildcard: Vec<_> = nodes.iter().filter(|n| n.models().is_empty()).cloned().collect();
-        let mut by_model: HashMap<String, Vec<Arc<Node>>> = HashMap::new();
+        let mut by_role: HashMap<Role, RoleNodes> = HashMap::new();
         for node in &nodes {
-            for model in node.models() {
-                let list = by_model.entry(model.clone()).or_default();
-                if !list.iter().any(|n| Arc::ptr_eq(n, node)) {
-                    list.push(Arc::clone(node));
-                }
+            let entry = by_role.entry(node.role()).or_default();
+            entry.all.push(Arc::clone(node));
+            if node.models().is_empty() {
+                entry.wildcard.push(Arc::clone(node));
             }
         }
-        for list in by_model.values_mut() {
-            list.extend(wildcard.iter().cloned());
+        let mut by_model: HashMap<Role, HashMap<String, Vec<Arc<Node>>>> = HashMap::new();
+        for node in &nodes {
+            for model in node.models() {
+                by_model.entry(node.role()).or_default().entry(model.clone()).or_default().push(Arc::clone(node));
+            }
         }
-        Self { nodes, by_model, wildcard }
+        for (role, models) in &mut by_model {
+            for list in models.values_mut() {
+                list.extend(by_role[role].wildcard.iter().cloned());
+            }
+        }
+        Self { nodes, by_role, by_model }
     }
 
     pub fn nodes(&self) -> &[Arc<Node>] {
@@ -50,17 +63,18 @@ impl NodeSet {
     }
 
     pub fn get(&self, url: &str) -> Option<&Arc<Node>> {
-        self.nodes.iter().find(|n| n.url() == url)
+        let url = NodeUrl::parse(url).ok()?;
+        self.nodes.iter().find(|n| n.url() == url.normalized)
     }
 
-    /// The nodes that may serve `model` (any node when the request names none).
-    pub fn candidates(&self, model: Option<&str>) -> Result<&[Arc<Node>], NoCandidates> {
-        if self.nodes.is_empty() {
+    /// The nodes of `role` that may serve `model` (any of them when the request names none).
+    pub fn candidates(&self, role: Role, model: Option<&str>) -> Result<&[Arc<Node>], NoCandidates> {
+        let Some(nodes) = self.by_role.get(&role) else {
             return Err(NoCandidates::NoNodes);
-        }
+        };
         let list = match model {
-            None => &self.nodes,
-            Some(m) => self.by_model.get(m).unwrap_or(&self.wildcard),
+            None => &nodes.all,
+            Some(m) => self.by_model.get(&role).and_then(|models| models.get(m)).unwrap_or(&nodes.wildcard),
         };
         if list.is_empty() {
             Err(NoCandidates::ModelNotFound)
@@ -98,21 +112,26 @@ impl Registry {
         self.snapshot.load()
     }
 
-    /// Adds a node, or updates the models of an existing one (same generation and counters).
-    pub fn add(&self, url: &str, models: Vec<String>) -> Result<Arc<Node>> {
+    /// Adds a node, or updates the spec of a registered one (same generation and counters).
+    pub fn add(&self, url: &str, spec: NodeSpec) -> Result<Arc<Node>> {
         let url = NodeUrl::parse(url)?;
-        let models = dedup(models);
+        if let Some(speed) = spec.speed {
+            if !(speed.is_finite() && speed > 0.0) {
+                return Err(Error::new(Kind::InvalidNode, format!("speed must be a positive number, got {speed}")));
+            }
+        }
+        let spec = NodeSpec { models: dedup(spec.models), ..spec };
         let _writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
         let current = self.snapshot.load_full();
         let mut nodes = current.nodes.clone();
         let node = if let Some(pos) = nodes.iter().position(|n| n.url() == url.normalized) {
             let old = &nodes[pos];
-            let updated = Arc::new(Node::new(&url, old.generation(), models, Arc::clone(old.counters())));
+            let updated = Arc::new(Node::new(&url, old.generation(), spec, Arc::clone(old.counters())));
             nodes[pos] = Arc::clone(&updated);
             updated
         } else {
             let generation = self.next_generation.fetch_add(1, Ordering::Relaxed) + 1;
-            let added = Arc::new(Node::new(&url, generation, models, Arc::new(NodeCounters::default())));
+            let added = Arc::new(Node::new(&url, generation, spec, Arc::new(NodeCounters::default())));
             nodes.push(Arc::clone(&added));
             added
         };
@@ -127,7 +146,7 @@ impl Registry {
         let _writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
         let current = self.snapshot.load_full();
         let Some(pos) = current.nodes.iter().position(|n| n.url() == url.normalized) else {
-            return Err(Error::new(Kind::InvalidNode, format!("no node {} is registered", url.normalized)));
+            return Err(Error::new(Kind::NodeNotFound, format!("no node {} is registered", url.normalized)));
         };
         let mut nodes = current.nodes.clone();
         let removed = nodes.remove(pos);
@@ -150,41 +169,49 @@ fn dedup(models: Vec<String>) -> Vec<String> {
 mod tests {
     use super::*;
 
+    fn spec(models: &[&str], role: Role) -> NodeSpec {
+        NodeSpec { models: models.iter().map(|m| (*m).to_owned()).collect(), role, ..NodeSpec::default() }
+    }
+
     #[test]
     fn add_update_remove() {
         let reg = Registry::new();
-        let a = reg.add("127.0.0.1:1", vec!["m".into()]).unwrap();
-        let b = reg.add("http://127.0.0.1:2/", vec![]).unwrap();
+        let a = reg.add("127.0.0.1:1", spec(&["m"], Role::Hybrid)).unwrap();
+        let b = reg.add("http://127.0.0.1:2/", spec(&[], Role::Hybrid)).unwrap();
         assert_ne!(a.generation(), b.generation());
 
-        let updated = reg.add("http://127.0.0.1:1", vec!["m".into(), "n".into(), "m".into()]).unwrap();
+        let updated = reg.add("http://127.0.0.1:1", spec(&["m", "n", "m"], Role::Hybrid)).unwrap();
         assert_eq!(updated.generation(), a.generation());
         assert!(Arc::ptr_eq(updated.counters(), a.counters()));
         assert_eq!(updated.models(), ["m", "n"]);
         assert_eq!(reg.load().nodes().len(), 2);
 
         reg.remove("127.0.0.1:1/").unwrap();
-        assert_eq!(reg.remove("127.0.0.1:1").unwrap_err().kind(), Kind::InvalidNode);
-        let again = reg.add("127.0.0.1:1", vec![]).unwrap();
+        assert_eq!(reg.remove("127.0.0.1:1").unwrap_err().kind(), Kind::NodeNotFound);
+        let again = reg.add("127.0.0.1:1", spec(&[], Role::Hybrid)).unwrap();
         assert!(again.generation() > b.generation(), "re-adding starts a new generation");
-        assert!(!Arc::ptr_eq(again.counters(), a.counters()));
+        assert!(!Arc::ptr_eq(again.counters(), a.counters()), "remove-then-add does not mix counts");
+        assert!(reg.add("h:9", NodeSpec { speed: Some(-1.0), ..NodeSpec::default() }).is_err());
     }
 
     #[test]
-    fn candidates_by_model() {
+    fn candidates_by_role_and_model() {
         let reg = Registry::new();
-        assert_eq!(reg.load().candidates(None).unwrap_err(), NoCandidates::NoNodes);
-        reg.add("h:1", vec!["a".into()]).unwrap();
-        reg.add("h:2", vec!["b".into()]).unwrap();
+        assert_eq!(reg.load().candidates(Role::Hybrid, None).unwrap_err(), NoCandidates::NoNodes);
+        reg.add("h:1", spec(&["a"], Role::Hybrid)).unwrap();
+        reg.add("h:2", spec(&["b"], Role::Hybrid)).unwrap();
+        reg.add("h:3", spec(&["a"], Role::Prefill)).unwrap();
         let set = reg.load();
-        assert_eq!(set.candidates(Some("a")).unwrap()[0].url(), "http://h:1");
-        assert_eq!(set.candidates(None).unwrap().len(), 2);
-        assert_eq!(set.candidates(Some("c")).unwrap_err(), NoCandidates::ModelNotFound);
+        assert_eq!(set.candidates(Role::Hybrid, Some("a")).unwrap().len(), 1);
+        assert_eq!(set.candidates(Role::Prefill, Some("a")).unwrap()[0].url(), "http://h:3");
+        assert_eq!(set.candidates(Role::Hybrid, None).unwrap().len(), 2);
+        assert_eq!(set.candidates(Role::Hybrid, Some("c")).unwrap_err(), NoCandidates::ModelNotFound);
+        assert_eq!(set.candidates(Role::Decode, Some("a")).unwrap_err(), NoCandidates::NoNodes);
         assert_eq!(set.models(), ["a", "b"]);
 
-        reg.add("h:3", vec![]).unwrap();
+        reg.add("h:4", spec(&[], Role::Hybrid)).unwrap();
         let set = reg.load();
-        assert_eq!(set.candidates(Some("a")).unwrap().len(), 2, "unknown-model nodes serve any model");
-        assert_eq!(set.candidates(Some("c")).unwrap()[0].url(), "http://h:3");
+        assert_eq!(set.candidates(Role::Hybrid, Some("a")).unwrap().len(), 2, "unknown-model nodes serve any model");
+        assert_eq!(set.candidates(Role::Hybrid, Some("c")).unwrap()[0].url(), "http://h:4");
     }
 }

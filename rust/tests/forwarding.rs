@@ -8,7 +8,7 @@ use std::time::Duration;
 use _pdproxy::error::{Error, Kind};
 use _pdproxy::exchange::{pump, Delivery, Exchange};
 use _pdproxy::forward::{ForwardConfig, ForwardRequest, Forwarder, ResponseBody, StreamBody, UpstreamResponse};
-use _pdproxy::node::Node;
+use _pdproxy::node::{Node, NodeSpec};
 use _pdproxy::permit::InFlightPermit;
 use _pdproxy::registry::Registry;
 use http::Method;
@@ -26,11 +26,11 @@ fn forwarder(first_byte_timeout: Duration) -> Forwarder {
 }
 
 fn node(addr: &str) -> Arc<Node> {
-    Registry::new().add(addr, vec![]).unwrap()
+    Registry::new().add(addr, NodeSpec::default()).unwrap()
 }
 
 async fn send(fwd: &Forwarder, node: &Arc<Node>, path: &str) -> _pdproxy::error::Result<UpstreamResponse> {
-    let permit = InFlightPermit::acquire(node.counters());
+    let permit = InFlightPermit::acquire(node);
     let request = ForwardRequest {
         method: Method::POST,
         path_and_query: path.to_owned(),

@@ -13,25 +13,23 @@ pyo3::import_exception!(pdproxy.errors, InvalidNode);
 pyo3::import_exception!(pdproxy.errors, NodeNotFound);
 pyo3::import_exception!(pdproxy.errors, NoNodeAvailable);
 pyo3::import_exception!(pdproxy.errors, ModelNotFound);
+pyo3::import_exception!(pdproxy.errors, Overloaded);
 pyo3::import_exception!(pdproxy.errors, UpstreamError);
 pyo3::import_exception!(pdproxy.errors, UpstreamConnectError);
 pyo3::import_exception!(pdproxy.errors, UpstreamTimeout);
 
 /// The most specific Python exception for a data-plane error.
 pub fn to_pyerr(err: &Error) -> PyErr {
-    let args = (err.message().to_owned(), err.source().map(ToString::to_string));
+    let args = (err.message().to_owned(), err.source().map(ToString::to_string), err.retry_after());
     match err.kind() {
         Kind::InvalidRequest => InvalidRequest::new_err(args),
         Kind::InvalidNode => InvalidNode::new_err(args),
+        Kind::NodeNotFound => NodeNotFound::new_err(args),
         Kind::ModelNotFound => ModelNotFound::new_err(args),
-        Kind::NoNodes => NoNodeAvailable::new_err(args),
+        Kind::NoNodes | Kind::NoHealthyNode => NoNodeAvailable::new_err(args),
+        Kind::Overloaded => Overloaded::new_err(args),
         Kind::Connect => UpstreamConnectError::new_err(args),
         Kind::Timeout => UpstreamTimeout::new_err(args),
         Kind::Upstream | Kind::Cancelled => UpstreamError::new_err(args),
     }
-}
-
-/// A `remove_node` of a URL that is not registered.
-pub fn node_not_found(err: &Error) -> PyErr {
-    NodeNotFound::new_err((err.message().to_owned(), None::<String>))
 }

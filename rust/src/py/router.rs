@@ -1,90 +1,134 @@
-//! `Router`: the node table, selection and forwarding, as one Python object.
+//! `Router`: the node table, selection, admission and forwarding, as one Python object.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use http::Method;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
-
-use std::sync::OnceLock;
-use std::time::Instant;
-
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::types::{PyBytes, PyDict, PyList};
+use tokio_util::sync::CancellationToken;
 
 use super::bridge::{resolve, LoopBridge};
-use super::config::RouterConfig;
-use super::errors::{node_not_found, to_pyerr};
+use super::config::{seconds, PolicySet, RouterConfig};
+use super::errors::to_pyerr;
 use super::response::{Head, Response};
-use crate::error::Kind;
+use crate::admission::{Admission, Ticket};
+use crate::error::{Error, Kind, Result};
 use crate::exchange::{pump, Exchange};
 use crate::forward::{ForwardConfig, ForwardRequest, Forwarder, ResponseBody, UpstreamResponse};
-use crate::inspect::inspect;
-use crate::node::Node;
+use crate::inspect::{inspect, patch};
+use crate::node::{Node, NodeSpec, NodeState, Role};
 use crate::permit::InFlightPermit;
 use crate::registry::Registry;
 use crate::runtime;
-use crate::select::{policy_from_name, select, Policy};
+use crate::select::{select, SelectCtx};
 
 #[pyclass(frozen, name = "Router", module = "pdproxy._pdproxy")]
 pub struct Router {
-    registry: Registry,
-    policy: Box<dyn Policy>,
-    forwarder: Arc<Forwarder>,
+    shared: Arc<Shared>,
+    queue_size: usize,
     config: ForwardConfig,
     runtime: &'static tokio::runtime::Runtime,
+    /// Ends every task of this router when it closes.
+    shutdown: CancellationToken,
     /// The event loop this router serves, bound on first use.
     bridge: OnceLock<Py<LoopBridge>>,
+}
+
+fn role_of(raw: &str) -> PyResult<Role> {
+    Role::parse(raw).map_err(|e| to_pyerr(&e))
+}
+
+/// The affinity key: the `x-session-id` or `x-user-id` header, else the body's
+/// `session_id` or `user`.
+fn affinity<'a>(headers: &'a [(Vec<u8>, Vec<u8>)], body_key: Option<&'a str>) -> Option<&'a str> {
+    let header = |name: &[u8]| {
+        headers.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)).and_then(|(_, v)| std::str::from_utf8(v).ok())
+    };
+    header(b"x-session-id").or_else(|| header(b"x-user-id")).or(body_key)
 }
 
 #[pymethods]
 impl Router {
     #[new]
     fn new(config: RouterConfig) -> PyResult<Self> {
-        let policy = policy_from_name(&config.policy).map_err(|e| PyValueError::new_err(e.message().to_owned()))?;
+        let policies = config.policies()?;
         let forward_config = config.forward_config()?;
-        let forwarder = Arc::new(Forwarder::new(forward_config.clone()));
+        let forwarder = Forwarder::new(forward_config.clone());
         // Built on first use; the first router's thread count wins.
         let runtime =
             runtime::get(config.runtime_threads).map_err(|e| PyRuntimeError::new_err(e.message().to_owned()))?;
-        Ok(Self {
+        let shared = Shared {
             registry: Registry::new(),
-            policy,
+            policies,
+            admission: Arc::new(Admission::new(config.queue_size)),
+            queue_timeout: seconds("queue_timeout", config.queue_timeout)?,
             forwarder,
+        };
+        Ok(Self {
+            shared: Arc::new(shared),
+            queue_size: config.queue_size,
             config: forward_config,
             runtime,
+            shutdown: CancellationToken::new(),
             bridge: OnceLock::new(),
         })
     }
 
-    /// The routing policy's name.
+    /// The routing policy of each role (and per-model overrides, as `model:NAME`).
     #[getter]
-    fn policy(&self) -> &'static str {
-        self.policy.name()
+    fn policies(&self) -> Vec<(String, &'static str)> {
+        self.shared.policies.names()
     }
 
-    #[pyo3(signature = (url, models=None))]
-    fn add_node(&self, url: &str, models: Option<Vec<String>>) -> PyResult<String> {
-        let node = self.registry.add(url, models.unwrap_or_default()).map_err(|e| to_pyerr(&e))?;
+    #[pyo3(signature = (url, models=None, role="hybrid", speed=None, max_concurrency=None))]
+    fn add_node(
+        &self,
+        url: &str,
+        models: Option<Vec<String>>,
+        role: &str,
+        speed: Option<f64>,
+        max_concurrency: Option<u32>,
+    ) -> PyResult<String> {
+        let spec = NodeSpec {
+            models: models.unwrap_or_default(),
+            role: role_of(role)?,
+            speed,
+            max_concurrency: max_concurrency.filter(|&m| m > 0),
+        };
+        let node = self.shared.registry.add(url, spec).map_err(|e| to_pyerr(&e))?;
         Ok(node.url().to_owned())
     }
 
     fn remove_node(&self, url: &str) -> PyResult<String> {
-        match self.registry.remove(url) {
-            Ok(node) => Ok(node.url().to_owned()),
-            Err(e) if e.kind() == Kind::InvalidNode && e.message().starts_with("no node") => Err(node_not_found(&e)),
-            Err(e) => Err(to_pyerr(&e)),
-        }
+        let node = self.shared.registry.remove(url).map_err(|e| to_pyerr(&e))?;
+        Ok(node.url().to_owned())
+    }
+
+    /// Sets whether a node takes new requests: `healthy`, `unhealthy`, `draining` or
+    /// `sleeping`. Only healthy nodes are selected.
+    fn set_node_state(&self, url: &str, state: &str) -> PyResult<()> {
+        let state = NodeState::parse(state).map_err(|e| to_pyerr(&e))?;
+        self.node(url)?.counters().set_state(state);
+        Ok(())
+    }
+
+    /// Sets (or with `None` lifts) a node's hard cap on requests in flight.
+    fn set_max_concurrency(&self, url: &str, max_concurrency: Option<u32>) -> PyResult<()> {
+        self.node(url)?.counters().set_max_concurrency(max_concurrency.filter(|&m| m > 0));
+        Ok(())
     }
 
     /// Models served by the registered nodes, deduplicated.
     fn models(&self) -> Vec<String> {
-        self.registry.load().models().into_iter().map(str::to_owned).collect()
+        self.shared.registry.load().models().into_iter().map(str::to_owned).collect()
     }
 
     /// One snapshot of every node and its counters.
     fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let set = self.registry.load();
+        let set = self.shared.registry.load();
         let list = PyList::empty(py);
         for node in set.nodes() {
             list.append(node_stats(py, node)?)?;
@@ -92,10 +136,61 @@ impl Router {
         Ok(list)
     }
 
+    /// Requests waiting for a node with room.
+    #[getter]
+    fn queued(&self) -> usize {
+        self.shared.admission.queued()
+    }
+
+    /// The node the policy would choose now, without sending anything or taking a permit.
+    #[pyo3(signature = (model=None, role="hybrid", affinity=None))]
+    fn select(&self, model: Option<&str>, role: &str, affinity: Option<&str>) -> PyResult<String> {
+        let ctx = SelectCtx { role: role_of(role)?, model, affinity, prompt: None };
+        let set = self.shared.registry.load();
+        let policy = self.shared.policies.for_request(ctx.role, model);
+        let permit = select(&set, &ctx, policy.as_ref(), None).map_err(|e| to_pyerr(&e))?;
+        let url = permit.node().url().to_owned();
+        // Not a request: release without recording an outcome.
+        permit.unused();
+        Ok(url)
+    }
+
+    /// The routing fields of a request body: `model`, `stream`, `n`, `user`, `session_id`,
+    /// `max_tokens`.
+    #[staticmethod]
+    fn inspect<'py>(py: Python<'py>, body: &[u8]) -> PyResult<Bound<'py, PyDict>> {
+        let info = inspect(body).map_err(|e| to_pyerr(&e))?;
+        let out = PyDict::new(py);
+        out.set_item("model", info.model.as_deref())?;
+        out.set_item("stream", info.stream)?;
+        out.set_item("n", info.n)?;
+        out.set_item("user", info.user.as_deref())?;
+        out.set_item("session_id", info.session_id.as_deref())?;
+        out.set_item("max_tokens", info.max_tokens)?;
+        Ok(out)
+    }
+
+    /// A copy of `body` with top-level members set (values given as JSON text) or removed;
+    /// everything else keeps its order and bytes.
+    #[staticmethod]
+    #[pyo3(signature = (body, set=Vec::new(), remove=Vec::new()))]
+    fn patch<'py>(
+        py: Python<'py>,
+        body: &[u8],
+        set: Vec<(String, String)>,
+        remove: Vec<String>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let set: Vec<(&str, &str)> = set.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let remove: Vec<&str> = remove.iter().map(String::as_str).collect();
+        let out = patch(body, &set, &remove).map_err(|e| to_pyerr(&e))?;
+        Ok(PyBytes::new(py, &out))
+    }
+
     /// Selects a node for the request in `body` and forwards it. Returns a future of the
     /// running loop that resolves to a `Response` once the node's response head has arrived;
-    /// cancelling it cancels the upstream request.
-    #[pyo3(signature = (path, body, headers=Vec::new(), method="POST"))]
+    /// cancelling it cancels the upstream request. When every candidate is at its cap the
+    /// request waits in the queue first.
+    #[pyo3(signature = (path, body, headers=Vec::new(), method="POST", role="hybrid"))]
     fn forward<'py>(
         &self,
         py: Python<'py>,
@@ -103,44 +198,96 @@ impl Router {
         body: &[u8],
         headers: Vec<(Vec<u8>, Vec<u8>)>,
         method: &str,
+        role: &str,
     ) -> PyResult<Bound<'py, PyAny>> {
         let method = Method::from_bytes(method.as_bytes())
             .map_err(|_| PyValueError::new_err(format!("invalid HTTP method {method:?}")))?;
-        let info = inspect(body).map_err(|e| to_pyerr(&e))?;
+        let role = role_of(role)?;
         let bridge = self.bridge(py)?;
-        let node =
-            select(&self.registry.load(), info.model.as_deref(), self.policy.as_ref()).map_err(|e| to_pyerr(&e))?;
-        // Counted from selection on, so concurrent selections see it.
-        let permit = InFlightPermit::acquire(node.counters());
-        let request =
-            ForwardRequest { method, path_and_query: path, headers, body: bytes::Bytes::copy_from_slice(body) };
+        let body = Bytes::copy_from_slice(body);
+        let admitted = self.admit_now(&body, &headers, role)?;
 
         let future = bridge.get().create_future(py)?;
         let exchange = Arc::new(Exchange::new(self.config.stream_buffer_limit));
-        let reply = Reply { future: future.clone().unbind(), bridge_for_response: bridge.clone_ref(py), bridge };
-        let task = self.runtime.spawn(exchange_task(
-            Arc::clone(&self.forwarder),
-            node,
-            permit,
-            request,
-            Arc::clone(&exchange),
-            reply,
-            self.config.stream_idle_timeout,
-        ));
+        let reply = Reply {
+            future: Some(future.clone().unbind()),
+            bridge: bridge.clone_ref(py),
+            bridge_for_response: Some(bridge),
+        };
+        let job = Job {
+            router: Arc::clone(&self.shared),
+            admitted,
+            request: ForwardRequest { method, path_and_query: path, headers, body },
+            role,
+            exchange: Arc::clone(&exchange),
+            idle_timeout: self.config.stream_idle_timeout,
+        };
+        let shutdown = self.shutdown.clone();
+        let task = self.runtime.spawn(async move { job.run(reply, shutdown).await });
         exchange.set_task(task.abort_handle());
         future.call_method1(pyo3::intern!(py, "add_done_callback"), (AbortOnCancel(exchange),))?;
         Ok(future)
     }
 
-    /// Stops serving the event loop. Requests in flight end with it.
+    /// Stops serving: requests in flight end now and the router leaves its event loop.
     fn close(&self, py: Python<'_>) {
+        self.shutdown.cancel();
         if let Some(bridge) = self.bridge.get() {
             bridge.get().stop(py);
         }
     }
 }
 
+/// What the router shares with its requests' tasks.
+struct Shared {
+    registry: Registry,
+    policies: PolicySet,
+    admission: Arc<Admission>,
+    queue_timeout: Duration,
+    forwarder: Forwarder,
+}
+
+/// A permit taken at once, or a place in the queue.
+enum Admitted {
+    Now(InFlightPermit),
+    Queued(Ticket),
+}
+
 impl Router {
+    fn node(&self, url: &str) -> PyResult<Arc<Node>> {
+        self.shared
+            .registry
+            .load()
+            .get(url)
+            .cloned()
+            .ok_or_else(|| to_pyerr(&Error::new(Kind::NodeNotFound, format!("no node {url} is registered"))))
+    }
+
+    /// Selects and takes a permit now, or queues the request when every candidate is full.
+    fn admit_now(&self, body: &[u8], headers: &[(Vec<u8>, Vec<u8>)], role: Role) -> PyResult<Admitted> {
+        let info = inspect(body).map_err(|e| to_pyerr(&e))?;
+        let model = info.model.as_deref();
+        let ctx = SelectCtx { role, model, affinity: affinity(headers, info.body_affinity()), prompt: info.prompt };
+        let policy = self.shared.policies.for_request(role, model);
+        // First come, first served: newcomers wait behind requests already queued for the same nodes.
+        let selected = if self.shared.admission.has_waiter_for(role, model) {
+            Err(Error::new(Kind::Overloaded, "requests are queued for these nodes"))
+        } else {
+            select(&self.shared.registry.load(), &ctx, policy.as_ref(), Some(&self.shared.admission))
+        };
+        match selected {
+            Ok(permit) => Ok(Admitted::Now(permit)),
+            Err(e) if e.kind() == Kind::Overloaded && self.queue_size > 0 => {
+                match self.shared.admission.enqueue(role, model, false) {
+                    Some(ticket) => Ok(Admitted::Queued(ticket)),
+                    None => Err(to_pyerr(&overloaded(&self.shared.admission))),
+                }
+            }
+            Err(e) if e.kind() == Kind::Overloaded => Err(to_pyerr(&overloaded(&self.shared.admission))),
+            Err(e) => Err(to_pyerr(&e)),
+        }
+    }
+
     /// The bridge to the running loop; the first call binds the router to it.
     fn bridge(&self, py: Python<'_>) -> PyResult<Py<LoopBridge>> {
         if let Some(bridge) = self.bridge.get() {
@@ -157,47 +304,121 @@ impl Router {
     }
 }
 
-/// Where the task reports: the future to complete and the bridge to its loop (twice: one
-/// to submit with, one for the `Response`, since `Py` handles are cloned only under the GIL).
-struct Reply {
-    future: Py<PyAny>,
-    bridge: Py<LoopBridge>,
-    bridge_for_response: Py<LoopBridge>,
+fn overloaded(admission: &Admission) -> Error {
+    Error::new(Kind::Overloaded, "every node that serves this request is busy and the wait queue is full")
+        .with_retry_after(admission.retry_after())
 }
 
-/// Forwards one request, hands the head to Python, then pumps the body.
-async fn exchange_task(
-    forwarder: Arc<Forwarder>,
-    node: Arc<Node>,
-    permit: InFlightPermit,
-    request: ForwardRequest,
-    exchange: Arc<Exchange>,
-    reply: Reply,
-    idle_timeout: std::time::Duration,
-) {
-    let started = Instant::now();
-    let Reply { future, bridge, bridge_for_response } = reply;
-    let response = match forwarder.forward(node, permit, request).await {
-        Ok(response) => response,
-        Err(e) => {
-            bridge.get().submit(Box::new(move |py| resolve(py, &future, Err(to_pyerr(&e)))));
-            return;
+impl Shared {
+    /// Waits in the queue until a node with room takes the request, or the wait times out.
+    async fn wait_for_permit(
+        &self,
+        mut ticket: Ticket,
+        body: &[u8],
+        headers: &[(Vec<u8>, Vec<u8>)],
+        role: Role,
+    ) -> Result<InFlightPermit> {
+        let deadline = tokio::time::Instant::now() + self.queue_timeout;
+        loop {
+            if tokio::time::timeout_at(deadline, &mut ticket.woken).await.is_err() {
+                self.admission.leave(ticket.id);
+                return Err(Error::new(Kind::Overloaded, "no node had room for the request in time")
+                    .with_retry_after(self.admission.retry_after()));
+            }
+            let info = inspect(body)?;
+            let model = info.model.as_deref();
+            let ctx = SelectCtx { role, model, affinity: affinity(headers, info.body_affinity()), prompt: info.prompt };
+            let policy = self.policies.for_request(role, model);
+            match select(&self.registry.load(), &ctx, policy.as_ref(), Some(&self.admission)) {
+                Ok(permit) => return Ok(permit),
+                // Someone else took the slot: back to the head of the queue.
+                Err(e) if e.kind() == Kind::Overloaded => {
+                    ticket = self.admission.enqueue(role, model, true).expect("the head of the queue is always open");
+                }
+                Err(e) => return Err(e),
+            }
         }
-    };
-    let UpstreamResponse { status, headers, node, body } = response;
-    let (complete, stream) = match body {
-        ResponseBody::Complete(bytes) => (Some(bytes), None),
-        ResponseBody::Streaming(stream) => (None, Some(stream)),
-    };
-    let for_python = stream.is_some().then(|| Arc::clone(&exchange));
-    bridge.get().submit(Box::new(move |py| {
-        let head = Head { status, headers: &headers, node: node.url(), complete: complete.as_deref() };
-        let built =
-            Response::build(py, &head, for_python, bridge_for_response).and_then(|r| Ok(Py::new(py, r)?.into_any()));
-        resolve(py, &future, built);
-    }));
-    if let Some(stream) = stream {
-        pump(&exchange, stream, started, idle_timeout).await;
+    }
+}
+
+/// Where the task reports: the future to complete (until it is) and the bridge to its loop
+/// (twice: one to submit with, one for the `Response`, since `Py` handles are cloned only
+/// under the GIL).
+struct Reply {
+    future: Option<Py<PyAny>>,
+    bridge: Py<LoopBridge>,
+    bridge_for_response: Option<Py<LoopBridge>>,
+}
+
+impl Reply {
+    fn fail(&mut self, error: Error) {
+        if let Some(future) = self.future.take() {
+            self.bridge.get().submit(Box::new(move |py| resolve(py, &future, Err(to_pyerr(&error)))));
+        }
+    }
+}
+
+/// One request's work on the runtime.
+struct Job {
+    router: Arc<Shared>,
+    admitted: Admitted,
+    request: ForwardRequest,
+    role: Role,
+    exchange: Arc<Exchange>,
+    idle_timeout: Duration,
+}
+
+impl Job {
+    async fn run(self, mut reply: Reply, shutdown: CancellationToken) {
+        let exchange = Arc::clone(&self.exchange);
+        tokio::select! {
+            () = self.forward_and_pump(&mut reply) => {}
+            () = shutdown.cancelled() => {
+                let closed = Error::new(Kind::Cancelled, "the router is shutting down");
+                exchange.fail(Error::new(Kind::Cancelled, "the router is shutting down"));
+                reply.fail(closed);
+            }
+        }
+    }
+
+    /// Forwards the request, hands the head to Python, then pumps the body.
+    async fn forward_and_pump(self, reply: &mut Reply) {
+        let Job { router, admitted, request, role, exchange, idle_timeout } = self;
+        let started = Instant::now();
+        let permit = match admitted {
+            Admitted::Now(permit) => permit,
+            Admitted::Queued(ticket) => {
+                match router.wait_for_permit(ticket, &request.body, &request.headers, role).await {
+                    Ok(permit) => permit,
+                    Err(e) => return reply.fail(e),
+                }
+            }
+        };
+        let node = Arc::clone(permit.node());
+        let response = match router.forwarder.forward(node, permit, request).await {
+            Ok(response) => response,
+            Err(e) => return reply.fail(e),
+        };
+        let UpstreamResponse { status, headers, node, body } = response;
+        let (complete, stream) = match body {
+            ResponseBody::Complete(bytes) => (Some(bytes), None),
+            ResponseBody::Streaming(stream) => (None, Some(stream)),
+        };
+        let for_python = stream.is_some().then(|| Arc::clone(&exchange));
+        let bridge_for_response = reply.bridge_for_response.take();
+        if let Some(future) = reply.future.take() {
+            reply.bridge.get().submit(Box::new(move |py| {
+                let head = Head { status, headers: &headers, node: node.url(), complete: complete.as_deref() };
+                let built = bridge_for_response
+                    .ok_or_else(|| PyRuntimeError::new_err("response built twice"))
+                    .and_then(|bridge| Response::build(py, &head, for_python, bridge))
+                    .and_then(|r| Ok(Py::new(py, r)?.into_any()));
+                resolve(py, &future, built);
+            }));
+        }
+        if let Some(stream) = stream {
+            pump(&exchange, stream, started, idle_timeout).await;
+        }
     }
 }
 
@@ -220,14 +441,23 @@ fn node_stats<'py>(py: Python<'py>, node: &Arc<Node>) -> PyResult<Bound<'py, PyD
     let stats = PyDict::new(py);
     stats.set_item("url", node.url())?;
     stats.set_item("generation", node.generation())?;
+    stats.set_item("role", node.role().name())?;
     stats.set_item("models", node.models())?;
+    stats.set_item("speed", node.speed())?;
+    stats.set_item("state", c.state)?;
+    stats.set_item("max_concurrency", c.max_concurrency)?;
     stats.set_item("in_flight", c.in_flight)?;
     stats.set_item("requests", c.requests)?;
     stats.set_item("succeeded", c.succeeded)?;
     stats.set_item("failed", c.failed)?;
     stats.set_item("cancelled", c.cancelled)?;
+    stats.set_item("events", c.events)?;
     #[allow(clippy::cast_precision_loss)] // microsecond sums stay far below 2^52
     let mean = (c.succeeded > 0).then(|| c.latency_us_sum as f64 / c.succeeded as f64 / 1e6);
     stats.set_item("mean_latency", mean)?;
+    stats.set_item("recent_latency", c.recent_latency_us.map(|us| us / 1e6))?;
+    stats.set_item("recent_latency_per_token", c.recent_latency_per_event_us.map(|us| us / 1e6))?;
+    stats.set_item("mean_ttft", c.mean_ttft_us.map(|us| us / 1e6))?;
+    stats.set_item("ttft_ewma", c.ttft_us_ewma.map(|us| us / 1e6))?;
     Ok(stats)
 }

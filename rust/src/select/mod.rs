@@ -1,38 +1,261 @@
-//! Node selection: one small trait, one file per policy.
+//! Node selection: one small trait, one file per policy. Selection and taking the node's
+//! permit are one step: a node raced to its cap is skipped and the policy picks again.
 
+mod consistent_hash;
+mod least_requests;
+mod min_expected_latency;
+mod min_observed_latency;
+mod prefix;
+mod random;
 mod round_robin;
 
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
+pub use consistent_hash::ConsistentHash;
+pub use least_requests::LeastRequests;
+pub use min_expected_latency::MinExpectedLatency;
+pub use min_observed_latency::MinObservedLatency;
+pub use prefix::{Prefix, PrefixConfig};
+pub use random::Random;
 pub use round_robin::RoundRobin;
 
+use crate::admission::Admission;
 use crate::error::{Error, Kind, Result};
-use crate::node::Node;
+use crate::node::{Node, NodeState, Role};
+use crate::permit::InFlightPermit;
 use crate::registry::{NoCandidates, NodeSet};
 
-/// A routing policy picks one node among the eligible candidates.
+/// What policies may look at besides the nodes.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SelectCtx<'a> {
+    pub role: Role,
+    pub model: Option<&'a str>,
+    /// Session or user key for affinity (`consistent_hash`).
+    pub affinity: Option<&'a str>,
+    /// The prompt's raw bytes (`messages` or `prompt`), for cache-aware routing.
+    pub prompt: Option<&'a [u8]>,
+}
+
+/// A routing policy picks one of the candidates that are available now.
 pub trait Policy: Send + Sync + std::fmt::Debug {
-    /// The name users configure (`--policy NAME`).
+    /// The name users configure.
     fn name(&self) -> &'static str;
-    /// Index into `candidates` (never empty) of the chosen node.
-    fn pick(&self, candidates: &[Arc<Node>]) -> usize;
+    /// Index into `candidates` of the chosen node, among those for which
+    /// `available(node)` holds; `None` when none is.
+    fn pick(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Option<usize>;
+    /// Told which node took the request (policies that learn from traffic).
+    fn selected(&self, _node: &Arc<Node>, _ctx: &SelectCtx<'_>) {}
+}
+
+/// True when `node` may take a request now: healthy and below its cap.
+pub fn available(node: &Node) -> bool {
+    node.counters().is_available()
+}
+
+/// Indices of the available candidates.
+pub(crate) fn available_indices(candidates: &[Arc<Node>]) -> impl Iterator<Item = usize> + '_ {
+    candidates.iter().enumerate().filter(|(_, n)| available(n)).map(|(i, _)| i)
+}
+
+/// The available candidate with the lowest `score`; ties broken at random.
+pub(crate) fn argmin_by(candidates: &[Arc<Node>], score: impl Fn(&Node) -> f64) -> Option<usize> {
+    let mut best = f64::INFINITY;
+    let mut chosen = None;
+    let mut ties = 0u32;
+    for i in available_indices(candidates) {
+        let s = score(&candidates[i]);
+        if s < best {
+            best = s;
+            chosen = Some(i);
+            ties = 1;
+        } else if s.total_cmp(&best).is_eq() {
+            // Reservoir sampling: each tied node ends up chosen with equal probability.
+            ties += 1;
+            if fastrand::u32(0..ties) == 0 {
+                chosen = Some(i);
+            }
+        }
+    }
+    chosen
+}
+
+/// Speeds of the candidates, with undeclared speeds replaced by the mean of the declared
+/// ones (all 1 when none is declared), as LMDeploy's proxy does.
+pub(crate) fn effective_speed(candidates: &[Arc<Node>]) -> impl Fn(&Node) -> f64 {
+    let declared: Vec<f64> = candidates.iter().filter_map(|n| n.speed()).collect();
+    #[allow(clippy::cast_precision_loss)]
+    let mean = if declared.is_empty() { 1.0 } else { declared.iter().sum::<f64>() / declared.len() as f64 };
+    move |node: &Node| node.speed().unwrap_or(mean)
+}
+
+/// A stable 64-bit hash (the same in every process and run).
+pub(crate) fn stable_hash(parts: impl Hash) -> u64 {
+    let mut hasher = std::hash::DefaultHasher::new();
+    parts.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// Policy tuning; every value comes from the control plane's settings.
+#[derive(Debug, Clone, Copy)]
+pub struct PolicyConfig {
+    /// `consistent_hash`: a node takes a key's requests while its in-flight count stays
+    /// below this factor times the average.
+    pub hash_load_factor: f64,
+    pub prefix: PrefixConfig,
 }
 
 /// Builds a policy from its configured name.
-pub fn policy_from_name(name: &str) -> Result<Box<dyn Policy>> {
-    match name {
-        "round_robin" => Ok(Box::new(RoundRobin::default())),
-        other => Err(Error::new(Kind::InvalidRequest, format!("unknown routing policy {other:?}; known: round_robin"))),
+pub fn policy_from_name(name: &str, config: &PolicyConfig) -> Result<Arc<dyn Policy>> {
+    Ok(match name {
+        "round_robin" => Arc::new(RoundRobin::default()),
+        "random" => Arc::new(Random),
+        "least_requests" => Arc::new(LeastRequests),
+        "min_expected_latency" => Arc::new(MinExpectedLatency),
+        "min_observed_latency" => Arc::new(MinObservedLatency { per_event: false }),
+        "min_observed_latency_per_token" => Arc::new(MinObservedLatency { per_event: true }),
+        "consistent_hash" => Arc::new(ConsistentHash { load_factor: config.hash_load_factor }),
+        "prefix" => Arc::new(Prefix::new(config.prefix)),
+        other => {
+            return Err(Error::new(
+                Kind::InvalidRequest,
+                format!("unknown routing policy {other:?}; known: {}", POLICY_NAMES.join(", ")),
+            ))
+        }
+    })
+}
+
+pub const POLICY_NAMES: [&str; 8] = [
+    "round_robin",
+    "random",
+    "least_requests",
+    "min_expected_latency",
+    "min_observed_latency",
+    "min_observed_latency_per_token",
+    "consistent_hash",
+    "prefix",
+];
+
+/// Selects a node for the request and takes its permit.
+pub fn select(
+    set: &NodeSet,
+    ctx: &SelectCtx<'_>,
+    policy: &dyn Policy,
+    admission: Option<&Arc<Admission>>,
+) -> Result<InFlightPermit> {
+    let candidates = match set.candidates(ctx.role, ctx.model) {
+        Ok(candidates) => candidates,
+        Err(NoCandidates::NoNodes) => {
+            return Err(Error::new(Kind::NoNodes, format!("no {} node is registered", ctx.role.name())));
+        }
+        Err(NoCandidates::ModelNotFound) => {
+            return Err(Error::new(
+                Kind::ModelNotFound,
+                format!("the model `{}` does not exist", ctx.model.unwrap_or_default()),
+            ));
+        }
+    };
+    // A node that fills up between the policy's look and the permit is no longer available
+    // at the next pick, so this ends within one round per candidate.
+    for _ in 0..=candidates.len() {
+        let Some(i) = policy.pick(candidates, ctx) else { break };
+        if let Some(permit) = InFlightPermit::try_acquire(&candidates[i], admission) {
+            policy.selected(&candidates[i], ctx);
+            return Ok(permit);
+        }
+    }
+    if candidates.iter().any(|n| n.counters().state() == NodeState::Healthy) {
+        Err(Error::new(Kind::Overloaded, "every node that serves this request is at its concurrency limit"))
+    } else {
+        Err(Error::new(Kind::NoHealthyNode, "no healthy node serves this request now"))
     }
 }
 
-/// Selects a node for `model` from the current table.
-pub fn select(set: &NodeSet, model: Option<&str>, policy: &dyn Policy) -> Result<Arc<Node>> {
-    match set.candidates(model) {
-        Ok(candidates) => Ok(Arc::clone(&candidates[policy.pick(candidates)])),
-        Err(NoCandidates::NoNodes) => Err(Error::new(Kind::NoNodes, "no node is registered")),
-        Err(NoCandidates::ModelNotFound) => {
-            Err(Error::new(Kind::ModelNotFound, format!("the model `{}` does not exist", model.unwrap_or_default())))
+#[cfg(test)]
+pub(crate) mod testing {
+    use std::sync::atomic::Ordering;
+
+    use super::*;
+    use crate::node::NodeSpec;
+    use crate::registry::Registry;
+
+    /// `n` hybrid nodes `h:1..=n` serving model `m`.
+    pub fn nodes(n: usize) -> (Registry, Vec<Arc<Node>>) {
+        let reg = Registry::new();
+        let nodes = (1..=n)
+            .map(|i| reg.add(&format!("h:{i}"), NodeSpec { models: vec!["m".into()], ..NodeSpec::default() }).unwrap())
+            .collect();
+        (reg, nodes)
+    }
+
+    pub fn set_in_flight(node: &Node, n: u64) {
+        node.counters().in_flight.store(n, Ordering::Relaxed);
+    }
+
+    /// How often each node is picked in `rounds` picks.
+    pub fn histogram(policy: &dyn Policy, nodes: &[Arc<Node>], ctx: &SelectCtx<'_>, rounds: usize) -> Vec<usize> {
+        let mut counts = vec![0; nodes.len()];
+        for _ in 0..rounds {
+            counts[policy.pick(nodes, ctx).unwrap()] += 1;
         }
+        counts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::testing::*;
+    use super::*;
+    use crate::node::NodeSpec;
+
+    fn ctx() -> SelectCtx<'static> {
+        SelectCtx { model: Some("m"), ..SelectCtx::default() }
+    }
+
+    #[test]
+    fn reports_why_nothing_is_eligible() {
+        let (reg, nodes) = nodes(2);
+        let policy = RoundRobin::default();
+        let kind = |ctx: &SelectCtx<'_>| select(&reg.load(), ctx, &policy, None).unwrap_err().kind();
+        assert_eq!(kind(&SelectCtx { model: Some("x"), ..ctx() }), Kind::ModelNotFound);
+        assert_eq!(kind(&SelectCtx { role: Role::Decode, ..ctx() }), Kind::NoNodes);
+        for n in &nodes {
+            n.counters().set_max_concurrency(Some(1));
+        }
+        let _a = select(&reg.load(), &ctx(), &policy, None).unwrap();
+        let _b = select(&reg.load(), &ctx(), &policy, None).unwrap();
+        assert_eq!(kind(&ctx()), Kind::Overloaded);
+        for n in &nodes {
+            n.counters().set_state(NodeState::Unhealthy);
+        }
+        assert_eq!(kind(&ctx()), Kind::NoHealthyNode);
+    }
+
+    #[test]
+    fn unavailable_nodes_are_never_selected() {
+        let (reg, nodes) = nodes(4);
+        nodes[0].counters().set_state(NodeState::Unhealthy);
+        nodes[1].counters().set_state(NodeState::Draining);
+        nodes[2].counters().set_state(NodeState::Sleeping);
+        let config = PolicyConfig { hash_load_factor: 1.25, prefix: PrefixConfig::default() };
+        for name in POLICY_NAMES {
+            let policy = policy_from_name(name, &config).unwrap();
+            for _ in 0..50 {
+                let ctx = SelectCtx { affinity: Some("user-1"), prompt: Some(b"[{\"content\":\"hi\"}]"), ..ctx() };
+                let permit = select(&reg.load(), &ctx, policy.as_ref(), None).unwrap();
+                assert_eq!(permit.node().url(), "http://h:4", "{name}");
+            }
+        }
+        assert!(policy_from_name("fastest", &config).is_err());
+    }
+
+    #[test]
+    fn speeds_default_to_the_mean_of_declared_ones() {
+        let (reg, _) = nodes(0);
+        let a = reg.add("h:1", NodeSpec { speed: Some(1.0), ..NodeSpec::default() }).unwrap();
+        let b = reg.add("h:2", NodeSpec { speed: Some(3.0), ..NodeSpec::default() }).unwrap();
+        let c = reg.add("h:3", NodeSpec::default()).unwrap();
+        let speed = effective_speed(&[a, b, Arc::clone(&c)]);
+        assert!((speed(&c) - 2.0).abs() < f64::EPSILON);
     }
 }

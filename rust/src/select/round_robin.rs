@@ -1,9 +1,9 @@
-//! `round_robin`: each candidate in turn.
+//! `round_robin`: each available candidate in turn.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use super::Policy;
+use super::{available, Policy, SelectCtx};
 use crate::node::Node;
 
 #[derive(Debug, Default)]
@@ -16,26 +16,26 @@ impl Policy for RoundRobin {
         "round_robin"
     }
 
-    fn pick(&self, candidates: &[Arc<Node>]) -> usize {
-        self.next.fetch_add(1, Ordering::Relaxed) % candidates.len()
+    fn pick(&self, candidates: &[Arc<Node>], _ctx: &SelectCtx<'_>) -> Option<usize> {
+        let start = self.next.fetch_add(1, Ordering::Relaxed);
+        (0..candidates.len()).map(|k| (start + k) % candidates.len()).find(|&i| available(&candidates[i]))
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::*;
     use super::*;
-    use crate::registry::Registry;
-    use crate::select::select;
+    use crate::node::NodeState;
 
     #[test]
-    fn cycles_through_candidates() {
-        let reg = Registry::new();
-        for port in 1..=3 {
-            reg.add(&format!("h:{port}"), vec!["m".into()]).unwrap();
-        }
+    fn cycles_through_available_candidates() {
+        let (_reg, nodes) = nodes(3);
         let policy = RoundRobin::default();
-        let picks: Vec<String> =
-            (0..6).map(|_| select(&reg.load(), Some("m"), &policy).unwrap().url().to_owned()).collect();
-        assert_eq!(picks, ["http://h:1", "http://h:2", "http://h:3", "http://h:1", "http://h:2", "http://h:3"]);
+        let ctx = SelectCtx::default();
+        let picks: Vec<usize> = (0..6).map(|_| policy.pick(&nodes, &ctx).unwrap()).collect();
+        assert_eq!(picks, [0, 1, 2, 0, 1, 2]);
+        nodes[1].counters().set_state(NodeState::Unhealthy);
+        assert_eq!(histogram(&policy, &nodes, &ctx, 100)[1], 0);
     }
 }
