@@ -17,7 +17,7 @@ use tokio::task::AbortHandle;
 
 use crate::error::{Error, Kind};
 use crate::forward::StreamBody;
-use crate::permit::{Outcome, Report};
+use crate::permit::{InFlightPermit, Outcome, Report};
 use crate::sse;
 
 /// What the reader gets.
@@ -41,6 +41,8 @@ struct Inner {
     end: Option<Result<(), Error>>,
     waiter: Option<Waiter>,
     closed: bool,
+    /// The node's permit, held here so that closing releases it at once, on any thread.
+    permit: Option<InFlightPermit>,
 }
 
 /// Shared by the pump task and the Python `Response`.
@@ -66,6 +68,26 @@ impl Exchange {
 
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Holds the request's permit until the exchange ends.
+    pub fn attach(&self, permit: InFlightPermit) {
+        let mut inner = self.lock();
+        if inner.closed {
+            drop(inner);
+            drop(permit); // closed before it started: counts as cancelled
+            return;
+        }
+        inner.permit = Some(permit);
+    }
+
+    /// Releases the permit with the request's outcome (once; later calls do nothing).
+    pub fn release(&self, outcome: Outcome, report: Report) {
+        let permit = self.lock().permit.take();
+        if let Some(mut permit) = permit {
+            permit.set_outcome(outcome);
+            permit.set_report(report);
+        }
     }
 
     /// Ties the exchange to the task that forwards the request and pumps the body.
@@ -105,7 +127,11 @@ impl Exchange {
         inner.closed = true;
         inner.pending.clear();
         inner.end.get_or_insert(Ok(()));
-        inner.waiter.take()
+        let permit = inner.permit.take();
+        let waiter = inner.waiter.take();
+        drop(inner);
+        drop(permit); // outcome unset: counted as cancelled
+        waiter
     }
 
     pub fn is_closed(&self) -> bool {
@@ -127,8 +153,10 @@ impl Exchange {
         Self::wake(inner);
     }
 
-    /// Ends the exchange with `error` (the router is shutting down).
+    /// Ends the exchange with `error` (the router is shutting down): the permit is released
+    /// as cancelled and the reader gets the error after any whole events still buffered.
     pub fn fail(&self, error: Error) {
+        self.release(Outcome::Cancelled, Report::default());
         self.finish(Err(error));
     }
 
@@ -195,10 +223,16 @@ impl Inner {
 }
 
 /// Reads the node's body into `exchange` until it ends, fails, goes idle for longer than
-/// `idle_timeout`, or the exchange is closed (which aborts this task). The permit inside
-/// `body` is released when the body ends, with the outcome it ended with.
-pub async fn pump(exchange: &Exchange, body: StreamBody, started: Instant, idle_timeout: Duration) {
-    let StreamBody { mut body, event_stream, mut permit, outcome_at_end } = body;
+/// `idle_timeout`, or the exchange is closed (which aborts this task). The exchange's permit
+/// is released when the body ends: `outcome_at_end` if it ended cleanly, else a failure.
+pub async fn pump(
+    exchange: &Exchange,
+    body: StreamBody,
+    started: Instant,
+    idle_timeout: Duration,
+    outcome_at_end: Outcome,
+) {
+    let StreamBody { mut body, event_stream } = body;
     exchange.lock().event_stream = event_stream;
     let mut report = Report::default();
     let mut last_was_newline = false;
@@ -237,9 +271,7 @@ pub async fn pump(exchange: &Exchange, body: StreamBody, started: Instant, idle_
             break end;
         }
     };
-    permit.set_outcome(if end.is_ok() { outcome_at_end } else { Outcome::Failed });
-    permit.set_report(report);
-    drop(permit);
+    exchange.release(if end.is_ok() { outcome_at_end } else { Outcome::Failed }, report);
     exchange.finish(end);
 }
 
@@ -277,11 +309,11 @@ mod tests {
         let (tx, body) = Channel::<Bytes, BoxError>::new(64);
         let node = Registry::new().add("h:1", NodeSpec::default()).unwrap();
         let counters = Arc::clone(node.counters());
-        let permit = InFlightPermit::acquire(&node);
         let exchange = Arc::new(Exchange::new(buffer_limit));
-        let stream = StreamBody { body: body.boxed(), event_stream, permit, outcome_at_end: Outcome::Succeeded };
+        exchange.attach(InFlightPermit::acquire(&node));
+        let stream = StreamBody { body: body.boxed(), event_stream };
         let pumping = Arc::clone(&exchange);
-        let task = tokio::spawn(async move { pump(&pumping, stream, Instant::now(), IDLE).await });
+        let task = tokio::spawn(async move { pump(&pumping, stream, Instant::now(), IDLE, Outcome::Succeeded).await });
         exchange.set_task(task.abort_handle());
         (tx, exchange, counters)
     }
@@ -364,6 +396,8 @@ mod tests {
         let (tx, rx) = tokio::sync::oneshot::channel();
         assert!(exchange.wait(Box::new(move |d| drop(tx.send(d)))).is_ok());
         let waiter = exchange.close().expect("the waiting reader is handed back");
+        // Released by close() itself, before the pump task has even noticed.
+        assert_eq!(counters.snapshot().in_flight, 0);
         waiter(Delivery::End);
         assert!(matches!(rx.await.unwrap(), Delivery::End));
         settle().await;
@@ -396,13 +430,9 @@ mod tests {
         let node = Registry::new().add("h:1", NodeSpec::default()).unwrap();
         let counters = Arc::clone(node.counters());
         let exchange = Exchange::new(1 << 20);
-        let stream = StreamBody {
-            body: body.boxed(),
-            event_stream: true,
-            permit: InFlightPermit::acquire(&node),
-            outcome_at_end: Outcome::Succeeded,
-        };
-        pump(&exchange, stream, Instant::now(), Duration::from_millis(20)).await;
+        exchange.attach(InFlightPermit::acquire(&node));
+        let stream = StreamBody { body: body.boxed(), event_stream: true };
+        pump(&exchange, stream, Instant::now(), Duration::from_millis(20), Outcome::Succeeded).await;
         assert!(matches!(exchange.take_ready(), Some(Delivery::Failed(e)) if e.is_timeout()));
         assert_eq!(counters.snapshot().failed, 1);
         drop(tx);

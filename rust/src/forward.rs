@@ -1,6 +1,5 @@
 //! The upstream client: one pooled keep-alive HTTP/1.1 client for all nodes.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -15,7 +14,7 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use crate::error::{BoxError, Error, Kind, Result};
 use crate::headers::{client_response_headers, upstream_request_headers};
 use crate::node::Node;
-use crate::permit::{InFlightPermit, Outcome};
+use crate::permit::Outcome;
 use crate::sse;
 
 /// Client settings. Values come from the control plane's settings; no defaults live here.
@@ -49,8 +48,18 @@ pub struct ForwardRequest {
 pub struct UpstreamResponse {
     pub status: StatusCode,
     pub headers: Vec<(HeaderName, HeaderValue)>,
-    pub node: Arc<Node>,
     pub body: ResponseBody,
+}
+
+impl UpstreamResponse {
+    /// How the request counts for the node once its body has ended: a 5xx is the node's failure.
+    pub fn outcome(&self) -> Outcome {
+        if self.status.is_server_error() {
+            Outcome::Failed
+        } else {
+            Outcome::Succeeded
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -64,14 +73,11 @@ pub enum ResponseBody {
 /// The node's response body, boxed so tests can feed one from a channel.
 pub type UpstreamBody = BoxBody<Bytes, BoxError>;
 
-/// A body still arriving, with the permit it releases when it ends.
+/// A body still arriving.
 #[derive(Debug)]
 pub struct StreamBody {
     pub body: UpstreamBody,
     pub event_stream: bool,
-    pub permit: InFlightPermit,
-    /// Outcome recorded when the body ends normally (a 5xx body still counts as a failure).
-    pub outcome_at_end: Outcome,
 }
 
 #[derive(Debug, Clone)]
@@ -95,14 +101,9 @@ impl Forwarder {
         Self { client, config }
     }
 
-    /// Sends `request` to `node`. The permit travels with the response body and is released
-    /// when the body ends, fails or is dropped.
-    pub async fn forward(
-        &self,
-        node: Arc<Node>,
-        mut permit: InFlightPermit,
-        request: ForwardRequest,
-    ) -> Result<UpstreamResponse> {
+    /// Sends `request` to `node` and returns the response head, with the body read whole
+    /// when it is small and not an event stream. Accounting is the caller's.
+    pub async fn forward(&self, node: &Node, request: ForwardRequest) -> Result<UpstreamResponse> {
         let uri = node.uri_for(&request.path_and_query)?;
         let mut headers = upstream_request_headers(&request.headers);
         let mut builder = Request::builder().method(request.method).uri(uri);
@@ -116,44 +117,29 @@ impl Forwarder {
         let sent = tokio::time::timeout(self.config.first_byte_timeout, self.client.request(upstream_request)).await;
         let response = match sent {
             Ok(Ok(response)) => response,
+            Ok(Err(e)) if e.is_connect() => {
+                return Err(Error::with_source(Kind::Connect, "could not connect to the node", e));
+            }
             Ok(Err(e)) => {
-                permit.set_outcome(Outcome::Failed);
-                let kind = if e.is_connect() { Kind::Connect } else { Kind::Upstream };
-                let message = if e.is_connect() {
-                    "could not connect to the node"
-                } else {
-                    "the node closed the connection before answering"
-                };
-                return Err(Error::with_source(kind, message, e));
+                return Err(Error::with_source(Kind::Upstream, "the node closed the connection before answering", e));
             }
-            Err(_) => {
-                permit.set_outcome(Outcome::Failed);
-                return Err(Error::new(Kind::Timeout, "the node did not answer in time"));
-            }
+            Err(_) => return Err(Error::new(Kind::Timeout, "the node did not answer in time")),
         };
 
         let (parts, body) = response.into_parts();
-        let outcome_at_end = if parts.status.is_server_error() { Outcome::Failed } else { Outcome::Succeeded };
         let headers = client_response_headers(&parts.headers);
         let event_stream = parts.headers.get(CONTENT_TYPE).is_some_and(|ct| sse::is_event_stream(ct.as_bytes()));
-
-        let body =
-            if !event_stream && content_length(&parts.headers).is_some_and(|len| len <= self.config.prefetch_limit) {
-                match body.collect().await {
-                    Ok(collected) => {
-                        permit.set_outcome(outcome_at_end);
-                        ResponseBody::Complete(collected.to_bytes())
-                    }
-                    Err(e) => {
-                        permit.set_outcome(Outcome::Failed);
-                        return Err(Error::with_source(Kind::Upstream, "the node broke off the response", e));
-                    }
-                }
-            } else {
-                let body = body.map_err(BoxError::from).boxed();
-                ResponseBody::Streaming(StreamBody { body, event_stream, permit, outcome_at_end })
-            };
-        Ok(UpstreamResponse { status: parts.status, headers, node, body })
+        let small = content_length(&parts.headers).is_some_and(|len| len <= self.config.prefetch_limit);
+        let body = if !event_stream && small {
+            let collected = body
+                .collect()
+                .await
+                .map_err(|e| Error::with_source(Kind::Upstream, "the node broke off the response", e))?;
+            ResponseBody::Complete(collected.to_bytes())
+        } else {
+            ResponseBody::Streaming(StreamBody { body: body.map_err(BoxError::from).boxed(), event_stream })
+        };
+        Ok(UpstreamResponse { status: parts.status, headers, body })
     }
 }
 

@@ -20,7 +20,7 @@ use crate::exchange::{pump, Exchange};
 use crate::forward::{ForwardConfig, ForwardRequest, Forwarder, ResponseBody, UpstreamResponse};
 use crate::inspect::{inspect, patch};
 use crate::node::{Node, NodeSpec, NodeState, Role};
-use crate::permit::InFlightPermit;
+use crate::permit::{InFlightPermit, Outcome, Report};
 use crate::registry::Registry;
 use crate::runtime;
 use crate::select::{select, SelectCtx};
@@ -395,13 +395,21 @@ impl Job {
             }
         };
         let node = Arc::clone(permit.node());
-        let response = match router.forwarder.forward(node, permit, request).await {
+        exchange.attach(permit);
+        let response = match router.forwarder.forward(&node, request).await {
             Ok(response) => response,
-            Err(e) => return reply.fail(e),
+            Err(e) => {
+                exchange.release(Outcome::Failed, Report::default());
+                return reply.fail(e);
+            }
         };
-        let UpstreamResponse { status, headers, node, body } = response;
+        let outcome = response.outcome();
+        let UpstreamResponse { status, headers, body } = response;
         let (complete, stream) = match body {
-            ResponseBody::Complete(bytes) => (Some(bytes), None),
+            ResponseBody::Complete(bytes) => {
+                exchange.release(outcome, Report::default());
+                (Some(bytes), None)
+            }
             ResponseBody::Streaming(stream) => (None, Some(stream)),
         };
         let for_python = stream.is_some().then(|| Arc::clone(&exchange));
@@ -417,7 +425,7 @@ impl Job {
             }));
         }
         if let Some(stream) = stream {
-            pump(&exchange, stream, started, idle_timeout).await;
+            pump(&exchange, stream, started, idle_timeout, outcome).await;
         }
     }
 }
