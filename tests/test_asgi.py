@@ -94,3 +94,51 @@ async def test_completed_stream_ends_the_response(engine: MockEngine) -> None:
         assert app.router.nodes()[0]["in_flight"] == 0
     finally:
         await app.shutdown()
+
+
+async def run(app, body: dict[str, Any], headers: list[tuple[bytes, bytes]] | None = None) -> Client:  # type: ignore[no-untyped-def]
+    client = Client(json.dumps(body).encode())
+    await app(scope("/v1/chat/completions", headers or []), client.receive, client.send)
+    return client
+
+
+def head(client: Client) -> tuple[int, dict[bytes, bytes]]:
+    start = client.sent[0]
+    return start["status"], dict(start["headers"])
+
+
+async def test_no_healthy_node_is_503_with_retry_after(engine: MockEngine) -> None:
+    app = create_app(Settings(nodes=(engine.url,)))
+    await app.startup()
+    try:
+        assert app.router is not None
+        app.router.set_node_state(engine.url, "unhealthy")
+        client = await run(app, chat_body("m"))
+        status, headers = head(client)
+        assert status == 503
+        assert headers[b"x-pdproxy-error"] == b"no_healthy_node"
+        assert int(headers[b"retry-after"]) >= 1
+        assert json.loads(client.sent[1]["body"])["error"]["code"] == "no_healthy_node"
+    finally:
+        await app.shutdown()
+
+
+async def test_full_node_without_queue_is_429_with_retry_after(engine: MockEngine) -> None:
+    app = create_app(Settings(nodes=(engine.url,), queue_size=0))
+    await app.startup()
+    try:
+        assert app.router is not None
+        app.router.set_max_concurrency(engine.url, 1)
+        slow = [(FAULT_HEADER.encode(), b"token_delay_ms=100")]
+        first = asyncio.create_task(run(app, chat_body("m", stream=True), slow))
+        while app.router.nodes()[0]["in_flight"] == 0:
+            await asyncio.sleep(0.005)
+        client = await run(app, chat_body("m"))
+        status, headers = head(client)
+        assert status == 429
+        assert headers[b"x-pdproxy-error"] == b"overloaded"
+        assert 1 <= int(headers[b"retry-after"]) <= 60
+        await first
+        assert head(first.result())[0] == 200
+    finally:
+        await app.shutdown()

@@ -74,10 +74,22 @@ impl Admission {
         Some(Ticket { id, woken })
     }
 
-    /// Leaves the queue (the wait timed out or the request was cancelled).
-    pub fn leave(&self, id: u64) {
+    /// Leaves the queue (served, timed out or cancelled). Returns false when the ticket was
+    /// no longer queued because a release had woken it: if that wake goes unused, pass it on
+    /// with `pass_on`, or a slot would stay idle while others wait.
+    pub fn leave(&self, id: u64) -> bool {
         let mut queue = self.lock();
+        let before = queue.len();
         queue.retain(|w| w.id != id);
+        let was_queued = queue.len() < before;
+        self.queued.store(queue.len(), Ordering::Release);
+        was_queued
+    }
+
+    /// Wakes the longest-waiting request of `role` (a wake its receiver did not use).
+    pub fn pass_on(&self, role: Role) {
+        let mut queue = self.lock();
+        wake_first(&mut queue, |w| w.role == role);
         self.queued.store(queue.len(), Ordering::Release);
     }
 
@@ -95,12 +107,7 @@ impl Admission {
             return;
         }
         let mut queue = self.lock();
-        while let Some(pos) = queue.iter().position(|w| serves(node, w)) {
-            let waiting = queue.remove(pos).expect("position is in range");
-            if waiting.wake.send(()).is_ok() {
-                break;
-            }
-        }
+        wake_first(&mut queue, |w| serves(node, w));
         self.queued.store(queue.len(), Ordering::Release);
     }
 
@@ -111,6 +118,15 @@ impl Admission {
         #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let seconds = ((self.queued() + 1) as f64 / rate).ceil() as u32;
         seconds.clamp(1, 60)
+    }
+}
+
+/// Removes and wakes the first waiter that `accepts`; waiters that gave up are skipped.
+fn wake_first(queue: &mut VecDeque<Waiting>, accepts: impl Fn(&Waiting) -> bool) {
+    while let Some(waiting) = queue.iter().position(&accepts).and_then(|pos| queue.remove(pos)) {
+        if waiting.wake.send(()).is_ok() {
+            return;
+        }
     }
 }
 

@@ -311,6 +311,8 @@ fn overloaded(admission: &Admission) -> Error {
 
 impl Shared {
     /// Waits in the queue until a node with room takes the request, or the wait times out.
+    /// The request is queued on entry; every round first tries to select (a slot freed just
+    /// before the request queued would otherwise wake nobody), then waits for a wake.
     async fn wait_for_permit(
         &self,
         mut ticket: Ticket,
@@ -319,24 +321,35 @@ impl Shared {
         role: Role,
     ) -> Result<InFlightPermit> {
         let deadline = tokio::time::Instant::now() + self.queue_timeout;
+        let info = inspect(body)?;
+        let model = info.model.as_deref();
+        let ctx = SelectCtx { role, model, affinity: affinity(headers, info.body_affinity()), prompt: info.prompt };
+        let policy = self.policies.for_request(role, model);
         loop {
+            match select(&self.registry.load(), &ctx, policy.as_ref(), Some(&self.admission)) {
+                Ok(permit) => {
+                    if !self.admission.leave(ticket.id) {
+                        self.admission.pass_on(role);
+                    }
+                    return Ok(permit);
+                }
+                Err(e) if e.kind() == Kind::Overloaded => {}
+                Err(e) => {
+                    if !self.admission.leave(ticket.id) {
+                        self.admission.pass_on(role);
+                    }
+                    return Err(e);
+                }
+            }
             if tokio::time::timeout_at(deadline, &mut ticket.woken).await.is_err() {
-                self.admission.leave(ticket.id);
+                if !self.admission.leave(ticket.id) {
+                    self.admission.pass_on(role);
+                }
                 return Err(Error::new(Kind::Overloaded, "no node had room for the request in time")
                     .with_retry_after(self.admission.retry_after()));
             }
-            let info = inspect(body)?;
-            let model = info.model.as_deref();
-            let ctx = SelectCtx { role, model, affinity: affinity(headers, info.body_affinity()), prompt: info.prompt };
-            let policy = self.policies.for_request(role, model);
-            match select(&self.registry.load(), &ctx, policy.as_ref(), Some(&self.admission)) {
-                Ok(permit) => return Ok(permit),
-                // Someone else took the slot: back to the head of the queue.
-                Err(e) if e.kind() == Kind::Overloaded => {
-                    ticket = self.admission.enqueue(role, model, true).expect("the head of the queue is always open");
-                }
-                Err(e) => return Err(e),
-            }
+            // Woken and out of the queue: back in at its head before trying again.
+            ticket = self.admission.enqueue(role, model, true).expect("the head of the queue is always open");
         }
     }
 }

@@ -8,20 +8,38 @@ use crate::node::Node;
 #[derive(Debug, Default)]
 pub struct LeastRequests;
 
-/// Two distinct random available candidates; the one with fewer requests in flight.
+/// Two distinct random available candidates (reservoir-sampled in one pass, so nodes
+/// changing state meanwhile cannot make the sample inconsistent); the one with fewer
+/// requests in flight, at random on a tie.
 pub(crate) fn power_of_two(candidates: &[Arc<Node>]) -> Option<usize> {
-    let count = available_indices(candidates).count();
-    let a = available_indices(candidates).nth(fastrand::usize(0..count.max(1)))?;
-    if count == 1 {
-        return Some(a);
+    let mut picks: [Option<usize>; 2] = [None, None];
+    let mut seen = 0usize;
+    for i in available_indices(candidates) {
+        seen += 1;
+        if seen <= 2 {
+            picks[seen - 1] = Some(i);
+        } else {
+            let j = fastrand::usize(0..seen);
+            if j < 2 {
+                picks[j] = Some(i);
+            }
+        }
     }
-    let mut k = fastrand::usize(0..count - 1);
-    if available_indices(candidates).nth(k) == Some(a) {
-        k += 1;
-    }
-    let b = available_indices(candidates).nth(k)?;
     let load = |i: usize| candidates[i].counters().in_flight();
-    Some(if load(b) < load(a) { b } else { a })
+    match picks {
+        [Some(a), Some(b)] => Some(match load(a).cmp(&load(b)) {
+            std::cmp::Ordering::Less => a,
+            std::cmp::Ordering::Greater => b,
+            std::cmp::Ordering::Equal => {
+                if fastrand::bool() {
+                    a
+                } else {
+                    b
+                }
+            }
+        }),
+        [a, _] => a,
+    }
 }
 
 impl Policy for LeastRequests {
