@@ -17,9 +17,11 @@ format: ## format Python and Rust
 	cargo fmt --all
 
 .PHONY: lint
-lint: ## ruff, rustfmt and clippy (warnings are errors)
+lint: ## ruff, mypy, stubtest (stubs against the built module), rustfmt and clippy (warnings are errors)
 	ruff check python tests bench
 	ruff format --check python tests bench
+	$(PYTHON) -m mypy
+	cd /tmp && $(PYTHON) -m mypy.stubtest pdproxy._pdproxy --allowlist $(CURDIR)/.mypy-stubtest-allowlist
 	cargo fmt --all --check
 	cargo clippy --workspace --all-targets --all-features -- -D warnings
 

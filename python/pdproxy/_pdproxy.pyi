@@ -9,32 +9,51 @@ __version__: str
 class _RouterConfig(Protocol):
     """What the router reads from `pdproxy.Settings` (by attribute)."""
 
-    policy: str
-    prefill_policy: str
-    decode_policy: str
-    model_policies: Sequence[str]
-    hash_load_factor: float
-    prefix_block_bytes: int
-    prefix_max_blocks: int
-    prefix_cache_entries: int
-    prefix_balance_threshold: int
-    queue_size: int
-    queue_timeout: float
-    runtime_threads: int
-    connect_timeout: float
-    first_byte_timeout: float
-    pool_idle_timeout: float
-    pool_max_idle_per_node: int
-    prefetch_limit: int
-    stream_idle_timeout: float
-    stream_buffer_limit: int
+    @property
+    def policy(self) -> str: ...
+    @property
+    def prefill_policy(self) -> str: ...
+    @property
+    def decode_policy(self) -> str: ...
+    @property
+    def model_policies(self) -> Sequence[str]: ...
+    @property
+    def hash_load_factor(self) -> float: ...
+    @property
+    def prefix_block_bytes(self) -> int: ...
+    @property
+    def prefix_max_blocks(self) -> int: ...
+    @property
+    def prefix_cache_entries(self) -> int: ...
+    @property
+    def prefix_balance_threshold(self) -> int: ...
+    @property
+    def queue_size(self) -> int: ...
+    @property
+    def queue_timeout(self) -> float: ...
+    @property
+    def runtime_threads(self) -> int: ...
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def first_byte_timeout(self) -> float: ...
+    @property
+    def pool_idle_timeout(self) -> float: ...
+    @property
+    def pool_max_idle_per_node(self) -> int: ...
+    @property
+    def prefetch_limit(self) -> int: ...
+    @property
+    def stream_idle_timeout(self) -> float: ...
+    @property
+    def stream_buffer_limit(self) -> int: ...
 
 @final
 class Router:
     """The node table, selection, admission and forwarding. Every method but `forward`
     returns at once."""
 
-    def __init__(self, config: _RouterConfig) -> None: ...
+    def __new__(cls, config: _RouterConfig) -> Router: ...
     @property
     def policies(self) -> list[tuple[str, str]]:
         """(scope, policy) pairs: each role, then per-model overrides as `model:NAME`."""
@@ -148,4 +167,4 @@ class Response:
 class _LoopBridge:
     """Internal: wakes the event loop from the data plane's threads."""
 
-    def __call__(self) -> None: ...
+    def __call__(self, *args: object, **kwargs: object) -> None: ...

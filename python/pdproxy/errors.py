@@ -119,7 +119,7 @@ class NoNodeAvailable(PdproxyError):
     status = 503
     code = "no_healthy_node"
     type = "service_unavailable"
-    retry_after = 1
+    retry_after: int | None = 1
 
 
 class ModelNotFound(NoNodeAvailable):
@@ -128,7 +128,7 @@ class ModelNotFound(NoNodeAvailable):
     status = 404
     code = "model_not_found"
     type = "invalid_request_error"
-    retry_after = None
+    retry_after: int | None = None
 
 
 class Overloaded(PdproxyError):
@@ -138,7 +138,7 @@ class Overloaded(PdproxyError):
     status = 429
     code = "overloaded"
     type = "rate_limit_error"
-    retry_after = 1
+    retry_after: int | None = 1
 
 
 class UpstreamError(PdproxyError):
@@ -154,7 +154,7 @@ class UpstreamConnectError(UpstreamError, ConnectionError):
 
     status = 503
     code = "upstream_connect_failed"
-    retry_after = 1
+    retry_after: int | None = 1
 
 
 class UpstreamTimeout(UpstreamError, TimeoutError):

@@ -29,18 +29,25 @@ class ClientWatch:
     """Watches ``receive()`` for ``http.disconnect`` while the response is produced.
 
     granian's ``send`` does not fail after the client went away, so without this watch a
-    stream would keep its node busy until the node finished generating.
+    stream would keep its node busy until the node finished generating. The watching task
+    starts only once the request has taken ``delay`` seconds: most requests finish sooner,
+    and for them the task would cost more than the rest of the handler.
     """
 
-    __slots__ = ("_on_disconnect", "_task", "gone")
+    __slots__ = ("_on_disconnect", "_receive", "_task", "_timer", "gone")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, delay: float) -> None:
         self.gone = False
         self._on_disconnect: Callable[[], object] | None = None
-        self._task = asyncio.get_running_loop().create_task(self._watch(receive))
+        self._receive = receive
+        self._task: asyncio.Task[None] | None = None
+        self._timer = asyncio.get_running_loop().call_later(delay, self._start)
 
-    async def _watch(self, receive: Receive) -> None:
-        while (await receive())["type"] != "http.disconnect":
+    def _start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
             pass
         self.gone = True
         if self._on_disconnect is not None:
@@ -53,7 +60,9 @@ class ClientWatch:
             callback()
 
     def stop(self) -> None:
-        self._task.cancel()
+        self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
 
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
@@ -104,6 +113,10 @@ def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
     return any(n == b"content-type" and v.startswith(b"text/event-stream") for n, v in headers)
 
 
+#: Seconds a request runs before its client is watched for a disconnect (see ClientWatch).
+DISCONNECT_WATCH_DELAY = 0.01
+
+
 async def forward(router: Router, max_body_size: int, scope: Scope, receive: Receive, send: Send) -> None:
     """Handles one inference request end to end."""
     try:
@@ -117,7 +130,7 @@ async def forward(router: Router, max_body_size: int, scope: Scope, receive: Rec
     if scope.get("query_string"):
         path = f"{path}?{scope['query_string'].decode('latin-1')}"
 
-    watch = ClientWatch(receive)
+    watch = ClientWatch(receive, DISCONNECT_WATCH_DELAY)
     response: Response | None = None
     try:
         try:

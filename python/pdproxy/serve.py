@@ -55,7 +55,7 @@ def serve(settings: Settings) -> None:
 
 def _logging_config(level: str) -> dict[str, Any]:
     """granian's logging setup plus pdproxy's logger, so both print the same way."""
-    config = copy.deepcopy(LOGGING_CONFIG)
+    config: dict[str, Any] = copy.deepcopy(LOGGING_CONFIG)
     config["loggers"]["pdproxy"] = {"handlers": ["console"], "level": level.upper(), "propagate": False}
     return config
 

@@ -108,7 +108,7 @@ class _Completion:
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
             raise ValueError("max_tokens must be a non-negative integer")
         self.tokens, self.finish_reason = generate(prompt, max_tokens, ignore_eos=bool(body.get("ignore_eos")))
-        self.usage = {
+        self.usage: dict[str, int] = {
             "prompt_tokens": count_tokens(prompt),
             "completion_tokens": len(self.tokens),
             "total_tokens": count_tokens(prompt) + len(self.tokens),
@@ -136,7 +136,7 @@ class _Completion:
         out = self._prefix + f'{empty},"logprobs":null,"finish_reason":"{self.finish_reason}"}}]}}\n\n'.encode()
         if self.include_usage:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
-            usage = {
+            usage: dict[str, Any] = {
                 "id": self.id,
                 "object": obj,
                 "created": self.created,
