@@ -186,3 +186,19 @@ async def test_close_ends_streams_in_flight(engine: MockEngine) -> None:
     with pytest.raises(pdproxy.UpstreamError):
         await drain(response)
     assert router.nodes()[0]["in_flight"] == 0
+
+
+async def test_request_timeout_covers_head_and_stream(engine: MockEngine) -> None:
+    async with pdproxy.Router(nodes=[engine.url], request_timeout=0.3) as router:
+        with pytest.raises(pdproxy.UpstreamTimeout):
+            await router.forward("/v1/chat/completions", body(), headers=[(FAULT_HEADER.encode(), b"hang")])
+        response = await router.forward(
+            "/v1/chat/completions", body(), headers=[(FAULT_HEADER.encode(), b"token_delay_ms=100")]
+        )
+        received = b""
+        with pytest.raises(pdproxy.UpstreamTimeout):
+            async for chunk in response:
+                received += chunk
+        assert received.count(b"data: ") >= 1, "the events before the limit were delivered"
+        node = router.nodes()[0]
+        assert (node["in_flight"], node["failed"]) == (0, 2)

@@ -102,6 +102,10 @@ class Settings:
         default=1 << 20,
         metadata=_opt("Non-streaming responses up to this many bytes are read whole before forwarding."),
     )
+    request_timeout: float = field(
+        default=0.0,
+        metadata=_opt("Seconds a whole request may take, queueing and streaming included (0: no limit)."),
+    )
     stream_idle_timeout: float = field(
         default=120.0, metadata=_opt("Seconds a streaming response may stay silent before it is cut off.")
     )
@@ -149,6 +153,8 @@ class Settings:
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if self.request_timeout < 0:
+            raise ConfigError(f"request_timeout must not be negative, got {self.request_timeout}")
         if not self.hash_load_factor >= 1:
             raise ConfigError(f"hash_load_factor must be at least 1, got {self.hash_load_factor}")
         for name in ("prefix_balance_threshold", "queue_size"):

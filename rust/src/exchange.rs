@@ -153,10 +153,11 @@ impl Exchange {
         Self::wake(inner);
     }
 
-    /// Ends the exchange with `error` (the router is shutting down): the permit is released
-    /// as cancelled and the reader gets the error after any whole events still buffered.
-    pub fn fail(&self, error: Error) {
-        self.release(Outcome::Cancelled, Report::default());
+    /// Ends the exchange with `error` (the router shuts down, the request ran out of time):
+    /// the permit is released with `outcome` and the reader gets the error after any whole
+    /// events still buffered.
+    pub fn fail(&self, error: Error, outcome: Outcome) {
+        self.release(outcome, Report::default());
         self.finish(Err(error));
     }
 

@@ -25,6 +25,7 @@ pub struct RouterConfig {
     pub prefix_balance_threshold: u64,
     pub queue_size: usize,
     pub queue_timeout: f64,
+    pub request_timeout: f64,
     pub runtime_threads: usize,
     pub connect_timeout: f64,
     pub first_byte_timeout: f64,

@@ -65,6 +65,9 @@ impl Router {
             policies,
             admission: Arc::new(Admission::new(config.queue_size)),
             queue_timeout: seconds("queue_timeout", config.queue_timeout)?,
+            request_timeout: (config.request_timeout > 0.0)
+                .then(|| seconds("request_timeout", config.request_timeout))
+                .transpose()?,
             forwarder,
         };
         Ok(Self {
@@ -244,6 +247,8 @@ struct Shared {
     policies: PolicySet,
     admission: Arc<Admission>,
     queue_timeout: Duration,
+    /// Limit on a whole exchange, queueing included; `None`: no limit.
+    request_timeout: Option<Duration>,
     forwarder: Forwarder,
 }
 
@@ -384,14 +389,20 @@ struct Job {
 impl Job {
     async fn run(self, mut reply: Reply, shutdown: CancellationToken) {
         let exchange = Arc::clone(&self.exchange);
-        tokio::select! {
-            () = self.forward_and_pump(&mut reply) => {}
-            () = shutdown.cancelled() => {
-                let closed = Error::new(Kind::Cancelled, "the router is shutting down");
-                exchange.fail(Error::new(Kind::Cancelled, "the router is shutting down"));
-                reply.fail(closed);
+        let deadline = self.router.request_timeout.map(|t| tokio::time::Instant::now() + t);
+        let out_of_time = async {
+            match deadline {
+                Some(deadline) => tokio::time::sleep_until(deadline).await,
+                None => std::future::pending().await,
             }
-        }
+        };
+        let (kind, message, outcome) = tokio::select! {
+            () = self.forward_and_pump(&mut reply) => return,
+            () = shutdown.cancelled() => (Kind::Cancelled, "the router is shutting down", Outcome::Cancelled),
+            () = out_of_time => (Kind::Timeout, "the request took longer than its time limit", Outcome::Failed),
+        };
+        exchange.fail(Error::new(kind, message), outcome);
+        reply.fail(Error::new(kind, message));
     }
 
     /// Forwards the request, hands the head to Python, then pumps the body.
