@@ -78,13 +78,10 @@ fn running_loop(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
     GET_RUNNING_LOOP.import(py, "asyncio", "get_running_loop")?.call0()
 }
 
-/// Completes `future` with `value`, unless it was cancelled meanwhile.
+/// Completes `future` with `value`, unless it was cancelled meanwhile (then setting it
+/// fails, which is the cheaper way to find out than asking first).
 pub fn resolve(py: Python<'_>, future: &Py<PyAny>, value: PyResult<Py<PyAny>>) {
     let future = future.bind(py);
-    if future.call_method0(intern!(py, "done")).and_then(|d| d.is_truthy()).unwrap_or(true) {
-        return;
-    }
-    // Neither call can fail on a pending future of the running loop; nothing to report if one does.
     let _ = match value {
         Ok(value) => future.call_method1(intern!(py, "set_result"), (value,)),
         Err(err) => future.call_method1(intern!(py, "set_exception"), (err.into_value(py),)),
