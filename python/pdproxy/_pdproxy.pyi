@@ -71,12 +71,16 @@ class Router:
         role: str = "hybrid",
         speed: float | None = None,
         max_concurrency: int | None = None,
+        api_key: str | None = None,
     ) -> str:
         """Adds a node (or updates a registered one); returns its normalised URL.
 
         Raises:
             InvalidNode: the URL is not a usable http URL, or the role or speed is invalid.
         """
+
+    def set_models(self, url: str, models: list[str]) -> None:
+        """Replaces the models of a registered node, keeping everything else."""
 
     def remove_node(self, url: str) -> str:
         """Stops routing to a node; requests in flight run to their end.
@@ -86,7 +90,8 @@ class Router:
         """
 
     def set_node_state(self, url: str, state: str) -> None:
-        """`healthy`, `unhealthy`, `draining` or `sleeping`; only healthy nodes are selected."""
+        """`healthy`, `unhealthy`, `draining`, `sleeping` or `initializing`; only healthy
+        nodes are selected."""
 
     def set_max_concurrency(self, url: str, max_concurrency: int | None) -> None:
         """Sets (or with None lifts) a node's hard cap on requests in flight."""
@@ -95,10 +100,10 @@ class Router:
         """Models served by the registered nodes, deduplicated."""
 
     def nodes(self) -> list[dict[str, Any]]:
-        """A snapshot of each node: url, generation, role, models, speed, state,
-        max_concurrency, in_flight, requests, succeeded, failed, cancelled, events,
-        mean_latency, recent_latency, recent_latency_per_token, mean_ttft, ttft_ewma
-        (seconds, or None)."""
+        """A snapshot of each node: url, generation, role, models, speed, has_api_key, state,
+        max_concurrency, in_flight, requests, succeeded, failed, connect_failures, cancelled,
+        events, mean_latency, recent_latency, recent_latencies, recent_latency_per_token,
+        mean_ttft, ttft_ewma (seconds, or None)."""
 
     def select(self, model: str | None = None, role: str = "hybrid", affinity: str | None = None) -> str:
         """The URL of the node the policy would choose now; nothing is sent or counted."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -38,12 +39,13 @@ def settings_options(cls: type, envvar_prefix: str | None) -> Callable[[F], F]:
                 "envvar": envvar,
                 "show_envvar": envvar is not None,
             }
+            flags = (_flag(f), *f.metadata.get("aliases", ()))
             if kind is bool:
-                option = click.option(_flag(f), f.name, is_flag=True, default=f.default, show_default=True, **common)
+                option = click.option(*flags, f.name, is_flag=True, default=f.default, show_default=True, **common)
             elif kind is tuple:
-                option = click.option(_flag(f), f.name, multiple=True, type=str, **common)
+                option = click.option(*flags, f.name, multiple=True, type=str, **common)
             else:
-                option = click.option(_flag(f), f.name, type=kind, default=f.default, show_default=True, **common)
+                option = click.option(*flags, f.name, type=kind, default=f.default, show_default=True, **common)
             fn = option(fn)
         return fn
 
@@ -84,13 +86,15 @@ def serve(print_config: bool, **options: Any) -> None:
     """Serve the OpenAI API, routing each request to one of the nodes."""
     from .serve import serve as run
 
-    options["nodes"] = tuple(options["nodes"])
+    for name, value in options.items():
+        if isinstance(value, list):
+            options[name] = tuple(value)
     try:
         settings = Settings(**options)
     except ConfigError as e:
         raise click.UsageError(str(e)) from e
     if print_config:
-        click.echo(settings.to_json())
+        click.echo(json.dumps(settings.redacted()))
         return
     try:
         run(settings)

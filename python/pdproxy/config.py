@@ -9,6 +9,7 @@ defaults of its own.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import tomllib
 from dataclasses import dataclass, field
@@ -20,19 +21,26 @@ from .errors import ConfigError
 __all__ = ["ENV_PREFIX", "Settings"]
 
 ENV_PREFIX = "PDPROXY_"
+#: Settings that hold key material: never printed or logged.
+SECRET_FIELDS = ("api_keys", "admin_keys")
 
 
-def _opt(help: str, *, flag: str | None = None, section: str = "proxy") -> dict[str, Any]:
-    """Field metadata: the help text and CLI spelling of a setting."""
-    return {"help": help, "flag": flag, "section": section}
+def _opt(
+    help: str, *, flag: str | None = None, aliases: tuple[str, ...] = (), section: str = "proxy"
+) -> dict[str, Any]:
+    """Field metadata: the help text and CLI spelling of a setting (``aliases``: LMDeploy's
+    spellings, so existing launch scripts keep working)."""
+    return {"help": help, "flag": flag, "aliases": aliases, "section": section}
 
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
     """Configuration of a pdproxy server or embedded router."""
 
-    host: str = field(default="127.0.0.1", metadata=_opt("Address to listen on.", section="server"))
-    port: int = field(default=8000, metadata=_opt("Port to listen on.", section="server"))
+    host: str = field(
+        default="127.0.0.1", metadata=_opt("Address to listen on.", aliases=("--server-name",), section="server")
+    )
+    port: int = field(default=8000, metadata=_opt("Port to listen on.", aliases=("--server-port",), section="server"))
     nodes: tuple[str, ...] = field(
         default=(),
         metadata=_opt(
@@ -58,12 +66,16 @@ class Settings:
             section="server",
         ),
     )
-    log_level: str = field(default="info", metadata=_opt("Log level: debug, info, warning, error.", section="server"))
+    log_level: str = field(
+        default="info",
+        metadata=_opt("Log level: debug, info, warning, error.", section="server"),
+    )
     policy: str = field(
         default="min_expected_latency",
         metadata=_opt(
             "Routing policy: min_expected_latency (LMDeploy's default), random, min_observed_latency, "
-            "min_observed_latency_per_token, round_robin, least_requests, consistent_hash, prefix."
+            "min_observed_latency_per_token, round_robin, least_requests, consistent_hash, prefix.",
+            aliases=("--routing-strategy",),
         ),
     )
     prefill_policy: str = field(default="min_expected_latency", metadata=_opt("Routing policy for prefill nodes."))
@@ -114,6 +126,53 @@ class Settings:
         metadata=_opt("Bytes of a stream kept for a client that reads slowly before the node's stream is held back."),
     )
     max_body_size: int = field(default=32 << 20, metadata=_opt("Largest request body accepted, in bytes."))
+    api_keys: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt(
+            "API key clients must send as `Authorization: Bearer KEY` for inference; repeat for several "
+            "(environment: separated by spaces). None: inference is open.",
+            section="security",
+        ),
+    )
+    admin_keys: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt(
+            "Key for the management API (/nodes/*); repeat for several. When API keys are set and admin keys "
+            "are not, management requires an API key.",
+            section="security",
+        ),
+    )
+    allow_node_cidrs: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt(
+            "Only nodes whose addresses fall in these networks may be added (e.g. 10.0.0.0/8); repeat for several.",
+            flag="--allow-node-cidr",
+            section="security",
+        ),
+    )
+    health_interval: float = field(
+        default=5.0, metadata=_opt("Seconds between health checks of each node.", section="health")
+    )
+    health_timeout: float = field(default=2.0, metadata=_opt("Seconds a node's /health may take.", section="health"))
+    health_fall: int = field(
+        default=3, metadata=_opt("Consecutive failed checks that mark a node unhealthy.", section="health")
+    )
+    health_rise: int = field(
+        default=2, metadata=_opt("Consecutive good checks that bring an unhealthy node back.", section="health")
+    )
+    health_remove_after: float = field(
+        default=0.0,
+        metadata=_opt("Remove a node unhealthy for this many seconds (0: never remove).", section="health"),
+    )
+    admin_timeout: float = field(
+        default=5.0, metadata=_opt("Seconds for calls the management API makes to a node (/terminate).")
+    )
+    state_file: str = field(
+        default="",
+        metadata=_opt(
+            "JSON file where registered nodes are saved and reloaded at start (empty: off).", section="server"
+        ),
+    )
     discovery_timeout: float = field(
         default=2.0, metadata=_opt("Seconds to wait for a node's /v1/models when discovering its models.")
     )
@@ -122,7 +181,7 @@ class Settings:
     )
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "model_policies"):
+        for name in ("nodes", "model_policies", "api_keys", "admin_keys", "allow_node_cidrs"):
             value = getattr(self, name)
             if isinstance(value, str | list):
                 object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
@@ -150,9 +209,23 @@ class Settings:
             "pool_idle_timeout",
             "discovery_timeout",
             "discovery_interval",
+            "health_interval",
+            "health_timeout",
+            "admin_timeout",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if self.health_fall < 1 or self.health_rise < 1:
+            raise ConfigError("health_fall and health_rise must be at least 1")
+        if self.health_remove_after < 0:
+            raise ConfigError(f"health_remove_after must not be negative, got {self.health_remove_after}")
+        for cidr in self.allow_node_cidrs:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError as e:
+                raise ConfigError(f"allow_node_cidrs: {cidr!r} is not a network ({e})") from None
+        if any(not key for key in (*self.api_keys, *self.admin_keys)):
+            raise ConfigError("api_keys and admin_keys must not contain empty keys")
         if self.request_timeout < 0:
             raise ConfigError(f"request_timeout must not be negative, got {self.request_timeout}")
         if not self.hash_load_factor >= 1:
@@ -171,6 +244,13 @@ class Settings:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings with key material hidden, for printing and logs."""
+        out = dataclasses.asdict(self)
+        for name in SECRET_FIELDS:
+            out[name] = ["<hidden>"] * len(out[name])
+        return out
 
     @classmethod
     def from_json(cls, text: str) -> Settings:

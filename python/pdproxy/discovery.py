@@ -1,7 +1,9 @@
 """Model discovery: learn which models a node serves from its ``GET /v1/models``.
 
 A node added without a model list is routable at once (for any model) and probed in the
-background; until it answers, it is probed again every ``discovery_interval`` seconds.
+background until it answers. A node added with a declared list is probed once to verify it:
+when the node answers, its own list wins; when it cannot be reached, the declared list is
+trusted (an LMDeploy api_server registers before it accepts connections).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -19,30 +22,37 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdproxy.discovery")
 
 
+@dataclass
+class _Pending:
+    declared: list[str] | None
+    api_key: str | None
+
+
 class ModelDiscovery:
     def __init__(self, core: CoreRouter, timeout: float, interval: float) -> None:
         self._core = core
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._interval = interval
-        self._pending: set[str] = set()
+        self._pending: dict[str, _Pending] = {}
         self._wake = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def watch(self, url: str) -> None:
-        """Probes ``url`` (a normalised node URL) until its models are known."""
-        self._pending.add(url)
+    def watch(self, url: str, declared: list[str] | None = None, api_key: str | None = None) -> None:
+        """Probes ``url`` (a normalised node URL): until its models are known, or once to
+        verify ``declared``."""
+        self._pending[url] = _Pending(declared, api_key)
         self._wake.set()
 
     def forget(self, url: str) -> None:
-        self._pending.discard(url)
+        self._pending.pop(url, None)
 
     @property
     def pending(self) -> frozenset[str]:
         return frozenset(self._pending)
 
     async def start(self) -> None:
-        """Probes every pending node once, then keeps retrying the silent ones in the background."""
+        """Probes every pending node once, then keeps at it in the background."""
         self._session = aiohttp.ClientSession(timeout=self._timeout)
         await self.probe_pending()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="pdproxy-model-discovery")
@@ -59,35 +69,44 @@ class ModelDiscovery:
 
     async def probe_pending(self) -> None:
         self._wake.clear()
-        if self._pending:
-            await asyncio.gather(*(self._probe(url) for url in list(self._pending)))
+        if self._pending and self._session is not None:
+            await asyncio.gather(*(self._probe(url, p) for url, p in list(self._pending.items())))
 
     async def _run(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: in 3.11 wait_for can swallow a cancellation that
+            # arrives as the event is set, and the task would never stop.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._interval)
+                async with asyncio.timeout(self._interval):
+                    await self._wake.wait()
             await self.probe_pending()
 
-    async def _probe(self, url: str) -> None:
+    async def _probe(self, url: str, pending: _Pending) -> None:
         assert self._session is not None
+        headers = {"authorization": f"Bearer {pending.api_key}"} if pending.api_key else {}
         try:
-            async with self._session.get(f"{url}/v1/models") as response:
-                if response.status != 200:
-                    log.info("node %s answered /v1/models with %d; will retry", url, response.status)
-                    return
-                payload = await response.json(content_type=None)
+            async with self._session.get(f"{url}/v1/models", headers=headers, allow_redirects=False) as response:
+                payload = await response.json(content_type=None) if response.status == 200 else None
+                status = response.status
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            log.info("node %s: model discovery failed (%s); will retry", url, type(e).__name__)
-            return
+            payload, status = None, type(e).__name__
         models = _model_ids(payload)
-        if models is None:
-            log.warning("node %s: /v1/models is not an OpenAI model list; will retry", url)
+        # The node may have been removed or re-added while it was being probed.
+        if self._pending.get(url) is not pending:
             return
-        # The node may have been removed while it was being probed: do not add it back.
-        if url in self._pending:
-            self._pending.discard(url)
-            self._core.add_node(url, models)
-            log.info("node %s serves %s", url, ", ".join(models) or "no models")
+        if models is None:
+            if pending.declared is not None:
+                # No probe possible: trust what the node declared, and stop probing.
+                del self._pending[url]
+                log.info("node %s: /v1/models unavailable (%s); trusting its declared models", url, status)
+            else:
+                log.info("node %s: model discovery failed (%s); will retry", url, status)
+            return
+        del self._pending[url]
+        if pending.declared is not None and sorted(pending.declared) != sorted(models):
+            log.warning("node %s declared models %s but serves %s; using what it serves", url, pending.declared, models)
+        self._core.set_models(url, models)
+        log.info("node %s serves %s", url, ", ".join(models) or "no models")
 
 
 def _model_ids(payload: object) -> list[str] | None:

@@ -75,16 +75,21 @@ class Router:
         role: str = "hybrid",
         speed: float | None = None,
         max_concurrency: int | None = None,
+        api_key: str | None = None,
+        verify: bool = True,
     ) -> str:
         """Adds a node, or updates a registered one; returns its normalised URL.
 
-        Without ``models`` the node serves any model until discovery learns its list. ``role``
-        is ``hybrid``, ``prefill`` or ``decode`` (or LMDeploy's 1, 2, 3); ``speed`` weighs it in
-        ``random`` and ``min_expected_latency``; ``max_concurrency`` caps its requests in flight.
+        Without ``models`` the node serves any model until discovery learns its list; declared
+        ``models`` are checked against the node's ``/v1/models`` once (``verify``), and the
+        node's answer wins. ``role`` is ``hybrid``, ``prefill`` or ``decode`` (or LMDeploy's 1, 2,
+        3); ``speed`` weighs it in ``random`` and ``min_expected_latency``; ``max_concurrency``
+        caps its requests in flight; ``api_key`` is sent to it as a Bearer token.
         """
-        normalized = self._core.add_node(url, None if models is None else list(models), role, speed, max_concurrency)
-        if models is None:
-            self._discovery.watch(normalized)
+        declared = None if models is None else list(models)
+        normalized = self._core.add_node(url, declared, role, speed, max_concurrency, api_key)
+        if declared is None or verify:
+            self._discovery.watch(normalized, declared, api_key)
         else:
             self._discovery.forget(normalized)
         return normalized

@@ -106,6 +106,12 @@ impl Forwarder {
     pub async fn forward(&self, node: &Node, request: ForwardRequest) -> Result<UpstreamResponse> {
         let uri = node.uri_for(&request.path_and_query)?;
         let mut headers = upstream_request_headers(&request.headers);
+        if let Some(key) = &node.spec().api_key {
+            let value = http::HeaderValue::from_str(&format!("Bearer {key}")).map_err(|e| {
+                Error::with_source(Kind::InvalidNode, "the node's API key is not a valid header value", e)
+            })?;
+            headers.insert(http::header::AUTHORIZATION, value);
+        }
         let mut builder = Request::builder().method(request.method).uri(uri);
         if let Some(map) = builder.headers_mut() {
             std::mem::swap(map, &mut headers);

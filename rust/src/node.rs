@@ -50,6 +50,8 @@ pub enum NodeState {
     Draining = 2,
     /// Up but not serving (an LMDeploy engine put to sleep).
     Sleeping = 3,
+    /// Starting up: not serving yet.
+    Initializing = 4,
 }
 
 impl NodeState {
@@ -59,9 +61,10 @@ impl NodeState {
             "unhealthy" => Ok(NodeState::Unhealthy),
             "draining" => Ok(NodeState::Draining),
             "sleeping" => Ok(NodeState::Sleeping),
+            "initializing" => Ok(NodeState::Initializing),
             _ => Err(Error::new(
                 Kind::InvalidNode,
-                format!("unknown node state {raw:?}: use healthy, unhealthy, draining or sleeping"),
+                format!("unknown node state {raw:?}: use healthy, unhealthy, draining, sleeping or initializing"),
             )),
         }
     }
@@ -72,6 +75,7 @@ impl NodeState {
             NodeState::Unhealthy => "unhealthy",
             NodeState::Draining => "draining",
             NodeState::Sleeping => "sleeping",
+            NodeState::Initializing => "initializing",
         }
     }
 
@@ -80,7 +84,8 @@ impl NodeState {
             0 => NodeState::Healthy,
             1 => NodeState::Unhealthy,
             2 => NodeState::Draining,
-            _ => NodeState::Sleeping,
+            3 => NodeState::Sleeping,
+            _ => NodeState::Initializing,
         }
     }
 }
@@ -97,6 +102,8 @@ pub struct NodeCounters {
     pub requests: AtomicU64,
     pub succeeded: AtomicU64,
     pub failed: AtomicU64,
+    /// Requests that never reached the node (connect refused or timed out): passive health.
+    pub connect_failures: AtomicU64,
     pub cancelled: AtomicU64,
     pub latency_us_sum: AtomicU64,
     /// Server-sent events forwarded from this node.
@@ -121,6 +128,7 @@ pub struct CountersSnapshot {
     pub requests: u64,
     pub succeeded: u64,
     pub failed: u64,
+    pub connect_failures: u64,
     pub cancelled: u64,
     pub latency_us_sum: u64,
     pub events: u64,
@@ -146,6 +154,7 @@ impl NodeCounters {
             requests: self.requests.load(Ordering::Relaxed),
             succeeded: self.succeeded.load(Ordering::Relaxed),
             failed: self.failed.load(Ordering::Relaxed),
+            connect_failures: self.connect_failures.load(Ordering::Relaxed),
             cancelled: self.cancelled.load(Ordering::Relaxed),
             latency_us_sum: self.latency_us_sum.load(Ordering::Relaxed),
             events: self.events.load(Ordering::Relaxed),
@@ -181,6 +190,16 @@ impl NodeCounters {
     /// True when the node may be selected now: healthy and below its cap.
     pub fn is_available(&self) -> bool {
         self.state() == NodeState::Healthy && self.max_concurrency().is_none_or(|max| self.in_flight() < u64::from(max))
+    }
+
+    /// The recent window's latencies in microseconds, oldest first.
+    pub fn recent_latencies(&self) -> Vec<f64> {
+        let cursor = usize::try_from(self.recent_cursor.load(Ordering::Relaxed)).unwrap_or(usize::MAX);
+        let filled = cursor.min(LATENCY_WINDOW);
+        (0..filled)
+            .map(|k| (cursor - filled + k) % LATENCY_WINDOW)
+            .map(|i| f64::from(self.recent_latency_us[i].load(Ordering::Relaxed)))
+            .collect()
     }
 
     /// Mean latency over the recent window (optionally per event served); `None` before any.
@@ -234,6 +253,8 @@ pub struct NodeSpec {
     /// Relative throughput (LMDeploy's `speed`); `None` when not declared.
     pub speed: Option<f64>,
     pub max_concurrency: Option<u32>,
+    /// The node's own API key, sent to it as `Authorization: Bearer` (never the client's).
+    pub api_key: Option<String>,
 }
 
 /// An immutable description of a node plus its shared counters. Changing a node's spec
@@ -394,6 +415,8 @@ mod tests {
         }
         // 6..=20 ms remain: mean 13 ms; per event: 6.5 ms.
         assert_eq!(c.recent_mean(false), Some(13_000.0));
+        let window = c.recent_latencies();
+        assert_eq!((window.len(), window[0], window[14]), (15, 6_000.0, 20_000.0));
         assert_eq!(c.recent_mean(true), Some(6_500.0));
     }
 

@@ -139,6 +139,25 @@ impl Registry {
         Ok(node)
     }
 
+    /// Changes one registered node's spec in place (same generation and counters).
+    pub fn update(&self, url: &str, change: impl FnOnce(&mut NodeSpec)) -> Result<Arc<Node>> {
+        let url = NodeUrl::parse(url)?;
+        let _writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
+        let current = self.snapshot.load_full();
+        let Some(pos) = current.nodes.iter().position(|n| n.url() == url.normalized) else {
+            return Err(Error::new(Kind::NodeNotFound, format!("no node {} is registered", url.normalized)));
+        };
+        let old = &current.nodes[pos];
+        let mut spec = old.spec().clone();
+        change(&mut spec);
+        spec.models = dedup(spec.models);
+        let updated = Arc::new(Node::new(&url, old.generation(), spec, Arc::clone(old.counters())));
+        let mut nodes = current.nodes.clone();
+        nodes[pos] = Arc::clone(&updated);
+        self.snapshot.store(Arc::new(NodeSet::build(nodes)));
+        Ok(updated)
+    }
+
     /// Removes a node from selection. Requests in flight keep their permits (and so their
     /// counts) until they end. Returns the removed node.
     pub fn remove(&self, url: &str) -> Result<Arc<Node>> {

@@ -86,7 +86,7 @@ impl Router {
         self.shared.policies.names()
     }
 
-    #[pyo3(signature = (url, models=None, role="hybrid", speed=None, max_concurrency=None))]
+    #[pyo3(signature = (url, models=None, role="hybrid", speed=None, max_concurrency=None, api_key=None))]
     fn add_node(
         &self,
         url: &str,
@@ -94,15 +94,23 @@ impl Router {
         role: &str,
         speed: Option<f64>,
         max_concurrency: Option<u32>,
+        api_key: Option<String>,
     ) -> PyResult<String> {
         let spec = NodeSpec {
             models: models.unwrap_or_default(),
             role: role_of(role)?,
             speed,
             max_concurrency: max_concurrency.filter(|&m| m > 0),
+            api_key: api_key.filter(|k| !k.is_empty()),
         };
         let node = self.shared.registry.add(url, spec).map_err(|e| to_pyerr(&e))?;
         Ok(node.url().to_owned())
+    }
+
+    /// Replaces the models of a registered node, keeping everything else.
+    fn set_models(&self, url: &str, models: Vec<String>) -> PyResult<()> {
+        self.shared.registry.update(url, |spec| spec.models = models).map_err(|e| to_pyerr(&e))?;
+        Ok(())
     }
 
     fn remove_node(&self, url: &str) -> PyResult<String> {
@@ -423,6 +431,9 @@ impl Job {
         let response = match router.forwarder.forward(&node, request).await {
             Ok(response) => response,
             Err(e) => {
+                if e.is_connect() {
+                    node.counters().connect_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
                 exchange.release(Outcome::Failed, Report::default());
                 return reply.fail(e);
             }
@@ -476,18 +487,24 @@ fn node_stats<'py>(py: Python<'py>, node: &Arc<Node>) -> PyResult<Bound<'py, PyD
     stats.set_item("role", node.role().name())?;
     stats.set_item("models", node.models())?;
     stats.set_item("speed", node.speed())?;
+    stats.set_item("has_api_key", node.spec().api_key.is_some())?;
     stats.set_item("state", c.state)?;
     stats.set_item("max_concurrency", c.max_concurrency)?;
     stats.set_item("in_flight", c.in_flight)?;
     stats.set_item("requests", c.requests)?;
     stats.set_item("succeeded", c.succeeded)?;
     stats.set_item("failed", c.failed)?;
+    stats.set_item("connect_failures", c.connect_failures)?;
     stats.set_item("cancelled", c.cancelled)?;
     stats.set_item("events", c.events)?;
     #[allow(clippy::cast_precision_loss)] // microsecond sums stay far below 2^52
     let mean = (c.succeeded > 0).then(|| c.latency_us_sum as f64 / c.succeeded as f64 / 1e6);
     stats.set_item("mean_latency", mean)?;
     stats.set_item("recent_latency", c.recent_latency_us.map(|us| us / 1e6))?;
+    stats.set_item(
+        "recent_latencies",
+        node.counters().recent_latencies().iter().map(|us| us / 1e6).collect::<Vec<_>>(),
+    )?;
     stats.set_item("recent_latency_per_token", c.recent_latency_per_event_us.map(|us| us / 1e6))?;
     stats.set_item("mean_ttft", c.mean_ttft_us.map(|us| us / 1e6))?;
     stats.set_item("ttft_ewma", c.ttft_us_ewma.map(|us| us / 1e6))?;

@@ -1,0 +1,68 @@
+"""API keys: one set guards inference, another the management API; keys are compared in
+constant time. With API keys but no admin keys, management takes an API key, so setting
+keys never leaves management open by accident."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Sequence
+
+from .errors import PdproxyError
+
+
+class Unauthorized(PdproxyError):
+    """No key, or a wrong one."""
+
+    status = 401
+    code = "unauthorized"
+    type = "authentication_error"
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [*super().headers(), (b"www-authenticate", b"Bearer")]
+
+
+class Forbidden(PdproxyError):
+    """A valid inference key used on the management API."""
+
+    status = 403
+    code = "forbidden"
+    type = "permission_error"
+
+
+def _bearer(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.partition(b" ")
+            return token.strip() if scheme.lower() == b"bearer" else None
+    return None
+
+
+def _matches(token: bytes, keys: tuple[bytes, ...]) -> bool:
+    # Compare with every key so the time taken does not tell which one nearly matched.
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(token, key)
+    return found
+
+
+class Keys:
+    def __init__(self, api_keys: Sequence[str], admin_keys: Sequence[str]) -> None:
+        self.api = tuple(k.encode() for k in api_keys)
+        self.admin = tuple(k.encode() for k in admin_keys) or self.api
+
+    def check_inference(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        if not self.api:
+            return
+        token = _bearer(headers)
+        if token is None or not _matches(token, self.api):
+            raise Unauthorized("a valid API key is required (Authorization: Bearer KEY)")
+
+    def check_admin(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
+        if not self.admin:
+            return
+        token = _bearer(headers)
+        if token is not None and _matches(token, self.admin):
+            return
+        if token is not None and self.admin is not self.api and _matches(token, self.api):
+            raise Forbidden("this key may not use the management API")
+        raise Unauthorized("a valid admin key is required (Authorization: Bearer KEY)")
