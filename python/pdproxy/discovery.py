@@ -84,6 +84,7 @@ class ModelDiscovery:
     async def _probe(self, url: str, pending: _Pending) -> None:
         assert self._session is not None
         headers = {"authorization": f"Bearer {pending.api_key}"} if pending.api_key else {}
+        status: int | str
         try:
             async with self._session.get(f"{url}/v1/models", headers=headers, allow_redirects=False) as response:
                 payload = await response.json(content_type=None) if response.status == 200 else None

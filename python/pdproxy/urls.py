@@ -59,7 +59,7 @@ async def check_node_url(url: str, allowed: tuple[Network, ...]) -> None:
     except OSError as e:
         raise InvalidNode(f"node {raw}: its host does not resolve ({e.strerror or e})") from None
     for info in infos:
-        address = ipaddress.ip_address(info[4][0].split("%", 1)[0])
+        address = ipaddress.ip_address(str(info[4][0]).split("%", 1)[0])
         reason = _refusal(address, allowed)
         if reason is not None:
             raise InvalidNode(f"node {raw}: {host} resolves to {address}, {reason}")
