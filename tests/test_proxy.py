@@ -90,14 +90,22 @@ async def test_proxy_errors_use_the_openai_envelope(proxy: Process, http: aiohtt
         (b"[1, 2]", 400, "invalid_request"),
         (json.dumps({"model": 7}).encode(), 400, "invalid_request"),
     ]
+    json_type = {"content-type": "application/json"}
     for body, status, code in cases:
-        kwargs = {"json": body} if isinstance(body, dict) else {"data": body}
+        kwargs = {"json": body} if isinstance(body, dict) else {"data": body, "headers": json_type}
         async with http.post(proxy.url + "/v1/chat/completions", **kwargs) as r:
             assert r.status == status, body
             error = (await r.json())["error"]
             assert error["code"] == code
             assert set(error) == {"message", "type", "param", "code"}
             assert r.headers["x-pdproxy-error"] == code
+    async with http.post(
+        proxy.url + "/v1/chat/completions",
+        data=b"model=alpha",
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    ) as r:
+        assert r.status == 415
+        assert (await r.json())["error"]["code"] == "unsupported_media_type"
     async with http.get(proxy.url + "/v1/nothing-here") as r:
         assert r.status == 404
         assert (await r.json())["error"]["code"] == "not_found"

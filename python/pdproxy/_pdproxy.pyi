@@ -109,6 +109,10 @@ class Router:
         """The URL of the node the policy would choose now; nothing is sent or counted."""
 
     @staticmethod
+    def normalize_url(url: str) -> str:
+        """The canonical form of a node URL (scheme and host lower-cased, no trailing slash)."""
+
+    @staticmethod
     def inspect(body: bytes) -> dict[str, Any]:
         """The routing fields of a body: model, stream, n, user, session_id, max_tokens."""
 

@@ -1,17 +1,20 @@
-"""The ASGI application: a plain dict routes requests; no framework sits on the hot path."""
+"""The ASGI application: plain dicts route requests; no framework sits on the hot path."""
 
 from __future__ import annotations
 
 import gc
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
-from . import management, proxy
+from . import proxy
+from .auth import Keys
 from .config import Settings
-from .errors import PdproxyError, error_body
-from .proxy import Receive, Scope, Send
+from .errors import PdproxyError
+from .fleet import Fleet
+from .nodes_api import ROUTES
+from .openapi import schema
+from .responses import MethodNotAllowed, NotFound, Receive, Scope, Send, send_error, send_json
 from .router import Router
 
 __all__ = ["SETTINGS_ENV", "ProxyApp", "app_from_environment", "create_app"]
@@ -24,22 +27,34 @@ SETTINGS_ENV = "_PDPROXY_SERVE_SETTINGS"
 #: Allocations between two young-generation collections when serving (CPython's default: 700).
 GC_THRESHOLD = 50_000
 
-INFERENCE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+#: Inference endpoints routed by the body's model; other POSTs under /v1/ are passed through
+#: too when their body names a model.
+INFERENCE_PATHS = frozenset(
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/messages",
+        "/generate",
+        "/pooling",
+    }
+)
 
 
 class ProxyApp:
-    """The pdproxy ASGI app. The router is built at lifespan startup, inside the worker
-    process, so that the data plane's threads start after any fork."""
+    """The pdproxy ASGI app. The router and the fleet are built at lifespan startup, inside
+    the worker process, so that the data plane's threads start after any fork."""
 
     def __init__(self, settings: Settings, tune_gc: bool = False) -> None:
         self.settings = settings
         #: Only when serving: an embedding process's garbage collector is not ours to tune.
         self.tune_gc = tune_gc
+        self.keys = Keys(settings.api_keys, settings.admin_keys)
         self.router: Router | None = None
-        self._reads: dict[str, Callable[[Router], tuple[int, list[tuple[bytes, bytes]], bytes]]] = {
-            "/v1/models": management.models,
-            "/health": management.health,
-        }
+        self.fleet: Fleet | None = None
+        self._admin = {(route.method, route.path): route for route in ROUTES}
+        self._admin_paths = {route.path for route in ROUTES}
 
     async def startup(self) -> None:
         if self.tune_gc:
@@ -49,43 +64,67 @@ class ProxyApp:
             gc.collect()
             gc.freeze()
             gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
-        self.router = Router(settings=self.settings)
+        # The fleet adds the configured nodes, so that they are checked and tracked like any other.
+        self.router = Router(settings=self.settings.replace(nodes=()))
         await self.router.start()
+        self.fleet = Fleet(self.router, self.settings)
+        await self.fleet.start()
         log.info("pdproxy routing to %d node(s); policies %s", len(self.router.nodes()), self.router.policies)
 
     async def shutdown(self) -> None:
+        if self.fleet is not None:
+            await self.fleet.aclose()
         if self.router is not None:
             await self.router.aclose()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            await self._http(scope, receive, send)
+            try:
+                await self._http(scope, receive, send)
+            except PdproxyError as e:
+                await send_error(send, e)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
-        router = self.router
-        if router is None:  # a server without lifespan support
+        if self.router is None or self.fleet is None:  # a server without lifespan support
             await self.startup()
-            router = self.router
-            assert router is not None
+        router, fleet = self.router, self.fleet
+        assert router is not None
+        assert fleet is not None
         path, method = scope["path"], scope["method"]
-        if path in INFERENCE_PATHS:
-            if method == "POST":
-                await proxy.forward(router, self.settings.max_body_size, scope, receive, send)
-            else:
-                await _send_plain_error(send, 405, f"{method} is not allowed on {path}", "method_not_allowed")
+        if method == "POST" and (path in INFERENCE_PATHS or path.startswith("/v1/")):
+            self.keys.check_inference(scope["headers"])
+            await proxy.forward(
+                router, self.settings.max_body_size, scope, receive, send, require_model=path not in INFERENCE_PATHS
+            )
             return
-        read = self._reads.get(path)
-        if read is None:
-            await _send_plain_error(send, 404, f"no route for {path}", "not_found")
-        elif method != "GET":
-            await _send_plain_error(send, 405, f"{method} is not allowed on {path}", "method_not_allowed")
+        route = self._admin.get((method, path))
+        if route is not None:
+            self.keys.check_admin(scope["headers"])
+            status, payload = await route.handler(fleet, scope, receive)
+            await send_json(send, status, payload)
+            return
+        if path in self._admin_paths or path in INFERENCE_PATHS:
+            raise MethodNotAllowed(f"{method} is not allowed on {path}")
+        if method != "GET":
+            raise NotFound(f"no route for {method} {path}")
+        if path == "/v1/models":
+            self.keys.check_inference(scope["headers"])
+            await send_json(send, 200, _model_list(router))
+        elif path == "/health":
+            await send_json(send, 200, {"status": "healthy"})
+        elif path == "/ready":
+            routable = sum(1 for n in router.nodes() if n["state"] == "healthy")
+            if routable:
+                await send_json(send, 200, {"status": "ready", "routable_nodes": routable})
+            else:
+                await send_json(send, 503, {"status": "not ready", "routable_nodes": 0})
+        elif path == "/openapi.json":
+            await send_json(send, 200, schema())
         else:
-            status, headers, body = read(router)
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
+            raise NotFound(f"no route for {path}")
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -103,10 +142,13 @@ class ProxyApp:
                 return
 
 
-async def _send_plain_error(send: Send, status: int, message: str, code: str) -> None:
-    headers = [(b"content-type", b"application/json"), (b"x-pdproxy-error", code.encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": error_body(message, type="invalid_request_error", code=code)})
+def _model_list(router: Router) -> dict[str, Any]:
+    """The OpenAI ``ModelList`` of every model some healthy node serves."""
+    seen: list[str] = []
+    for node in router.nodes():
+        if node["state"] == "healthy":
+            seen.extend(m for m in node["models"] if m not in seen)
+    return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "pdproxy"} for m in seen]}
 
 
 def create_app(settings: Settings | None = None) -> ProxyApp:

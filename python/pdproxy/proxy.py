@@ -8,21 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
-from typing import Any
+import uuid
+from collections.abc import Callable
 
 from ._pdproxy import Response
-from .errors import InvalidRequest, PdproxyError, RequestTooLarge, UpstreamError
+from .errors import InvalidRequest, PdproxyError, UpstreamError
+from .responses import ClientGone, NotFound, Receive, Scope, Send, read_body, require_json, send_error
 from .router import Router
 
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request was read."""
+#: Seconds a request runs before its client is watched for a disconnect (see ClientWatch).
+DISCONNECT_WATCH_DELAY = 0.01
 
 
 class ClientWatch:
@@ -65,41 +60,34 @@ class ClientWatch:
             self._task.cancel()
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+def upstream_headers(scope: Scope) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """The client's headers plus the proxy's: ``x-request-id`` (the client's, or a new one)
+    and ``X-Forwarded-For/Host/Proto``. Returns them with the request id. The data plane
+    drops hop-by-hop headers and the client's ``authorization``."""
+    headers: list[tuple[bytes, bytes]] = []
+    request_id = forwarded_for = host = None
     for name, value in scope["headers"]:
-        if name == b"content-length":
-            try:
-                declared = int(value)
-            except ValueError:
-                raise InvalidRequest("invalid content-length header") from None
-            if declared > limit:
-                raise RequestTooLarge(f"request body is larger than {limit} bytes")
-            break
-    message = await receive()
-    if message["type"] == "http.disconnect":
-        raise ClientGone
-    body: bytes = message.get("body", b"")
-    if not message.get("more_body", False):
-        if len(body) > limit:
-            raise RequestTooLarge(f"request body is larger than {limit} bytes")
-        return body
-    parts = [body]
-    size = len(body)
-    while message.get("more_body", False):
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise RequestTooLarge(f"request body is larger than {limit} bytes")
-        parts.append(chunk)
-    return b"".join(parts)
-
-
-async def send_error(send: Send, error: PdproxyError) -> None:
-    await send({"type": "http.response.start", "status": error.status, "headers": error.headers()})
-    await send({"type": "http.response.body", "body": error.body()})
+        if name == b"x-request-id":
+            request_id = value
+        elif name == b"x-forwarded-for":
+            forwarded_for = value
+            continue
+        elif name == b"host":
+            host = value
+        elif name in (b"x-forwarded-host", b"x-forwarded-proto"):
+            continue  # ours replace whatever the client claimed
+        headers.append((name, value))
+    if request_id is None:
+        request_id = uuid.uuid4().hex.encode()
+        headers.append((b"x-request-id", request_id))
+    client = scope.get("client")
+    if client:
+        peer = client[0].encode()
+        headers.append((b"x-forwarded-for", forwarded_for + b", " + peer if forwarded_for else peer))
+    if host is not None:
+        headers.append((b"x-forwarded-host", host))
+    headers.append((b"x-forwarded-proto", scope.get("scheme", "http").encode()))
+    return headers, request_id
 
 
 def _stream_error_event(error: PdproxyError) -> bytes:
@@ -113,18 +101,22 @@ def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
     return any(n == b"content-type" and v.startswith(b"text/event-stream") for n, v in headers)
 
 
-#: Seconds a request runs before its client is watched for a disconnect (see ClientWatch).
-DISCONNECT_WATCH_DELAY = 0.01
-
-
-async def forward(router: Router, max_body_size: int, scope: Scope, receive: Receive, send: Send) -> None:
-    """Handles one inference request end to end."""
+async def forward(
+    router: Router, max_body_size: int, scope: Scope, receive: Receive, send: Send, require_model: bool = False
+) -> None:
+    """Handles one inference request end to end. ``require_model``: a pass-through path is
+    routed only when its body names a model."""
+    headers, request_id = upstream_headers(scope)
+    echo = [(b"x-request-id", request_id)]
     try:
+        require_json(scope)
         body = await read_body(scope, receive, max_body_size)
+        if require_model and not Router.inspect(body)["model"]:
+            raise NotFound(f"no route for {scope['path']} without a model in the body")
     except ClientGone:
         return
     except PdproxyError as e:
-        await send_error(send, e)
+        await send_error(send, e, echo)
         return
     path = scope["path"]
     if scope.get("query_string"):
@@ -134,9 +126,9 @@ async def forward(router: Router, max_body_size: int, scope: Scope, receive: Rec
     response: Response | None = None
     try:
         try:
-            pending = router.forward(path, body, scope["headers"])
+            pending = router.forward(path, body, headers)
         except PdproxyError as e:
-            await send_error(send, e)
+            await send_error(send, e, echo)
             return
         watch.on_disconnect(pending.cancel)
         try:
@@ -146,10 +138,13 @@ async def forward(router: Router, max_body_size: int, scope: Scope, receive: Rec
                 return
             raise
         except PdproxyError as e:
-            await send_error(send, e)
+            await send_error(send, e, echo)
             return
         watch.on_disconnect(response.close)
-        await send({"type": "http.response.start", "status": response.status, "headers": response.headers})
+        response_headers = response.headers
+        if not any(name == b"x-request-id" for name, _ in response_headers):
+            response_headers.append(echo[0])
+        await send({"type": "http.response.start", "status": response.status, "headers": response_headers})
         if response.body is not None:
             await send({"type": "http.response.body", "body": response.body})
             return
@@ -172,3 +167,6 @@ async def _stream_body(response: Response, send: Send) -> None:
     if response.closed:  # cut short because the client left: there is nobody to tell
         return
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+__all__ = ["ClientWatch", "InvalidRequest", "forward", "upstream_headers"]

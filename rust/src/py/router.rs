@@ -128,7 +128,11 @@ impl Router {
 
     /// Sets (or with `None` lifts) a node's hard cap on requests in flight.
     fn set_max_concurrency(&self, url: &str, max_concurrency: Option<u32>) -> PyResult<()> {
-        self.node(url)?.counters().set_max_concurrency(max_concurrency.filter(|&m| m > 0));
+        // Through the spec, so that later updates of the node (discovery) keep the cap.
+        self.shared
+            .registry
+            .update(url, |spec| spec.max_concurrency = max_concurrency.filter(|&m| m > 0))
+            .map_err(|e| to_pyerr(&e))?;
         Ok(())
     }
 
@@ -164,6 +168,12 @@ impl Router {
         // Not a request: release without recording an outcome.
         permit.unused();
         Ok(url)
+    }
+
+    /// The canonical form of a node URL (scheme and host lower-cased, no trailing slash).
+    #[staticmethod]
+    fn normalize_url(url: &str) -> PyResult<String> {
+        Ok(crate::node::NodeUrl::parse(url).map_err(|e| to_pyerr(&e))?.normalized)
     }
 
     /// The routing fields of a request body: `model`, `stream`, `n`, `user`, `session_id`,

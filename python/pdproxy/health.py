@@ -1,0 +1,180 @@
+"""Active and passive health checks.
+
+Every node's ``/health`` is probed concurrently each ``interval`` seconds with a timeout. The
+answer follows LMDeploy's shape: 200 ``{"status": "healthy"}`` serves; ``sleeping`` is kept
+but not routed to; ``initializing`` is not routed to yet; 503 or ``unhealthy``, an error or
+a timeout is a failure (an empty 200, as older LMDeploy versions send, is healthy).
+``fall`` consecutive failures take a node out of routing and ``rise`` successes bring it
+back; requests that could not connect to a node count as failures too. A failing node is
+kept (optionally removed after ``remove_after`` seconds), never deleted on the spot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from .router import Router
+
+log = logging.getLogger("pdproxy.health")
+
+#: States the checker sets; `draining` belongs to the operator and leases, so it is left alone.
+CHECKED_STATES = frozenset({"healthy", "unhealthy", "sleeping", "initializing"})
+
+
+@dataclass
+class NodeHealth:
+    """What the checker knows of one node."""
+
+    state: str = "healthy"
+    successes: int = 0
+    failures: int = 0
+    last_error: str | None = None
+    last_check: float | None = None
+    unhealthy_since: float | None = None
+    connect_failures_seen: int = 0
+    api_key: str | None = field(default=None, repr=False)
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "state": self.state,
+            "consecutive_failures": self.failures,
+            "last_error": self.last_error,
+            "last_check_age": None if self.last_check is None else round(time.monotonic() - self.last_check, 3),
+        }
+
+
+class HealthChecker:
+    def __init__(
+        self,
+        router: Router,
+        *,
+        interval: float,
+        timeout: float,
+        fall: int,
+        rise: int,
+        remove_after: float,
+        on_remove: Callable[[str], None],
+    ) -> None:
+        self._router = router
+        self._interval = interval
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._fall = fall
+        self._rise = rise
+        self._remove_after = remove_after
+        self._on_remove = on_remove
+        self.nodes: dict[str, NodeHealth] = {}
+        self._session: aiohttp.ClientSession | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def track(self, url: str, api_key: str | None = None) -> None:
+        """Starts (or keeps) checking ``url``; a new node starts healthy and is checked at once."""
+        health = self.nodes.setdefault(url, NodeHealth())
+        health.api_key = api_key
+        if self._session is not None:
+            asyncio.get_running_loop().create_task(self._check(url, health))
+
+    def forget(self, url: str) -> None:
+        self.nodes.pop(url, None)
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="pdproxy-health")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._session is not None:
+            await self._session.close()
+
+    async def check_all(self) -> None:
+        """One round: every node probed concurrently, passive failures counted."""
+        passive = {n["url"]: n["connect_failures"] for n in self._router.nodes()}
+        checks = []
+        for url, health in list(self.nodes.items()):
+            seen = passive.get(url)
+            if seen is not None and seen > health.connect_failures_seen:
+                health.connect_failures_seen = seen
+                self._record(url, health, None, "requests could not connect")
+            checks.append(self._check(url, health))
+        await asyncio.gather(*checks)
+
+    async def _run(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self._interval)
+
+    async def _check(self, url: str, health: NodeHealth) -> None:
+        assert self._session is not None
+        headers = {"authorization": f"Bearer {health.api_key}"} if health.api_key else {}
+        try:
+            async with self._session.get(f"{url}/health", headers=headers, allow_redirects=False) as response:
+                text = await response.text()
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError) as e:
+            self._record(url, health, None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
+            return
+        self._record(url, health, _engine_state(status, text), f"/health answered {status}")
+
+    def _record(self, url: str, health: NodeHealth, engine_state: str | None, error: str) -> None:
+        if self.nodes.get(url) is not health:
+            return  # removed meanwhile
+        health.last_check = time.monotonic()
+        if engine_state in ("healthy", "sleeping"):
+            health.failures = 0
+            health.successes += 1
+            health.last_error = None
+            if engine_state == "sleeping" or health.state != "unhealthy" or health.successes >= self._rise:
+                self._set(url, health, engine_state)
+            return
+        if engine_state == "initializing":
+            health.successes = 0
+            health.last_error = "initializing"
+            self._set(url, health, "initializing")
+            return
+        health.successes = 0
+        health.failures += 1
+        health.last_error = error
+        if health.failures >= self._fall:
+            self._set(url, health, "unhealthy")
+        overdue = health.unhealthy_since is not None and time.monotonic() - health.unhealthy_since >= self._remove_after
+        if health.state == "unhealthy" and self._remove_after > 0 and overdue:
+            log.warning("node %s unhealthy for %.0f s: removing it", url, self._remove_after)
+            self._on_remove(url)
+
+    def _set(self, url: str, health: NodeHealth, state: str) -> None:
+        if state == health.state:
+            return
+        current = next((n["state"] for n in self._router.nodes() if n["url"] == url), None)
+        if current is None or current not in CHECKED_STATES:
+            health.state = state  # remember, but do not undo an operator's drain
+            return
+        log.info(
+            "node %s: %s -> %s%s", url, health.state, state, f" ({health.last_error})" if health.last_error else ""
+        )
+        health.state = state
+        health.unhealthy_since = time.monotonic() if state == "unhealthy" else None
+        self._router.set_node_state(url, state)
+
+
+def _engine_state(status: int, text: str) -> str | None:
+    """The engine's own word for its state; None for a failure."""
+    try:
+        payload = json.loads(text) if text.strip() else None
+    except ValueError:
+        payload = None
+    reported = payload.get("status") if isinstance(payload, dict) else None
+    if status == 200:
+        return reported if reported in ("healthy", "sleeping") else "healthy"
+    if reported == "initializing":
+        return "initializing"
+    return None

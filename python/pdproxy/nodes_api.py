@@ -1,0 +1,173 @@
+"""The management API, compatible with LMDeploy's proxy: ``/nodes/add`` (LMDeploy's
+registration body, as ``lmdeploy serve api_server --proxy-url`` sends it), ``/nodes/remove``,
+``/nodes/status``, ``/nodes/terminate``, ``/nodes/terminate_all``. Unlike LMDeploy's, every
+answer's status tells the truth (201 created, 400 bad body, 404 unknown node, 502 node
+unreachable) and the body is JSON."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs
+
+from .errors import InvalidRequest, PdproxyError
+from .fleet import Fleet, TerminateFailed
+from .responses import Receive, Scope, read_json
+
+#: Management request bodies are small.
+BODY_LIMIT = 64 << 10
+
+Handler = Callable[[Fleet, Scope, Receive], Awaitable[tuple[int, Any]]]
+
+
+@dataclass(frozen=True)
+class Route:
+    method: str
+    path: str
+    handler: Handler
+    summary: str
+    request: dict[str, Any] | None = None
+    responses: dict[int, str] = field(default_factory=dict)
+
+
+def _field(payload: dict[str, Any], name: str, kinds: tuple[type, ...], where: str = "") -> Any:
+    value = payload.get(name)
+    if value is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise InvalidRequest(f"`{where}{name}` must be {names}")
+    return value
+
+
+def _role(value: Any) -> str:
+    if value is None:
+        return "hybrid"
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise InvalidRequest("`status.role` must be LMDeploy's integer (1, 2, 3) or a role name")
+    return str(value)
+
+
+async def _url_body(scope: Scope, receive: Receive) -> str:
+    payload = await read_json(scope, receive, BODY_LIMIT)
+    if isinstance(payload, dict) and isinstance(payload.get("url"), str):
+        return str(payload["url"])
+    # LMDeploy's documentation once used `?node_url=`; accept it too.
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    if query.get("node_url"):
+        return str(query["node_url"][0])
+    raise InvalidRequest("the body must be a JSON object with a string `url`")
+
+
+async def add(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
+    payload = await read_json(scope, receive, BODY_LIMIT)
+    if not isinstance(payload, dict) or not isinstance(payload.get("url"), str):
+        raise InvalidRequest("the body must be a JSON object with a string `url`")
+    status = payload.get("status") or {}
+    if not isinstance(status, dict):
+        raise InvalidRequest("`status` must be an object or null")
+    models = _field(status, "models", (list,), "status.")
+    if models is not None and not all(isinstance(m, str) for m in models):
+        raise InvalidRequest("`status.models` must be a list of strings")
+    # pdproxy's own fields may sit at the top level or inside `status`.
+    extra = {**status, **payload}
+    registration, created = await fleet.add(
+        payload["url"],
+        models=models or None,
+        role=_role(status.get("role")),
+        speed=_field(status, "speed", (int, float), "status."),
+        max_concurrency=_field(extra, "max_concurrency", (int,)),
+        api_key=_field(extra, "api_key", (str,)),
+        lease_ttl=_field(extra, "lease_ttl", (int, float)),
+    )
+    return (201 if created else 200), {
+        "url": registration.url,
+        "created": created,
+        "status": fleet.status().get(registration.url),
+    }
+
+
+async def remove(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
+    url = fleet.remove(await _url_body(scope, receive))
+    return 200, {"url": url, "removed": True}
+
+
+async def status(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
+    return 200, fleet.status()
+
+
+async def terminate(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
+    url = await fleet.terminate(await _url_body(scope, receive))
+    return 200, {"url": url, "terminated": True}
+
+
+async def terminate_all(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
+    urls = list(fleet.registrations) or [n["url"] for n in fleet.router.nodes()]
+    results: dict[str, Any] = {}
+    for url in urls:
+        try:
+            await fleet.terminate(url)
+            results[url] = {"terminated": True}
+        except TerminateFailed as e:
+            results[url] = {"terminated": False, "error": e.message}
+        except PdproxyError as e:
+            results[url] = {"terminated": False, "error": e.message}
+    failed = [u for u, r in results.items() if not r["terminated"]]
+    return (502 if failed else 200), {"nodes": results, "failed": failed}
+
+
+_URL_BODY = {"type": "object", "required": ["url"], "properties": {"url": {"type": "string"}}}
+_ADD_BODY = {
+    "type": "object",
+    "required": ["url"],
+    "properties": {
+        "url": {"type": "string", "description": "The node's base URL, e.g. http://10.0.0.5:23333"},
+        "status": {
+            "type": ["object", "null"],
+            "description": "LMDeploy's node status",
+            "properties": {
+                "models": {"type": "array", "items": {"type": "string"}},
+                "role": {"description": "1 Hybrid, 2 Prefill, 3 Decode, or the name", "type": ["integer", "string"]},
+                "speed": {"type": ["number", "null"]},
+            },
+        },
+        "max_concurrency": {"type": "integer", "description": "Hard cap on the node's requests in flight"},
+        "api_key": {"type": "string", "description": "Sent to the node as `Authorization: Bearer`"},
+        "lease_ttl": {"type": "number", "description": "Seconds until the registration lapses unless renewed"},
+    },
+}
+
+ROUTES: tuple[Route, ...] = (
+    Route(
+        "POST",
+        "/nodes/add",
+        add,
+        "Register a node, or update and renew a registered one",
+        _ADD_BODY,
+        {201: "Added", 200: "Updated", 400: "Bad body or node URL", 415: "Body is not JSON"},
+    ),
+    Route("POST", "/nodes/remove", remove, "Remove a node", _URL_BODY, {200: "Removed", 404: "Unknown node"}),
+    Route(
+        "GET",
+        "/nodes/status",
+        status,
+        "Every node's role, models, health, load and latency",
+        None,
+        {200: "Status by node URL"},
+    ),
+    Route(
+        "POST",
+        "/nodes/terminate",
+        terminate,
+        "Stop a node (its /terminate) and remove it",
+        _URL_BODY,
+        {200: "Terminated", 404: "Unknown node", 502: "The node did not confirm; it was removed"},
+    ),
+    Route(
+        "GET",
+        "/nodes/terminate_all",
+        terminate_all,
+        "Stop and remove every node",
+        None,
+        {200: "All terminated", 502: "Some nodes did not confirm; all were removed"},
+    ),
+)

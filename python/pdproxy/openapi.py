@@ -1,0 +1,73 @@
+"""The OpenAPI description of the proxy's own endpoints, built from the same route table
+that dispatches them, so it cannot drift from what the proxy does."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import __version__
+from .nodes_api import ROUTES
+
+_ERROR = {
+    "type": "object",
+    "properties": {
+        "error": {
+            "type": "object",
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": "string"},
+            },
+        }
+    },
+}
+
+#: Endpoints served outside the management table: (method, path, summary, statuses).
+PROXY_ROUTES: tuple[tuple[str, str, str, dict[int, str]], ...] = (
+    ("POST", "/v1/chat/completions", "Chat completion, routed by model", {200: "The node's answer"}),
+    ("POST", "/v1/completions", "Completion, routed by model", {200: "The node's answer"}),
+    ("POST", "/v1/embeddings", "Embeddings, routed by model", {200: "The node's answer"}),
+    ("POST", "/v1/responses", "Responses API, routed by model", {200: "The node's answer"}),
+    ("POST", "/v1/messages", "Anthropic-style messages, routed by model", {200: "The node's answer"}),
+    ("POST", "/generate", "Native generate, routed by model", {200: "The node's answer"}),
+    ("POST", "/pooling", "Pooling, routed by model", {200: "The node's answer"}),
+    ("GET", "/v1/models", "Models served by healthy nodes (OpenAI ModelList)", {200: "Model list"}),
+    ("GET", "/health", "The proxy is alive", {200: "Alive"}),
+    ("GET", "/ready", "The proxy can route: at least one healthy node", {200: "Ready", 503: "No routable node"}),
+    ("GET", "/openapi.json", "This document", {200: "OpenAPI document"}),
+)
+
+
+def _responses(statuses: dict[int, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for code, text in statuses.items():
+        entry: dict[str, Any] = {"description": text}
+        if code >= 400:
+            entry["content"] = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+        out[str(code)] = entry
+    return out
+
+
+def schema() -> dict[str, Any]:
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path, summary, statuses in PROXY_ROUTES:
+        paths.setdefault(path, {})[method.lower()] = {"summary": summary, "responses": _responses(statuses)}
+    for route in ROUTES:
+        operation: dict[str, Any] = {
+            "summary": route.summary,
+            "tags": ["nodes"],
+            "responses": _responses({**route.responses, 401: "Missing or wrong admin key"}),
+        }
+        if route.request is not None:
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": route.request}}}
+        paths.setdefault(route.path, {})[route.method.lower()] = operation
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "pdproxy", "version": __version__},
+        "paths": paths,
+        "components": {
+            "schemas": {"Error": _ERROR},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+    }

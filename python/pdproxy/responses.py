@@ -1,0 +1,112 @@
+"""Sending JSON answers and errors over ASGI, and reading JSON request bodies: one place for
+each, so every endpoint answers the same way."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from .errors import InvalidRequest, PdproxyError, RequestTooLarge
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+class UnsupportedMediaType(PdproxyError):
+    """The request body is not JSON."""
+
+    status = 415
+    code = "unsupported_media_type"
+    type = "invalid_request_error"
+
+
+class NotFound(PdproxyError):
+    status = 404
+    code = "not_found"
+    type = "invalid_request_error"
+
+
+class MethodNotAllowed(PdproxyError):
+    status = 405
+    code = "method_not_allowed"
+    type = "invalid_request_error"
+
+
+async def send_json(send: Send, status: int, payload: object, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": headers or JSON_HEADERS})
+    await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
+
+
+async def send_error(send: Send, error: PdproxyError, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    headers = error.headers() + (extra or [])
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": error.body()})
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+def require_json(scope: Scope) -> None:
+    """Refuses a body declared as something other than JSON (no declaration is accepted)."""
+    content_type = header(scope, b"content-type")
+    if content_type is None:
+        return
+    media = content_type.split(b";", 1)[0].strip().lower()
+    if media != b"application/json" and not media.endswith(b"+json"):
+        raise UnsupportedMediaType(f"the request body must be JSON, not {media.decode('latin-1')}")
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body, refused past ``limit`` bytes while it is read."""
+    declared = header(scope, b"content-length")
+    if declared is not None:
+        try:
+            size = int(declared)
+        except ValueError:
+            raise InvalidRequest("invalid content-length header") from None
+        if size > limit:
+            raise RequestTooLarge(f"request body is larger than {limit} bytes")
+    message = await receive()
+    if message["type"] == "http.disconnect":
+        raise ClientGone
+    body: bytes = message.get("body", b"")
+    if not message.get("more_body", False):
+        if len(body) > limit:
+            raise RequestTooLarge(f"request body is larger than {limit} bytes")
+        return body
+    parts = [body]
+    size = len(body)
+    while message.get("more_body", False):
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(f"request body is larger than {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def read_json(scope: Scope, receive: Receive, limit: int) -> Any:
+    require_json(scope)
+    body = await read_body(scope, receive, limit)
+    if not body.strip():
+        return None
+    try:
+        return json.loads(body)
+    except ValueError as e:
+        raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
