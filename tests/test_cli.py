@@ -76,6 +76,24 @@ def test_precedence_cli_over_env_over_file_over_defaults(tmp_path: Path) -> None
     assert effective(env={"PDPROXY_CONFIG": str(config)})["port"] == 9001
 
 
+def test_lmdeploy_spellings_and_hidden_keys() -> None:
+    config = effective(
+        "--server-name",
+        "0.0.0.0",
+        "--server-port",
+        "9005",
+        "--routing-strategy",
+        "random",
+        "--api-keys",
+        "secret-1",
+        "--api-keys",
+        "secret-2",
+    )
+    assert (config["host"], config["port"], config["policy"]) == ("0.0.0.0", 9005, "random")
+    assert config["api_keys"] == ["<hidden>", "<hidden>"], "keys are never printed"
+    assert effective(env={"PDPROXY_API_KEYS": "one-long-key"})["api_keys"] == ["<hidden>"], "one key, not letters"
+
+
 def test_bad_configuration_is_reported(tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
     config.write_text("prot = 1\n")

@@ -125,7 +125,9 @@ class Settings:
         default=1 << 20,
         metadata=_opt("Bytes of a stream kept for a client that reads slowly before the node's stream is held back."),
     )
-    max_body_size: int = field(default=32 << 20, metadata=_opt("Largest request body accepted, in bytes."))
+    max_body_size: int = field(
+        default=8 << 20, metadata=_opt("Largest request body accepted, in bytes (checked while it is read).")
+    )
     api_keys: tuple[str, ...] = field(
         default=(),
         metadata=_opt(
