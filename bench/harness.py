@@ -90,18 +90,30 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 30.0) -
 
 
 @contextlib.contextmanager
-def service(name: str, args: list[str], ready_url: str, base_url: str) -> Iterator[Service]:
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_ready(ready_url, proc)
-        yield Service(name, proc, base_url)
-    finally:
-        proc.terminate()
+def service(
+    name: str,
+    args: list[str],
+    ready_url: str,
+    base_url: str,
+    *,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    timeout: float = 30.0,
+) -> Iterator[Service]:
+    """Runs ``args`` until the block ends; its output goes to ``log`` (to tell why a peer failed) or nowhere."""
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(log.open("wb")) if log else subprocess.DEVNULL
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            wait_ready(ready_url, proc, timeout)
+            yield Service(name, proc, base_url)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 @contextlib.contextmanager

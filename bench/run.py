@@ -4,9 +4,12 @@ one table per scenario, with ratios measured in the same run.
     python bench/run.py                      # every scenario, 10 s each
     python bench/run.py S1 S4 --duration 5   # some scenarios
     python bench/run.py --write-readme       # also refresh the results in bench/README.md
+    python bench/run.py --peers none         # only direct and pdproxy
 
-Targets: `direct` (the load generator talks to the mock engines itself: the physical limit)
-and `pdproxy` (`pdproxy serve` under granian, one worker).
+Targets: `direct` (the load generator talks to the mock engines itself: the physical limit),
+`pdproxy` (`pdproxy serve` under granian, one worker) and the peers: `lmdeploy-proxy` (LMDeploy's
+`lmdeploy serve proxy`) and `sglang-router` (the Rust router of SGLang), each installed on first use
+into its own virtual environment under bench/.peers.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness
+import peers
 
 MODEL = "bench-model"
+CHAT = "/v1/chat/completions"
 RESULTS = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent / "README.md"
 
@@ -160,20 +165,38 @@ SCENARIOS = {
 }
 
 
-def run_scenario(s: Scenario, duration: float) -> dict[str, harness.LoadResult]:
+def run_scenario(s: Scenario, duration: float, others: list[peers.Peer]) -> dict[str, harness.LoadResult]:
     harness.say(f"{s.title}: starting {s.engines} mock engine(s)")
     results: dict[str, harness.LoadResult] = {}
     with harness.mock_engines(s.engines, MODEL, s.token_delay_ms) as engines:
-        path = "/v1/chat/completions"
         mocks = {f"mock-{i}": e.proc.pid for i, e in enumerate(engines)}
+        urls = [e.url for e in engines]
         harness.say(f"{s.name}: direct to the engines for {duration:.0f} s")
-        results["direct"] = harness.run_load([e.url + path for e in engines], s.body, s.connections, duration, mocks)
-        with harness.pdproxy([e.url for e in engines], MODEL) as proxy:
+        results["direct"] = harness.run_load([u + CHAT for u in urls], s.body, s.connections, duration, mocks)
+        with harness.pdproxy(urls, MODEL) as proxy:
             harness.say(f"{s.name}: through pdproxy for {duration:.0f} s")
             results["pdproxy"] = harness.run_load(
-                [proxy.url + path], s.body, s.connections, duration, {"proxy": proxy.proc.pid, **mocks}
+                [proxy.url + CHAT], s.body, s.connections, duration, {"proxy": proxy.proc.pid, **mocks}
             )
+        for peer in others:
+            result = run_peer(s, peer, urls, duration, mocks)
+            if result is not None:
+                results[peer.name] = result
     return results
+
+
+def run_peer(
+    s: Scenario, peer: peers.Peer, urls: list[str], duration: float, mocks: dict[str, int]
+) -> harness.LoadResult | None:
+    """One run through a peer; one that fails is reported and left out of this table, not the whole run."""
+    try:
+        with peer.start(urls, MODEL) as proxy:
+            harness.say(f"{s.name}: through {peer.name} for {duration:.0f} s")
+            watch = {"proxy": proxy.proc.pid, **mocks}
+            return harness.run_load([proxy.url + CHAT], s.body, s.connections, duration, watch)
+    except Exception as e:
+        harness.say(f"{s.name}: leaving out {peer.name}: {e}")
+        return None
 
 
 def run_mock_capacity(duration: float) -> dict[str, harness.LoadResult]:
@@ -206,11 +229,24 @@ def main() -> None:
     parser.add_argument("scenarios", nargs="*", help=f"any of {', '.join(SCENARIOS)}, mock (default: all)")
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per run (after 1 s warm-up)")
     parser.add_argument("--write-readme", action="store_true", help="refresh the results section of bench/README.md")
+    parser.add_argument(
+        "--peers",
+        default=",".join(peers.PEERS),
+        help=f"peer proxies to run beside pdproxy, comma-separated: {', '.join(peers.PEERS)}, or none "
+        "(default: %(default)s); installed into bench/.peers on first use",
+    )
     args = parser.parse_args()
     chosen = args.scenarios or [*SCENARIOS, "mock"]
+    try:
+        wanted = peers.parse(args.peers) if set(chosen) - {"mock"} else []
+    except ValueError as e:
+        parser.error(str(e))
     harness.build_loadgen()
+    others = peers.prepare(wanted)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     sections = [f"Run {started} on {machine()}; `python bench/run.py {' '.join(sys.argv[1:])}`.".rstrip()]
+    if others:
+        sections[0] += " Peers: " + "; ".join(f"{p.name} {p.version()} ({p.note})" for p in others) + "."
     raw = {}
     for name in chosen:
         if name == "mock":
@@ -218,7 +254,7 @@ def main() -> None:
             title, rows = "Mock engine capacity (one process, 64 connections, direct)", render_mock(results)
         else:
             scenario = SCENARIOS[name]
-            results = run_scenario(scenario, args.duration)
+            results = run_scenario(scenario, args.duration, others)
             title, rows = scenario.title, scenario.render(results)
         raw[name] = {k: {"load": v.load, "cpu_s": v.cpu_s, "rss_bytes": v.rss_bytes} for k, v in results.items()}
         section = "\n".join([f"### {title}", "", *rows])
@@ -226,7 +262,9 @@ def main() -> None:
         sections.append(section)
     markdown = "\n\n".join(sections)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "latest.json").write_text(json.dumps({"run": started, "machine": machine(), "results": raw}, indent=1))
+    peer_info = {p.name: {"version": p.version(), "how": p.note} for p in others}
+    summary = {"run": started, "machine": machine(), "peers": peer_info, "results": raw}
+    (RESULTS / "latest.json").write_text(json.dumps(summary, indent=1))
     (RESULTS / "latest.md").write_text(markdown + "\n")
     if args.write_readme:
         update_readme(markdown)

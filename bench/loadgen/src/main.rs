@@ -91,18 +91,37 @@ async fn connect(url: &hyper::Uri) -> Option<http1::SendRequest<Full<Bytes>>> {
     Some(sender)
 }
 
-/// Counts event ends (`\n\n`) in `chunk`; `last_was_newline` carries across chunks.
-fn count_events(chunk: &[u8], last_was_newline: &mut bool) -> u64 {
-    let mut events = 0;
-    for pos in memchr::memchr_iter(b'\n', chunk) {
-        if if pos == 0 { *last_was_newline } else { chunk[pos - 1] == b'\n' } {
-            events += 1;
+/// Counts server-sent events across the chunks of one body. An event ends at a blank line that follows
+/// data: as in the SSE rules, a blank line with nothing before it is no event (LMDeploy's proxy ends
+/// each event with `\n\n\n`, which would otherwise count twice).
+#[derive(Default)]
+struct EventCounter {
+    last_was_newline: bool,
+    data: bool,
+}
+
+impl EventCounter {
+    fn feed(&mut self, chunk: &[u8]) -> u64 {
+        let mut events = 0;
+        let mut line_start = 0;
+        for pos in memchr::memchr_iter(b'\n', chunk) {
+            if pos > line_start {
+                self.data = true;
+                self.last_was_newline = false;
+            }
+            if self.last_was_newline && self.data {
+                events += 1;
+                self.data = false;
+            }
+            self.last_was_newline = true;
+            line_start = pos + 1;
         }
+        if line_start < chunk.len() {
+            self.data = true;
+            self.last_was_newline = false;
+        }
+        events
     }
-    if let Some(&last) = chunk.last() {
-        *last_was_newline = last == b'\n';
-    }
-    events
 }
 
 async fn run_connection(args: Arc<Args>, index: usize, measure_from: Instant, end: Instant) -> Samples {
@@ -141,7 +160,7 @@ async fn run_connection(args: Arc<Args>, index: usize, measure_from: Instant, en
         let ok = response.status().is_success();
         let mut body = response.into_body();
         let (mut first_event, mut last_event) = (None::<Instant>, None::<Instant>);
-        let mut last_was_newline = false;
+        let mut counter = EventCounter::default();
         let mut broken = false;
         while let Some(frame) = body.frame().await {
             let Ok(frame) = frame else {
@@ -150,7 +169,7 @@ async fn run_connection(args: Arc<Args>, index: usize, measure_from: Instant, en
             };
             let Ok(data) = frame.into_data() else { continue };
             let now = Instant::now();
-            let events = count_events(&data, &mut last_was_newline);
+            let events = counter.feed(&data);
             if measured {
                 samples.bytes += data.len() as u64;
                 samples.events += events;
@@ -246,4 +265,28 @@ fn main() -> ExitCode {
     });
     println!("{result}");
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::EventCounter;
+
+    fn count(chunks: &[&[u8]]) -> u64 {
+        let mut counter = EventCounter::default();
+        chunks.iter().map(|c| counter.feed(c)).sum()
+    }
+
+    #[test]
+    fn counts_events_across_chunks() {
+        assert_eq!(count(&[b"data: a\n\ndata: b\n\n"]), 2);
+        assert_eq!(count(&[b"data: a\n", b"\n", b"data: [DONE]\n\n"]), 2);
+        assert_eq!(count(&[b"data: a\n\n", b"data: b", b"\n\n"]), 2);
+    }
+
+    #[test]
+    fn extra_blank_lines_are_no_events() {
+        assert_eq!(count(&[b"data: a\n\n\ndata: b\n\n\n"]), 2);
+        assert_eq!(count(&[b"data: a\n\n", b"\n", b"\n"]), 1);
+        assert_eq!(count(&[b"\n\n"]), 0);
+    }
 }
