@@ -127,8 +127,9 @@ class Router:
         headers: Sequence[tuple[bytes, bytes]] = ...,
         method: str = "POST",
         role: str = "hybrid",
+        node: str | None = None,
     ) -> asyncio.Future[Response]:
-        """Selects a node for `body` (by its `model`) and sends the request to it.
+        """Selects a node for `body` (by its `model`), or takes `node`, and sends the request.
 
         Raises at once:
             InvalidRequest: the body is not a JSON object or a field has the wrong type.

@@ -140,7 +140,14 @@ class Router:
         return _pdproxy.Router.patch(body, members, list(remove))
 
     def forward(
-        self, path: str, body: bytes, headers: Headers = (), method: str = "POST", *, role: str = "hybrid"
+        self,
+        path: str,
+        body: bytes,
+        headers: Headers = (),
+        method: str = "POST",
+        *,
+        role: str = "hybrid",
+        node: str | None = None,
     ) -> asyncio.Future[_pdproxy.Response]:
         """Routes ``body`` by its ``model`` and sends it to the chosen node.
 
@@ -149,5 +156,8 @@ class Router:
         can take it, ``Overloaded`` when every node is at its limit and the queue is full; the
         future raises ``UpstreamError`` and its subclasses when the node fails, ``Overloaded``
         when the request waited in the queue too long. Cancelling it cancels the upstream request.
+        ``node`` sends it to that node instead of selecting one (it must be healthy and have room).
         """
-        return self._core.forward(path, body, headers if isinstance(headers, list) else list(headers), method, role)
+        return self._core.forward(
+            path, body, headers if isinstance(headers, list) else list(headers), method, role, node
+        )

@@ -9,6 +9,10 @@ request (header ``x-mock-fault``, which overrides the process's knobs one by one
     ttft_ms=200           wait this long before the first token
     token_delay_ms=50     wait this long between tokens
     fragment=7            write each event in pieces of 7 bytes (tests that framing survives)
+    no_id                 a prefill answer without its session handle (`id`, `cache_session_id`)
+
+A knob may be scoped to one role, for requests that reach both legs of a disaggregated
+request: ``prefill.status=500``, ``decode.drop_after=2``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class Faults:
     ttft_ms: float | None = None
     token_delay_ms: float | None = None
     fragment: int | None = None
+    no_id: bool = False
 
     def merged(self, override: Faults) -> Faults:
         """These knobs with every knob that ``override`` sets replaced."""
@@ -45,7 +50,12 @@ class Faults:
 NO_FAULTS = Faults()
 
 
-def parse_faults(spec: str) -> Faults:
+ROLES = ("hybrid", "prefill", "decode")
+
+
+def parse_faults(spec: str, role: str | None = None) -> Faults:
+    """The knobs of ``spec`` that apply to an engine of ``role`` (all unscoped knobs, and
+    those scoped to it)."""
     knobs: dict[str, object] = {}
     for item in spec.replace(",", ";").split(";"):
         item = item.strip()
@@ -53,9 +63,16 @@ def parse_faults(spec: str) -> Faults:
             continue
         name, _, value = item.partition("=")
         name = name.strip().replace("-", "_")
+        scope, dot, rest = name.partition(".")
+        if dot:
+            if scope not in ROLES:
+                raise FaultSpecError(f"unknown role {scope!r} in fault knob {item!r}")
+            if role is not None and scope != role:
+                continue
+            name = rest
         try:
-            if name == "hang" and not value:
-                knobs["hang"] = True
+            if name in ("hang", "no_id") and not value:
+                knobs[name] = True
             elif name in ("status", "drop_after", "fragment"):
                 knobs[name] = int(value)
             elif name in ("ttft_ms", "token_delay_ms"):

@@ -34,6 +34,11 @@ def prompt_text(body: dict[str, Any]) -> str:
     return str(prompt)
 
 
+def token_id(token: str) -> int:
+    """The id of a generated token (its place in the vocabulary)."""
+    return _WORDS.index(token.strip())
+
+
 def count_tokens(text: str) -> int:
     """A stand-in tokenizer: one token per whitespace-separated word, at least one."""
     return max(1, len(text.split()))

@@ -19,10 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
+from . import distserve
+from .distserve import ID_FORMATS, KvLedger, Links
 from .faults import FAULT_HEADER, NO_FAULTS, Faults, FaultSpecError, parse_faults
-from .generation import count_tokens, generate, prompt_text
+from .generation import count_tokens, generate, prompt_text, token_id
 
 __all__ = ["MockEngine", "MockSettings", "build_app"]
 
@@ -46,10 +49,22 @@ class MockSettings:
     allow_terminate: bool = field(
         default=False, metadata={"help": "Let GET /terminate stop the engine (LMDeploy's --allow-terminate-by-client)."}
     )
+    tp_size: int = field(default=1, metadata={"help": "Tensor-parallel size reported by /distserve/engine_info."})
+    block_size: int = field(default=64, metadata={"help": "Tokens per KV block (DistServe)."})
+    id_format: str = field(
+        default="legacy",
+        metadata={
+            "help": "How a prefill answer names its session, as LMDeploy versions did: legacy (id is the "
+            "session number), cache_session_id, chat (id chatcmpl-...), completions (id is the request's "
+            "session_id, -1 by default)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.id_format not in ID_FORMATS:
+            raise ValueError(f"id_format must be one of {', '.join(ID_FORMATS)}, got {self.id_format!r}")
         parse_faults(self.fault)  # fail at startup, not per request
 
 
@@ -67,6 +82,11 @@ class MockState:
     records: collections.deque[dict[str, Any]] = field(default_factory=lambda: collections.deque(maxlen=RECORD_LIMIT))
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     terminated: asyncio.Event = field(default_factory=asyncio.Event)
+    ledger: KvLedger = field(default_factory=lambda: KvLedger(64))
+    links: Links = field(default_factory=Links)
+    #: Process-wide switches set through /mock/config (calls that carry no request header).
+    engine_info_status: int = 200
+    client: aiohttp.ClientSession | None = None
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -96,7 +116,7 @@ def _sse(obj: dict[str, Any] | str) -> bytes:
 class _Completion:
     """One request being answered: its shape (chat or text) and the pieces of every chunk."""
 
-    def __init__(self, state: MockState, body: dict[str, Any], chat: bool) -> None:
+    def __init__(self, state: MockState, body: dict[str, Any], chat: bool, forced_tokens: int | None = None) -> None:
         self.chat = chat
         self.model = body.get("model") or state.settings.model
         self.created = int(time.time())
@@ -107,12 +127,17 @@ class _Completion:
         prompt = prompt_text(body)
         if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
             raise ValueError("max_tokens must be a non-negative integer")
+        if forced_tokens is not None:  # a prefill engine makes one token whatever was asked
+            max_tokens = forced_tokens
         self.tokens, self.finish_reason = generate(prompt, max_tokens, ignore_eos=bool(body.get("ignore_eos")))
+        self.prompt_tokens = count_tokens(prompt)
         self.usage: dict[str, int] = {
             "prompt_tokens": count_tokens(prompt),
             "completion_tokens": len(self.tokens),
             "total_tokens": count_tokens(prompt) + len(self.tokens),
         }
+        #: A preserved prefill session's handle fields (DistServe), merged into the answer.
+        self.handle: dict[str, Any] | None = None
         options = body.get("stream_options")
         self.include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -154,7 +179,7 @@ class _Completion:
         else:
             choice = {"index": 0, "text": text}
         choice.update(logprobs=None, finish_reason=self.finish_reason)
-        return {
+        whole = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -162,6 +187,10 @@ class _Completion:
             "choices": [choice],
             "usage": self.usage,
         }
+        if self.handle is not None:
+            whole.pop("id")
+            whole.update(self.handle)
+        return whole
 
 
 async def _sleep_ms(ms: float | None) -> None:
@@ -171,7 +200,7 @@ async def _sleep_ms(ms: float | None) -> None:
 
 def _request_faults(state: MockState, request: web.Request) -> Faults:
     spec = request.headers.get(FAULT_HEADER)
-    return state.faults.merged(parse_faults(spec)) if spec else state.faults
+    return state.faults.merged(parse_faults(spec, state.settings.role)) if spec else state.faults
 
 
 async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -212,11 +241,30 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         if faults.status is not None:
             completed = True
             return _error(faults.status, f"injected fault: status {faults.status}", "mock_fault", "server_error")
+        preserve = state.settings.role == "prefill" and bool(body.get("preserve_cache"))
+        if preserve:
+            state.ledger.shape_errors.extend(distserve.check_prefill_shape(body, chat))
         try:
-            completion = _Completion(state, body, chat)
+            completion = _Completion(state, body, chat, forced_tokens=1 if state.settings.role == "prefill" else None)
         except ValueError as e:
             completed = True
             return _error(400, str(e), "invalid_request")
+        if "migration_request" in body:
+            refusal = await _migrate(state, body, completion)
+            if refusal is not None:
+                completed = True
+                return refusal
+        if preserve and completion.tokens:
+            session = state.ledger.preserve(completion.prompt_tokens, token_id(completion.tokens[0]))
+            completion.handle = {
+                **(
+                    {}
+                    if faults.no_id
+                    else distserve.prefill_id(state.settings.id_format, session, body, chat, completion.id)
+                ),
+                "cache_block_ids": session.blocks,
+                "remote_token_ids": [session.token_id],
+            }
         ttft = faults.ttft_ms if faults.ttft_ms is not None else state.settings.ttft_ms
         delay = faults.token_delay_ms if faults.token_delay_ms is not None else state.settings.token_delay_ms
         if body.get("stream"):
@@ -283,6 +331,41 @@ async def _stream(
     return response
 
 
+async def _migrate(state: MockState, body: dict[str, Any], completion: _Completion) -> web.Response | None:
+    """Decode's side of a migration: check the request, read the prefill session (and free it,
+    as the real engine's ZMQ message does), and check that the first token is prefill's."""
+    errors = distserve.check_decode_shape(body)
+    state.ledger.shape_errors.extend(errors)
+    migration = body.get("migration_request")
+    if errors or not isinstance(migration, dict):
+        return _error(400, "; ".join(errors) or "bad migration_request", "invalid_request")
+    if migration.get("is_dummy_prefill"):
+        return None
+    peer = migration["remote_engine_id"]
+    if peer not in state.links.connected:
+        state.ledger.migration_errors.append(f"no p2p connection to {peer}")
+        return _error(500, f"no p2p connection to {peer}", "migration_failed", "server_error")
+    if state.client is None:
+        state.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+    read = {
+        "session_id": migration["remote_session_id"],
+        "block_ids": migration["remote_block_ids"],
+        "token_id": migration["remote_token_id"],
+        "by": "decode",
+    }
+    try:
+        async with state.client.post(f"{peer}/mock/migrate", json=read) as r:
+            refused = (await r.json()).get("error")
+    except (aiohttp.ClientError, TimeoutError) as e:
+        refused = f"prefill engine unreachable: {type(e).__name__}"
+    if refused:
+        state.ledger.migration_errors.append(refused)
+        return _error(500, f"migration failed: {refused}", "migration_failed", "server_error")
+    if completion.tokens and token_id(completion.tokens[0]) != migration["remote_token_id"]:
+        state.ledger.migration_errors.append("the first decoded token is not prefill's token")
+    return None
+
+
 def _drop_connection(request: web.Request) -> None:
     if request.transport is not None:
         request.transport.abort()
@@ -336,9 +419,97 @@ async def _mock_health(request: web.Request) -> web.Response:
     return web.json_response(state.stats())
 
 
+async def _engine_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.engine_info_status != 200:
+        return _error(state.engine_info_status, "engine_info failed (injected)", "mock_fault", "server_error")
+    body = distserve.engine_info(state.settings.tp_size, state.settings.block_size)
+    return web.Response(text=body, content_type="application/json")
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
+    return body if isinstance(body, dict) else {}
+
+
+async def _p2p_initialize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await _json_body(request)
+    peer = str(body.get("remote_engine_id"))
+    state.links.record("p2p_initialize", peer)
+    state.links.initialized.add(peer)
+    host = request.host.rsplit(":", 1)[0]
+    return web.json_response(
+        {
+            "status": distserve.STATUS_SUCCESS,
+            "engine_endpoint_info": {"zmq_address": f"tcp://{host}:{50000 + len(state.links.initialized)}"},
+            "kvtransfer_endpoint_info": [{"protocol": distserve.PROTOCOL_RDMA, "endpoint_info": f"rdma-{peer}"}],
+        }
+    )
+
+
+async def _p2p_connect(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await _json_body(request)
+    peer = str(body.get("remote_engine_id"))
+    state.links.record("p2p_connect", peer)
+    if peer not in state.links.initialized:
+        # LMDeploy raises KeyError here: a 500.
+        return web.Response(status=500, text="Internal Server Error")
+    state.links.connected.add(peer)
+    return web.json_response({"status": distserve.STATUS_SUCCESS})
+
+
+async def _p2p_drop_connect(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await _json_body(request)
+    peer = str(body.get("remote_engine_id"))
+    state.links.record("p2p_drop_connect", peer)
+    state.links.connected.discard(peer)
+    state.links.initialized.discard(peer)
+    return web.json_response({"success": True})
+
+
+async def _free_cache(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await _json_body(request)
+    session_id = body.get("remote_session_id")
+    if isinstance(session_id, int):
+        state.ledger.free(session_id, "proxy")
+    return web.json_response({"status": "SUCCESS"})  # always, as LMDeploy does
+
+
+async def _mock_migrate(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await _json_body(request)
+    error = state.ledger.migrate(
+        int(body.get("session_id", -1)), list(body.get("block_ids", [])), int(body.get("token_id", -1)), "decode"
+    )
+    return web.json_response({"error": error})
+
+
+async def _mock_ledger(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response(
+        {**state.ledger.report(), "links": state.links.log, "connected": sorted(state.links.connected)}
+    )
+
+
+async def _mock_config(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await _json_body(request)
+    if "engine_info_status" in body:
+        state.engine_info_status = int(body["engine_info_status"])
+    return web.json_response({"engine_info_status": state.engine_info_status})
+
+
 def build_app(settings: MockSettings) -> web.Application:
     app = web.Application(client_max_size=64 << 20)
-    app[STATE] = MockState(settings=settings, faults=parse_faults(settings.fault) if settings.fault else NO_FAULTS)
+    faults = parse_faults(settings.fault, settings.role) if settings.fault else NO_FAULTS
+    app[STATE] = MockState(settings=settings, faults=faults, ledger=KvLedger(settings.block_size))
 
     async def chat(request: web.Request) -> web.StreamResponse:
         return await _inference(request, chat=True)
@@ -355,6 +526,21 @@ def build_app(settings: MockSettings) -> web.Application:
     app.router.add_get("/mock/requests", _mock_requests)
     app.router.add_post("/mock/reset", _mock_reset)
     app.router.add_post("/mock/health", _mock_health)
+    app.router.add_get("/distserve/engine_info", _engine_info)
+    app.router.add_post("/distserve/p2p_initialize", _p2p_initialize)
+    app.router.add_post("/distserve/p2p_connect", _p2p_connect)
+    app.router.add_post("/distserve/p2p_drop_connect", _p2p_drop_connect)
+    app.router.add_post("/distserve/free_cache", _free_cache)
+    app.router.add_post("/mock/migrate", _mock_migrate)
+    app.router.add_get("/mock/ledger", _mock_ledger)
+    app.router.add_post("/mock/config", _mock_config)
+
+    async def close_client(app: web.Application) -> None:
+        client = app[STATE].client
+        if client is not None:
+            await client.close()
+
+    app.on_cleanup.append(close_client)
     return app
 
 

@@ -1,0 +1,159 @@
+"""LMDeploy DistServe as an api_server speaks it: the ``/distserve/*`` endpoints (with their
+quirks: ``engine_info`` double-encoded, integer enums, ``p2p_initialize`` before
+``p2p_connect``, ``free_cache`` always answering SUCCESS), prefill sessions whose KV stays
+preserved until freed, and decode that migrates them.
+
+The mock is stricter than a real engine so that proxy bugs show: every preserved session is
+tracked in a ledger, a migration whose handle does not match what prefill produced is
+refused, frees of unknown or already freed sessions are counted, and the handshake order per
+peer is logged. The side channel a real decode uses to free the prefill's session (ZMQ) is an
+HTTP call here (``/mock/migrate``), so that engines in separate processes work the same.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+#: LMDeploy's integer enums (they start at 1).
+PROTOCOL_RDMA = 2
+STATUS_SUCCESS = 1
+#: Formats of the prefill answer's handle, as LMDeploy versions produced it.
+ID_FORMATS = ("legacy", "cache_session_id", "chat", "completions")
+
+
+@dataclass
+class Session:
+    id: int
+    blocks: list[int]
+    token_id: int
+    state: str = "preserved"  # preserved -> freed
+    freed_by: str | None = None
+
+
+@dataclass
+class KvLedger:
+    """This engine's preserved prefill sessions and every free it was asked for."""
+
+    block_size: int
+    sessions: dict[int, Session] = field(default_factory=dict)
+    ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    blocks: itertools.count[int] = field(default_factory=itertools.count)
+    double_frees: list[int] = field(default_factory=list)
+    unknown_frees: list[int] = field(default_factory=list)
+    migration_errors: list[str] = field(default_factory=list)
+    shape_errors: list[str] = field(default_factory=list)
+
+    def preserve(self, prompt_tokens: int, token_id: int) -> Session:
+        count = max(1, math.ceil(prompt_tokens / self.block_size))
+        session = Session(next(self.ids), [next(self.blocks) for _ in range(count)], token_id)
+        self.sessions[session.id] = session
+        return session
+
+    def free(self, session_id: int, by: str) -> None:
+        session = self.sessions.get(session_id)
+        if session is None:
+            self.unknown_frees.append(session_id)
+        elif session.state == "freed":
+            self.double_frees.append(session_id)
+        else:
+            session.state, session.freed_by = "freed", by
+
+    def migrate(self, session_id: int, blocks: list[int], token_id: int, by: str) -> str | None:
+        """Decode reads the session and frees it; returns what was wrong, if anything."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            error = f"session {session_id} is not known"
+        elif session.state != "preserved":
+            error = f"session {session_id} is {session.state}"
+        elif blocks != session.blocks:
+            error = f"blocks {blocks} are not session {session_id}'s {session.blocks}"
+        elif token_id != session.token_id:
+            error = f"token {token_id} is not session {session_id}'s {session.token_id}"
+        else:
+            self.free(session_id, by)
+            return None
+        self.migration_errors.append(error)
+        return error
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "live": [s.id for s in self.sessions.values() if s.state == "preserved"],
+            "freed": {str(s.id): s.freed_by for s in self.sessions.values() if s.state == "freed"},
+            "double_frees": self.double_frees,
+            "unknown_frees": self.unknown_frees,
+            "migration_errors": self.migration_errors,
+            "shape_errors": self.shape_errors,
+        }
+
+
+@dataclass
+class Links:
+    """P2P links to peers, keyed by the peer's engine id (its URL, exactly as given)."""
+
+    initialized: set[str] = field(default_factory=set)
+    connected: set[str] = field(default_factory=set)
+    log: list[list[str]] = field(default_factory=list)
+
+    def record(self, operation: str, peer: str) -> None:
+        self.log.append([operation, peer])
+
+
+def engine_info(tp_size: int, block_size: int) -> str:
+    """What ``/distserve/engine_info`` returns: LMDeploy encodes it twice (a JSON string)."""
+    info = {
+        "tp_size": tp_size,
+        "ep_size": 1,
+        "dp_size": 1,
+        "pp_size": None,
+        "dp_rank": 0,
+        "block_size": block_size,
+        "num_cpu_blocks": 0,
+        "num_gpu_blocks": 4096,
+    }
+    return json.dumps(json.dumps(info))
+
+
+def check_prefill_shape(body: dict[str, Any], chat: bool) -> list[str]:
+    """What a proxy got wrong in a prefill request, per LMDeploy's flow."""
+    errors = []
+    if body.get("max_tokens") != 1:
+        errors.append("prefill max_tokens is not 1")
+    if chat and body.get("max_completion_tokens") not in (None, 1):
+        errors.append("prefill max_completion_tokens is not 1")
+    if body.get("stream"):
+        errors.append("prefill is streamed")
+    if body.get("with_cache") is not True or body.get("preserve_cache") is not True:
+        errors.append("prefill lacks with_cache/preserve_cache")
+    return errors
+
+
+def check_decode_shape(body: dict[str, Any]) -> list[str]:
+    errors = []
+    if "with_cache" in body or "preserve_cache" in body:
+        errors.append("decode carries with_cache/preserve_cache")
+    migration = body.get("migration_request")
+    if not isinstance(migration, dict):
+        return [*errors, "decode has no migration_request object"]
+    if migration.get("protocol") != PROTOCOL_RDMA:
+        errors.append("migration_request.protocol is not the integer 2")
+    for name, kind in (("remote_engine_id", str), ("remote_session_id", int), ("remote_token_id", int)):
+        if not isinstance(migration.get(name), kind) or isinstance(migration.get(name), bool):
+            errors.append(f"migration_request.{name} is not a {kind.__name__}")
+    if not isinstance(migration.get("remote_block_ids"), list):
+        errors.append("migration_request.remote_block_ids is not a list")
+    return errors
+
+
+def prefill_id(id_format: str, session: Session, body: dict[str, Any], chat: bool, default: str) -> dict[str, Any]:
+    """The handle fields of a prefill answer in the chosen LMDeploy version's format."""
+    if id_format == "legacy":
+        return {"id": str(session.id)}
+    if id_format == "cache_session_id":
+        return {"id": default, "cache_session_id": session.id}
+    if id_format == "chat":
+        return {"id": f"chatcmpl-{session.id:08x}"} if chat else {"id": str(body.get("session_id", -1))}
+    return {"id": str(body.get("session_id", -1))}
