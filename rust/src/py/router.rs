@@ -211,7 +211,8 @@ impl Router {
     /// running loop that resolves to a `Response` once the node's response head has arrived;
     /// cancelling it cancels the upstream request. When every candidate is at its cap the
     /// request waits in the queue first.
-    #[pyo3(signature = (path, body, headers=Vec::new(), method="POST", role="hybrid"))]
+    #[pyo3(signature = (path, body, headers=Vec::new(), method="POST", role="hybrid", node=None))]
+    #[allow(clippy::too_many_arguments)]
     fn forward<'py>(
         &self,
         py: Python<'py>,
@@ -220,13 +221,17 @@ impl Router {
         headers: Vec<(Vec<u8>, Vec<u8>)>,
         method: &str,
         role: &str,
+        node: Option<&str>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let method = Method::from_bytes(method.as_bytes())
             .map_err(|_| PyValueError::new_err(format!("invalid HTTP method {method:?}")))?;
         let role = role_of(role)?;
         let bridge = self.bridge(py)?;
         let body = Bytes::copy_from_slice(body);
-        let admitted = self.admit_now(&body, &headers, role)?;
+        let admitted = match node {
+            Some(url) => Admitted::Now(self.admit_on(url)?),
+            None => self.admit_now(&body, &headers, role)?,
+        };
 
         let future = bridge.get().create_future(py)?;
         let exchange = Arc::new(Exchange::new(self.config.stream_buffer_limit));
@@ -284,6 +289,17 @@ impl Router {
             .get(url)
             .cloned()
             .ok_or_else(|| to_pyerr(&Error::new(Kind::NodeNotFound, format!("no node {url} is registered"))))
+    }
+
+    /// Takes a permit on one given node (a request whose node was chosen beforehand, such as a
+    /// decode bound to its prefill's link). It does not queue.
+    fn admit_on(&self, url: &str) -> PyResult<InFlightPermit> {
+        let node = self.node(url)?;
+        if node.counters().state() != NodeState::Healthy {
+            return Err(to_pyerr(&Error::new(Kind::NoHealthyNode, format!("node {} is not healthy", node.url()))));
+        }
+        InFlightPermit::try_acquire(&node, Some(&self.shared.admission))
+            .ok_or_else(|| to_pyerr(&overloaded(&self.shared.admission)))
     }
 
     /// Selects and takes a permit now, or queues the request when every candidate is full.
