@@ -14,6 +14,7 @@ from .errors import PdproxyError
 from .fleet import Fleet
 from .nodes_api import ROUTES
 from .openapi import schema
+from .pd.lmdeploy import DistServe
 from .responses import MethodNotAllowed, NotFound, Receive, Scope, Send, send_error, send_json
 from .router import Router
 
@@ -53,6 +54,7 @@ class ProxyApp:
         self.keys = Keys(settings.api_keys, settings.admin_keys)
         self.router: Router | None = None
         self.fleet: Fleet | None = None
+        self.distserve: DistServe | None = None
         self._admin = {(route.method, route.path): route for route in ROUTES}
         self._admin_paths = {route.path for route in ROUTES}
 
@@ -69,9 +71,16 @@ class ProxyApp:
         await self.router.start()
         self.fleet = Fleet(self.router, self.settings)
         await self.fleet.start()
+        if self.settings.serving_strategy == "DistServe":
+            self.distserve = DistServe(self.router, self.settings, self.fleet.api_key_of)
+            await self.distserve.start()
+            self.fleet.distserve = self.distserve
+            self.fleet.on_removed.append(self.distserve.node_removed)
         log.info("pdproxy routing to %d node(s); policies %s", len(self.router.nodes()), self.router.policies)
 
     async def shutdown(self) -> None:
+        if self.distserve is not None:
+            await self.distserve.aclose()
         if self.fleet is not None:
             await self.fleet.aclose()
         if self.router is not None:
@@ -97,7 +106,13 @@ class ProxyApp:
         if method == "POST" and (path in INFERENCE_PATHS or path.startswith("/v1/")):
             self.keys.check_inference(scope["headers"])
             await proxy.forward(
-                router, self.settings.max_body_size, scope, receive, send, require_model=path not in INFERENCE_PATHS
+                router,
+                self.settings.max_body_size,
+                scope,
+                receive,
+                send,
+                require_model=path not in INFERENCE_PATHS,
+                distserve=self.distserve,
             )
             return
         route = self._admin.get((method, path))
@@ -116,15 +131,22 @@ class ProxyApp:
         elif path == "/health":
             await send_json(send, 200, {"status": "healthy"})
         elif path == "/ready":
-            routable = sum(1 for n in router.nodes() if n["state"] == "healthy")
-            if routable:
-                await send_json(send, 200, {"status": "ready", "routable_nodes": routable})
-            else:
-                await send_json(send, 503, {"status": "not ready", "routable_nodes": 0})
+            await self._ready(router, send)
         elif path == "/openapi.json":
             await send_json(send, 200, schema())
         else:
             raise NotFound(f"no route for {path}")
+
+    async def _ready(self, router: Router, send: Send) -> None:
+        """Ready when a request could be routed now: a healthy node; with DistServe, a healthy
+        prefill node and a healthy decode node."""
+        healthy = [n["role"] for n in router.nodes() if n["state"] == "healthy"]
+        needed = ("prefill", "decode") if self.distserve is not None else ("hybrid",)
+        if self.distserve is not None and self.settings.dummy_prefill:
+            needed = ("decode",)
+        ready = all(role in healthy for role in needed)
+        body = {"status": "ready" if ready else "not ready", "routable_nodes": len(healthy), "needs": list(needed)}
+        await send_json(send, 200 if ready else 503, body)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

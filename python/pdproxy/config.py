@@ -128,6 +128,43 @@ class Settings:
     max_body_size: int = field(
         default=8 << 20, metadata=_opt("Largest request body accepted, in bytes (checked while it is read).")
     )
+    serving_strategy: str = field(
+        default="Hybrid",
+        metadata=_opt(
+            "Hybrid: each request to one node. DistServe: prefill on a prefill node, decode on a decode node, "
+            "the KV cache migrated between them (LMDeploy's protocol).",
+            section="pd",
+        ),
+    )
+    dummy_prefill: bool = field(
+        default=False,
+        metadata=_opt("DistServe without prefill nodes, to benchmark decode (as LMDeploy).", section="pd"),
+    )
+    pd_link_timeout: float = field(
+        default=10.0, metadata=_opt("Seconds for each call of a link handshake.", section="pd")
+    )
+    pd_link_attempts: int = field(
+        default=3, metadata=_opt("Handshake attempts per link before it fails.", section="pd")
+    )
+    pd_link_backoff: float = field(
+        default=0.5, metadata=_opt("Seconds before the first handshake retry (doubling).", section="pd")
+    )
+    pd_link_wait_timeout: float = field(
+        default=30.0, metadata=_opt("Seconds a request waits for its link to connect.", section="pd")
+    )
+    pd_session_ttl: float = field(
+        default=600.0,
+        metadata=_opt(
+            "Seconds after which a preserved prefill session is freed if decode never took it.", section="pd"
+        ),
+    )
+    pd_free_timeout: float = field(
+        default=5.0, metadata=_opt("Seconds for each /distserve/free_cache call.", section="pd")
+    )
+    pd_free_attempts: int = field(default=3, metadata=_opt("Attempts to free a preserved session.", section="pd"))
+    pd_warmup_concurrency: int = field(
+        default=8, metadata=_opt("Handshakes run at once by /distserve/connection_warmup.", section="pd")
+    )
     api_keys: tuple[str, ...] = field(
         default=(),
         metadata=_opt(
@@ -215,6 +252,14 @@ class Settings:
             "health_timeout",
             "admin_timeout",
         ):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if self.serving_strategy not in ("Hybrid", "DistServe"):
+            raise ConfigError(f"serving_strategy must be Hybrid or DistServe, got {self.serving_strategy!r}")
+        for name in ("pd_link_attempts", "pd_free_attempts", "pd_warmup_concurrency"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("pd_link_timeout", "pd_link_backoff", "pd_link_wait_timeout", "pd_session_ttl", "pd_free_timeout"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         if self.health_fall < 1 or self.health_rise < 1:

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -69,6 +70,10 @@ class Fleet:
         )
         self._session: aiohttp.ClientSession | None = None
         self._lease_task: asyncio.Task[None] | None = None
+        #: The disaggregation flow, when serving with DistServe (for the management API).
+        self.distserve: Any = None
+        #: Called with a node's URL once it is removed (links and sessions to clean up).
+        self.on_removed: list[Callable[[str], None]] = []
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.settings.admin_timeout))
@@ -127,6 +132,8 @@ class Fleet:
         self.registrations.pop(normalized, None)
         self.health.forget(normalized)
         self._save()
+        for hook in self.on_removed:
+            hook(normalized)
         log.info("node %s removed", normalized)
         return normalized
 
@@ -149,6 +156,10 @@ class Fleet:
         if failure is not None:
             raise TerminateFailed(f"node {normalized} was removed but did not confirm its termination: {failure}")
         return normalized
+
+    def api_key_of(self, url: str) -> str | None:
+        registration = self.registrations.get(url)
+        return registration.api_key if registration else None
 
     def lookup(self, url: str) -> str:
         """The normalised URL of a registered node. Raises ``NodeNotFound``."""
@@ -193,6 +204,13 @@ class Fleet:
                 "generation": node["generation"],
                 "lease": lease,
             }
+            if self.distserve is not None:
+                out[url]["links"] = [
+                    link for link in self.distserve.links.status() if url in (link["prefill"], link["decode"])
+                ]
+                out[url]["preserved_sessions"] = sum(
+                    1 for e in self.distserve.ledger.entries.values() if e.prefill == url
+                )
         return out
 
     def _remove_quietly(self, url: str) -> None:

@@ -115,6 +115,35 @@ async def terminate_all(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[i
     return (502 if failed else 200), {"nodes": results, "failed": failed}
 
 
+class DistServeOff(PdproxyError):
+    status = 404
+    code = "distserve_off"
+    type = "invalid_request_error"
+
+
+def _distserve(fleet: Fleet) -> Any:
+    if fleet.distserve is None:
+        raise DistServeOff("this proxy does not serve with DistServe (--serving-strategy DistServe)")
+    return fleet.distserve
+
+
+async def connection_warmup(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
+    return 200, await _distserve(fleet).warmup()
+
+
+async def distserve_gc(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
+    payload = await read_json(scope, receive, BODY_LIMIT)
+    older_than = payload.get("older_than", 60.0) if isinstance(payload, dict) else 60.0
+    if not isinstance(older_than, int | float) or isinstance(older_than, bool) or older_than < 0:
+        raise InvalidRequest("`older_than` must be a non-negative number of seconds")
+    freed = await _distserve(fleet).ledger.gc(float(older_than))
+    return 200, {"freed": freed}
+
+
+async def distserve_status(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
+    return 200, _distserve(fleet).status()
+
+
 _URL_BODY = {"type": "object", "required": ["url"], "properties": {"url": {"type": "string"}}}
 _ADD_BODY = {
     "type": "object",

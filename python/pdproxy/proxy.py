@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from ._pdproxy import Response
 from .errors import InvalidRequest, PdproxyError, UpstreamError
+from .pd.lmdeploy import PD_PATHS, DistServe
 from .responses import ClientGone, NotFound, Receive, Scope, Send, read_body, require_json, send_error
 from .router import Router
 
@@ -102,10 +103,17 @@ def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
 
 
 async def forward(
-    router: Router, max_body_size: int, scope: Scope, receive: Receive, send: Send, require_model: bool = False
+    router: Router,
+    max_body_size: int,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    require_model: bool = False,
+    distserve: DistServe | None = None,
 ) -> None:
     """Handles one inference request end to end. ``require_model``: a pass-through path is
-    routed only when its body names a model."""
+    routed only when its body names a model. ``distserve``: chat and completions go through
+    prefill and decode nodes."""
     headers, request_id = upstream_headers(scope)
     echo = [(b"x-request-id", request_id)]
     try:
@@ -121,6 +129,9 @@ async def forward(
     path = scope["path"]
     if scope.get("query_string"):
         path = f"{path}?{scope['query_string'].decode('latin-1')}"
+    if distserve is not None and scope["path"] in PD_PATHS:
+        await _disaggregated(distserve, path, body, headers, receive, send, echo)
+        return
 
     watch = ClientWatch(receive, DISCONNECT_WATCH_DELAY)
     response: Response | None = None
@@ -148,16 +159,44 @@ async def forward(
         if response.body is not None:
             await send({"type": "http.response.body", "body": response.body})
             return
-        await _stream_body(response, send)
+        await stream_body(response, send)
     finally:
         watch.stop()
         if response is not None:
             response.close()
 
 
-async def _stream_body(response: Response, send: Send) -> None:
+async def _disaggregated(
+    distserve: DistServe,
+    path: str,
+    body: bytes,
+    headers: list[tuple[bytes, bytes]],
+    receive: Receive,
+    send: Send,
+    echo: list[tuple[bytes, bytes]],
+) -> None:
+    """Runs the prefill-decode flow as one task that a client disconnect cancels at any stage."""
+    watch = ClientWatch(receive, DISCONNECT_WATCH_DELAY)
+    flow = asyncio.ensure_future(distserve.handle(path, body, headers, send, echo))
+    watch.on_disconnect(flow.cancel)
+    try:
+        await flow
+    except asyncio.CancelledError:
+        if not watch.gone:
+            raise
+    except PdproxyError as e:
+        await send_error(send, e, echo)
+    finally:
+        watch.stop()
+
+
+async def stream_body(response: Response, send: Send, on_first: Callable[[], object] | None = None) -> None:
+    """Sends a streamed body; ``on_first`` runs when its first batch arrives."""
     try:
         async for chunk in response:
+            if on_first is not None:
+                on_first()
+                on_first = None
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
     except UpstreamError as e:
         if _is_event_stream(response.headers):
@@ -169,4 +208,4 @@ async def _stream_body(response: Response, send: Send) -> None:
     await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-__all__ = ["ClientWatch", "InvalidRequest", "forward", "upstream_headers"]
+__all__ = ["ClientWatch", "InvalidRequest", "forward", "stream_body", "upstream_headers"]

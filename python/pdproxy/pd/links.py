@@ -1,0 +1,234 @@
+"""The prefill-decode link pool (LMDeploy DistServe).
+
+A link (P, D) is connected by one handshake, strictly in LMDeploy's order: ``engine_info(P)``,
+``engine_info(D)``, ``p2p_initialize(P)``, ``p2p_initialize(D)``, ``p2p_connect(P)``,
+``p2p_connect(D)``. Requests that find a link unconnected share one handshake (single
+flight) and wait for it with a timeout; a failed handshake is retried with backoff, a bounded
+number of times. Warm-up connects every pair with bounded concurrency and, since it joins the
+handshakes already in flight, repeating it never piles up work. Removing a node drops its links
+on both sides."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from pdproxy.errors import UpstreamError
+
+log = logging.getLogger("pdproxy.pd")
+
+PROTOCOL_RDMA = 2
+STATUS_SUCCESS = 1
+#: LMDeploy's default RDMA settings for p2p_initialize.
+RDMA_CONFIG = {"with_gdr": True, "link_type": 2}
+
+
+class LinkFailed(UpstreamError):
+    """The prefill and decode nodes could not be connected."""
+
+    status = 502
+    code = "pd_link_failed"
+
+
+@dataclass
+class Link:
+    prefill: str
+    decode: str
+    state: str = "connecting"  # connecting -> connected | failed
+    last_error: str | None = None
+    handshake_seconds: float | None = None
+    attempts: int = 0
+    task: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "state": self.state,
+            "last_error": self.last_error,
+            "handshake_seconds": self.handshake_seconds,
+            "attempts": self.attempts,
+        }
+
+
+def parse_engine_info(payload: Any) -> dict[str, Any]:
+    """LMDeploy double-encodes engine_info (a JSON string holding JSON); accept that and a
+    plain object."""
+    if isinstance(payload, str):
+        payload = json.loads(payload)
+    if not isinstance(payload, dict) or "tp_size" not in payload:
+        raise ValueError("engine_info is not an object with tp_size")
+    return payload
+
+
+class LinkPool:
+    def __init__(
+        self,
+        *,
+        timeout: float,
+        attempts: int,
+        backoff: float,
+        wait_timeout: float,
+        api_key_of: Callable[[str], str | None],
+    ) -> None:
+        self.links: dict[tuple[str, str], Link] = {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._attempts = attempts
+        self._backoff = backoff
+        self._wait_timeout = wait_timeout
+        self._api_key_of = api_key_of
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        self._session = aiohttp.ClientSession(timeout=self._timeout)
+
+    async def aclose(self) -> None:
+        for link in self.links.values():
+            if link.task is not None:
+                link.task.cancel()
+        if self._session is not None:
+            await self._session.close()
+
+    async def ensure(self, prefill: str, decode: str) -> None:
+        """Returns once (prefill, decode) is connected; raises ``LinkFailed`` otherwise."""
+        link = self.links.get((prefill, decode))
+        if link is not None and link.state == "connected":
+            return
+        if link is None or link.task is None or link.task.done():
+            link = link or Link(prefill, decode)
+            self.links[(prefill, decode)] = link
+            link.state = "connecting"
+            link.task = asyncio.get_running_loop().create_task(self._connect(link))
+        try:
+            # Shielded: a waiter that gives up must not cancel the handshake others share.
+            await asyncio.wait_for(asyncio.shield(link.task), self._wait_timeout)
+        except TimeoutError:
+            raise LinkFailed(f"the prefill-decode link was not ready within {self._wait_timeout:g}s") from None
+        if link.state != "connected":
+            raise LinkFailed(f"the prefill and decode nodes could not be connected: {link.last_error}")
+
+    async def warmup(self, prefills: Iterable[str], decodes: Iterable[str], concurrency: int) -> dict[str, Any]:
+        limit = asyncio.Semaphore(concurrency)
+        pairs = [(p, d) for p in prefills for d in decodes]
+
+        async def one(p: str, d: str) -> None:
+            async with limit:
+                with contextlib.suppress(LinkFailed):
+                    await self.ensure(p, d)
+
+        await asyncio.gather(*(one(p, d) for p, d in pairs))
+        states = [self.links[pair].summary() for pair in pairs if pair in self.links]
+        return {"links": states, "connected": sum(1 for s in states if s["state"] == "connected")}
+
+    async def drop(self, url: str) -> None:
+        """Forgets every link of ``url`` and drops them on both nodes (best effort)."""
+        gone = [link for key, link in list(self.links.items()) if url in key]
+        for link in gone:
+            self.links.pop((link.prefill, link.decode), None)
+            if link.task is not None and not link.task.done():
+                link.task.cancel()
+        calls = []
+        for link in gone:
+            calls.append(
+                self._post(
+                    link.prefill, "p2p_drop_connect", {"engine_id": link.prefill, "remote_engine_id": link.decode}
+                )
+            )
+            calls.append(
+                self._post(
+                    link.decode, "p2p_drop_connect", {"engine_id": link.decode, "remote_engine_id": link.prefill}
+                )
+            )
+        for outcome in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                log.info("p2p_drop_connect failed: %s", outcome)
+
+    def status(self) -> list[dict[str, Any]]:
+        return [link.summary() for link in self.links.values()]
+
+    async def _connect(self, link: Link) -> None:
+        for attempt in range(self._attempts):
+            link.attempts += 1
+            started = time.monotonic()
+            try:
+                await self._handshake(link.prefill, link.decode)
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, HandshakeError) as e:
+                link.last_error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                log.warning("link %s -> %s: handshake failed (%s)", link.prefill, link.decode, link.last_error)
+                if attempt + 1 < self._attempts:
+                    await asyncio.sleep(self._backoff * 2**attempt)
+                continue
+            link.state = "connected"
+            link.last_error = None
+            link.handshake_seconds = round(time.monotonic() - started, 6)
+            log.info("link %s -> %s connected in %.3f s", link.prefill, link.decode, link.handshake_seconds)
+            return
+        link.state = "failed"
+
+    async def _handshake(self, prefill: str, decode: str) -> None:
+        p_info = parse_engine_info(await self._get(prefill, "engine_info"))
+        d_info = parse_engine_info(await self._get(decode, "engine_info"))
+        if p_info.get("tp_size") != d_info.get("tp_size"):
+            raise HandshakeError(f"tp_size differs: prefill {p_info.get('tp_size')}, decode {d_info.get('tp_size')}")
+        p_init = await self._post(prefill, "p2p_initialize", _init_body(prefill, p_info, decode, d_info))
+        d_init = await self._post(decode, "p2p_initialize", _init_body(decode, d_info, prefill, p_info))
+        for name, answer in (("prefill", p_init), ("decode", d_init)):
+            if answer.get("status") != STATUS_SUCCESS:
+                raise HandshakeError(f"p2p_initialize on the {name} node answered status {answer.get('status')}")
+        for local, peer, peer_init in ((prefill, decode, d_init), (decode, prefill, p_init)):
+            connect = {
+                "protocol": PROTOCOL_RDMA,
+                "remote_engine_id": peer,
+                "remote_engine_endpoint_info": peer_init["engine_endpoint_info"],
+                "remote_kvtransfer_endpoint_info": peer_init["kvtransfer_endpoint_info"],
+            }
+            answer = await self._post(local, "p2p_connect", connect)
+            if answer.get("status") != STATUS_SUCCESS:
+                raise HandshakeError(f"p2p_connect on {local} answered status {answer.get('status')}")
+
+    def _headers(self, url: str) -> dict[str, str]:
+        key = self._api_key_of(url)
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+    async def _get(self, url: str, endpoint: str) -> Any:
+        assert self._session is not None
+        async with self._session.get(f"{url}/distserve/{endpoint}", headers=self._headers(url)) as r:
+            if r.status != 200:
+                raise HandshakeError(f"{endpoint} on {url} answered {r.status}")
+            return await r.json(content_type=None)
+
+    async def _post(self, url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        assert self._session is not None
+        async with self._session.post(f"{url}/distserve/{endpoint}", json=body, headers=self._headers(url)) as r:
+            if r.status != 200:
+                raise HandshakeError(f"{endpoint} on {url} answered {r.status}")
+            answer = await r.json(content_type=None)
+        if not isinstance(answer, dict):
+            raise HandshakeError(f"{endpoint} on {url} did not answer an object")
+        return answer
+
+
+class HandshakeError(Exception):
+    pass
+
+
+def _init_body(local: str, local_info: dict[str, Any], remote: str, remote_info: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "local_engine_id": local,
+        "local_engine_config": local_info,
+        "remote_engine_id": remote,
+        "remote_engine_config": remote_info,
+        "protocol": PROTOCOL_RDMA,
+        "rank": None,
+        "tcp_config": None,
+        "rdma_config": RDMA_CONFIG,
+        "nvlink_config": None,
+    }

@@ -1,0 +1,204 @@
+"""LMDeploy's DistServe flow, done right.
+
+For ``/v1/chat/completions`` and ``/v1/completions``: the prefill request (the client's body
+with ``max_tokens=1``, ``stream=false``, ``with_cache`` and ``preserve_cache``, patched in the
+data plane) goes to a prefill node, while the decode node is chosen and its link to that prefill
+node made ready in parallel. The session handle in the prefill answer (``cache_session_id``, or
+an ``id`` that is a non-negative integer) is kept in the ledger and handed to the decode node in
+``migration_request``; the decode answer is streamed back. Every failure answers with its real
+status, and frees the preserved session unless decode has consumed it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from pdproxy._pdproxy import Response
+from pdproxy.config import Settings
+from pdproxy.errors import InvalidRequest, UpstreamError
+from pdproxy.responses import Send
+from pdproxy.router import Router
+
+from .ledger import Preserved, SessionLedger
+from .links import PROTOCOL_RDMA, LinkPool
+
+log = logging.getLogger("pdproxy.pd")
+
+PD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+DUMMY_PREFILL = "dummy:dummy"
+
+
+class InvalidPrefillAnswer(UpstreamError):
+    """The prefill node answered without a usable session handle."""
+
+    code = "upstream_invalid_response"
+
+
+def session_handle(answer: Any) -> tuple[int, list[int], int]:
+    """(session id, block ids, token id) from a prefill answer: ``cache_session_id`` when
+    present, else an ``id`` that is a non-negative integer (LMDeploy's contract has changed
+    between versions; anything else is refused rather than guessed)."""
+    if not isinstance(answer, dict):
+        raise InvalidPrefillAnswer("the prefill node's answer is not a JSON object")
+    session = answer.get("cache_session_id")
+    if not (isinstance(session, int) and not isinstance(session, bool) and session >= 0):
+        raw = answer.get("id")
+        session = int(raw) if isinstance(raw, str) and raw.isdigit() else None
+    if session is None:
+        raise InvalidPrefillAnswer("the prefill node's answer names no session (cache_session_id or an integer id)")
+    blocks = answer.get("cache_block_ids") or []
+    tokens = answer.get("remote_token_ids") or []
+    if not (isinstance(blocks, list) and all(isinstance(b, int) for b in blocks)):
+        raise InvalidPrefillAnswer("cache_block_ids is not a list of integers")
+    if not (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)):
+        raise InvalidPrefillAnswer("remote_token_ids is not a list of integers")
+    return session, blocks, tokens[-1] if tokens else 0
+
+
+class DistServe:
+    def __init__(self, router: Router, settings: Settings, api_key_of: Any) -> None:
+        self.router = router
+        self.settings = settings
+        self.links = LinkPool(
+            timeout=settings.pd_link_timeout,
+            attempts=settings.pd_link_attempts,
+            backoff=settings.pd_link_backoff,
+            wait_timeout=settings.pd_link_wait_timeout,
+            api_key_of=api_key_of,
+        )
+        self.ledger = SessionLedger(
+            ttl=settings.pd_session_ttl,
+            free_timeout=settings.pd_free_timeout,
+            free_attempts=settings.pd_free_attempts,
+            api_key_of=api_key_of,
+        )
+        #: Frees in progress, kept so that a cancelled request cannot cut them short.
+        self._frees: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        await self.links.start()
+        await self.ledger.start()
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*self._frees, return_exceptions=True)
+        await self.ledger.aclose()
+        await self.links.aclose()
+
+    def node_removed(self, url: str) -> None:
+        """Drops the node's links on both sides; its preserved sessions, if it was a prefill
+        node, went with it."""
+        self.ledger.forget_prefill(url)
+        self._spawn(self.links.drop(url))
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._frees.add(task)
+        task.add_done_callback(self._frees.discard)
+
+    def release(self, entry: Preserved | None, reason: str) -> None:
+        """Frees ``entry`` unless decode consumed it; never interrupted by cancellation."""
+        if entry is not None and entry.state == "preserved":
+            self._spawn(self.ledger.free(entry, reason))
+
+    async def warmup(self) -> dict[str, Any]:
+        nodes = [n for n in self.router.nodes() if n["state"] == "healthy"]
+        prefills = [n["url"] for n in nodes if n["role"] == "prefill"]
+        decodes = [n["url"] for n in nodes if n["role"] == "decode"]
+        return await self.links.warmup(prefills, decodes, self.settings.pd_warmup_concurrency)
+
+    def status(self) -> dict[str, Any]:
+        return {"links": self.links.status(), "ledger": self.ledger.status()}
+
+    async def handle(self, path: str, body: bytes, headers: list[tuple[bytes, bytes]], send: Send, echo: Any) -> None:
+        """One disaggregated request, prefill to decode to client."""
+        chat = path.startswith("/v1/chat/")
+        info = Router.inspect(body)
+        if (info["n"] or 1) > 1:
+            raise InvalidRequest("n > 1 is not supported with DistServe")
+        model = info["model"]
+        decode = self.router.select(model, role="decode")
+        entry: Preserved | None = None
+        try:
+            if self.settings.dummy_prefill:
+                migration = _migration(DUMMY_PREFILL, 0, [], 0, dummy=True)
+            else:
+                prefill = self.router.select(model, role="prefill")
+                # Connect the pair while the prefill runs, so decode never waits for a handshake.
+                link = asyncio.ensure_future(self.links.ensure(prefill, decode))
+                link.add_done_callback(_consume_exception)
+                answer = await self.router.forward(
+                    path, _prefill_body(body, chat), headers, role="prefill", node=prefill
+                )
+                raw = answer.body if answer.body is not None else b"".join([c async for c in answer])
+                if answer.status != 200:
+                    # The prefill node's own error, status and body unchanged.
+                    await _send_raw(send, answer, raw, echo)
+                    return
+                try:
+                    session, blocks, token = session_handle(json.loads(raw))
+                except ValueError:
+                    raise InvalidPrefillAnswer("the prefill node's answer is not JSON") from None
+                entry = self.ledger.add(prefill, session, decode)
+                await link
+                migration = _migration(prefill, session, blocks, token)
+            decode_body = Router.patch(body, {"migration_request": migration})
+            response = await self.router.forward(path, decode_body, headers, role="decode", node=decode)
+            try:
+                await self._relay(response, entry, send, echo)
+            finally:
+                response.close()
+        finally:
+            self.release(entry, "request ended before decode took the session")
+
+    async def _relay(self, response: Response, entry: Preserved | None, send: Send, echo: Any) -> None:
+        """Streams the decode answer back; the session counts as consumed once decode
+        answered in full (non-stream) or sent its first event (stream)."""
+        if response.status != 200:
+            raw = response.body if response.body is not None else b"".join([c async for c in response])
+            await _send_raw(send, response, raw, echo)
+            return
+        headers = response.headers
+        if not any(name == b"x-request-id" for name, _ in headers):
+            headers.append(echo[0])
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        if response.body is not None:
+            if entry is not None:
+                self.ledger.consume(entry)
+            await send({"type": "http.response.body", "body": response.body})
+            return
+        from pdproxy.proxy import stream_body  # shared with the hybrid path
+
+        await stream_body(response, send, on_first=(lambda: self.ledger.consume(entry)) if entry else None)
+
+
+def _prefill_body(body: bytes, chat: bool) -> bytes:
+    changes: dict[str, Any] = {"max_tokens": 1, "stream": False, "with_cache": True, "preserve_cache": True}
+    if chat:
+        changes["max_completion_tokens"] = 1
+    return Router.patch(body, changes, remove=["stream_options"])
+
+
+def _migration(prefill: str, session: int, blocks: list[int], token: int, dummy: bool = False) -> dict[str, Any]:
+    return {
+        "protocol": PROTOCOL_RDMA,
+        "remote_engine_id": prefill,
+        "remote_session_id": session,
+        "remote_token_id": token,
+        "remote_block_ids": blocks,
+        "is_dummy_prefill": dummy,
+    }
+
+
+async def _send_raw(send: Send, response: Response, raw: bytes, echo: Any) -> None:
+    headers = [(n, v) for n, v in response.headers if n != b"content-length"]
+    await send({"type": "http.response.start", "status": response.status, "headers": [*headers, *echo]})
+    await send({"type": "http.response.body", "body": raw})
+
+
+def _consume_exception(task: asyncio.Future[None]) -> None:
+    # A link failure is raised to the request that awaits it; one never awaited is only logged.
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("link task ended with %s", task.exception())
