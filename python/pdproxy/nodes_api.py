@@ -199,4 +199,28 @@ ROUTES: tuple[Route, ...] = (
         None,
         {200: "All terminated", 502: "Some nodes did not confirm; all were removed"},
     ),
+    Route(
+        "POST",
+        "/distserve/connection_warmup",
+        connection_warmup,
+        "Connect every prefill-decode pair now (joins handshakes in flight: repeating it is harmless)",
+        None,
+        {200: "Link states", 404: "DistServe is off"},
+    ),
+    Route(
+        "POST",
+        "/distserve/gc",
+        distserve_gc,
+        "Free preserved prefill sessions older than `older_than` seconds (default 60)",
+        {"type": "object", "properties": {"older_than": {"type": "number"}}},
+        {200: "What was freed", 404: "DistServe is off"},
+    ),
+    Route(
+        "GET",
+        "/distserve/status",
+        distserve_status,
+        "Prefill-decode links and the ledger of preserved sessions",
+        None,
+        {200: "Links and ledger", 404: "DistServe is off"},
+    ),
 )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,10 +97,11 @@ class Links:
 
     initialized: set[str] = field(default_factory=set)
     connected: set[str] = field(default_factory=set)
-    log: list[list[str]] = field(default_factory=list)
+    #: (operation, peer, monotonic time): engines in one process can be ordered together.
+    log: list[tuple[str, str, float]] = field(default_factory=list)
 
     def record(self, operation: str, peer: str) -> None:
-        self.log.append([operation, peer])
+        self.log.append((operation, peer, time.monotonic()))
 
 
 def engine_info(tp_size: int, block_size: int) -> str:

@@ -16,6 +16,7 @@ import hashlib
 import itertools
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -249,32 +250,28 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         except ValueError as e:
             completed = True
             return _error(400, str(e), "invalid_request")
-        if "migration_request" in body:
+        # Decode migrates the prefill's KV when it starts generating: before answering when not
+        # streaming, after the response head when streaming (as LMDeploy's engine does).
+        migrating = "migration_request" in body
+        if migrating and not body.get("stream"):
             refusal = await _migrate(state, body, completion)
             if refusal is not None:
                 completed = True
                 return refusal
-        if preserve and completion.tokens:
-            session = state.ledger.preserve(completion.prompt_tokens, token_id(completion.tokens[0]))
-            completion.handle = {
-                **(
-                    {}
-                    if faults.no_id
-                    else distserve.prefill_id(state.settings.id_format, session, body, chat, completion.id)
-                ),
-                "cache_block_ids": session.blocks,
-                "remote_token_ids": [session.token_id],
-            }
         ttft = faults.ttft_ms if faults.ttft_ms is not None else state.settings.ttft_ms
         delay = faults.token_delay_ms if faults.token_delay_ms is not None else state.settings.token_delay_ms
         if body.get("stream"):
-            response = await _stream(request, completion, ttft, delay, faults, record)
+            migrate = (lambda: _migrate(state, body, completion)) if migrating else None
+            response = await _stream(request, completion, ttft, delay, faults, record, migrate)
         else:
             if faults.drop_after is not None:
                 _drop_connection(request)
                 return web.Response()
             await _sleep_ms(ttft)
             await _sleep_ms(delay * max(0, len(completion.tokens) - 1))
+            if preserve and completion.tokens:
+                # Preserved only once the prefill finished: an aborted prefill keeps nothing.
+                _preserve(state, completion, body, chat, faults)
             payload = json.dumps(completion.whole()).encode()
             record["sent_sha256"] = hashlib.sha256(payload).hexdigest()
             response = web.Response(body=payload, content_type="application/json")
@@ -299,8 +296,9 @@ async def _stream(
     delay: float,
     faults: Faults,
     record: dict[str, Any],
+    migrate: Callable[[], Awaitable[web.Response | None]] | None = None,
 ) -> web.StreamResponse | None:
-    """Streams the answer; returns None when a fault cut it short."""
+    """Streams the answer; returns None when a fault (or a refused migration) cut it short."""
     response = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
     await response.prepare(request)
     digest = hashlib.sha256()
@@ -315,6 +313,10 @@ async def _stream(
             await asyncio.sleep(0)  # let each piece leave as its own segment
 
     await _sleep_ms(ttft)
+    if migrate is not None and (refusal := await migrate()) is not None:
+        await response.write(b"data: " + refusal.body + b"\n\n")  # type: ignore[operator]
+        await response.write_eof()
+        return None
     for i, token in enumerate(completion.tokens):
         if faults.drop_after is not None and i >= faults.drop_after:
             _drop_connection(request)
@@ -329,6 +331,12 @@ async def _stream(
     await response.write_eof()
     record["sent_sha256"] = digest.hexdigest()
     return response
+
+
+def _preserve(state: MockState, completion: _Completion, body: dict[str, Any], chat: bool, faults: Faults) -> None:
+    session = state.ledger.preserve(completion.prompt_tokens, token_id(completion.tokens[0]))
+    handle = {} if faults.no_id else distserve.prefill_id(state.settings.id_format, session, body, chat, completion.id)
+    completion.handle = {**handle, "cache_block_ids": session.blocks, "remote_token_ids": [session.token_id]}
 
 
 async def _migrate(state: MockState, body: dict[str, Any], completion: _Completion) -> web.Response | None:
@@ -423,6 +431,7 @@ async def _engine_info(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.engine_info_status != 200:
         return _error(state.engine_info_status, "engine_info failed (injected)", "mock_fault", "server_error")
+    state.links.record("engine_info", "")
     body = distserve.engine_info(state.settings.tp_size, state.settings.block_size)
     return web.Response(text=body, content_type="application/json")
 

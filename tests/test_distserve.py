@@ -1,0 +1,345 @@
+"""DistServe (LMDeploy's protocol) end to end: `pdproxy serve --serving-strategy DistServe` as a
+subprocess, prefill and decode mock engines in the test's loop. After every test the engines'
+ledgers must show no live preserved session, no double or unknown free, no refused migration,
+no malformed prefill or decode request, and the proxy no request in flight."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
+from pdproxy.testing.generation import generate, prompt_text
+from servers import Process, chat_body, pdproxy_serve
+
+PD_ARGS = ("--serving-strategy", "DistServe", "--pd-link-backoff", "0.05", "--pd-link-wait-timeout", "5")
+
+
+@dataclass
+class Fleet:
+    proxy: Process
+    prefill: MockEngine
+    decode: MockEngine
+
+
+@contextmanager
+def distserve_proxy(tmp_path: Path, *args: str) -> Iterator[Process]:
+    with pdproxy_serve(tmp_path, *PD_ARGS, *args) as process:
+        yield process
+
+
+async def register(http: aiohttp.ClientSession, proxy: str, engine: MockEngine, role: int) -> None:
+    # As an LMDeploy api_server registers: its models and its role as an integer.
+    body = {"url": engine.url, "status": {"models": ["m"], "role": role}}
+    async with http.post(proxy + "/nodes/add", json=body) as r:
+        assert r.status in (200, 201), await r.text()
+
+
+async def ledger(http: aiohttp.ClientSession, engine: MockEngine) -> dict[str, Any]:
+    async with http.get(engine.url + "/mock/ledger") as r:
+        return dict(await r.json())
+
+
+async def settle(http: aiohttp.ClientSession, engines: list[MockEngine], proxy: str, timeout: float = 5.0) -> None:
+    """Waits until nothing is preserved or in flight any more."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        live = [s for e in engines for s in (await ledger(http, e))["live"]]
+        async with http.get(proxy + "/nodes/status") as r:
+            in_flight = sum(n["unfinished"] for n in (await r.json()).values())
+        if not live and not in_flight:
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"live sessions {live}, in flight {in_flight}"
+        await asyncio.sleep(0.05)
+
+
+async def assert_clean(http: aiohttp.ClientSession, *engines: MockEngine, migration_errors: int = 0) -> None:
+    errors = 0
+    for engine in engines:
+        report = await ledger(http, engine)
+        assert report["double_frees"] == [], engine.settings.role
+        assert report["unknown_frees"] == [], engine.settings.role
+        assert report["shape_errors"] == [], report["shape_errors"]
+        errors += len(report["migration_errors"])
+    assert errors == migration_errors
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[tuple[MockEngine, MockEngine]]:
+    async with (
+        MockEngine(MockSettings(port=0, model="m", role="prefill")) as prefill,
+        MockEngine(MockSettings(port=0, model="m", role="decode")) as decode,
+    ):
+        yield prefill, decode
+
+
+@pytest.fixture
+async def fleet(
+    tmp_path: Path, engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
+) -> AsyncIterator[Fleet]:
+    prefill, decode = engines
+    with distserve_proxy(tmp_path) as proxy:
+        await register(http, proxy.url, prefill, 2)
+        await register(http, proxy.url, decode, 3)
+        yield Fleet(proxy, prefill, decode)
+        await settle(http, [prefill, decode], proxy.url)
+
+
+def expected_text(body: dict[str, Any]) -> str:
+    return "".join(generate(prompt_text(body), body.get("max_tokens"))[0])
+
+
+def handshakes(report: dict[str, Any]) -> list[str]:
+    return [op for op, _, _ in report["links"] if op != "engine_info"]
+
+
+async def test_stream_and_non_stream(fleet: Fleet, http: aiohttp.ClientSession) -> None:
+    for stream in (False, True):
+        body = chat_body("m", stream=stream, max_tokens=6, prompt=f"tell me {stream}")
+        async with http.post(fleet.proxy.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            raw = await r.read()
+        if stream:
+            events = [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
+            text = "".join(c["choices"][0]["delta"].get("content", "") for c in events if c["choices"])
+            assert raw.endswith(b"data: [DONE]\n\n")
+        else:
+            text = json.loads(raw)["choices"][0]["message"]["content"]
+        assert text == expected_text(body), "decode continued exactly from prefill's token"
+    completion = {"model": "m", "prompt": "once", "max_tokens": 3}
+    async with http.post(fleet.proxy.url + "/v1/completions", json=completion) as r:
+        assert r.status == 200
+        assert json.loads(await r.read())["choices"][0]["text"] == expected_text(completion)
+    await settle(http, [fleet.prefill, fleet.decode], fleet.proxy.url)
+    report = await ledger(http, fleet.prefill)
+    assert set(report["freed"].values()) == {"decode"}, "every session was consumed by decode"
+    assert len(report["freed"]) == 3
+    await assert_clean(http, fleet.prefill, fleet.decode)
+    # One handshake for the pair, in LMDeploy's order.
+    p_log, d_log = (await ledger(http, fleet.prefill))["links"], (await ledger(http, fleet.decode))["links"]
+    merged = sorted([("P", op, t) for op, _, t in p_log] + [("D", op, t) for op, _, t in d_log], key=lambda x: x[2])
+    assert [(who, op) for who, op, _ in merged] == [
+        ("P", "engine_info"),
+        ("D", "engine_info"),
+        ("P", "p2p_initialize"),
+        ("D", "p2p_initialize"),
+        ("P", "p2p_connect"),
+        ("D", "p2p_connect"),
+    ]
+    assert {peer for _, peer, _ in p_log if peer} == {fleet.decode.url}
+
+
+async def test_prefill_request_shape(fleet: Fleet, http: aiohttp.ClientSession) -> None:
+    body = chat_body("m", stream=True, max_tokens=9, stream_options={"include_usage": True})
+    async with http.post(fleet.proxy.url + "/v1/chat/completions", json=body) as r:
+        await r.read()
+    prefill_request = fleet.prefill.state.records[-1]["body"]
+    assert (prefill_request["max_tokens"], prefill_request["max_completion_tokens"]) == (1, 1)
+    assert prefill_request["stream"] is False
+    assert "stream_options" not in prefill_request
+    decode_request = fleet.decode.state.records[-1]["body"]
+    assert (decode_request["max_tokens"], decode_request["stream"]) == (9, True)
+    assert decode_request["migration_request"]["remote_engine_id"] == fleet.prefill.url
+    assert decode_request["migration_request"]["protocol"] == 2
+    await settle(http, [fleet.prefill, fleet.decode], fleet.proxy.url)
+    await assert_clean(http, fleet.prefill, fleet.decode)
+
+
+@pytest.mark.parametrize(
+    ("fault", "status"),
+    [("prefill.status=500", 500), ("prefill.no_id", 502), ("decode.status=503", 503), ("decode.status=400", 400)],
+)
+async def test_leg_failures_answer_truthfully_and_free(
+    fleet: Fleet, http: aiohttp.ClientSession, fault: str, status: int
+) -> None:
+    async with http.post(
+        fleet.proxy.url + "/v1/chat/completions", json=chat_body("m", stream=True), headers={FAULT_HEADER: fault}
+    ) as r:
+        assert r.status == status, await r.text()
+    await settle(http, [fleet.decode] + ([] if fault == "prefill.no_id" else [fleet.prefill]), fleet.proxy.url)
+    report = await ledger(http, fleet.prefill)
+    if fault.startswith("decode"):
+        assert list(report["freed"].values()) == ["proxy"], "decode never ran: pdproxy freed the session"
+    if fault == "prefill.no_id":
+        # The session cannot be named, so nothing is freed blindly; the engine keeps it.
+        assert len(report["live"]) == 1
+        fleet.prefill.state.ledger.free(report["live"][0], "test")
+    await assert_clean(http, fleet.prefill, fleet.decode)
+
+
+async def test_decode_dropping_mid_stream(fleet: Fleet, http: aiohttp.ClientSession) -> None:
+    async with http.post(
+        fleet.proxy.url + "/v1/chat/completions",
+        json=chat_body("m", stream=True, max_tokens=8),
+        headers={FAULT_HEADER: "decode.drop_after=2"},
+    ) as r:
+        assert r.status == 200
+        raw = await r.read()
+    assert b'"error"' in raw.split(b"\n\n")[-2]
+    await settle(http, [fleet.prefill, fleet.decode], fleet.proxy.url)
+    assert list((await ledger(http, fleet.prefill))["freed"].values()) == ["decode"]
+    await assert_clean(http, fleet.prefill, fleet.decode)
+
+
+@pytest.mark.parametrize("id_format", ["cache_session_id", "chat", "completions"])
+async def test_session_handle_formats(tmp_path: Path, http: aiohttp.ClientSession, id_format: str) -> None:
+    async with (
+        MockEngine(MockSettings(port=0, model="m", role="prefill", id_format=id_format)) as prefill,
+        MockEngine(MockSettings(port=0, model="m", role="decode")) as decode,
+    ):
+        with distserve_proxy(tmp_path) as proxy:
+            await register(http, proxy.url, prefill, 2)
+            await register(http, proxy.url, decode, 3)
+            async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
+                if id_format == "cache_session_id":
+                    assert r.status == 200
+                else:
+                    # chatcmpl-... or "-1": no usable handle; refused cleanly, not guessed.
+                    assert r.status == 502
+                    assert (await r.json())["error"]["code"] == "upstream_invalid_response"
+            report = await ledger(http, prefill)
+            assert report["unknown_frees"] == []
+            for session in report["live"]:
+                prefill.state.ledger.free(session, "test")
+            await settle(http, [prefill, decode], proxy.url)
+            await assert_clean(http, prefill, decode)
+
+
+@pytest.mark.parametrize("breakage", ["engine_info", "tp_size"])
+async def test_handshake_failure_frees_the_session(tmp_path: Path, http: aiohttp.ClientSession, breakage: str) -> None:
+    tp = 2 if breakage == "tp_size" else 1
+    async with (
+        MockEngine(MockSettings(port=0, model="m", role="prefill", tp_size=tp)) as prefill,
+        MockEngine(MockSettings(port=0, model="m", role="decode")) as decode,
+    ):
+        if breakage == "engine_info":
+            async with http.post(decode.url + "/mock/config", json={"engine_info_status": 500}) as r:
+                assert r.status == 200
+        with distserve_proxy(tmp_path) as proxy:
+            await register(http, proxy.url, prefill, 2)
+            await register(http, proxy.url, decode, 3)
+            async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
+                assert r.status == 502
+                assert (await r.json())["error"]["code"] == "pd_link_failed"
+            await settle(http, [prefill, decode], proxy.url)
+            assert list((await ledger(http, prefill))["freed"].values()) == ["proxy"]
+            async with http.get(proxy.url + "/distserve/status") as r:
+                payload = await r.json()
+                assert r.status == 200, payload
+                (link,) = payload["links"]
+            assert link["state"] == "failed"
+            assert link["attempts"] == 3
+            await assert_clean(http, prefill, decode)
+
+
+async def _raw_request(
+    proxy: str, body: dict[str, Any], fault: str
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = proxy.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    data = json.dumps(body).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + f"{FAULT_HEADER}: {fault}\r\ncontent-length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
+    await writer.drain()
+    return reader, writer
+
+
+@pytest.mark.parametrize("phase", ["prefill", "before-first-token", "mid-stream"])
+async def test_client_disconnect_in_each_phase(fleet: Fleet, http: aiohttp.ClientSession, phase: str) -> None:
+    fault = {
+        "prefill": "prefill.ttft_ms=400",
+        "before-first-token": "decode.ttft_ms=600",
+        "mid-stream": "decode.token_delay_ms=150",
+    }[phase]
+    reader, writer = await _raw_request(fleet.proxy.url, chat_body("m", stream=True, max_tokens=20), fault)
+    if phase == "mid-stream":
+        seen = b""
+        while seen.count(b"data: ") < 2:
+            seen += await asyncio.wait_for(reader.read(65536), 5)
+    else:
+        await asyncio.sleep(0.2)
+    writer.close()
+    await writer.wait_closed()
+    await settle(http, [fleet.prefill, fleet.decode], fleet.proxy.url)
+    freed = list((await ledger(http, fleet.prefill))["freed"].values())
+    assert freed == {"prefill": [], "before-first-token": ["proxy"], "mid-stream": ["decode"]}[phase]
+    await assert_clean(http, fleet.prefill, fleet.decode)
+
+
+async def test_concurrent_first_requests_share_one_handshake(fleet: Fleet, http: aiohttp.ClientSession) -> None:
+    async def one(i: int) -> int:
+        async with http.post(fleet.proxy.url + "/v1/chat/completions", json=chat_body("m", prompt=f"q{i}")) as r:
+            await r.read()
+            return r.status
+
+    assert await asyncio.gather(*(one(i) for i in range(12))) == [200] * 12
+    assert handshakes(await ledger(http, fleet.prefill)) == ["p2p_initialize", "p2p_connect"]
+    assert handshakes(await ledger(http, fleet.decode)) == ["p2p_initialize", "p2p_connect"]
+    await settle(http, [fleet.prefill, fleet.decode], fleet.proxy.url)
+    await assert_clean(http, fleet.prefill, fleet.decode)
+
+
+async def test_warmup_is_idempotent_and_removal_drops_links(fleet: Fleet, http: aiohttp.ClientSession) -> None:
+    async def warmup() -> dict[str, Any]:
+        async with http.post(fleet.proxy.url + "/distserve/connection_warmup") as r:
+            assert r.status == 200
+            return dict(await r.json())
+
+    results = await asyncio.gather(*(warmup() for _ in range(5)))
+    assert all(r["connected"] == 1 for r in results)
+    assert handshakes(await ledger(http, fleet.prefill)) == ["p2p_initialize", "p2p_connect"]
+    async with http.get(fleet.proxy.url + "/nodes/status") as r:
+        links = (await r.json())[fleet.decode.url]["links"]
+    assert [link["state"] for link in links] == ["connected"]
+
+    async with http.post(fleet.proxy.url + "/nodes/remove", json={"url": fleet.decode.url}) as r:
+        assert r.status == 200
+    for engine in (fleet.prefill, fleet.decode):
+        for _ in range(100):
+            if handshakes(await ledger(http, engine))[-1:] == ["p2p_drop_connect"]:
+                break
+            await asyncio.sleep(0.02)
+        assert handshakes(await ledger(http, engine))[-1] == "p2p_drop_connect", engine.settings.role
+    # Re-added: a fresh handshake before the next request.
+    await register(http, fleet.proxy.url, fleet.decode, 3)
+    async with http.post(fleet.proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
+        assert r.status == 200
+    assert handshakes(await ledger(http, fleet.decode)).count("p2p_connect") == 2
+
+
+async def test_n_above_one_and_readiness(
+    tmp_path: Path, engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
+) -> None:
+    prefill, decode = engines
+    with distserve_proxy(tmp_path) as proxy:
+        await register(http, proxy.url, prefill, 2)
+        async with http.get(proxy.url + "/ready") as r:
+            assert r.status == 503, "no decode node yet"
+        await register(http, proxy.url, decode, 3)
+        async with http.get(proxy.url + "/ready") as r:
+            assert r.status == 200
+        async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m", n=2)) as r:
+            assert r.status == 400
+
+
+async def test_dummy_prefill(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    async with MockEngine(MockSettings(port=0, model="m", role="decode")) as decode:
+        with distserve_proxy(tmp_path, "--dummy-prefill") as proxy:
+            await register(http, proxy.url, decode, 3)
+            async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m", stream=True)) as r:
+                assert r.status == 200
+                await r.read()
+            migration = decode.state.records[-1]["body"]["migration_request"]
+            assert (migration["is_dummy_prefill"], migration["remote_engine_id"]) == (True, "dummy:dummy")
+            await assert_clean(http, decode)
