@@ -117,6 +117,10 @@ class Router:
         """The routing fields of a body: model, stream, n, user, session_id, max_tokens."""
 
     @staticmethod
+    def member(body: bytes, key: str) -> str | None:
+        """The raw JSON text of a top-level member of `body` (None when absent)."""
+
+    @staticmethod
     def patch(body: bytes, set: Sequence[tuple[str, str]] = ..., remove: Sequence[str] = ...) -> bytes:
         """A copy of `body` with members set (values as JSON text) or removed."""
 

@@ -117,6 +117,13 @@ impl<'de> Deserialize<'de> for Members<'de> {
     }
 }
 
+/// The raw JSON text of one top-level member, exactly as it appears in `body`.
+pub fn member<'a>(body: &'a [u8], key: &str) -> Result<Option<&'a str>> {
+    require_object(body)?;
+    let members: Members<'_> = serde_json::from_slice(body).map_err(|e| invalid(&e))?;
+    Ok(members.0.into_iter().find(|(k, _)| k == key).map(|(_, v)| v.get()))
+}
+
 /// Rewrites a JSON object body: every `(key, json)` in `set` replaces or appends that member
 /// (its value given as JSON text), every key in `remove` is dropped. Other members keep their
 /// order and their exact bytes.
@@ -199,6 +206,13 @@ mod tests {
             let err = inspect(body).unwrap_err();
             assert_eq!(err.kind(), Kind::InvalidRequest, "{:?}", String::from_utf8_lossy(body));
         }
+    }
+
+    #[test]
+    fn member_is_the_raw_text() {
+        let body = br#"{"a":1,"kv":{"x": [1, 2] ,"y":null}}"#;
+        assert_eq!(member(body, "kv").unwrap(), Some(r#"{"x": [1, 2] ,"y":null}"#));
+        assert_eq!(member(body, "b").unwrap(), None);
     }
 
     #[test]

@@ -16,7 +16,6 @@ import json
 import logging
 from typing import Any
 
-from pdproxy._pdproxy import Response
 from pdproxy.config import Settings
 from pdproxy.errors import InvalidRequest, UpstreamError
 from pdproxy.responses import Send
@@ -24,6 +23,7 @@ from pdproxy.router import Router
 
 from .ledger import Preserved, SessionLedger
 from .links import PROTOCOL_RDMA, LinkPool
+from .relay import read_all, relay, send_raw
 
 log = logging.getLogger("pdproxy.pd")
 
@@ -132,10 +132,10 @@ class DistServe:
                 answer = await self.router.forward(
                     path, _prefill_body(body, chat), headers, role="prefill", node=prefill
                 )
-                raw = answer.body if answer.body is not None else b"".join([c async for c in answer])
+                raw = await read_all(answer)
                 if answer.status != 200:
                     # The prefill node's own error, status and body unchanged.
-                    await _send_raw(send, answer, raw, echo)
+                    await send_raw(send, answer, raw, echo)
                     return
                 try:
                     session, blocks, token = session_handle(json.loads(raw))
@@ -147,31 +147,11 @@ class DistServe:
             decode_body = Router.patch(body, {"migration_request": migration})
             response = await self.router.forward(path, decode_body, headers, role="decode", node=decode)
             try:
-                await self._relay(response, entry, send, echo)
+                await relay(response, send, echo, on_first=(lambda: self.ledger.consume(entry)) if entry else None)
             finally:
                 response.close()
         finally:
             self.release(entry, "request ended before decode took the session")
-
-    async def _relay(self, response: Response, entry: Preserved | None, send: Send, echo: Any) -> None:
-        """Streams the decode answer back; the session counts as consumed once decode
-        answered in full (non-stream) or sent its first event (stream)."""
-        if response.status != 200:
-            raw = response.body if response.body is not None else b"".join([c async for c in response])
-            await _send_raw(send, response, raw, echo)
-            return
-        headers = response.headers
-        if not any(name == b"x-request-id" for name, _ in headers):
-            headers.append(echo[0])
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
-        if response.body is not None:
-            if entry is not None:
-                self.ledger.consume(entry)
-            await send({"type": "http.response.body", "body": response.body})
-            return
-        from pdproxy.proxy import stream_body  # shared with the hybrid path
-
-        await stream_body(response, send, on_first=(lambda: self.ledger.consume(entry)) if entry else None)
 
 
 def _prefill_body(body: bytes, chat: bool) -> bytes:
@@ -190,12 +170,6 @@ def _migration(prefill: str, session: int, blocks: list[int], token: int, dummy:
         "remote_block_ids": blocks,
         "is_dummy_prefill": dummy,
     }
-
-
-async def _send_raw(send: Send, response: Response, raw: bytes, echo: Any) -> None:
-    headers = [(n, v) for n, v in response.headers if n != b"content-length"]
-    await send({"type": "http.response.start", "status": response.status, "headers": [*headers, *echo]})
-    await send({"type": "http.response.body", "body": raw})
 
 
 def _consume_exception(task: asyncio.Future[None]) -> None:

@@ -191,6 +191,13 @@ impl Router {
         Ok(out)
     }
 
+    /// The raw JSON text of a top-level member of `body` (`None` when absent), so that it can
+    /// be passed on byte for byte.
+    #[staticmethod]
+    fn member(body: &[u8], key: &str) -> PyResult<Option<String>> {
+        Ok(crate::inspect::member(body, key).map_err(|e| to_pyerr(&e))?.map(str::to_owned))
+    }
+
     /// A copy of `body` with top-level members set (values given as JSON text) or removed;
     /// everything else keeps its order and bytes.
     #[staticmethod]

@@ -1,0 +1,42 @@
+"""Sending a node's answer on to the client, shared by the disaggregation protocols."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pdproxy._pdproxy import Response
+from pdproxy.responses import Send
+
+
+async def read_all(response: Response) -> bytes:
+    return response.body if response.body is not None else b"".join([c async for c in response])
+
+
+async def send_raw(send: Send, response: Response, raw: bytes, echo: list[tuple[bytes, bytes]]) -> None:
+    """A node's whole answer (typically its error), status and body unchanged."""
+    headers = [(n, v) for n, v in response.headers if n not in (b"content-length", b"x-request-id")]
+    await send({"type": "http.response.start", "status": response.status, "headers": [*headers, *echo]})
+    await send({"type": "http.response.body", "body": raw})
+
+
+async def relay(
+    response: Response, send: Send, echo: list[tuple[bytes, bytes]], on_first: Callable[[], Any] | None = None
+) -> None:
+    """Streams a node's answer back. ``on_first`` runs once the answer proved to be under way:
+    its first streamed batch, or a whole successful non-stream answer."""
+    if response.status != 200:
+        await send_raw(send, response, await read_all(response), echo)
+        return
+    headers = response.headers
+    if not any(name == b"x-request-id" for name, _ in headers):
+        headers.extend(echo)
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    if response.body is not None:
+        if on_first is not None:
+            on_first()
+        await send({"type": "http.response.body", "body": response.body})
+        return
+    from pdproxy.proxy import stream_body  # the hybrid path's, so both end streams the same way
+
+    await stream_body(response, send, on_first=on_first)
