@@ -14,7 +14,7 @@ from .errors import PdproxyError
 from .fleet import Fleet
 from .nodes_api import ROUTES
 from .openapi import schema
-from .pd.lmdeploy import DistServe
+from .pd import make_adapter
 from .responses import MethodNotAllowed, NotFound, Receive, Scope, Send, send_error, send_json
 from .router import Router
 
@@ -54,7 +54,7 @@ class ProxyApp:
         self.keys = Keys(settings.api_keys, settings.admin_keys)
         self.router: Router | None = None
         self.fleet: Fleet | None = None
-        self.distserve: DistServe | None = None
+        self.distserve: Any = None
         self._admin = {(route.method, route.path): route for route in ROUTES}
         self._admin_paths = {route.path for route in ROUTES}
 
@@ -72,7 +72,7 @@ class ProxyApp:
         self.fleet = Fleet(self.router, self.settings)
         await self.fleet.start()
         if self.settings.serving_strategy == "DistServe":
-            self.distserve = DistServe(self.router, self.settings, self.fleet.api_key_of)
+            self.distserve = make_adapter(self.router, self.settings, self.fleet)
             await self.distserve.start()
             self.fleet.distserve = self.distserve
             self.fleet.on_removed.append(self.distserve.node_removed)

@@ -136,6 +136,14 @@ class Settings:
             section="pd",
         ),
     )
+    pd_protocol: str = field(
+        default="lmdeploy",
+        metadata=_opt(
+            "Disaggregation protocol with DistServe: lmdeploy (DistServe: migration handle, link pool), vllm "
+            "(kv_transfer_params, NixlConnector) or sglang (bootstrap rendezvous, both legs at once).",
+            section="pd",
+        ),
+    )
     dummy_prefill: bool = field(
         default=False,
         metadata=_opt("DistServe without prefill nodes, to benchmark decode (as LMDeploy).", section="pd"),
@@ -256,6 +264,8 @@ class Settings:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         if self.serving_strategy not in ("Hybrid", "DistServe"):
             raise ConfigError(f"serving_strategy must be Hybrid or DistServe, got {self.serving_strategy!r}")
+        if self.pd_protocol not in ("lmdeploy", "vllm", "sglang"):
+            raise ConfigError(f"pd_protocol must be lmdeploy, vllm or sglang, got {self.pd_protocol!r}")
         for name in ("pd_link_attempts", "pd_free_attempts", "pd_warmup_concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")

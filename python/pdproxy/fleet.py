@@ -40,6 +40,8 @@ class Registration:
     api_key: str | None = None
     lease_ttl: float | None = None
     lease_expires: float | None = None
+    #: SGLang prefill nodes: the port of their bootstrap server.
+    bootstrap_port: int | None = None
 
     def saved(self) -> dict[str, Any]:
         out = asdict(self)
@@ -106,6 +108,7 @@ class Fleet:
         max_concurrency: int | None = None,
         api_key: str | None = None,
         lease_ttl: float | None = None,
+        bootstrap_port: int | None = None,
     ) -> tuple[Registration, bool]:
         """Adds a node, or updates (and renews the lease of) a registered one. Returns its
         registration and whether it is new."""
@@ -117,7 +120,9 @@ class Fleet:
         )
         created = normalized not in self.registrations
         expires = time.monotonic() + lease_ttl if lease_ttl is not None else None
-        registration = Registration(normalized, models, role, speed, max_concurrency, api_key, lease_ttl, expires)
+        registration = Registration(
+            normalized, models, role, speed, max_concurrency, api_key, lease_ttl, expires, bootstrap_port
+        )
         self.registrations[normalized] = registration
         if not created and self.state_of(normalized) == "draining" and lease_ttl is not None:
             self.router.set_node_state(normalized, "healthy")  # a renewed lease ends the drain
@@ -160,6 +165,10 @@ class Fleet:
     def api_key_of(self, url: str) -> str | None:
         registration = self.registrations.get(url)
         return registration.api_key if registration else None
+
+    def bootstrap_port_of(self, url: str) -> int | None:
+        registration = self.registrations.get(url)
+        return registration.bootstrap_port if registration else None
 
     def lookup(self, url: str) -> str:
         """The normalised URL of a registered node. Raises ``NodeNotFound``."""
@@ -204,7 +213,7 @@ class Fleet:
                 "generation": node["generation"],
                 "lease": lease,
             }
-            if self.distserve is not None:
+            if self.distserve is not None and self.distserve.protocol == "lmdeploy":
                 out[url]["links"] = [
                     link for link in self.distserve.links.status() if url in (link["prefill"], link["decode"])
                 ]

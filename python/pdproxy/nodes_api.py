@@ -78,6 +78,7 @@ async def add(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
         max_concurrency=_field(extra, "max_concurrency", (int,)),
         api_key=_field(extra, "api_key", (str,)),
         lease_ttl=_field(extra, "lease_ttl", (int, float)),
+        bootstrap_port=_field(extra, "bootstrap_port", (int,)),
     )
     return (201 if created else 200), {
         "url": registration.url,
@@ -121,9 +122,11 @@ class DistServeOff(PdproxyError):
     type = "invalid_request_error"
 
 
-def _distserve(fleet: Fleet) -> Any:
+def _distserve(fleet: Fleet, lmdeploy: bool = True) -> Any:
     if fleet.distserve is None:
         raise DistServeOff("this proxy does not serve with DistServe (--serving-strategy DistServe)")
+    if lmdeploy and fleet.distserve.protocol != "lmdeploy":
+        raise DistServeOff("links and preserved sessions exist only with --pd-protocol lmdeploy")
     return fleet.distserve
 
 
@@ -141,7 +144,7 @@ async def distserve_gc(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[in
 
 
 async def distserve_status(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
-    return 200, _distserve(fleet).status()
+    return 200, _distserve(fleet, lmdeploy=False).status()
 
 
 _URL_BODY = {"type": "object", "required": ["url"], "properties": {"url": {"type": "string"}}}
@@ -162,6 +165,7 @@ _ADD_BODY = {
         "max_concurrency": {"type": "integer", "description": "Hard cap on the node's requests in flight"},
         "api_key": {"type": "string", "description": "Sent to the node as `Authorization: Bearer`"},
         "lease_ttl": {"type": "number", "description": "Seconds until the registration lapses unless renewed"},
+        "bootstrap_port": {"type": "integer", "description": "SGLang prefill nodes: their bootstrap server's port"},
     },
 }
 

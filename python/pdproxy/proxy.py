@@ -10,10 +10,10 @@ import asyncio
 import json
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 from ._pdproxy import Response
 from .errors import InvalidRequest, PdproxyError, UpstreamError
-from .pd.lmdeploy import PD_PATHS, DistServe
 from .responses import ClientGone, NotFound, Receive, Scope, Send, read_body, require_json, send_error
 from .router import Router
 
@@ -109,7 +109,7 @@ async def forward(
     receive: Receive,
     send: Send,
     require_model: bool = False,
-    distserve: DistServe | None = None,
+    distserve: Any = None,
 ) -> None:
     """Handles one inference request end to end. ``require_model``: a pass-through path is
     routed only when its body names a model. ``distserve``: chat and completions go through
@@ -129,7 +129,7 @@ async def forward(
     path = scope["path"]
     if scope.get("query_string"):
         path = f"{path}?{scope['query_string'].decode('latin-1')}"
-    if distserve is not None and scope["path"] in PD_PATHS:
+    if distserve is not None and scope["path"] in distserve.paths:
         await _disaggregated(distserve, path, body, headers, receive, send, echo)
         return
 
@@ -167,7 +167,7 @@ async def forward(
 
 
 async def _disaggregated(
-    distserve: DistServe,
+    distserve: Any,
     path: str,
     body: bytes,
     headers: list[tuple[bytes, bytes]],

@@ -17,24 +17,18 @@ import logging
 from typing import Any
 
 from pdproxy.config import Settings
-from pdproxy.errors import InvalidRequest, UpstreamError
+from pdproxy.errors import InvalidRequest
 from pdproxy.responses import Send
 from pdproxy.router import Router
 
 from .ledger import Preserved, SessionLedger
 from .links import PROTOCOL_RDMA, LinkPool
-from .relay import read_all, relay, send_raw
+from .relay import InvalidPrefillAnswer, read_all, relay, send_raw
 
 log = logging.getLogger("pdproxy.pd")
 
 PD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 DUMMY_PREFILL = "dummy:dummy"
-
-
-class InvalidPrefillAnswer(UpstreamError):
-    """The prefill node answered without a usable session handle."""
-
-    code = "upstream_invalid_response"
 
 
 def session_handle(answer: Any) -> tuple[int, list[int], int]:
@@ -59,6 +53,9 @@ def session_handle(answer: Any) -> tuple[int, list[int], int]:
 
 
 class DistServe:
+    protocol = "lmdeploy"
+    paths = PD_PATHS
+
     def __init__(self, router: Router, settings: Settings, api_key_of: Any) -> None:
         self.router = router
         self.settings = settings

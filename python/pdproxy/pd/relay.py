@@ -6,7 +6,14 @@ from collections.abc import Callable
 from typing import Any
 
 from pdproxy._pdproxy import Response
+from pdproxy.errors import UpstreamError
 from pdproxy.responses import Send
+
+
+class InvalidPrefillAnswer(UpstreamError):
+    """The prefill node answered with something the protocol cannot use."""
+
+    code = "upstream_invalid_response"
 
 
 async def read_all(response: Response) -> bytes:

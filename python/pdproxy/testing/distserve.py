@@ -80,6 +80,20 @@ class KvLedger:
         self.migration_errors.append(error)
         return error
 
+    def read(self, session_id: int, blocks: list[int], by: str) -> str | None:
+        """A vLLM decode reads the KV (no token check: vLLM recomputes nothing from it) and
+        notifies the prefill, which frees it."""
+        session = self.sessions.get(session_id)
+        if session is None or session.state != "preserved":
+            error = f"request {session_id} holds no KV"
+        elif blocks != session.blocks:
+            error = f"blocks {blocks} are not request {session_id}'s {session.blocks}"
+        else:
+            self.free(session_id, by)
+            return None
+        self.migration_errors.append(error)
+        return error
+
     def report(self) -> dict[str, Any]:
         return {
             "live": [s.id for s in self.sessions.values() if s.state == "preserved"],

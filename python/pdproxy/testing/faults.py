@@ -10,6 +10,7 @@ request (header ``x-mock-fault``, which overrides the process's knobs one by one
     token_delay_ms=50     wait this long between tokens
     fragment=7            write each event in pieces of 7 bytes (tests that framing survives)
     no_id                 a prefill answer without its session handle (`id`, `cache_session_id`)
+    stop_first            a vLLM prefill whose one token ends the answer (it returns null params)
 
 A knob may be scoped to one role, for requests that reach both legs of a disaggregated
 request: ``prefill.status=500``, ``decode.drop_after=2``.
@@ -36,6 +37,7 @@ class Faults:
     token_delay_ms: float | None = None
     fragment: int | None = None
     no_id: bool = False
+    stop_first: bool = False
 
     def merged(self, override: Faults) -> Faults:
         """These knobs with every knob that ``override`` sets replaced."""
@@ -71,7 +73,7 @@ def parse_faults(spec: str, role: str | None = None) -> Faults:
                 continue
             name = rest
         try:
-            if name in ("hang", "no_id") and not value:
+            if name in ("hang", "no_id", "stop_first") and not value:
                 knobs[name] = True
             elif name in ("status", "drop_after", "fragment"):
                 knobs[name] = int(value)

@@ -27,6 +27,7 @@ from . import distserve
 from .distserve import ID_FORMATS, KvLedger, Links
 from .faults import FAULT_HEADER, NO_FAULTS, Faults, FaultSpecError, parse_faults
 from .generation import count_tokens, generate, prompt_text, token_id
+from .vllm_sglang import Rendezvous, check_vllm_prefill_shape, vllm_remote_path
 
 __all__ = ["MockEngine", "MockSettings", "build_app"]
 
@@ -51,6 +52,9 @@ class MockSettings:
         default=False, metadata={"help": "Let GET /terminate stop the engine (LMDeploy's --allow-terminate-by-client)."}
     )
     tp_size: int = field(default=1, metadata={"help": "Tensor-parallel size reported by /distserve/engine_info."})
+    bootstrap_timeout_ms: float = field(
+        default=3000.0, metadata={"help": "SGLang: how long prefill and decode wait for each other in a room."}
+    )
     block_size: int = field(default=64, metadata={"help": "Tokens per KV block (DistServe)."})
     id_format: str = field(
         default="legacy",
@@ -84,6 +88,10 @@ class MockState:
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     terminated: asyncio.Event = field(default_factory=asyncio.Event)
     ledger: KvLedger = field(default_factory=lambda: KvLedger(64))
+    rendezvous: Rendezvous = field(default_factory=Rendezvous)
+    #: vLLM decodes that read the prefill's KV; decode requests that computed the prompt themselves.
+    vllm_remote: int = 0
+    local_prefills: int = 0
     links: Links = field(default_factory=Links)
     #: Process-wide switches set through /mock/config (calls that carry no request header).
     engine_info_status: int = 200
@@ -189,7 +197,6 @@ class _Completion:
             "usage": self.usage,
         }
         if self.handle is not None:
-            whole.pop("id")
             whole.update(self.handle)
         return whole
 
@@ -245,23 +252,37 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         preserve = state.settings.role == "prefill" and bool(body.get("preserve_cache"))
         if preserve:
             state.ledger.shape_errors.extend(distserve.check_prefill_shape(body, chat))
+        kv = body.get("kv_transfer_params")
+        vllm_prefill = state.settings.role == "prefill" and isinstance(kv, dict) and kv.get("do_remote_decode") is True
+        if vllm_prefill:
+            had_max_completion = b'"max_completion_tokens"' in raw
+            state.ledger.shape_errors.extend(check_vllm_prefill_shape(body, had_max_completion))
+        if state.settings.role == "prefill" and "bootstrap_room" in body:
+            rooms = body["bootstrap_room"] if isinstance(body["bootstrap_room"], list) else [body["bootstrap_room"]]
+            if not await state.rendezvous.prefill(rooms, state.settings.bootstrap_timeout_ms / 1000):
+                completed = True
+                return _error(500, "no decode joined the bootstrap room in time", "bootstrap_timeout", "server_error")
         try:
             completion = _Completion(state, body, chat, forced_tokens=1 if state.settings.role == "prefill" else None)
         except ValueError as e:
             completed = True
             return _error(400, str(e), "invalid_request")
-        # Decode migrates the prefill's KV when it starts generating: before answering when not
-        # streaming, after the response head when streaming (as LMDeploy's engine does).
-        migrating = "migration_request" in body
+        # Decode takes the prefill's KV when it starts generating: before answering when not
+        # streaming, after the response head when streaming (as the engines do).
+        migrating = state.settings.role == "decode" and (
+            "migration_request" in body or "kv_transfer_params" in body or "bootstrap_room" in body
+        )
+        if state.settings.role == "decode" and not migrating:
+            state.local_prefills += 1
         if migrating and not body.get("stream"):
-            refusal = await _migrate(state, body, completion)
+            refusal = await _start_decode(state, body, completion, request)
             if refusal is not None:
                 completed = True
                 return refusal
         ttft = faults.ttft_ms if faults.ttft_ms is not None else state.settings.ttft_ms
         delay = faults.token_delay_ms if faults.token_delay_ms is not None else state.settings.token_delay_ms
         if body.get("stream"):
-            migrate = (lambda: _migrate(state, body, completion)) if migrating else None
+            migrate = (lambda: _start_decode(state, body, completion, request)) if migrating else None
             response = await _stream(request, completion, ttft, delay, faults, record, migrate)
         else:
             if faults.drop_after is not None:
@@ -272,6 +293,8 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
             if preserve and completion.tokens:
                 # Preserved only once the prefill finished: an aborted prefill keeps nothing.
                 _preserve(state, completion, body, chat, faults)
+            if vllm_prefill and completion.tokens:
+                _vllm_params(state, completion, request, faults)
             payload = json.dumps(completion.whole()).encode()
             record["sent_sha256"] = hashlib.sha256(payload).hexdigest()
             response = web.Response(body=payload, content_type="application/json")
@@ -337,6 +360,84 @@ def _preserve(state: MockState, completion: _Completion, body: dict[str, Any], c
     session = state.ledger.preserve(completion.prompt_tokens, token_id(completion.tokens[0]))
     handle = {} if faults.no_id else distserve.prefill_id(state.settings.id_format, session, body, chat, completion.id)
     completion.handle = {**handle, "cache_block_ids": session.blocks, "remote_token_ids": [session.token_id]}
+
+
+def _vllm_params(state: MockState, completion: _Completion, request: web.Request, faults: Faults) -> None:
+    """A vLLM prefill keeps its KV and says where to read it, unless its token ended the
+    answer (then it frees at once and answers null params)."""
+    if faults.stop_first:
+        completion.finish_reason = "stop"
+        completion.handle = {"kv_transfer_params": None}
+        return
+    session = state.ledger.preserve(completion.prompt_tokens, token_id(completion.tokens[0]))
+    host, _, port = request.host.rpartition(":")
+    completion.handle = {
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": session.blocks,
+            "remote_engine_id": f"mock-{port}",
+            "remote_request_id": f"vllm-{session.id}",
+            "remote_host": host,
+            "remote_port": int(port),
+            "tp_size": state.settings.tp_size,
+        }
+    }
+
+
+async def _start_decode(
+    state: MockState, body: dict[str, Any], completion: _Completion, request: web.Request
+) -> web.Response | None:
+    """A decode's first step in each protocol: LMDeploy migration, vLLM KV read, SGLang room."""
+    if "migration_request" in body:
+        return await _migrate(state, body, completion)
+    if state.client is None:
+        state.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+    if "bootstrap_room" in body:
+        return await _sglang_join(state, body, request)
+    params = body.get("kv_transfer_params")
+    if not vllm_remote_path(params) or not isinstance(params, dict):
+        state.local_prefills += 1  # vLLM recomputes the prompt without a word
+        return None
+    read = {"remote_request_id": params["remote_request_id"], "block_ids": params["remote_block_ids"]}
+    try:
+        url = f"http://{params['remote_host']}:{params['remote_port']}/mock/vllm_read"
+        async with state.client.post(url, json=read) as r:
+            refused = (await r.json()).get("error")
+    except (aiohttp.ClientError, TimeoutError) as e:
+        refused = f"prefill engine unreachable: {type(e).__name__}"
+    if refused:
+        state.ledger.migration_errors.append(refused)
+        return _error(500, f"KV load failed: {refused}", "kv_load_failed", "server_error")
+    state.vllm_remote += 1
+    return None
+
+
+async def _sglang_join(state: MockState, body: dict[str, Any], request: web.Request) -> web.Response | None:
+    """Joins every room of the request at the prefill's bootstrap address, all at once (the
+    prefill transfers once all its rooms are joined)."""
+    rooms = body["bootstrap_room"] if isinstance(body["bootstrap_room"], list) else [body["bootstrap_room"]]
+    hosts = body.get("bootstrap_host")
+    ports = body.get("bootstrap_port")
+    client = state.client
+    assert client is not None
+
+    async def join(i: int, room: Any) -> bool:
+        host = hosts[i] if isinstance(hosts, list) else hosts
+        port = ports[i] if isinstance(ports, list) else ports
+        if port is None:  # SGLang: the decode assumes its own bootstrap port
+            port = request.host.rpartition(":")[2]
+        try:
+            async with client.post(f"http://{host}:{port}/mock/sglang_join", json={"room": room}) as r:
+                return bool((await r.json()).get("ok"))
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return False
+
+    joined = await asyncio.gather(*(join(i, room) for i, room in enumerate(rooms)))
+    if not all(joined):
+        state.ledger.migration_errors.append(f"rooms {rooms}: no transfer from the prefill")
+        return _error(500, "the KV transfer did not arrive", "transfer_failed", "server_error")
+    return None
 
 
 async def _migrate(state: MockState, body: dict[str, Any], completion: _Completion) -> web.Response | None:
@@ -500,11 +601,45 @@ async def _mock_migrate(request: web.Request) -> web.Response:
     return web.json_response({"error": error})
 
 
+async def _mock_vllm_read(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await _json_body(request)
+    raw_id = str(body.get("remote_request_id", ""))
+    session_id = int(raw_id.removeprefix("vllm-")) if raw_id.removeprefix("vllm-").isdigit() else -1
+    error = state.ledger.read(session_id, list(body.get("block_ids", [])), "decode")
+    return web.json_response({"error": error})
+
+
+async def _mock_sglang_join(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await _json_body(request)
+    ok = await state.rendezvous.join(int(body.get("room", -1)), state.settings.bootstrap_timeout_ms / 1000)
+    return web.json_response({"ok": ok})
+
+
+async def _server_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    port = int(request.host.rpartition(":")[2] or 0)
+    return web.json_response(
+        {
+            "disaggregation_mode": None if state.settings.role == "hybrid" else state.settings.role,
+            "disaggregation_bootstrap_port": port,  # the mock serves its bootstrap endpoints itself
+            "served_model_name": state.settings.model,
+            "tp_size": state.settings.tp_size,
+        }
+    )
+
+
 async def _mock_ledger(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(
-        {**state.ledger.report(), "links": state.links.log, "connected": sorted(state.links.connected)}
-    )
+    extra = {
+        "links": state.links.log,
+        "connected": sorted(state.links.connected),
+        "rendezvous": state.rendezvous.report(),
+        "vllm_remote": state.vllm_remote,
+        "local_prefills": state.local_prefills,
+    }
+    return web.json_response({**state.ledger.report(), **extra})
 
 
 async def _mock_config(request: web.Request) -> web.Response:
@@ -542,6 +677,10 @@ def build_app(settings: MockSettings) -> web.Application:
     app.router.add_post("/distserve/free_cache", _free_cache)
     app.router.add_post("/mock/migrate", _mock_migrate)
     app.router.add_get("/mock/ledger", _mock_ledger)
+    app.router.add_post("/mock/vllm_read", _mock_vllm_read)
+    app.router.add_post("/mock/sglang_join", _mock_sglang_join)
+    app.router.add_get("/server_info", _server_info)
+    app.router.add_get("/get_server_info", _server_info)
     app.router.add_post("/mock/config", _mock_config)
 
     async def close_client(app: web.Application) -> None:

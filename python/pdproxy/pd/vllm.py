@@ -1,0 +1,82 @@
+"""vLLM's disaggregated prefill (NixlConnector and its kin), as vLLM's reference proxy does it
+and better: the prefill runs first with ``kv_transfer_params.do_remote_decode`` and
+``max_tokens=1``; the ``kv_transfer_params`` of its answer go to the decode node byte for byte;
+both legs carry the same ``X-Request-Id``. A prefill that returns no params (its one token was
+the end) still completes: decode then computes the prompt itself. The engines free the KV (the
+decode's read notifies the prefill, or the prefill's lease runs out): no ledger is needed."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdproxy._pdproxy import Router as CoreRouter
+from pdproxy.config import Settings
+from pdproxy.errors import InvalidRequest
+from pdproxy.responses import Send
+from pdproxy.router import Router
+
+from .relay import InvalidPrefillAnswer, read_all, relay, send_raw
+
+PD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+#: What the prefill leg asks for: keep the KV for a remote reader.
+PREFILL_PARAMS = json.dumps(
+    {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+)
+
+
+def prefill_body(body: bytes) -> bytes:
+    changes = [("kv_transfer_params", PREFILL_PARAMS), ("stream", "false"), ("max_tokens", "1")]
+    if CoreRouter.member(body, "max_completion_tokens") is not None:
+        changes.append(("max_completion_tokens", "1"))
+    # Not supported on the prefill leg, or meaningless for one token.
+    return CoreRouter.patch(body, changes, ["stream_options", "min_tokens", "min_completion_tokens"])
+
+
+class VllmPD:
+    protocol = "vllm"
+    paths = PD_PATHS
+
+    def __init__(self, router: Router, settings: Settings, api_key_of: Any) -> None:
+        self.router = router
+        self.settings = settings
+
+    async def start(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+    def node_removed(self, url: str) -> None:
+        pass  # nothing held by the proxy
+
+    def status(self) -> dict[str, Any]:
+        return {"protocol": self.protocol}
+
+    async def handle(self, path: str, body: bytes, headers: list[tuple[bytes, bytes]], send: Send, echo: Any) -> None:
+        if (Router.inspect(body)["n"] or 1) > 1:
+            raise InvalidRequest("n > 1 is not supported with disaggregated prefill")
+        answer = await self.router.forward(path, prefill_body(body), headers, role="prefill")
+        raw = await read_all(answer)
+        if answer.status != 200:
+            await send_raw(send, answer, raw, echo)  # the prefill's error; decode never runs
+            return
+        # Verbatim: the raw JSON text of the prefill's params, not a re-encoding of it.
+        try:
+            params = CoreRouter.member(raw, "kv_transfer_params")
+        except InvalidRequest:
+            raise InvalidPrefillAnswer("the prefill node's answer is not a JSON object") from None
+        decode_body = body if params in (None, "null") else CoreRouter.patch(body, [("kv_transfer_params", params)])
+        response = await self.router.forward(path, decode_body, headers, role="decode")
+        try:
+            await relay(response, send, echo)
+        finally:
+            response.close()
