@@ -140,13 +140,52 @@ def mock_engines(count: int, model: str, token_delay_ms: float = 0.0) -> Iterato
 
 
 @contextlib.contextmanager
-def pdproxy(nodes: list[str], model: str) -> Iterator[Service]:
+def mock_engines_with_roles(roles: list[str], model: str, token_delay_ms: float = 0.0) -> Iterator[list[Service]]:
+    """One mock engine per role (hybrid, prefill, decode)."""
+    with contextlib.ExitStack() as stack:
+        engines = []
+        for i, role in enumerate(roles):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            args = [
+                sys.executable,
+                "-m",
+                "pdproxy",
+                "mock-engine",
+                "--port",
+                str(port),
+                "--model",
+                model,
+                "--role",
+                role,
+                "--token-delay-ms",
+                str(token_delay_ms),
+            ]
+            engines.append(stack.enter_context(service(f"{role}-{i}", args, url + "/health", url)))
+        yield engines
+
+
+ROLE_NUMBERS = {"hybrid": 1, "prefill": 2, "decode": 3}
+
+
+@contextlib.contextmanager
+def pdproxy(
+    nodes: list[str], model: str, extra: tuple[str, ...] = (), roles: dict[str, str] | None = None
+) -> Iterator[Service]:
+    """`pdproxy serve` routing to ``nodes``; with ``roles`` (url -> role) the nodes are
+    registered through /nodes/add as LMDeploy engines do, instead of --node."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = [sys.executable, "-m", "pdproxy", "serve", "--port", str(port), "--log-level", "warning"]
-    for node in nodes:
+    args = [sys.executable, "-m", "pdproxy", "serve", "--port", str(port), "--log-level", "warning", *extra]
+    for node in nodes if roles is None else []:
         args += ["--node", node]
     with service("pdproxy", args, url + "/health", url) as svc:
+        for node, role in (roles or {}).items():
+            registration = {"url": node, "status": {"models": [model], "role": ROLE_NUMBERS[role]}}
+            request = urllib.request.Request(
+                url + "/nodes/add", data=json.dumps(registration).encode(), headers={"content-type": "application/json"}
+            )
+            urllib.request.urlopen(request, timeout=5).close()
         # Wait for model discovery so every request is routed by model from the start.
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

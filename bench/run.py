@@ -148,6 +148,48 @@ def render_mock(results: dict[str, harness.LoadResult]) -> list[str]:
     return rows
 
 
+def render_pd(results: dict[str, harness.LoadResult]) -> list[str]:
+    hybrid = results["hybrid"]
+    rows = [
+        "| mode | req/s | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | added TTFT p99 ms | proxy CPU µs/req "
+        "| errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        pd = name != "hybrid"
+        a50 = f"{_ms(r, 'ttft_ms', 'p50') - _ms(hybrid, 'ttft_ms', 'p50'):+.2f}" if pd else ""
+        a99 = f"{_ms(r, 'ttft_ms', 'p99') - _ms(hybrid, 'ttft_ms', 'p99'):+.2f}" if pd else ""
+        rows.append(
+            f"| {name} | {r.load['rps']:.0f} | {_ms(r, 'ttft_ms', 'p50'):.2f} | {_ms(r, 'ttft_ms', 'p99'):.2f} | "
+            f"{a50} | {a99} | {_cpu_us(r, 'request'):.0f} | {r.load['errors']} |"
+        )
+    return rows
+
+
+PD_TITLE = "PD: DistServe (LMDeploy protocol), one prefill and one decode engine, 256 streams, 32 tokens at 10 ms/token"
+
+
+def run_pd(duration: float) -> dict[str, harness.LoadResult]:
+    """The same load through pdproxy in Hybrid mode (one hybrid engine) and in DistServe mode
+    (one prefill and one decode engine): what disaggregation adds to the first token."""
+    body, connections, delay = chat(True, 32), 256, 10.0
+    results: dict[str, harness.LoadResult] = {}
+    harness.say(f"{PD_TITLE}: Hybrid")
+    with (
+        harness.mock_engines_with_roles(["hybrid"], MODEL, delay) as (engine,),
+        harness.pdproxy([engine.url], MODEL) as proxy,
+    ):
+        watch = {"proxy": proxy.proc.pid, "mock": engine.proc.pid}
+        results["hybrid"] = harness.run_load([proxy.url + CHAT], body, connections, duration, watch)
+    harness.say(f"{PD_TITLE}: DistServe")
+    with harness.mock_engines_with_roles(["prefill", "decode"], MODEL, delay) as (prefill, decode):
+        roles = {prefill.url: "prefill", decode.url: "decode"}
+        with harness.pdproxy([], MODEL, ("--serving-strategy", "DistServe"), roles) as proxy:
+            watch = {"proxy": proxy.proc.pid, "prefill": prefill.proc.pid, "decode": decode.proc.pid}
+            results["distserve"] = harness.run_load([proxy.url + CHAT], body, connections, duration, watch)
+    return results
+
+
 SCENARIOS = {
     "S1": Scenario("S1", "S1: non-stream chat, 64 connections", chat(False, 16), 64, render=render_s1),
     "S2": Scenario(
@@ -226,7 +268,7 @@ def update_readme(markdown: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenarios", nargs="*", help=f"any of {', '.join(SCENARIOS)}, mock (default: all)")
+    parser.add_argument("scenarios", nargs="*", help=f"any of {', '.join(SCENARIOS)}, PD, mock (default: all)")
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per run (after 1 s warm-up)")
     parser.add_argument("--write-readme", action="store_true", help="refresh the results section of bench/README.md")
     parser.add_argument(
@@ -236,7 +278,7 @@ def main() -> None:
         "(default: %(default)s); installed into bench/.peers on first use",
     )
     args = parser.parse_args()
-    chosen = args.scenarios or [*SCENARIOS, "mock"]
+    chosen = args.scenarios or [*SCENARIOS, "PD", "mock"]
     try:
         wanted = peers.parse(args.peers) if set(chosen) - {"mock"} else []
     except ValueError as e:
@@ -249,7 +291,10 @@ def main() -> None:
         sections[0] += " Peers: " + "; ".join(f"{p.name} {p.version()} ({p.note})" for p in others) + "."
     raw = {}
     for name in chosen:
-        if name == "mock":
+        if name == "PD":
+            results = run_pd(args.duration)
+            title, rows = PD_TITLE, render_pd(results)
+        elif name == "mock":
             results = run_mock_capacity(args.duration)
             title, rows = "Mock engine capacity (one process, 64 connections, direct)", render_mock(results)
         else:
