@@ -343,3 +343,37 @@ async def test_dummy_prefill(tmp_path: Path, http: aiohttp.ClientSession) -> Non
             migration = decode.state.records[-1]["body"]["migration_request"]
             assert (migration["is_dummy_prefill"], migration["remote_engine_id"]) == (True, "dummy:dummy")
             await assert_clean(http, decode)
+
+
+async def test_node_removed_mid_request(fleet: Fleet, http: aiohttp.ClientSession) -> None:
+    # The prefill is slow; its node is removed while it runs, so the pair's link goes with it.
+    request = asyncio.ensure_future(
+        http.post(
+            fleet.proxy.url + "/v1/chat/completions", json=chat_body("m"), headers={FAULT_HEADER: "prefill.ttft_ms=400"}
+        )
+    )
+    while not fleet.prefill.state.active:
+        await asyncio.sleep(0.01)
+    async with http.post(fleet.proxy.url + "/nodes/remove", json={"url": fleet.prefill.url}) as r:
+        assert r.status == 200
+    async with await request as r:
+        assert r.status in (500, 502), "the request fails cleanly, never with a 200 hiding an error"
+        await r.read()
+    # Whatever the prefill preserved was freed, not leaked.
+    deadline = asyncio.get_running_loop().time() + 5
+    while (await ledger(http, fleet.prefill))["live"]:
+        assert asyncio.get_running_loop().time() < deadline, "a preserved session leaked"
+        await asyncio.sleep(0.05)
+    await assert_clean(
+        http, fleet.prefill, fleet.decode, migration_errors=len((await ledger(http, fleet.decode))["migration_errors"])
+    )
+
+
+def test_engine_info_accepts_both_encodings() -> None:
+    from pdproxy.pd.links import parse_engine_info
+
+    info = {"tp_size": 2, "block_size": 64}
+    assert parse_engine_info(json.dumps(info)) == info  # LMDeploy's double encoding, once decoded by aiohttp
+    assert parse_engine_info(info) == info
+    with pytest.raises(ValueError, match="tp_size"):
+        parse_engine_info("[1]")

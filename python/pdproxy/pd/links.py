@@ -112,6 +112,12 @@ class LinkPool:
             await asyncio.wait_for(asyncio.shield(link.task), self._wait_timeout)
         except TimeoutError:
             raise LinkFailed(f"the prefill-decode link was not ready within {self._wait_timeout:g}s") from None
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this request itself was cancelled
+            # The handshake was cancelled under us: a node of the pair was removed.
+            raise LinkFailed("the prefill-decode link was dropped (a node was removed)") from None
         if link.state != "connected":
             raise LinkFailed(f"the prefill and decode nodes could not be connected: {link.last_error}")
 
