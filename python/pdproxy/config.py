@@ -118,6 +118,24 @@ class Settings:
         default=0.0,
         metadata=_opt("Seconds a whole request may take, queueing and streaming included (0: no limit)."),
     )
+    retries: int = field(
+        default=2,
+        metadata=_opt(
+            "Further nodes a request may try when one provably did not run it (connect failure, or a 429/503 "
+            "answer before any byte); never after a node started work."
+        ),
+    )
+    retry_budget_ratio: float = field(
+        default=0.2, metadata=_opt("Retries may add at most this share of recent requests (plus the floor).")
+    )
+    retry_budget_floor: int = field(default=10, metadata=_opt("Retries always allowed per 10 s, whatever the traffic."))
+    circuit_failures: int = field(
+        default=5,
+        metadata=_opt("Consecutive failures that open a node's circuit (no traffic until a probe succeeds); 0: off."),
+    )
+    circuit_cooldown: float = field(
+        default=10.0, metadata=_opt("Seconds an open circuit keeps traffic away before one request probes the node.")
+    )
     stream_idle_timeout: float = field(
         default=120.0, metadata=_opt("Seconds a streaming response may stay silent before it is cut off.")
     )
@@ -253,6 +271,7 @@ class Settings:
             "first_byte_timeout",
             "queue_timeout",
             "stream_idle_timeout",
+            "circuit_cooldown",
             "pool_idle_timeout",
             "discovery_timeout",
             "discovery_interval",
@@ -285,9 +304,11 @@ class Settings:
             raise ConfigError("api_keys and admin_keys must not contain empty keys")
         if self.request_timeout < 0:
             raise ConfigError(f"request_timeout must not be negative, got {self.request_timeout}")
+        if not 0 <= self.retry_budget_ratio <= 1:
+            raise ConfigError(f"retry_budget_ratio must be between 0 and 1, got {self.retry_budget_ratio}")
         if not self.hash_load_factor >= 1:
             raise ConfigError(f"hash_load_factor must be at least 1, got {self.hash_load_factor}")
-        for name in ("prefix_balance_threshold", "queue_size"):
+        for name in ("prefix_balance_threshold", "queue_size", "retries", "retry_budget_floor", "circuit_failures"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.prefetch_limit < 0:

@@ -35,7 +35,7 @@ pub struct ForwardConfig {
 }
 
 /// A request to forward, as received from the client.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct ForwardRequest {
     pub method: Method,
     pub path_and_query: String,

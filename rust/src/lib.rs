@@ -2,6 +2,7 @@
 //! forwarder. Plain Rust except `py/`, the only module that touches pyo3.
 
 pub mod admission;
+pub mod circuit;
 pub mod doorbell;
 pub mod error;
 pub mod exchange;
@@ -11,6 +12,7 @@ pub mod inspect;
 pub mod node;
 pub mod permit;
 pub mod registry;
+pub mod retry;
 pub mod runtime;
 pub mod select;
 pub mod sse;

@@ -7,6 +7,7 @@ use std::time::Duration;
 use http::uri::{Authority, Scheme};
 use http::Uri;
 
+use crate::circuit::Circuit;
 use crate::error::{Error, Kind, Result};
 
 /// What a node does in a disaggregated deployment (LMDeploy's `EngineRole`).
@@ -118,6 +119,7 @@ pub struct NodeCounters {
     recent_cursor: AtomicU64,
     /// Hard cap on `in_flight`; 0 means none.
     pub max_concurrency: AtomicU32,
+    pub circuit: Circuit,
     state: AtomicU8,
 }
 
@@ -140,6 +142,7 @@ pub struct CountersSnapshot {
     pub recent_latency_per_event_us: Option<f64>,
     pub max_concurrency: Option<u32>,
     pub state: Option<&'static str>,
+    pub circuit: &'static str,
 }
 
 impl NodeCounters {
@@ -164,6 +167,7 @@ impl NodeCounters {
             recent_latency_per_event_us: self.recent_mean(true),
             max_concurrency: self.max_concurrency(),
             state: Some(self.state().name()),
+            circuit: self.circuit.name(),
         }
     }
 
@@ -187,9 +191,11 @@ impl NodeCounters {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// True when the node may be selected now: healthy and below its cap.
+    /// True when the node may be selected now: healthy, its circuit not open, below its cap.
     pub fn is_available(&self) -> bool {
-        self.state() == NodeState::Healthy && self.max_concurrency().is_none_or(|max| self.in_flight() < u64::from(max))
+        self.state() == NodeState::Healthy
+            && self.circuit.allows()
+            && self.max_concurrency().is_none_or(|max| self.in_flight() < u64::from(max))
     }
 
     /// The recent window's latencies in microseconds, oldest first.

@@ -46,15 +46,21 @@ impl InFlightPermit {
     /// atomic step, so concurrent callers can never push a node past its cap.
     pub fn try_acquire(node: &Arc<Node>, admission: Option<&Arc<Admission>>) -> Option<Self> {
         let counters = node.counters();
+        if !counters.circuit.admit() {
+            return None;
+        }
         match counters.max_concurrency() {
             None => {
                 counters.in_flight.fetch_add(1, Ordering::AcqRel);
             }
             Some(max) => {
-                counters
+                let taken = counters
                     .in_flight
-                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < u64::from(max)).then_some(n + 1))
-                    .ok()?;
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < u64::from(max)).then_some(n + 1));
+                if taken.is_err() {
+                    counters.circuit.abandon();
+                    return None;
+                }
             }
         }
         counters.requests.fetch_add(1, Ordering::Relaxed);
@@ -113,14 +119,17 @@ impl Drop for InFlightPermit {
             Outcome::Succeeded => {
                 counters.succeeded.fetch_add(1, Ordering::Relaxed);
                 counters.record_success(self.started.elapsed(), self.report.first_byte, self.report.events);
+                counters.circuit.success();
             }
             Outcome::Failed => {
                 counters.failed.fetch_add(1, Ordering::Relaxed);
+                counters.circuit.failure();
             }
             Outcome::Cancelled => {
                 counters.cancelled.fetch_add(1, Ordering::Relaxed);
+                counters.circuit.abandon();
             }
-            Outcome::Unused => {}
+            Outcome::Unused => counters.circuit.abandon(),
         }
         counters.in_flight.fetch_sub(1, Ordering::AcqRel);
         if let Some(admission) = &self.admission {

@@ -44,7 +44,8 @@ class Faults:
         changes = {
             f.name: getattr(override, f.name)
             for f in dataclasses.fields(override)
-            if getattr(override, f.name) not in (None, False)
+            # Identity, not equality: 0 is a knob's value (drop_after=0), not an unset knob.
+            if getattr(override, f.name) is not None and getattr(override, f.name) is not False
         }
         return dataclasses.replace(self, **changes)
 

@@ -22,8 +22,9 @@ use crate::inspect::{inspect, patch};
 use crate::node::{Node, NodeSpec, NodeState, Role};
 use crate::permit::{InFlightPermit, Outcome, Report};
 use crate::registry::Registry;
+use crate::retry::RetryBudget;
 use crate::runtime;
-use crate::select::{select, SelectCtx};
+use crate::select::{select, select_excluding, SelectCtx};
 
 #[pyclass(frozen, name = "Router", module = "pdproxy._pdproxy")]
 pub struct Router {
@@ -68,6 +69,10 @@ impl Router {
             request_timeout: (config.request_timeout > 0.0)
                 .then(|| seconds("request_timeout", config.request_timeout))
                 .transpose()?,
+            retry_budget: RetryBudget::new(config.retry_budget_ratio, config.retry_budget_floor),
+            max_retries: config.retries,
+            circuit_failures: config.circuit_failures,
+            circuit_cooldown: seconds("circuit_cooldown", config.circuit_cooldown)?,
             forwarder,
         };
         Ok(Self {
@@ -104,6 +109,7 @@ impl Router {
             api_key: api_key.filter(|k| !k.is_empty()),
         };
         let node = self.shared.registry.add(url, spec).map_err(|e| to_pyerr(&e))?;
+        node.counters().circuit.configure(self.shared.circuit_failures, self.shared.circuit_cooldown);
         Ok(node.url().to_owned())
     }
 
@@ -249,6 +255,7 @@ impl Router {
         };
         let job = Job {
             router: Arc::clone(&self.shared),
+            retry: node.is_none(),
             admitted,
             request: ForwardRequest { method, path_and_query: path, headers, body },
             role,
@@ -279,6 +286,11 @@ struct Shared {
     queue_timeout: Duration,
     /// Limit on a whole exchange, queueing included; `None`: no limit.
     request_timeout: Option<Duration>,
+    retry_budget: RetryBudget,
+    /// Further nodes a request may try when the first did not run it.
+    max_retries: u32,
+    circuit_failures: u32,
+    circuit_cooldown: Duration,
     forwarder: Forwarder,
 }
 
@@ -356,6 +368,16 @@ fn overloaded(admission: &Admission) -> Error {
 }
 
 impl Shared {
+    /// A permit on another node than those `tried`, for a retry; never queued.
+    fn reselect(&self, request: &ForwardRequest, role: Role, tried: &[u64]) -> Result<InFlightPermit> {
+        let info = inspect(&request.body)?;
+        let model = info.model.as_deref();
+        let ctx =
+            SelectCtx { role, model, affinity: affinity(&request.headers, info.body_affinity()), prompt: info.prompt };
+        let policy = self.policies.for_request(role, model);
+        select_excluding(&self.registry.load(), &ctx, policy.as_ref(), Some(&self.admission), tried)
+    }
+
     /// Waits in the queue until a node with room takes the request, or the wait times out.
     /// The request is queued on entry; every round first tries to select (a slot freed just
     /// before the request queued would otherwise wake nobody), then waits for a wake.
@@ -420,6 +442,8 @@ impl Reply {
 /// One request's work on the runtime.
 struct Job {
     router: Arc<Shared>,
+    /// May try another node when the first provably did not run the request.
+    retry: bool,
     admitted: Admitted,
     request: ForwardRequest,
     role: Role,
@@ -448,9 +472,9 @@ impl Job {
 
     /// Forwards the request, hands the head to Python, then pumps the body.
     async fn forward_and_pump(self, reply: &mut Reply) {
-        let Job { router, admitted, request, role, exchange, idle_timeout } = self;
+        let Job { router, retry, admitted, request, role, exchange, idle_timeout } = self;
         let started = Instant::now();
-        let permit = match admitted {
+        let mut permit = match admitted {
             Admitted::Now(permit) => permit,
             Admitted::Queued(ticket) => {
                 match router.wait_for_permit(ticket, &request.body, &request.headers, role).await {
@@ -459,16 +483,43 @@ impl Job {
                 }
             }
         };
-        let node = Arc::clone(permit.node());
-        exchange.attach(permit);
-        let response = match router.forwarder.forward(&node, request).await {
-            Ok(response) => response,
-            Err(e) => {
-                if e.is_connect() {
-                    node.counters().connect_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        router.retry_budget.request();
+        let mut tried: Vec<u64> = Vec::new();
+        let (node, response) = loop {
+            let node = Arc::clone(permit.node());
+            exchange.attach(permit);
+            let error = match router.forwarder.forward(&node, request.clone()).await {
+                // Refused before any work (overloaded or unavailable): another node may take it.
+                Ok(response) if matches!(response.status.as_u16(), 429 | 503) => Err(response),
+                Ok(response) => break (node, response),
+                Err(e) => {
+                    if e.is_connect() {
+                        node.counters().connect_failures.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    exchange.release(Outcome::Failed, Report::default());
+                    Ok(e)
                 }
-                exchange.release(Outcome::Failed, Report::default());
-                return reply.fail(e);
+            };
+            // Only what provably did not run is retried: a connect failure, or a 429/503 answer.
+            let retriable = match &error {
+                Ok(e) => e.is_connect(),
+                Err(_) => true,
+            };
+            tried.push(node.generation());
+            let next =
+                if retry && retriable && tried.len() <= router.max_retries as usize && router.retry_budget.spend() {
+                    router.reselect(&request, role, &tried).ok()
+                } else {
+                    None
+                };
+            match (next, error) {
+                (Some(next), Err(refused)) => {
+                    exchange.release(refused.outcome(), Report::default());
+                    permit = next;
+                }
+                (Some(next), Ok(_)) => permit = next,
+                (None, Ok(e)) => return reply.fail(e),
+                (None, Err(response)) => break (node, response),
             }
         };
         let outcome = response.outcome();
@@ -522,6 +573,7 @@ fn node_stats<'py>(py: Python<'py>, node: &Arc<Node>) -> PyResult<Bound<'py, PyD
     stats.set_item("speed", node.speed())?;
     stats.set_item("has_api_key", node.spec().api_key.is_some())?;
     stats.set_item("state", c.state)?;
+    stats.set_item("circuit", c.circuit)?;
     stats.set_item("max_concurrency", c.max_concurrency)?;
     stats.set_item("in_flight", c.in_flight)?;
     stats.set_item("requests", c.requests)?;

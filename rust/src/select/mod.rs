@@ -143,7 +143,19 @@ pub fn select(
     policy: &dyn Policy,
     admission: Option<&Arc<Admission>>,
 ) -> Result<InFlightPermit> {
-    let candidates = match set.candidates(ctx.role, ctx.model) {
+    select_excluding(set, ctx, policy, admission, &[])
+}
+
+/// Like `select`, passing over the nodes of the given generations (those a retried request
+/// already tried).
+pub fn select_excluding(
+    set: &NodeSet,
+    ctx: &SelectCtx<'_>,
+    policy: &dyn Policy,
+    admission: Option<&Arc<Admission>>,
+    exclude: &[u64],
+) -> Result<InFlightPermit> {
+    let all = match set.candidates(ctx.role, ctx.model) {
         Ok(candidates) => candidates,
         Err(NoCandidates::NoNodes) => {
             return Err(Error::new(Kind::NoNodes, format!("no {} node is registered", ctx.role.name())));
@@ -155,6 +167,13 @@ pub fn select(
             ));
         }
     };
+    let kept: Vec<Arc<Node>>;
+    let candidates = if exclude.is_empty() {
+        all
+    } else {
+        kept = all.iter().filter(|n| !exclude.contains(&n.generation())).cloned().collect();
+        &kept[..]
+    };
     // A node that fills up between the policy's look and the permit is no longer available
     // at the next pick, so this ends within one round per candidate.
     for _ in 0..=candidates.len() {
@@ -164,7 +183,7 @@ pub fn select(
             return Ok(permit);
         }
     }
-    if candidates.iter().any(|n| n.counters().state() == NodeState::Healthy) {
+    if candidates.iter().any(|n| n.counters().state() == NodeState::Healthy && n.counters().circuit.allows()) {
         Err(Error::new(Kind::Overloaded, "every node that serves this request is at its concurrency limit"))
     } else {
         Err(Error::new(Kind::NoHealthyNode, "no healthy node serves this request now"))
