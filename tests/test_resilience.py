@@ -109,3 +109,83 @@ async def test_circuit_opens_probes_and_closes(live: MockEngine) -> None:
                 assert (await call(router)).status == 200
             assert node(router, dead)["circuit"] == "closed"
             assert node(router, dead)["succeeded"] >= 1
+
+
+# Through `pdproxy serve`: the global cap, slow bodies, bad input, draining.
+
+from pathlib import Path  # noqa: E402
+
+import aiohttp  # noqa: E402
+
+from servers import pdproxy_serve  # noqa: E402
+
+
+async def raw_exchange(url: str, payload: bytes, read_timeout: float = 10.0) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(payload)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(65536), read_timeout)
+    finally:
+        writer.close()
+        await writer.wait_closed()
+
+
+async def test_global_cap(tmp_path: Path, live: MockEngine, http: aiohttp.ClientSession) -> None:
+    with pdproxy_serve(tmp_path, "--node", live.url, "--max-requests", "1") as proxy:
+        slow = asyncio.ensure_future(
+            http.post(proxy.url + "/v1/chat/completions", json=chat_body("m"), headers={FAULT_HEADER: "ttft_ms=500"})
+        )
+        while not live.state.active:
+            await asyncio.sleep(0.01)
+        async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
+            assert r.status == 503
+            assert r.headers["x-pdproxy-error"] == "overloaded"
+            assert "retry-after" in r.headers
+        async with await slow as r:
+            assert r.status == 200
+
+
+async def test_slow_and_bad_bodies(tmp_path: Path, live: MockEngine, http: aiohttp.ClientSession) -> None:
+    with pdproxy_serve(tmp_path, "--node", live.url, "--body-timeout", "0.3") as proxy:
+        # A body that never finishes arriving: 408, not a hung handler.
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+            b"content-type: application/json\r\ncontent-length: 100\r\n\r\n"
+        )
+        answer = await raw_exchange(proxy.url, head + b'{"model": "m"')
+        assert answer.startswith(b"HTTP/1.1 408")
+        for bad in (
+            b"[" * 5000 + b"]" * 5000,
+            b'{"model": "\xff\xfe"}',
+            b'{"model": "m", "stream": "yes"}',
+            b"\x00" * 100,
+        ):
+            async with http.post(
+                proxy.url + "/v1/chat/completions", data=bad, headers={"content-type": "application/json"}
+            ) as r:
+                assert r.status == 400, bad[:20]
+                assert (await r.json())["error"]["code"] == "invalid_request"
+        async with http.get(proxy.url + "/health") as r:
+            assert r.status == 200, "the proxy is still up"
+
+
+async def test_drain_finishes_streams_then_exits_cleanly(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    async with MockEngine(MockSettings(port=0, model="m", token_delay_ms=50)) as slow_engine:
+        with pdproxy_serve(tmp_path, "--node", slow_engine.url, "--drain-timeout", "10") as proxy:
+            body = chat_body("m", stream=True, max_tokens=10, ignore_eos=True)
+            async with http.post(proxy.url + "/v1/chat/completions", json=body) as stream:
+                first = await stream.content.readline()
+                assert first.startswith(b"data: ")
+                async with http.post(proxy.url + "/drain") as r:
+                    assert r.status == 202
+                async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
+                    assert r.status == 503
+                    assert r.headers["x-pdproxy-error"] == "draining"
+                    assert r.headers["connection"] == "close"
+                async with http.get(proxy.url + "/ready") as r:
+                    assert r.status == 503
+                rest = await stream.read()
+            assert rest.endswith(b"data: [DONE]\n\n"), "the stream in flight finished"
+            assert proxy.proc.wait(timeout=15) == 0, "pdproxy exits 0 after a clean drain"

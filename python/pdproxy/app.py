@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import logging
 import os
+import signal
 from typing import Any
 
 from . import proxy
 from .auth import Keys
 from .config import Settings
-from .errors import PdproxyError
+from .errors import Draining, PdproxyError, ProxyOverloaded
 from .fleet import Fleet
 from .nodes_api import ROUTES
 from .openapi import schema
@@ -47,15 +50,22 @@ class ProxyApp:
     """The pdproxy ASGI app. The router and the fleet are built at lifespan startup, inside
     the worker process, so that the data plane's threads start after any fork."""
 
-    def __init__(self, settings: Settings, tune_gc: bool = False) -> None:
+    def __init__(self, settings: Settings, tune_gc: bool = False, exit_when_drained: bool = False) -> None:
         self.settings = settings
         #: Only when serving: an embedding process's garbage collector is not ours to tune.
         self.tune_gc = tune_gc
+        #: Only when serving under `pdproxy serve`: a finished drain ends the process.
+        self.exit_when_drained = exit_when_drained
         self.keys = Keys(settings.api_keys, settings.admin_keys)
         self.router: Router | None = None
         self.fleet: Fleet | None = None
         self.distserve: Any = None
         self._admin = {(route.method, route.path): route for route in ROUTES}
+        #: Inference requests being served now (the global cap), and the drain in progress.
+        self.in_flight = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._drain_task: asyncio.Task[None] | None = None
         self._admin_paths = {route.path for route in ROUTES}
 
     async def startup(self) -> None:
@@ -105,15 +115,23 @@ class ProxyApp:
         path, method = scope["path"], scope["method"]
         if method == "POST" and (path in INFERENCE_PATHS or path.startswith("/v1/")):
             self.keys.check_inference(scope["headers"])
-            await proxy.forward(
-                router,
-                self.settings.max_body_size,
-                scope,
-                receive,
-                send,
-                require_model=path not in INFERENCE_PATHS,
-                distserve=self.distserve,
-            )
+            if self.draining:
+                raise Draining("the proxy is draining and takes no new requests")
+            cap = self.settings.max_requests
+            if cap and self.in_flight >= cap:
+                raise ProxyOverloaded(f"the proxy is serving its limit of {cap} requests")
+            self.in_flight += 1
+            try:
+                await self._forward(router, scope, receive, send, path)
+            finally:
+                self.in_flight -= 1
+                if not self.in_flight:
+                    self._idle.set()
+            return
+        if (method, path) == ("POST", "/drain"):
+            self.keys.check_admin(scope["headers"])
+            self.drain()
+            await send_json(send, 202, {"status": "draining", "in_flight": self.in_flight})
             return
         route = self._admin.get((method, path))
         if route is not None:
@@ -137,6 +155,36 @@ class ProxyApp:
         else:
             raise NotFound(f"no route for {path}")
 
+    async def _forward(self, router: Router, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        await proxy.forward(
+            router,
+            self.settings.max_body_size,
+            scope,
+            receive,
+            send,
+            require_model=path not in INFERENCE_PATHS,
+            distserve=self.distserve,
+            body_timeout=self.settings.body_timeout,
+        )
+
+    def drain(self) -> None:
+        """Stops taking new requests; once those in flight are done (or ``drain_timeout`` has
+        passed) a served proxy exits, cleanly."""
+        self.draining = True
+        if self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self._finish_drain())
+
+    async def _finish_drain(self) -> None:
+        if self.in_flight:
+            self._idle.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.drain_timeout):
+                    await self._idle.wait()
+        log.info("drained (%d request(s) still in flight)", self.in_flight)
+        if self.exit_when_drained:
+            # granian's main process stops the worker gracefully and exits 0.
+            os.kill(os.getppid(), signal.SIGTERM)
+
     async def _ready(self, router: Router, send: Send) -> None:
         """Ready when a request could be routed now: a healthy node; with DistServe, a healthy
         prefill node and a healthy decode node."""
@@ -144,7 +192,7 @@ class ProxyApp:
         needed = ("prefill", "decode") if self.distserve is not None else ("hybrid",)
         if self.distserve is not None and self.settings.dummy_prefill:
             needed = ("decode",)
-        ready = all(role in healthy for role in needed)
+        ready = all(role in healthy for role in needed) and not self.draining
         body = {"status": "ready" if ready else "not ready", "routable_nodes": len(healthy), "needs": list(needed)}
         await send_json(send, 200 if ready else 503, body)
 
@@ -180,4 +228,4 @@ def create_app(settings: Settings | None = None) -> ProxyApp:
 def app_from_environment() -> ProxyApp:
     """The factory granian's workers call: settings come from `pdproxy serve` via the environment."""
     raw: Any = os.environ.get(SETTINGS_ENV)
-    return ProxyApp(Settings.from_json(raw) if raw else Settings(), tune_gc=True)
+    return ProxyApp(Settings.from_json(raw) if raw else Settings(), tune_gc=True, exit_when_drained=True)

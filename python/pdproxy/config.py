@@ -143,6 +143,23 @@ class Settings:
         default=1 << 20,
         metadata=_opt("Bytes of a stream kept for a client that reads slowly before the node's stream is held back."),
     )
+    max_requests: int = field(
+        default=0,
+        metadata=_opt("Inference requests served at once by this proxy; past it 503 with Retry-After (0: no cap)."),
+    )
+    body_timeout: float = field(
+        default=30.0, metadata=_opt("Seconds a client may take to send its request body (then 408).")
+    )
+    stream_stall_timeout: float = field(
+        default=60.0,
+        metadata=_opt("Seconds a client may stop reading a stream before it is cut off and the node freed."),
+    )
+    drain_timeout: float = field(
+        default=30.0,
+        metadata=_opt(
+            "Seconds a drain (POST /drain, SIGTERM) waits for requests in flight before exiting.", section="server"
+        ),
+    )
     max_body_size: int = field(
         default=8 << 20, metadata=_opt("Largest request body accepted, in bytes (checked while it is read).")
     )
@@ -272,6 +289,9 @@ class Settings:
             "queue_timeout",
             "stream_idle_timeout",
             "circuit_cooldown",
+            "body_timeout",
+            "stream_stall_timeout",
+            "drain_timeout",
             "pool_idle_timeout",
             "discovery_timeout",
             "discovery_interval",
@@ -308,7 +328,14 @@ class Settings:
             raise ConfigError(f"retry_budget_ratio must be between 0 and 1, got {self.retry_budget_ratio}")
         if not self.hash_load_factor >= 1:
             raise ConfigError(f"hash_load_factor must be at least 1, got {self.hash_load_factor}")
-        for name in ("prefix_balance_threshold", "queue_size", "retries", "retry_budget_floor", "circuit_failures"):
+        for name in (
+            "prefix_balance_threshold",
+            "queue_size",
+            "retries",
+            "retry_budget_floor",
+            "circuit_failures",
+            "max_requests",
+        ):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.prefetch_limit < 0:

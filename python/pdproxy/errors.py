@@ -3,12 +3,15 @@
     PdproxyError
     ├── ConfigError(ValueError)            bad settings
     ├── InvalidRequest(ValueError)         400 invalid_request: the client's request is unusable
-    │   └── RequestTooLarge                413 request_too_large
+    │   ├── RequestTooLarge                413 request_too_large
+    │   └── RequestTimeout                 408 request_timeout: the body came too slowly
+    ├── Draining                           503 draining: shutting down, no new requests
     ├── InvalidNode(ValueError)            a node URL that cannot be used
     ├── NodeNotFound(KeyError)             no node with that URL is registered
     ├── NoNodeAvailable                    503 no_healthy_node: nothing can serve the request now
     │   └── ModelNotFound                  404 model_not_found: no node serves the model
     ├── Overloaded                         429 overloaded: every node is at its limit and the queue is full
+    ├── ProxyOverloaded                    503 overloaded: the proxy's own cap on requests is reached
     └── UpstreamError                      502 upstream_error: the node failed after receiving it
         ├── UpstreamConnectError(ConnectionError)  503 upstream_connect_failed: never reached a node
         └── UpstreamTimeout(TimeoutError)          504 upstream_timeout
@@ -24,6 +27,7 @@ import json
 
 __all__ = [
     "ConfigError",
+    "Draining",
     "InvalidNode",
     "InvalidRequest",
     "ModelNotFound",
@@ -31,6 +35,8 @@ __all__ = [
     "NodeNotFound",
     "Overloaded",
     "PdproxyError",
+    "ProxyOverloaded",
+    "RequestTimeout",
     "RequestTooLarge",
     "UpstreamConnectError",
     "UpstreamError",
@@ -94,6 +100,25 @@ class RequestTooLarge(InvalidRequest):
     code = "request_too_large"
 
 
+class RequestTimeout(InvalidRequest):
+    """The client did not send its request body in time."""
+
+    status = 408
+    code = "request_timeout"
+
+
+class Draining(PdproxyError):
+    """The proxy is shutting down and takes no new requests; another replica may."""
+
+    status = 503
+    code = "draining"
+    type = "service_unavailable"
+    retry_after: int | None = 1
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [*super().headers(), (b"connection", b"close")]
+
+
 class InvalidNode(PdproxyError, ValueError):
     """A node URL that cannot be used (not http, no host)."""
 
@@ -138,6 +163,15 @@ class Overloaded(PdproxyError):
     status = 429
     code = "overloaded"
     type = "rate_limit_error"
+    retry_after: int | None = 1
+
+
+class ProxyOverloaded(PdproxyError):
+    """The proxy itself serves as many requests as it may (its global cap)."""
+
+    status = 503
+    code = "overloaded"
+    type = "service_unavailable"
     retry_after: int | None = 1
 
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._pdproxy import Response
-from .errors import InvalidRequest, PdproxyError, UpstreamError
+from .errors import InvalidRequest, PdproxyError, RequestTimeout, UpstreamError
 from .responses import ClientGone, NotFound, Receive, Scope, Send, read_body, require_json, send_error
 from .router import Router
 
@@ -110,6 +110,7 @@ async def forward(
     send: Send,
     require_model: bool = False,
     distserve: Any = None,
+    body_timeout: float = 30.0,
 ) -> None:
     """Handles one inference request end to end. ``require_model``: a pass-through path is
     routed only when its body names a model. ``distserve``: chat and completions go through
@@ -118,7 +119,11 @@ async def forward(
     echo = [(b"x-request-id", request_id)]
     try:
         require_json(scope)
-        body = await read_body(scope, receive, max_body_size)
+        try:
+            async with asyncio.timeout(body_timeout):
+                body = await read_body(scope, receive, max_body_size)
+        except TimeoutError:
+            raise RequestTimeout(f"the request body did not arrive within {body_timeout:g}s") from None
         if require_model and not Router.inspect(body)["model"]:
             raise NotFound(f"no route for {scope['path']} without a model in the body")
     except ClientGone:

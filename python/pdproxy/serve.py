@@ -50,6 +50,8 @@ def serve(settings: Settings) -> None:
             log_dictconfig=_logging_config(settings.log_level),
             log_access=False,
             backlog=2048,
+            # SIGTERM drains: granian stops accepting and lets requests in flight finish, this long at most.
+            workers_kill_timeout=max(1, round(settings.drain_timeout)),
         ).serve()
 
 

@@ -223,6 +223,15 @@ impl Inner {
     }
 }
 
+/// How long a stream may wait on either side.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamTimeouts {
+    /// Silence of the node between two pieces of its body.
+    pub idle: Duration,
+    /// A reader that does not take what is buffered (a stalled client).
+    pub stall: Duration,
+}
+
 /// Reads the node's body into `exchange` until it ends, fails, goes idle for longer than
 /// `idle_timeout`, or the exchange is closed (which aborts this task). The exchange's permit
 /// is released when the body ends: `outcome_at_end` if it ended cleanly, else a failure.
@@ -230,9 +239,10 @@ pub async fn pump(
     exchange: &Exchange,
     body: StreamBody,
     started: Instant,
-    idle_timeout: Duration,
+    timeouts: StreamTimeouts,
     outcome_at_end: Outcome,
 ) {
+    let StreamTimeouts { idle: idle_timeout, stall: stall_timeout } = timeouts;
     let StreamBody { mut body, event_stream } = body;
     exchange.lock().event_stream = event_stream;
     let mut report = Report::default();
@@ -240,7 +250,10 @@ pub async fn pump(
     let mut burst: Vec<Bytes> = Vec::new();
     let end = loop {
         if exchange.over_limit() {
-            exchange.space.notified().await;
+            // The client reads slower than the node writes: wait for it, but not forever.
+            if tokio::time::timeout(stall_timeout, exchange.space.notified()).await.is_err() {
+                break Err(Error::new(Kind::Timeout, "the client stopped reading the stream"));
+            }
             continue;
         }
         let Ok(mut next) = tokio::time::timeout(idle_timeout, body.frame()).await else {
@@ -303,7 +316,7 @@ mod tests {
     use crate::permit::InFlightPermit;
     use crate::registry::Registry;
 
-    const IDLE: Duration = Duration::from_secs(5);
+    const TIMEOUTS: StreamTimeouts = StreamTimeouts { idle: Duration::from_secs(5), stall: Duration::from_secs(5) };
 
     /// A body fed by the test, pumped into an exchange.
     fn pumped(event_stream: bool, buffer_limit: usize) -> (Sender<Bytes, BoxError>, Arc<Exchange>, Arc<NodeCounters>) {
@@ -314,7 +327,8 @@ mod tests {
         exchange.attach(InFlightPermit::acquire(&node));
         let stream = StreamBody { body: body.boxed(), event_stream };
         let pumping = Arc::clone(&exchange);
-        let task = tokio::spawn(async move { pump(&pumping, stream, Instant::now(), IDLE, Outcome::Succeeded).await });
+        let task =
+            tokio::spawn(async move { pump(&pumping, stream, Instant::now(), TIMEOUTS, Outcome::Succeeded).await });
         exchange.set_task(task.abort_handle());
         (tx, exchange, counters)
     }
@@ -433,10 +447,28 @@ mod tests {
         let exchange = Exchange::new(1 << 20);
         exchange.attach(InFlightPermit::acquire(&node));
         let stream = StreamBody { body: body.boxed(), event_stream: true };
-        pump(&exchange, stream, Instant::now(), Duration::from_millis(20), Outcome::Succeeded).await;
+        let timeouts = StreamTimeouts { idle: Duration::from_millis(20), stall: Duration::from_secs(5) };
+        pump(&exchange, stream, Instant::now(), timeouts, Outcome::Succeeded).await;
         assert!(matches!(exchange.take_ready(), Some(Delivery::Failed(e)) if e.is_timeout()));
         assert_eq!(counters.snapshot().failed, 1);
         drop(tx);
+    }
+
+    #[tokio::test]
+    async fn a_stalled_reader_is_cut_off() {
+        let (tx, body) = Channel::<Bytes, BoxError>::new(64);
+        let node = Registry::new().add("h:1", NodeSpec::default()).unwrap();
+        let exchange = Exchange::new(16);
+        exchange.attach(InFlightPermit::acquire(&node));
+        let stream = StreamBody { body: body.boxed(), event_stream: true };
+        let mut tx = tx;
+        tx.send_data(Bytes::from("data: 0123456789abcdef\n\n")).await.unwrap();
+        let timeouts = StreamTimeouts { idle: Duration::from_secs(5), stall: Duration::from_millis(30) };
+        // Nobody reads: past the stall limit the node is let go.
+        pump(&exchange, stream, Instant::now(), timeouts, Outcome::Succeeded).await;
+        assert_eq!(node.counters().snapshot().in_flight, 0);
+        assert!(matches!(exchange.take_ready(), Some(Delivery::Batch(_))));
+        assert!(matches!(exchange.take_ready(), Some(Delivery::Failed(e)) if e.is_timeout()));
     }
 
     #[test]

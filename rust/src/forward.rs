@@ -32,6 +32,8 @@ pub struct ForwardConfig {
     pub stream_idle_timeout: Duration,
     /// Bytes kept for a reader that falls behind before the node's stream is held back.
     pub stream_buffer_limit: usize,
+    /// How long a reader may leave a full buffer untouched before the stream is cut off.
+    pub stream_stall_timeout: Duration,
 }
 
 /// A request to forward, as received from the client.

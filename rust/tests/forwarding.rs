@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use _pdproxy::error::{Error, Kind};
-use _pdproxy::exchange::{pump, Delivery, Exchange};
+use _pdproxy::exchange::{pump, Delivery, Exchange, StreamTimeouts};
 use _pdproxy::forward::{ForwardConfig, ForwardRequest, Forwarder, ResponseBody, StreamBody, UpstreamResponse};
 use _pdproxy::node::{Node, NodeSpec};
 use _pdproxy::permit::Outcome;
@@ -22,6 +22,7 @@ fn forwarder(first_byte_timeout: Duration) -> Forwarder {
         prefetch_limit: 1 << 20,
         stream_idle_timeout: Duration::from_secs(5),
         stream_buffer_limit: 1 << 20,
+        stream_stall_timeout: Duration::from_secs(5),
     })
 }
 
@@ -44,7 +45,8 @@ async fn read_all(stream: StreamBody) -> (Vec<bytes::Bytes>, Option<Error>) {
     let exchange = Arc::new(Exchange::new(1 << 20));
     let pumping = Arc::clone(&exchange);
     tokio::spawn(async move {
-        pump(&pumping, stream, std::time::Instant::now(), Duration::from_secs(5), Outcome::Succeeded).await;
+        let timeouts = StreamTimeouts { idle: Duration::from_secs(5), stall: Duration::from_secs(5) };
+        pump(&pumping, stream, std::time::Instant::now(), timeouts, Outcome::Succeeded).await;
     });
     let mut batches = Vec::new();
     loop {

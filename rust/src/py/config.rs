@@ -39,6 +39,7 @@ pub struct RouterConfig {
     pub prefetch_limit: usize,
     pub stream_idle_timeout: f64,
     pub stream_buffer_limit: usize,
+    pub stream_stall_timeout: f64,
 }
 
 pub fn seconds(name: &str, value: f64) -> PyResult<Duration> {
@@ -78,6 +79,7 @@ impl RouterConfig {
             prefetch_limit: self.prefetch_limit,
             stream_idle_timeout: seconds("stream_idle_timeout", self.stream_idle_timeout)?,
             stream_buffer_limit: self.stream_buffer_limit.max(1),
+            stream_stall_timeout: seconds("stream_stall_timeout", self.stream_stall_timeout)?,
         })
     }
 

@@ -16,7 +16,7 @@ use super::errors::to_pyerr;
 use super::response::{Head, Response};
 use crate::admission::{Admission, Ticket};
 use crate::error::{Error, Kind, Result};
-use crate::exchange::{pump, Exchange};
+use crate::exchange::{pump, Exchange, StreamTimeouts};
 use crate::forward::{ForwardConfig, ForwardRequest, Forwarder, ResponseBody, UpstreamResponse};
 use crate::inspect::{inspect, patch};
 use crate::node::{Node, NodeSpec, NodeState, Role};
@@ -260,7 +260,7 @@ impl Router {
             request: ForwardRequest { method, path_and_query: path, headers, body },
             role,
             exchange: Arc::clone(&exchange),
-            idle_timeout: self.config.stream_idle_timeout,
+            timeouts: StreamTimeouts { idle: self.config.stream_idle_timeout, stall: self.config.stream_stall_timeout },
         };
         let shutdown = self.shutdown.clone();
         let task = self.runtime.spawn(async move { job.run(reply, shutdown).await });
@@ -448,7 +448,7 @@ struct Job {
     request: ForwardRequest,
     role: Role,
     exchange: Arc<Exchange>,
-    idle_timeout: Duration,
+    timeouts: StreamTimeouts,
 }
 
 impl Job {
@@ -472,7 +472,7 @@ impl Job {
 
     /// Forwards the request, hands the head to Python, then pumps the body.
     async fn forward_and_pump(self, reply: &mut Reply) {
-        let Job { router, retry, admitted, request, role, exchange, idle_timeout } = self;
+        let Job { router, retry, admitted, request, role, exchange, timeouts } = self;
         let started = Instant::now();
         let mut permit = match admitted {
             Admitted::Now(permit) => permit,
@@ -544,7 +544,7 @@ impl Job {
             }));
         }
         if let Some(stream) = stream {
-            pump(&exchange, stream, started, idle_timeout, outcome).await;
+            pump(&exchange, stream, started, timeouts, outcome).await;
         }
     }
 }
