@@ -6,6 +6,8 @@ unreachable) and the body is JSON."""
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +149,30 @@ async def distserve_status(fleet: Fleet, scope: Scope, receive: Receive) -> tupl
     return 200, _distserve(fleet, lmdeploy=False).status()
 
 
+def _open_fds() -> int | None:
+    try:
+        return len(os.listdir("/proc/self/fd"))  # Linux; a few microseconds
+    except OSError:
+        return None
+
+
+async def debug_state(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
+    """What the fault tests check after every scenario: counts that must return to zero and
+    resources that must not grow."""
+    state: dict[str, Any] = {
+        "nodes": {
+            n["url"]: {"in_flight": n["in_flight"], "circuit": n["circuit"], "state": n["state"]}
+            for n in fleet.router.nodes()
+        },
+        "queued": fleet.router.queued,
+        "asyncio_tasks": len(asyncio.all_tasks()),
+        "open_fds": _open_fds(),
+    }
+    if fleet.distserve is not None:
+        state["pd"] = fleet.distserve.status()
+    return 200, state
+
+
 _URL_BODY = {"type": "object", "required": ["url"], "properties": {"url": {"type": "string"}}}
 _ADD_BODY = {
     "type": "object",
@@ -218,6 +244,14 @@ ROUTES: tuple[Route, ...] = (
         "Free preserved prefill sessions older than `older_than` seconds (default 60)",
         {"type": "object", "properties": {"older_than": {"type": "number"}}},
         {200: "What was freed", 404: "DistServe is off"},
+    ),
+    Route(
+        "GET",
+        "/debug/state",
+        debug_state,
+        "In-flight counts, queue, asyncio tasks and open descriptors (for fault tests)",
+        None,
+        {200: "State"},
     ),
     Route(
         "GET",
