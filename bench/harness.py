@@ -35,7 +35,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _tree(pid: int) -> list[int]:
+def process_tree(pid: int) -> list[int]:
     """``pid`` and all its descendants."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -55,7 +55,7 @@ def _tree(pid: int) -> list[int]:
 def cpu_seconds(pid: int) -> float:
     """User + system CPU of ``pid`` and its descendants."""
     total = 0
-    for p in _tree(pid):
+    for p in process_tree(pid):
         with contextlib.suppress(OSError):
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             total += int(fields[11]) + int(fields[12])  # utime, stime
@@ -64,7 +64,7 @@ def cpu_seconds(pid: int) -> float:
 
 def rss_bytes(pid: int) -> int:
     total = 0
-    for p in _tree(pid):
+    for p in process_tree(pid):
         with contextlib.suppress(OSError):
             total += int(Path(f"/proc/{p}/statm").read_text().split()[1]) * PAGE_SIZE
     return total
