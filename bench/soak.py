@@ -1,0 +1,167 @@
+"""Soak: mixed streaming and non-streaming load with random faults and client disconnects
+against several mock engines through `pdproxy serve`, for a bounded time. Every request must
+end either completed or with a correct error (an OpenAI error body, or a terminal error event
+in a stream): anything else counts as lost. Memory and descriptors are sampled throughout.
+
+    python bench/soak.py                 # 120 s
+    python bench/soak.py --duration 600 --concurrency 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness
+
+MODEL = "soak-model"
+#: Faults injected into a fraction of requests, through the mock engine's header.
+FAULTS = ["status=503", "status=500", "drop_after=2", "token_delay_ms=40", "ttft_ms=200", "status=429"]
+
+
+def classify(status: int, raw: bytes, stream: bool) -> str:
+    if status == 200:
+        if not stream:
+            try:
+                return "completed" if json.loads(raw).get("choices") else "lost:bad-json"
+            except ValueError:
+                return "lost:bad-json"
+        if raw.endswith(b"data: [DONE]\n\n"):
+            return "completed"
+        last = raw.rstrip(b"\n").rsplit(b"\n\n", 1)[-1]
+        return "error:stream-terminal-event" if last.startswith(b'data: {"error"') else "lost:truncated-stream"
+    try:
+        code = json.loads(raw)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return f"lost:bad-error-{status}"
+    return f"error:{status}:{code}"
+
+
+async def one(http: aiohttp.ClientSession, url: str, rng: random.Random, counts: collections.Counter[str]) -> None:
+    stream = rng.random() < 0.6
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"soak {rng.random()}"}],
+        "max_tokens": rng.randint(4, 24),
+        "stream": stream,
+    }
+    headers = {}
+    if rng.random() < 0.25:
+        fault = rng.choice(FAULTS)
+        headers["x-mock-fault"] = fault
+        counts[f"fault:{fault}"] += 1
+    cancel_after = rng.uniform(0.005, 0.2) if rng.random() < 0.1 else None
+    try:
+        async with asyncio.timeout(cancel_after or 30):
+            async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+                raw = await r.read()
+                counts[classify(r.status, raw, stream)] += 1
+    except TimeoutError:
+        counts["client-cancelled" if cancel_after else "lost:hang"] += 1
+    except aiohttp.ClientError as e:
+        counts[f"lost:transport-{type(e).__name__}"] += 1
+
+
+async def soak(url: str, proxy_pid: int, duration: float, concurrency: int, seed: int) -> dict[str, Any]:
+    counts: collections.Counter[str] = collections.Counter()
+    samples: list[tuple[float, int, int]] = []
+    end = time.monotonic() + duration
+    started = time.monotonic()
+
+    async def worker(n: int) -> None:
+        rng = random.Random(seed * 1000 + n)
+        async with aiohttp.ClientSession() as http:
+            while time.monotonic() < end:
+                await one(http, url, rng, counts)
+                counts["sent"] += 1
+
+    async def sampler() -> None:
+        while time.monotonic() < end:
+            samples.append((time.monotonic() - started, harness.rss_bytes(proxy_pid), open_fds(proxy_pid)))
+            harness.say(f"{samples[-1][0]:5.0f} s: {counts['sent']} requests, RSS {samples[-1][1] / 1e6:.0f} MB")
+            await asyncio.sleep(max(1.0, duration / 30))
+
+    await asyncio.gather(sampler(), *(worker(n) for n in range(concurrency)))
+    samples.append((time.monotonic() - started, harness.rss_bytes(proxy_pid), open_fds(proxy_pid)))
+    return {"counts": dict(counts), "samples": samples}
+
+
+def open_fds(pid: int) -> int:
+    total = 0
+    for p in harness.process_tree(pid):
+        with contextlib.suppress(OSError):
+            total += len(list(Path(f"/proc/{p}/fd").iterdir()))
+    return total
+
+
+def slope_mb_per_min(samples: list[tuple[float, int, int]]) -> float:
+    """Least-squares slope of RSS over time, in MB per minute (after the first fifth: warm-up)."""
+    points = samples[len(samples) // 5 :]
+    if len(points) < 2:
+        return 0.0
+    n = len(points)
+    mean_t = sum(t for t, _, _ in points) / n
+    mean_r = sum(r for _, r, _ in points) / n
+    var = sum((t - mean_t) ** 2 for t, _, _ in points)
+    cov = sum((t - mean_t) * (r - mean_r) for t, r, _ in points)
+    return cov / var * 60 / 1e6 if var else 0.0
+
+
+def report(result: dict[str, Any], duration: float, concurrency: int) -> str:
+    counts = result["counts"]
+    samples = result["samples"]
+    lost = {k: v for k, v in counts.items() if k.startswith("lost")}
+    lines = [
+        f"Soak: {duration:.0f} s, {concurrency} concurrent clients, 3 mock engines, "
+        f"{counts.get('sent', 0)} requests; "
+        f"`python bench/soak.py --duration {duration:.0f} --concurrency {concurrency}`",
+        "",
+        "| outcome | requests |",
+        "|---|---|",
+    ]
+    for key in sorted(k for k in counts if not k.startswith("fault") and k != "sent"):
+        lines.append(f"| {key} | {counts[key]} |")
+    lines += ["", "| faults injected | requests |", "|---|---|"]
+    lines += [f"| {k.removeprefix('fault:')} | {v} |" for k, v in sorted(counts.items()) if k.startswith("fault")]
+    (_, rss0, fd0), (_, rss1, fd1) = samples[0], samples[-1]
+    lines += [
+        "",
+        f"Proxy RSS {rss0 / 1e6:.0f} MB at start, {rss1 / 1e6:.0f} MB at the end (slope after warm-up "
+        f"{slope_mb_per_min(samples):+.2f} MB/min); open descriptors {fd0} -> {fd1}.",
+        f"**{sum(lost.values())} requests lost**" + (f": {lost}" if lost else "."),
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=120.0)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    with harness.mock_engines(3, MODEL, token_delay_ms=5.0) as engines:
+        extra = ("--policy", "least_requests", "--health-interval", "1")
+        with harness.pdproxy([e.url for e in engines], MODEL, extra) as proxy:
+            harness.say(f"soaking {proxy.url} for {args.duration:.0f} s with {args.concurrency} clients")
+            result = asyncio.run(soak(proxy.url, proxy.proc.pid, args.duration, args.concurrency, args.seed))
+    text = report(result, args.duration, args.concurrency)
+    print(text)
+    (Path(__file__).resolve().parent / "results" / "soak.json").write_text(json.dumps(result, indent=1))
+    if any(k.startswith("lost") for k in result["counts"]):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
