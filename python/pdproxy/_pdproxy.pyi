@@ -76,6 +76,10 @@ class Router:
     def queued(self) -> int:
         """Requests waiting for a node with room."""
 
+    @property
+    def retries(self) -> int:
+        """Retries taken since the start."""
+
     def add_node(
         self,
         url: str,
@@ -115,7 +119,8 @@ class Router:
         """A snapshot of each node: url, generation, role, models, speed, has_api_key, state,
         max_concurrency, in_flight, requests, succeeded, failed, connect_failures, cancelled,
         events, mean_latency, recent_latency, recent_latencies, recent_latency_per_token,
-        mean_ttft, ttft_ewma (seconds, or None)."""
+        mean_ttft, ttft_ewma (seconds, or None), circuit, and histograms (duration, ttft, itl:
+        bounds, per-bucket counts with +Inf last, sum, count)."""
 
     def select(self, model: str | None = None, role: str = "hybrid", affinity: str | None = None) -> str:
         """The URL of the node the policy would choose now; nothing is sent or counted."""

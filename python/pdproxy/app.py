@@ -11,10 +11,12 @@ import signal
 from typing import Any
 
 from . import proxy
+from .access import AccessLog
 from .auth import Keys
 from .config import Settings
 from .errors import Draining, PdproxyError, ProxyOverloaded
 from .fleet import Fleet
+from .metrics import CONTENT_TYPE, registry_for, render
 from .nodes_api import ROUTES
 from .openapi import schema
 from .pd import make_adapter
@@ -60,6 +62,8 @@ class ProxyApp:
         self.router: Router | None = None
         self.fleet: Fleet | None = None
         self.distserve: Any = None
+        self.access: AccessLog | None = None
+        self.metrics: Any = None
         self._admin = {(route.method, route.path): route for route in ROUTES}
         #: Inference requests being served now (the global cap), and the drain in progress.
         self.in_flight = 0
@@ -77,6 +81,8 @@ class ProxyApp:
             gc.freeze()
             gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
         # The fleet adds the configured nodes, so that they are checked and tracked like any other.
+        self.access = AccessLog(self.settings.access_log_format) if self.settings.access_log else None
+        self.metrics = registry_for(self)
         self.router = Router(settings=self.settings.replace(nodes=()))
         await self.router.start()
         self.fleet = Fleet(self.router, self.settings)
@@ -95,6 +101,8 @@ class ProxyApp:
             await self.fleet.aclose()
         if self.router is not None:
             await self.router.aclose()
+        if self.access is not None:
+            self.access.stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -150,6 +158,10 @@ class ProxyApp:
             await send_json(send, 200, {"status": "healthy"})
         elif path == "/ready":
             await self._ready(router, send)
+        elif path == "/metrics":
+            self.keys.check_admin(scope["headers"])
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", CONTENT_TYPE)]})
+            await send({"type": "http.response.body", "body": render(self.metrics)})
         elif path == "/openapi.json":
             await send_json(send, 200, schema())
         else:
@@ -165,6 +177,7 @@ class ProxyApp:
             require_model=path not in INFERENCE_PATHS,
             distserve=self.distserve,
             body_timeout=self.settings.body_timeout,
+            access=self.access,
         )
 
     def drain(self) -> None:

@@ -127,3 +127,130 @@ def mock_engine(**options: Any) -> None:
     )
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner, contextlib.suppress(KeyboardInterrupt):
         runner.run(engine.serve_forever())
+
+
+def _admin_call(url: str, path: str, key: str | None, payload: object = None) -> Any:
+    """One call to a running proxy's management API (blocking; this is a CLI)."""
+    import urllib.error
+    import urllib.request
+
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(
+        url.rstrip("/") + path, data=data, headers=headers, method="POST" if data else "GET"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        try:
+            message = json.loads(e.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = e.reason
+        raise click.ClickException(f"{path}: {e.code} {message}") from None
+    except urllib.error.URLError as e:
+        raise click.ClickException(f"cannot reach {url}: {e.reason}") from None
+
+
+_URL = click.option(
+    "--url",
+    default="http://127.0.0.1:8000",
+    show_default=True,
+    envvar=f"{ENV_PREFIX}URL",
+    show_envvar=True,
+    help="The proxy to talk to.",
+)
+_KEY = click.option(
+    "--key",
+    default=None,
+    envvar=f"{ENV_PREFIX}ADMIN_KEY",
+    show_envvar=True,
+    help="Admin (or API) key of the proxy, if it has keys.",
+)
+
+
+def _p50(latencies: list[float]) -> str:
+    if not latencies:
+        return "-"
+    ordered = sorted(latencies)
+    return f"{ordered[len(ordered) // 2] * 1000:.0f} ms"
+
+
+def render_status(nodes: dict[str, dict[str, Any]]) -> str:
+    """The node table `pdproxy status` prints."""
+    header = ("NODE", "ROLE", "STATE", "CIRCUIT", "MODELS", "IN FLIGHT", "P50", "OK", "FAILED")
+    rows = [header]
+    for url, n in sorted(nodes.items()):
+        rows.append(
+            (
+                url,
+                str(n.get("role_name", n.get("role"))),
+                str(n.get("state", "?")),
+                str(n.get("circuit", "-")),
+                ",".join(n.get("models") or []) or "*",
+                str(n.get("unfinished", 0)),
+                _p50(n.get("latency") or []),
+                str(n.get("succeeded", "-")),
+                str(n.get("failed", "-")),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+@main.command()
+@_URL
+@_KEY
+@click.option("--watch", type=float, default=None, help="Refresh every this many seconds until Ctrl-C.")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw /nodes/status JSON.")
+def status(url: str, key: str | None, watch: float | None, as_json: bool) -> None:
+    """Show the nodes of a running proxy: role, health, models, load, latency, errors."""
+    import time
+
+    while True:
+        nodes = _admin_call(url, "/nodes/status", key)
+        text = json.dumps(nodes, indent=1) if as_json else render_status(nodes)
+        if watch:
+            click.clear()
+        click.echo(text)
+        if not watch:
+            return
+        time.sleep(watch)
+
+
+@main.group()
+def nodes() -> None:
+    """Add or remove nodes of a running proxy."""
+
+
+@nodes.command("add")
+@click.argument("node_url")
+@_URL
+@_KEY
+@click.option("--model", "models", multiple=True, help="A model the node serves (default: ask the node).")
+@click.option("--role", default="hybrid", show_default=True, help="hybrid, prefill or decode.")
+@click.option("--max-concurrency", type=int, default=None, help="Hard cap on the node's requests in flight.")
+def nodes_add(
+    node_url: str, url: str, key: str | None, models: tuple[str, ...], role: str, max_concurrency: int | None
+) -> None:
+    """Register NODE_URL with the proxy."""
+    status: dict[str, Any] = {"role": role}
+    if models:
+        status["models"] = list(models)
+    payload: dict[str, Any] = {"url": node_url, "status": status}
+    if max_concurrency is not None:
+        payload["max_concurrency"] = max_concurrency
+    answer = _admin_call(url, "/nodes/add", key, payload)
+    click.echo(f"{'added' if answer['created'] else 'updated'} {answer['url']}")
+
+
+@nodes.command("remove")
+@click.argument("node_url")
+@_URL
+@_KEY
+def nodes_remove(node_url: str, url: str, key: str | None) -> None:
+    """Remove NODE_URL from the proxy."""
+    answer = _admin_call(url, "/nodes/remove", key, {"url": node_url})
+    click.echo(f"removed {answer['url']}")

@@ -160,6 +160,10 @@ class Settings:
             "Seconds a drain (POST /drain, SIGTERM) waits for requests in flight before exiting.", section="server"
         ),
     )
+    access_log: bool = field(
+        default=False, metadata=_opt("Write one line per inference request to stdout.", section="server")
+    )
+    access_log_format: str = field(default="text", metadata=_opt("Access log lines: text or json.", section="server"))
     max_body_size: int = field(
         default=8 << 20, metadata=_opt("Largest request body accepted, in bytes (checked while it is read).")
     )
@@ -303,6 +307,8 @@ class Settings:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
         if self.serving_strategy not in ("Hybrid", "DistServe"):
             raise ConfigError(f"serving_strategy must be Hybrid or DistServe, got {self.serving_strategy!r}")
+        if self.access_log_format not in ("text", "json"):
+            raise ConfigError(f"access_log_format must be text or json, got {self.access_log_format!r}")
         if self.pd_protocol not in ("lmdeploy", "vllm", "sglang"):
             raise ConfigError(f"pd_protocol must be lmdeploy, vllm or sglang, got {self.pd_protocol!r}")
         for name in ("pd_link_attempts", "pd_free_attempts", "pd_warmup_concurrency"):

@@ -201,6 +201,7 @@ class Fleet:
                 "speed": node["speed"],
                 "role_name": node["role"],
                 "state": node["state"],
+                "circuit": node["circuit"],
                 "health": health.summary() if health else None,
                 "in_flight": node["in_flight"],
                 "max_concurrency": node["max_concurrency"],

@@ -36,6 +36,7 @@ PROXY_ROUTES: tuple[tuple[str, str, str, dict[int, str]], ...] = (
     ("GET", "/health", "The proxy is alive", {200: "Alive"}),
     ("GET", "/ready", "The proxy can route: at least one healthy node", {200: "Ready", 503: "No routable node"}),
     ("GET", "/openapi.json", "This document", {200: "OpenAPI document"}),
+    ("GET", "/metrics", "Prometheus metrics (admin)", {200: "Metrics in the Prometheus text format"}),
     ("POST", "/drain", "Stop taking requests, finish those in flight, then exit (admin)", {202: "Draining"}),
 )
 

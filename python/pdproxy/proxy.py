@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._pdproxy import Response
+from .access import AccessLog, Record
 from .errors import InvalidRequest, PdproxyError, RequestTimeout, UpstreamError
 from .responses import ClientGone, NotFound, Receive, Scope, Send, read_body, require_json, send_error
 from .router import Router
@@ -111,11 +112,49 @@ async def forward(
     require_model: bool = False,
     distserve: Any = None,
     body_timeout: float = 30.0,
+    access: AccessLog | None = None,
 ) -> None:
     """Handles one inference request end to end. ``require_model``: a pass-through path is
     routed only when its body names a model. ``distserve``: chat and completions go through
-    prefill and decode nodes."""
+    prefill and decode nodes. ``access``: one access-log line for the request."""
     headers, request_id = upstream_headers(scope)
+    record = access.record(scope, request_id) if access is not None else None
+    if record is not None:
+        send = record.wrap(send)
+    gone = False
+    try:
+        gone = await _serve(
+            router,
+            max_body_size,
+            scope,
+            receive,
+            send,
+            require_model,
+            distserve,
+            body_timeout,
+            headers,
+            request_id,
+            record,
+        )
+    finally:
+        if record is not None:
+            record.finish(gone)
+
+
+async def _serve(
+    router: Router,
+    max_body_size: int,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    require_model: bool,
+    distserve: Any,
+    body_timeout: float,
+    headers: list[tuple[bytes, bytes]],
+    request_id: bytes,
+    record: Record | None,
+) -> bool:
+    """Serves the request; returns whether the client went away before the end."""
     echo = [(b"x-request-id", request_id)]
     try:
         require_json(scope)
@@ -124,19 +163,21 @@ async def forward(
                 body = await read_body(scope, receive, max_body_size)
         except TimeoutError:
             raise RequestTimeout(f"the request body did not arrive within {body_timeout:g}s") from None
-        if require_model and not Router.inspect(body)["model"]:
+        model = Router.inspect(body)["model"] if require_model or record is not None else None
+        if record is not None:
+            record.model = model
+        if require_model and not model:
             raise NotFound(f"no route for {scope['path']} without a model in the body")
     except ClientGone:
-        return
+        return True
     except PdproxyError as e:
         await send_error(send, e, echo)
-        return
+        return False
     path = scope["path"]
     if scope.get("query_string"):
         path = f"{path}?{scope['query_string'].decode('latin-1')}"
     if distserve is not None and scope["path"] in distserve.paths:
-        await _disaggregated(distserve, path, body, headers, receive, send, echo)
-        return
+        return await _disaggregated(distserve, path, body, headers, receive, send, echo)
 
     watch = ClientWatch(receive, DISCONNECT_WATCH_DELAY)
     response: Response | None = None
@@ -145,17 +186,19 @@ async def forward(
             pending = router.forward(path, body, headers)
         except PdproxyError as e:
             await send_error(send, e, echo)
-            return
+            return False
         watch.on_disconnect(pending.cancel)
         try:
             response = await pending
         except asyncio.CancelledError:
             if watch.gone:  # the client left while the node was working: nothing to answer
-                return
+                return True
             raise
         except PdproxyError as e:
             await send_error(send, e, echo)
-            return
+            return False
+        if record is not None:
+            record.node = response.node
         watch.on_disconnect(response.close)
         response_headers = response.headers
         if not any(name == b"x-request-id" for name, _ in response_headers):
@@ -163,8 +206,9 @@ async def forward(
         await send({"type": "http.response.start", "status": response.status, "headers": response_headers})
         if response.body is not None:
             await send({"type": "http.response.body", "body": response.body})
-            return
+            return False
         await stream_body(response, send)
+        return watch.gone
     finally:
         watch.stop()
         if response is not None:
@@ -179,8 +223,9 @@ async def _disaggregated(
     receive: Receive,
     send: Send,
     echo: list[tuple[bytes, bytes]],
-) -> None:
-    """Runs the prefill-decode flow as one task that a client disconnect cancels at any stage."""
+) -> bool:
+    """Runs the prefill-decode flow as one task that a client disconnect cancels at any stage.
+    Returns whether the client went away."""
     watch = ClientWatch(receive, DISCONNECT_WATCH_DELAY)
     flow = asyncio.ensure_future(distserve.handle(path, body, headers, send, echo))
     watch.on_disconnect(flow.cancel)
@@ -193,6 +238,7 @@ async def _disaggregated(
         await send_error(send, e, echo)
     finally:
         watch.stop()
+    return watch.gone
 
 
 async def stream_body(response: Response, send: Send, on_first: Callable[[], object] | None = None) -> None:

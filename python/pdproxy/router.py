@@ -67,6 +67,11 @@ class Router:
         """Requests waiting for a node with room."""
         return self._core.queued
 
+    @property
+    def retries(self) -> int:
+        """Requests retried on another node since the start."""
+        return self._core.retries
+
     def add_node(
         self,
         url: str,

@@ -139,13 +139,16 @@ impl Exchange {
     }
 
     /// The pump's side: appends body bytes; completes a waiting reader when a batch is ready.
-    fn push(&self, burst: &[Bytes]) {
+    fn push(&self, burst: &[Bytes], gap: Option<Duration>) {
         if burst.is_empty() {
             return;
         }
         let mut inner = self.lock();
         if inner.closed {
             return;
+        }
+        if let (Some(gap), Some(permit)) = (gap, &inner.permit) {
+            permit.node().counters().itl.observe(gap);
         }
         for data in burst {
             inner.pending.extend_from_slice(data);
@@ -248,6 +251,7 @@ pub async fn pump(
     let mut report = Report::default();
     let mut last_was_newline = false;
     let mut burst: Vec<Bytes> = Vec::new();
+    let mut last_chunk: Option<Instant> = None;
     let end = loop {
         if exchange.over_limit() {
             // The client reads slower than the node writes: wait for it, but not forever.
@@ -279,7 +283,9 @@ pub async fn pump(
                 None => break None,
             }
         };
-        exchange.push(&burst);
+        let now = Instant::now();
+        let gap = if burst.is_empty() { None } else { last_chunk.replace(now).map(|last| now - last) };
+        exchange.push(&burst, gap);
         burst.clear();
         if let Some(end) = ended {
             break end;

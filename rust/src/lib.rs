@@ -8,6 +8,7 @@ pub mod error;
 pub mod exchange;
 pub mod forward;
 pub mod headers;
+pub mod histogram;
 pub mod inspect;
 pub mod node;
 pub mod permit;

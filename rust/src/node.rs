@@ -9,6 +9,7 @@ use http::Uri;
 
 use crate::circuit::Circuit;
 use crate::error::{Error, Kind, Result};
+use crate::histogram::{Histogram, GAP_BOUNDS, LATENCY_BOUNDS};
 
 /// What a node does in a disaggregated deployment (LMDeploy's `EngineRole`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -97,7 +98,7 @@ pub const LATENCY_WINDOW: usize = 15;
 /// Per-node counters and mutable attributes. Plain fixed-size atomics with no pointers
 /// inside, so the same layout could later live in a shared-memory table used by several
 /// worker processes.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct NodeCounters {
     pub in_flight: AtomicU64,
     pub requests: AtomicU64,
@@ -121,6 +122,39 @@ pub struct NodeCounters {
     pub max_concurrency: AtomicU32,
     pub circuit: Circuit,
     state: AtomicU8,
+    /// Whole requests, from admission to the end of the body.
+    pub duration: Histogram<15>,
+    /// Streams: from sending the request to the first body byte.
+    pub ttft: Histogram<15>,
+    /// Streams: gaps between consecutive chunks (inter-token latency).
+    pub itl: Histogram<10>,
+}
+
+impl Default for NodeCounters {
+    fn default() -> Self {
+        Self {
+            in_flight: AtomicU64::default(),
+            requests: AtomicU64::default(),
+            succeeded: AtomicU64::default(),
+            failed: AtomicU64::default(),
+            connect_failures: AtomicU64::default(),
+            cancelled: AtomicU64::default(),
+            latency_us_sum: AtomicU64::default(),
+            events: AtomicU64::default(),
+            ttft_us_sum: AtomicU64::default(),
+            ttft_count: AtomicU64::default(),
+            ttft_us_ewma: AtomicU64::default(),
+            recent_latency_us: Default::default(),
+            recent_events: Default::default(),
+            recent_cursor: AtomicU64::default(),
+            max_concurrency: AtomicU32::default(),
+            circuit: Circuit::default(),
+            state: AtomicU8::default(),
+            duration: Histogram::new(&LATENCY_BOUNDS),
+            ttft: Histogram::new(&LATENCY_BOUNDS),
+            itl: Histogram::new(&GAP_BOUNDS),
+        }
+    }
 }
 
 /// One point-in-time copy of a node's counters.
@@ -238,6 +272,7 @@ impl NodeCounters {
         self.recent_events[slot].store(u32::try_from(events).unwrap_or(u32::MAX), Ordering::Relaxed);
         self.events.fetch_add(events, Ordering::Relaxed);
         if let Some(first) = first_byte {
+            self.ttft.observe(first);
             #[allow(clippy::cast_precision_loss)]
             let ttft = first.as_micros() as f64;
             self.ttft_us_sum.fetch_add(u64::try_from(first.as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);

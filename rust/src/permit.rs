@@ -115,6 +115,9 @@ impl InFlightPermit {
 impl Drop for InFlightPermit {
     fn drop(&mut self) {
         let counters = self.node.counters();
+        if self.outcome != Outcome::Unused {
+            counters.duration.observe(self.started.elapsed());
+        }
         match self.outcome {
             Outcome::Succeeded => {
                 counters.succeeded.fetch_add(1, Ordering::Relaxed);

@@ -15,6 +15,8 @@ pub struct RetryBudget {
     window_start_ms: AtomicU64,
     requests: AtomicU64,
     retries: AtomicU64,
+    /// Every retry taken since the start (for metrics).
+    total: AtomicU64,
 }
 
 impl RetryBudget {
@@ -26,6 +28,7 @@ impl RetryBudget {
             window_start_ms: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             retries: AtomicU64::new(0),
+            total: AtomicU64::new(0),
         }
     }
 
@@ -51,7 +54,17 @@ impl RetryBudget {
         self.roll();
         #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let allowed = self.floor + (self.requests.load(Ordering::Relaxed) as f64 * self.ratio) as u64;
-        self.retries.fetch_update(Ordering::AcqRel, Ordering::Relaxed, |r| (r < allowed).then_some(r + 1)).is_ok()
+        let spent =
+            self.retries.fetch_update(Ordering::AcqRel, Ordering::Relaxed, |r| (r < allowed).then_some(r + 1)).is_ok();
+        if spent {
+            self.total.fetch_add(1, Ordering::Relaxed);
+        }
+        spent
+    }
+
+    /// Retries taken since the start (for metrics).
+    pub fn total(&self) -> u64 {
+        self.total.load(Ordering::Relaxed)
     }
 }
 

@@ -163,6 +163,12 @@ impl Router {
         self.shared.admission.queued()
     }
 
+    /// Retries taken since the start.
+    #[getter]
+    fn retries(&self) -> u64 {
+        self.shared.retry_budget.total()
+    }
+
     /// The node the policy would choose now, without sending anything or taking a permit.
     #[pyo3(signature = (model=None, role="hybrid", affinity=None))]
     fn select(&self, model: Option<&str>, role: &str, affinity: Option<&str>) -> PyResult<String> {
@@ -593,5 +599,20 @@ fn node_stats<'py>(py: Python<'py>, node: &Arc<Node>) -> PyResult<Bound<'py, PyD
     stats.set_item("recent_latency_per_token", c.recent_latency_per_event_us.map(|us| us / 1e6))?;
     stats.set_item("mean_ttft", c.mean_ttft_us.map(|us| us / 1e6))?;
     stats.set_item("ttft_ewma", c.ttft_us_ewma.map(|us| us / 1e6))?;
+    let histograms = PyDict::new(py);
+    let counters = node.counters();
+    for (name, snapshot) in [
+        ("duration", counters.duration.snapshot()),
+        ("ttft", counters.ttft.snapshot()),
+        ("itl", counters.itl.snapshot()),
+    ] {
+        let h = PyDict::new(py);
+        h.set_item("bounds", snapshot.bounds)?;
+        h.set_item("counts", snapshot.counts)?;
+        h.set_item("sum", snapshot.sum)?;
+        h.set_item("count", snapshot.count)?;
+        histograms.set_item(name, h)?;
+    }
+    stats.set_item("histograms", histograms)?;
     Ok(stats)
 }

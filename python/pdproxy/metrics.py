@@ -1,0 +1,114 @@
+"""``GET /metrics``: Prometheus text built at scrape time from one snapshot of the data
+plane's counters (no per-request work in Python), plus the control plane's own state."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from . import __version__
+
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+STATES = ("healthy", "unhealthy", "draining", "sleeping", "initializing")
+
+
+def _histogram(name: str, help: str, nodes: list[dict[str, Any]], key: str) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, help, labels=["node", "role"])
+    for node in nodes:
+        h = node["histograms"][key]
+        cumulative, buckets = 0, []
+        for bound, count in zip([*h["bounds"], float("inf")], h["counts"], strict=True):
+            cumulative += count
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+        family.add_metric([node["url"], node["role"]], buckets, h["sum"])
+    return family
+
+
+class PdproxyCollector(Collector):
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def collect(self) -> Iterator[Metric]:
+        router, fleet = self.app.router, self.app.fleet
+        if router is None:
+            return
+        nodes = router.nodes()
+        info = GaugeMetricFamily("pdproxy_build_info", "pdproxy's version", labels=["version"])
+        info.add_metric([__version__], 1)
+        yield info
+
+        requests = CounterMetricFamily(
+            "pdproxy_requests", "Requests sent to nodes, by how they ended", labels=["node", "role", "outcome"]
+        )
+        connect = CounterMetricFamily(
+            "pdproxy_connect_failures", "Requests that could not connect to the node", labels=["node"]
+        )
+        events = CounterMetricFamily("pdproxy_events", "Server-sent events forwarded", labels=["node"])
+        in_flight = GaugeMetricFamily("pdproxy_node_in_flight", "Requests in flight per node", labels=["node", "role"])
+        state = GaugeMetricFamily("pdproxy_node_state", "1 for the node's current state", labels=["node", "state"])
+        circuit = GaugeMetricFamily(
+            "pdproxy_node_circuit_open", "1 when the node's circuit is open or half-open", labels=["node"]
+        )
+        for n in nodes:
+            for outcome in ("succeeded", "failed", "cancelled"):
+                requests.add_metric([n["url"], n["role"], outcome], n[outcome])
+            connect.add_metric([n["url"]], n["connect_failures"])
+            events.add_metric([n["url"]], n["events"])
+            in_flight.add_metric([n["url"], n["role"]], n["in_flight"])
+            for s in STATES:
+                state.add_metric([n["url"], s], 1 if n["state"] == s else 0)
+            circuit.add_metric([n["url"]], 0 if n["circuit"] == "closed" else 1)
+        yield from (requests, connect, events, in_flight, state, circuit)
+        yield _histogram(
+            "pdproxy_request_duration_seconds", "Requests from admission to the end of the body", nodes, "duration"
+        )
+        yield _histogram("pdproxy_ttft_seconds", "Streams: time to the first byte of the body", nodes, "ttft")
+        yield _histogram("pdproxy_itl_seconds", "Streams: gaps between chunks (inter-token latency)", nodes, "itl")
+
+        queued = GaugeMetricFamily("pdproxy_queue_depth", "Requests waiting for a node with room")
+        queued.add_metric([], router.queued)
+        retries = CounterMetricFamily("pdproxy_retries", "Requests retried on another node")
+        retries.add_metric([], router.retries)
+        serving = GaugeMetricFamily("pdproxy_requests_in_flight", "Inference requests being served by the proxy")
+        serving.add_metric([], self.app.in_flight)
+        yield from (queued, retries, serving)
+
+        pd = fleet.distserve if fleet is not None else None
+        if pd is not None and pd.protocol == "lmdeploy":
+            yield from _pd_metrics(pd.status())
+
+
+def _pd_metrics(status: dict[str, Any]) -> Iterator[Metric]:
+    links = GaugeMetricFamily("pdproxy_pd_links", "Prefill-decode links by state", labels=["state"])
+    handshake = GaugeMetricFamily(
+        "pdproxy_pd_handshake_seconds", "Duration of each link's last handshake", labels=["prefill", "decode"]
+    )
+    counts: dict[str, int] = {"connected": 0, "connecting": 0, "failed": 0}
+    for link in status["links"]:
+        counts[link["state"]] = counts.get(link["state"], 0) + 1
+        if link["handshake_seconds"] is not None:
+            handshake.add_metric([link["prefill"], link["decode"]], link["handshake_seconds"])
+    for name, value in counts.items():
+        links.add_metric([name], value)
+    ledger = status["ledger"]
+    preserved = GaugeMetricFamily("pdproxy_pd_preserved_sessions", "Prefill sessions held until decode takes them")
+    preserved.add_metric([], ledger["preserved"])
+    ended = CounterMetricFamily("pdproxy_pd_sessions", "Preserved prefill sessions, by how they ended", labels=["end"])
+    for end in ("consumed", "freed", "free_failures"):
+        ended.add_metric([end], ledger[end])
+    yield from (links, handshake, preserved, ended)
+
+
+def registry_for(app: Any) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(PdproxyCollector(app))
+    ProcessCollector(registry=registry)  # process_resident_memory_bytes, process_open_fds, ...
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return bytes(generate_latest(registry))

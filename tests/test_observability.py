@@ -1,0 +1,135 @@
+"""Metrics, the access log and the status CLI, against `pdproxy serve` on real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
+from servers import chat_body, pdproxy_serve
+
+
+def families(text: str) -> dict[str, list]:  # type: ignore[type-arg]
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+async def test_metrics_parse_and_count(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    async with MockEngine(model="m") as engine:
+        with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+            for stream in (False, True, True):
+                async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m", stream=stream)) as r:
+                    await r.read()
+            async with http.get(proxy.url + "/metrics") as r:
+                assert r.status == 200
+                assert r.headers["content-type"].startswith("text/plain")
+                metrics = families(await r.text())
+            ok = [s for s in metrics["pdproxy_requests"] if s.labels.get("outcome") == "succeeded"]
+            assert ok[0].labels["node"] == engine.url
+            assert ok[0].value == 3
+            assert [s.value for s in metrics["pdproxy_node_in_flight"]] == [0]
+            durations = {
+                s.name: s.value for s in metrics["pdproxy_request_duration_seconds"] if s.name.endswith("_count")
+            }
+            assert list(durations.values()) == [3]
+            ttft_count = [s.value for s in metrics["pdproxy_ttft_seconds"] if s.name.endswith("_count")]
+            assert ttft_count == [2], "two streams"
+            assert any(s.value > 0 for s in metrics["pdproxy_itl_seconds"] if s.name.endswith("_count"))
+            assert metrics["process_resident_memory_bytes"][0].value > 0
+            assert metrics["pdproxy_build_info"][0].labels["version"]
+
+
+async def test_pd_metrics(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    async with (
+        MockEngine(MockSettings(port=0, model="m", role="prefill")) as p,
+        MockEngine(MockSettings(port=0, model="m", role="decode")) as d,
+    ):
+        with pdproxy_serve(tmp_path, "--serving-strategy", "DistServe") as proxy:
+            for engine, role in ((p, 2), (d, 3)):
+                async with http.post(
+                    proxy.url + "/nodes/add", json={"url": engine.url, "status": {"models": ["m"], "role": role}}
+                ) as r:
+                    assert r.status == 201
+            async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
+                assert r.status == 200
+            async with http.get(proxy.url + "/metrics") as r:
+                metrics = families(await r.text())
+            links = {s.labels["state"]: s.value for s in metrics["pdproxy_pd_links"]}
+            assert links["connected"] == 1
+            ended = {s.labels["end"]: s.value for s in metrics["pdproxy_pd_sessions"]}
+            assert ended["consumed"] == 1
+            assert metrics["pdproxy_pd_preserved_sessions"][0].value == 0
+
+
+async def test_access_log_has_one_line_per_request(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    async with MockEngine(model="m") as engine:
+        with pdproxy_serve(tmp_path, "--node", engine.url, "--access-log", "--access-log-format", "json") as proxy:
+            sent = {
+                "ok": (chat_body("m"), {}),
+                "stream": (chat_body("m", stream=True), {}),
+                "unknown": (chat_body("nope"), {}),
+                "dropped": (chat_body("m", stream=True), {FAULT_HEADER: "drop_after=2"}),
+            }
+            for rid, (body, headers) in sent.items():
+                auth = {"authorization": "Bearer secret-client-key"}
+                async with http.post(
+                    proxy.url + "/v1/chat/completions", json=body, headers={**headers, **auth, "x-request-id": rid}
+                ) as r:
+                    await r.read()
+            # A client that leaves mid-stream.
+            host, port = proxy.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            data = json.dumps(chat_body("m", stream=True)).encode()
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                + f"x-request-id: gone\r\n{FAULT_HEADER}: token_delay_ms=200\r\n".encode()
+                + f"content-length: {len(data)}\r\n\r\n".encode()
+                + data
+            )
+            await writer.drain()
+            await reader.readuntil(b"data: ")
+            writer.close()
+            await asyncio.sleep(0.5)
+        lines = [json.loads(line) for line in proxy.log().splitlines() if line.startswith("{")]
+    by_id = {line["request_id"]: line for line in lines}
+    assert sorted(by_id) == sorted([*sent, "gone"]), "exactly one line per request"
+    assert len(lines) == len(by_id)
+    assert (by_id["ok"]["status"], by_id["ok"]["cause"], by_id["ok"]["node"]) == (200, "completed", engine.url)
+    assert by_id["stream"]["events"] > 2
+    assert by_id["unknown"]["cause"] == "model_not_found@admission"
+    assert by_id["dropped"]["cause"] == "upstream_error@stream"
+    assert by_id["gone"]["cause"] == "client_cancel@stream"
+    assert "secret-client-key" not in proxy.log()
+
+
+async def test_status_and_nodes_commands(tmp_path: Path) -> None:
+    async with MockEngine(model="m") as engine:
+        with pdproxy_serve(tmp_path) as proxy:
+
+            def cli(*args: str) -> subprocess.CompletedProcess[str]:
+                return subprocess.run(
+                    [sys.executable, "-m", "pdproxy", *args, "--url", proxy.url],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+
+            # The CLI blocks, so it runs in a thread while this loop serves the mock engine.
+            added = await asyncio.to_thread(cli, "nodes", "add", engine.url, "--model", "m", "--max-concurrency", "4")
+            assert added.returncode == 0, added.stderr
+            assert added.stdout.strip() == f"added {engine.url}"
+            table = await asyncio.to_thread(cli, "status")
+            assert table.returncode == 0
+            header, row = table.stdout.strip().splitlines()
+            assert header.split()[:3] == ["NODE", "ROLE", "STATE"]
+            assert row.split()[:3] == [engine.url, "hybrid", "healthy"]
+            removed = await asyncio.to_thread(cli, "nodes", "remove", engine.url)
+            assert removed.stdout.strip() == f"removed {engine.url}"
+            missing = await asyncio.to_thread(cli, "nodes", "remove", engine.url)
+            assert missing.returncode == 1
+            assert "404" in missing.stderr
