@@ -10,7 +10,7 @@ import os
 import signal
 from typing import Any
 
-from . import proxy
+from . import dashboard, proxy
 from .access import AccessLog
 from .auth import Keys
 from .config import Settings
@@ -158,6 +158,12 @@ class ProxyApp:
             await send_json(send, 200, {"status": "healthy"})
         elif path == "/ready":
             await self._ready(router, send)
+        elif path == "/dashboard":  # a static page: its data is what the keys guard
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/html")]})
+            await send({"type": "http.response.body", "body": dashboard.PAGE})
+        elif path == "/dashboard/data":
+            self.keys.check_admin(scope["headers"])
+            await send_json(send, 200, dashboard.data(self))
         elif path == "/metrics":
             self.keys.check_admin(scope["headers"])
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", CONTENT_TYPE)]})

@@ -1,0 +1,25 @@
+"""``GET /dashboard``: one self-contained page (no build step, no external assets) that shows
+the nodes, their health, load, latency and the PD links, refreshed every second from
+``GET /dashboard/data``. With admin keys, open it as ``/dashboard#key=KEY``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+#: The page, shipped next to this module.
+PAGE = (Path(__file__).parent / "dashboard.html").read_bytes()
+
+
+def data(app: Any) -> dict[str, Any]:
+    fleet = app.fleet
+    pd = fleet.distserve.status() if fleet is not None and fleet.distserve is not None else None
+    return {
+        "time": time.time(),
+        "nodes": fleet.status() if fleet is not None else {},
+        "queued": app.router.queued if app.router is not None else 0,
+        "in_flight": app.in_flight,
+        "draining": app.draining,
+        "pd": pd,
+    }

@@ -1,0 +1,66 @@
+"""The dashboard in a real headless browser (Debian's chromium, driven by selenium): it loads,
+shows the registered nodes and updates after a request."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from pdproxy.testing import MockEngine
+from servers import chat_body, pdproxy_serve
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+
+
+@pytest.fixture
+def browser():  # type: ignore[no-untyped-def]
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.fail(
+            "the dashboard test needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+        )
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    driver.set_page_load_timeout(20)
+    yield driver
+    driver.quit()
+
+
+async def test_dashboard_shows_nodes_and_updates(tmp_path: Path, browser, http: aiohttp.ClientSession) -> None:  # type: ignore[no-untyped-def]
+    from selenium.webdriver.common.by import By
+
+    async with MockEngine(model="m") as a, MockEngine(model="m") as b:
+        with pdproxy_serve(tmp_path, "--node", a.url, "--node", b.url, "--admin-keys", "dash-key") as proxy:
+            # The browser blocks, so it runs in a thread while this loop serves the mock engines.
+            await asyncio.to_thread(browser.get, proxy.url + "/dashboard#key=dash-key")
+
+            def rows() -> dict[str, int]:
+                found = {}
+                for row in browser.find_elements(By.CSS_SELECTOR, "#nodes-table tbody tr"):
+                    found[row.get_attribute("data-node")] = int(row.find_element(By.CLASS_NAME, "requests").text)
+                return found
+
+            async def until(check) -> None:  # type: ignore[no-untyped-def]
+                for _ in range(100):
+                    if await asyncio.to_thread(check):
+                        return
+                    await asyncio.sleep(0.1)
+                raise AssertionError(f"the page never showed it: {await asyncio.to_thread(rows)}")
+
+            await until(lambda: set(rows()) == {a.url, b.url})
+            assert await asyncio.to_thread(lambda: browser.find_element(By.ID, "nodes").text) == "2"
+            before = sum((await asyncio.to_thread(rows)).values())
+            async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
+                assert r.status == 200
+            await until(lambda: sum(rows().values()) == before + 1)
+            assert await asyncio.to_thread(lambda: browser.find_element(By.ID, "error").text) == ""
