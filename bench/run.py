@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import charts
 import harness
 import peers
 
@@ -302,6 +303,10 @@ def main() -> None:
             results = run_scenario(scenario, args.duration, others)
             title, rows = scenario.title, scenario.render(results)
         raw[name] = {k: {"load": v.load, "cpu_s": v.cpu_s, "rss_bytes": v.rss_bytes} for k, v in results.items()}
+        RESULTS.mkdir(exist_ok=True)
+        chart = charts.render(name, title, results, RESULTS)
+        if chart is not None:
+            rows = [*rows, "", f"![{name}](results/{chart.name})"]
         section = "\n".join([f"### {title}", "", *rows])
         print(section + "\n", flush=True)
         sections.append(section)
