@@ -49,7 +49,7 @@ def render(name: str, title: str, results: dict[str, Any], out_dir: Path) -> Pat
         values = [value(results[t]) for t in targets]
         colors = ["#2b6cb0" if t == "pdproxy" else "#a0aec0" for t in targets]
         bars = ax.bar(targets, values, color=colors)
-        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+        ax.bar_label(bars, labels=[f"{v:,.0f}" if v >= 100 else f"{v:.3g}" for v in values], fontsize=8)
         ax.set_title(label, fontsize=10)
         ax.tick_params(axis="x", labelrotation=20, labelsize=8)
         ax.spines[["top", "right"]].set_visible(False)

@@ -42,6 +42,8 @@ async def test_metrics_parse_and_count(tmp_path: Path, http: aiohttp.ClientSessi
             assert any(s.value > 0 for s in metrics["pdproxy_itl_seconds"] if s.name.endswith("_count"))
             assert metrics["process_resident_memory_bytes"][0].value > 0
             assert metrics["pdproxy_build_info"][0].labels["version"]
+            by_model = {s.labels["model"]: s.value for s in metrics["pdproxy_model_requests"]}
+            assert by_model == {"m": 3}
 
 
 async def test_pd_metrics(tmp_path: Path, http: aiohttp.ClientSession) -> None:

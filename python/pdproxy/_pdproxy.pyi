@@ -80,6 +80,9 @@ class Router:
     def retries(self) -> int:
         """Retries taken since the start."""
 
+    def model_requests(self) -> dict[str, int]:
+        """Requests received per model (`other`: a model no node declares; `none`: no model)."""
+
     def add_node(
         self,
         url: str,

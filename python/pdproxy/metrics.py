@@ -75,7 +75,10 @@ class PdproxyCollector(Collector):
         retries.add_metric([], router.retries)
         serving = GaugeMetricFamily("pdproxy_requests_in_flight", "Inference requests being served by the proxy")
         serving.add_metric([], self.app.in_flight)
-        yield from (queued, retries, serving)
+        by_model = CounterMetricFamily("pdproxy_model_requests", "Requests received, by model", labels=["model"])
+        for model, count in sorted(router.model_requests().items()):
+            by_model.add_metric([model], count)
+        yield from (queued, retries, serving, by_model)
 
         pd = fleet.distserve if fleet is not None else None
         if pd is not None and pd.protocol == "lmdeploy":

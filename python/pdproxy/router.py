@@ -72,6 +72,10 @@ class Router:
         """Requests retried on another node since the start."""
         return self._core.retries
 
+    def model_requests(self) -> dict[str, int]:
+        """Requests received per model (``other``: a model no node declares)."""
+        return self._core.model_requests()
+
     def add_node(
         self,
         url: str,

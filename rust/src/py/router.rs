@@ -1,6 +1,7 @@
 //! `Router`: the node table, selection, admission and forwarding, as one Python object.
 
-use std::sync::{Arc, OnceLock};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -36,6 +37,9 @@ pub struct Router {
     shutdown: CancellationToken,
     /// The event loop this router serves, bound on first use.
     bridge: OnceLock<Py<LoopBridge>>,
+    /// Requests admitted per model (models no node declares count as `other`, so a client
+    /// cannot grow the label set).
+    model_requests: Mutex<HashMap<String, u64>>,
 }
 
 fn role_of(raw: &str) -> PyResult<Role> {
@@ -82,6 +86,7 @@ impl Router {
             runtime,
             shutdown: CancellationToken::new(),
             bridge: OnceLock::new(),
+            model_requests: Mutex::default(),
         })
     }
 
@@ -169,6 +174,11 @@ impl Router {
         self.shared.retry_budget.total()
     }
 
+    /// Requests received per model (`other`: a model no node declares; `none`: no model).
+    fn model_requests(&self) -> HashMap<String, u64> {
+        self.model_requests.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
     /// The node the policy would choose now, without sending anything or taking a permit.
     #[pyo3(signature = (model=None, role="hybrid", affinity=None))]
     fn select(&self, model: Option<&str>, role: &str, affinity: Option<&str>) -> PyResult<String> {
@@ -247,6 +257,7 @@ impl Router {
         let role = role_of(role)?;
         let bridge = self.bridge(py)?;
         let body = Bytes::copy_from_slice(body);
+        self.count_model(&body);
         let admitted = match node {
             Some(url) => Admitted::Now(self.admit_on(url)?),
             None => self.admit_now(&body, &headers, role)?,
@@ -307,6 +318,22 @@ enum Admitted {
 }
 
 impl Router {
+    fn count_model(&self, body: &[u8]) {
+        let Ok(info) = inspect(body) else { return };
+        let label = match info.model.as_deref() {
+            None => "none",
+            Some(m) if self.shared.registry.load().models().contains(&m) => m,
+            Some(_) => "other",
+        };
+        let mut counts = self.model_requests.lock().unwrap_or_else(PoisonError::into_inner);
+        match counts.get_mut(label) {
+            Some(n) => *n += 1,
+            None => {
+                counts.insert(label.to_owned(), 1);
+            }
+        }
+    }
+
     fn node(&self, url: &str) -> PyResult<Arc<Node>> {
         self.shared
             .registry
