@@ -10,12 +10,12 @@ import asyncio
 import json
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._pdproxy import Response
 from .access import AccessLog, Record
 from .errors import InvalidRequest, PdproxyError, RequestTimeout, UpstreamError
-from .responses import ClientGone, NotFound, Receive, Scope, Send, read_body, require_json, send_error
+from .responses import ClientGone, NotFound, Receive, Scope, Send, check_media_type, read_body, send_error
 from .router import Router
 
 #: Seconds a request runs before its client is watched for a disconnect (see ClientWatch).
@@ -62,15 +62,26 @@ class ClientWatch:
             self._task.cancel()
 
 
-def upstream_headers(scope: Scope) -> tuple[list[tuple[bytes, bytes]], bytes]:
+class ClientHeaders(NamedTuple):
+    upstream: list[tuple[bytes, bytes]]
+    request_id: bytes
+    content_type: bytes | None
+    content_length: bytes | None
+
+
+def upstream_headers(scope: Scope) -> ClientHeaders:
     """The client's headers plus the proxy's: ``x-request-id`` (the client's, or a new one)
-    and ``X-Forwarded-For/Host/Proto``. Returns them with the request id. The data plane
-    drops hop-by-hop headers and the client's ``authorization``."""
+    and ``X-Forwarded-For/Host/Proto``; with the few the handler reads, in one pass. The data
+    plane drops hop-by-hop headers and the client's ``authorization``."""
     headers: list[tuple[bytes, bytes]] = []
-    request_id = forwarded_for = host = None
+    request_id = forwarded_for = host = content_type = content_length = None
     for name, value in scope["headers"]:
         if name == b"x-request-id":
             request_id = value
+        elif name == b"content-type":
+            content_type = value
+        elif name == b"content-length":
+            content_length = value
         elif name == b"x-forwarded-for":
             forwarded_for = value
             continue
@@ -89,7 +100,7 @@ def upstream_headers(scope: Scope) -> tuple[list[tuple[bytes, bytes]], bytes]:
     if host is not None:
         headers.append((b"x-forwarded-host", host))
     headers.append((b"x-forwarded-proto", scope.get("scheme", "http").encode()))
-    return headers, request_id
+    return ClientHeaders(headers, request_id, content_type, content_length)
 
 
 def _stream_error_event(error: PdproxyError) -> bytes:
@@ -117,24 +128,14 @@ async def forward(
     """Handles one inference request end to end. ``require_model``: a pass-through path is
     routed only when its body names a model. ``distserve``: chat and completions go through
     prefill and decode nodes. ``access``: one access-log line for the request."""
-    headers, request_id = upstream_headers(scope)
-    record = access.record(scope, request_id) if access is not None else None
+    client_headers = upstream_headers(scope)
+    record = access.record(scope, client_headers.request_id) if access is not None else None
     if record is not None:
         send = record.wrap(send)
     gone = False
     try:
         gone = await _serve(
-            router,
-            max_body_size,
-            scope,
-            receive,
-            send,
-            require_model,
-            distserve,
-            body_timeout,
-            headers,
-            request_id,
-            record,
+            router, max_body_size, scope, receive, send, require_model, distserve, body_timeout, client_headers, record
         )
     finally:
         if record is not None:
@@ -150,17 +151,17 @@ async def _serve(
     require_model: bool,
     distserve: Any,
     body_timeout: float,
-    headers: list[tuple[bytes, bytes]],
-    request_id: bytes,
+    client_headers: ClientHeaders,
     record: Record | None,
 ) -> bool:
     """Serves the request; returns whether the client went away before the end."""
-    echo = [(b"x-request-id", request_id)]
+    headers = client_headers.upstream
+    echo = [(b"x-request-id", client_headers.request_id)]
     try:
-        require_json(scope)
+        check_media_type(client_headers.content_type)
         try:
             async with asyncio.timeout(body_timeout):
-                body = await read_body(scope, receive, max_body_size)
+                body = await read_body(receive, max_body_size, client_headers.content_length)
         except TimeoutError:
             raise RequestTimeout(f"the request body did not arrive within {body_timeout:g}s") from None
         model = Router.inspect(body)["model"] if require_model or record is not None else None

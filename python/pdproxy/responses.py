@@ -61,7 +61,10 @@ def header(scope: Scope, name: bytes) -> bytes | None:
 
 def require_json(scope: Scope) -> None:
     """Refuses a body declared as something other than JSON (no declaration is accepted)."""
-    content_type = header(scope, b"content-type")
+    check_media_type(header(scope, b"content-type"))
+
+
+def check_media_type(content_type: bytes | None) -> None:
     if content_type is None:
         return
     media = content_type.split(b";", 1)[0].strip().lower()
@@ -69,9 +72,9 @@ def require_json(scope: Scope) -> None:
         raise UnsupportedMediaType(f"the request body must be JSON, not {media.decode('latin-1')}")
 
 
-async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
-    """The whole request body, refused past ``limit`` bytes while it is read."""
-    declared = header(scope, b"content-length")
+async def read_body(receive: Receive, limit: int, declared: bytes | None) -> bytes:
+    """The whole request body, refused past ``limit`` bytes (``declared``: its content-length
+    header) while it is read."""
     if declared is not None:
         try:
             size = int(declared)
@@ -103,7 +106,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 async def read_json(scope: Scope, receive: Receive, limit: int) -> Any:
     require_json(scope)
-    body = await read_body(scope, receive, limit)
+    body = await read_body(receive, limit, header(scope, b"content-length"))
     if not body.strip():
         return None
     try:
