@@ -257,9 +257,11 @@ impl Router {
         let role = role_of(role)?;
         let bridge = self.bridge(py)?;
         let body = Bytes::copy_from_slice(body);
-        self.count_model(&body);
         let admitted = match node {
-            Some(url) => Admitted::Now(self.admit_on(url)?),
+            Some(url) => {
+                self.count_model(inspect(&body).map_err(|e| to_pyerr(&e))?.model.as_deref());
+                Admitted::Now(self.admit_on(url)?)
+            }
             None => self.admit_now(&body, &headers, role)?,
         };
 
@@ -318,9 +320,8 @@ enum Admitted {
 }
 
 impl Router {
-    fn count_model(&self, body: &[u8]) {
-        let Ok(info) = inspect(body) else { return };
-        let label = match info.model.as_deref() {
+    fn count_model(&self, model: Option<&str>) {
+        let label = match model {
             None => "none",
             Some(m) if self.shared.registry.load().models().contains(&m) => m,
             Some(_) => "other",
@@ -358,6 +359,7 @@ impl Router {
     fn admit_now(&self, body: &[u8], headers: &[(Vec<u8>, Vec<u8>)], role: Role) -> PyResult<Admitted> {
         let info = inspect(body).map_err(|e| to_pyerr(&e))?;
         let model = info.model.as_deref();
+        self.count_model(model);
         let ctx = SelectCtx { role, model, affinity: affinity(headers, info.body_affinity()), prompt: info.prompt };
         let policy = self.shared.policies.for_request(role, model);
         // First come, first served: newcomers wait behind requests already queued for the same nodes.
