@@ -117,34 +117,13 @@ def service(
 
 
 @contextlib.contextmanager
-def mock_engines(count: int, model: str, token_delay_ms: float = 0.0) -> Iterator[list[Service]]:
+def mock_engines(
+    count: int, model: str, token_delay_ms: float = 0.0, roles: list[str] | None = None
+) -> Iterator[list[Service]]:
+    """``count`` hybrid mock engines, or one per entry of ``roles``."""
     with contextlib.ExitStack() as stack:
         engines = []
-        for i in range(count):
-            port = free_port()
-            url = f"http://127.0.0.1:{port}"
-            args = [
-                sys.executable,
-                "-m",
-                "pdproxy",
-                "mock-engine",
-                "--port",
-                str(port),
-                "--model",
-                model,
-                "--token-delay-ms",
-                str(token_delay_ms),
-            ]
-            engines.append(stack.enter_context(service(f"mock-{i}", args, url + "/health", url)))
-        yield engines
-
-
-@contextlib.contextmanager
-def mock_engines_with_roles(roles: list[str], model: str, token_delay_ms: float = 0.0) -> Iterator[list[Service]]:
-    """One mock engine per role (hybrid, prefill, decode)."""
-    with contextlib.ExitStack() as stack:
-        engines = []
-        for i, role in enumerate(roles):
+        for i, role in enumerate(roles or ["hybrid"] * count):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             args = [

@@ -177,13 +177,13 @@ def run_pd(duration: float) -> dict[str, harness.LoadResult]:
     results: dict[str, harness.LoadResult] = {}
     harness.say(f"{PD_TITLE}: Hybrid")
     with (
-        harness.mock_engines_with_roles(["hybrid"], MODEL, delay) as (engine,),
+        harness.mock_engines(1, MODEL, delay) as (engine,),
         harness.pdproxy([engine.url], MODEL) as proxy,
     ):
         watch = {"proxy": proxy.proc.pid, "mock": engine.proc.pid}
         results["hybrid"] = harness.run_load([proxy.url + CHAT], body, connections, duration, watch)
     harness.say(f"{PD_TITLE}: DistServe")
-    with harness.mock_engines_with_roles(["prefill", "decode"], MODEL, delay) as (prefill, decode):
+    with harness.mock_engines(2, MODEL, delay, roles=["prefill", "decode"]) as (prefill, decode):
         roles = {prefill.url: "prefill", decode.url: "decode"}
         with harness.pdproxy([], MODEL, ("--serving-strategy", "DistServe"), roles) as proxy:
             watch = {"proxy": proxy.proc.pid, "prefill": prefill.proc.pid, "decode": decode.proc.pid}

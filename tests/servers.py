@@ -144,3 +144,11 @@ def chat_body(
     if model is not None:
         body["model"] = model
     return body
+
+
+async def register(http: Any, proxy: str, engine: Any, role: int, **extra: Any) -> None:
+    """Registers a mock engine as an LMDeploy api_server does: its model and its role as an
+    integer (1 hybrid, 2 prefill, 3 decode)."""
+    body = {"url": engine.url, "status": {"models": [engine.settings.model], "role": role}, **extra}
+    async with http.post(proxy + "/nodes/add", json=body) as r:
+        assert r.status in (200, 201), await r.text()

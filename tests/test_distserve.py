@@ -18,7 +18,7 @@ import pytest
 
 from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
 from pdproxy.testing.generation import generate, prompt_text
-from servers import Process, chat_body, pdproxy_serve
+from servers import Process, chat_body, pdproxy_serve, register
 
 PD_ARGS = ("--serving-strategy", "DistServe", "--pd-link-backoff", "0.05", "--pd-link-wait-timeout", "5")
 
@@ -34,13 +34,6 @@ class Fleet:
 def distserve_proxy(tmp_path: Path, *args: str) -> Iterator[Process]:
     with pdproxy_serve(tmp_path, *PD_ARGS, *args) as process:
         yield process
-
-
-async def register(http: aiohttp.ClientSession, proxy: str, engine: MockEngine, role: int) -> None:
-    # As an LMDeploy api_server registers: its models and its role as an integer.
-    body = {"url": engine.url, "status": {"models": ["m"], "role": role}}
-    async with http.post(proxy + "/nodes/add", json=body) as r:
-        assert r.status in (200, 201), await r.text()
 
 
 async def ledger(http: aiohttp.ClientSession, engine: MockEngine) -> dict[str, Any]:

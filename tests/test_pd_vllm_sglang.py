@@ -15,7 +15,7 @@ import pytest
 
 from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
 from pdproxy.testing.generation import generate, prompt_text
-from servers import Process, chat_body, pdproxy_serve
+from servers import Process, chat_body, pdproxy_serve, register
 
 
 @contextmanager
@@ -31,13 +31,6 @@ async def engines() -> AsyncIterator[tuple[MockEngine, MockEngine]]:
         MockEngine(MockSettings(port=0, model="m", role="decode")) as decode,
     ):
         yield prefill, decode
-
-
-async def register(http: aiohttp.ClientSession, proxy: str, engine: MockEngine, role: int, **extra: Any) -> None:
-    async with http.post(
-        proxy + "/nodes/add", json={"url": engine.url, "status": {"models": ["m"], "role": role}, **extra}
-    ) as r:
-        assert r.status in (200, 201)
 
 
 async def ledger(http: aiohttp.ClientSession, engine: MockEngine) -> dict[str, Any]:

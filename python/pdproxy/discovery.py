@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
+from . import background
+
 if TYPE_CHECKING:
     from ._pdproxy import Router as CoreRouter
 
@@ -55,14 +57,11 @@ class ModelDiscovery:
         """Probes every pending node once, then keeps at it in the background."""
         self._session = aiohttp.ClientSession(timeout=self._timeout)
         await self.probe_pending()
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="pdproxy-model-discovery")
+        self._task = background.start(self._run(), "pdproxy-model-discovery")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await background.stop(self._task)
+        self._task = None
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from . import _pdproxy, state_file
+from . import _pdproxy, background, state_file
 from .config import Settings
 from .errors import InvalidNode, NodeNotFound, UpstreamError
 from .health import HealthChecker
@@ -88,13 +88,10 @@ class Fleet:
                 log.error("saved node %s not restored: %s", entry.get("url"), e)
         for url in self.settings.nodes:
             await self.add(url)
-        self._lease_task = asyncio.get_running_loop().create_task(self._expire_leases(), name="pdproxy-leases")
+        self._lease_task = background.start(self._expire_leases(), "pdproxy-leases")
 
     async def aclose(self) -> None:
-        if self._lease_task is not None:
-            self._lease_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._lease_task
+        await background.stop(self._lease_task)
         await self.health.aclose()
         if self._session is not None:
             await self._session.close()

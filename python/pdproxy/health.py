@@ -12,7 +12,6 @@ kept (optionally removed after ``remove_after`` seconds), never deleted on the s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from . import background
 from .router import Router
 
 log = logging.getLogger("pdproxy.health")
@@ -86,13 +86,10 @@ class HealthChecker:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=self._timeout)
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="pdproxy-health")
+        self._task = background.start(self._run(), "pdproxy-health")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await background.stop(self._task)
         if self._session is not None:
             await self._session.close()
 

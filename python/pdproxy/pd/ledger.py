@@ -10,7 +10,6 @@ swept in the background, so nothing outlives a bug."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -18,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+from pdproxy import background
 
 log = logging.getLogger("pdproxy.pd")
 
@@ -48,13 +49,10 @@ class SessionLedger:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(timeout=self._timeout)
-        self._task = asyncio.get_running_loop().create_task(self._sweep(), name="pdproxy-pd-ledger")
+        self._task = background.start(self._sweep(), "pdproxy-pd-ledger")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await background.stop(self._task)
         # Shutting down: what is still preserved is freed now, not left to leak.
         await asyncio.gather(*(self.free(e, "shutdown") for e in list(self.entries.values())))
         if self._session is not None:
