@@ -37,6 +37,7 @@ def browser():  # type: ignore[no-untyped-def]
 
 
 async def test_dashboard_shows_nodes_and_updates(tmp_path: Path, browser, http: aiohttp.ClientSession) -> None:  # type: ignore[no-untyped-def]
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
     async with MockEngine(model="m") as a, MockEngine(model="m") as b:
@@ -45,13 +46,19 @@ async def test_dashboard_shows_nodes_and_updates(tmp_path: Path, browser, http: 
             await asyncio.to_thread(browser.get, proxy.url + "/dashboard#key=dash-key")
 
             def rows() -> dict[str, int]:
-                found = {}
-                for row in browser.find_elements(By.CSS_SELECTOR, "#nodes-table tbody tr"):
-                    found[row.get_attribute("data-node")] = int(row.find_element(By.CLASS_NAME, "requests").text)
-                return found
+                # The page rebuilds its table every second: a row read mid-rebuild is stale, read again.
+                for _ in range(10):
+                    try:
+                        return {
+                            row.get_attribute("data-node"): int(row.find_element(By.CLASS_NAME, "requests").text)
+                            for row in browser.find_elements(By.CSS_SELECTOR, "#nodes-table tbody tr")
+                        }
+                    except StaleElementReferenceException:
+                        continue
+                return {}
 
             async def until(check) -> None:  # type: ignore[no-untyped-def]
-                for _ in range(100):
+                for _ in range(300):
                     if await asyncio.to_thread(check):
                         return
                     await asyncio.sleep(0.1)

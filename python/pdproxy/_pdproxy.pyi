@@ -167,7 +167,8 @@ class Router:
         """
 
     def close(self) -> None:
-        """Stops serving: requests in flight end now and the router leaves its event loop."""
+        """Stops serving: requests in flight end now (their readers get an error) and new
+        ones are refused; the router leaves its event loop when it is dropped."""
 
 @final
 class Response:

@@ -255,6 +255,9 @@ impl Router {
         let method = Method::from_bytes(method.as_bytes())
             .map_err(|_| PyValueError::new_err(format!("invalid HTTP method {method:?}")))?;
         let role = role_of(role)?;
+        if self.shutdown.is_cancelled() {
+            return Err(PyRuntimeError::new_err("this Router is closed"));
+        }
         let bridge = self.bridge(py)?;
         let body = Bytes::copy_from_slice(body);
         let admitted = match node {
@@ -288,11 +291,19 @@ impl Router {
         Ok(future)
     }
 
-    /// Stops serving: requests in flight end now and the router leaves its event loop.
-    fn close(&self, py: Python<'_>) {
+    /// Stops serving: requests in flight end now (their readers get an error) and new ones
+    /// are refused. The router leaves its event loop when it is dropped, so that the endings
+    /// of those requests still reach their readers.
+    fn close(&self) {
         self.shutdown.cancel();
+    }
+}
+
+impl Drop for Router {
+    fn drop(&mut self) {
         if let Some(bridge) = self.bridge.get() {
-            bridge.get().stop(py);
+            // Dropped by Python's deallocator, so the interpreter is attached.
+            Python::attach(|py| bridge.get().stop(py));
         }
     }
 }
