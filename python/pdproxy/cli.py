@@ -111,7 +111,14 @@ def _mock_settings_options(fn: F) -> F:
 
 @main.command("mock-engine")
 @_mock_settings_options
-def mock_engine(**options: Any) -> None:
+@click.option(
+    "--count",
+    type=click.IntRange(1, 1024),
+    default=1,
+    show_default=True,
+    help="Engines served by this one process, on ports PORT, PORT+1, ... (many nodes for little memory).",
+)
+def mock_engine(count: int, **options: Any) -> None:
     """Run a mock OpenAI-compatible inference engine (no GPU) for demos, tests and benchmarks."""
     import uvloop
 
@@ -121,12 +128,27 @@ def mock_engine(**options: Any) -> None:
         settings = MockSettings(**options)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
-    engine = MockEngine(settings)
-    click.echo(
-        f"mock engine: serving {settings.model} ({settings.role}) on http://{settings.host}:{settings.port}", err=True
-    )
+    ports = [settings.port + i if settings.port else 0 for i in range(count)]
+    engines = [MockEngine(settings, port=port) for port in ports]
+
+    async def serve() -> None:
+        for engine in engines[1:]:
+            await engine.start()
+        for engine in engines[1:]:
+            click.echo(f"mock engine: serving {settings.model} ({settings.role}) on {engine.url}", err=True)
+        first = engines[0]
+        click.echo(
+            f"mock engine: serving {settings.model} ({settings.role}) on http://{settings.host}:{settings.port}",
+            err=True,
+        )
+        try:
+            await first.serve_forever()
+        finally:
+            for engine in engines[1:]:
+                await engine.stop()
+
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner, contextlib.suppress(KeyboardInterrupt):
-        runner.run(engine.serve_forever())
+        runner.run(serve())
 
 
 def _admin_call(url: str, path: str, key: str | None, payload: object = None) -> Any:
