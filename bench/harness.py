@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -33,6 +34,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def free_port_range(count: int) -> int:
+    """The first of ``count`` consecutive free ports, below Linux's ephemeral range (where the
+    load generator's closed connections linger)."""
+    for _ in range(200):
+        first = random.randrange(20000, 32000 - count)
+        if all(_port_free(first + i) for i in range(count)):
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def process_tree(pid: int) -> list[int]:

@@ -1,0 +1,95 @@
+"""How pdproxy's cost grows with the work: proxy CPU per request and per event, and RSS, as
+concurrent streams grow (64 to 4096) and as the number of nodes grows (2 to 128).
+
+    python bench/scaling.py                # 8 s per point
+    python bench/scaling.py --duration 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import harness
+from run import CHAT, MODEL, chat
+
+STREAMS = (64, 256, 1024, 4096)
+NODES = (2, 16, 128)
+
+
+@contextlib.contextmanager
+def engines_in_one_process(count: int) -> Iterator[list[str]]:
+    """``count`` mock engines served by one process (so 128 nodes cost one process)."""
+    port = harness.free_port_range(count)
+    args = [
+        sys.executable,
+        "-m",
+        "pdproxy",
+        "mock-engine",
+        "--port",
+        str(port),
+        "--count",
+        str(count),
+        "--model",
+        MODEL,
+    ]
+    url = f"http://127.0.0.1:{port}"
+    with harness.service(f"{count} engines", args, url + "/health", url):
+        yield [f"http://127.0.0.1:{port + i}" for i in range(count)]
+
+
+def per(result: harness.LoadResult, what: str) -> float:
+    return result.cpu_s["proxy"] / max(result.load[what], 1) * 1e6
+
+
+def stream_sweep(duration: float) -> list[str]:
+    rows = [
+        "| streams | events/s | gap p99 ms | proxy CPU µs/event | proxy CPU µs/request | proxy RSS MB | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    with (
+        harness.mock_engines(2, MODEL, token_delay_ms=20.0) as engines,
+        harness.pdproxy([e.url for e in engines], MODEL) as proxy,
+    ):
+        for streams in STREAMS:
+            harness.say(f"scaling: {streams} streams of 50 tokens at 20 ms/token for {duration:.0f} s")
+            r = harness.run_load([proxy.url + CHAT], chat(True, 50), streams, duration, {"proxy": proxy.proc.pid})
+            gap = r.load["gap_ms"]["p99"] if r.load.get("gap_ms") else float("nan")
+            rows.append(
+                f"| {streams} | {r.load['events_per_s']:.0f} | {gap:.1f} | {per(r, 'events'):.1f} | "
+                f"{per(r, 'requests'):.0f} | {r.rss_bytes['proxy'] / 1e6:.0f} | {r.load['errors']} |"
+            )
+    return rows
+
+
+def node_sweep(duration: float) -> list[str]:
+    rows = ["| nodes | req/s | proxy CPU µs/request | proxy RSS MB | errors |", "|---|---|---|---|---|"]
+    for count in NODES:
+        with engines_in_one_process(count) as urls, harness.pdproxy(urls, MODEL) as proxy:
+            harness.say(f"scaling: {count} nodes, non-stream, 64 connections for {duration:.0f} s")
+            r = harness.run_load([proxy.url + CHAT], chat(False, 16), 64, duration, {"proxy": proxy.proc.pid})
+            rows.append(
+                f"| {count} | {r.load['rps']:.0f} | {per(r, 'requests'):.0f} | {r.rss_bytes['proxy'] / 1e6:.0f} | "
+                f"{r.load['errors']} |"
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=float, default=8.0)
+    args = parser.parse_args()
+    harness.build_loadgen()
+    print("### Concurrent streams (two engines, 50 tokens at 20 ms/token)\n")
+    print("\n".join(stream_sweep(args.duration)) + "\n", flush=True)
+    print("### Nodes (one process of mock engines, non-stream, 64 connections)\n")
+    print("\n".join(node_sweep(args.duration)))
+
+
+if __name__ == "__main__":
+    main()
