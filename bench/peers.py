@@ -231,23 +231,31 @@ def _sglang_workers_ready(url: str, count: int) -> bool:
     return len(workers) == count and all(w.get("is_healthy") for w in workers)
 
 
-@contextlib.contextmanager
-def sglang_router(peer: Peer, engines: list[str], model: str) -> Iterator[harness.Service]:
-    port = harness.free_port()
-    url = f"http://127.0.0.1:{port}"
-    args = [str(peer.python), "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port)]
-    args += ["--policy", SGLANG_POLICY, "--log-level", "warn", "--worker-urls", *engines]
-    # Its Prometheus exporter is on by default, on 0.0.0.0:29000: keep it (it is part of the router's
-    # work) but on loopback and a free port, so it neither collides nor listens beyond this machine.
-    args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(harness.free_port())]
-    env = {**os.environ, **OFFLINE}
-    log = PEERS_DIR / "sglang.log"
-    ready = url + "/health"
-    with _explained(peer, log), harness.service(peer.name, args, ready, url, env=env, log=log, timeout=60) as svc:
-        # Its /health answers before the workers are registered (that runs in the background).
-        _until(f"{peer.name} registers {len(engines)} workers", lambda: _sglang_workers_ready(url, len(engines)))
-        _until(f"{peer.name} routes {model}", lambda: _answers(url, model))
-        yield svc
+def rust_router(
+    module: str, log_name: str
+) -> Callable[[Peer, list[str], str], AbstractContextManager[harness.Service]]:
+    """sglang-router and vllm-router (a fork of it) start the same way."""
+
+    @contextlib.contextmanager
+    def launch(peer: Peer, engines: list[str], model: str) -> Iterator[harness.Service]:
+        port = harness.free_port()
+        url = f"http://127.0.0.1:{port}"
+        args = [str(peer.python), "-m", module, "--host", "127.0.0.1", "--port", str(port)]
+        args += ["--policy", SGLANG_POLICY, "--log-level", "warning" if "vllm" in module else "warn"]
+        args += ["--worker-urls", *engines]
+        # The Prometheus exporter is on by default, on 0.0.0.0:29000: keep it (it is part of the router's
+        # work) but on loopback and a free port, so it neither collides nor listens beyond this machine.
+        args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(harness.free_port())]
+        env = {**os.environ, **OFFLINE}
+        log = PEERS_DIR / log_name
+        ready = url + "/health"
+        with _explained(peer, log), harness.service(peer.name, args, ready, url, env=env, log=log, timeout=60) as svc:
+            # Its /health answers before the workers are registered (that runs in the background).
+            _until(f"{peer.name} registers {len(engines)} workers", lambda: _sglang_workers_ready(url, len(engines)))
+            _until(f"{peer.name} routes {model}", lambda: _answers(url, model))
+            yield svc
+
+    return launch
 
 
 PEERS = {
@@ -268,8 +276,17 @@ PEERS = {
         # Its own dependencies are small (the Rust router is one shared library): install them all.
         spec=">=0.3,<0.4",
         check="sglang_router.router",
-        launch=sglang_router,
+        launch=rust_router("sglang_router.launch_router", "sglang.log"),
         note=f"`python -m sglang_router.launch_router`, policy {SGLANG_POLICY}",
+    ),
+    "vllm": Peer(
+        name="vllm-router",
+        venv=PEERS_DIR / "vllm-venv",
+        dist="vllm-router",
+        spec=">=0.1,<0.2",
+        check="vllm_router",
+        launch=rust_router("vllm_router.launch_router", "vllm-router.log"),
+        note=f"`python -m vllm_router.launch_router`, policy {SGLANG_POLICY}",
     ),
 }
 
