@@ -44,10 +44,10 @@ def render(name: str, title: str, results: dict[str, Any], out_dir: Path) -> Pat
     except ImportError:
         return None
     targets = list(results)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.2))
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(5, 0.8 * len(targets)) * len(panels), 3.2))
     for ax, (label, value) in zip(axes, panels, strict=True):
         values = [value(results[t]) for t in targets]
-        colors = ["#2b6cb0" if t == "pdproxy" else "#a0aec0" for t in targets]
+        colors = ["#2b6cb0" if t.startswith("pdproxy") else "#a0aec0" for t in targets]
         bars = ax.bar(targets, values, color=colors)
         ax.bar_label(bars, labels=[f"{v:,.0f}" if v >= 100 else f"{v:.3g}" for v in values], fontsize=8)
         ax.set_title(label, fontsize=10)

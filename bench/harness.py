@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -200,6 +200,8 @@ class LoadResult:
     load: dict
     cpu_s: dict[str, float]
     rss_bytes: dict[str, int]
+    # When the result is the median of repeated runs: the measure it was chosen on, for every run.
+    runs: list[float] = field(default_factory=list)
 
 
 def run_load(

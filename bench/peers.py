@@ -1,8 +1,9 @@
-"""Peer proxies benchmarked beside pdproxy: LMDeploy's proxy and sglang-router.
+"""Peer proxies benchmarked beside pdproxy: LMDeploy's proxy, sglang-router, vllm-router and nginx.
 
-Each lives in its own virtual environment under bench/.peers (git-ignored), installed from PyPI on
-first use, so their pins never meet pdproxy's. A peer that cannot be installed or started is
-reported and left out; the run goes on without it.
+The Python ones live in their own virtual environments under bench/.peers (git-ignored), installed
+from PyPI on first use, so their pins never meet pdproxy's; nginx is Debian's package (apt-get, as
+root, on first use). A peer that cannot be installed or started is reported and left out; the run
+goes on without it.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -68,6 +71,16 @@ class Peer:
     # Empty: pip installs the peer with its own dependencies. Else the peer goes in without them and
     # only these go beside it, within the version ranges the peer declares.
     only_deps: tuple[str, ...] = ()
+    # A Debian package instead of PyPI: ``dist`` is then the package and ``check`` its executable.
+    debian: bool = False
+    # The peer in its prefill/decode mode, given one prefill and one decode engine; None: it has none.
+    launch_pd: Callable[[Peer, str, str, str], AbstractContextManager[harness.Service]] | None = None
+    pd_protocol: str = ""  # the PD protocol it speaks to the engines, as `pdproxy --pd-protocol` names it
+
+    def start_pd(self, prefill: str, decode: str, model: str) -> AbstractContextManager[harness.Service]:
+        """The peer disaggregating between ``prefill`` and ``decode``, once it has answered a request."""
+        assert self.launch_pd is not None
+        return self.launch_pd(self, prefill, decode, model)
 
     def start(self, engines: list[str], model: str) -> AbstractContextManager[harness.Service]:
         """The peer routing to ``engines``, yielded once it has answered a request."""
@@ -82,6 +95,8 @@ class Peer:
         return self.venv / "bench-installed.json"
 
     def version(self) -> str:
+        if self.debian:
+            return _run(["dpkg-query", "-W", "-f", "${Version}", self.dist], f"reading {self.dist}'s version")
         return json.loads(self.marker.read_text())["version"]
 
 
@@ -123,8 +138,23 @@ def _wanted(peer: Peer) -> dict[str, object]:
     return {"package": peer.dist + peer.spec, "check": peer.check, "only_deps": list(peer.only_deps)}
 
 
+def install_debian(peer: Peer) -> None:
+    """apt-get install of the peer's package, once; it needs root, as apt-get does."""
+    if shutil.which(peer.check):
+        return
+    harness.say(f"installing {peer.name} (Debian package {peer.dist}; first run only; apt-get)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    done = subprocess.run(["apt-get", "install", "-y", "-q", peer.dist], capture_output=True, text=True, env=env)
+    if done.returncode != 0 or not shutil.which(peer.check):
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-5:])
+        raise PeerError(f"apt-get install {peer.dist} failed (exit {done.returncode}):\n{tail}")
+
+
 def install(peer: Peer) -> None:
     """Creates the peer's venv and installs it; skipped when a previous install of the same spec worked."""
+    if peer.debian:
+        install_debian(peer)
+        return
     if peer.marker.exists():
         with contextlib.suppress(ValueError, KeyError):
             if json.loads(peer.marker.read_text())["wanted"] == _wanted(peer):
@@ -205,25 +235,39 @@ def _lmdeploy_forget_nodes(peer: Peer) -> None:
         stale.unlink()
 
 
+LMDEPLOY_ROLES = {"hybrid": 1, "prefill": 2, "decode": 3}  # its EngineRole numbers
+
+
 @contextlib.contextmanager
-def lmdeploy_proxy(peer: Peer, engines: list[str], model: str) -> Iterator[harness.Service]:
+def _lmdeploy(peer: Peer, nodes: dict[str, str], model: str, extra: tuple[str, ...]) -> Iterator[harness.Service]:
+    """`lmdeploy serve proxy` with ``nodes`` (url -> role) registered as its engines register."""
     _lmdeploy_forget_nodes(peer)
     port = harness.free_port()
     url = f"http://127.0.0.1:{port}"
     args = [str(peer.venv / "bin" / "lmdeploy"), "serve", "proxy", "--server-name", "127.0.0.1"]
-    args += ["--server-port", str(port), "--disable-cache-status", "--log-level", "WARNING"]
+    args += ["--server-port", str(port), "--disable-cache-status", "--log-level", "WARNING", *extra]
     # uvicorn logs every request at its default level; pdproxy runs at warning too.
     env = {**os.environ, **OFFLINE, "UVICORN_LOG_LEVEL": "warning"}
     log = PEERS_DIR / "lmdeploy.log"
     ready = url + "/v1/models"  # answers as soon as it serves, with or without nodes
     with _explained(peer, log), harness.service(peer.name, args, ready, url, env=env, log=log, timeout=120) as svc:
-        for engine in engines:
+        for engine, role in nodes.items():
             # With the models given, it registers the node as is instead of asking its /v1/models.
-            reply = _post_json(url + "/nodes/add", {"url": engine, "status": {"models": [model]}})
+            status = {"models": [model], "role": LMDEPLOY_ROLES[role]}
+            reply = _post_json(url + "/nodes/add", {"url": engine, "status": status})
             if "success" not in reply:
                 raise PeerError(f"registering {engine}: {reply}")
         _until(f"{peer.name} routes {model}", lambda: _answers(url, model))
         yield svc
+
+
+def lmdeploy_proxy(peer: Peer, engines: list[str], model: str) -> AbstractContextManager[harness.Service]:
+    return _lmdeploy(peer, dict.fromkeys(engines, "hybrid"), model, ())
+
+
+def lmdeploy_distserve(peer: Peer, prefill: str, decode: str, model: str) -> AbstractContextManager[harness.Service]:
+    # Its default migration protocol (RDMA) is what the mock's /distserve endpoints expect.
+    return _lmdeploy(peer, {prefill: "prefill", decode: "decode"}, model, ("--serving-strategy", "DistServe"))
 
 
 def _sglang_workers_ready(url: str, count: int) -> bool:
@@ -231,31 +275,100 @@ def _sglang_workers_ready(url: str, count: int) -> bool:
     return len(workers) == count and all(w.get("is_healthy") for w in workers)
 
 
+@contextlib.contextmanager
+def _rust_router(
+    peer: Peer, module: str, log_name: str, workers: list[str], count: int, model: str
+) -> Iterator[harness.Service]:
+    """sglang-router or vllm-router (a fork of it): they start the same way; ``workers`` are the
+    flags that name the engines, ``count`` how many."""
+    port = harness.free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [str(peer.python), "-m", module, "--host", "127.0.0.1", "--port", str(port)]
+    args += ["--policy", SGLANG_POLICY, "--log-level", "warning" if "vllm" in module else "warn", *workers]
+    # The Prometheus exporter is on by default, on 0.0.0.0:29000: keep it (it is part of the router's
+    # work) but on loopback and a free port, so it neither collides nor listens beyond this machine.
+    args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(harness.free_port())]
+    env = {**os.environ, **OFFLINE}
+    log = PEERS_DIR / log_name
+    ready = url + "/health"
+    with _explained(peer, log), harness.service(peer.name, args, ready, url, env=env, log=log, timeout=60) as svc:
+        # Its /health answers before the workers are registered (that runs in the background).
+        _until(f"{peer.name} registers {count} workers", lambda: _sglang_workers_ready(url, count))
+        _until(f"{peer.name} routes {model}", lambda: _answers(url, model))
+        yield svc
+
+
 def rust_router(
     module: str, log_name: str
 ) -> Callable[[Peer, list[str], str], AbstractContextManager[harness.Service]]:
-    """sglang-router and vllm-router (a fork of it) start the same way."""
-
-    @contextlib.contextmanager
-    def launch(peer: Peer, engines: list[str], model: str) -> Iterator[harness.Service]:
-        port = harness.free_port()
-        url = f"http://127.0.0.1:{port}"
-        args = [str(peer.python), "-m", module, "--host", "127.0.0.1", "--port", str(port)]
-        args += ["--policy", SGLANG_POLICY, "--log-level", "warning" if "vllm" in module else "warn"]
-        args += ["--worker-urls", *engines]
-        # The Prometheus exporter is on by default, on 0.0.0.0:29000: keep it (it is part of the router's
-        # work) but on loopback and a free port, so it neither collides nor listens beyond this machine.
-        args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(harness.free_port())]
-        env = {**os.environ, **OFFLINE}
-        log = PEERS_DIR / log_name
-        ready = url + "/health"
-        with _explained(peer, log), harness.service(peer.name, args, ready, url, env=env, log=log, timeout=60) as svc:
-            # Its /health answers before the workers are registered (that runs in the background).
-            _until(f"{peer.name} registers {len(engines)} workers", lambda: _sglang_workers_ready(url, len(engines)))
-            _until(f"{peer.name} routes {model}", lambda: _answers(url, model))
-            yield svc
+    def launch(peer: Peer, engines: list[str], model: str) -> AbstractContextManager[harness.Service]:
+        return _rust_router(peer, module, log_name, ["--worker-urls", *engines], len(engines), model)
 
     return launch
+
+
+def rust_router_pd(
+    module: str, log_name: str, mode_flag: str, bootstrap: bool
+) -> Callable[[Peer, str, str, str], AbstractContextManager[harness.Service]]:
+    def launch(peer: Peer, prefill: str, decode: str, model: str) -> AbstractContextManager[harness.Service]:
+        # SGLang's prefill names a bootstrap port; the mock serves its bootstrap endpoints on its HTTP port.
+        port = [prefill.rsplit(":", 1)[1]] if bootstrap else []
+        workers = [mode_flag, "--prefill", prefill, *port, "--decode", decode]
+        return _rust_router(peer, module, log_name, workers, 2, model)
+
+    return launch
+
+
+# nginx as a tuned generic reverse proxy: keep-alive to the engines, nothing buffered either way (so
+# SSE events pass as they come), no access log (pdproxy's is off in the benchmark too), round robin,
+# one worker process per core.
+NGINX_CONF = """\
+daemon off;
+worker_processes auto;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log warn;
+events {{ worker_connections 16384; multi_accept on; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    keepalive_requests 1000000;
+    upstream engines {{
+{servers}
+        keepalive 1024;
+        keepalive_requests 1000000;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location / {{
+            proxy_pass http://engines;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+            proxy_read_timeout 600s;
+        }}
+    }}
+}}
+"""
+
+
+@contextlib.contextmanager
+def nginx(peer: Peer, engines: list[str], model: str) -> Iterator[harness.Service]:
+    port = harness.free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="pdproxy-bench-nginx-") as workdir:
+        servers = "\n".join(f"        server {e.removeprefix('http://')};" for e in engines)
+        conf = Path(workdir) / "nginx.conf"
+        conf.write_text(NGINX_CONF.format(dir=workdir, servers=servers, port=port))
+        args = [peer.check, "-p", workdir, "-c", str(conf), "-e", f"{workdir}/error.log"]
+        log = PEERS_DIR / "nginx.log"
+        with _explained(peer, log), harness.service(peer.name, args, url + "/v1/models", url, log=log) as svc:
+            _until(f"{peer.name} routes {model}", lambda: _answers(url, model))
+            yield svc
 
 
 PEERS = {
@@ -268,6 +381,8 @@ PEERS = {
         launch=lmdeploy_proxy,
         note="`lmdeploy serve proxy`, its default routing strategy min_expected_latency",
         only_deps=LMDEPLOY_IMPORTS,
+        launch_pd=lmdeploy_distserve,
+        pd_protocol="lmdeploy",
     ),
     "sglang": Peer(
         name="sglang-router",
@@ -278,6 +393,8 @@ PEERS = {
         check="sglang_router.router",
         launch=rust_router("sglang_router.launch_router", "sglang.log"),
         note=f"`python -m sglang_router.launch_router`, policy {SGLANG_POLICY}",
+        launch_pd=rust_router_pd("sglang_router.launch_router", "sglang.log", "--pd-disaggregation", True),
+        pd_protocol="sglang",
     ),
     "vllm": Peer(
         name="vllm-router",
@@ -287,6 +404,18 @@ PEERS = {
         check="vllm_router",
         launch=rust_router("vllm_router.launch_router", "vllm-router.log"),
         note=f"`python -m vllm_router.launch_router`, policy {SGLANG_POLICY}",
+        launch_pd=rust_router_pd("vllm_router.launch_router", "vllm-router.log", "--vllm-pd-disaggregation", False),
+        pd_protocol="vllm",
+    ),
+    "nginx": Peer(
+        name="nginx",
+        venv=PEERS_DIR,
+        dist="nginx-light",
+        spec="",
+        check="nginx",
+        launch=nginx,
+        note="Debian's nginx, upstream keepalive, proxy_buffering off, worker_processes auto",
+        debian=True,
     ),
 }
 

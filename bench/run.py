@@ -5,11 +5,13 @@ one table per scenario, with ratios measured in the same run.
     python bench/run.py S1 S4 --duration 5   # some scenarios
     python bench/run.py --write-readme       # also refresh the results in bench/README.md
     python bench/run.py --peers none         # only direct and pdproxy
+    python bench/run.py --repeat 1           # one run per target instead of the median of three
 
 Targets: `direct` (the load generator talks to the mock engines itself: the physical limit),
 `pdproxy` (`pdproxy serve` under granian, one worker) and the peers: `lmdeploy-proxy` (LMDeploy's
-`lmdeploy serve proxy`) and `sglang-router` (the Rust router of SGLang), each installed on first use
-into its own virtual environment under bench/.peers.
+`lmdeploy serve proxy`), `sglang-router` and `vllm-router` (Rust routers), each installed on first
+use into its own virtual environment under bench/.peers, and `nginx` (Debian's package). Each target
+runs the load ``--repeat`` times back to back; a table row is the median run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +50,38 @@ def chat(stream: bool, tokens: int) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class Median:
+    """Runs a load ``times`` times and keeps the median run by one measure: the whole run, so a row's
+    figures always come from one and the same run."""
+
+    times: int
+    label: str  # the measure, as the table names it
+    measure: Callable[[harness.LoadResult], float]
+
+    def __call__(
+        self, urls: list[str], body: dict, connections: int, duration: float, watch: dict[str, int]
+    ) -> harness.LoadResult:
+        runs = [harness.run_load(urls, body, connections, duration, watch) for _ in range(self.times)]
+        median = sorted(runs, key=self.measure)[len(runs) // 2]
+        median.runs = [self.measure(r) for r in runs]
+        return median
+
+    def describe(self, results: dict[str, harness.LoadResult]) -> str:
+        if self.times == 1:
+            return ""
+        runs = "; ".join(f"{name} {' / '.join(map(_figure, r.runs))}" for name, r in results.items())
+        return f"Each row is the median of {self.times} runs by {self.label}. All runs: {runs}."
+
+
+def _figure(value: float) -> str:
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def by_rps(times: int) -> Median:
+    return Median(times, "req/s", lambda r: r.load["rps"])
+
+
 @dataclass
 class Scenario:
     name: str
@@ -56,6 +91,12 @@ class Scenario:
     engines: int = 2
     token_delay_ms: float = 0.0
     render: Callable[[dict[str, harness.LoadResult]], list[str]] = field(default=lambda r: [])
+    # The measure the median run is chosen on.
+    median_label: str = "req/s"
+    median_of: Callable[[harness.LoadResult], float] = field(default=lambda r: r.load["rps"])
+
+    def median(self, times: int) -> Median:
+        return Median(times, self.median_label, self.median_of)
 
 
 def _ms(result: harness.LoadResult, key: str, q: str) -> float:
@@ -150,14 +191,14 @@ def render_mock(results: dict[str, harness.LoadResult]) -> list[str]:
 
 
 def render_pd(results: dict[str, harness.LoadResult]) -> list[str]:
-    hybrid = results["hybrid"]
+    hybrid = results["pdproxy hybrid"]
     rows = [
-        "| mode | req/s | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | added TTFT p99 ms | proxy CPU µs/req "
-        "| errors |",
+        "| target and protocol | req/s | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | added TTFT p99 ms "
+        "| proxy CPU µs/req | errors |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
-        pd = name != "hybrid"
+        pd = r is not hybrid
         a50 = f"{_ms(r, 'ttft_ms', 'p50') - _ms(hybrid, 'ttft_ms', 'p50'):+.2f}" if pd else ""
         a99 = f"{_ms(r, 'ttft_ms', 'p99') - _ms(hybrid, 'ttft_ms', 'p99'):+.2f}" if pd else ""
         rows.append(
@@ -167,34 +208,65 @@ def render_pd(results: dict[str, harness.LoadResult]) -> list[str]:
     return rows
 
 
-PD_TITLE = "PD: DistServe (LMDeploy protocol), one prefill and one decode engine, 256 streams, 32 tokens at 10 ms/token"
+PD_TITLE = "PD: one prefill and one decode engine, 256 streams, 32 tokens at 10 ms/token"
+PD_PROTOCOLS = ("lmdeploy", "sglang", "vllm")
 
 
-def run_pd(duration: float) -> dict[str, harness.LoadResult]:
-    """The same load through pdproxy in Hybrid mode (one hybrid engine) and in DistServe mode
-    (one prefill and one decode engine): what disaggregation adds to the first token."""
+def pd_median(times: int) -> Median:
+    return Median(times, "TTFT p50 ms", lambda r: _ms(r, "ttft_ms", "p50"))
+
+
+def run_pd(duration: float, repeat: int, others: list[peers.Peer]) -> dict[str, harness.LoadResult]:
+    """The same load through pdproxy with one hybrid engine (the baseline), then disaggregated
+    between a prefill and a decode engine in each PD protocol, through pdproxy and through the
+    peers that speak that protocol: what disaggregation adds to the first token, and at what cost."""
     body, connections, delay = chat(True, 32), 256, 10.0
+    run_load = pd_median(repeat)
     results: dict[str, harness.LoadResult] = {}
-    harness.say(f"{PD_TITLE}: Hybrid")
+    harness.say(f"{PD_TITLE}: pdproxy, one hybrid engine")
     with (
         harness.mock_engines(1, MODEL, delay) as (engine,),
         harness.pdproxy([engine.url], MODEL) as proxy,
     ):
         watch = {"proxy": proxy.proc.pid, "mock": engine.proc.pid}
-        results["hybrid"] = harness.run_load([proxy.url + CHAT], body, connections, duration, watch)
-    harness.say(f"{PD_TITLE}: DistServe")
-    with harness.mock_engines(2, MODEL, delay, roles=["prefill", "decode"]) as (prefill, decode):
-        roles = {prefill.url: "prefill", decode.url: "decode"}
-        with harness.pdproxy([], MODEL, ("--serving-strategy", "DistServe"), roles) as proxy:
-            watch = {"proxy": proxy.proc.pid, "prefill": prefill.proc.pid, "decode": decode.proc.pid}
-            results["distserve"] = harness.run_load([proxy.url + CHAT], body, connections, duration, watch)
+        results["pdproxy hybrid"] = run_load([proxy.url + CHAT], body, connections, duration, watch)
+    for protocol in PD_PROTOCOLS:
+        speakers: list[peers.Peer | None] = [None, *(p for p in others if p.pd_protocol == protocol)]
+        for peer in speakers:  # None: pdproxy; fresh engines for each, so no one inherits KV state
+            name = f"{peer.name if peer else 'pdproxy'} {protocol}"
+            harness.say(f"{PD_TITLE}: {name}")
+            with harness.mock_engines(2, MODEL, delay, roles=["prefill", "decode"]) as (prefill, decode):
+                engines = {"prefill": prefill.proc.pid, "decode": decode.proc.pid}
+                try:
+                    with _pd_proxy(peer, protocol, prefill.url, decode.url) as proxy:
+                        watch = {"proxy": proxy.proc.pid, **engines}
+                        results[name] = run_load([proxy.url + CHAT], body, connections, duration, watch)
+                except Exception as e:
+                    if peer is None:
+                        raise
+                    harness.say(f"PD: leaving out {name}: {e}")
     return results
+
+
+def _pd_proxy(
+    peer: peers.Peer | None, protocol: str, prefill: str, decode: str
+) -> AbstractContextManager[harness.Service]:
+    if peer is not None:
+        return peer.start_pd(prefill, decode, MODEL)
+    extra = ("--serving-strategy", "DistServe", "--pd-protocol", protocol)
+    return harness.pdproxy([], MODEL, extra, {prefill: "prefill", decode: "decode"})
 
 
 SCENARIOS = {
     "S1": Scenario("S1", "S1: non-stream chat, 64 connections", chat(False, 16), 64, render=render_s1),
     "S2": Scenario(
-        "S2", "S2: stream, 64 events per response without delay, 64 connections", chat(True, 62), 64, render=render_s2
+        "S2",
+        "S2: stream, 64 events per response without delay, 64 connections",
+        chat(True, 62),
+        64,
+        render=render_s2,
+        median_label="events/s",
+        median_of=lambda r: r.load["events_per_s"],
     ),
     "S3": Scenario(
         "S3",
@@ -203,53 +275,65 @@ SCENARIOS = {
         512,
         token_delay_ms=20.0,
         render=render_s3,
+        median_label="gap p99 ms",
+        median_of=lambda r: _ms(r, "gap_ms", "p99"),
     ),
-    "S4": Scenario("S4", "S4: one connection, non-stream", chat(False, 16), 1, render=render_s4),
+    "S4": Scenario(
+        "S4",
+        "S4: one connection, non-stream",
+        chat(False, 16),
+        1,
+        render=render_s4,
+        median_label="p50 ms",
+        median_of=lambda r: _ms(r, "latency_ms", "p50"),
+    ),
 }
 
 
-def run_scenario(s: Scenario, duration: float, others: list[peers.Peer]) -> dict[str, harness.LoadResult]:
+def run_scenario(s: Scenario, duration: float, others: list[peers.Peer], repeat: int) -> dict[str, harness.LoadResult]:
     harness.say(f"{s.title}: starting {s.engines} mock engine(s)")
+    run_load = s.median(repeat)
     results: dict[str, harness.LoadResult] = {}
     with harness.mock_engines(s.engines, MODEL, s.token_delay_ms) as engines:
         mocks = {f"mock-{i}": e.proc.pid for i, e in enumerate(engines)}
         urls = [e.url for e in engines]
         harness.say(f"{s.name}: direct to the engines for {duration:.0f} s")
-        results["direct"] = harness.run_load([u + CHAT for u in urls], s.body, s.connections, duration, mocks)
+        results["direct"] = run_load([u + CHAT for u in urls], s.body, s.connections, duration, mocks)
         with harness.pdproxy(urls, MODEL) as proxy:
             harness.say(f"{s.name}: through pdproxy for {duration:.0f} s")
-            results["pdproxy"] = harness.run_load(
+            results["pdproxy"] = run_load(
                 [proxy.url + CHAT], s.body, s.connections, duration, {"proxy": proxy.proc.pid, **mocks}
             )
         for peer in others:
-            result = run_peer(s, peer, urls, duration, mocks)
+            result = run_peer(s, peer, urls, duration, mocks, run_load)
             if result is not None:
                 results[peer.name] = result
     return results
 
 
 def run_peer(
-    s: Scenario, peer: peers.Peer, urls: list[str], duration: float, mocks: dict[str, int]
+    s: Scenario, peer: peers.Peer, urls: list[str], duration: float, mocks: dict[str, int], run_load: Median
 ) -> harness.LoadResult | None:
     """One run through a peer; one that fails is reported and left out of this table, not the whole run."""
     try:
         with peer.start(urls, MODEL) as proxy:
             harness.say(f"{s.name}: through {peer.name} for {duration:.0f} s")
             watch = {"proxy": proxy.proc.pid, **mocks}
-            return harness.run_load([proxy.url + CHAT], s.body, s.connections, duration, watch)
+            return run_load([proxy.url + CHAT], s.body, s.connections, duration, watch)
     except Exception as e:
         harness.say(f"{s.name}: leaving out {peer.name}: {e}")
         return None
 
 
-def run_mock_capacity(duration: float) -> dict[str, harness.LoadResult]:
+def run_mock_capacity(duration: float, repeat: int) -> dict[str, harness.LoadResult]:
     harness.say("mock engine capacity: one process, 64 connections")
     results = {}
+    run_load = by_rps(repeat)
     with harness.mock_engines(1, MODEL) as (engine,):
         url = engine.url + "/v1/chat/completions"
         watch = {"mock": engine.proc.pid}
-        results["non-stream, 16 tokens"] = harness.run_load([url], chat(False, 16), 64, duration, watch)
-        results["stream, 64 events"] = harness.run_load([url], chat(True, 62), 64, duration, watch)
+        results["non-stream, 16 tokens"] = run_load([url], chat(False, 16), 64, duration, watch)
+        results["stream, 64 events"] = run_load([url], chat(True, 62), 64, duration, watch)
     return results
 
 
@@ -271,6 +355,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("scenarios", nargs="*", help=f"any of {', '.join(SCENARIOS)}, PD, mock (default: all)")
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per run (after 1 s warm-up)")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="runs per target; a row is the median run (default: %(default)s)"
+    )
     parser.add_argument("--write-readme", action="store_true", help="refresh the results section of bench/README.md")
     parser.add_argument(
         "--peers",
@@ -280,6 +367,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     chosen = args.scenarios or [*SCENARIOS, "PD", "mock"]
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     try:
         wanted = peers.parse(args.peers) if set(chosen) - {"mock"} else []
     except ValueError as e:
@@ -293,16 +382,21 @@ def main() -> None:
     raw = {}
     for name in chosen:
         if name == "PD":
-            results = run_pd(args.duration)
-            title, rows = PD_TITLE, render_pd(results)
+            results = run_pd(args.duration, args.repeat, others)
+            title, rows, median = PD_TITLE, render_pd(results), pd_median(args.repeat)
         elif name == "mock":
-            results = run_mock_capacity(args.duration)
+            results = run_mock_capacity(args.duration, args.repeat)
             title, rows = "Mock engine capacity (one process, 64 connections, direct)", render_mock(results)
+            median = by_rps(args.repeat)
         else:
             scenario = SCENARIOS[name]
-            results = run_scenario(scenario, args.duration, others)
-            title, rows = scenario.title, scenario.render(results)
-        raw[name] = {k: {"load": v.load, "cpu_s": v.cpu_s, "rss_bytes": v.rss_bytes} for k, v in results.items()}
+            results = run_scenario(scenario, args.duration, others, args.repeat)
+            title, rows, median = scenario.title, scenario.render(results), scenario.median(args.repeat)
+        if median.describe(results):
+            rows = [*rows, "", median.describe(results)]
+        raw[name] = {
+            k: {"load": v.load, "cpu_s": v.cpu_s, "rss_bytes": v.rss_bytes, "runs": v.runs} for k, v in results.items()
+        }
         RESULTS.mkdir(exist_ok=True)
         chart = charts.render(name, title, results, RESULTS)
         if chart is not None:
