@@ -7,6 +7,7 @@ agree (a node that answers is routable, none is left with an open circuit)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
@@ -163,15 +164,17 @@ async def test_scenario_keeps_the_invariants(
     wait_until(lambda: settled(proxy, engines), 10, "a settled start")
     await heal(http, proxy)
     resources = []
-    for _ in range(3):
+    for _ in range(4):
         await SCENARIOS[name](http, proxy.url)
         wait_until(lambda: settled(proxy, engines), 10, "in-flight counts back to zero (I1, I4)")
         await asyncio.sleep(0.2)  # let finished tasks be collected
         resources.append((state(proxy)["asyncio_tasks"], state(proxy)["open_fds"]))
-    # I3: repeating a scenario grows nothing (pooled connections are made by the first round).
-    _, (tasks_2, fds_2), (tasks_3, fds_3) = resources
-    assert tasks_3 <= tasks_2 + 2, resources
-    assert fds_3 <= fds_2 + 8, resources
+    # I3: repeating a scenario grows nothing. The upstream pool may still open a few connections
+    # after the first round (how many a burst needs at once depends on timing) but it levels off,
+    # while a leak grows with every round: so some later round must add (almost) nothing.
+    tasks, fds = zip(*resources[1:], strict=True)
+    assert min(b - a for a, b in itertools.pairwise(tasks)) <= 2, resources
+    assert min(b - a for a, b in itertools.pairwise(fds)) <= 8, resources
     # I6: the engines all answer again, so routing must work and health must say so; an
     # open circuit lets one probe through after its cooldown and closes.
     await heal(http, proxy)
