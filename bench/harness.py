@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdproxy.testing import mock_engine_command
+
 ROOT = Path(__file__).resolve().parent.parent
 LOADGEN = ROOT / "target" / "release" / "pdproxy-loadgen"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -146,20 +148,7 @@ def mock_engines(
         for i, role in enumerate(roles or ["hybrid"] * count):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            args = [
-                sys.executable,
-                "-m",
-                "pdproxy",
-                "mock-engine",
-                "--port",
-                str(port),
-                "--model",
-                model,
-                "--role",
-                role,
-                "--token-delay-ms",
-                str(token_delay_ms),
-            ]
+            args = mock_engine_command(port, model, "--role", role, "--token-delay-ms", str(token_delay_ms))
             engines.append(stack.enter_context(service(f"{role}-{i}", args, url + "/health", url)))
         yield engines
 

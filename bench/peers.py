@@ -91,6 +91,11 @@ class Peer:
         return self.venv / "bin" / "python"
 
     @property
+    def log(self) -> Path:
+        """Where its output goes, to tell why it failed."""
+        return PEERS_DIR / f"{self.name}.log"
+
+    @property
     def marker(self) -> Path:
         return self.venv / "bench-installed.json"
 
@@ -248,7 +253,7 @@ def _lmdeploy(peer: Peer, nodes: dict[str, str], model: str, extra: tuple[str, .
     args += ["--server-port", str(port), "--disable-cache-status", "--log-level", "WARNING", *extra]
     # uvicorn logs every request at its default level; pdproxy runs at warning too.
     env = {**os.environ, **OFFLINE, "UVICORN_LOG_LEVEL": "warning"}
-    log = PEERS_DIR / "lmdeploy.log"
+    log = peer.log
     ready = url + "/v1/models"  # answers as soon as it serves, with or without nodes
     with _explained(peer, log), harness.service(peer.name, args, ready, url, env=env, log=log, timeout=120) as svc:
         for engine, role in nodes.items():
@@ -276,9 +281,7 @@ def _sglang_workers_ready(url: str, count: int) -> bool:
 
 
 @contextlib.contextmanager
-def _rust_router(
-    peer: Peer, module: str, log_name: str, workers: list[str], count: int, model: str
-) -> Iterator[harness.Service]:
+def _rust_router(peer: Peer, module: str, workers: list[str], count: int, model: str) -> Iterator[harness.Service]:
     """sglang-router or vllm-router (a fork of it): they start the same way; ``workers`` are the
     flags that name the engines, ``count`` how many."""
     port = harness.free_port()
@@ -289,7 +292,7 @@ def _rust_router(
     # work) but on loopback and a free port, so it neither collides nor listens beyond this machine.
     args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(harness.free_port())]
     env = {**os.environ, **OFFLINE}
-    log = PEERS_DIR / log_name
+    log = peer.log
     ready = url + "/health"
     with _explained(peer, log), harness.service(peer.name, args, ready, url, env=env, log=log, timeout=60) as svc:
         # Its /health answers before the workers are registered (that runs in the background).
@@ -298,23 +301,21 @@ def _rust_router(
         yield svc
 
 
-def rust_router(
-    module: str, log_name: str
-) -> Callable[[Peer, list[str], str], AbstractContextManager[harness.Service]]:
+def rust_router(module: str) -> Callable[[Peer, list[str], str], AbstractContextManager[harness.Service]]:
     def launch(peer: Peer, engines: list[str], model: str) -> AbstractContextManager[harness.Service]:
-        return _rust_router(peer, module, log_name, ["--worker-urls", *engines], len(engines), model)
+        return _rust_router(peer, module, ["--worker-urls", *engines], len(engines), model)
 
     return launch
 
 
 def rust_router_pd(
-    module: str, log_name: str, mode_flag: str, bootstrap: bool
+    module: str, mode_flag: str, bootstrap: bool
 ) -> Callable[[Peer, str, str, str], AbstractContextManager[harness.Service]]:
     def launch(peer: Peer, prefill: str, decode: str, model: str) -> AbstractContextManager[harness.Service]:
         # SGLang's prefill names a bootstrap port; the mock serves its bootstrap endpoints on its HTTP port.
         port = [prefill.rsplit(":", 1)[1]] if bootstrap else []
         workers = [mode_flag, "--prefill", prefill, *port, "--decode", decode]
-        return _rust_router(peer, module, log_name, workers, 2, model)
+        return _rust_router(peer, module, workers, 2, model)
 
     return launch
 
@@ -365,7 +366,7 @@ def nginx(peer: Peer, engines: list[str], model: str) -> Iterator[harness.Servic
         conf = Path(workdir) / "nginx.conf"
         conf.write_text(NGINX_CONF.format(dir=workdir, servers=servers, port=port))
         args = [peer.check, "-p", workdir, "-c", str(conf), "-e", f"{workdir}/error.log"]
-        log = PEERS_DIR / "nginx.log"
+        log = peer.log
         with _explained(peer, log), harness.service(peer.name, args, url + "/v1/models", url, log=log) as svc:
             _until(f"{peer.name} routes {model}", lambda: _answers(url, model))
             yield svc
@@ -391,9 +392,9 @@ PEERS = {
         # Its own dependencies are small (the Rust router is one shared library): install them all.
         spec=">=0.3,<0.4",
         check="sglang_router.router",
-        launch=rust_router("sglang_router.launch_router", "sglang.log"),
+        launch=rust_router("sglang_router.launch_router"),
         note=f"`python -m sglang_router.launch_router`, policy {SGLANG_POLICY}",
-        launch_pd=rust_router_pd("sglang_router.launch_router", "sglang.log", "--pd-disaggregation", True),
+        launch_pd=rust_router_pd("sglang_router.launch_router", "--pd-disaggregation", True),
         pd_protocol="sglang",
     ),
     "vllm": Peer(
@@ -402,9 +403,9 @@ PEERS = {
         dist="vllm-router",
         spec=">=0.1,<0.2",
         check="vllm_router",
-        launch=rust_router("vllm_router.launch_router", "vllm-router.log"),
+        launch=rust_router("vllm_router.launch_router"),
         note=f"`python -m vllm_router.launch_router`, policy {SGLANG_POLICY}",
-        launch_pd=rust_router_pd("vllm_router.launch_router", "vllm-router.log", "--vllm-pd-disaggregation", False),
+        launch_pd=rust_router_pd("vllm_router.launch_router", "--vllm-pd-disaggregation", False),
         pd_protocol="vllm",
     ),
     "nginx": Peer(

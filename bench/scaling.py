@@ -16,6 +16,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness
+from pdproxy.testing import mock_engine_command
 from run import CHAT, MODEL, chat
 
 STREAMS = (64, 256, 1024, 4096)
@@ -26,18 +27,7 @@ NODES = (2, 16, 128)
 def engines_in_one_process(count: int) -> Iterator[list[str]]:
     """``count`` mock engines served by one process (so 128 nodes cost one process)."""
     port = harness.free_port_range(count)
-    args = [
-        sys.executable,
-        "-m",
-        "pdproxy",
-        "mock-engine",
-        "--port",
-        str(port),
-        "--count",
-        str(count),
-        "--model",
-        MODEL,
-    ]
+    args = mock_engine_command(port, MODEL, "--count", str(count))
     url = f"http://127.0.0.1:{port}"
     with harness.service(f"{count} engines", args, url + "/health", url):
         yield [f"http://127.0.0.1:{port + i}" for i in range(count)]

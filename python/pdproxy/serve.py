@@ -99,6 +99,8 @@ def _demo_engines(settings: Settings) -> Iterator[list[str]]:
     if not settings.demo:
         yield []
         return
+    from .testing import mock_engine_command  # the mock engine's stack only loads for a demo
+
     procs: list[subprocess.Popen[bytes]] = []
     urls: list[str] = []
     try:
@@ -106,18 +108,7 @@ def _demo_engines(settings: Settings) -> Iterator[list[str]]:
             port = _free_port("127.0.0.1")
             url = f"http://127.0.0.1:{port}"
             print(f"pdproxy: starting demo mock engine {url} (model {settings.demo_model})", file=sys.stderr)
-            cmd = [
-                sys.executable,
-                "-m",
-                "pdproxy",
-                "mock-engine",
-                "--port",
-                str(port),
-                "--model",
-                settings.demo_model,
-                "--token-delay-ms",
-                str(DEMO_TOKEN_DELAY_MS),
-            ]
+            cmd = mock_engine_command(port, settings.demo_model, "--token-delay-ms", str(DEMO_TOKEN_DELAY_MS))
             procs.append(subprocess.Popen(cmd))
             urls.append(url)
         deadline = time.monotonic() + DEMO_STARTUP_TIMEOUT

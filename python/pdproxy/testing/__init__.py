@@ -8,7 +8,8 @@ Run one with ``pdproxy mock-engine --port 8001``, or in-process::
         print(engine.url)
 """
 
+from .command import mock_engine_command
 from .faults import FAULT_HEADER, Faults, parse_faults
 from .mock_engine import MockEngine, MockSettings, build_app
 
-__all__ = ["FAULT_HEADER", "Faults", "MockEngine", "MockSettings", "build_app", "parse_faults"]
+__all__ = ["FAULT_HEADER", "Faults", "MockEngine", "MockSettings", "build_app", "mock_engine_command", "parse_faults"]
