@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Iterator
 import aiohttp
 import pytest
 
+from pdproxy.testing import MockEngine, MockSettings
 from servers import Process, get_json, mock_engine, pdproxy_serve
 
 
@@ -45,3 +46,13 @@ def proxy(engines: dict[str, Process], tmp_path_factory: pytest.TempPathFactory)
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         yield session
+
+
+@pytest.fixture
+async def pd_engines() -> AsyncIterator[tuple[MockEngine, MockEngine]]:
+    """A prefill and a decode mock engine in the test's loop, serving `m`."""
+    async with (
+        MockEngine(MockSettings(port=0, model="m", role="prefill")) as prefill,
+        MockEngine(MockSettings(port=0, model="m", role="decode")) as decode,
+    ):
+        yield prefill, decode

@@ -66,19 +66,10 @@ async def assert_clean(http: aiohttp.ClientSession, *engines: MockEngine, migrat
 
 
 @pytest.fixture
-async def engines() -> AsyncIterator[tuple[MockEngine, MockEngine]]:
-    async with (
-        MockEngine(MockSettings(port=0, model="m", role="prefill")) as prefill,
-        MockEngine(MockSettings(port=0, model="m", role="decode")) as decode,
-    ):
-        yield prefill, decode
-
-
-@pytest.fixture
 async def fleet(
-    tmp_path: Path, engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
+    tmp_path: Path, pd_engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> AsyncIterator[Fleet]:
-    prefill, decode = engines
+    prefill, decode = pd_engines
     with distserve_proxy(tmp_path) as proxy:
         await register(http, proxy.url, prefill, 2)
         await register(http, proxy.url, decode, 3)
@@ -312,9 +303,9 @@ async def test_warmup_is_idempotent_and_removal_drops_links(fleet: Fleet, http: 
 
 
 async def test_n_above_one_and_readiness(
-    tmp_path: Path, engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
+    tmp_path: Path, pd_engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:
-    prefill, decode = engines
+    prefill, decode = pd_engines
     with distserve_proxy(tmp_path) as proxy:
         await register(http, proxy.url, prefill, 2)
         async with http.get(proxy.url + "/ready") as r:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
+from pdproxy.testing import FAULT_HEADER, MockEngine
 from pdproxy.testing.generation import generate, prompt_text
 from servers import Process, chat_body, pdproxy_serve, register
 
@@ -22,15 +22,6 @@ from servers import Process, chat_body, pdproxy_serve, register
 def pd_proxy(tmp_path: Path, protocol: str) -> Iterator[Process]:
     with pdproxy_serve(tmp_path, "--serving-strategy", "DistServe", "--pd-protocol", protocol) as process:
         yield process
-
-
-@pytest.fixture
-async def engines() -> AsyncIterator[tuple[MockEngine, MockEngine]]:
-    async with (
-        MockEngine(MockSettings(port=0, model="m", role="prefill")) as prefill,
-        MockEngine(MockSettings(port=0, model="m", role="decode")) as decode,
-    ):
-        yield prefill, decode
 
 
 async def ledger(http: aiohttp.ClientSession, engine: MockEngine) -> dict[str, Any]:
@@ -57,9 +48,9 @@ async def eventually(check: Any, timeout: float = 5.0) -> None:
 
 
 async def test_vllm_passes_params_verbatim_on_one_request_id(
-    tmp_path: Path, engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
+    tmp_path: Path, pd_engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:
-    prefill, decode = engines
+    prefill, decode = pd_engines
     with pd_proxy(tmp_path, "vllm") as proxy:
         await register(http, proxy.url, prefill, 2)
         await register(http, proxy.url, decode, 3)
@@ -90,9 +81,9 @@ async def test_vllm_passes_params_verbatim_on_one_request_id(
 
 
 async def test_vllm_null_params_and_failures(
-    tmp_path: Path, engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
+    tmp_path: Path, pd_engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:
-    prefill, decode = engines
+    prefill, decode = pd_engines
     with pd_proxy(tmp_path, "vllm") as proxy:
         await register(http, proxy.url, prefill, 2)
         await register(http, proxy.url, decode, 3)
@@ -123,9 +114,9 @@ async def test_vllm_null_params_and_failures(
 
 
 async def test_sglang_sends_one_body_to_both_legs_at_once(
-    tmp_path: Path, engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
+    tmp_path: Path, pd_engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:
-    prefill, decode = engines
+    prefill, decode = pd_engines
     with pd_proxy(tmp_path, "sglang") as proxy:
         await register(http, proxy.url, prefill, 2)
         await register(http, proxy.url, decode, 3)
@@ -147,9 +138,9 @@ async def test_sglang_sends_one_body_to_both_legs_at_once(
 
 
 async def test_sglang_batch_and_declared_bootstrap_port(
-    tmp_path: Path, engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
+    tmp_path: Path, pd_engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:
-    prefill, decode = engines
+    prefill, decode = pd_engines
     with pd_proxy(tmp_path, "sglang") as proxy:
         await register(http, proxy.url, prefill, 2, bootstrap_port=prefill.port)
         await register(http, proxy.url, decode, 3)
@@ -167,13 +158,13 @@ async def test_sglang_batch_and_declared_bootstrap_port(
 )
 async def test_sglang_a_failed_leg_cancels_the_other(
     tmp_path: Path,
-    engines: tuple[MockEngine, MockEngine],
+    pd_engines: tuple[MockEngine, MockEngine],
     http: aiohttp.ClientSession,
     fault: str,
     status: int,
     cancelled: str,
 ) -> None:
-    prefill, decode = engines
+    prefill, decode = pd_engines
     with pd_proxy(tmp_path, "sglang") as proxy:
         await register(http, proxy.url, prefill, 2)
         await register(http, proxy.url, decode, 3)
