@@ -3,16 +3,17 @@
 //! circuit, a failure opens it again. Plain atomics, like the rest of the node's counters.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
-use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 const CLOSED: u8 = 0;
 const OPEN: u8 = 1;
 const HALF_OPEN: u8 = 2;
 
-fn now_ms() -> u64 {
-    static EPOCH: OnceLock<Instant> = OnceLock::new();
-    u64::try_from(EPOCH.get_or_init(Instant::now).elapsed().as_millis()).unwrap_or(u64::MAX)
+/// Wall-clock milliseconds: the one clock that worker processes sharing a circuit agree on
+/// (a clock step only lengthens or shortens one cooldown).
+pub(crate) fn now_ms() -> u64 {
+    let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    u64::try_from(since_epoch.as_millis()).unwrap_or(u64::MAX)
 }
 
 #[derive(Debug, Default)]
@@ -74,6 +75,14 @@ impl Circuit {
             self.open_until_ms.store(now_ms() + self.cooldown_ms.load(Ordering::Relaxed), Ordering::Release);
             self.state.store(OPEN, Ordering::Release);
         }
+    }
+
+    pub(crate) fn reset(&self) {
+        self.state.store(CLOSED, Ordering::Relaxed);
+        self.failures.store(0, Ordering::Relaxed);
+        self.open_until_ms.store(0, Ordering::Relaxed);
+        self.threshold.store(0, Ordering::Relaxed);
+        self.cooldown_ms.store(0, Ordering::Relaxed);
     }
 
     /// The request gave up without telling anything about the node: a probe slot is freed.

@@ -29,6 +29,8 @@ pub enum Kind {
     Upstream,
     /// The response body was cancelled by the caller.
     Cancelled,
+    /// The proxy's own setup failed (the shared table of a worker group).
+    Config,
 }
 
 pub struct Error {

@@ -318,17 +318,17 @@ mod tests {
 
     use super::*;
     use crate::error::BoxError;
-    use crate::node::{NodeCounters, NodeSpec};
+    use crate::node::{Counters, NodeSpec};
     use crate::permit::InFlightPermit;
     use crate::registry::Registry;
 
     const TIMEOUTS: StreamTimeouts = StreamTimeouts { idle: Duration::from_secs(5), stall: Duration::from_secs(5) };
 
     /// A body fed by the test, pumped into an exchange.
-    fn pumped(event_stream: bool, buffer_limit: usize) -> (Sender<Bytes, BoxError>, Arc<Exchange>, Arc<NodeCounters>) {
+    fn pumped(event_stream: bool, buffer_limit: usize) -> (Sender<Bytes, BoxError>, Arc<Exchange>, Counters) {
         let (tx, body) = Channel::<Bytes, BoxError>::new(64);
         let node = Registry::new().add("h:1", NodeSpec::default()).unwrap();
-        let counters = Arc::clone(node.counters());
+        let counters = node.counters().clone();
         let exchange = Arc::new(Exchange::new(buffer_limit));
         exchange.attach(InFlightPermit::acquire(&node));
         let stream = StreamBody { body: body.boxed(), event_stream };
@@ -449,7 +449,7 @@ mod tests {
     async fn idle_node_times_out() {
         let (tx, body) = Channel::<Bytes, BoxError>::new(1);
         let node = Registry::new().add("h:1", NodeSpec::default()).unwrap();
-        let counters = Arc::clone(node.counters());
+        let counters = node.counters().clone();
         let exchange = Exchange::new(1 << 20);
         exchange.attach(InFlightPermit::acquire(&node));
         let stream = StreamBody { body: body.boxed(), event_stream: true };

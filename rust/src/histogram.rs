@@ -1,22 +1,49 @@
 //! Fixed-bucket histograms of atomics: recorded from any thread without a lock, read in one
-//! snapshot when metrics are scraped. No pointers inside, like the rest of a node's counters.
+//! snapshot when metrics are scraped. The bounds are part of the type, not a pointer, so a
+//! histogram is plain atomics that several processes can share (see `shared`).
 
+use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// Upper bounds (seconds) of request durations and times to first token.
-pub const LATENCY_BOUNDS: [f64; 15] =
-    [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
-/// Upper bounds (seconds) of gaps between streamed chunks (inter-token latency).
-pub const GAP_BOUNDS: [f64; 10] = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0];
+/// The upper bounds (seconds) of a histogram's buckets, at most 15 (plus +Inf).
+pub trait Bounds {
+    const BOUNDS: &'static [f64];
+}
 
-/// `N` bounded buckets plus the +Inf one.
+/// Request durations and times to first token.
 #[derive(Debug)]
-pub struct Histogram<const N: usize> {
-    bounds: &'static [f64; N],
+pub struct Latency;
+impl Bounds for Latency {
+    const BOUNDS: &'static [f64] =
+        &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
+}
+
+/// Gaps between streamed chunks (inter-token latency).
+#[derive(Debug)]
+pub struct Gap;
+impl Bounds for Gap {
+    const BOUNDS: &'static [f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0];
+}
+
+#[derive(Debug)]
+pub struct Histogram<B: Bounds> {
     buckets: [AtomicU64; 16],
     sum_us: AtomicU64,
     count: AtomicU64,
+    bounds: PhantomData<B>,
+}
+
+impl<B: Bounds> Default for Histogram<B> {
+    fn default() -> Self {
+        const { assert!(B::BOUNDS.len() < 16, "at most 15 bounded buckets") };
+        Self {
+            buckets: [const { AtomicU64::new(0) }; 16],
+            sum_us: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+            bounds: PhantomData,
+        }
+    }
 }
 
 /// A copy of a histogram: per-bucket (not cumulative) counts, the +Inf bucket last.
@@ -28,26 +55,29 @@ pub struct HistogramSnapshot {
     pub count: u64,
 }
 
-impl<const N: usize> Histogram<N> {
-    pub const fn new(bounds: &'static [f64; N]) -> Self {
-        const { assert!(N < 16, "at most 15 bounded buckets") };
-        Self { bounds, buckets: [const { AtomicU64::new(0) }; 16], sum_us: AtomicU64::new(0), count: AtomicU64::new(0) }
-    }
-
+impl<B: Bounds> Histogram<B> {
     pub fn observe(&self, value: Duration) {
         let seconds = value.as_secs_f64();
-        let bucket = self.bounds.iter().position(|&b| seconds <= b).unwrap_or(N);
+        let bucket = B::BOUNDS.iter().position(|&b| seconds <= b).unwrap_or(B::BOUNDS.len());
         self.buckets[bucket].fetch_add(1, Ordering::Relaxed);
         self.sum_us.fetch_add(u64::try_from(value.as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
         self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn reset(&self) {
+        for bucket in &self.buckets {
+            bucket.store(0, Ordering::Relaxed);
+        }
+        self.sum_us.store(0, Ordering::Relaxed);
+        self.count.store(0, Ordering::Relaxed);
     }
 
     pub fn snapshot(&self) -> HistogramSnapshot {
         #[allow(clippy::cast_precision_loss)]
         let sum = self.sum_us.load(Ordering::Relaxed) as f64 / 1e6;
         HistogramSnapshot {
-            bounds: self.bounds.to_vec(),
-            counts: self.buckets[..=N].iter().map(|b| b.load(Ordering::Relaxed)).collect(),
+            bounds: B::BOUNDS.to_vec(),
+            counts: self.buckets[..=B::BOUNDS.len()].iter().map(|b| b.load(Ordering::Relaxed)).collect(),
             sum,
             count: self.count.load(Ordering::Relaxed),
         }
@@ -60,8 +90,11 @@ mod tests {
 
     #[test]
     fn buckets_by_upper_bound() {
-        static BOUNDS: [f64; 2] = [0.01, 0.1];
-        let h = Histogram::new(&BOUNDS);
+        struct Two;
+        impl Bounds for Two {
+            const BOUNDS: &'static [f64] = &[0.01, 0.1];
+        }
+        let h = Histogram::<Two>::default();
         h.observe(Duration::from_millis(5));
         h.observe(Duration::from_millis(10));
         h.observe(Duration::from_millis(50));

@@ -16,6 +16,7 @@ pub mod registry;
 pub mod retry;
 pub mod runtime;
 pub mod select;
+pub mod shared;
 pub mod sse;
 
 #[cfg(feature = "python")]

@@ -1,5 +1,6 @@
 //! A node: one upstream inference server, with counters that outlive any snapshot.
 
+use std::ops::Deref;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +10,8 @@ use http::Uri;
 
 use crate::circuit::Circuit;
 use crate::error::{Error, Kind, Result};
-use crate::histogram::{Histogram, GAP_BOUNDS, LATENCY_BOUNDS};
+use crate::histogram::{Gap, Histogram, Latency};
+use crate::shared::{Binding, SharedTable};
 
 /// What a node does in a disaggregated deployment (LMDeploy's `EngineRole`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -96,9 +98,8 @@ impl NodeState {
 pub const LATENCY_WINDOW: usize = 15;
 
 /// Per-node counters and mutable attributes. Plain fixed-size atomics with no pointers
-/// inside, so the same layout could later live in a shared-memory table used by several
-/// worker processes.
-#[derive(Debug)]
+/// inside, all zero when new, so that they can live in the shared table of a worker group.
+#[derive(Debug, Default)]
 pub struct NodeCounters {
     pub in_flight: AtomicU64,
     pub requests: AtomicU64,
@@ -123,38 +124,11 @@ pub struct NodeCounters {
     pub circuit: Circuit,
     state: AtomicU8,
     /// Whole requests, from admission to the end of the body.
-    pub duration: Histogram<15>,
+    pub duration: Histogram<Latency>,
     /// Streams: from sending the request to the first body byte.
-    pub ttft: Histogram<15>,
+    pub ttft: Histogram<Latency>,
     /// Streams: gaps between consecutive chunks (inter-token latency).
-    pub itl: Histogram<10>,
-}
-
-impl Default for NodeCounters {
-    fn default() -> Self {
-        Self {
-            in_flight: AtomicU64::default(),
-            requests: AtomicU64::default(),
-            succeeded: AtomicU64::default(),
-            failed: AtomicU64::default(),
-            connect_failures: AtomicU64::default(),
-            cancelled: AtomicU64::default(),
-            latency_us_sum: AtomicU64::default(),
-            events: AtomicU64::default(),
-            ttft_us_sum: AtomicU64::default(),
-            ttft_count: AtomicU64::default(),
-            ttft_us_ewma: AtomicU64::default(),
-            recent_latency_us: Default::default(),
-            recent_events: Default::default(),
-            recent_cursor: AtomicU64::default(),
-            max_concurrency: AtomicU32::default(),
-            circuit: Circuit::default(),
-            state: AtomicU8::default(),
-            duration: Histogram::new(&LATENCY_BOUNDS),
-            ttft: Histogram::new(&LATENCY_BOUNDS),
-            itl: Histogram::new(&GAP_BOUNDS),
-        }
-    }
+    pub itl: Histogram<Gap>,
 }
 
 /// One point-in-time copy of a node's counters.
@@ -203,6 +177,35 @@ impl NodeCounters {
             state: Some(self.state().name()),
             circuit: self.circuit.name(),
         }
+    }
+
+    /// Back to new (a recycled shared slot).
+    pub(crate) fn reset(&self) {
+        for counter in [
+            &self.in_flight,
+            &self.requests,
+            &self.succeeded,
+            &self.failed,
+            &self.connect_failures,
+            &self.cancelled,
+            &self.latency_us_sum,
+            &self.events,
+            &self.ttft_us_sum,
+            &self.ttft_count,
+            &self.ttft_us_ewma,
+            &self.recent_cursor,
+        ] {
+            counter.store(0, Ordering::Relaxed);
+        }
+        for value in self.recent_latency_us.iter().chain(&self.recent_events) {
+            value.store(0, Ordering::Relaxed);
+        }
+        self.max_concurrency.store(0, Ordering::Relaxed);
+        self.circuit.reset();
+        self.state.store(0, Ordering::Relaxed);
+        self.duration.reset();
+        self.ttft.reset();
+        self.itl.reset();
     }
 
     pub fn state(&self) -> NodeState {
@@ -285,6 +288,88 @@ impl NodeCounters {
     }
 }
 
+/// A node's counters: in this process, or in a slot of the worker group's shared table.
+/// Taking and releasing in-flight units goes through here, so that in a group each worker's
+/// share is counted too (see `shared`).
+#[derive(Debug, Clone)]
+pub struct Counters(Place);
+
+#[derive(Debug, Clone)]
+enum Place {
+    Local(Arc<NodeCounters>),
+    Shared { table: Arc<SharedTable>, binding: Binding, worker: usize },
+}
+
+impl Default for Counters {
+    fn default() -> Self {
+        Self(Place::Local(Arc::default()))
+    }
+}
+
+impl Deref for Counters {
+    type Target = NodeCounters;
+
+    fn deref(&self) -> &NodeCounters {
+        match &self.0 {
+            Place::Local(counters) => counters,
+            Place::Shared { table, binding, .. } => table.counters(binding.0),
+        }
+    }
+}
+
+impl Counters {
+    pub(crate) fn shared(table: Arc<SharedTable>, binding: Binding, worker: usize) -> Self {
+        Self(Place::Shared { table, binding, worker })
+    }
+
+    /// The shared slot and generation, in a worker group.
+    pub fn binding(&self) -> Option<Binding> {
+        match &self.0 {
+            Place::Local(_) => None,
+            Place::Shared { binding, .. } => Some(*binding),
+        }
+    }
+
+    /// Whether both are the same counters.
+    pub fn same(&self, other: &Counters) -> bool {
+        std::ptr::eq(std::ptr::from_ref::<NodeCounters>(self), std::ptr::from_ref::<NodeCounters>(other))
+    }
+
+    /// Takes one in-flight unit unless `cap` is reached: check and increment are one atomic
+    /// step, so concurrent callers (threads or worker processes) never pass the cap.
+    pub fn try_enter(&self, cap: Option<u32>) -> bool {
+        let taken = match cap {
+            None => {
+                self.in_flight.fetch_add(1, Ordering::AcqRel);
+                true
+            }
+            Some(max) => self
+                .in_flight
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < u64::from(max)).then_some(n + 1))
+                .is_ok(),
+        };
+        if taken {
+            // After the total: a crash in between over-counts (reclaim misses it), never under.
+            self.my_share().map(|share| share.fetch_add(1, Ordering::AcqRel));
+        }
+        taken
+    }
+
+    /// Gives back one in-flight unit.
+    pub fn exit(&self) {
+        // Before the total, for the same reason as in `try_enter`.
+        self.my_share().map(|share| share.fetch_sub(1, Ordering::AcqRel));
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    fn my_share(&self) -> Option<&AtomicU32> {
+        match &self.0 {
+            Place::Local(_) => None,
+            Place::Shared { table, binding, worker } => Some(table.share(binding.0, *worker)),
+        }
+    }
+}
+
 /// What a node is registered with.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct NodeSpec {
@@ -308,11 +393,11 @@ pub struct Node {
     base_path: String,
     generation: u64,
     spec: NodeSpec,
-    counters: Arc<NodeCounters>,
+    counters: Counters,
 }
 
 impl Node {
-    pub(crate) fn new(url: &NodeUrl, generation: u64, spec: NodeSpec, counters: Arc<NodeCounters>) -> Self {
+    pub(crate) fn new(url: &NodeUrl, generation: u64, spec: NodeSpec, counters: Counters) -> Self {
         counters.set_max_concurrency(spec.max_concurrency);
         Self {
             url: url.normalized.clone(),
@@ -351,7 +436,7 @@ impl Node {
         self.spec.speed
     }
 
-    pub fn counters(&self) -> &Arc<NodeCounters> {
+    pub fn counters(&self) -> &Counters {
         &self.counters
     }
 
@@ -435,7 +520,7 @@ mod tests {
     #[test]
     fn joins_base_path() {
         let url = NodeUrl::parse("http://h:1/base/").unwrap();
-        let node = Node::new(&url, 1, NodeSpec::default(), Arc::default());
+        let node = Node::new(&url, 1, NodeSpec::default(), Counters::default());
         assert_eq!(node.uri_for("/v1/models?x=1").unwrap().to_string(), "http://h:1/base/v1/models?x=1");
     }
 

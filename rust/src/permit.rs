@@ -49,19 +49,9 @@ impl InFlightPermit {
         if !counters.circuit.admit() {
             return None;
         }
-        match counters.max_concurrency() {
-            None => {
-                counters.in_flight.fetch_add(1, Ordering::AcqRel);
-            }
-            Some(max) => {
-                let taken = counters
-                    .in_flight
-                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < u64::from(max)).then_some(n + 1));
-                if taken.is_err() {
-                    counters.circuit.abandon();
-                    return None;
-                }
-            }
+        if !counters.try_enter(counters.max_concurrency()) {
+            counters.circuit.abandon();
+            return None;
         }
         counters.requests.fetch_add(1, Ordering::Relaxed);
         Some(Self {
@@ -76,7 +66,7 @@ impl InFlightPermit {
     /// Takes a permit whatever the cap (tests and tools that account by hand).
     pub fn acquire(node: &Arc<Node>) -> Self {
         let counters = node.counters();
-        counters.in_flight.fetch_add(1, Ordering::AcqRel);
+        counters.try_enter(None);
         counters.requests.fetch_add(1, Ordering::Relaxed);
         Self {
             node: Arc::clone(node),
@@ -134,7 +124,7 @@ impl Drop for InFlightPermit {
             }
             Outcome::Unused => counters.circuit.abandon(),
         }
-        counters.in_flight.fetch_sub(1, Ordering::AcqRel);
+        counters.exit();
         if let Some(admission) = &self.admission {
             admission.released(&self.node);
         }
@@ -168,5 +158,46 @@ mod tests {
         assert!(InFlightPermit::try_acquire(&node, None).is_none());
         drop(a);
         assert!(InFlightPermit::try_acquire(&node, None).is_some());
+    }
+
+    #[test]
+    fn the_cap_holds_across_a_worker_group() {
+        use crate::shared::SharedTable;
+        use std::sync::atomic::{AtomicU64, Ordering};
+
+        let path = std::env::temp_dir().join(format!("pdproxy-permit-test-{}", std::process::id()));
+        let table = Arc::new(SharedTable::create(&path).unwrap());
+        let spec = NodeSpec { max_concurrency: Some(3), ..NodeSpec::default() };
+        // Two workers' registries on one table, four threads each, racing for three places.
+        let workers = [table.join(101).unwrap(), table.join(102).unwrap()];
+        let nodes: Vec<_> = workers
+            .iter()
+            .map(|&w| Registry::in_group(Arc::clone(&table), w).add("h:1", spec.clone()).unwrap())
+            .collect();
+        let (holding, peak) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        std::thread::scope(|scope| {
+            for t in 0..8 {
+                let node = Arc::clone(&nodes[t % 2]);
+                let (holding, peak) = (Arc::clone(&holding), Arc::clone(&peak));
+                scope.spawn(move || {
+                    for _ in 0..2000 {
+                        if let Some(permit) = InFlightPermit::try_acquire(&node, None) {
+                            let now = holding.fetch_add(1, Ordering::SeqCst) + 1;
+                            peak.fetch_max(now, Ordering::SeqCst);
+                            holding.fetch_sub(1, Ordering::SeqCst);
+                            drop(permit);
+                        }
+                    }
+                });
+            }
+        });
+        assert!(peak.load(Ordering::SeqCst) <= 3);
+        assert_eq!(nodes[0].counters().in_flight(), 0);
+        let worker_one = InFlightPermit::try_acquire(&nodes[1], None).unwrap();
+        std::mem::forget(worker_one); // worker two dies holding it
+        assert_eq!(nodes[0].counters().in_flight(), 1);
+        assert_eq!(table.reclaim(workers[1], 102), Some(1));
+        assert_eq!(nodes[0].counters().in_flight(), 0, "its permit was handed back");
+        std::fs::remove_file(path).unwrap();
     }
 }

@@ -8,7 +8,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use arc_swap::{ArcSwap, Guard};
 
 use crate::error::{Error, Kind, Result};
-use crate::node::{Node, NodeCounters, NodeSpec, NodeUrl, Role};
+use crate::node::{Counters, Node, NodeSpec, NodeUrl, Role};
+use crate::shared::SharedTable;
 
 /// One published version of the node table, indexed for selection.
 #[derive(Debug, Default)]
@@ -100,11 +101,46 @@ pub struct Registry {
     snapshot: ArcSwap<NodeSet>,
     next_generation: AtomicU64,
     writer: Mutex<()>,
+    /// In a worker group: the shared table that holds the counters, and this worker's index.
+    group: Option<(Arc<SharedTable>, usize)>,
 }
 
 impl Registry {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A registry whose nodes' counters live in `table`, as worker `worker` of the group.
+    pub fn in_group(table: Arc<SharedTable>, worker: usize) -> Self {
+        Self { group: Some((table, worker)), ..Self::default() }
+    }
+
+    /// Fresh counters and a generation for a new registration of `url`: in a group, the
+    /// shared slot bound to the URL (the same one every worker binds).
+    fn fresh(&self, url: &NodeUrl) -> Result<(Counters, u64)> {
+        if let Some((table, worker)) = &self.group {
+            let binding = table.bind(&url.normalized)?;
+            return Ok((Counters::shared(Arc::clone(table), binding, *worker), binding.1));
+        }
+        Ok((Counters::default(), self.next_generation.fetch_add(1, Ordering::Relaxed) + 1))
+    }
+
+    /// Whether a node's counters are still its registration's (in a group, another worker
+    /// may have removed and re-added the URL since this one bound it).
+    fn is_current(&self, node: &Node) -> bool {
+        match (&self.group, node.counters().binding()) {
+            (Some((table, _)), Some(binding)) => table.is_current(binding),
+            _ => true,
+        }
+    }
+
+    /// Rebinds nodes whose shared slot was retired by another worker; returns how many.
+    pub fn refresh_bindings(&self) -> Result<usize> {
+        let stale: Vec<Arc<Node>> = self.load().nodes().iter().filter(|n| !self.is_current(n)).cloned().collect();
+        for node in &stale {
+            self.add(node.url(), node.spec().clone())?;
+        }
+        Ok(stale.len())
     }
 
     /// The current table. Wait-free; hold it only for the duration of one selection.
@@ -126,12 +162,14 @@ impl Registry {
         let mut nodes = current.nodes.clone();
         let node = if let Some(pos) = nodes.iter().position(|n| n.url() == url.normalized) {
             let old = &nodes[pos];
-            let updated = Arc::new(Node::new(&url, old.generation(), spec, Arc::clone(old.counters())));
+            let (counters, generation) =
+                if self.is_current(old) { (old.counters().clone(), old.generation()) } else { self.fresh(&url)? };
+            let updated = Arc::new(Node::new(&url, generation, spec, counters));
             nodes[pos] = Arc::clone(&updated);
             updated
         } else {
-            let generation = self.next_generation.fetch_add(1, Ordering::Relaxed) + 1;
-            let added = Arc::new(Node::new(&url, generation, spec, Arc::new(NodeCounters::default())));
+            let (counters, generation) = self.fresh(&url)?;
+            let added = Arc::new(Node::new(&url, generation, spec, counters));
             nodes.push(Arc::clone(&added));
             added
         };
@@ -151,7 +189,7 @@ impl Registry {
         let mut spec = old.spec().clone();
         change(&mut spec);
         spec.models = dedup(spec.models);
-        let updated = Arc::new(Node::new(&url, old.generation(), spec, Arc::clone(old.counters())));
+        let updated = Arc::new(Node::new(&url, old.generation(), spec, old.counters().clone()));
         let mut nodes = current.nodes.clone();
         nodes[pos] = Arc::clone(&updated);
         self.snapshot.store(Arc::new(NodeSet::build(nodes)));
@@ -170,6 +208,9 @@ impl Registry {
         let mut nodes = current.nodes.clone();
         let removed = nodes.remove(pos);
         self.snapshot.store(Arc::new(NodeSet::build(nodes)));
+        if let (Some((table, _)), Some(binding)) = (&self.group, removed.counters().binding()) {
+            table.retire(binding);
+        }
         Ok(removed)
     }
 }
@@ -201,7 +242,7 @@ mod tests {
 
         let updated = reg.add("http://127.0.0.1:1", spec(&["m", "n", "m"], Role::Hybrid)).unwrap();
         assert_eq!(updated.generation(), a.generation());
-        assert!(Arc::ptr_eq(updated.counters(), a.counters()));
+        assert!(updated.counters().same(a.counters()));
         assert_eq!(updated.models(), ["m", "n"]);
         assert_eq!(reg.load().nodes().len(), 2);
 
@@ -209,8 +250,27 @@ mod tests {
         assert_eq!(reg.remove("127.0.0.1:1").unwrap_err().kind(), Kind::NodeNotFound);
         let again = reg.add("127.0.0.1:1", spec(&[], Role::Hybrid)).unwrap();
         assert!(again.generation() > b.generation(), "re-adding starts a new generation");
-        assert!(!Arc::ptr_eq(again.counters(), a.counters()), "remove-then-add does not mix counts");
+        assert!(!again.counters().same(a.counters()), "remove-then-add does not mix counts");
         assert!(reg.add("h:9", NodeSpec { speed: Some(-1.0), ..NodeSpec::default() }).is_err());
+    }
+
+    #[test]
+    fn workers_of_a_group_share_counters_and_rebind_after_a_removal() {
+        let path = std::env::temp_dir().join(format!("pdproxy-registry-test-{}", std::process::id()));
+        let table = Arc::new(SharedTable::create(&path).unwrap());
+        let (one, two) = (Registry::in_group(Arc::clone(&table), 0), Registry::in_group(Arc::clone(&table), 1));
+        let a = one.add("h:1", spec(&[], Role::Hybrid)).unwrap();
+        let b = two.add("http://h:1/", spec(&[], Role::Hybrid)).unwrap();
+        assert!(a.counters().same(b.counters()) && a.generation() == b.generation());
+
+        one.remove("h:1").unwrap();
+        let again = one.add("h:1", spec(&[], Role::Hybrid)).unwrap();
+        assert!(again.generation() > a.generation());
+        assert_eq!(two.refresh_bindings().unwrap(), 1, "worker two still held the retired slot");
+        let rebound = two.load().get("h:1").cloned().unwrap();
+        assert!(rebound.counters().same(again.counters()));
+        assert_eq!(two.refresh_bindings().unwrap(), 0);
+        std::fs::remove_file(path).unwrap();
     }
 
     #[test]

@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 
 use crate::error::{Error, Kind};
 
+pyo3::import_exception!(pdproxy.errors, ConfigError);
 pyo3::import_exception!(pdproxy.errors, InvalidRequest);
 pyo3::import_exception!(pdproxy.errors, InvalidNode);
 pyo3::import_exception!(pdproxy.errors, NodeNotFound);
@@ -31,5 +32,6 @@ pub fn to_pyerr(err: &Error) -> PyErr {
         Kind::Connect => UpstreamConnectError::new_err(args),
         Kind::Timeout => UpstreamTimeout::new_err(args),
         Kind::Upstream | Kind::Cancelled => UpstreamError::new_err(args),
+        Kind::Config => ConfigError::new_err(args),
     }
 }

@@ -5,6 +5,7 @@ mod config;
 mod errors;
 mod response;
 mod router;
+mod shared;
 
 use pyo3::prelude::*;
 
@@ -14,5 +15,6 @@ fn _pdproxy(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<router::Router>()?;
     m.add_class::<response::Response>()?;
     m.add_class::<bridge::LoopBridge>()?;
+    m.add_class::<shared::SharedTable>()?;
     Ok(())
 }

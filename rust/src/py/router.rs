@@ -15,6 +15,7 @@ use super::bridge::{resolve, LoopBridge};
 use super::config::{seconds, PolicySet, RouterConfig};
 use super::errors::to_pyerr;
 use super::response::{Head, Response};
+use super::shared::SharedTable;
 use crate::admission::{Admission, Ticket};
 use crate::error::{Error, Kind, Result};
 use crate::exchange::{pump, Exchange, StreamTimeouts};
@@ -26,6 +27,9 @@ use crate::registry::Registry;
 use crate::retry::RetryBudget;
 use crate::runtime;
 use crate::select::{select, select_excluding, SelectCtx};
+
+/// How often a request queued in a worker group looks for room freed by another worker.
+const GROUP_POLL: Duration = Duration::from_millis(5);
 
 #[pyclass(frozen, name = "Router", module = "pdproxy._pdproxy")]
 pub struct Router {
@@ -57,16 +61,23 @@ fn affinity<'a>(headers: &'a [(Vec<u8>, Vec<u8>)], body_key: Option<&'a str>) ->
 
 #[pymethods]
 impl Router {
+    /// `group`: the worker group's shared table and this worker's index in it.
     #[new]
-    fn new(config: RouterConfig) -> PyResult<Self> {
+    #[pyo3(signature = (config, group=None))]
+    fn new(config: RouterConfig, group: Option<(PyRef<'_, SharedTable>, usize)>) -> PyResult<Self> {
         let policies = config.policies()?;
         let forward_config = config.forward_config()?;
         let forwarder = Forwarder::new(forward_config.clone());
         // Built on first use; the first router's thread count wins.
         let runtime =
             runtime::get(config.runtime_threads).map_err(|e| PyRuntimeError::new_err(e.message().to_owned()))?;
+        let group_poll = group.is_some().then_some(GROUP_POLL);
+        let registry = match group {
+            Some((table, worker)) => Registry::in_group(Arc::clone(&table.inner), worker),
+            None => Registry::new(),
+        };
         let shared = Shared {
-            registry: Registry::new(),
+            registry,
             policies,
             admission: Arc::new(Admission::new(config.queue_size)),
             queue_timeout: seconds("queue_timeout", config.queue_timeout)?,
@@ -78,6 +89,7 @@ impl Router {
             circuit_failures: config.circuit_failures,
             circuit_cooldown: seconds("circuit_cooldown", config.circuit_cooldown)?,
             forwarder,
+            group_poll,
         };
         Ok(Self {
             shared: Arc::new(shared),
@@ -122,6 +134,12 @@ impl Router {
     fn set_models(&self, url: &str, models: Vec<String>) -> PyResult<()> {
         self.shared.registry.update(url, |spec| spec.models = models).map_err(|e| to_pyerr(&e))?;
         Ok(())
+    }
+
+    /// In a worker group: rebinds nodes whose shared slot another worker retired (it removed
+    /// and re-added the URL). Returns how many were rebound.
+    fn refresh_bindings(&self) -> PyResult<usize> {
+        self.shared.registry.refresh_bindings().map_err(|e| to_pyerr(&e))
     }
 
     fn remove_node(&self, url: &str) -> PyResult<String> {
@@ -322,6 +340,8 @@ struct Shared {
     circuit_failures: u32,
     circuit_cooldown: Duration,
     forwarder: Forwarder,
+    /// In a worker group: how often a queued request looks for room freed by other workers.
+    group_poll: Option<Duration>,
 }
 
 /// A permit taken at once, or a place in the queue.
@@ -455,7 +475,13 @@ impl Shared {
                     return Err(e);
                 }
             }
-            if tokio::time::timeout_at(deadline, &mut ticket.woken).await.is_err() {
+            // In a worker group, a slot freed by another worker wakes nobody here: look again
+            // every `group_poll` while waiting.
+            let wake_by = self.group_poll.map_or(deadline, |poll| deadline.min(tokio::time::Instant::now() + poll));
+            if tokio::time::timeout_at(wake_by, &mut ticket.woken).await.is_err() {
+                if tokio::time::Instant::now() < deadline {
+                    continue; // still queued, in the same place
+                }
                 if !self.admission.leave(ticket.id) {
                     self.admission.pass_on(role);
                 }
