@@ -2,7 +2,7 @@
 
 import asyncio
 from collections.abc import Sequence
-from typing import Any, Protocol, final
+from typing import Any, ClassVar, Protocol, final
 
 __version__: str
 
@@ -67,7 +67,7 @@ class Router:
     """The node table, selection, admission and forwarding. Every method but `forward`
     returns at once."""
 
-    def __new__(cls, config: _RouterConfig) -> Router: ...
+    def __new__(cls, config: _RouterConfig, group: tuple[SharedTable, int] | None = None) -> Router: ...
     @property
     def policies(self) -> list[tuple[str, str]]:
         """(scope, policy) pairs: each role, then per-model overrides as `model:NAME`."""
@@ -127,6 +127,13 @@ class Router:
 
     def select(self, model: str | None = None, role: str = "hybrid", affinity: str | None = None) -> str:
         """The URL of the node the policy would choose now; nothing is sent or counted."""
+
+    def refresh_bindings(self) -> int:
+        """In a worker group: rebinds nodes whose shared slot another worker retired."""
+
+    @staticmethod
+    def check_node(url: str, role: str = "hybrid", speed: float | None = None) -> None:
+        """Raises `InvalidNode` for a node the table would refuse, without adding it."""
 
     @staticmethod
     def normalize_url(url: str) -> str:
@@ -205,3 +212,47 @@ class _LoopBridge:
     """Internal: wakes the event loop from the data plane's threads."""
 
     def __call__(self, *args: object, **kwargs: object) -> None: ...
+
+@final
+class SharedTable:
+    """The node counters of a worker group, in a memory-mapped file every worker maps."""
+
+    SLOTS: ClassVar[int]
+    MAX_WORKERS: ClassVar[int]
+
+    @staticmethod
+    def create(path: str) -> SharedTable:
+        """Creates a new table file (raises `ConfigError` if it exists)."""
+
+    @staticmethod
+    def open(path: str) -> SharedTable:
+        """Maps an existing table file (raises `ConfigError` if it is not one of this build)."""
+
+    def join(self, pid: int) -> int:
+        """Attaches worker process `pid`; returns its index."""
+
+    def workers(self) -> list[tuple[int, int]]:
+        """Attached workers as (index, pid)."""
+
+    def held(self, index: int) -> int:
+        """The permits worker `index` holds now."""
+
+    def reclaim(self, index: int, pid: int) -> int | None:
+        """Detaches an exited worker, handing back its permits; how many, or None if not `pid`'s."""
+
+    def recycle(self, grace: float) -> int:
+        """Frees retired slots idle for at least `grace` seconds; returns how many."""
+
+    def slots_in_use(self) -> tuple[int, int]:
+        """(bound, retired) slots."""
+
+    @property
+    def epoch(self) -> int:
+        """Bumped after every membership change."""
+
+    def bump_epoch(self) -> int: ...
+    @property
+    def draining(self) -> bool:
+        """Whether the group was asked to drain."""
+
+    def set_draining(self) -> None: ...

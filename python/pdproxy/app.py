@@ -8,14 +8,19 @@ import gc
 import logging
 import os
 import signal
+from pathlib import Path
 from typing import Any
 
-from . import dashboard, proxy
+from . import background, dashboard, proxy
 from .access import AccessLog
 from .auth import Keys
 from .config import Settings
 from .errors import Draining, PdproxyError, ProxyOverloaded
 from .fleet import Fleet
+from .group import GROUP_ENV, Group
+from .membership import Membership
+from .membership import from_url as membership_from_url
+from .membership.group_file import GroupFileMembership
 from .metrics import CONTENT_TYPE, registry_for, render
 from .nodes_api import ROUTES
 from .openapi import schema
@@ -70,6 +75,8 @@ class ProxyApp:
         self.draining = False
         self._idle = asyncio.Event()
         self._drain_task: asyncio.Task[None] | None = None
+        self.group: Group | None = None
+        self._group_task: asyncio.Task[None] | None = None
         self._admin_paths = {route.path for route in ROUTES}
 
     async def startup(self) -> None:
@@ -83,18 +90,61 @@ class ProxyApp:
         # The fleet adds the configured nodes, so that they are checked and tracked like any other.
         self.access = AccessLog(self.settings.access_log_format) if self.settings.access_log else None
         self.metrics = registry_for(self)
-        self.router = Router(settings=self.settings.replace(nodes=()))
+        group_dir = os.environ.get(GROUP_ENV)
+        self.group = Group(Path(group_dir)) if group_dir else None
+        group = (self.group.table, self.group.index) if self.group else None
+        self.router = Router(settings=self.settings.replace(nodes=()), group=group)
         await self.router.start()
-        self.fleet = Fleet(self.router, self.settings)
-        await self.fleet.start()
+        self.fleet = Fleet(self.router, self.settings, self._membership())
+        self.fleet.group = self.group
         if self.settings.serving_strategy == "DistServe":
-            self.distserve = make_adapter(self.router, self.settings, self.fleet)
+            # Before the fleet starts, so that it sees every node the fleet adds and removes.
+            self.distserve = make_adapter(
+                self.router, self.settings, self.fleet, self.group.directory if self.group else None
+            )
             await self.distserve.start()
             self.fleet.distserve = self.distserve
             self.fleet.on_removed.append(self.distserve.node_removed)
+        if self.group is not None:
+            self.fleet.keeps_state_file = False  # until this worker leads
+        await self.fleet.start(check_health=self.group is None)
+        if self.group is not None:
+            self._group_task = background.start(
+                self.group.run(on_lead=self._lead, leader_tick=self._leader_tick, signal_tick=self._group_signals),
+                "pdproxy-group",
+            )
         log.info("pdproxy routing to %d node(s); policies %s", len(self.router.nodes()), self.router.policies)
 
+    def _membership(self) -> Membership | None:
+        """Where node membership is shared: Redis (--registry), else the worker group's document."""
+        if self.settings.registry:
+            return membership_from_url(self.settings.registry)
+        if self.group is not None:
+            return GroupFileMembership(self.group.directory, self.group.table)
+        return None
+
+    async def _lead(self) -> None:
+        """This worker became its group's leader."""
+        assert self.fleet is not None
+        self.fleet.keeps_state_file = True
+        await self.fleet.start_health()
+
+    async def _leader_tick(self) -> None:
+        assert self.fleet is not None
+        if isinstance(self.fleet.membership, GroupFileMembership):
+            self.fleet.membership.expire()
+
+    def _group_signals(self) -> None:
+        """Every worker, often: a drain asked of any worker, and nodes another worker re-added."""
+        assert self.group is not None
+        assert self.router is not None
+        if self.group.table.draining and not self.draining:
+            log.info("the group is draining")
+            self.drain(initiator=False)
+        self.router.refresh_bindings()
+
     async def shutdown(self) -> None:
+        await background.stop(self._group_task)
         if self.distserve is not None:
             await self.distserve.aclose()
         if self.fleet is not None:
@@ -103,6 +153,8 @@ class ProxyApp:
             await self.router.aclose()
         if self.access is not None:
             self.access.stop()
+        if self.group is not None:
+            self.group.leave()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -186,23 +238,34 @@ class ProxyApp:
             access=self.access,
         )
 
-    def drain(self) -> None:
+    def drain(self, initiator: bool = True) -> None:
         """Stops taking new requests; once those in flight are done (or ``drain_timeout`` has
-        passed) a served proxy exits, cleanly."""
+        passed) a served proxy exits, cleanly. In a worker group every worker drains, and the
+        one asked (the ``initiator``) ends the group once the whole group is idle."""
         self.draining = True
+        if self.group is not None and initiator:
+            self.group.table.set_draining()
         if self._drain_task is None:
-            self._drain_task = asyncio.get_running_loop().create_task(self._finish_drain())
+            self._drain_task = asyncio.get_running_loop().create_task(self._finish_drain(initiator))
 
-    async def _finish_drain(self) -> None:
-        if self.in_flight:
-            self._idle.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.settings.drain_timeout):
+    async def _finish_drain(self, initiator: bool) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.settings.drain_timeout):
+                if self.in_flight:
+                    self._idle.clear()
                     await self._idle.wait()
+                # Other workers' requests show only as counts in shared memory: poll them.
+                while self.group is not None and self._group_in_flight():  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
         log.info("drained (%d request(s) still in flight)", self.in_flight)
-        if self.exit_when_drained:
-            # granian's main process stops the worker gracefully and exits 0.
+        if self.exit_when_drained and initiator:
+            # granian's main process stops the workers gracefully and exits 0.
             os.kill(os.getppid(), signal.SIGTERM)
+
+    def _group_in_flight(self) -> int:
+        """Requests in flight on any node, from any worker of the group."""
+        assert self.router is not None
+        return sum(n["in_flight"] for n in self.router.nodes())
 
     async def _ready(self, router: Router, send: Send) -> None:
         """Ready when a request could be routed now: a healthy node; with DistServe, a healthy

@@ -61,8 +61,9 @@ class Settings:
     workers: int = field(
         default=1,
         metadata=_opt(
-            "granian worker processes. Each has its own node table and counters, so keep 1 unless one "
-            "process is saturated.",
+            "granian worker processes. With more than one they share one node table: membership, health "
+            "and in-flight counts (so max_concurrency holds across all of them) live in shared memory, "
+            "and one worker, the leader, runs the health checks.",
             section="server",
         ),
     )
@@ -252,6 +253,14 @@ class Settings:
     )
     admin_timeout: float = field(
         default=5.0, metadata=_opt("Seconds for calls the management API makes to a node (/terminate).")
+    )
+    registry: str = field(
+        default="",
+        metadata=_opt(
+            "Share node membership with other pdproxy replicas through Redis (redis://HOST:PORT/DB): a node "
+            "registered on one is routed to by all; leases expire in Redis. Each replica keeps its own health "
+            "view and in-flight counts. Empty: membership is this proxy's own."
+        ),
     )
     state_file: str = field(
         default="",

@@ -1,7 +1,12 @@
 """The fleet: the nodes the proxy serves and everything kept about them besides the data
 plane's table: how each registered (for LMDeploy-compatible status and the state file), its
 lease, its health. Every way in (the CLI's --node, /nodes/*, the state file) goes through
-here, so a node is checked, tracked and saved the same way whichever door it came through."""
+here, so a node is checked, tracked and saved the same way whichever door it came through.
+
+With a shared ``Membership`` (the workers of a group, or replicas sharing Redis), a change is
+written there first and every process applies the membership's snapshots, its own changes
+included: one path, whichever process made the change. Leases then live in the membership,
+which drops an expired registration everywhere at once."""
 
 from __future__ import annotations
 
@@ -18,7 +23,9 @@ import aiohttp
 from . import _pdproxy, background, state_file
 from .config import Settings
 from .errors import InvalidNode, NodeNotFound, UpstreamError
+from .group import Group
 from .health import HealthChecker
+from .membership import Entry, Membership
 from .router import Router
 from .urls import check_node_url, parse_networks
 
@@ -48,6 +55,14 @@ class Registration:
         del out["lease_expires"]  # a reloaded lease starts over
         return out
 
+    @classmethod
+    def from_entry(cls, entry: Entry) -> Registration:
+        """A registration from a membership entry (the lease as it has left)."""
+        known = {k: v for k, v in entry.items() if k in cls.__dataclass_fields__ and k != "lease_expires"}
+        remaining = entry.get("lease_remaining")
+        expires = time.monotonic() + remaining if isinstance(remaining, int | float) else None
+        return cls(**known, lease_expires=expires)
+
 
 class TerminateFailed(UpstreamError):
     """The node did not confirm its termination (it was removed all the same)."""
@@ -56,9 +71,12 @@ class TerminateFailed(UpstreamError):
 
 
 class Fleet:
-    def __init__(self, router: Router, settings: Settings) -> None:
+    def __init__(self, router: Router, settings: Settings, membership: Membership | None = None) -> None:
         self.router = router
         self.settings = settings
+        self.membership = membership
+        #: Whether this process writes the state file (in a worker group, only the leader does).
+        self.keeps_state_file = True
         self.registrations: dict[str, Registration] = {}
         self._allowed = parse_networks(settings.allow_node_cidrs)
         self.health = HealthChecker(
@@ -74,12 +92,20 @@ class Fleet:
         self._lease_task: asyncio.Task[None] | None = None
         #: The disaggregation flow, when serving with DistServe (for the management API).
         self.distserve: Any = None
+        #: This worker's group, when serving with several workers (for the management API).
+        self.group: Group | None = None
         #: Called with a node's URL once it is removed (links and sessions to clean up).
         self.on_removed: list[Callable[[str], None]] = []
+        self._removals: set[asyncio.Task[None]] = set()
 
-    async def start(self) -> None:
+    async def start(self, check_health: bool = True) -> None:
+        """Loads the saved and configured nodes and starts the background work; health checks
+        only with ``check_health`` (in a worker group the leader starts them, ``start_health``)."""
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.settings.admin_timeout))
-        await self.health.start()
+        if check_health:
+            await self.health.start()
+        if self.membership is not None:
+            await self.membership.start(self.apply)
         saved = state_file.load(self.settings.state_file) if self.settings.state_file else []
         for entry in saved:
             try:
@@ -88,10 +114,20 @@ class Fleet:
                 log.error("saved node %s not restored: %s", entry.get("url"), e)
         for url in self.settings.nodes:
             await self.add(url)
-        self._lease_task = background.start(self._expire_leases(), "pdproxy-leases")
+        if self.membership is None:
+            self._lease_task = background.start(self._expire_leases(), "pdproxy-leases")
+
+    async def start_health(self) -> None:
+        """Starts the health checks (once; a worker that becomes its group's leader)."""
+        if not self.health.running:
+            await self.health.start()
 
     async def aclose(self) -> None:
         await background.stop(self._lease_task)
+        for task in list(self._removals):
+            await background.stop(task)
+        if self.membership is not None:
+            await self.membership.aclose()
         await self.health.aclose()
         if self._session is not None:
             await self._session.close()
@@ -112,31 +148,83 @@ class Fleet:
         await check_node_url(url, self._allowed)
         if lease_ttl is not None and not lease_ttl > 0:
             raise InvalidNode(f"lease_ttl must be a positive number of seconds, got {lease_ttl}")
-        normalized = self.router.add_node(
-            url, models, role=role, speed=speed, max_concurrency=max_concurrency, api_key=api_key
-        )
-        created = normalized not in self.registrations
+        normalized = _pdproxy.Router.normalize_url(url)
         expires = time.monotonic() + lease_ttl if lease_ttl is not None else None
         registration = Registration(
             normalized, models, role, speed, max_concurrency, api_key, lease_ttl, expires, bootstrap_port
         )
-        self.registrations[normalized] = registration
-        if not created and self.state_of(normalized) == "draining" and lease_ttl is not None:
-            self.router.set_node_state(normalized, "healthy")  # a renewed lease ends the drain
-        self.health.track(normalized, api_key)
+        created = normalized not in self.registrations
+        if self.membership is not None:
+            self._check(registration)  # refused here, before anyone else sees it
+            await self.membership.put(registration.saved())
+        self._add_here(registration)
         self._save()
-        log.info("node %s %s (%s)", normalized, "added" if created else "updated", role)
         return registration, created
 
-    def remove(self, url: str) -> str:
-        """Removes a node everywhere. Raises ``NodeNotFound``."""
+    def _check(self, registration: Registration) -> None:
+        """Raises ``InvalidNode`` for what the data plane would refuse."""
+        try:
+            _pdproxy.Router.check_node(registration.url, registration.role, registration.speed)
+        except ValueError as e:
+            raise InvalidNode(str(e)) from None
+
+    def _add_here(self, registration: Registration) -> None:
+        """Adds or updates the node in this process."""
+        r = registration
+        created = r.url not in self.registrations
+        self.router.add_node(
+            r.url, r.models, role=r.role, speed=r.speed, max_concurrency=r.max_concurrency, api_key=r.api_key
+        )
+        self.registrations[r.url] = r
+        if not created and self.state_of(r.url) == "draining" and r.lease_ttl is not None:
+            self.router.set_node_state(r.url, "healthy")  # a renewed lease ends the drain
+        self.health.track(r.url, r.api_key)
+        log.info("node %s %s (%s)", r.url, "added" if created else "updated", r.role)
+
+    def _remove_here(self, url: str) -> str:
+        """Removes the node from this process. Raises ``NodeNotFound``."""
         normalized = self.router.remove_node(url)
         self.registrations.pop(normalized, None)
         self.health.forget(normalized)
-        self._save()
         for hook in self.on_removed:
             hook(normalized)
         log.info("node %s removed", normalized)
+        return normalized
+
+    async def apply(self, entries: list[Entry]) -> None:
+        """Makes this process's nodes those of a membership snapshot."""
+        wanted = {}
+        for entry in entries:
+            try:
+                registration = Registration.from_entry(entry)
+                registration.url = _pdproxy.Router.normalize_url(registration.url)
+            except (TypeError, ValueError) as e:
+                log.error("membership entry %r ignored: %s", entry.get("url"), e)
+                continue
+            wanted[registration.url] = registration
+        for url in [u for u in self.registrations if u not in wanted]:
+            with contextlib.suppress(NodeNotFound):
+                self._remove_here(url)
+        for url, registration in wanted.items():
+            known = self.registrations.get(url)
+            if known is not None and _same(known, registration):
+                known.lease_expires = registration.lease_expires
+                continue
+            try:
+                self._add_here(registration)
+            except (InvalidNode, ValueError) as e:
+                log.error("membership entry %s not applied: %s", url, e)
+        self.router.refresh_bindings()
+        self._save()
+
+    async def remove(self, url: str) -> str:
+        """Removes a node everywhere. Raises ``NodeNotFound``."""
+        normalized = self.lookup(url)
+        if self.membership is not None:
+            await self.membership.delete(normalized)
+        with contextlib.suppress(NodeNotFound):  # a snapshot may have removed it meanwhile
+            self._remove_here(normalized)
+        self._save()
         return normalized
 
     async def terminate(self, url: str) -> str:
@@ -154,7 +242,7 @@ class Fleet:
                     failure = f"the node answered /terminate with {r.status}"
         except (aiohttp.ClientError, TimeoutError) as e:
             failure = f"the node could not be reached ({type(e).__name__})"
-        self.remove(normalized)
+        await self.remove(normalized)
         if failure is not None:
             raise TerminateFailed(f"node {normalized} was removed but did not confirm its termination: {failure}")
         return normalized
@@ -186,7 +274,7 @@ class Fleet:
         for node in self.router.nodes():
             url = node["url"]
             registration = self.registrations.get(url)
-            health = self.health.nodes.get(url)
+            health = self.health.nodes.get(url) if self.health.running else None
             lease = None
             if registration is not None and registration.lease_expires is not None:
                 lease = {"ttl": registration.lease_ttl, "expires_in": round(registration.lease_expires - now, 3)}
@@ -221,11 +309,18 @@ class Fleet:
         return out
 
     def _remove_quietly(self, url: str) -> None:
-        with contextlib.suppress(NodeNotFound):
-            self.remove(url)
+        """Removes a node in the background (the health checker's verdict)."""
+
+        async def remove() -> None:
+            with contextlib.suppress(NodeNotFound):
+                await self.remove(url)
+
+        task = background.start(remove(), f"pdproxy-remove {url}")
+        self._removals.add(task)
+        task.add_done_callback(self._removals.discard)
 
     def _save(self) -> None:
-        if self.settings.state_file:
+        if self.settings.state_file and self.keeps_state_file:
             try:
                 state_file.save(self.settings.state_file, [r.saved() for r in self.registrations.values()])
             except OSError as e:
@@ -246,4 +341,10 @@ class Fleet:
                     self.router.set_node_state(url, "draining")
                 overdue = now - registration.lease_expires >= (registration.lease_ttl or 0)
                 if in_flight.get(url, 0) == 0 or overdue:
-                    self._remove_quietly(url)
+                    with contextlib.suppress(NodeNotFound):
+                        await self.remove(url)
+
+
+def _same(a: Registration, b: Registration) -> bool:
+    """The same registration, leases' countdowns aside."""
+    return a.saved() == b.saved()

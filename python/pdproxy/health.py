@@ -74,6 +74,11 @@ class HealthChecker:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
 
+    @property
+    def running(self) -> bool:
+        """Whether this process checks (in a worker group, only the leader does)."""
+        return self._session is not None
+
     def track(self, url: str, api_key: str | None = None) -> None:
         """Starts (or keeps) checking ``url``; a new node starts healthy and is checked at once."""
         health = self.nodes.setdefault(url, NodeHealth())

@@ -90,7 +90,7 @@ async def add(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
 
 
 async def remove(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
-    url = fleet.remove(await _url_body(scope, receive))
+    url = await fleet.remove(await _url_body(scope, receive))
     return 200, {"url": url, "removed": True}
 
 
@@ -170,6 +170,9 @@ async def debug_state(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int
     }
     if fleet.distserve is not None:
         state["pd"] = fleet.distserve.status()
+    if fleet.group is not None:
+        state["group"] = fleet.group.summary()
+        state["requests_here"] = sum(fleet.router.model_requests().values())  # this worker's own
     return 200, state
 
 

@@ -33,10 +33,19 @@ class Router:
         settings: the configuration; keyword ``overrides`` replace single fields of it.
     """
 
-    def __init__(self, nodes: Iterable[str] = (), *, settings: Settings | None = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        nodes: Iterable[str] = (),
+        *,
+        settings: Settings | None = None,
+        group: tuple[_pdproxy.SharedTable, int] | None = None,
+        **overrides: Any,
+    ) -> None:
         base = settings or Settings()
         self.settings = base.replace(**overrides) if overrides else base
-        self._core = _pdproxy.Router(self.settings)
+        # In a worker group (`pdproxy serve --workers N`), the nodes' counters live in the
+        # group's shared table, as this worker's index.
+        self._core = _pdproxy.Router(self.settings, group)
         self._discovery = ModelDiscovery(self._core, self.settings.discovery_timeout, self.settings.discovery_interval)
         for url in (*self.settings.nodes, *nodes):
             self.add_node(url)
@@ -102,6 +111,11 @@ class Router:
         else:
             self._discovery.forget(normalized)
         return normalized
+
+    def refresh_bindings(self) -> int:
+        """In a worker group: picks up nodes another worker removed and re-added (their shared
+        counters moved); returns how many. Nothing to do outside a group."""
+        return self._core.refresh_bindings()
 
     def remove_node(self, url: str) -> str:
         """Stops routing to a node; its requests in flight run to their end. Raises ``NodeNotFound``."""

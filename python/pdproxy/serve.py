@@ -18,6 +18,7 @@ from granian import Granian
 from granian.constants import HTTPModes, Interfaces, Loops
 from granian.log import LOGGING_CONFIG, LogLevels
 
+from . import group
 from .app import SETTINGS_ENV
 from .config import Settings
 from .errors import ConfigError
@@ -26,16 +27,20 @@ from .errors import ConfigError
 DEMO_ENGINES = 2
 DEMO_STARTUP_TIMEOUT = 20.0
 DEMO_TOKEN_DELAY_MS = 20.0
+#: Seconds before granian replaces a worker that died.
+RESPAWN_INTERVAL = 1.0
 
 
 def serve(settings: Settings) -> None:
     """Serves until interrupted (Ctrl-C or SIGTERM)."""
-    with _demo_engines(settings) as demo_nodes:
+    with _demo_engines(settings) as demo_nodes, group.prepared(settings.workers) as group_dir:
         if demo_nodes:
             settings = settings.replace(nodes=(*settings.nodes, *demo_nodes))
         if not settings.nodes:
             print("pdproxy: no nodes yet; pass --node URL (or --demo to try it with mock engines)", file=sys.stderr)
         os.environ[SETTINGS_ENV] = settings.to_json()
+        if group_dir is not None:
+            os.environ[group.GROUP_ENV] = str(group_dir)
         _print_banner(settings)
         Granian(
             target="pdproxy.app:app_from_environment",
@@ -52,6 +57,9 @@ def serve(settings: Settings) -> None:
             backlog=2048,
             # SIGTERM drains: granian stops accepting and lets requests in flight finish, this long at most.
             workers_kill_timeout=max(1, round(settings.drain_timeout)),
+            # A worker that dies is replaced; the group's leader hands back the permits it held.
+            respawn_failed_workers=True,
+            respawn_interval=RESPAWN_INTERVAL,
         ).serve()
 
 

@@ -151,11 +151,7 @@ impl Registry {
     /// Adds a node, or updates the spec of a registered one (same generation and counters).
     pub fn add(&self, url: &str, spec: NodeSpec) -> Result<Arc<Node>> {
         let url = NodeUrl::parse(url)?;
-        if let Some(speed) = spec.speed {
-            if !(speed.is_finite() && speed > 0.0) {
-                return Err(Error::new(Kind::InvalidNode, format!("speed must be a positive number, got {speed}")));
-            }
-        }
+        check_speed(spec.speed)?;
         let spec = NodeSpec { models: dedup(spec.models), ..spec };
         let _writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
         let current = self.snapshot.load_full();
@@ -212,6 +208,16 @@ impl Registry {
             table.retire(binding);
         }
         Ok(removed)
+    }
+}
+
+/// A node's speed, when declared, is a positive number.
+pub fn check_speed(speed: Option<f64>) -> Result<()> {
+    match speed {
+        Some(speed) if !(speed.is_finite() && speed > 0.0) => {
+            Err(Error::new(Kind::InvalidNode, format!("speed must be a positive number, got {speed}")))
+        }
+        _ => Ok(()),
     }
 }
 

@@ -184,6 +184,11 @@ impl SharedTable {
             .collect()
     }
 
+    /// The in-flight units worker `index` holds now, over all slots.
+    pub fn held(&self, index: usize) -> u64 {
+        self.table().slots.iter().map(|slot| u64::from(slot.shares[index].load(Ordering::Relaxed))).sum()
+    }
+
     /// Detaches worker `index` (which must be `pid`): every permit it still held is handed
     /// back. Call it for a worker that has exited; returns the permits handed back, or `None`
     /// when the entry is no longer `pid`'s (someone else reclaimed it).
@@ -371,6 +376,7 @@ mod tests {
             t.counters(slot).in_flight.fetch_add(n, Ordering::AcqRel);
             t.share(slot, worker).fetch_add(u32::try_from(n).unwrap(), Ordering::AcqRel);
         }
+        assert_eq!((t.held(w1), t.held(w2)), (2, 5));
         assert_eq!(t.reclaim(w2, 999), None, "only the pid that owns the entry");
         assert_eq!(t.reclaim(w2, 102), Some(5));
         assert_eq!(t.counters(slot).in_flight(), 2);

@@ -4,14 +4,16 @@ prefill-decode connections; ``ledger`` makes sure no preserved prefill session i
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from pdproxy.config import Settings
 from pdproxy.router import Router
 
 
-def make_adapter(router: Router, settings: Settings, fleet: Any) -> Any:
-    """The disaggregation flow for ``settings.pd_protocol``."""
+def make_adapter(router: Router, settings: Settings, fleet: Any, group_dir: Path | None = None) -> Any:
+    """The disaggregation flow for ``settings.pd_protocol`` (``group_dir``: a worker group's,
+    whose workers share the prefill-decode links)."""
     if settings.pd_protocol == "vllm":
         from .vllm import VllmPD
 
@@ -22,4 +24,4 @@ def make_adapter(router: Router, settings: Settings, fleet: Any) -> Any:
         return SglangPD(router, settings, fleet.bootstrap_port_of)
     from .lmdeploy import DistServe
 
-    return DistServe(router, settings, fleet.api_key_of)
+    return DistServe(router, settings, fleet.api_key_of, group_dir)

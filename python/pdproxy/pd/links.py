@@ -6,17 +6,24 @@ A link (P, D) is connected by one handshake, strictly in LMDeploy's order: ``eng
 flight) and wait for it with a timeout; a failed handshake is retried with backoff, a bounded
 number of times. Warm-up connects every pair with bounded concurrency and, since it joins the
 handshakes already in flight, repeating it never piles up work. Removing a node drops its links
-on both sides."""
+on both sides.
+
+In a worker group the pool is the group's: a handshake runs under a lock file per pair and
+leaves a marker once connected, so each pair is connected once for all workers, and dropped
+once (by whichever worker removes the marker)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -78,8 +85,11 @@ class LinkPool:
         backoff: float,
         wait_timeout: float,
         api_key_of: Callable[[str], str | None],
+        group_dir: Path | None = None,
     ) -> None:
         self.links: dict[tuple[str, str], Link] = {}
+        #: In a worker group: where the pairs' lock files and connected markers live.
+        self._shared = group_dir / "links" if group_dir is not None else None
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._attempts = attempts
         self._backoff = backoff
@@ -141,6 +151,8 @@ class LinkPool:
             self.links.pop((link.prefill, link.decode), None)
             if link.task is not None and not link.task.done():
                 link.task.cancel()
+        if self._shared is not None:
+            gone = self._unmark(url)  # the group's links, dropped by this worker only if it unmarks them
         calls = []
         for link in gone:
             calls.append(
@@ -161,6 +173,39 @@ class LinkPool:
         return [link.summary() for link in self.links.values()]
 
     async def _connect(self, link: Link) -> None:
+        if self._shared is None:
+            await self._connect_here(link)
+            return
+        marker = self._marker(link.prefill, link.decode)
+        async with _file_lock(marker.with_suffix(".lock")):
+            if marker.exists():
+                link.state = "connected"  # another worker of the group connected it
+                link.last_error = None
+                return
+            await self._connect_here(link)
+            if link.state == "connected":
+                marker.write_text(json.dumps({"prefill": link.prefill, "decode": link.decode}))
+
+    def _marker(self, prefill: str, decode: str) -> Path:
+        assert self._shared is not None
+        return self._shared / (hashlib.sha256(f"{prefill} {decode}".encode()).hexdigest()[:32] + ".connected")
+
+    def _unmark(self, url: str) -> list[Link]:
+        """Removes the group's markers of the links of ``url``; the links this call unmarked."""
+        assert self._shared is not None
+        unmarked = []
+        for marker in self._shared.glob("*.connected"):
+            try:
+                pair = json.loads(marker.read_text())
+                if url not in (pair["prefill"], pair["decode"]):
+                    continue
+                marker.unlink()
+            except (OSError, ValueError, KeyError):
+                continue  # another worker unmarked it first, or it is being written
+            unmarked.append(Link(pair["prefill"], pair["decode"]))
+        return unmarked
+
+    async def _connect_here(self, link: Link) -> None:
         for attempt in range(self._attempts):
             link.attempts += 1
             started = time.monotonic()
@@ -224,6 +269,22 @@ class LinkPool:
 
 class HandshakeError(Exception):
     pass
+
+
+@contextlib.asynccontextmanager
+async def _file_lock(path: Path) -> AsyncIterator[None]:
+    """An exclusive lock shared by the group's workers, waited for without blocking the loop."""
+    with open(path, "a") as f:  # noqa: ASYNC230 - a lock file on a memory-backed file system
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                await asyncio.sleep(0.02)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _init_body(local: str, local_info: dict[str, Any], remote: str, remote_info: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from pdproxy.config import Settings
@@ -56,7 +57,7 @@ class DistServe:
     protocol = "lmdeploy"
     paths = PD_PATHS
 
-    def __init__(self, router: Router, settings: Settings, api_key_of: Any) -> None:
+    def __init__(self, router: Router, settings: Settings, api_key_of: Any, group_dir: Path | None = None) -> None:
         self.router = router
         self.settings = settings
         self.links = LinkPool(
@@ -65,6 +66,7 @@ class DistServe:
             backoff=settings.pd_link_backoff,
             wait_timeout=settings.pd_link_wait_timeout,
             api_key_of=api_key_of,
+            group_dir=group_dir,
         )
         self.ledger = SessionLedger(
             ttl=settings.pd_session_ttl,

@@ -84,6 +84,8 @@ class MockState:
     completed: int = 0
     disconnected: int = 0
     active: int = 0
+    #: The most generation requests ever served at once (what a proxy's cap must bound).
+    peak_active: int = 0
     records: collections.deque[dict[str, Any]] = field(default_factory=lambda: collections.deque(maxlen=RECORD_LIMIT))
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     terminated: asyncio.Event = field(default_factory=asyncio.Event)
@@ -106,6 +108,7 @@ class MockState:
             "completed": self.completed,
             "disconnected": self.disconnected,
             "active": self.active,
+            "peak_active": self.peak_active,
         }
 
 
@@ -242,6 +245,7 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         return _error(400, "`prompt` is required", "invalid_request")
 
     state.active += 1
+    state.peak_active = max(state.peak_active, state.active)
     completed = False
     try:
         if faults.hang:
@@ -512,6 +516,7 @@ async def _mock_requests(request: web.Request) -> web.Response:
 async def _mock_reset(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.requests = state.completed = state.disconnected = 0
+    state.peak_active = state.active
     state.records.clear()
     return web.json_response(state.stats())
 

@@ -21,9 +21,9 @@ use crate::error::{Error, Kind, Result};
 use crate::exchange::{pump, Exchange, StreamTimeouts};
 use crate::forward::{ForwardConfig, ForwardRequest, Forwarder, ResponseBody, UpstreamResponse};
 use crate::inspect::{inspect, patch};
-use crate::node::{Node, NodeSpec, NodeState, Role};
+use crate::node::{Node, NodeSpec, NodeState, NodeUrl, Role};
 use crate::permit::{InFlightPermit, Outcome, Report};
-use crate::registry::Registry;
+use crate::registry::{check_speed, Registry};
 use crate::retry::RetryBudget;
 use crate::runtime;
 use crate::select::{select, select_excluding, SelectCtx};
@@ -211,6 +211,15 @@ impl Router {
     }
 
     /// The canonical form of a node URL (scheme and host lower-cased, no trailing slash).
+    /// Raises `InvalidNode` for a node the table would refuse (URL, role, speed), without adding it.
+    #[staticmethod]
+    #[pyo3(signature = (url, role="hybrid", speed=None))]
+    fn check_node(url: &str, role: &str, speed: Option<f64>) -> PyResult<()> {
+        NodeUrl::parse(url).map_err(|e| to_pyerr(&e))?;
+        role_of(role)?;
+        check_speed(speed).map_err(|e| to_pyerr(&e))
+    }
+
     #[staticmethod]
     fn normalize_url(url: &str) -> PyResult<String> {
         Ok(crate::node::NodeUrl::parse(url).map_err(|e| to_pyerr(&e))?.normalized)

@@ -47,6 +47,11 @@ impl SharedTable {
         self.inner.workers()
     }
 
+    /// The permits worker `index` holds now.
+    fn held(&self, index: usize) -> u64 {
+        self.inner.held(index)
+    }
+
     /// Detaches a worker that has exited, handing back the permits it held; returns how many,
     /// or None when the entry is no longer `pid`'s.
     fn reclaim(&self, index: usize, pid: u32) -> Option<u64> {
