@@ -1,8 +1,10 @@
 """How pdproxy's cost grows with the work: proxy CPU per request and per event, and RSS, as
-concurrent streams grow (64 to 4096) and as the number of nodes grows (2 to 128).
+concurrent streams grow (64 to 4096), as the number of nodes grows (2 to 128) and with 1, 2
+and 4 worker processes (`--workers`).
 
-    python bench/scaling.py                # 8 s per point
+    python bench/scaling.py                     # every sweep, 8 s per point
     python bench/scaling.py --duration 4
+    python bench/scaling.py --sweeps workers    # one sweep: streams, nodes or workers
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from run import CHAT, MODEL, chat
 
 STREAMS = (64, 256, 1024, 4096)
 NODES = (2, 16, 128)
+WORKERS = (1, 2, 4)
 
 
 @contextlib.contextmanager
@@ -70,15 +73,50 @@ def node_sweep(duration: float) -> list[str]:
     return rows
 
 
+def worker_sweep(duration: float) -> list[str]:
+    """Non-stream requests and stream events through 1, 2 and 4 workers on the same engines
+    (CPU counted over the whole process tree: granian's main process and every worker)."""
+    rows = [
+        "| workers | req/s | proxy CPU µs/request | events/s | proxy CPU µs/event | proxy RSS MB | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    with harness.mock_engines(2, MODEL) as engines:
+        urls = [e.url for e in engines]
+        for workers in WORKERS:
+            with harness.pdproxy(urls, MODEL, ("--workers", str(workers))) as proxy:
+                watch = {"proxy": proxy.proc.pid}
+                harness.say(f"scaling: {workers} worker(s), non-stream then stream, 64 connections, {duration:.0f} s")
+                plain = harness.run_load([proxy.url + CHAT], chat(False, 16), 64, duration, watch)
+                stream = harness.run_load([proxy.url + CHAT], chat(True, 64), 64, duration, watch)
+            errors = plain.load["errors"] + stream.load["errors"]
+            rows.append(
+                f"| {workers} | {plain.load['rps']:.0f} | {per(plain, 'requests'):.0f} | "
+                f"{stream.load['events_per_s']:.0f} | {per(stream, 'events'):.1f} | "
+                f"{max(plain.rss_bytes['proxy'], stream.rss_bytes['proxy']) / 1e6:.0f} | {errors} |"
+            )
+    return rows
+
+
+SWEEPS = {
+    "streams": ("Concurrent streams (two engines, 50 tokens at 20 ms/token)", stream_sweep),
+    "nodes": ("Nodes (one process of mock engines, non-stream, 64 connections)", node_sweep),
+    "workers": ("Workers (two engines, 64 connections: non-stream, then streams of 64 events)", worker_sweep),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=8.0)
+    parser.add_argument("--sweeps", default=",".join(SWEEPS), help="comma-separated: " + ", ".join(SWEEPS))
     args = parser.parse_args()
+    chosen = [name.strip() for name in args.sweeps.split(",") if name.strip()]
+    if unknown := [name for name in chosen if name not in SWEEPS]:
+        parser.error(f"unknown sweep(s): {', '.join(unknown)}")
     harness.build_loadgen()
-    print("### Concurrent streams (two engines, 50 tokens at 20 ms/token)\n")
-    print("\n".join(stream_sweep(args.duration)) + "\n", flush=True)
-    print("### Nodes (one process of mock engines, non-stream, 64 connections)\n")
-    print("\n".join(node_sweep(args.duration)))
+    for name in chosen:
+        title, sweep = SWEEPS[name]
+        print(f"### {title}\n")
+        print("\n".join(sweep(args.duration)) + "\n", flush=True)
 
 
 if __name__ == "__main__":
