@@ -104,6 +104,12 @@ def test_bad_configuration_is_reported(tmp_path: Path) -> None:
     result = run("serve", "--connect-timeout", "0", "--print-config")
     assert result.returncode == 2
     assert "connect_timeout must be a positive number" in result.stderr
+    result = run("serve", "--workers", "99")
+    assert result.returncode == 2
+    assert "--workers is at most 32" in result.stderr
+    result = run("serve", "--registry", "http://redis:6379")
+    assert result.returncode == 2
+    assert "unsupported scheme" in result.stderr
     result = run("mock-engine", "--role", "chef")
     assert result.returncode == 2
     assert "role must be one of" in result.stderr

@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .group import MAX_WORKERS
+from .membership import check_url as check_registry_url
 
 __all__ = ["ENV_PREFIX", "Settings"]
 
@@ -284,6 +286,10 @@ class Settings:
             _check_type(f.name, getattr(self, f.name), f.type)
         if not 0 < self.port < 65536 and self.port != 0:
             raise ConfigError(f"port must be between 1 and 65535, got {self.port}")
+        if self.workers > MAX_WORKERS:
+            raise ConfigError(f"--workers is at most {MAX_WORKERS}, got {self.workers}")
+        if self.registry:
+            check_registry_url(self.registry)
         for name in (
             "workers",
             "runtime_threads",

@@ -37,6 +37,9 @@ GROUP_ENV = "_PDPROXY_GROUP_DIR"
 LEAD_INTERVAL = 1.0
 #: Seconds between a worker's looks at the group-wide signals (drain, stale slot bindings).
 SIGNAL_INTERVAL = 0.1
+#: Workers a group may have: half the table's entries, so that replacements of dead workers
+#: always find room before the leader reclaims the dead ones' entries.
+MAX_WORKERS = _pdproxy.SharedTable.MAX_WORKERS // 2
 #: A retired node slot is reused no sooner than this: far longer than any worker takes to see
 #: the removal (SIGNAL_INTERVAL), so no worker still counts on it.
 SLOT_REUSE_GRACE = 10.0

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from pdproxy.errors import ConfigError, PdproxyError
 
-__all__ = ["Entry", "Membership", "OnChange", "RegistryUnavailable", "from_url"]
+__all__ = ["Entry", "Membership", "OnChange", "RegistryUnavailable", "check_url", "from_url"]
 
 #: One node registration: a JSON-able dict with at least "url" (str); may have "lease_ttl" (seconds or None).
 Entry = dict[str, Any]
@@ -52,8 +52,8 @@ class Membership(abc.ABC):
         """Current entries, leased-out ones excluded; each carries "lease_remaining" (seconds, or None)."""
 
 
-def from_url(url: str, **options: Any) -> Membership:
-    """The backend for a ``--registry`` URL; ``options`` go to its constructor."""
+def check_url(url: str) -> None:
+    """Raises ``ConfigError`` unless ``url`` names a registry pdproxy can use."""
     try:
         parts = urlsplit(url)
         port = parts.port  # raises ValueError when not a number
@@ -66,6 +66,11 @@ def from_url(url: str, **options: Any) -> Membership:
         raise ConfigError(f"--registry {url!r} has no host; use redis://HOST:PORT/DB")
     if db and not db.isdigit():
         raise ConfigError(f"--registry {url!r}: the database must be a number, as in redis://HOST:{port or 6379}/0")
+
+
+def from_url(url: str, **options: Any) -> Membership:
+    """The backend for a ``--registry`` URL; ``options`` go to its constructor."""
+    check_url(url)
     try:
         from pdproxy.membership.redis_store import RedisMembership
     except ImportError as e:  # redis is an optional extra
