@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from servers import free_port
+from servers import free_port, stop_process
 
 REDIS_SERVER = shutil.which("redis-server")
 READY_TIMEOUT = 10.0
@@ -58,15 +58,8 @@ class RedisServer:
     def stop(self) -> None:
         """Stops the server by its PID; the port stops answering before this returns."""
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if proc is not None:
+            stop_process(proc)
 
     def restart_empty(self) -> None:
         """A Redis that restarted and lost its data: same port, nothing saved (--save '')."""

@@ -60,14 +60,19 @@ class Process:
             return f.read()
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, sig)
+
+
+def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM) -> int:
+    """Stops a process this test started: ``sig``, then a kill after 10 s. Its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 @contextlib.contextmanager

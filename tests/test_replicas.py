@@ -50,30 +50,24 @@ def _nodes(proxy: Process) -> dict[str, Any]:
     return nodes
 
 
-def _chat(proxy: Process, model: str) -> tuple[int, Any]:
+def _post(proxy: Process, path: str, payload: dict[str, Any]) -> tuple[int, Any]:
+    """The status and JSON body of a POST, errors included."""
     request = urllib.request.Request(
-        proxy.url + "/v1/chat/completions",
-        data=json.dumps(chat_body(model)).encode(),
-        headers={"content-type": "application/json"},
+        proxy.url + path, data=json.dumps(payload).encode(), headers={"content-type": "application/json"}
     )
     try:
         with urllib.request.urlopen(request, timeout=10) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def _chat(proxy: Process, model: str) -> tuple[int, Any]:
+    return _post(proxy, "/v1/chat/completions", chat_body(model))
 
 
 def _add(proxy: Process, engine: Process, model: str, **extra: Any) -> tuple[int, Any]:
-    request = urllib.request.Request(
-        proxy.url + "/nodes/add",
-        data=json.dumps({"url": engine.url, "status": {"models": [model]}, **extra}).encode(),
-        headers={"content-type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=10) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return _post(proxy, "/nodes/add", {"url": engine.url, "status": {"models": [model]}, **extra})
 
 
 def test_registered_on_one_routed_through_the_other(replicas: Replicas) -> None:

@@ -17,6 +17,7 @@ import aiohttp
 import pytest
 
 from pdproxy.testing.faults import FAULT_HEADER
+from redis_server import REDIS_SERVER, redis_server
 from servers import Process, chat_body, get_json, mock_engine, pdproxy_serve, post_json, wait_until
 
 pytestmark = pytest.mark.slow
@@ -194,3 +195,21 @@ def test_distserve_links_are_connected_once_for_the_group(tmp_path: Path) -> Non
         time.sleep(0.5)  # a second drop, if any worker sent one, would have landed by now
         drops = [op for op, _, _ in get_json(prefill.url + "/mock/ledger")["links"]].count("p2p_drop_connect")
         assert drops == 1
+
+
+async def test_workers_of_replicas_share_membership_through_redis(tmp_path: Path, engine: Process) -> None:
+    if REDIS_SERVER is None:
+        pytest.fail("this test needs Debian's redis-server (apt-get install redis-server)")
+    cap = 2
+    with (
+        redis_server(tmp_path) as redis,
+        pdproxy_serve(tmp_path, "--workers", str(WORKERS), "--registry", redis.url) as proxy,
+    ):
+        wait_until(lambda: len(_workers_seen(proxy.url)) == WORKERS, 20, "every worker to answer")
+        node = {"url": engine.url, "status": {"models": ["alpha"]}, "max_concurrency": cap}
+        post_json(proxy.url + "/nodes/add", node)
+        wait_until(lambda: _every_worker(proxy.url, lambda s: engine.url in s["nodes"]), 5, "the node on every worker")
+        post_json(engine.url + "/mock/reset", {})
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0)) as http:
+            await asyncio.gather(*(_stream(http, proxy.url, delay_ms=20) for _ in range(12)))
+        assert get_json(engine.url + "/mock/stats")["peak_active"] == cap  # exact on the machine
