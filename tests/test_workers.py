@@ -213,3 +213,51 @@ async def test_workers_of_replicas_share_membership_through_redis(tmp_path: Path
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0)) as http:
             await asyncio.gather(*(_stream(http, proxy.url, delay_ms=20) for _ in range(12)))
         assert get_json(engine.url + "/mock/stats")["peak_active"] == cap  # exact on the machine
+
+
+async def test_sessions_preserved_by_a_dead_worker_are_freed(tmp_path: Path) -> None:
+    with (
+        mock_engine(tmp_path, "m", "--role", "prefill") as prefill,
+        mock_engine(tmp_path, "m", "--role", "decode") as decode,
+        pdproxy_serve(tmp_path, "--workers", str(WORKERS), "--serving-strategy", "DistServe") as proxy,
+    ):
+        wait_until(lambda: len(_workers_seen(proxy.url)) == WORKERS, 20, "every worker to answer")
+        for engine, role in ((prefill, 2), (decode, 3)):
+            post_json(proxy.url + "/nodes/add", {"url": engine.url, "status": {"models": ["m"], "role": role}})
+        wait_until(lambda: _every_worker(proxy.url, lambda s: len(s["nodes"]) == 2), 5, "both nodes on every worker")
+
+        def live() -> list[int]:
+            return list(get_json(prefill.url + "/mock/ledger")["live"])
+
+        connector = aiohttp.TCPConnector(force_close=True, limit=0)
+        async with aiohttp.ClientSession(connector=connector) as http:
+            # The decode never starts: each request's prefill session stays preserved.
+            headers = {FAULT_HEADER: "decode.hang"}
+
+            async def one(i: int) -> int:
+                body = chat_body("m", prompt=f"q{i}")
+                async with http.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                    return r.status
+
+            requests = [asyncio.create_task(one(i)) for i in range(8)]
+            victim: dict[str, Any] = {}
+
+            def a_worker_holds_sessions() -> bool:
+                for state in _workers_seen(proxy.url).values():
+                    if state["pd"]["ledger"]["preserved"] > 0:
+                        victim.update(state["group"])
+                        return True
+                return False
+
+            await asyncio.to_thread(wait_until, a_worker_holds_sessions, 10, "a worker holding preserved sessions")
+            os.kill(victim["pid"], signal.SIGKILL)
+            # The survivor's requests are abandoned by their client: it frees those itself.
+            await asyncio.sleep(0.2)
+            for task in requests:
+                task.cancel()
+            await asyncio.gather(*requests, return_exceptions=True)
+        wait_until(lambda: not live(), 10, "every preserved session freed")
+        report = get_json(prefill.url + "/mock/ledger")
+        assert report["double_frees"] == []
+        assert report["unknown_frees"] == []
+        assert "its worker died" in proxy.log()

@@ -133,6 +133,8 @@ class ProxyApp:
         assert self.fleet is not None
         if isinstance(self.fleet.membership, GroupFileMembership):
             self.fleet.membership.expire()
+        if self.distserve is not None and hasattr(self.distserve, "adopt_orphans"):
+            await self.distserve.adopt_orphans()
 
     def _group_signals(self) -> None:
         """Every worker, often: a drain asked of any worker, and nodes another worker re-added."""

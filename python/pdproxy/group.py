@@ -9,7 +9,7 @@ One worker at a time is the leader: whoever holds the ``flock`` on ``leader.lock
 releases it when that worker dies, and another takes over within ``LEAD_INTERVAL``. The leader
 does what must happen once per group: health checks (their verdict lands in the shared table,
 so every worker routes by it), lease expiry, handing back the permits of workers that died,
-and reusing retired node slots.
+reusing retired node slots, and freeing the DistServe sessions that dead workers had preserved.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class Group:
         """Hands back the permits of workers that have exited; returns how many."""
         returned = 0
         for index, pid in self.table.workers():
-            if pid != self.pid and not _alive(pid):
+            if pid != self.pid and not alive(pid):
                 handed_back = self.table.reclaim(index, pid)
                 if handed_back is not None:
                     log.warning("worker pid %d exited; %d permit(s) it held were handed back", pid, handed_back)
@@ -146,7 +146,7 @@ class Group:
             await asyncio.sleep(SIGNAL_INTERVAL)
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
     """Whether process ``pid`` still runs (a zombie, exited but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)

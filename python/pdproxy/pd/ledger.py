@@ -5,15 +5,21 @@ prefill node and nobody but pdproxy knows it is still needed. The ledger holds i
 has consumed it; on any other ending (decode refused or failed before starting, link failure,
 client gone, decode node removed, shutdown) pdproxy frees it on the prefill node with
 ``/distserve/free_cache``, exactly once, with bounded retries. Entries also expire after a TTL,
-swept in the background, so nothing outlives a bug."""
+swept in the background, so nothing outlives a bug.
+
+In a worker group each worker also journals its entries, one small file each in the group's
+directory, so that when a worker dies the leader adopts and frees what it had preserved."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -34,8 +40,14 @@ class Preserved:
 
 
 class SessionLedger:
-    def __init__(self, *, ttl: float, free_timeout: float, free_attempts: int, api_key_of: Any) -> None:
+    def __init__(
+        self, *, ttl: float, free_timeout: float, free_attempts: int, api_key_of: Any, journal: Path | None = None
+    ) -> None:
         self.entries: dict[int, Preserved] = {}
+        #: In a worker group: this worker's journal directory.
+        self._journal = journal
+        if journal is not None:
+            journal.mkdir(parents=True, exist_ok=True)
         self._ids = itertools.count(1)
         self._ttl = ttl
         self._timeout = aiohttp.ClientTimeout(total=free_timeout)
@@ -57,18 +69,47 @@ class SessionLedger:
         await asyncio.gather(*(self.free(e, "shutdown") for e in list(self.entries.values())))
         if self._session is not None:
             await self._session.close()
+        if self._journal is not None:
+            with contextlib.suppress(OSError):  # empty by now: every entry was freed or given up
+                self._journal.rmdir()
 
     def add(self, prefill: str, session_id: int, decode: str | None) -> Preserved:
         entry = Preserved(next(self._ids), prefill, session_id, decode, time.monotonic())
         self.entries[entry.id] = entry
+        if self._journal is not None:
+            record = {"prefill": prefill, "session_id": session_id, "decode": decode}
+            (self._journal / f"{entry.id}.json").write_text(json.dumps(record))
         return entry
+
+    def _settled(self, entry: Preserved) -> None:
+        self.entries.pop(entry.id, None)
+        if self._journal is not None:
+            (self._journal / f"{entry.id}.json").unlink(missing_ok=True)
 
     def consume(self, entry: Preserved) -> None:
         """Decode has taken the session over: it frees it on the prefill node itself."""
         if entry.state == "preserved":
             entry.state = "consumed"
             self.consumed += 1
-            self.entries.pop(entry.id, None)
+            self._settled(entry)
+
+    async def adopt(self, journal: Path) -> int:
+        """Frees the sessions a dead worker journaled in ``journal``, then removes it; how many."""
+        adopted = self._take_over(journal)
+        await asyncio.gather(*(self.free(e, "its worker died") for e in adopted))
+        return len(adopted)
+
+    def _take_over(self, journal: Path) -> list[Preserved]:
+        """Moves another journal's entries into this ledger (a few small files in memory)."""
+        adopted = []
+        for path in sorted(journal.glob("*.json")):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                record = json.loads(path.read_text())
+                adopted.append(self.add(str(record["prefill"]), int(record["session_id"]), record.get("decode")))
+            path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            journal.rmdir()
+        return adopted
 
     async def free(self, entry: Preserved, reason: str) -> None:
         """Frees the session on its prefill node, once, whatever the number of callers."""
@@ -94,13 +135,13 @@ class SessionLedger:
             entry.state = "lost"
             self.free_failures += 1
             log.error("could not free prefill session %s on %s (%s)", entry.session_id, entry.prefill, reason)
-        self.entries.pop(entry.id, None)
+        self._settled(entry)
 
     def forget_prefill(self, url: str) -> None:
         """A removed prefill node's sessions went with it."""
         for entry in [e for e in self.entries.values() if e.prefill == url]:
             entry.state = "lost"
-            self.entries.pop(entry.id, None)
+            self._settled(entry)
 
     async def gc(self, older_than: float = 0.0) -> list[dict[str, Any]]:
         """Frees every entry older than ``older_than`` seconds; reports what it freed."""

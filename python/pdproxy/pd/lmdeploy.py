@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from pdproxy.config import Settings
 from pdproxy.errors import InvalidRequest
+from pdproxy.group import alive
 from pdproxy.responses import Send
 from pdproxy.router import Router
 
@@ -73,7 +75,9 @@ class DistServe:
             free_timeout=settings.pd_free_timeout,
             free_attempts=settings.pd_free_attempts,
             api_key_of=api_key_of,
+            journal=group_dir / "ledger" / str(os.getpid()) if group_dir is not None else None,
         )
+        self._group_dir = group_dir
         #: Frees in progress, kept so that a cancelled request cannot cut them short.
         self._frees: set[asyncio.Task[None]] = set()
 
@@ -85,6 +89,16 @@ class DistServe:
         await asyncio.gather(*self._frees, return_exceptions=True)
         await self.ledger.aclose()
         await self.links.aclose()
+
+    async def adopt_orphans(self) -> int:
+        """The group leader's round: frees the sessions preserved by workers that died."""
+        if self._group_dir is None:
+            return 0
+        freed = 0
+        for journal in (self._group_dir / "ledger").iterdir():
+            if journal.name.isdigit() and int(journal.name) != os.getpid() and not alive(int(journal.name)):
+                freed += await self.ledger.adopt(journal)
+        return freed
 
     def node_removed(self, url: str) -> None:
         """Drops the node's links on both sides; its preserved sessions, if it was a prefill
