@@ -125,3 +125,20 @@ def test_replicas_recover_from_a_redis_restart(replicas: Replicas) -> None:
         third = stack.enter_context(pdproxy_serve(r.redis.workdir, "--registry", r.redis.url))
         wait_until(lambda: {r.engine.url, r.other.url} <= set(_nodes(third)), WAIT, "a new replica to see both")
         assert _chat(third, "beta")[0] == 200
+
+
+def test_a_replica_starts_while_redis_is_down(tmp_path: Path) -> None:
+    if REDIS_SERVER is None:
+        pytest.fail("the replica tests need Debian's redis-server (apt-get install redis-server)")
+    redis = RedisServer(tmp_path)  # its port is chosen, nothing listens on it yet
+    with (
+        mock_engine(tmp_path, "alpha") as engine,
+        pdproxy_serve(tmp_path, "--registry", redis.url, "--node", engine.url) as replica,
+    ):
+        assert _nodes(replica) == {}  # the registry is the membership: nothing until it is reachable
+        redis.start()
+        try:
+            wait_until(lambda: engine.url in _nodes(replica), 20, "the configured node registered")
+            assert _chat(replica, "alpha")[0] == 200
+        finally:
+            redis.stop()

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from .config import Settings
 from .errors import InvalidNode, NodeNotFound, UpstreamError
 from .group import Group
 from .health import HealthChecker
-from .membership import Entry, Membership
+from .membership import Entry, Membership, RegistryUnavailable
 from .router import Router
 from .urls import check_node_url, parse_networks
 
@@ -35,6 +35,8 @@ log = logging.getLogger("pdproxy.fleet")
 ROLE_NUMBERS = {"hybrid": 1, "prefill": 2, "decode": 3}
 #: How often leases are checked.
 LEASE_TICK = 1.0
+#: Longest wait between attempts to register a configured node while the registry is down.
+REGISTER_RETRY_MAX = 10.0
 
 
 @dataclass
@@ -96,7 +98,7 @@ class Fleet:
         self.group: Group | None = None
         #: Called with a node's URL once it is removed (links and sessions to clean up).
         self.on_removed: list[Callable[[str], None]] = []
-        self._removals: set[asyncio.Task[None]] = set()
+        self._chores: set[asyncio.Task[None]] = set()
 
     async def start(self, check_health: bool = True) -> None:
         """Loads the saved and configured nodes and starts the background work; health checks
@@ -107,13 +109,16 @@ class Fleet:
         if self.membership is not None:
             await self.membership.start(self.apply)
         saved = state_file.load(self.settings.state_file) if self.settings.state_file else []
-        for entry in saved:
+        initial = [{k: v for k, v in e.items() if k in Registration.__dataclass_fields__} for e in saved]
+        initial += [{"url": url} for url in self.settings.nodes]
+        for fields in initial:
             try:
-                await self.add(**{k: v for k, v in entry.items() if k in Registration.__dataclass_fields__})
+                await self.add(**fields)
+            except RegistryUnavailable:
+                # Serve with what the registry last said, and register this node once it is back.
+                self._background(self._register_when_available(fields), f"pdproxy-register {fields.get('url')}")
             except (InvalidNode, TypeError) as e:
-                log.error("saved node %s not restored: %s", entry.get("url"), e)
-        for url in self.settings.nodes:
-            await self.add(url)
+                log.error("node %s not added: %s", fields.get("url"), e)
         if self.membership is None:
             self._lease_task = background.start(self._expire_leases(), "pdproxy-leases")
 
@@ -124,7 +129,7 @@ class Fleet:
 
     async def aclose(self) -> None:
         await background.stop(self._lease_task)
-        for task in list(self._removals):
+        for task in list(self._chores):
             await background.stop(task)
         if self.membership is not None:
             await self.membership.aclose()
@@ -312,12 +317,29 @@ class Fleet:
         """Removes a node in the background (the health checker's verdict)."""
 
         async def remove() -> None:
-            with contextlib.suppress(NodeNotFound):
+            with contextlib.suppress(NodeNotFound, RegistryUnavailable):
                 await self.remove(url)
 
-        task = background.start(remove(), f"pdproxy-remove {url}")
-        self._removals.add(task)
-        task.add_done_callback(self._removals.discard)
+        self._background(remove(), f"pdproxy-remove {url}")
+
+    def _background(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        """Runs ``work`` until it ends or the fleet closes."""
+        task = background.start(work, name)
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
+
+    async def _register_when_available(self, fields: dict[str, Any]) -> None:
+        delay = 1.0
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await self.add(**fields)
+            except RegistryUnavailable:
+                delay = min(delay * 2, REGISTER_RETRY_MAX)
+                continue
+            except (InvalidNode, TypeError) as e:
+                log.error("node %s not added: %s", fields.get("url"), e)
+            return
 
     def _save(self) -> None:
         if self.settings.state_file and self.keeps_state_file:
