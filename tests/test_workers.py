@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,10 @@ async def _stream(http: aiohttp.ClientSession, url: str, delay_ms: int, tokens: 
 def test_one_leader_and_membership_seen_by_every_worker(group: Process, engine: Process) -> None:
     leaders = [s["group"]["leader"] for s in _workers_seen(group.url).values()]
     assert leaders.count(True) == 1, leaders
+    with urllib.request.urlopen(group.url + "/metrics", timeout=5) as r:
+        metrics = r.read().decode()
+    assert f"pdproxy_group_workers {WORKERS:.1f}" in metrics
+    assert 'pdproxy_group_node_slots{use="bound"} 0.0' in metrics
 
     post_json(group.url + "/nodes/add", {"url": engine.url, "status": {"models": ["alpha"]}, "max_concurrency": 3})
     wait_until(lambda: _every_worker(group.url, lambda s: engine.url in s["nodes"]), 5, "the node on every worker")

@@ -83,6 +83,24 @@ class PdproxyCollector(Collector):
         pd = fleet.distserve if fleet is not None else None
         if pd is not None and pd.protocol == "lmdeploy":
             yield from _pd_metrics(pd.status())
+        if self.app.group is not None:
+            yield from _group_metrics(self.app.group.summary())
+
+
+def _group_metrics(summary: dict[str, Any]) -> Iterator[Metric]:
+    """A worker group: node series above are the group's; these say which worker answered."""
+    worker = GaugeMetricFamily(
+        "pdproxy_group_worker",
+        "1, labelled with the answering worker and whether it leads",
+        labels=("worker", "leader"),
+    )
+    worker.add_metric([str(summary["worker"]), "true" if summary["leader"] else "false"], 1)
+    workers = GaugeMetricFamily("pdproxy_group_workers", "Worker processes attached to the group")
+    workers.add_metric([], len(summary["workers"]))
+    slots = GaugeMetricFamily("pdproxy_group_node_slots", "Node slots of the shared table, by use", labels=["use"])
+    for use in ("bound", "retired", "total"):
+        slots.add_metric([use], summary["slots"][use])
+    yield from (worker, workers, slots)
 
 
 def _pd_metrics(status: dict[str, Any]) -> Iterator[Metric]:
