@@ -6,6 +6,7 @@ workers; `/debug/state` says which worker answered, so a test can tell it has se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -35,7 +36,7 @@ def engine(tmp_path: Path) -> Iterator[Process]:
 @pytest.fixture
 def group(tmp_path: Path) -> Iterator[Process]:
     with pdproxy_serve(tmp_path, "--workers", str(WORKERS), "--health-interval", "0.2") as proxy:
-        wait_until(lambda: len(_workers_seen(proxy.url)) == WORKERS, 20, "every worker to answer")
+        _wait_for_workers(proxy.url)
         yield proxy
 
 
@@ -59,6 +60,30 @@ def _every_worker(url: str, check: Any) -> bool:
     return len(seen) == WORKERS and all(check(s) for s in seen.values())
 
 
+def _wait_for_workers(url: str) -> None:
+    wait_until(lambda: len(_workers_seen(url)) == WORKERS, 20, "every worker to answer")
+
+
+def _add_everywhere(url: str, node: dict[str, Any]) -> None:
+    """Registers a node through one worker and waits until every worker routes to it."""
+    post_json(url + "/nodes/add", node)
+    wait_until(lambda: _every_worker(url, lambda s: node["url"] in s["nodes"]), 5, "the node on every worker")
+
+
+@contextlib.contextmanager
+def _distserve_group(tmp_path: Path) -> Iterator[tuple[Process, Process, Process]]:
+    """A DistServe worker group with a prefill and a decode engine registered: (proxy, prefill, decode)."""
+    with (
+        mock_engine(tmp_path, "m", "--role", "prefill") as prefill,
+        mock_engine(tmp_path, "m", "--role", "decode") as decode,
+        pdproxy_serve(tmp_path, "--workers", str(WORKERS), "--serving-strategy", "DistServe") as proxy,
+    ):
+        _wait_for_workers(proxy.url)
+        for engine, role in ((prefill, 2), (decode, 3)):
+            _add_everywhere(proxy.url, {"url": engine.url, "status": {"models": ["m"], "role": role}})
+        yield proxy, prefill, decode
+
+
 async def _stream(http: aiohttp.ClientSession, url: str, delay_ms: int, tokens: int = 10) -> bytes:
     headers = {FAULT_HEADER: f"token_delay_ms={delay_ms}"}
     body = chat_body(stream=True, max_tokens=tokens)
@@ -75,8 +100,7 @@ def test_one_leader_and_membership_seen_by_every_worker(group: Process, engine: 
     assert f"pdproxy_group_workers {WORKERS:.1f}" in metrics
     assert 'pdproxy_group_node_slots{use="bound"} 0.0' in metrics
 
-    post_json(group.url + "/nodes/add", {"url": engine.url, "status": {"models": ["alpha"]}, "max_concurrency": 3})
-    wait_until(lambda: _every_worker(group.url, lambda s: engine.url in s["nodes"]), 5, "the node on every worker")
+    _add_everywhere(group.url, {"url": engine.url, "status": {"models": ["alpha"]}, "max_concurrency": 3})
     status = get_json(group.url + "/nodes/status")[engine.url]
     assert status["max_concurrency"] == 3
 
@@ -100,8 +124,7 @@ def test_one_leader_and_membership_seen_by_every_worker(group: Process, engine: 
 
 async def test_a_nodes_cap_holds_across_workers(group: Process, engine: Process) -> None:
     cap = 3
-    post_json(group.url + "/nodes/add", {"url": engine.url, "status": {"models": ["alpha"]}, "max_concurrency": cap})
-    wait_until(lambda: _every_worker(group.url, lambda s: engine.url in s["nodes"]), 5, "the node on every worker")
+    _add_everywhere(group.url, {"url": engine.url, "status": {"models": ["alpha"]}, "max_concurrency": cap})
     post_json(engine.url + "/mock/reset", {})
     # A connection per request, so that the kernel spreads them over both workers.
     connector = aiohttp.TCPConnector(force_close=True, limit=0)
@@ -117,8 +140,7 @@ async def test_a_nodes_cap_holds_across_workers(group: Process, engine: Process)
 
 async def test_a_dead_workers_permits_are_handed_back(group: Process, engine: Process) -> None:
     cap = 4
-    post_json(group.url + "/nodes/add", {"url": engine.url, "status": {"models": ["alpha"]}, "max_concurrency": cap})
-    wait_until(lambda: _every_worker(group.url, lambda s: engine.url in s["nodes"]), 5, "the node on every worker")
+    _add_everywhere(group.url, {"url": engine.url, "status": {"models": ["alpha"]}, "max_concurrency": cap})
     connector = aiohttp.TCPConnector(force_close=True, limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
         # Long streams, so that permits are held while a worker is killed.
@@ -162,15 +184,7 @@ def test_drain_on_one_worker_ends_the_group(group: Process, engine: Process) -> 
 
 
 def test_distserve_links_are_connected_once_for_the_group(tmp_path: Path) -> None:
-    with (
-        mock_engine(tmp_path, "m", "--role", "prefill") as prefill,
-        mock_engine(tmp_path, "m", "--role", "decode") as decode,
-        pdproxy_serve(tmp_path, "--workers", str(WORKERS), "--serving-strategy", "DistServe") as proxy,
-    ):
-        wait_until(lambda: len(_workers_seen(proxy.url)) == WORKERS, 20, "every worker to answer")
-        for engine, role in ((prefill, 2), (decode, 3)):
-            post_json(proxy.url + "/nodes/add", {"url": engine.url, "status": {"models": ["m"], "role": role}})
-        wait_until(lambda: _every_worker(proxy.url, lambda s: len(s["nodes"]) == 2), 5, "both nodes on every worker")
+    with _distserve_group(tmp_path) as (proxy, prefill, decode):
 
         async def requests() -> None:
             connector = aiohttp.TCPConnector(force_close=True, limit=0)
@@ -210,10 +224,8 @@ async def test_workers_of_replicas_share_membership_through_redis(tmp_path: Path
         redis_server(tmp_path) as redis,
         pdproxy_serve(tmp_path, "--workers", str(WORKERS), "--registry", redis.url) as proxy,
     ):
-        wait_until(lambda: len(_workers_seen(proxy.url)) == WORKERS, 20, "every worker to answer")
-        node = {"url": engine.url, "status": {"models": ["alpha"]}, "max_concurrency": cap}
-        post_json(proxy.url + "/nodes/add", node)
-        wait_until(lambda: _every_worker(proxy.url, lambda s: engine.url in s["nodes"]), 5, "the node on every worker")
+        _wait_for_workers(proxy.url)
+        _add_everywhere(proxy.url, {"url": engine.url, "status": {"models": ["alpha"]}, "max_concurrency": cap})
         post_json(engine.url + "/mock/reset", {})
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0)) as http:
             await asyncio.gather(*(_stream(http, proxy.url, delay_ms=20) for _ in range(12)))
@@ -221,15 +233,7 @@ async def test_workers_of_replicas_share_membership_through_redis(tmp_path: Path
 
 
 async def test_sessions_preserved_by_a_dead_worker_are_freed(tmp_path: Path) -> None:
-    with (
-        mock_engine(tmp_path, "m", "--role", "prefill") as prefill,
-        mock_engine(tmp_path, "m", "--role", "decode") as decode,
-        pdproxy_serve(tmp_path, "--workers", str(WORKERS), "--serving-strategy", "DistServe") as proxy,
-    ):
-        wait_until(lambda: len(_workers_seen(proxy.url)) == WORKERS, 20, "every worker to answer")
-        for engine, role in ((prefill, 2), (decode, 3)):
-            post_json(proxy.url + "/nodes/add", {"url": engine.url, "status": {"models": ["m"], "role": role}})
-        wait_until(lambda: _every_worker(proxy.url, lambda s: len(s["nodes"]) == 2), 5, "both nodes on every worker")
+    with _distserve_group(tmp_path) as (proxy, prefill, _decode):
 
         def live() -> list[int]:
             return list(get_json(prefill.url + "/mock/ledger")["live"])
