@@ -5,6 +5,9 @@ in a stream): anything else counts as lost. Memory and descriptors are sampled t
 
     python bench/soak.py                 # 120 s
     python bench/soak.py --duration 600 --concurrency 64
+    python bench/soak.py --workers 2     # a worker group (memory and descriptors summed over it)
+
+After the load, every node's in-flight count must be back to zero: a leaked count fails the run.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import random
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -119,14 +123,27 @@ def slope_mb_per_min(samples: list[tuple[float, int, int]]) -> float:
     return cov / var * 60 / 1e6 if var else 0.0
 
 
-def report(result: dict[str, Any], duration: float, concurrency: int) -> str:
+def settled_in_flight(url: str, timeout: float = 10.0) -> int:
+    """Requests the proxy still counts in flight once the load is over (0 unless a count leaked)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(url + "/nodes/status", timeout=5) as r:
+            in_flight = sum(n["in_flight"] for n in json.loads(r.read()).values())
+        if in_flight == 0 or time.monotonic() > deadline:
+            return int(in_flight)
+        time.sleep(0.1)
+
+
+def report(result: dict[str, Any], duration: float, concurrency: int, workers: int) -> str:
     counts = result["counts"]
     samples = result["samples"]
     lost = {k: v for k, v in counts.items() if k.startswith("lost")}
+    group = f", {workers} workers" if workers > 1 else ""
+    command = f"--duration {duration:.0f} --concurrency {concurrency}"
+    command += f" --workers {workers}" if workers > 1 else ""
     lines = [
-        f"Soak: {duration:.0f} s, {concurrency} concurrent clients, 3 mock engines, "
-        f"{counts.get('sent', 0)} requests; "
-        f"`python bench/soak.py --duration {duration:.0f} --concurrency {concurrency}`",
+        f"Soak: {duration:.0f} s, {concurrency} concurrent clients, 3 mock engines{group}, "
+        f"{counts.get('sent', 0)} requests; `python bench/soak.py {command}`",
         "",
         "| outcome | requests |",
         "|---|---|",
@@ -140,6 +157,7 @@ def report(result: dict[str, Any], duration: float, concurrency: int) -> str:
         "",
         f"Proxy RSS {rss0 / 1e6:.0f} MB at start, {rss1 / 1e6:.0f} MB at the end (slope after warm-up "
         f"{slope_mb_per_min(samples):+.2f} MB/min); open descriptors {fd0} -> {fd1}.",
+        f"In flight after the load: {result['in_flight_after']}.",
         f"**{sum(lost.values())} requests lost**" + (f": {lost}" if lost else "."),
     ]
     return "\n".join(lines)
@@ -150,16 +168,19 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=120.0)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--workers", type=int, default=1, help="pdproxy worker processes")
     args = parser.parse_args()
     with harness.mock_engines(3, MODEL, token_delay_ms=5.0) as engines:
-        extra = ("--policy", "least_requests", "--health-interval", "1")
+        extra = ("--policy", "least_requests", "--health-interval", "1", "--workers", str(args.workers))
         with harness.pdproxy([e.url for e in engines], MODEL, extra) as proxy:
             harness.say(f"soaking {proxy.url} for {args.duration:.0f} s with {args.concurrency} clients")
             result = asyncio.run(soak(proxy.url, proxy.proc.pid, args.duration, args.concurrency, args.seed))
-    text = report(result, args.duration, args.concurrency)
+            result["in_flight_after"] = settled_in_flight(proxy.url)
+    text = report(result, args.duration, args.concurrency, args.workers)
     print(text)
-    (Path(__file__).resolve().parent / "results" / "soak.json").write_text(json.dumps(result, indent=1))
-    if any(k.startswith("lost") for k in result["counts"]):
+    name = "soak.json" if args.workers == 1 else f"soak-{args.workers}-workers.json"
+    (Path(__file__).resolve().parent / "results" / name).write_text(json.dumps(result, indent=1))
+    if any(k.startswith("lost") for k in result["counts"]) or result["in_flight_after"]:
         sys.exit(1)
 
 
