@@ -76,6 +76,11 @@ async def test_queue_wait_times_out(engine: MockEngine) -> None:
         assert router.queued == 0
         hog.close()
         assert router.nodes()[0]["in_flight"] == 0
+        # The wait is recorded although it ended without a node: in the bucket up to 0.25 s.
+        waited = router.queue_wait()
+        assert waited["count"] == 1
+        assert waited["counts"][waited["bounds"].index(0.25)] == 1
+        assert waited["sum"] >= 0.2
 
 
 async def test_no_queue_means_429_at_once(engine: MockEngine) -> None:

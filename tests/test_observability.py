@@ -44,6 +44,8 @@ async def test_metrics_parse_and_count(tmp_path: Path, http: aiohttp.ClientSessi
             assert metrics["pdproxy_build_info"][0].labels["version"]
             by_model = {s.labels["model"]: s.value for s in metrics["pdproxy_model_requests"]}
             assert by_model == {"m": 3}
+            waited = [s.value for s in metrics["pdproxy_queue_wait_seconds"] if s.name.endswith("_count")]
+            assert waited == [0], "nothing had to queue"
 
 
 async def test_pd_metrics(tmp_path: Path, http: aiohttp.ClientSession) -> None:

@@ -76,6 +76,9 @@ class Router:
     def queued(self) -> int:
         """Requests waiting for a node with room."""
 
+    def queue_wait(self) -> dict[str, Any]:
+        """How long queued requests waited: `bounds`, per-bucket `counts`, `sum`, `count`."""
+
     @property
     def retries(self) -> int:
         """Retries taken since the start."""

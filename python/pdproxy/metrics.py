@@ -19,13 +19,17 @@ STATES = ("healthy", "unhealthy", "draining", "sleeping", "initializing")
 def _histogram(name: str, help: str, nodes: list[dict[str, Any]], key: str) -> HistogramMetricFamily:
     family = HistogramMetricFamily(name, help, labels=["node", "role"])
     for node in nodes:
-        h = node["histograms"][key]
-        cumulative, buckets = 0, []
-        for bound, count in zip([*h["bounds"], float("inf")], h["counts"], strict=True):
-            cumulative += count
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-        family.add_metric([node["url"], node["role"]], buckets, h["sum"])
+        _add_histogram(family, [node["url"], node["role"]], node["histograms"][key])
     return family
+
+
+def _add_histogram(family: HistogramMetricFamily, labels: list[str], h: dict[str, Any]) -> None:
+    """One series from the data plane's snapshot (per-bucket counts, +Inf last)."""
+    cumulative, buckets = 0, []
+    for bound, count in zip([*h["bounds"], float("inf")], h["counts"], strict=True):
+        cumulative += count
+        buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
+    family.add_metric(labels, buckets, h["sum"])
 
 
 class PdproxyCollector(Collector):
@@ -78,7 +82,11 @@ class PdproxyCollector(Collector):
         by_model = CounterMetricFamily("pdproxy_model_requests", "Requests received, by model", labels=["model"])
         for model, count in sorted(router.model_requests().items()):
             by_model.add_metric([model], count)
-        yield from (queued, retries, serving, by_model)
+        waited = HistogramMetricFamily(
+            "pdproxy_queue_wait_seconds", "Time queued requests waited for a node with room, served or not"
+        )
+        _add_histogram(waited, [], router.queue_wait())
+        yield from (queued, waited, retries, serving, by_model)
 
         pd = fleet.distserve if fleet is not None else None
         if pd is not None and pd.protocol == "lmdeploy":

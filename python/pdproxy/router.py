@@ -76,6 +76,11 @@ class Router:
         """Requests waiting for a node with room."""
         return self._core.queued
 
+    def queue_wait(self) -> dict[str, Any]:
+        """How long queued requests waited (a histogram: ``bounds`` in seconds, per-bucket
+        ``counts`` with +Inf last, ``sum``, ``count``)."""
+        return self._core.queue_wait()
+
     @property
     def retries(self) -> int:
         """Requests retried on another node since the start."""

@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use tokio::sync::oneshot;
 
+use crate::histogram::{Histogram, Latency};
 use crate::node::{Node, NodeState, Role};
 
 #[derive(Debug)]
@@ -33,6 +34,8 @@ pub struct Admission {
     capacity: usize,
     next_id: AtomicU64,
     completions: RateMeter,
+    /// How long queued requests waited, until served or turned away.
+    pub waited: Histogram<Latency>,
 }
 
 impl Admission {
@@ -43,6 +46,7 @@ impl Admission {
             capacity,
             next_id: AtomicU64::new(0),
             completions: RateMeter::new(),
+            waited: Histogram::default(),
         }
     }
 

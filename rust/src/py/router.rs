@@ -20,6 +20,7 @@ use crate::admission::{Admission, Ticket};
 use crate::error::{Error, Kind, Result};
 use crate::exchange::{pump, Exchange, StreamTimeouts};
 use crate::forward::{ForwardConfig, ForwardRequest, Forwarder, ResponseBody, UpstreamResponse};
+use crate::histogram::HistogramSnapshot;
 use crate::inspect::{inspect, patch};
 use crate::node::{Node, NodeSpec, NodeState, NodeUrl, Role};
 use crate::permit::{InFlightPermit, Outcome, Report};
@@ -184,6 +185,11 @@ impl Router {
     #[getter]
     fn queued(&self) -> usize {
         self.shared.admission.queued()
+    }
+
+    /// How long requests waited in the queue for a node with room (those that queued).
+    fn queue_wait<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        histogram_dict(py, self.shared.admission.waited.snapshot())
     }
 
     /// Retries taken since the start.
@@ -463,7 +469,9 @@ impl Shared {
         headers: &[(Vec<u8>, Vec<u8>)],
         role: Role,
     ) -> Result<InFlightPermit> {
-        let deadline = tokio::time::Instant::now() + self.queue_timeout;
+        // Records the wait on every way out: served, timed out, failed or cancelled.
+        let timer = WaitTimer { admission: &self.admission, since: Instant::now() };
+        let deadline = tokio::time::Instant::from_std(timer.since) + self.queue_timeout;
         let info = inspect(body)?;
         let model = info.model.as_deref();
         let ctx = SelectCtx { role, model, affinity: affinity(headers, info.body_affinity()), prompt: info.prompt };
@@ -500,6 +508,18 @@ impl Shared {
             // Woken and out of the queue: back in at its head before trying again.
             ticket = self.admission.enqueue(role, model, true).expect("the head of the queue is always open");
         }
+    }
+}
+
+/// Observes the time a request spent queued when dropped.
+struct WaitTimer<'a> {
+    admission: &'a Admission,
+    since: Instant,
+}
+
+impl Drop for WaitTimer<'_> {
+    fn drop(&mut self) {
+        self.admission.waited.observe(self.since.elapsed());
     }
 }
 
@@ -681,13 +701,18 @@ fn node_stats<'py>(py: Python<'py>, node: &Arc<Node>) -> PyResult<Bound<'py, PyD
         ("ttft", counters.ttft.snapshot()),
         ("itl", counters.itl.snapshot()),
     ] {
-        let h = PyDict::new(py);
-        h.set_item("bounds", snapshot.bounds)?;
-        h.set_item("counts", snapshot.counts)?;
-        h.set_item("sum", snapshot.sum)?;
-        h.set_item("count", snapshot.count)?;
-        histograms.set_item(name, h)?;
+        histograms.set_item(name, histogram_dict(py, snapshot)?)?;
     }
     stats.set_item("histograms", histograms)?;
     Ok(stats)
+}
+
+/// A histogram as Python sees it: `bounds`, per-bucket `counts` (+Inf last), `sum`, `count`.
+fn histogram_dict(py: Python<'_>, snapshot: HistogramSnapshot) -> PyResult<Bound<'_, PyDict>> {
+    let h = PyDict::new(py);
+    h.set_item("bounds", snapshot.bounds)?;
+    h.set_item("counts", snapshot.counts)?;
+    h.set_item("sum", snapshot.sum)?;
+    h.set_item("count", snapshot.count)?;
+    Ok(h)
 }
