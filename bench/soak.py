@@ -1,5 +1,7 @@
-"""Soak: mixed streaming and non-streaming load with random faults and client disconnects
-against several mock engines through `pdproxy serve`, for a bounded time. Every request must
+"""Soak: mixed streaming and non-streaming load with random faults, client disconnects and
+node churn (every ``--churn`` seconds one engine is removed through /nodes/remove and added
+back a few seconds later) against several mock engines through `pdproxy serve`, for a bounded
+time. Every request must
 end either completed or with a correct error (an OpenAI error body, or a terminal error event
 in a stream): anything else counts as lost. Memory and descriptors are sampled throughout.
 
@@ -78,11 +80,32 @@ async def one(http: aiohttp.ClientSession, url: str, rng: random.Random, counts:
         counts[f"lost:transport-{type(e).__name__}"] += 1
 
 
-async def soak(url: str, proxy_pid: int, duration: float, concurrency: int, seed: int) -> dict[str, Any]:
+#: Seconds a churned node stays out before it is added back.
+CHURN_GAP = 3.0
+
+
+async def soak(
+    url: str, proxy_pid: int, duration: float, concurrency: int, seed: int, nodes: list[str], churn: float
+) -> dict[str, Any]:
     counts: collections.Counter[str] = collections.Counter()
     samples: list[tuple[float, int, int]] = []
     end = time.monotonic() + duration
     started = time.monotonic()
+
+    async def churner() -> None:
+        """Removes one node, then adds it back, in turn, while requests run."""
+        async with aiohttp.ClientSession() as http:
+            turn = 0
+            while churn > 0 and time.monotonic() + churn + CHURN_GAP < end:
+                await asyncio.sleep(churn)
+                node = nodes[turn % len(nodes)]
+                turn += 1
+                async with http.post(url + "/nodes/remove", json={"url": node}) as r:
+                    counts[f"churn:remove:{r.status}"] += 1
+                await asyncio.sleep(CHURN_GAP)
+                registration = {"url": node, "status": {"models": [MODEL]}}
+                async with http.post(url + "/nodes/add", json=registration) as r:
+                    counts[f"churn:add:{r.status}"] += 1
 
     async def worker(n: int) -> None:
         rng = random.Random(seed * 1000 + n)
@@ -97,7 +120,7 @@ async def soak(url: str, proxy_pid: int, duration: float, concurrency: int, seed
             harness.say(f"{samples[-1][0]:5.0f} s: {counts['sent']} requests, RSS {samples[-1][1] / 1e6:.0f} MB")
             await asyncio.sleep(max(1.0, duration / 30))
 
-    await asyncio.gather(sampler(), *(worker(n) for n in range(concurrency)))
+    await asyncio.gather(sampler(), churner(), *(worker(n) for n in range(concurrency)))
     samples.append((time.monotonic() - started, harness.rss_bytes(proxy_pid), open_fds(proxy_pid)))
     return {"counts": dict(counts), "samples": samples}
 
@@ -134,12 +157,12 @@ def settled_in_flight(url: str, timeout: float = 10.0) -> int:
         time.sleep(0.1)
 
 
-def report(result: dict[str, Any], duration: float, concurrency: int, workers: int) -> str:
+def report(result: dict[str, Any], duration: float, concurrency: int, workers: int, churn: float) -> str:
     counts = result["counts"]
     samples = result["samples"]
     lost = {k: v for k, v in counts.items() if k.startswith("lost")}
     group = f", {workers} workers" if workers > 1 else ""
-    command = f"--duration {duration:.0f} --concurrency {concurrency}"
+    command = f"--duration {duration:.0f} --concurrency {concurrency} --churn {churn:g}"
     command += f" --workers {workers}" if workers > 1 else ""
     lines = [
         f"Soak: {duration:.0f} s, {concurrency} concurrent clients, 3 mock engines{group}, "
@@ -148,8 +171,13 @@ def report(result: dict[str, Any], duration: float, concurrency: int, workers: i
         "| outcome | requests |",
         "|---|---|",
     ]
-    for key in sorted(k for k in counts if not k.startswith("fault") and k != "sent"):
+    for key in sorted(k for k in counts if not k.startswith(("fault", "churn")) and k != "sent"):
         lines.append(f"| {key} | {counts[key]} |")
+    churned = {k.removeprefix("churn:"): v for k, v in sorted(counts.items()) if k.startswith("churn")}
+    lines += [
+        "",
+        "Node churn (management call: answers): " + (", ".join(f"{k} x{v}" for k, v in churned.items()) or "none"),
+    ]
     lines += ["", "| faults injected | requests |", "|---|---|"]
     lines += [f"| {k.removeprefix('fault:')} | {v} |" for k, v in sorted(counts.items()) if k.startswith("fault")]
     (_, rss0, fd0), (_, rss1, fd1) = samples[0], samples[-1]
@@ -169,18 +197,23 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--workers", type=int, default=1, help="pdproxy worker processes")
+    parser.add_argument("--churn", type=float, default=30.0, help="seconds between node removals (0: none)")
     args = parser.parse_args()
     with harness.mock_engines(3, MODEL, token_delay_ms=5.0) as engines:
         extra = ("--policy", "least_requests", "--health-interval", "1", "--workers", str(args.workers))
         with harness.pdproxy([e.url for e in engines], MODEL, extra) as proxy:
             harness.say(f"soaking {proxy.url} for {args.duration:.0f} s with {args.concurrency} clients")
-            result = asyncio.run(soak(proxy.url, proxy.proc.pid, args.duration, args.concurrency, args.seed))
+            nodes = [e.url for e in engines]
+            result = asyncio.run(
+                soak(proxy.url, proxy.proc.pid, args.duration, args.concurrency, args.seed, nodes, args.churn)
+            )
             result["in_flight_after"] = settled_in_flight(proxy.url)
-    text = report(result, args.duration, args.concurrency, args.workers)
+    text = report(result, args.duration, args.concurrency, args.workers, args.churn)
     print(text)
     name = "soak.json" if args.workers == 1 else f"soak-{args.workers}-workers.json"
     (Path(__file__).resolve().parent / "results" / name).write_text(json.dumps(result, indent=1))
-    if any(k.startswith("lost") for k in result["counts"]) or result["in_flight_after"]:
+    refused = any(k.startswith("churn:") and not k.endswith((":200", ":201")) for k in result["counts"])
+    if any(k.startswith("lost") for k in result["counts"]) or result["in_flight_after"] or refused:
         sys.exit(1)
 
 
