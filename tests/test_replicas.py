@@ -81,6 +81,11 @@ def test_registered_on_one_routed_through_the_other(replicas: Replicas) -> None:
     assert _nodes(r.two)[r.engine.url]["requests"] == 1
     assert _nodes(r.one)[r.engine.url]["requests"] == 0
 
+    # A registration the data plane would refuse is refused before Redis sees it.
+    status, answer = _post(r.one, "/nodes/add", {"url": r.other.url, "status": {"role": "chef"}})
+    assert status == 400, answer
+    assert r.other.url not in _nodes(r.two)
+
     post_json(r.two.url + "/nodes/remove", {"url": r.engine.url})
     wait_until(lambda: r.engine.url not in _nodes(r.one), WAIT, "the removal on replica one")
     assert _chat(r.one, "alpha")[0] == 503  # no node at all

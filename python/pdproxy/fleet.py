@@ -160,18 +160,12 @@ class Fleet:
         )
         created = normalized not in self.registrations
         if self.membership is not None:
-            self._check(registration)  # refused here, before anyone else sees it
+            # Refused here (InvalidNode), before any other process sees it.
+            _pdproxy.Router.check_node(registration.url, registration.role, registration.speed)
             await self.membership.put(registration.saved())
         self._add_here(registration)
         self._save()
         return registration, created
-
-    def _check(self, registration: Registration) -> None:
-        """Raises ``InvalidNode`` for what the data plane would refuse."""
-        try:
-            _pdproxy.Router.check_node(registration.url, registration.role, registration.speed)
-        except ValueError as e:
-            raise InvalidNode(str(e)) from None
 
     def _add_here(self, registration: Registration) -> None:
         """Adds or updates the node in this process."""
