@@ -111,6 +111,13 @@ def test_one_leader_and_membership_seen_by_every_worker(group: Process, engine: 
         10,
         "every worker to see the node unhealthy",
     )
+
+    # Every worker shows the leader's health view in /nodes/status.
+    def failures_shown() -> bool:
+        health = get_json(group.url + "/nodes/status")[engine.url]["health"]
+        return health is not None and health["consecutive_failures"] > 0
+
+    wait_until(lambda: all(failures_shown() for _ in range(10)), 5, "every worker to show the leader's health view")
     post_json(engine.url + "/mock/health", {"status": "healthy"})
     wait_until(
         lambda: _every_worker(group.url, lambda s: s["nodes"][engine.url]["state"] == "healthy"),

@@ -131,6 +131,7 @@ class ProxyApp:
 
     async def _leader_tick(self) -> None:
         assert self.fleet is not None
+        self.fleet.publish_health()
         if isinstance(self.fleet.membership, GroupFileMembership):
             self.fleet.membership.expire()
         if self.distserve is not None and hasattr(self.distserve, "adopt_orphans"):

@@ -270,10 +270,10 @@ class Fleet:
         latency, speed) and pdproxy's."""
         out: dict[str, dict[str, Any]] = {}
         now = time.monotonic()
+        health = self.health_summaries()
         for node in self.router.nodes():
             url = node["url"]
             registration = self.registrations.get(url)
-            health = self.health.nodes.get(url) if self.health.running else None
             lease = None
             if registration is not None and registration.lease_expires is not None:
                 lease = {"ttl": registration.lease_ttl, "expires_in": round(registration.lease_expires - now, 3)}
@@ -286,7 +286,7 @@ class Fleet:
                 "role_name": node["role"],
                 "state": node["state"],
                 "circuit": node["circuit"],
-                "health": health.summary() if health else None,
+                "health": health.get(url),
                 "in_flight": node["in_flight"],
                 "max_concurrency": node["max_concurrency"],
                 "requests": node["requests"],
@@ -306,6 +306,21 @@ class Fleet:
                     1 for e in self.distserve.ledger.entries.values() if e.prefill == url
                 )
         return out
+
+    def health_summaries(self) -> dict[str, dict[str, Any]]:
+        """What the health checks know of each node: this process's, or in a worker group the
+        leader's (as it last published them, `publish_health`)."""
+        if self.health.running:
+            return {url: h.summary() for url, h in self.health.nodes.items()}
+        if self.group is not None:
+            return {e["url"]: e["health"] for e in state_file.load(str(self.group.health_path)) if "health" in e}
+        return {}
+
+    def publish_health(self) -> None:
+        """The leader's round: its health view, for the other workers' status."""
+        assert self.group is not None
+        summaries = [{"url": url, "health": h} for url, h in self.health_summaries().items()]
+        state_file.save(str(self.group.health_path), summaries)
 
     def _remove_quietly(self, url: str) -> None:
         """Removes a node in the background (the health checker's verdict)."""

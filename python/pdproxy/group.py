@@ -73,6 +73,11 @@ class Group:
         self._leader_lock: IO[bytes] | None = None
 
     @property
+    def health_path(self) -> Path:
+        """Where the leader publishes its health checks' view."""
+        return self.directory / "health.json"
+
+    @property
     def leader(self) -> bool:
         return self._leader_lock is not None
 
