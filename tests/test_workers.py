@@ -49,7 +49,10 @@ def _workers_seen(url: str, rounds: int = 20) -> dict[int, dict[str, Any]]:
     """Each worker's /debug/state answer, by pid, over `rounds` fresh connections."""
     seen: dict[int, dict[str, Any]] = {}
     for _ in range(rounds):
-        state = _state(url)
+        try:
+            state = _state(url)
+        except OSError:
+            continue  # a connection a killed worker had accepted: the others answer the next rounds
         seen[state["group"]["pid"]] = state
     return seen
 
@@ -277,3 +280,22 @@ async def test_sessions_preserved_by_a_dead_worker_are_freed(tmp_path: Path) -> 
         assert report["double_frees"] == []
         assert report["unknown_frees"] == []
         assert "its worker died" in proxy.log()
+
+
+def test_the_leadership_passes_on_when_the_leader_dies(group: Process, engine: Process) -> None:
+    _add_everywhere(group.url, {"url": engine.url, "status": {"models": ["alpha"]}})
+    leader = next(s["group"]["pid"] for s in _workers_seen(group.url).values() if s["group"]["leader"])
+    os.kill(leader, signal.SIGKILL)
+
+    def new_leader() -> bool:
+        workers = _workers_seen(group.url)
+        return leader not in workers and [s["group"]["leader"] for s in workers.values()].count(True) == 1
+
+    wait_until(new_leader, 15, "another worker to lead")
+    # The new leader checks health: its verdict reaches every worker.
+    post_json(engine.url + "/mock/health", {"status": "unhealthy"})
+    wait_until(
+        lambda: _every_worker(group.url, lambda s: s["nodes"][engine.url]["state"] == "unhealthy"),
+        10,
+        "every worker to see the node unhealthy",
+    )
