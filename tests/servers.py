@@ -157,3 +157,9 @@ async def register(http: Any, proxy: str, engine: Any, role: int, **extra: Any) 
     body = {"url": engine.url, "status": {"models": [engine.settings.model], "role": role}, **extra}
     async with http.post(proxy + "/nodes/add", json=body) as r:
         assert r.status in (200, 201), await r.text()
+
+
+async def ledger(http: Any, engine: Any) -> dict[str, Any]:
+    """A mock engine's ledger of preserved KV sessions and PD calls (``/mock/ledger``)."""
+    async with http.get(engine.url + "/mock/ledger") as r:
+        return dict(await r.json())

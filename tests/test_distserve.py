@@ -18,7 +18,7 @@ import pytest
 
 from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
 from pdproxy.testing.generation import generate, prompt_text
-from servers import Process, chat_body, pdproxy_serve, register
+from servers import Process, chat_body, ledger, pdproxy_serve, register
 
 PD_ARGS = ("--serving-strategy", "DistServe", "--pd-link-backoff", "0.05", "--pd-link-wait-timeout", "5")
 
@@ -34,11 +34,6 @@ class Fleet:
 def distserve_proxy(tmp_path: Path, *args: str) -> Iterator[Process]:
     with pdproxy_serve(tmp_path, *PD_ARGS, *args) as process:
         yield process
-
-
-async def ledger(http: aiohttp.ClientSession, engine: MockEngine) -> dict[str, Any]:
-    async with http.get(engine.url + "/mock/ledger") as r:
-        return dict(await r.json())
 
 
 async def settle(http: aiohttp.ClientSession, engines: list[MockEngine], proxy: str, timeout: float = 5.0) -> None:

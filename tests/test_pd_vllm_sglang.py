@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +15,23 @@ import pytest
 
 from pdproxy.testing import FAULT_HEADER, MockEngine
 from pdproxy.testing.generation import generate, prompt_text
-from servers import Process, chat_body, pdproxy_serve, register
+from servers import Process, chat_body, ledger, pdproxy_serve, register
 
 
-@contextmanager
-def pd_proxy(tmp_path: Path, protocol: str) -> Iterator[Process]:
-    with pdproxy_serve(tmp_path, "--serving-strategy", "DistServe", "--pd-protocol", protocol) as process:
-        yield process
-
-
-async def ledger(http: aiohttp.ClientSession, engine: MockEngine) -> dict[str, Any]:
-    async with http.get(engine.url + "/mock/ledger") as r:
-        return dict(await r.json())
+@asynccontextmanager
+async def pd_proxy(
+    tmp_path: Path,
+    protocol: str,
+    http: aiohttp.ClientSession,
+    engines: tuple[MockEngine, MockEngine],
+    **prefill_extra: Any,
+) -> AsyncIterator[Process]:
+    """`pdproxy serve` speaking ``protocol``, the prefill and decode engines registered."""
+    prefill, decode = engines
+    with pdproxy_serve(tmp_path, "--serving-strategy", "DistServe", "--pd-protocol", protocol) as proxy:
+        await register(http, proxy.url, prefill, 2, **prefill_extra)
+        await register(http, proxy.url, decode, 3)
+        yield proxy
 
 
 def text_of(raw: bytes, stream: bool, chat: bool = True) -> str:
@@ -51,9 +56,7 @@ async def test_vllm_passes_params_verbatim_on_one_request_id(
     tmp_path: Path, pd_engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:
     prefill, decode = pd_engines
-    with pd_proxy(tmp_path, "vllm") as proxy:
-        await register(http, proxy.url, prefill, 2)
-        await register(http, proxy.url, decode, 3)
+    async with pd_proxy(tmp_path, "vllm", http, pd_engines) as proxy:
         for stream in (False, True):
             body = chat_body(
                 "m",
@@ -84,9 +87,7 @@ async def test_vllm_null_params_and_failures(
     tmp_path: Path, pd_engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:
     prefill, decode = pd_engines
-    with pd_proxy(tmp_path, "vllm") as proxy:
-        await register(http, proxy.url, prefill, 2)
-        await register(http, proxy.url, decode, 3)
+    async with pd_proxy(tmp_path, "vllm", http, pd_engines) as proxy:
         async with http.post(
             proxy.url + "/v1/completions",
             json={"model": "m", "prompt": "p", "max_tokens": 3},
@@ -117,9 +118,7 @@ async def test_sglang_sends_one_body_to_both_legs_at_once(
     tmp_path: Path, pd_engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:
     prefill, decode = pd_engines
-    with pd_proxy(tmp_path, "sglang") as proxy:
-        await register(http, proxy.url, prefill, 2)
-        await register(http, proxy.url, decode, 3)
+    async with pd_proxy(tmp_path, "sglang", http, pd_engines) as proxy:
         rooms = set()
         for stream in (False, True, True):
             body = chat_body("m", stream=stream, max_tokens=5)
@@ -141,9 +140,7 @@ async def test_sglang_batch_and_declared_bootstrap_port(
     tmp_path: Path, pd_engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:
     prefill, decode = pd_engines
-    with pd_proxy(tmp_path, "sglang") as proxy:
-        await register(http, proxy.url, prefill, 2, bootstrap_port=prefill.port)
-        await register(http, proxy.url, decode, 3)
+    async with pd_proxy(tmp_path, "sglang", http, pd_engines, bootstrap_port=prefill.port) as proxy:
         body = {"model": "m", "prompt": ["a b", "c d", "e f"], "max_tokens": 2}
         async with http.post(proxy.url + "/v1/completions", json=body) as r:
             assert r.status == 200
@@ -165,9 +162,7 @@ async def test_sglang_a_failed_leg_cancels_the_other(
     cancelled: str,
 ) -> None:
     prefill, decode = pd_engines
-    with pd_proxy(tmp_path, "sglang") as proxy:
-        await register(http, proxy.url, prefill, 2)
-        await register(http, proxy.url, decode, 3)
+    async with pd_proxy(tmp_path, "sglang", http, pd_engines) as proxy:
         async with http.post(
             proxy.url + "/v1/chat/completions", json=chat_body("m"), headers={FAULT_HEADER: fault}
         ) as r:
