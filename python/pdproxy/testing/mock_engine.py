@@ -404,16 +404,27 @@ async def _start_decode(
         state.local_prefills += 1  # vLLM recomputes the prompt without a word
         return None
     read = {"remote_request_id": params["remote_request_id"], "block_ids": params["remote_block_ids"]}
+    url = f"http://{params['remote_host']}:{params['remote_port']}/mock/vllm_read"
+    failed = await _read_peer_kv(state, url, read, "KV load failed", "kv_load_failed")
+    if failed is None:
+        state.vllm_remote += 1
+    return failed
+
+
+async def _read_peer_kv(
+    state: MockState, url: str, read: dict[str, Any], failure: str, code: str
+) -> web.Response | None:
+    """Reads a prefill engine's KV blocks as the real transfer would: None once read, else the
+    engine's 500 (recorded in the ledger as a migration error)."""
+    assert state.client is not None
     try:
-        url = f"http://{params['remote_host']}:{params['remote_port']}/mock/vllm_read"
         async with state.client.post(url, json=read) as r:
             refused = (await r.json()).get("error")
     except (aiohttp.ClientError, TimeoutError) as e:
         refused = f"prefill engine unreachable: {type(e).__name__}"
     if refused:
         state.ledger.migration_errors.append(refused)
-        return _error(500, f"KV load failed: {refused}", "kv_load_failed", "server_error")
-    state.vllm_remote += 1
+        return _error(500, f"{failure}: {refused}", code, "server_error")
     return None
 
 
@@ -466,14 +477,9 @@ async def _migrate(state: MockState, body: dict[str, Any], completion: _Completi
         "token_id": migration["remote_token_id"],
         "by": "decode",
     }
-    try:
-        async with state.client.post(f"{peer}/mock/migrate", json=read) as r:
-            refused = (await r.json()).get("error")
-    except (aiohttp.ClientError, TimeoutError) as e:
-        refused = f"prefill engine unreachable: {type(e).__name__}"
-    if refused:
-        state.ledger.migration_errors.append(refused)
-        return _error(500, f"migration failed: {refused}", "migration_failed", "server_error")
+    failed = await _read_peer_kv(state, f"{peer}/mock/migrate", read, "migration failed", "migration_failed")
+    if failed is not None:
+        return failed
     if completion.tokens and token_id(completion.tokens[0]) != migration["remote_token_id"]:
         state.ledger.migration_errors.append("the first decoded token is not prefill's token")
     return None
