@@ -105,8 +105,6 @@ class ProxyApp:
             await self.distserve.start()
             self.fleet.distserve = self.distserve
             self.fleet.on_removed.append(self.distserve.node_removed)
-        if self.group is not None:
-            self.fleet.keeps_state_file = False  # until this worker leads
         await self.fleet.start(check_health=self.group is None)
         if self.group is not None:
             self._group_task = background.start(
@@ -126,7 +124,6 @@ class ProxyApp:
     async def _lead(self) -> None:
         """This worker became its group's leader."""
         assert self.fleet is not None
-        self.fleet.keeps_state_file = True
         await self.fleet.start_health()
 
     async def _leader_tick(self) -> None:
@@ -134,7 +131,7 @@ class ProxyApp:
         self.fleet.publish_health()
         if isinstance(self.fleet.membership, GroupFileMembership):
             self.fleet.membership.expire()
-        if self.distserve is not None and hasattr(self.distserve, "adopt_orphans"):
+        if self.distserve is not None and self.distserve.protocol == "lmdeploy":
             await self.distserve.adopt_orphans()
 
     def _group_signals(self) -> None:

@@ -77,8 +77,6 @@ class Fleet:
         self.router = router
         self.settings = settings
         self.membership = membership
-        #: Whether this process writes the state file (in a worker group, only the leader does).
-        self.keeps_state_file = True
         self.registrations: dict[str, Registration] = {}
         self._allowed = parse_networks(settings.allow_node_cidrs)
         self.health = HealthChecker(
@@ -351,7 +349,8 @@ class Fleet:
             return
 
     def _save(self) -> None:
-        if self.settings.state_file and self.keeps_state_file:
+        # In a worker group only the leader writes it.
+        if self.settings.state_file and (self.group is None or self.group.leader):
             try:
                 state_file.save(self.settings.state_file, [r.saved() for r in self.registrations.values()])
             except OSError as e:

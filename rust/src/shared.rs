@@ -85,7 +85,7 @@ pub struct SharedTable {
     _file: File,
 }
 
-// The slot a node's counters live in, and its generation.
+/// The slot a node's counters live in, and its generation.
 pub type Binding = (usize, u64);
 
 impl SharedTable {
