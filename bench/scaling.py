@@ -83,7 +83,7 @@ def worker_sweep(duration: float) -> list[str]:
     with harness.mock_engines(2, MODEL) as engines:
         urls = [e.url for e in engines]
         for workers in WORKERS:
-            with harness.pdproxy(urls, MODEL, ("--workers", str(workers))) as proxy:
+            with harness.pdproxy(urls, MODEL, ("--edge", "granian", "--workers", str(workers))) as proxy:
                 watch = {"proxy": proxy.proc.pid}
                 harness.say(f"scaling: {workers} worker(s), non-stream then stream, 64 connections, {duration:.0f} s")
                 plain = harness.run_load([proxy.url + CHAT], chat(False, 16), 64, duration, watch)

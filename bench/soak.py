@@ -196,11 +196,13 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=120.0)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--workers", type=int, default=1, help="pdproxy worker processes")
+    parser.add_argument("--workers", type=int, default=1, help="pdproxy worker processes (--edge granian)")
+    parser.add_argument("--edge", choices=("rust", "granian"), default="rust", help="pdproxy's edge")
     parser.add_argument("--churn", type=float, default=30.0, help="seconds between node removals (0: none)")
     args = parser.parse_args()
     with harness.mock_engines(3, MODEL, token_delay_ms=5.0) as engines:
-        extra = ("--policy", "least_requests", "--health-interval", "1", "--workers", str(args.workers))
+        edge = "granian" if args.workers > 1 else args.edge
+        extra = ("--policy", "least_requests", "--health-interval", "1", "--edge", edge, "--workers", str(args.workers))
         with harness.pdproxy([e.url for e in engines], MODEL, extra) as proxy:
             harness.say(f"soaking {proxy.url} for {args.duration:.0f} s with {args.concurrency} clients")
             nodes = [e.url for e in engines]

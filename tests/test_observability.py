@@ -15,6 +15,12 @@ from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
 from servers import chat_body, pdproxy_serve
 
 
+async def serves(http: aiohttp.ClientSession, url: str, model: str) -> bool:
+    """The proxy knows the node's models (discovered from its /v1/models)."""
+    async with http.get(url + "/v1/models") as r:
+        return model in {m["id"] for m in (await r.json())["data"]}
+
+
 def families(text: str) -> dict[str, list]:  # type: ignore[type-arg]
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
@@ -22,6 +28,8 @@ def families(text: str) -> dict[str, list]:  # type: ignore[type-arg]
 async def test_metrics_parse_and_count(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     async with MockEngine(model="m") as engine:
         with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+            while not await serves(http, proxy.url, "m"):  # the node's models are discovered
+                await asyncio.sleep(0.05)
             for stream in (False, True, True):
                 async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m", stream=stream)) as r:
                     await r.read()

@@ -35,7 +35,7 @@ def engine(tmp_path: Path) -> Iterator[Process]:
 
 @pytest.fixture
 def group(tmp_path: Path) -> Iterator[Process]:
-    with pdproxy_serve(tmp_path, "--workers", str(WORKERS), "--health-interval", "0.2") as proxy:
+    with pdproxy_serve(tmp_path, "--edge", "granian", "--workers", str(WORKERS), "--health-interval", "0.2") as proxy:
         _wait_for_workers(proxy.url)
         yield proxy
 
@@ -79,7 +79,7 @@ def _distserve_group(tmp_path: Path) -> Iterator[tuple[Process, Process, Process
     with (
         mock_engine(tmp_path, "m", "--role", "prefill") as prefill,
         mock_engine(tmp_path, "m", "--role", "decode") as decode,
-        pdproxy_serve(tmp_path, "--workers", str(WORKERS), "--serving-strategy", "DistServe") as proxy,
+        pdproxy_serve(tmp_path, "--edge", "granian", "--workers", str(WORKERS), "--serving-strategy", "DistServe") as proxy,
     ):
         _wait_for_workers(proxy.url)
         for engine, role in ((prefill, 2), (decode, 3)):
@@ -232,7 +232,7 @@ async def test_workers_of_replicas_share_membership_through_redis(tmp_path: Path
     cap = 2
     with (
         redis_server(tmp_path) as redis,
-        pdproxy_serve(tmp_path, "--workers", str(WORKERS), "--registry", redis.url) as proxy,
+        pdproxy_serve(tmp_path, "--edge", "granian", "--workers", str(WORKERS), "--registry", redis.url) as proxy,
     ):
         _wait_for_workers(proxy.url)
         _add_everywhere(proxy.url, {"url": engine.url, "status": {"models": ["alpha"]}, "max_concurrency": cap})

@@ -61,6 +61,8 @@ class _RouterConfig(Protocol):
     def stream_buffer_limit(self) -> int: ...
     @property
     def stream_stall_timeout(self) -> float: ...
+    @property
+    def max_requests(self) -> int: ...
 
 @final
 class Router:
@@ -86,6 +88,27 @@ class Router:
     def model_requests(self) -> dict[str, int]:
         """Requests received per model (`other`: a model no node declares; `none`: no model)."""
 
+    def enter_request(self) -> None:
+        """Counts one inference request into the proxy's gate.
+
+        Raises:
+            Draining: the proxy drains.
+            ProxyOverloaded: `max_requests` requests are being served.
+        """
+
+    def leave_request(self) -> None:
+        """Counts out a request counted in by `enter_request`."""
+
+    @property
+    def serving(self) -> int:
+        """Inference requests being served now (the edge's and the control plane's)."""
+
+    def start_draining(self) -> None:
+        """New inference requests are refused with `Draining` from now on."""
+
+    @property
+    def draining(self) -> bool: ...
+
     def add_node(
         self,
         url: str,
@@ -94,6 +117,7 @@ class Router:
         speed: float | None = None,
         max_concurrency: int | None = None,
         api_key: str | None = None,
+        bootstrap_port: int | None = None,
     ) -> str:
         """Adds a node (or updates a registered one); returns its normalised URL.
 
@@ -259,3 +283,67 @@ class SharedTable:
         """Whether the group was asked to drain."""
 
     def set_draining(self) -> None: ...
+
+class _EdgeSettings(Protocol):
+    """What the edge reads from `pdproxy.Settings` (by attribute)."""
+
+    @property
+    def api_keys(self) -> Sequence[str]: ...
+    @property
+    def max_body_size(self) -> int: ...
+    @property
+    def body_timeout(self) -> float: ...
+    @property
+    def serving_strategy(self) -> str: ...
+    @property
+    def pd_protocol(self) -> str: ...
+    @property
+    def access_log(self) -> bool: ...
+    @property
+    def access_log_format(self) -> str: ...
+    @property
+    def first_byte_timeout(self) -> float: ...
+    @property
+    def pd_link_timeout(self) -> float: ...
+    @property
+    def header_read_timeout(self) -> float: ...
+
+@final
+class EdgeListener:
+    """The public address, bound at once (no `SO_REUSEPORT`: a taken port is refused)."""
+
+    def __new__(cls, host: str, port: int, backlog: int, threads: int) -> EdgeListener:
+        """Binds `host:port`; `threads` sizes the data plane's runtime, which serves the edge.
+
+        Raises:
+            ConfigError: the address cannot be bound (the port is taken, the host unknown).
+        """
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+
+@final
+class Edge:
+    """The HTTP server of the data plane: inference requests served in Rust, the rest passed to
+    the control plane's ASGI app on `control_socket`."""
+
+    def __new__(
+        cls,
+        router: Router,
+        listener: EdgeListener,
+        settings: _EdgeSettings,
+        control_socket: str,
+        control_stale_after: float,
+    ) -> Edge: ...
+    def heartbeat(self) -> None:
+        """Tells the edge the control plane's loop is alive."""
+
+    def shutdown(self, grace: float) -> int:
+        """Stops accepting, ends running streams with a `draining` event, and waits up to `grace`
+        seconds for connections to close; returns how many are still open."""
+
+    @property
+    def connections(self) -> int:
+        """Client connections open now."""

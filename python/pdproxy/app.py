@@ -15,7 +15,7 @@ from . import background, dashboard, proxy
 from .access import AccessLog
 from .auth import Keys
 from .config import Settings
-from .errors import Draining, PdproxyError, ProxyOverloaded
+from .errors import PdproxyError
 from .fleet import Fleet
 from .group import GROUP_ENV, Group
 from .membership import Membership
@@ -57,12 +57,20 @@ class ProxyApp:
     """The pdproxy ASGI app. The router and the fleet are built at lifespan startup, inside
     the worker process, so that the data plane's threads start after any fork."""
 
-    def __init__(self, settings: Settings, tune_gc: bool = False, exit_when_drained: bool = False) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        tune_gc: bool = False,
+        exit_when_drained: bool = False,
+        behind_edge: bool = False,
+    ) -> None:
         self.settings = settings
         #: Only when serving: an embedding process's garbage collector is not ours to tune.
         self.tune_gc = tune_gc
-        #: Only when serving under `pdproxy serve`: a finished drain ends the process.
+        #: Only when serving under `pdproxy serve --edge granian`: a finished drain ends the process.
         self.exit_when_drained = exit_when_drained
+        #: Served by the Rust edge over a private socket: it tells the client's address (PEER_HEADER).
+        self.behind_edge = behind_edge
         self.keys = Keys(settings.api_keys, settings.admin_keys)
         self.router: Router | None = None
         self.fleet: Fleet | None = None
@@ -70,10 +78,9 @@ class ProxyApp:
         self.access: AccessLog | None = None
         self.metrics: Any = None
         self._admin = {(route.method, route.path): route for route in ROUTES}
-        #: Inference requests being served now (the global cap), and the drain in progress.
-        self.in_flight = 0
+        #: The drain in progress; set once it is over.
         self.draining = False
-        self._idle = asyncio.Event()
+        self.drained = asyncio.Event()
         self._drain_task: asyncio.Task[None] | None = None
         self.group: Group | None = None
         self._group_task: asyncio.Task[None] | None = None
@@ -166,27 +173,26 @@ class ProxyApp:
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 
+    @property
+    def in_flight(self) -> int:
+        """Inference requests being served now, by the edge and by this app (one global count)."""
+        return self.router.serving if self.router is not None else 0
+
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.router is None or self.fleet is None:  # a server without lifespan support
             await self.startup()
         router, fleet = self.router, self.fleet
         assert router is not None
         assert fleet is not None
+        _take_peer(scope, trusted=self.behind_edge)
         path, method = scope["path"], scope["method"]
         if method == "POST" and (path in INFERENCE_PATHS or path.startswith("/v1/")):
             self.keys.check_inference(scope["headers"])
-            if self.draining:
-                raise Draining("the proxy is draining and takes no new requests")
-            cap = self.settings.max_requests
-            if cap and self.in_flight >= cap:
-                raise ProxyOverloaded(f"the proxy is serving its limit of {cap} requests")
-            self.in_flight += 1
+            router.enter_request()  # Draining, or ProxyOverloaded at the global cap
             try:
                 await self._forward(router, scope, receive, send, path)
             finally:
-                self.in_flight -= 1
-                if not self.in_flight:
-                    self._idle.set()
+                router.leave_request()
             return
         if (method, path) == ("POST", "/drain"):
             self.keys.check_admin(scope["headers"])
@@ -243,6 +249,8 @@ class ProxyApp:
         passed) a served proxy exits, cleanly. In a worker group every worker drains, and the
         one asked (the ``initiator``) ends the group once the whole group is idle."""
         self.draining = True
+        if self.router is not None:
+            self.router.start_draining()
         if self.group is not None and initiator:
             self.group.table.set_draining()
         if self._drain_task is None:
@@ -251,13 +259,11 @@ class ProxyApp:
     async def _finish_drain(self, initiator: bool) -> None:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.settings.drain_timeout):
-                if self.in_flight:
-                    self._idle.clear()
-                    await self._idle.wait()
-                # Other workers' requests show only as counts in shared memory: poll them.
-                while self.group is not None and self._group_in_flight():  # noqa: ASYNC110
+                # The edge's requests and other workers' show only as counts: poll them.
+                while self.in_flight or (self.group is not None and self._group_in_flight()):  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
         log.info("drained (%d request(s) still in flight)", self.in_flight)
+        self.drained.set()
         if self.exit_when_drained and initiator:
             # granian's main process stops the workers gracefully and exits 0.
             os.kill(os.getppid(), signal.SIGTERM)
@@ -292,6 +298,23 @@ class ProxyApp:
                 await self.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+#: How the Rust edge tells the control plane the client's address (its own peer is the edge).
+PEER_HEADER = b"x-pdproxy-peer"
+
+
+def _take_peer(scope: Scope, trusted: bool) -> None:
+    """Removes the edge's peer header from the request; behind the edge (``trusted``: only the
+    edge can reach this app's socket), its value becomes the ASGI client address."""
+    headers = scope["headers"]
+    if not any(name == PEER_HEADER for name, _ in headers):
+        return
+    peer = next(value for name, value in headers if name == PEER_HEADER)
+    scope["headers"] = [(name, value) for name, value in headers if name != PEER_HEADER]
+    if trusted:
+        host, _, port = peer.decode("latin-1").rpartition(":")
+        scope["client"] = (host.strip("[]"), int(port) if port.isdigit() else 0)
 
 
 def _model_list(router: Router) -> dict[str, Any]:

@@ -97,10 +97,11 @@ def serve(print_config: bool, **options: Any) -> None:
         click.echo(json.dumps(settings.redacted()))
         return
     try:
-        run(settings)
+        status = run(settings)
     except ConfigError as e:
         click.echo(f"pdproxy: {e}", err=True)
         sys.exit(1)
+    sys.exit(status)
 
 
 def _mock_settings_options(fn: F) -> F:

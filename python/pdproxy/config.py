@@ -60,12 +60,30 @@ class Settings:
     demo_model: str = field(
         default="pdproxy-demo", metadata=_opt("Model name served by the demo mock engines.", section="server")
     )
+    edge: str = field(
+        default="rust",
+        metadata=_opt(
+            "Who serves the public address: rust (the data plane's HTTP server answers inference requests "
+            "with no Python per request, and hands everything else to the control plane) or granian (the "
+            "Python ASGI app serves everything, in --workers processes).",
+            section="server",
+        ),
+    )
+    edge_threads: int = field(
+        default=0,
+        metadata=_opt(
+            "Threads of the Rust edge, which serve every request and the upstream connections "
+            "(0: one per core).",
+            section="server",
+        ),
+    )
     workers: int = field(
         default=1,
         metadata=_opt(
-            "granian worker processes. With more than one they share one node table: membership, health "
-            "and in-flight counts (so max_concurrency holds across all of them) live in shared memory, "
-            "and one worker, the leader, runs the health checks.",
+            "With --edge granian: granian worker processes. With more than one they share one node table: "
+            "membership, health and in-flight counts (so max_concurrency holds across all of them) live in "
+            "shared memory, and one worker, the leader, runs the health checks. The Rust edge uses every "
+            "core in one process (--edge-threads).",
             section="server",
         ),
     )
@@ -152,6 +170,10 @@ class Settings:
     )
     body_timeout: float = field(
         default=30.0, metadata=_opt("Seconds a client may take to send its request body (then 408).")
+    )
+    header_read_timeout: float = field(
+        default=10.0,
+        metadata=_opt("Seconds a client may take to send a request's headers (Rust edge; then the connection closes)."),
     )
     stream_stall_timeout: float = field(
         default=60.0,
@@ -286,8 +308,14 @@ class Settings:
             _check_type(f.name, getattr(self, f.name), f.type)
         if not 0 < self.port < 65536 and self.port != 0:
             raise ConfigError(f"port must be between 1 and 65535, got {self.port}")
+        if self.edge not in ("rust", "granian"):
+            raise ConfigError(f"edge must be rust or granian, got {self.edge!r}")
         if self.workers > MAX_WORKERS:
             raise ConfigError(f"--workers is at most {MAX_WORKERS}, got {self.workers}")
+        if self.edge == "rust" and self.workers != 1:
+            raise ConfigError("--workers is for --edge granian; the Rust edge uses every core in one process")
+        if self.edge_threads < 0:
+            raise ConfigError(f"edge_threads must not be negative, got {self.edge_threads}")
         if self.registry:
             check_registry_url(self.registry)
         for name in (
@@ -309,6 +337,7 @@ class Settings:
             "stream_idle_timeout",
             "circuit_cooldown",
             "body_timeout",
+            "header_read_timeout",
             "stream_stall_timeout",
             "drain_timeout",
             "pool_idle_timeout",

@@ -170,7 +170,13 @@ class Fleet:
         r = registration
         created = r.url not in self.registrations
         self.router.add_node(
-            r.url, r.models, role=r.role, speed=r.speed, max_concurrency=r.max_concurrency, api_key=r.api_key
+            r.url,
+            r.models,
+            role=r.role,
+            speed=r.speed,
+            max_concurrency=r.max_concurrency,
+            api_key=r.api_key,
+            bootstrap_port=r.bootstrap_port,
         )
         self.registrations[r.url] = r
         if not created and self.state_of(r.url) == "draining" and r.lease_ttl is not None:

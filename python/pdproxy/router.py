@@ -72,6 +72,28 @@ class Router:
         return dict(self._core.policies)
 
     @property
+    def core(self) -> _pdproxy.Router:
+        """The data plane's router (the Rust edge serves requests with it)."""
+        return self._core
+
+    def enter_request(self) -> None:
+        """Counts an inference request into the proxy's global gate; raises ``Draining`` while
+        the proxy drains and ``ProxyOverloaded`` at ``max_requests``. Pair with ``leave_request``."""
+        self._core.enter_request()
+
+    def leave_request(self) -> None:
+        self._core.leave_request()
+
+    @property
+    def serving(self) -> int:
+        """Inference requests being served now, by the edge and the control plane together."""
+        return self._core.serving
+
+    def start_draining(self) -> None:
+        """New inference requests get 503 ``draining`` from now on."""
+        self._core.start_draining()
+
+    @property
     def queued(self) -> int:
         """Requests waiting for a node with room."""
         return self._core.queued
@@ -99,6 +121,7 @@ class Router:
         speed: float | None = None,
         max_concurrency: int | None = None,
         api_key: str | None = None,
+        bootstrap_port: int | None = None,
         verify: bool = True,
     ) -> str:
         """Adds a node, or updates a registered one; returns its normalised URL.
@@ -107,10 +130,11 @@ class Router:
         ``models`` are checked against the node's ``/v1/models`` once (``verify``), and the
         node's answer wins. ``role`` is ``hybrid``, ``prefill`` or ``decode`` (or LMDeploy's 1, 2,
         3); ``speed`` weighs it in ``random`` and ``min_expected_latency``; ``max_concurrency``
-        caps its requests in flight; ``api_key`` is sent to it as a Bearer token.
+        caps its requests in flight; ``api_key`` is sent to it as a Bearer token;
+        ``bootstrap_port`` is an SGLang prefill node's bootstrap server port.
         """
         declared = None if models is None else list(models)
-        normalized = self._core.add_node(url, declared, role, speed, max_concurrency, api_key)
+        normalized = self._core.add_node(url, declared, role, speed, max_concurrency, api_key, bootstrap_port)
         if declared is None or verify:
             self._discovery.watch(normalized, declared, api_key)
         else:

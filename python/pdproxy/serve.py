@@ -18,7 +18,7 @@ from granian import Granian
 from granian.constants import HTTPModes, Interfaces, Loops
 from granian.log import LOGGING_CONFIG, LogLevels
 
-from . import group
+from . import edge, group
 from .app import SETTINGS_ENV
 from .config import Settings
 from .errors import ConfigError
@@ -31,17 +31,24 @@ DEMO_TOKEN_DELAY_MS = 20.0
 RESPAWN_INTERVAL = 1.0
 
 
-def serve(settings: Settings) -> None:
-    """Serves until interrupted (Ctrl-C or SIGTERM)."""
+def serve(settings: Settings) -> int:
+    """Serves until drained (SIGTERM, Ctrl-C or ``POST /drain``); returns the exit status."""
+    if settings.edge == "rust":
+        listener, threads = edge.bind(settings)  # first: a taken port fails before anything starts
+        settings = settings.replace(runtime_threads=threads)
+        with _demo_engines(settings) as demo_nodes:
+            if demo_nodes:
+                settings = settings.replace(nodes=(*settings.nodes, *demo_nodes))
+            _print_banner(settings, f"Rust edge, {threads} thread(s)")
+            return edge.serve(settings, listener, _logging_config(settings.log_level, behind_edge=True))
+    _refuse_taken_port(settings)
     with _demo_engines(settings) as demo_nodes, group.prepared(settings.workers) as group_dir:
         if demo_nodes:
             settings = settings.replace(nodes=(*settings.nodes, *demo_nodes))
-        if not settings.nodes:
-            print("pdproxy: no nodes yet; pass --node URL (or --demo to try it with mock engines)", file=sys.stderr)
         os.environ[SETTINGS_ENV] = settings.to_json()
         if group_dir is not None:
             os.environ[group.GROUP_ENV] = str(group_dir)
-        _print_banner(settings)
+        _print_banner(settings, f"granian, {settings.workers} worker(s)")
         Granian(
             target="pdproxy.app:app_from_environment",
             factory=True,
@@ -61,18 +68,44 @@ def serve(settings: Settings) -> None:
             respawn_failed_workers=True,
             respawn_interval=RESPAWN_INTERVAL,
         ).serve()
+    return 0
 
 
-def _logging_config(level: str) -> dict[str, Any]:
+def _refuse_taken_port(settings: Settings) -> None:
+    """granian shares its port with any other listener that asks (SO_REUSEPORT), so a second
+    proxy would quietly take half the traffic: a port that is taken is refused here instead."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((settings.host, settings.port))
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror}") from None
+
+
+def _logging_config(level: str, behind_edge: bool = False) -> dict[str, Any]:
     """granian's logging setup plus pdproxy's logger, so both print the same way."""
     config: dict[str, Any] = copy.deepcopy(LOGGING_CONFIG)
     config["loggers"]["pdproxy"] = {"handlers": ["console"], "level": level.upper(), "propagate": False}
+    if not behind_edge:
+        return config
+    config["filters"] = {**config.get("filters", {}), "no_embed_notice": {"()": _NoEmbedNotice}}
+    config["loggers"]["_granian"].setdefault("filters", []).append("no_embed_notice")
     return config
 
 
-def _print_banner(settings: Settings) -> None:
+class _NoEmbedNotice:
+    """Drops granian's warning that its embedded server (our control plane's) is experimental."""
+
+    def filter(self, record: Any) -> bool:
+        return "Embedded server is experimental" not in record.getMessage()
+
+
+def _print_banner(settings: Settings, how: str) -> None:
     base = f"http://{settings.host}:{settings.port}"
-    print(f"pdproxy: serving on {base} -> {', '.join(settings.nodes) or 'no nodes'}", file=sys.stderr)
+    if not settings.nodes:
+        print("pdproxy: no nodes yet; pass --node URL (or --demo to try it with mock engines)", file=sys.stderr)
+    print(f"pdproxy: serving on {base} ({how}) -> {', '.join(settings.nodes) or 'no nodes'}", file=sys.stderr)
     if settings.demo:
         body = json.dumps(
             {"model": settings.demo_model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}

@@ -196,6 +196,16 @@ impl Exchange {
     }
 }
 
+impl crate::engine::PermitHolder for Exchange {
+    fn hold(&self, permit: InFlightPermit) {
+        self.attach(permit);
+    }
+
+    fn release(&self, outcome: Outcome) {
+        Exchange::release(self, outcome, Report::default());
+    }
+}
+
 impl Inner {
     /// Whole events (everything, for other bodies), else how the body ended, else nothing.
     fn ready(&mut self) -> Option<Delivery> {
@@ -273,7 +283,7 @@ pub async fn pump(
                 Some(Ok(frame)) => {
                     if let Ok(data) = frame.into_data() {
                         report.first_byte.get_or_insert_with(|| started.elapsed());
-                        report.events += count_events(&data, &mut last_was_newline);
+                        report.events += sse::count_events(&data, &mut last_was_newline);
                         burst.push(data);
                     }
                 }
@@ -293,21 +303,6 @@ pub async fn pump(
     };
     exchange.release(if end.is_ok() { outcome_at_end } else { Outcome::Failed }, report);
     exchange.finish(end);
-}
-
-/// Counts event ends (a blank line) in `chunk`; `last_was_newline` carries across chunks.
-fn count_events(chunk: &[u8], last_was_newline: &mut bool) -> u64 {
-    let mut events = 0;
-    for pos in memchr::memchr_iter(b'\n', chunk) {
-        let previous = if pos == 0 { *last_was_newline } else { chunk[pos - 1] == b'\n' };
-        if previous || (pos >= 2 && chunk[pos - 1] == b'\r' && chunk[pos - 2] == b'\n') {
-            events += 1;
-        }
-    }
-    if let Some(&last) = chunk.last() {
-        *last_was_newline = last == b'\n';
-    }
-    events
 }
 
 #[cfg(test)]
@@ -477,10 +472,4 @@ mod tests {
         assert!(matches!(exchange.take_ready(), Some(Delivery::Failed(e)) if e.is_timeout()));
     }
 
-    #[test]
-    fn counts_events_across_chunks() {
-        let mut nl = false;
-        assert_eq!(count_events(b"data: 1\n\ndata: 2\n", &mut nl), 1);
-        assert_eq!(count_events(b"\ndata: 3\r\n\r\n", &mut nl), 2);
-    }
 }

@@ -12,7 +12,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::error::{BoxError, Error, Kind, Result};
-use crate::headers::{client_response_headers, upstream_request_headers};
+use crate::headers::client_response_headers;
 use crate::node::Node;
 use crate::permit::Outcome;
 use crate::sse;
@@ -36,12 +36,13 @@ pub struct ForwardConfig {
     pub stream_stall_timeout: Duration,
 }
 
-/// A request to forward, as received from the client.
+/// A request to forward: the client's, with its headers already fit for the node's hop
+/// (see `headers::upstream_request_headers`).
 #[derive(Debug, Clone)]
 pub struct ForwardRequest {
     pub method: Method,
     pub path_and_query: String,
-    pub headers: Vec<(Vec<u8>, Vec<u8>)>,
+    pub headers: HeaderMap,
     pub body: Bytes,
 }
 
@@ -103,23 +104,27 @@ impl Forwarder {
         Self { client, config }
     }
 
-    /// Sends `request` to `node` and returns the response head, with the body read whole
-    /// when it is small and not an event stream. Accounting is the caller's.
-    pub async fn forward(&self, node: &Node, request: ForwardRequest) -> Result<UpstreamResponse> {
+    pub fn config(&self) -> &ForwardConfig {
+        &self.config
+    }
+
+    /// Sends `request` to `node` and returns the response head; with `prefetch`, the body
+    /// is read whole first when it is small and not an event stream. Accounting is the caller's.
+    pub async fn forward(&self, node: &Node, request: &ForwardRequest, prefetch: bool) -> Result<UpstreamResponse> {
         let uri = node.uri_for(&request.path_and_query)?;
-        let mut headers = upstream_request_headers(&request.headers);
+        let mut headers = request.headers.clone();
         if let Some(key) = &node.spec().api_key {
             let value = http::HeaderValue::from_str(&format!("Bearer {key}")).map_err(|e| {
                 Error::with_source(Kind::InvalidNode, "the node's API key is not a valid header value", e)
             })?;
             headers.insert(http::header::AUTHORIZATION, value);
         }
-        let mut builder = Request::builder().method(request.method).uri(uri);
+        let mut builder = Request::builder().method(request.method.clone()).uri(uri);
         if let Some(map) = builder.headers_mut() {
             std::mem::swap(map, &mut headers);
         }
         let upstream_request = builder
-            .body(Full::new(request.body))
+            .body(Full::new(request.body.clone()))
             .map_err(|e| Error::with_source(Kind::InvalidRequest, "request cannot be forwarded", e))?;
 
         let sent = tokio::time::timeout(self.config.first_byte_timeout, self.client.request(upstream_request)).await;
@@ -138,12 +143,8 @@ impl Forwarder {
         let headers = client_response_headers(&parts.headers);
         let event_stream = parts.headers.get(CONTENT_TYPE).is_some_and(|ct| sse::is_event_stream(ct.as_bytes()));
         let small = content_length(&parts.headers).is_some_and(|len| len <= self.config.prefetch_limit);
-        let body = if !event_stream && small {
-            let collected = body
-                .collect()
-                .await
-                .map_err(|e| Error::with_source(Kind::Upstream, "the node broke off the response", e))?;
-            ResponseBody::Complete(collected.to_bytes())
+        let body = if prefetch && !event_stream && small {
+            ResponseBody::Complete(read_whole(body, self.config.stream_idle_timeout).await?)
         } else {
             ResponseBody::Streaming(StreamBody { body: body.map_err(BoxError::from).boxed(), event_stream })
         };
@@ -151,6 +152,24 @@ impl Forwarder {
     }
 }
 
-fn content_length(headers: &HeaderMap) -> Option<usize> {
+/// A small body read whole; every read is bounded by `idle` (a node that announces a length,
+/// sends part of it and stalls must not hold the request forever).
+async fn read_whole(mut body: hyper::body::Incoming, idle: Duration) -> Result<Bytes> {
+    let mut out = bytes::BytesMut::new();
+    loop {
+        match tokio::time::timeout(idle, body.frame()).await {
+            Err(_) => return Err(Error::new(Kind::Timeout, "the node sent nothing for too long")),
+            Ok(None) => return Ok(out.freeze()),
+            Ok(Some(Err(e))) => return Err(Error::with_source(Kind::Upstream, "the node broke off the response", e)),
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    out.extend_from_slice(&data);
+                }
+            }
+        }
+    }
+}
+
+pub fn content_length(headers: &HeaderMap) -> Option<usize> {
     headers.get(CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
 }

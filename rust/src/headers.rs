@@ -27,21 +27,30 @@ fn connection_listed<'a>(values: impl Iterator<Item = &'a [u8]>) -> Vec<Vec<u8>>
         .collect()
 }
 
-/// The headers to send upstream, from the client's raw header list. Drops hop-by-hop
-/// headers, `host` and `content-length` (the client sets them for the node's hop) and the
-/// client's `authorization` (the proxy's key is not the node's key).
+/// Whether a client's request header stays on the client's hop: hop-by-hop headers (and
+/// those its `Connection` header lists), `host` and `content-length` (the client sets them
+/// for the node's hop) and the client's `authorization` (the proxy's key is not the node's key).
+pub fn stays_on_client_hop(name: &[u8], listed: &[Vec<u8>]) -> bool {
+    is_hop_by_hop(name)
+        || name.eq_ignore_ascii_case(b"host")
+        || name.eq_ignore_ascii_case(b"content-length")
+        || name.eq_ignore_ascii_case(b"authorization")
+        || listed.iter().any(|l| l.eq_ignore_ascii_case(name))
+}
+
+/// The header names a request's `Connection` header lists.
+pub fn listed_in_connection(headers: &HeaderMap) -> Vec<Vec<u8>> {
+    connection_listed(headers.get_all(header::CONNECTION).iter().map(HeaderValue::as_bytes))
+}
+
+/// The headers to send upstream, from the client's raw header list (see `stays_on_client_hop`).
 pub fn upstream_request_headers(client: &[(Vec<u8>, Vec<u8>)]) -> HeaderMap {
     let listed = connection_listed(
         client.iter().filter(|(n, _)| n.eq_ignore_ascii_case(b"connection")).map(|(_, v)| v.as_slice()),
     );
     let mut out = HeaderMap::with_capacity(client.len());
     for (name, value) in client {
-        if is_hop_by_hop(name)
-            || name.eq_ignore_ascii_case(b"host")
-            || name.eq_ignore_ascii_case(b"content-length")
-            || name.eq_ignore_ascii_case(b"authorization")
-            || listed.iter().any(|l| l.eq_ignore_ascii_case(name))
-        {
+        if stays_on_client_hop(name, &listed) {
             continue;
         }
         // Names or values that are not valid HTTP are dropped rather than failing the request.
@@ -50,6 +59,12 @@ pub fn upstream_request_headers(client: &[(Vec<u8>, Vec<u8>)]) -> HeaderMap {
         }
     }
     out
+}
+
+/// Whether a response header stays on its hop.
+pub fn is_hop_header(name: &HeaderName, listed: &[Vec<u8>]) -> bool {
+    let n = name.as_str().as_bytes();
+    is_hop_by_hop(n) || listed.iter().any(|l| l.as_slice() == n)
 }
 
 /// The node's response headers that may reach the client.

@@ -4,6 +4,8 @@
 pub mod admission;
 pub mod circuit;
 pub mod doorbell;
+pub mod edge;
+pub mod engine;
 pub mod error;
 pub mod exchange;
 pub mod forward;

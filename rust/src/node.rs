@@ -381,6 +381,8 @@ pub struct NodeSpec {
     pub max_concurrency: Option<u32>,
     /// The node's own API key, sent to it as `Authorization: Bearer` (never the client's).
     pub api_key: Option<String>,
+    /// SGLang prefill nodes: the port of their bootstrap server, when declared.
+    pub bootstrap_port: Option<u16>,
 }
 
 /// An immutable description of a node plus its shared counters. Changing a node's spec
@@ -438,6 +440,11 @@ impl Node {
 
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    /// The node's host, without brackets around an IPv6 address.
+    pub fn host(&self) -> &str {
+        self.authority.host().trim_start_matches('[').trim_end_matches(']')
     }
 
     /// The absolute URI of `path_and_query` on this node.

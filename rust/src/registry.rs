@@ -18,6 +18,17 @@ pub struct NodeSet {
     by_role: HashMap<Role, RoleNodes>,
     /// Per role and model: the nodes that declare it, then the nodes of unknown models.
     by_model: HashMap<Role, HashMap<String, Vec<Arc<Node>>>>,
+    /// Requests received per declared model (the counters outlive the snapshot).
+    tallies: Tallies,
+}
+
+/// Request counters by model: one per declared model, `other` for models no node declares
+/// (so a client cannot grow the set), `none` for requests that name no model.
+#[derive(Debug, Default, Clone)]
+struct Tallies {
+    by_model: HashMap<String, Arc<AtomicU64>>,
+    other: Arc<AtomicU64>,
+    none: Arc<AtomicU64>,
 }
 
 /// Per role: all its nodes, and those whose models are unknown (eligible for any model).
@@ -36,7 +47,7 @@ pub enum NoCandidates {
 }
 
 impl NodeSet {
-    fn build(nodes: Vec<Arc<Node>>) -> Self {
+    fn build(nodes: Vec<Arc<Node>>, tallies: Tallies) -> Self {
         let mut by_role: HashMap<Role, RoleNodes> = HashMap::new();
         for node in &nodes {
             let entry = by_role.entry(node.role()).or_default();
@@ -56,7 +67,16 @@ impl NodeSet {
                 list.extend(by_role[role].wildcard.iter().cloned());
             }
         }
-        Self { nodes, by_role, by_model }
+        Self { nodes, by_role, by_model, tallies }
+    }
+
+    /// Counts one request for `model` (see `Registry::model_requests`).
+    pub fn count_request(&self, model: Option<&str>) {
+        let counter = match model {
+            None => &self.tallies.none,
+            Some(m) => self.tallies.by_model.get(m).unwrap_or(&self.tallies.other),
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
     }
 
     pub fn nodes(&self) -> &[Arc<Node>] {
@@ -99,6 +119,8 @@ impl NodeSet {
 #[derive(Debug, Default)]
 pub struct Registry {
     snapshot: ArcSwap<NodeSet>,
+    /// Every request counter by model so far, kept across snapshots (writers only).
+    tallies: Mutex<Tallies>,
     next_generation: AtomicU64,
     writer: Mutex<()>,
     /// In a worker group: the shared table that holds the counters, and this worker's index.
@@ -113,6 +135,11 @@ impl Registry {
     /// A registry whose nodes' counters live in `table`, as worker `worker` of the group.
     pub fn in_group(table: Arc<SharedTable>, worker: usize) -> Self {
         Self { group: Some((table, worker)), ..Self::default() }
+    }
+
+    /// Whether the nodes' counters live in a worker group's shared table.
+    pub fn in_a_group(&self) -> bool {
+        self.group.is_some()
     }
 
     /// Fresh counters and a generation for a new registration of `url`: in a group, the
@@ -143,6 +170,31 @@ impl Registry {
         Ok(stale.len())
     }
 
+    /// Publishes a new table of `nodes`. Called with the writer lock held.
+    fn publish(&self, nodes: Vec<Arc<Node>>) {
+        let mut all = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut tallies = Tallies { by_model: HashMap::new(), other: Arc::clone(&all.other), none: Arc::clone(&all.none) };
+        for model in nodes.iter().flat_map(|n| n.models()) {
+            let counter = all.by_model.entry(model.clone()).or_default();
+            tallies.by_model.insert(model.clone(), Arc::clone(counter));
+        }
+        drop(all);
+        self.snapshot.store(Arc::new(NodeSet::build(nodes, tallies)));
+    }
+
+    /// Requests received per model since the start: every model some node declared, plus
+    /// `other` and `none`.
+    pub fn model_requests(&self) -> Vec<(String, u64)> {
+        let all = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut out: Vec<(String, u64)> =
+            all.by_model.iter().map(|(m, c)| (m.clone(), c.load(Ordering::Relaxed))).collect();
+        out.push(("other".to_owned(), all.other.load(Ordering::Relaxed)));
+        out.push(("none".to_owned(), all.none.load(Ordering::Relaxed)));
+        out.retain(|(_, n)| *n > 0);
+        out.sort();
+        out
+    }
+
     /// The current table. Wait-free; hold it only for the duration of one selection.
     pub fn load(&self) -> Guard<Arc<NodeSet>> {
         self.snapshot.load()
@@ -169,7 +221,7 @@ impl Registry {
             nodes.push(Arc::clone(&added));
             added
         };
-        self.snapshot.store(Arc::new(NodeSet::build(nodes)));
+        self.publish(nodes);
         Ok(node)
     }
 
@@ -188,7 +240,7 @@ impl Registry {
         let updated = Arc::new(Node::new(&url, old.generation(), spec, old.counters().clone()));
         let mut nodes = current.nodes.clone();
         nodes[pos] = Arc::clone(&updated);
-        self.snapshot.store(Arc::new(NodeSet::build(nodes)));
+        self.publish(nodes);
         Ok(updated)
     }
 
@@ -203,7 +255,7 @@ impl Registry {
         };
         let mut nodes = current.nodes.clone();
         let removed = nodes.remove(pos);
-        self.snapshot.store(Arc::new(NodeSet::build(nodes)));
+        self.publish(nodes);
         if let (Some((table, _)), Some(binding)) = (&self.group, removed.counters().binding()) {
             table.retire(binding);
         }

@@ -42,6 +42,21 @@ pub fn is_event_stream(content_type: &[u8]) -> bool {
     content_type.len() >= 17 && content_type[..17].eq_ignore_ascii_case(b"text/event-stream")
 }
 
+/// Counts event ends (a blank line) in `chunk`; `last_was_newline` carries across chunks.
+pub fn count_events(chunk: &[u8], last_was_newline: &mut bool) -> u64 {
+    let mut events = 0;
+    for pos in memchr::memchr_iter(b'\n', chunk) {
+        let previous = if pos == 0 { *last_was_newline } else { chunk[pos - 1] == b'\n' };
+        if previous || (pos >= 2 && chunk[pos - 1] == b'\r' && chunk[pos - 2] == b'\n') {
+            events += 1;
+        }
+    }
+    if let Some(&last) = chunk.last() {
+        *last_was_newline = last == b'\n';
+    }
+    events
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -73,6 +88,13 @@ mod tests {
         let buf = b"data: 1\r\n\r\n";
         assert_eq!(last_event_end(buf, 9), Some(11));
         assert_eq!(last_event_end(b"data: 1\n\n", 8), Some(9));
+    }
+
+    #[test]
+    fn counts_events_across_chunks() {
+        let mut nl = false;
+        assert_eq!(count_events(b"data: 1\n\ndata: 2\n", &mut nl), 1);
+        assert_eq!(count_events(b"\ndata: 3\r\n\r\n", &mut nl), 2);
     }
 
     #[test]

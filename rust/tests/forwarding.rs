@@ -34,10 +34,13 @@ async fn send(fwd: &Forwarder, node: &Arc<Node>, path: &str) -> _pdproxy::error:
     let request = ForwardRequest {
         method: Method::POST,
         path_and_query: path.to_owned(),
-        headers: vec![(b"content-type".to_vec(), b"application/json".to_vec())],
+        headers: _pdproxy::headers::upstream_request_headers(&[(
+            b"content-type".to_vec(),
+            b"application/json".to_vec(),
+        )]),
         body: bytes::Bytes::from_static(b"{}"),
     };
-    fwd.forward(node, request).await
+    fwd.forward(node, &request, true).await
 }
 
 /// Pumps `stream` and reads it as the Python side does: batches until the end or an error.

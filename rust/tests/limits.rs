@@ -5,8 +5,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use _pdproxy::admission::Admission;
-use _pdproxy::node::{Node, NodeSpec, NodeState, Role};
+use _pdproxy::engine::{Engine, EngineConfig, PolicyNames};
+use _pdproxy::forward::ForwardConfig;
+use _pdproxy::node::{Node, NodeSpec, NodeState};
 use _pdproxy::permit::{InFlightPermit, Outcome};
 use _pdproxy::registry::Registry;
 use _pdproxy::select::{policy_from_name, select, PolicyConfig, PrefixConfig, SelectCtx, POLICY_NAMES};
@@ -127,30 +128,48 @@ fn concurrent_selection_never_exceeds_caps() {
     }
 }
 
-/// Many requests through a tiny cap and the FIFO queue: the cap holds, every request is
-/// served, and the queue and counts end empty.
+/// Many requests through a tiny cap and the engine's FIFO queue: the cap holds, every request
+/// is served, and the queue and counts end empty.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn queued_requests_are_all_served_within_the_cap() {
-    let (reg, nodes) = capped_nodes(&[2]);
-    let reg = Arc::new(reg);
-    let admission = Arc::new(Admission::new(1000));
-    let policy: Arc<dyn _pdproxy::select::Policy> =
-        policy_from_name("least_requests", &PolicyConfig { hash_load_factor: 1.25, prefix: PrefixConfig::default() })
-            .unwrap();
+    let config = EngineConfig {
+        policies: PolicyNames {
+            hybrid: "least_requests".into(),
+            prefill: "least_requests".into(),
+            decode: "least_requests".into(),
+            by_model: Vec::new(),
+        },
+        policy: PolicyConfig { hash_load_factor: 1.25, prefix: PrefixConfig::default() },
+        queue_size: 1000,
+        queue_timeout: Duration::from_secs(5),
+        request_timeout: None,
+        retries: 0,
+        retry_budget_ratio: 0.2,
+        retry_budget_floor: 10,
+        circuit_failures: 0,
+        circuit_cooldown: Duration::from_secs(1),
+        forward: ForwardConfig {
+            connect_timeout: Duration::from_secs(1),
+            first_byte_timeout: Duration::from_secs(1),
+            pool_idle_timeout: Duration::from_secs(1),
+            pool_max_idle_per_node: 1,
+            prefetch_limit: 0,
+            stream_idle_timeout: Duration::from_secs(1),
+            stream_buffer_limit: 1 << 20,
+            stream_stall_timeout: Duration::from_secs(1),
+        },
+        max_requests: 0,
+    };
+    let engine = Arc::new(Engine::new(config, Registry::new()).unwrap());
+    let spec = NodeSpec { models: vec!["m".into()], max_concurrency: Some(2), ..NodeSpec::default() };
+    let node = engine.add_node("h:1", spec).unwrap();
     let peak = Arc::new(AtomicU64::new(0));
     let mut tasks = Vec::new();
     for i in 0..200u64 {
-        let (reg, admission, policy, peak) =
-            (Arc::clone(&reg), Arc::clone(&admission), Arc::clone(&policy), Arc::clone(&peak));
+        let (engine, peak) = (Arc::clone(&engine), Arc::clone(&peak));
         tasks.push(tokio::spawn(async move {
             let ctx = SelectCtx { model: Some("m"), ..SelectCtx::default() };
-            let permit = loop {
-                if let Ok(p) = select(&reg.load(), &ctx, policy.as_ref(), Some(&admission)) {
-                    break p;
-                }
-                let ticket = admission.enqueue(Role::Hybrid, Some("m"), false).expect("queue has room");
-                let _ = tokio::time::timeout(Duration::from_secs(5), ticket.woken).await;
-            };
+            let permit = engine.permit(&ctx).await.expect("served within the queue timeout");
             peak.fetch_max(permit.node().counters().in_flight(), Ordering::Relaxed);
             tokio::time::sleep(Duration::from_micros(200 + (i % 5) * 100)).await;
             drop(permit);
@@ -160,7 +179,8 @@ async fn queued_requests_are_all_served_within_the_cap() {
         t.await.unwrap();
     }
     assert!(peak.load(Ordering::Relaxed) <= 2);
-    assert_eq!(nodes[0].counters().in_flight(), 0);
-    assert_eq!(nodes[0].counters().snapshot().requests, 200);
-    assert_eq!(admission.queued(), 0);
+    assert_eq!(node.counters().in_flight(), 0);
+    assert_eq!(node.counters().snapshot().requests, 200);
+    assert_eq!(engine.admission.queued(), 0);
+    assert_eq!(engine.registry.model_requests(), [("m".to_owned(), 200)]);
 }

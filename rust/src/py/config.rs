@@ -1,16 +1,14 @@
 //! The router's settings, read from the Python `Settings` object by attribute. Every
 //! default lives in `pdproxy/config.py`; nothing here declares one.
 
-use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use crate::engine::{EngineConfig, PolicyNames};
 use crate::forward::ForwardConfig;
-use crate::node::Role;
-use crate::select::{policy_from_name, Policy, PolicyConfig, PrefixConfig};
+use crate::select::{PolicyConfig, PrefixConfig};
 
 #[derive(FromPyObject)]
 pub struct RouterConfig {
@@ -40,6 +38,7 @@ pub struct RouterConfig {
     pub stream_idle_timeout: f64,
     pub stream_buffer_limit: usize,
     pub stream_stall_timeout: f64,
+    pub max_requests: usize,
 }
 
 pub fn seconds(name: &str, value: f64) -> PyResult<Duration> {
@@ -47,26 +46,6 @@ pub fn seconds(name: &str, value: f64) -> PyResult<Duration> {
         .ok()
         .filter(|d| !d.is_zero())
         .ok_or_else(|| PyValueError::new_err(format!("{name} must be a positive number of seconds, got {value}")))
-}
-
-/// The policy of each role, and the per-model overrides.
-#[derive(Debug)]
-pub struct PolicySet {
-    by_role: HashMap<Role, Arc<dyn Policy>>,
-    by_model: HashMap<String, Arc<dyn Policy>>,
-}
-
-impl PolicySet {
-    pub fn for_request(&self, role: Role, model: Option<&str>) -> &Arc<dyn Policy> {
-        model.and_then(|m| self.by_model.get(m)).unwrap_or(&self.by_role[&role])
-    }
-
-    pub fn names(&self) -> Vec<(String, &'static str)> {
-        let mut out: Vec<(String, &'static str)> =
-            Role::ALL.iter().map(|r| (r.name().to_owned(), self.by_role[r].name())).collect();
-        out.extend(self.by_model.iter().map(|(m, p)| (format!("model:{m}"), p.name())));
-        out
-    }
 }
 
 impl RouterConfig {
@@ -83,30 +62,35 @@ impl RouterConfig {
         })
     }
 
-    pub fn policies(&self) -> PyResult<PolicySet> {
-        let config = PolicyConfig {
-            hash_load_factor: self.hash_load_factor,
-            prefix: PrefixConfig {
-                block_bytes: self.prefix_block_bytes,
-                max_blocks: self.prefix_max_blocks,
-                cache_entries: self.prefix_cache_entries,
-                balance_threshold: self.prefix_balance_threshold,
+    pub fn engine_config(&self) -> PyResult<EngineConfig> {
+        Ok(EngineConfig {
+            policies: PolicyNames {
+                hybrid: self.policy.clone(),
+                prefill: self.prefill_policy.clone(),
+                decode: self.decode_policy.clone(),
+                by_model: self.model_policies.clone(),
             },
-        };
-        let build =
-            |name: &str| policy_from_name(name, &config).map_err(|e| PyValueError::new_err(e.message().to_owned()));
-        let by_role = HashMap::from([
-            (Role::Hybrid, build(&self.policy)?),
-            (Role::Prefill, build(&self.prefill_policy)?),
-            (Role::Decode, build(&self.decode_policy)?),
-        ]);
-        let mut by_model = HashMap::new();
-        for entry in &self.model_policies {
-            let Some((model, name)) = entry.split_once('=') else {
-                return Err(PyValueError::new_err(format!("model policy {entry:?} must read MODEL=POLICY")));
-            };
-            by_model.insert(model.trim().to_owned(), build(name.trim())?);
-        }
-        Ok(PolicySet { by_role, by_model })
+            policy: PolicyConfig {
+                hash_load_factor: self.hash_load_factor,
+                prefix: PrefixConfig {
+                    block_bytes: self.prefix_block_bytes,
+                    max_blocks: self.prefix_max_blocks,
+                    cache_entries: self.prefix_cache_entries,
+                    balance_threshold: self.prefix_balance_threshold,
+                },
+            },
+            queue_size: self.queue_size,
+            queue_timeout: seconds("queue_timeout", self.queue_timeout)?,
+            request_timeout: (self.request_timeout > 0.0)
+                .then(|| seconds("request_timeout", self.request_timeout))
+                .transpose()?,
+            retries: self.retries,
+            retry_budget_ratio: self.retry_budget_ratio,
+            retry_budget_floor: self.retry_budget_floor,
+            circuit_failures: self.circuit_failures,
+            circuit_cooldown: seconds("circuit_cooldown", self.circuit_cooldown)?,
+            forward: self.forward_config()?,
+            max_requests: self.max_requests,
+        })
     }
 }

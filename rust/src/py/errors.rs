@@ -6,6 +6,7 @@ use std::error::Error as _;
 
 use pyo3::prelude::*;
 
+use crate::engine::Refusal;
 use crate::error::{Error, Kind};
 
 pyo3::import_exception!(pdproxy.errors, ConfigError);
@@ -18,6 +19,8 @@ pyo3::import_exception!(pdproxy.errors, Overloaded);
 pyo3::import_exception!(pdproxy.errors, UpstreamError);
 pyo3::import_exception!(pdproxy.errors, UpstreamConnectError);
 pyo3::import_exception!(pdproxy.errors, UpstreamTimeout);
+pyo3::import_exception!(pdproxy.errors, Draining);
+pyo3::import_exception!(pdproxy.errors, ProxyOverloaded);
 
 /// The most specific Python exception for a data-plane error.
 pub fn to_pyerr(err: &Error) -> PyErr {
@@ -33,5 +36,13 @@ pub fn to_pyerr(err: &Error) -> PyErr {
         Kind::Timeout => UpstreamTimeout::new_err(args),
         Kind::Upstream | Kind::Cancelled => UpstreamError::new_err(args),
         Kind::Config => ConfigError::new_err(args),
+    }
+}
+
+/// The gate's refusal as the exception the control plane answers with.
+pub fn refusal_to_pyerr(refusal: Refusal, max_requests: usize) -> PyErr {
+    match refusal {
+        Refusal::Draining => Draining::new_err("the proxy is draining and takes no new requests"),
+        Refusal::Full => ProxyOverloaded::new_err(format!("the proxy is serving its limit of {max_requests} requests")),
     }
 }

@@ -2,6 +2,7 @@
 
 mod bridge;
 mod config;
+mod edge;
 mod errors;
 mod response;
 mod router;
@@ -16,5 +17,7 @@ fn _pdproxy(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<response::Response>()?;
     m.add_class::<bridge::LoopBridge>()?;
     m.add_class::<shared::SharedTable>()?;
+    m.add_class::<edge::EdgeListener>()?;
+    m.add_class::<edge::Edge>()?;
     Ok(())
 }

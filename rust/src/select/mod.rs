@@ -118,7 +118,7 @@ pub fn policy_from_name(name: &str, config: &PolicyConfig) -> Result<Arc<dyn Pol
         "prefix" => Arc::new(Prefix::new(config.prefix)),
         other => {
             return Err(Error::new(
-                Kind::InvalidRequest,
+                Kind::Config,
                 format!("unknown routing policy {other:?}; known: {}", POLICY_NAMES.join(", ")),
             ))
         }

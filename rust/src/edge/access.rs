@@ -1,0 +1,231 @@
+//! The access log of the requests the edge serves: one record per request, finished when the
+//! request's last piece is dropped (so every ending, a client gone included, writes one line),
+//! handed to a writer thread. The line is the control plane's (`pdproxy/access.py`), field for
+//! field, in text or JSON.
+
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::sync::mpsc::{channel, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::answer::json_string;
+
+/// The access log's output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Text,
+    Json,
+}
+
+#[derive(Debug)]
+pub struct AccessLog {
+    lines: Sender<String>,
+    format: Format,
+}
+
+impl AccessLog {
+    /// Starts the writer thread (standard output).
+    pub fn start(format: Format) -> Arc<Self> {
+        let (lines, incoming) = channel::<String>();
+        let _ = std::thread::Builder::new().name("pdproxy-access".into()).spawn(move || {
+            let stdout = std::io::stdout();
+            while let Ok(line) = incoming.recv() {
+                let mut out = stdout.lock();
+                let _ = out.write_all(line.as_bytes());
+                // Whatever else is queued goes out in the same write.
+                while let Ok(line) = incoming.try_recv() {
+                    let _ = out.write_all(line.as_bytes());
+                }
+                let _ = out.flush();
+            }
+        });
+        Arc::new(Self { lines, format })
+    }
+}
+
+/// What is known of one request, filled in as it goes; written when dropped.
+#[derive(Debug)]
+pub struct Record {
+    log: Arc<AccessLog>,
+    started: Instant,
+    pub request_id: String,
+    pub method: String,
+    pub path: String,
+    pub model: Option<String>,
+    pub node: Option<String>,
+    pub status: Option<u16>,
+    /// `x-pdproxy-error` of a proxy-made answer.
+    pub proxy_error: Option<&'static str>,
+    /// The stream ended with a terminal error event.
+    pub stream_error: bool,
+    /// The whole answer was sent.
+    pub complete: bool,
+    pub bytes: u64,
+    pub events: u64,
+    pub first_byte: Option<Duration>,
+}
+
+impl Record {
+    pub fn new(log: &Arc<AccessLog>, request_id: &str, method: &str, path: &str) -> Box<Self> {
+        Box::new(Self {
+            log: Arc::clone(log),
+            started: Instant::now(),
+            request_id: request_id.to_owned(),
+            method: method.to_owned(),
+            path: path.to_owned(),
+            model: None,
+            node: None,
+            status: None,
+            proxy_error: None,
+            stream_error: false,
+            complete: false,
+            bytes: 0,
+            events: 0,
+            first_byte: None,
+        })
+    }
+
+    /// Body bytes sent to the client.
+    pub fn sent(&mut self, chunk: &[u8]) {
+        if self.first_byte.is_none() {
+            self.first_byte = Some(self.started.elapsed());
+        }
+        self.bytes += chunk.len() as u64;
+        self.events += memchr::memmem::find_iter(chunk, b"\n\n").count() as u64;
+    }
+
+    /// How the request ended and in which phase (as `access.py` names them).
+    fn cause(&self) -> String {
+        if !self.complete {
+            return format!("client_cancel@{}", if self.status.is_none() { "ttfb" } else { "stream" });
+        }
+        if let Some(code) = self.proxy_error {
+            return format!("{code}@{}", if code == "upstream_error" { "ttfb" } else { "admission" });
+        }
+        if self.stream_error {
+            return "upstream_error@stream".to_owned();
+        }
+        if self.status.is_some_and(|s| s >= 400) {
+            return "upstream_status@ttfb".to_owned();
+        }
+        "completed".to_owned()
+    }
+
+    fn line(&self) -> String {
+        let cause = self.cause();
+        let duration = self.started.elapsed();
+        let mut out = String::with_capacity(256);
+        let json = self.log.format == Format::Json;
+        let mut first = true;
+        let mut field = |name: &str, value: Value<'_>| {
+            if json {
+                out.push(if first { '{' } else { ',' });
+                json_string(&mut out, name);
+                out.push(':');
+                match value {
+                    Value::Str(Some(s)) => json_string(&mut out, s),
+                    Value::Int(Some(n)) => {
+                        let _ = write!(out, "{n}");
+                    }
+                    Value::Seconds(Some(d)) => out.push_str(&python_float(d)),
+                    Value::Str(None) | Value::Int(None) | Value::Seconds(None) => out.push_str("null"),
+                }
+            } else {
+                if !first {
+                    out.push(' ');
+                }
+                let _ = write!(out, "{name}=");
+                match value {
+                    Value::Str(Some(s)) => out.push_str(s),
+                    Value::Int(Some(n)) => {
+                        let _ = write!(out, "{n}");
+                    }
+                    Value::Seconds(Some(d)) => out.push_str(&python_float(d)),
+                    Value::Str(None) | Value::Int(None) | Value::Seconds(None) => out.push_str("None"),
+                }
+            }
+            first = false;
+        };
+        field("request_id", Value::Str(Some(&self.request_id)));
+        field("method", Value::Str(Some(&self.method)));
+        field("path", Value::Str(Some(&self.path)));
+        field("model", Value::Str(self.model.as_deref()));
+        field("node", Value::Str(self.node.as_deref()));
+        field("status", Value::Int(self.status.map(u64::from)));
+        field("cause", Value::Str(Some(&cause)));
+        field("bytes", Value::Int(Some(self.bytes)));
+        field("events", Value::Int(Some(self.events)));
+        field("ttfb", Value::Seconds(self.first_byte));
+        field("duration", Value::Seconds(Some(duration)));
+        if json {
+            out.push('}');
+        }
+        out.push('\n');
+        out
+    }
+}
+
+enum Value<'a> {
+    Str(Option<&'a str>),
+    Int(Option<u64>),
+    Seconds(Option<Duration>),
+}
+
+impl Drop for Record {
+    fn drop(&mut self) {
+        let line = self.line();
+        let _ = self.log.lines.send(line);
+    }
+}
+
+/// Seconds rounded to microseconds, written as Python's `repr(round(x, 6))` writes them.
+fn python_float(d: Duration) -> String {
+    #[allow(clippy::cast_precision_loss)]
+    let x = (d.as_micros() as f64) / 1e6;
+    if x != 0.0 && x.abs() < 1e-4 {
+        // Python switches to exponent notation below 1e-4: 1.2e-05.
+        let text = format!("{x:e}");
+        let (mantissa, exponent) = text.split_once('e').unwrap_or((&text, "0"));
+        let exponent: i32 = exponent.parse().unwrap_or(0);
+        let sign = if exponent < 0 { '-' } else { '+' };
+        return format!("{mantissa}e{sign}{:02}", exponent.abs());
+    }
+    let text = format!("{x}");
+    if text.contains('.') {
+        text
+    } else {
+        text + ".0"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn floats_read_as_python_writes_them() {
+        assert_eq!(python_float(Duration::from_micros(1_500_000)), "1.5");
+        assert_eq!(python_float(Duration::from_secs(2)), "2.0");
+        assert_eq!(python_float(Duration::from_micros(12)), "1.2e-05");
+        assert_eq!(python_float(Duration::from_micros(123)), "0.000123");
+        assert_eq!(python_float(Duration::ZERO), "0.0");
+    }
+
+    #[test]
+    fn causes() {
+        let log = AccessLog::start(Format::Json);
+        let mut r = Record::new(&log, "id", "POST", "/v1/chat/completions");
+        assert_eq!(r.cause(), "client_cancel@ttfb");
+        r.status = Some(200);
+        assert_eq!(r.cause(), "client_cancel@stream");
+        r.complete = true;
+        assert_eq!(r.cause(), "completed");
+        r.proxy_error = Some("overloaded");
+        assert_eq!(r.cause(), "overloaded@admission");
+        r.proxy_error = Some("upstream_error");
+        assert_eq!(r.cause(), "upstream_error@ttfb");
+        let line = r.line();
+        assert!(line.starts_with(r#"{"request_id":"id","method":"POST","path":"/v1/chat/completions","model":null,"#));
+    }
+}

@@ -1,0 +1,153 @@
+//! Every answer the edge makes itself: the OpenAI error envelope with `x-pdproxy-error`, in
+//! the exact bytes and headers the control plane (`pdproxy/errors.py`) produces, so a client
+//! cannot tell which side answered; and the terminal event of a stream that failed.
+
+use std::fmt::Write as _;
+
+use bytes::Bytes;
+use http::header::{HeaderValue, CONNECTION, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
+use http::{Response, StatusCode};
+
+use super::body::EdgeBody;
+use crate::error::{Error, Kind};
+
+/// One kind of error answer: its status, OpenAI `type` and `code`, and default `Retry-After`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    pub status: u16,
+    pub kind: &'static str,
+    pub code: &'static str,
+    pub retry_after: Option<u32>,
+}
+
+const fn fault(status: u16, kind: &'static str, code: &'static str, retry_after: Option<u32>) -> Fault {
+    Fault { status, kind, code, retry_after }
+}
+
+pub const INVALID_REQUEST: Fault = fault(400, "invalid_request_error", "invalid_request", None);
+pub const UNAUTHORIZED: Fault = fault(401, "authentication_error", "unauthorized", None);
+pub const NOT_FOUND: Fault = fault(404, "invalid_request_error", "not_found", None);
+pub const REQUEST_TIMEOUT: Fault = fault(408, "invalid_request_error", "request_timeout", None);
+pub const REQUEST_TOO_LARGE: Fault = fault(413, "invalid_request_error", "request_too_large", None);
+pub const UNSUPPORTED_MEDIA_TYPE: Fault = fault(415, "invalid_request_error", "unsupported_media_type", None);
+pub const INTERNAL: Fault = fault(500, "internal_error", "internal_error", None);
+pub const UPSTREAM_INVALID_RESPONSE: Fault = fault(502, "upstream_error", "upstream_invalid_response", None);
+pub const PREFILL_FAILED: Fault = fault(502, "upstream_error", "prefill_failed", None);
+pub const DRAINING: Fault = fault(503, "service_unavailable", "draining", Some(1));
+pub const PROXY_OVERLOADED: Fault = fault(503, "service_unavailable", "overloaded", Some(1));
+pub const CONTROL_PLANE_UNAVAILABLE: Fault = fault(503, "service_unavailable", "control_plane_unavailable", Some(1));
+
+/// The answer to a data-plane error (the same mapping as `py/errors.rs` and `errors.py`).
+pub fn fault_of(error: &Error) -> Fault {
+    match error.kind() {
+        Kind::InvalidRequest => INVALID_REQUEST,
+        Kind::InvalidNode => fault(400, "invalid_request_error", "invalid_node", None),
+        Kind::NodeNotFound => fault(404, "invalid_request_error", "node_not_found", None),
+        Kind::ModelNotFound => fault(404, "invalid_request_error", "model_not_found", None),
+        Kind::NoNodes | Kind::NoHealthyNode => fault(503, "service_unavailable", "no_healthy_node", Some(1)),
+        Kind::Overloaded => fault(429, "rate_limit_error", "overloaded", Some(1)),
+        Kind::Connect => fault(503, "upstream_error", "upstream_connect_failed", Some(1)),
+        Kind::Timeout => fault(504, "upstream_error", "upstream_timeout", None),
+        Kind::Upstream | Kind::Cancelled => fault(502, "upstream_error", "upstream_error", None),
+        Kind::Config => fault(500, "internal_error", "invalid_config", None),
+    }
+}
+
+/// A JSON string literal as Python's `json.dumps` writes it (`ensure_ascii`).
+pub fn json_string(out: &mut String, text: &str) {
+    out.push('"');
+    for c in text.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{08}' => out.push_str("\\b"),
+            '\u{0c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 || (c as u32) > 0x7e => {
+                let mut units = [0u16; 2];
+                for unit in c.encode_utf16(&mut units) {
+                    let _ = write!(out, "\\u{unit:04x}");
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// `{"error": {"message": ..., "type": ..., "param": null, "code": ...}}`, spaced as
+/// `json.dumps` spaces it.
+pub fn error_body(message: &str, fault: Fault) -> String {
+    let mut out = String::with_capacity(96 + message.len());
+    out.push_str("{\"error\": {\"message\": ");
+    json_string(&mut out, message);
+    let _ = write!(out, ", \"type\": \"{}\", \"param\": null, \"code\": \"{}\"}}}}", fault.kind, fault.code);
+    out
+}
+
+/// The error answer, with `x-request-id` echoed.
+pub fn error(fault: Fault, message: &str, retry_after: Option<u32>, request_id: &HeaderValue) -> Response<EdgeBody> {
+    let mut response = Response::new(EdgeBody::full(Bytes::from(error_body(message, fault))));
+    *response.status_mut() = StatusCode::from_u16(fault.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers.insert("x-pdproxy-error", HeaderValue::from_static(fault.code));
+    if let Some(seconds) = retry_after.or(fault.retry_after) {
+        headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
+    }
+    if fault == UNAUTHORIZED {
+        headers.insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    }
+    if fault == DRAINING {
+        headers.insert(CONNECTION, HeaderValue::from_static("close"));
+    }
+    headers.insert("x-request-id", request_id.clone());
+    response
+}
+
+/// The answer to a data-plane error.
+pub fn from_error(error: &Error, request_id: &HeaderValue) -> Response<EdgeBody> {
+    self::error(fault_of(error), error.message(), error.retry_after(), request_id)
+}
+
+/// The last event of a stream that failed after its head was sent: OpenAI clients raise on a
+/// `data:` object with an `error` key.
+pub fn stream_error_event(message: &str, fault: Fault) -> Bytes {
+    let mut out = String::with_capacity(128 + message.len());
+    out.push_str("data: ");
+    out.push_str(&error_body(message, fault));
+    out.push_str("\n\n");
+    Bytes::from(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_are_spelled_as_python_spells_them() {
+        assert_eq!(
+            error_body("the model `m\u{e9}` does not exist\n", fault_of(&Error::new(Kind::ModelNotFound, ""))),
+            r#"{"error": {"message": "the model `m\u00e9` does not exist\n", "type": "invalid_request_error", "param": null, "code": "model_not_found"}}"#
+        );
+        let mut s = String::new();
+        json_string(&mut s, "\u{7f}\u{1F600}\"\u{1}");
+        assert_eq!(s, r#""\u007f\ud83d\ude00\"\u0001""#);
+    }
+
+    #[test]
+    fn headers_follow_the_fault() {
+        let id = HeaderValue::from_static("abc");
+        let r = error(DRAINING, "draining", None, &id);
+        assert_eq!(r.status(), 503);
+        assert_eq!(r.headers()["connection"], "close");
+        assert_eq!(r.headers()["retry-after"], "1");
+        assert_eq!(r.headers()["x-pdproxy-error"], "draining");
+        assert_eq!(r.headers()["x-request-id"], "abc");
+        let r = from_error(&Error::new(Kind::Overloaded, "full").with_retry_after(7), &id);
+        assert_eq!((r.status().as_u16(), r.headers()["retry-after"].to_str().unwrap()), (429, "7"));
+        assert!(error(UNAUTHORIZED, "no", None, &id).headers().contains_key("www-authenticate"));
+    }
+}

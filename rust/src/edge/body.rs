@@ -1,0 +1,280 @@
+//! Response bodies of the edge. A node's streamed answer is read by the very task that writes
+//! the client's connection (hyper polls this body), so no channel or wake-up sits between the
+//! two sockets; whatever frames are ready are written together, whole events only.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http_body::{Body, Frame, SizeHint};
+use tokio::time::Sleep;
+use tokio_util::sync::WaitForCancellationFutureOwned;
+
+use super::access::Record;
+use super::answer::{self, Fault};
+use super::control::ControlBody;
+use crate::engine::GatePass;
+use crate::error::{BoxError, Error, Kind};
+use crate::forward::UpstreamBody;
+use crate::permit::{InFlightPermit, Outcome, Report};
+use crate::sse;
+
+/// What hyper writes back to the client.
+pub enum EdgeBody {
+    Full(Option<Bytes>),
+    Relay(Box<Relay>),
+    Control(Box<ControlBody>),
+}
+
+impl EdgeBody {
+    pub fn full(bytes: Bytes) -> Self {
+        EdgeBody::Full(Some(bytes))
+    }
+
+    pub fn empty() -> Self {
+        EdgeBody::Full(None)
+    }
+}
+
+impl Body for EdgeBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.get_mut() {
+            EdgeBody::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            EdgeBody::Relay(relay) => relay.poll_next(cx),
+            EdgeBody::Control(control) => Pin::new(control.as_mut()).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            EdgeBody::Full(bytes) => bytes.is_none(),
+            EdgeBody::Relay(relay) => relay.finished,
+            EdgeBody::Control(control) => control.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            EdgeBody::Full(Some(bytes)) => SizeHint::with_exact(bytes.len() as u64),
+            EdgeBody::Full(None) => SizeHint::with_exact(0),
+            EdgeBody::Relay(relay) => relay.size_hint(),
+            EdgeBody::Control(control) => control.size_hint(),
+        }
+    }
+}
+
+/// A node's body on its way to the client, with the request's permit: released when the body
+/// ends (its outcome), fails (a failure) or is dropped because the client left (cancelled).
+pub struct Relay {
+    upstream: UpstreamBody,
+    permit: Option<InFlightPermit>,
+    outcome_at_end: Outcome,
+    event_stream: bool,
+    /// The start of an event whose end has not arrived yet (event streams).
+    held: BytesMut,
+    idle_timeout: Duration,
+    idle: Pin<Box<Sleep>>,
+    deadline: Option<Pin<Box<Sleep>>>,
+    /// Fires when the proxy shuts down with this stream still running.
+    cut: Pin<Box<WaitForCancellationFutureOwned>>,
+    started: Instant,
+    report: Report,
+    last_chunk: Option<Instant>,
+    last_was_newline: bool,
+    /// How the node's body ended, once it has, for the poll after the last data.
+    ended: Option<Result<(), Error>>,
+    finished: bool,
+    record: Option<Box<Record>>,
+    _pass: Option<GatePass>,
+}
+
+/// What a relay needs beyond the node's body.
+pub struct RelayParts {
+    pub permit: InFlightPermit,
+    pub outcome_at_end: Outcome,
+    pub event_stream: bool,
+    pub idle_timeout: Duration,
+    pub deadline: Option<tokio::time::Instant>,
+    pub cut: WaitForCancellationFutureOwned,
+    pub started: Instant,
+    pub record: Option<Box<Record>>,
+    pub pass: Option<GatePass>,
+}
+
+impl Relay {
+    pub fn new(upstream: UpstreamBody, parts: RelayParts) -> Self {
+        Self {
+            upstream,
+            permit: Some(parts.permit),
+            outcome_at_end: parts.outcome_at_end,
+            event_stream: parts.event_stream,
+            held: BytesMut::new(),
+            idle_timeout: parts.idle_timeout,
+            idle: Box::pin(tokio::time::sleep(parts.idle_timeout)),
+            deadline: parts.deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
+            cut: Box::pin(parts.cut),
+            started: parts.started,
+            report: Report::default(),
+            last_chunk: None,
+            last_was_newline: false,
+            ended: None,
+            finished: false,
+            record: parts.record,
+            _pass: parts.pass,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.event_stream {
+            SizeHint::default()
+        } else {
+            self.upstream.size_hint()
+        }
+    }
+
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if self.finished {
+            return Poll::Ready(None);
+        }
+        if let Some(end) = self.ended.take() {
+            return self.finish(end);
+        }
+        if self.cut.as_mut().poll(cx).is_ready() {
+            return self.finish(Err(Error::new(Kind::Cancelled, "the proxy is shutting down")));
+        }
+        if self.deadline.as_mut().is_some_and(|d| d.as_mut().poll(cx).is_ready()) {
+            return self.finish(Err(Error::new(Kind::Timeout, "the request took longer than its time limit")));
+        }
+        // Take every frame that is ready: one write carries the whole burst.
+        let mut first: Option<Bytes> = None;
+        let mut more: Option<BytesMut> = None;
+        loop {
+            match Pin::new(&mut self.upstream).poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    let Ok(data) = frame.into_data() else { continue };
+                    if data.is_empty() {
+                        continue;
+                    }
+                    match (&mut first, &mut more) {
+                        (None, _) => first = Some(data),
+                        (Some(head), None) => {
+                            let mut joined = BytesMut::with_capacity(head.len() + data.len() * 4);
+                            joined.extend_from_slice(head);
+                            joined.extend_from_slice(&data);
+                            more = Some(joined);
+                        }
+                        (Some(_), Some(joined)) => joined.extend_from_slice(&data),
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    self.ended = Some(Err(Error::with_source(Kind::Upstream, "the node broke off the response", e)));
+                    break;
+                }
+                Poll::Ready(None) => {
+                    self.ended = Some(Ok(()));
+                    break;
+                }
+                Poll::Pending => break,
+            }
+        }
+        let data = more.map(BytesMut::freeze).or(first);
+        if let Some(data) = data {
+            let out = self.arrived(data);
+            if !out.is_empty() {
+                return Poll::Ready(Some(Ok(Frame::data(out))));
+            }
+        }
+        if let Some(end) = self.ended.take() {
+            return self.finish(end);
+        }
+        if self.idle.as_mut().poll(cx).is_ready() {
+            return self.finish(Err(Error::new(Kind::Timeout, "the node sent nothing for too long")));
+        }
+        Poll::Pending
+    }
+
+    /// Records a burst from the node; returns what may go to the client now.
+    fn arrived(&mut self, data: Bytes) -> Bytes {
+        let now = Instant::now();
+        self.report.first_byte.get_or_insert_with(|| now - self.started);
+        self.report.events += sse::count_events(&data, &mut self.last_was_newline);
+        if let (Some(last), Some(permit)) = (self.last_chunk.replace(now), &self.permit) {
+            permit.node().counters().itl.observe(now - last);
+        }
+        self.idle.as_mut().reset(tokio::time::Instant::now() + self.idle_timeout);
+        let out = if self.event_stream { self.whole_events(data) } else { data };
+        if let Some(record) = &mut self.record {
+            record.sent(&out);
+        }
+        out
+    }
+
+    /// The whole events of what was held plus `data`; the start of an unfinished event is held.
+    fn whole_events(&mut self, data: Bytes) -> Bytes {
+        if self.held.is_empty() {
+            match sse::last_event_end(&data, 0) {
+                Some(end) if end == data.len() => data,
+                Some(end) => {
+                    self.held.extend_from_slice(&data[end..]);
+                    data.slice(..end)
+                }
+                None => {
+                    self.held.extend_from_slice(&data);
+                    Bytes::new()
+                }
+            }
+        } else {
+            let scanned = self.held.len();
+            self.held.extend_from_slice(&data);
+            match sse::last_event_end(&self.held, scanned) {
+                Some(end) => self.held.split_to(end).freeze(),
+                None => Bytes::new(),
+            }
+        }
+    }
+
+    /// Ends the relay: releases the permit with the outcome; a failure of an event stream
+    /// becomes a terminal error event, any other failure breaks the client's connection.
+    fn finish(&mut self, end: Result<(), Error>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.finished = true;
+        let outcome = if end.is_ok() { self.outcome_at_end } else { Outcome::Failed };
+        if let Some(mut permit) = self.permit.take() {
+            // Shut down by the proxy: the node did nothing wrong.
+            let cut = matches!(&end, Err(e) if e.kind() == Kind::Cancelled);
+            permit.set_outcome(if cut { Outcome::Cancelled } else { outcome });
+            permit.set_report(self.report);
+        }
+        match end {
+            Ok(()) => {
+                if let Some(record) = &mut self.record {
+                    record.complete = true;
+                }
+                // A node that ended mid-event: what it sent still goes out.
+                let rest = self.held.split().freeze();
+                if rest.is_empty() {
+                    Poll::Ready(None)
+                } else {
+                    Poll::Ready(Some(Ok(Frame::data(rest))))
+                }
+            }
+            Err(error) if self.event_stream => {
+                // A torn trailing event could never parse: it is dropped, never joined to the error.
+                self.held.clear();
+                let fault: Fault = if error.kind() == Kind::Cancelled { answer::DRAINING } else { answer::fault_of(&error) };
+                let event = answer::stream_error_event(error.message(), fault);
+                if let Some(record) = &mut self.record {
+                    record.sent(&event);
+                    record.stream_error = true;
+                    record.complete = true;
+                }
+                Poll::Ready(Some(Ok(Frame::data(event))))
+            }
+            Err(error) => Poll::Ready(Some(Err(Box::new(error)))),
+        }
+    }
+}

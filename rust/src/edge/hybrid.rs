@@ -1,0 +1,243 @@
+//! The fast path: an inference request served end to end in Rust (Hybrid serving: one node
+//! per request). Checks in the control plane's order, one parse of the body, admission with
+//! its permit, forwarding with retries, and the node's answer streamed straight back.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::header::{HeaderValue, CONNECTION, CONTENT_TYPE};
+use http::request::Parts;
+use http::{HeaderMap, Response};
+use hyper::body::Incoming;
+
+use super::access::Record;
+use super::answer::{self, Fault};
+use super::body::{EdgeBody, Relay, RelayParts};
+use super::request::{check_media_type, linger, read_body, upstream_headers, BodyError};
+use super::EdgeState;
+use crate::engine::{select_ctx, GatePass, HeldPermit, PermitHolder, Refusal};
+use crate::error::{Error, Kind};
+use crate::forward::{ForwardRequest, ResponseBody, UpstreamResponse};
+use crate::inspect::{inspect, RequestInfo};
+use crate::node::{Node, Role};
+use crate::sse;
+
+/// A request that passed the checks: its body read and parsed once.
+pub struct Checked {
+    pub parts: Parts,
+    pub pass: GatePass,
+    pub body: bytes::Bytes,
+    pub headers: HeaderMap,
+}
+
+/// The answer to a request the fast path refused, recorded as the proxy's error.
+pub fn refuse(
+    record: &mut Option<Box<Record>>,
+    fault: Fault,
+    message: &str,
+    retry_after: Option<u32>,
+    id: &HeaderValue,
+) -> Response<EdgeBody> {
+    let response = answer::error(fault, message, retry_after, id);
+    if let Some(record) = record {
+        record.status = Some(fault.status);
+        record.proxy_error = Some(fault.code);
+        record.complete = true;
+    }
+    response
+}
+
+/// A data-plane error as the answer, recorded.
+pub fn refuse_error(record: &mut Option<Box<Record>>, error: &Error, id: &HeaderValue) -> Response<EdgeBody> {
+    refuse(record, answer::fault_of(error), error.message(), error.retry_after(), id)
+}
+
+/// The checks every fast-path request passes before its body is parsed: key, gate, media
+/// type, size and time of the body. Refusals come back as the answer to send.
+pub async fn check(
+    state: &EdgeState,
+    peer: SocketAddr,
+    parts: Parts,
+    body: Incoming,
+    id: &HeaderValue,
+    had_id: bool,
+    record: &mut Option<Box<Record>>,
+) -> Result<Checked, Response<EdgeBody>> {
+    if !state.keys.allows(&parts.headers) {
+        let message = "a valid API key is required (Authorization: Bearer KEY)";
+        return Err(refuse(record, answer::UNAUTHORIZED, message, None, id));
+    }
+    let pass = match state.engine.gate.pass() {
+        Ok(pass) => pass,
+        Err(Refusal::Draining) => {
+            let message = "the proxy is draining and takes no new requests";
+            return Err(refuse(record, answer::DRAINING, message, None, id));
+        }
+        Err(Refusal::Full) => {
+            let message = format!("the proxy is serving its limit of {} requests", state.engine.gate.max_requests());
+            return Err(refuse(record, answer::PROXY_OVERLOADED, &message, None, id));
+        }
+    };
+    if let Err(media) = check_media_type(&parts.headers) {
+        let message = format!("the request body must be JSON, not {media}");
+        return Err(refuse(record, answer::UNSUPPORTED_MEDIA_TYPE, &message, None, id));
+    }
+    let limit = state.config.max_body_size;
+    let body = match read_body(&parts.headers, body, limit, state.config.body_timeout).await {
+        Ok(body) => body,
+        Err(BodyError::TooLarge(rest)) => {
+            if let Some(rest) = rest {
+                tokio::spawn(linger(rest));
+            }
+            let message = format!("request body is larger than {limit} bytes");
+            let mut response = refuse(record, answer::REQUEST_TOO_LARGE, &message, None, id);
+            response.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
+            return Err(response);
+        }
+        Err(BodyError::Timeout) => {
+            let message =
+                format!("the request body did not arrive within {}s", state.config.body_timeout.as_secs_f64());
+            return Err(refuse(record, answer::REQUEST_TIMEOUT, &message, None, id));
+        }
+        Err(BodyError::Broken) => {
+            let message = "the request body could not be read";
+            return Err(refuse(record, answer::INVALID_REQUEST, message, None, id));
+        }
+    };
+    let headers = upstream_headers(&parts.headers, peer.ip(), id, had_id);
+    Ok(Checked { parts, pass, body, headers })
+}
+
+/// The body's routing fields; a pass-through path (`require_model`) needs a model.
+pub fn parse<'a>(
+    checked: &'a Checked,
+    require_model: bool,
+    id: &HeaderValue,
+    record: &mut Option<Box<Record>>,
+) -> Result<RequestInfo<'a>, Response<EdgeBody>> {
+    let info = inspect(&checked.body).map_err(|e| refuse_error(record, &e, id))?;
+    if let Some(record) = record {
+        record.model = info.model.as_deref().map(str::to_owned);
+    }
+    if require_model && info.model.is_none() {
+        let message = format!("no route for {} without a model in the body", checked.parts.uri.path());
+        return Err(refuse(record, answer::NOT_FOUND, &message, None, id));
+    }
+    Ok(info)
+}
+
+/// Serves one hybrid inference request.
+pub async fn serve(
+    state: &Arc<EdgeState>,
+    peer: SocketAddr,
+    request: hyper::Request<Incoming>,
+    id: HeaderValue,
+    had_id: bool,
+    require_model: bool,
+) -> Response<EdgeBody> {
+    let (parts, body) = request.into_parts();
+    let mut record = state.record(&id, &parts);
+    let checked = match check(state, peer, parts, body, &id, had_id, &mut record).await {
+        Ok(checked) => checked,
+        Err(refusal) => return refusal,
+    };
+    let info = match parse(&checked, require_model, &id, &mut record) {
+        Ok(info) => info,
+        Err(refusal) => return refusal,
+    };
+    let ctx = select_ctx(Role::Hybrid, &checked.headers, &info);
+    let started = Instant::now();
+    let deadline = state.engine.config.request_timeout.map(|t| tokio::time::Instant::now() + t);
+    let request = ForwardRequest {
+        method: checked.parts.method.clone(),
+        path_and_query: checked.parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_owned(),
+        headers: checked.headers.clone(),
+        body: checked.body.clone(),
+    };
+    let held = HeldPermit::default();
+    let sent = within(deadline, async {
+        let permit = state.engine.permit(&ctx).await?;
+        state.engine.send(permit, &request, &ctx, true, true, &held).await
+    })
+    .await;
+    let (node, response) = match sent {
+        Ok(answer) => answer,
+        Err(e) => return refuse_error(&mut record, &e, &id),
+    };
+    respond(state, &node, response, &held, &id, Some(checked.pass), record, started, deadline)
+}
+
+/// Runs `work` within the request's time limit, if it has one.
+pub async fn within<T>(
+    deadline: Option<tokio::time::Instant>,
+    work: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    match deadline {
+        Some(deadline) => tokio::time::timeout_at(deadline, work)
+            .await
+            .unwrap_or_else(|_| Err(Error::new(Kind::Timeout, "the request took longer than its time limit"))),
+        None => work.await,
+    }
+}
+
+/// The client's answer from the node's: its status and headers (the request id echoed), and
+/// its body, whole or relayed with the permit held until it ends.
+#[allow(clippy::too_many_arguments)]
+pub fn respond(
+    state: &EdgeState,
+    node: &Arc<Node>,
+    response: UpstreamResponse,
+    held: &HeldPermit,
+    id: &HeaderValue,
+    pass: Option<GatePass>,
+    mut record: Option<Box<Record>>,
+    started: Instant,
+    deadline: Option<tokio::time::Instant>,
+) -> Response<EdgeBody> {
+    let outcome = response.outcome();
+    let UpstreamResponse { status, headers, body } = response;
+    let mut head = HeaderMap::with_capacity(headers.len() + 1);
+    for (name, value) in headers {
+        head.append(name, value);
+    }
+    if !head.contains_key("x-request-id") {
+        head.insert("x-request-id", id.clone());
+    }
+    if let Some(record) = &mut record {
+        record.node = Some(node.url().to_owned());
+        record.status = Some(status.as_u16());
+    }
+    let body = match body {
+        ResponseBody::Complete(bytes) => {
+            held.release(outcome);
+            if let Some(record) = &mut record {
+                record.sent(&bytes);
+                record.complete = true;
+            }
+            EdgeBody::full(bytes)
+        }
+        ResponseBody::Streaming(stream) => {
+            let Some(permit) = held.take() else {
+                return answer::error(answer::INTERNAL, "the request lost its node", None, id);
+            };
+            let event_stream = head.get(CONTENT_TYPE).is_some_and(|ct| sse::is_event_stream(ct.as_bytes()));
+            let parts = RelayParts {
+                permit,
+                outcome_at_end: outcome,
+                event_stream,
+                idle_timeout: state.engine.config.forward.stream_idle_timeout,
+                deadline,
+                cut: state.shutdown.clone().cancelled_owned(),
+                started,
+                record,
+                pass,
+            };
+            EdgeBody::Relay(Box::new(Relay::new(stream.body, parts)))
+        }
+    };
+    let mut answer = Response::new(body);
+    *answer.status_mut() = status;
+    *answer.headers_mut() = head;
+    answer
+}

@@ -1,0 +1,62 @@
+//! API keys of the inference routes, compared in constant time: every key is compared in full
+//! whatever the outcome, so the time taken does not tell how much of a guess was right.
+
+use http::header::AUTHORIZATION;
+use http::HeaderMap;
+
+#[derive(Debug, Default)]
+pub struct Keys(Vec<Vec<u8>>);
+
+impl Keys {
+    pub fn new(keys: &[String]) -> Self {
+        Self(keys.iter().map(|k| k.as_bytes().to_vec()).collect())
+    }
+
+    /// Whether the request may pass: no keys configured, or a `Bearer` token that is one of them.
+    pub fn allows(&self, headers: &HeaderMap) -> bool {
+        if self.0.is_empty() {
+            return true;
+        }
+        let Some(token) = bearer(headers) else { return false };
+        self.0.iter().fold(false, |found, key| found | equal(token, key))
+    }
+}
+
+/// The token of the first `Authorization` header, when its scheme is `Bearer`.
+fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
+    let value = headers.get(AUTHORIZATION)?.as_bytes();
+    let (scheme, token) = value.split_at(value.iter().position(|&b| b == b' ')?);
+    scheme.eq_ignore_ascii_case(b"bearer").then(|| token.trim_ascii())
+}
+
+/// Constant-time equality (for a given key length).
+fn equal(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = u8::from(a.len() != b.len());
+    for (i, &kb) in b.iter().enumerate() {
+        diff |= kb ^ a.get(i).copied().unwrap_or(!kb);
+    }
+    diff == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(auth: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(AUTHORIZATION, auth.parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn only_whole_keys_pass() {
+        let keys = Keys::new(&["secret".into(), "other".into()]);
+        assert!(keys.allows(&headers("Bearer secret")));
+        assert!(keys.allows(&headers("bearer  other ")));
+        for wrong in ["Bearer s", "Bearer secret2", "Bearer secre", "Basic secret", "secret", "Bearer "] {
+            assert!(!keys.allows(&headers(wrong)), "{wrong}");
+        }
+        assert!(!keys.allows(&HeaderMap::new()));
+        assert!(Keys::default().allows(&HeaderMap::new()));
+    }
+}

@@ -1,0 +1,198 @@
+//! The edge: the public HTTP/1.1 listener inside the data plane. Inference requests (Hybrid,
+//! and the vLLM and SGLang prefill/decode legs) are served here end to end with no Python call;
+//! everything else goes to the control plane unchanged (`control`).
+
+pub mod access;
+pub mod answer;
+pub mod body;
+pub mod control;
+mod hybrid;
+mod keys;
+mod pd;
+mod request;
+mod server;
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::header::HeaderValue;
+use http::request::Parts;
+use tokio::net::{TcpListener, TcpSocket};
+use tokio::runtime::Runtime;
+use tokio_util::sync::CancellationToken;
+
+use self::access::{AccessLog, Format, Record};
+use self::control::ControlPlane;
+use self::keys::Keys;
+use crate::engine::Engine;
+use crate::error::{Error, Kind, Result};
+
+/// Inference endpoints, routed by the body's model; other POSTs under `/v1/` are served too
+/// when their body names a model (as `pdproxy/app.py` routes them).
+pub const INFERENCE_PATHS: [&str; 7] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/messages",
+    "/generate",
+    "/pooling",
+];
+
+/// The prefill/decode protocol of a DistServe deployment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PdProtocol {
+    /// LMDeploy's DistServe: served by the control plane (link pool, session ledger).
+    Lmdeploy,
+    Vllm,
+    Sglang,
+}
+
+impl PdProtocol {
+    pub fn parse(raw: &str) -> Result<Self> {
+        match raw {
+            "lmdeploy" => Ok(Self::Lmdeploy),
+            "vllm" => Ok(Self::Vllm),
+            "sglang" => Ok(Self::Sglang),
+            other => Err(Error::new(Kind::Config, format!("unknown pd_protocol {other:?}"))),
+        }
+    }
+
+    /// The paths that go through prefill and decode nodes.
+    fn paths(self) -> &'static [&'static str] {
+        match self {
+            Self::Lmdeploy | Self::Vllm => &["/v1/chat/completions", "/v1/completions"],
+            Self::Sglang => &["/v1/chat/completions", "/v1/completions", "/generate"],
+        }
+    }
+}
+
+/// The edge's settings. Values come from the control plane's settings; no defaults here.
+#[derive(Debug, Clone)]
+pub struct EdgeConfig {
+    pub api_keys: Vec<String>,
+    pub max_body_size: usize,
+    pub body_timeout: Duration,
+    /// `None`: Hybrid serving; else the protocol of DistServe.
+    pub disaggregation: Option<PdProtocol>,
+    pub access_log: Option<Format>,
+    pub header_read_timeout: Duration,
+    pub control_socket: PathBuf,
+    /// Longest wait for the control plane's response head.
+    pub control_timeout: Duration,
+    /// Silence after which the control plane counts as stuck.
+    pub control_stale_after: Duration,
+    /// SGLang: longest wait for a prefill node's `/server_info`.
+    pub pd_probe_timeout: Duration,
+}
+
+/// Where a request goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    Hybrid { require_model: bool },
+    Disaggregated(PdProtocol),
+    ControlPlane,
+}
+
+pub struct EdgeState {
+    pub engine: Arc<Engine>,
+    pub config: EdgeConfig,
+    keys: Keys,
+    pub control: ControlPlane,
+    access: Option<Arc<AccessLog>>,
+    /// Cancelled when the edge shuts down: the listener closes, streams still running end.
+    pub shutdown: CancellationToken,
+    /// Client connections open now.
+    pub connections: AtomicUsize,
+}
+
+impl EdgeState {
+    /// Where a POST to `path` goes.
+    pub fn route(&self, path: &str) -> Route {
+        let known = INFERENCE_PATHS.contains(&path);
+        if !known && !path.starts_with("/v1/") {
+            return Route::ControlPlane;
+        }
+        match self.config.disaggregation {
+            Some(protocol) if protocol.paths().contains(&path) => match protocol {
+                PdProtocol::Lmdeploy => Route::ControlPlane,
+                _ => Route::Disaggregated(protocol),
+            },
+            _ => Route::Hybrid { require_model: !known },
+        }
+    }
+
+    fn record(&self, id: &HeaderValue, parts: &Parts) -> Option<Box<Record>> {
+        let log = self.access.as_ref()?;
+        Some(Record::new(log, id.to_str().unwrap_or_default(), parts.method.as_str(), parts.uri.path()))
+    }
+}
+
+/// Binds the public address now (so a busy port fails before anything else starts). No
+/// `SO_REUSEPORT`: a second proxy on the same port is refused, not handed half the traffic.
+pub fn bind(runtime: &Runtime, host: &str, port: u16, backlog: u32) -> Result<TcpListener> {
+    let address: SocketAddr = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| Error::with_source(Kind::Config, format!("cannot resolve {host}"), e))?
+        .next()
+        .ok_or_else(|| Error::new(Kind::Config, format!("{host} resolves to no address")))?;
+    let _runtime = runtime.enter();
+    let socket = if address.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }
+        .map_err(|e| Error::with_source(Kind::Config, "cannot open a socket", e))?;
+    socket.set_reuseaddr(true).map_err(|e| Error::with_source(Kind::Config, "cannot set SO_REUSEADDR", e))?;
+    socket.bind(address).map_err(|e| {
+        let reason = if e.kind() == std::io::ErrorKind::AddrInUse {
+            "the address is already in use (is another pdproxy running?)".to_owned()
+        } else {
+            e.to_string()
+        };
+        Error::new(Kind::Config, format!("cannot listen on {address}: {reason}"))
+    })?;
+    socket.listen(backlog).map_err(|e| Error::with_source(Kind::Config, format!("cannot listen on {address}"), e))
+}
+
+/// A running edge.
+pub struct Edge {
+    state: Arc<EdgeState>,
+    address: SocketAddr,
+}
+
+impl Edge {
+    /// Starts serving `listener` on `runtime`.
+    pub fn start(runtime: &Runtime, engine: Arc<Engine>, listener: TcpListener, config: EdgeConfig) -> Result<Self> {
+        let address = listener.local_addr().map_err(|e| Error::with_source(Kind::Config, "listener has no address", e))?;
+        let state = Arc::new(EdgeState {
+            keys: Keys::new(&config.api_keys),
+            control: ControlPlane::new(config.control_socket.clone(), config.control_timeout, config.control_stale_after),
+            access: config.access_log.map(AccessLog::start),
+            engine,
+            config,
+            shutdown: CancellationToken::new(),
+            connections: AtomicUsize::new(0),
+        });
+        runtime.spawn(server::accept(Arc::clone(&state), listener));
+        Ok(Self { state, address })
+    }
+
+    pub fn address(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// The control plane is alive.
+    pub fn heartbeat(&self) {
+        self.state.control.beat();
+    }
+
+    /// Stops accepting; streams still running end with a terminal `draining` event, and
+    /// connections close (see `connections`).
+    pub fn shutdown(&self) {
+        self.state.shutdown.cancel();
+    }
+
+    pub fn connections(&self) -> usize {
+        self.state.connections.load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,418 @@
+//! Prefill/decode disaggregation in the edge, for the two protocols whose flow is nothing but
+//! two forwards: vLLM's (prefill with `kv_transfer_params`, then decode with the prefill's
+//! params) and SGLang's (both legs at once, meeting in a bootstrap room). The pair of nodes is
+//! chosen and both permits taken before anything is sent: decode first, then prefill, always in
+//! that order, so two requests never hold one each while waiting for the other.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http::header::{HeaderValue, CONTENT_LENGTH};
+use http::{HeaderMap, Method, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use serde_json::value::RawValue;
+
+use super::access::Record;
+use super::answer::{self, INVALID_REQUEST, PREFILL_FAILED, UPSTREAM_INVALID_RESPONSE};
+use super::body::EdgeBody;
+use super::hybrid::{check, parse, refuse, refuse_error, respond, within};
+use super::{EdgeState, PdProtocol};
+use crate::engine::{select_ctx, Engine, HeldPermit, PermitHolder};
+use crate::error::{Error, Kind, Result};
+use crate::forward::{ForwardRequest, ResponseBody, UpstreamBody, UpstreamResponse};
+use crate::inspect::{member, patch, RequestInfo};
+use crate::node::{Node, Role};
+use crate::permit::InFlightPermit;
+
+/// What the vLLM prefill leg asks for: keep the KV cache for a remote reader.
+const VLLM_PREFILL_PARAMS: &str = r#"{"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}"#;
+
+/// Serves one request through a prefill and a decode node.
+pub async fn serve(
+    state: &Arc<EdgeState>,
+    peer: SocketAddr,
+    request: hyper::Request<Incoming>,
+    id: HeaderValue,
+    had_id: bool,
+    protocol: PdProtocol,
+) -> Response<EdgeBody> {
+    let (parts, body) = request.into_parts();
+    let mut record = state.record(&id, &parts);
+    let checked = match check(state, peer, parts, body, &id, had_id, &mut record).await {
+        Ok(checked) => checked,
+        Err(refusal) => return refusal,
+    };
+    let info = match parse(&checked, false, &id, &mut record) {
+        Ok(info) => info,
+        Err(refusal) => return refusal,
+    };
+    let started = Instant::now();
+    let deadline = state.engine.config.request_timeout.map(|t| tokio::time::Instant::now() + t);
+    let request = ForwardRequest {
+        method: checked.parts.method.clone(),
+        path_and_query: checked.parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_owned(),
+        headers: checked.headers.clone(),
+        body: checked.body.clone(),
+    };
+    let flow = Flow { state, request: &request, headers: &checked.headers, info: &info };
+    let answered = match protocol {
+        PdProtocol::Vllm => within(deadline, flow.vllm()).await,
+        _ => within(deadline, flow.sglang()).await,
+    };
+    match answered {
+        Ok(Answer::Relay { node, response, held }) => {
+            respond(state, &node, response, &held, &id, Some(checked.pass), record, started, deadline)
+        }
+        Ok(Answer::Raw { status, headers, body }) => raw(status, headers, body, &id, &mut record),
+        Ok(Answer::Refused { fault, message }) => refuse(&mut record, fault, &message, None, &id),
+        Err(e) => refuse_error(&mut record, &e, &id),
+    }
+}
+
+/// How a disaggregated request is answered.
+enum Answer {
+    /// The decode node's successful head: its body is relayed.
+    Relay { node: Arc<Node>, response: UpstreamResponse, held: HeldPermit },
+    /// A node's whole answer, status and body unchanged (typically its error).
+    Raw { status: StatusCode, headers: HeaderMap, body: Bytes },
+    Refused { fault: answer::Fault, message: String },
+}
+
+/// A node's whole answer, as the client gets it: the node's status, headers and body, the
+/// request id echoed.
+fn raw(
+    status: StatusCode,
+    mut headers: HeaderMap,
+    body: Bytes,
+    id: &HeaderValue,
+    record: &mut Option<Box<Record>>,
+) -> Response<EdgeBody> {
+    headers.remove(CONTENT_LENGTH);
+    headers.insert("x-request-id", id.clone());
+    if let Some(record) = record {
+        record.status = Some(status.as_u16());
+        record.sent(&body);
+        record.complete = true;
+    }
+    let mut response = Response::new(EdgeBody::full(body));
+    *response.status_mut() = status;
+    *response.headers_mut() = headers;
+    response
+}
+
+/// A permit taken for a leg not sent yet: given back uncounted if the request ends first.
+struct Reserved(Option<InFlightPermit>);
+
+impl Reserved {
+    fn take(mut self) -> InFlightPermit {
+        self.0.take().expect("a reserved permit is taken once")
+    }
+}
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        if let Some(permit) = self.0.take() {
+            permit.unused();
+        }
+    }
+}
+
+struct Flow<'a> {
+    state: &'a Arc<EdgeState>,
+    request: &'a ForwardRequest,
+    headers: &'a HeaderMap,
+    info: &'a RequestInfo<'a>,
+}
+
+impl Flow<'_> {
+    /// The decode node's permit, then the prefill node's.
+    async fn pair(&self) -> Result<(Reserved, Reserved)> {
+        let engine = &self.state.engine;
+        let decode = Reserved(Some(engine.permit(&select_ctx(Role::Decode, self.headers, self.info)).await?));
+        let prefill = Reserved(Some(engine.permit(&select_ctx(Role::Prefill, self.headers, self.info)).await?));
+        Ok((decode, prefill))
+    }
+
+    /// vLLM: the prefill first (`max_tokens=1`, its KV kept for the decode), then the decode
+    /// with the prefill's `kv_transfer_params`, byte for byte. Both legs carry one request id.
+    async fn vllm(&self) -> Result<Answer> {
+        if self.info.n.unwrap_or(1) > 1 {
+            return Ok(Answer::Refused {
+                fault: INVALID_REQUEST,
+                message: "n > 1 is not supported with disaggregated prefill".to_owned(),
+            });
+        }
+        let engine = &self.state.engine;
+        let (decode, prefill) = self.pair().await?;
+        let mut changes = vec![("kv_transfer_params", VLLM_PREFILL_PARAMS), ("stream", "false"), ("max_tokens", "1")];
+        if member(&self.request.body, "max_completion_tokens")?.is_some() {
+            changes.push(("max_completion_tokens", "1"));
+        }
+        // Not supported on the prefill leg, or meaningless for one token.
+        let body = patch(&self.request.body, &changes, &["stream_options", "min_tokens", "min_completion_tokens"])?;
+        let prefill_request = ForwardRequest { body: Bytes::from(body), ..self.request.clone() };
+        let ctx = select_ctx(Role::Prefill, self.headers, self.info);
+        let held = HeldPermit::default();
+        let (_, answer) = engine.send(prefill.take(), &prefill_request, &ctx, true, true, &held).await?;
+        let (status, headers, raw) = whole(answer, &held, engine).await?;
+        if status != StatusCode::OK {
+            return Ok(Answer::Raw { status, headers, body: raw }); // the prefill's error; decode never runs
+        }
+        let Ok(params) = member(&raw, "kv_transfer_params") else {
+            let message = "the prefill node's answer is not a JSON object".to_owned();
+            return Ok(Answer::Refused { fault: UPSTREAM_INVALID_RESPONSE, message });
+        };
+        let decode_body = match params {
+            None | Some("null") => self.request.body.clone(),
+            Some(params) => Bytes::from(patch(&self.request.body, &[("kv_transfer_params", params)], &[])?),
+        };
+        let decode_request = ForwardRequest { body: decode_body, ..self.request.clone() };
+        let ctx = select_ctx(Role::Decode, self.headers, self.info);
+        let held = HeldPermit::default();
+        let (node, response) = engine.send(decode.take(), &decode_request, &ctx, true, true, &held).await?;
+        relay_or_raw(node, response, held, engine).await
+    }
+
+    /// SGLang: one body with the prefill node's bootstrap address and a fresh room, sent to
+    /// both nodes at once (the prefill waits for the decode to join its room). The decode's
+    /// answer is relayed, the prefill's read to its end; a leg that fails first cancels the other.
+    async fn sglang(&self) -> Result<Answer> {
+        let engine = Arc::clone(&self.state.engine);
+        let (decode, prefill) = self.pair().await?;
+        let prefill_node = Arc::clone(prefill.0.as_ref().expect("reserved").node());
+        let host = prefill_node.host().to_owned();
+        let port = self.bootstrap_port(&prefill_node).await;
+        let items = batch_size(&self.request.body, self.info)?;
+        let one = |value: String| match items {
+            None => value,
+            Some(n) => format!("[{}]", vec![value; n].join(", ")),
+        };
+        let mut host_json = String::new();
+        answer::json_string(&mut host_json, &host);
+        let port_json = port.map_or_else(|| "null".to_owned(), |p| p.to_string());
+        let rooms = match items {
+            None => room().to_string(),
+            Some(n) => format!("[{}]", (0..n).map(|_| room().to_string()).collect::<Vec<_>>().join(", ")),
+        };
+        let (host_json, port_json) = (one(host_json), one(port_json));
+        let fields = [("bootstrap_host", host_json.as_str()), ("bootstrap_port", port_json.as_str()), ("bootstrap_room", rooms.as_str())];
+        let both = Arc::new(ForwardRequest { body: Bytes::from(patch(&self.request.body, &fields, &[])?), ..self.request.clone() });
+        let mut prefill_leg = Leg::spawn(Arc::clone(&engine), prefill.take(), Arc::clone(&both), Role::Prefill);
+        let mut decode_leg = Leg::spawn(Arc::clone(&engine), decode.take(), both, Role::Decode);
+        let prefill_first = tokio::select! {
+            biased;
+            decoded = decode_leg.running() => Err(decoded),
+            prefilled = prefill_leg.running() => Ok(prefilled),
+        };
+        let decoded = match prefill_first {
+            Err(decoded) => decoded,
+            Ok(prefilled) => match flatten(prefilled) {
+                // The decode leg is dropped on return: cancelled.
+                Err(e) => {
+                    let message = format!("the prefill node failed: {}", e.message());
+                    return Ok(Answer::Refused { fault: PREFILL_FAILED, message });
+                }
+                Ok((_, answer, permit)) if answer.status != StatusCode::OK => {
+                    let status = answer.status;
+                    let held = HeldPermit::default();
+                    held.hold(permit);
+                    return Ok(match whole(answer, &held, &engine).await {
+                        Ok((status, headers, body)) if status.is_client_error() => Answer::Raw { status, headers, body },
+                        _ => prefill_failed(status),
+                    });
+                }
+                Ok(answered) => {
+                    prefill_leg = Leg::Answered(Some(answered));
+                    decode_leg.running().await
+                }
+            },
+        };
+        let (node, response, permit) = flatten(decoded)?;
+        let held = HeldPermit::default();
+        held.hold(permit);
+        if response.status == StatusCode::OK {
+            tokio::spawn(prefill_leg.drain(Arc::clone(&engine)));
+        }
+        // Otherwise the prefill leg is dropped here: cancelled.
+        relay_or_raw(node, response, held, &engine).await
+    }
+
+    /// The prefill node's bootstrap port: declared at registration, else from its
+    /// `/server_info` (`disaggregation_bootstrap_port`, asked once per node), else none (the
+    /// decode node then assumes its own).
+    async fn bootstrap_port(&self, node: &Arc<Node>) -> Option<u16> {
+        static PROBED: OnceLock<Mutex<HashMap<(String, u64), Option<u16>>>> = OnceLock::new();
+        if let Some(port) = node.spec().bootstrap_port {
+            return Some(port);
+        }
+        let key = (node.url().to_owned(), node.generation());
+        let probed = PROBED.get_or_init(Mutex::default);
+        if let Some(port) = probed.lock().unwrap_or_else(PoisonError::into_inner).get(&key) {
+            return *port;
+        }
+        let port = probe_bootstrap_port(&self.state.engine, node, self.state.config.pd_probe_timeout).await;
+        probed.lock().unwrap_or_else(PoisonError::into_inner).insert(key, port);
+        port
+    }
+}
+
+fn prefill_failed(status: StatusCode) -> Answer {
+    Answer::Refused { fault: PREFILL_FAILED, message: format!("the prefill node answered {}", status.as_u16()) }
+}
+
+/// The decode node's answer: relayed when it succeeded, whole otherwise.
+async fn relay_or_raw(node: Arc<Node>, response: UpstreamResponse, held: HeldPermit, engine: &Engine) -> Result<Answer> {
+    if response.status == StatusCode::OK {
+        return Ok(Answer::Relay { node, response, held });
+    }
+    let (status, headers, body) = whole(response, &held, engine).await?;
+    Ok(Answer::Raw { status, headers, body })
+}
+
+/// A node's whole answer; the permit held for it is released with its outcome.
+async fn whole(response: UpstreamResponse, held: &HeldPermit, engine: &Engine) -> Result<(StatusCode, HeaderMap, Bytes)> {
+    let outcome = response.outcome();
+    let UpstreamResponse { status, headers, body } = response;
+    let body = match body {
+        ResponseBody::Complete(bytes) => bytes,
+        ResponseBody::Streaming(stream) => match collect(stream.body, engine.config.forward.stream_idle_timeout).await {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                held.release(crate::permit::Outcome::Failed);
+                return Err(e);
+            }
+        },
+    };
+    held.release(outcome);
+    let mut map = HeaderMap::with_capacity(headers.len());
+    for (name, value) in headers {
+        map.append(name, value);
+    }
+    Ok((status, map, body))
+}
+
+/// Reads a body to its end, each read bounded by `idle`.
+async fn collect(mut body: UpstreamBody, idle: Duration) -> Result<Bytes> {
+    let mut out = BytesMut::new();
+    loop {
+        match tokio::time::timeout(idle, body.frame()).await {
+            Err(_) => return Err(Error::new(Kind::Timeout, "the node sent nothing for too long")),
+            Ok(None) => return Ok(out.freeze()),
+            Ok(Some(Err(e))) => return Err(Error::with_source(Kind::Upstream, "the node broke off the response", e)),
+            Ok(Some(Ok(frame))) => {
+                if let Ok(data) = frame.into_data() {
+                    out.extend_from_slice(&data);
+                }
+            }
+        }
+    }
+}
+
+/// What a leg ends with: the node, its answer, and its permit.
+type LegResult = Result<(Arc<Node>, UpstreamResponse, InFlightPermit)>;
+
+/// One leg of an SGLang request, running on its own task (aborted, its node's request
+/// cancelled, when dropped), or its answer once it has come.
+enum Leg {
+    Running(tokio::task::JoinHandle<LegResult>),
+    Answered(Option<(Arc<Node>, UpstreamResponse, InFlightPermit)>),
+}
+
+impl Leg {
+    fn spawn(engine: Arc<Engine>, permit: InFlightPermit, request: Arc<ForwardRequest>, role: Role) -> Self {
+        Leg::Running(tokio::spawn(async move {
+            let ctx = crate::select::SelectCtx { role, ..Default::default() };
+            let held = HeldPermit::default();
+            let (node, response) = engine.send(permit, &request, &ctx, false, true, &held).await?;
+            let permit = held.take().ok_or_else(|| Error::new(Kind::Upstream, "the leg lost its permit"))?;
+            Ok((node, response, permit))
+        }))
+    }
+
+    /// Waits for a running leg's answer (once).
+    async fn running(&mut self) -> std::result::Result<LegResult, tokio::task::JoinError> {
+        match self {
+            Leg::Running(handle) => handle.await,
+            Leg::Answered(answered) => Ok(answered.take().ok_or_else(|| Error::new(Kind::Upstream, "the leg ended"))),
+        }
+    }
+
+    /// Reads the prefill's answer to its end: it carries nothing the client needs, but left
+    /// unread it would hold the node.
+    async fn drain(mut self, engine: Arc<Engine>) {
+        if let Ok((_, response, permit)) = flatten(self.running().await) {
+            let held = HeldPermit::default();
+            held.hold(permit);
+            let _ = whole(response, &held, &engine).await;
+        }
+    }
+}
+
+impl Drop for Leg {
+    fn drop(&mut self) {
+        if let Leg::Running(handle) = self {
+            handle.abort();
+        }
+    }
+}
+
+fn flatten(joined: std::result::Result<LegResult, tokio::task::JoinError>) -> LegResult {
+    joined.map_err(|_| Error::new(Kind::Upstream, "the leg was cancelled"))?
+}
+
+/// A fresh bootstrap room: a random 63-bit integer.
+fn room() -> u64 {
+    fastrand::u64(..) >> 1
+}
+
+/// Items in a batched request (an array prompt or text, or n > 1); `None` for one.
+fn batch_size(body: &[u8], info: &RequestInfo<'_>) -> Result<Option<usize>> {
+    if let Some(n) = info.n.filter(|&n| n > 1) {
+        return Ok(Some(usize::try_from(n).unwrap_or(usize::MAX)));
+    }
+    for key in ["prompt", "text", "input_ids"] {
+        let Some(raw) = member(body, key)? else { continue };
+        if !raw.trim_start().starts_with('[') {
+            continue;
+        }
+        let items: Vec<&RawValue> = serde_json::from_str(raw)
+            .map_err(|e| Error::new(Kind::InvalidRequest, format!("{key} is not valid: {e}")))?;
+        // A list of token ids is one prompt; a list of prompts is a batch.
+        if !items.is_empty() && !items.iter().all(|i| i.get().parse::<i64>().is_ok()) {
+            return Ok(Some(items.len()));
+        }
+    }
+    Ok(None)
+}
+
+/// Asks a prefill node for its bootstrap port (`/server_info`, then `/get_server_info`).
+async fn probe_bootstrap_port(engine: &Engine, node: &Node, timeout: Duration) -> Option<u16> {
+    for endpoint in ["/server_info", "/get_server_info"] {
+        let request = ForwardRequest {
+            method: Method::GET,
+            path_and_query: endpoint.to_owned(),
+            headers: HeaderMap::new(),
+            body: Bytes::new(),
+        };
+        let Ok(Ok(response)) = tokio::time::timeout(timeout, engine.forwarder.forward(node, &request, true)).await else {
+            continue;
+        };
+        if response.status != StatusCode::OK {
+            continue;
+        }
+        let body = match response.body {
+            ResponseBody::Complete(bytes) => bytes,
+            ResponseBody::Streaming(stream) => match collect(stream.body, timeout).await {
+                Ok(bytes) => bytes,
+                Err(_) => continue,
+            },
+        };
+        let port = serde_json::from_slice::<serde_json::Value>(&body).ok()?.get("disaggregation_bootstrap_port")?.as_u64();
+        return port.and_then(|p| u16::try_from(p).ok());
+    }
+    None
+}

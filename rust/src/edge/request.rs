@@ -1,0 +1,185 @@
+//! The client's request on the fast path: its id, its media type, its body (bounded in size
+//! and time), and the headers the node gets.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, HOST};
+use http::HeaderMap;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+
+use crate::headers::{listed_in_connection, stays_on_client_hop};
+
+static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+
+/// The client's `x-request-id`, or a new one (a random UUID, as hex).
+pub fn request_id(headers: &HeaderMap) -> (HeaderValue, bool) {
+    if let Some(id) = headers.get(&X_REQUEST_ID) {
+        return (id.clone(), true);
+    }
+    let random = fastrand::u128(..);
+    // Version 4, variant 1, as Python's uuid4().hex.
+    let uuid = (random & !(0xF << 76) & !(0x3 << 62)) | (0x4 << 76) | (0x2 << 62);
+    let id = HeaderValue::from_str(&format!("{uuid:032x}")).unwrap_or_else(|_| HeaderValue::from_static("0"));
+    (id, false)
+}
+
+/// Whether a declared media type is acceptable (none, JSON or a `+json` type); the type
+/// named in the refusal otherwise.
+pub fn check_media_type(headers: &HeaderMap) -> Result<(), String> {
+    let Some(value) = headers.get(CONTENT_TYPE) else { return Ok(()) };
+    let raw = value.as_bytes();
+    let media = raw.split(|&b| b == b';').next().unwrap_or_default().trim_ascii().to_ascii_lowercase();
+    if media == b"application/json" || media.ends_with(b"+json") {
+        Ok(())
+    } else {
+        Err(media.iter().map(|&b| char::from(b)).collect())
+    }
+}
+
+/// Why a body was not read.
+#[derive(Debug)]
+pub enum BodyError {
+    /// Over the limit; the rest of the body is still to be drained.
+    TooLarge(Option<Incoming>),
+    /// Not complete within the deadline.
+    Timeout,
+    /// The client went away or broke the framing.
+    Broken,
+}
+
+/// The declared `content-length`, when valid.
+pub fn declared_length(headers: &HeaderMap) -> Option<u64> {
+    headers.get(CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
+}
+
+/// Reads the whole body, refusing it past `limit` bytes or `deadline`.
+pub async fn read_body(headers: &HeaderMap, mut body: Incoming, limit: usize, deadline: Duration) -> Result<Bytes, BodyError> {
+    if declared_length(headers).is_some_and(|n| n > limit as u64) {
+        return Err(BodyError::TooLarge(Some(body)));
+    }
+    let read = async move {
+        let mut first: Option<Bytes> = None;
+        let mut joined: Option<BytesMut> = None;
+        let mut size = 0usize;
+        while let Some(frame) = body.frame().await {
+            let Ok(frame) = frame else { return Err(BodyError::Broken) };
+            let Ok(data) = frame.into_data() else { continue };
+            size += data.len();
+            if size > limit {
+                return Err(BodyError::TooLarge(Some(body)));
+            }
+            match (&mut first, &mut joined) {
+                (None, _) => first = Some(data),
+                (Some(head), None) => {
+                    let mut all = BytesMut::with_capacity(size.max(head.len() * 2));
+                    all.extend_from_slice(head);
+                    all.extend_from_slice(&data);
+                    joined = Some(all);
+                }
+                (Some(_), Some(all)) => all.extend_from_slice(&data),
+            }
+        }
+        Ok(joined.map(BytesMut::freeze).or(first).unwrap_or_default())
+    };
+    tokio::time::timeout(deadline, read).await.unwrap_or(Err(BodyError::Timeout))
+}
+
+/// Reads and discards the rest of a refused body, for a while, so that a client that writes its
+/// whole body before reading sees the answer instead of a reset connection.
+pub async fn linger(mut body: Incoming) {
+    const LINGER: Duration = Duration::from_secs(5);
+    let _ = tokio::time::timeout(LINGER, async {
+        while let Some(Ok(_)) = body.frame().await {}
+    })
+    .await;
+}
+
+/// The headers the node gets: the client's, without those of the client's hop, plus the
+/// request id and `X-Forwarded-For/Host/Proto` (the proxy's, replacing what the client claimed).
+pub fn upstream_headers(client: &HeaderMap, peer: IpAddr, request_id: &HeaderValue, had_id: bool) -> HeaderMap {
+    let listed = listed_in_connection(client);
+    let mut out = HeaderMap::with_capacity(client.len() + 4);
+    let mut forwarded_for: Option<&HeaderValue> = None;
+    for (name, value) in client {
+        if name == X_FORWARDED_FOR {
+            forwarded_for = Some(value);
+        } else if name == X_FORWARDED_HOST || name == X_FORWARDED_PROTO {
+        } else if !stays_on_client_hop(name.as_str().as_bytes(), &listed) {
+            out.append(name.clone(), value.clone());
+        }
+    }
+    if !had_id {
+        out.insert(X_REQUEST_ID.clone(), request_id.clone());
+    }
+    let peer = peer.to_string();
+    let chain = match forwarded_for {
+        Some(earlier) => {
+            let mut chain = earlier.as_bytes().to_vec();
+            chain.extend_from_slice(b", ");
+            chain.extend_from_slice(peer.as_bytes());
+            HeaderValue::from_bytes(&chain)
+        }
+        None => HeaderValue::from_str(&peer),
+    };
+    if let Ok(chain) = chain {
+        out.insert(X_FORWARDED_FOR.clone(), chain);
+    }
+    if let Some(host) = client.get(HOST) {
+        out.insert(X_FORWARDED_HOST.clone(), host.clone());
+    }
+    out.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_kept_or_made() {
+        let mut h = HeaderMap::new();
+        let (made, had) = request_id(&h);
+        assert!(!had && made.len() == 32 && made.to_str().unwrap().as_bytes()[12] == b'4');
+        h.insert("x-request-id", HeaderValue::from_static("mine"));
+        assert_eq!(request_id(&h), (HeaderValue::from_static("mine"), true));
+    }
+
+    #[test]
+    fn media_types() {
+        let mut h = HeaderMap::new();
+        assert!(check_media_type(&h).is_ok());
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("Application/JSON; charset=utf-8"));
+        assert!(check_media_type(&h).is_ok());
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/vnd.x+json"));
+        assert!(check_media_type(&h).is_ok());
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
+        assert_eq!(check_media_type(&h), Err("text/plain".to_owned()));
+    }
+
+    #[test]
+    fn forwarded_headers_replace_the_clients_claims() {
+        let mut h = HeaderMap::new();
+        h.insert(HOST, HeaderValue::from_static("proxy:8000"));
+        h.insert("x-forwarded-for", HeaderValue::from_static("1.2.3.4"));
+        h.insert("x-forwarded-host", HeaderValue::from_static("evil"));
+        h.insert("authorization", HeaderValue::from_static("Bearer k"));
+        h.insert("connection", HeaderValue::from_static("x-hop"));
+        h.insert("x-hop", HeaderValue::from_static("1"));
+        h.insert("x-session-id", HeaderValue::from_static("s"));
+        let out = upstream_headers(&h, "10.0.0.9".parse().unwrap(), &HeaderValue::from_static("id"), false);
+        assert_eq!(out["x-forwarded-for"], "1.2.3.4, 10.0.0.9");
+        assert_eq!(out["x-forwarded-host"], "proxy:8000");
+        assert_eq!(out["x-forwarded-proto"], "http");
+        assert_eq!(out["x-request-id"], "id");
+        assert_eq!(out["x-session-id"], "s");
+        for gone in ["host", "authorization", "connection", "x-hop"] {
+            assert!(!out.contains_key(gone), "{gone}");
+        }
+    }
+}

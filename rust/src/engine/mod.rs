@@ -1,0 +1,316 @@
+//! The request engine, shared by the edge and the embedded `Router`: admission (the global
+//! gate, selection with its permit, the FIFO wait queue), then forwarding with retries.
+//! Plain Rust: no Python, no HTTP server; `cargo test` reaches all of it.
+
+mod gate;
+mod policies;
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+pub use gate::{Gate, GatePass, Refusal};
+pub use policies::{PolicyNames, PolicySet};
+
+use http::HeaderMap;
+
+use crate::admission::{Admission, Ticket};
+use crate::inspect::RequestInfo;
+use crate::error::{Error, Kind, Result};
+use crate::forward::{ForwardConfig, ForwardRequest, Forwarder, UpstreamResponse};
+use crate::node::{Node, NodeSpec, NodeState, Role};
+use crate::permit::{InFlightPermit, Outcome};
+use crate::registry::Registry;
+use crate::retry::RetryBudget;
+use crate::select::{select, select_excluding, PolicyConfig, SelectCtx};
+
+/// How often a request queued in a worker group looks for room freed by another worker.
+const GROUP_POLL: Duration = Duration::from_millis(5);
+
+/// The engine's settings. Values come from the control plane's settings; no defaults here.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub policies: PolicyNames,
+    pub policy: PolicyConfig,
+    pub queue_size: usize,
+    pub queue_timeout: Duration,
+    /// Limit on a whole exchange, queueing included; `None`: no limit.
+    pub request_timeout: Option<Duration>,
+    /// Further nodes a request may try when the first provably did not run it.
+    pub retries: u32,
+    pub retry_budget_ratio: f64,
+    pub retry_budget_floor: u64,
+    pub circuit_failures: u32,
+    pub circuit_cooldown: Duration,
+    pub forward: ForwardConfig,
+    /// Inference requests served at once by the proxy (0: no cap).
+    pub max_requests: usize,
+}
+
+#[derive(Debug)]
+pub struct Engine {
+    pub registry: Registry,
+    policies: PolicySet,
+    pub admission: Arc<Admission>,
+    pub retry_budget: RetryBudget,
+    pub forwarder: Forwarder,
+    pub gate: Arc<Gate>,
+    pub config: EngineConfig,
+    /// In a worker group: how often a queued request looks for room freed by other workers.
+    group_poll: Option<Duration>,
+}
+
+/// A permit taken at once, or a place in the queue.
+#[derive(Debug)]
+pub enum Admitted {
+    Now(InFlightPermit),
+    Queued(Ticket),
+}
+
+/// Where the permit of a request being sent is kept, so that its owner can release it at
+/// any moment (a cancelled exchange) and the retry loop can swap it for another node's.
+pub trait PermitHolder: Sync {
+    fn hold(&self, permit: InFlightPermit);
+    /// Releases the held permit, if any, recording `outcome`.
+    fn release(&self, outcome: Outcome);
+}
+
+/// A holder for a request whose owner needs no outside access to its permit.
+#[derive(Debug, Default)]
+pub struct HeldPermit(Mutex<Option<InFlightPermit>>);
+
+impl HeldPermit {
+    pub fn take(&self) -> Option<InFlightPermit> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+}
+
+impl PermitHolder for HeldPermit {
+    fn hold(&self, permit: InFlightPermit) {
+        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(permit);
+    }
+
+    fn release(&self, outcome: Outcome) {
+        if let Some(mut permit) = self.take() {
+            permit.set_outcome(outcome);
+        }
+    }
+}
+
+impl Engine {
+    pub fn new(config: EngineConfig, registry: Registry) -> Result<Self> {
+        let policies = PolicySet::build(&config.policies, &config.policy)?;
+        let group_poll = registry.in_a_group().then_some(GROUP_POLL);
+        Ok(Self {
+            registry,
+            policies,
+            admission: Arc::new(Admission::new(config.queue_size)),
+            retry_budget: RetryBudget::new(config.retry_budget_ratio, config.retry_budget_floor),
+            forwarder: Forwarder::new(config.forward.clone()),
+            gate: Arc::new(Gate::new(config.max_requests)),
+            config,
+            group_poll,
+        })
+    }
+
+    pub fn policies(&self) -> &PolicySet {
+        &self.policies
+    }
+
+    /// Adds a node, or updates a registered one.
+    pub fn add_node(&self, url: &str, spec: NodeSpec) -> Result<Arc<Node>> {
+        let node = self.registry.add(url, spec)?;
+        node.counters().circuit.configure(self.config.circuit_failures, self.config.circuit_cooldown);
+        Ok(node)
+    }
+
+    /// The registered node at `url`.
+    pub fn node(&self, url: &str) -> Result<Arc<Node>> {
+        self.registry
+            .load()
+            .get(url)
+            .cloned()
+            .ok_or_else(|| Error::new(Kind::NodeNotFound, format!("no node {url} is registered")))
+    }
+
+    /// Selects a node and takes its permit now, or queues the request when every candidate
+    /// is full. Counts the request for its model.
+    pub fn admit(&self, ctx: &SelectCtx<'_>) -> Result<Admitted> {
+        let set = self.registry.load();
+        set.count_request(ctx.model);
+        let policy = self.policies.for_request(ctx.role, ctx.model);
+        // First come, first served: newcomers wait behind requests already queued for the same nodes.
+        let selected = if self.admission.has_waiter_for(ctx.role, ctx.model) {
+            Err(Error::new(Kind::Overloaded, "requests are queued for these nodes"))
+        } else {
+            select(&set, ctx, policy.as_ref(), Some(&self.admission))
+        };
+        match selected {
+            Ok(permit) => Ok(Admitted::Now(permit)),
+            Err(e) if e.kind() == Kind::Overloaded && self.config.queue_size > 0 => {
+                match self.admission.enqueue(ctx.role, ctx.model, false) {
+                    Some(ticket) => Ok(Admitted::Queued(ticket)),
+                    None => Err(self.overloaded()),
+                }
+            }
+            Err(e) if e.kind() == Kind::Overloaded => Err(self.overloaded()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// `admit`, then the wait in the queue if there was one.
+    pub async fn permit(&self, ctx: &SelectCtx<'_>) -> Result<InFlightPermit> {
+        match self.admit(ctx)? {
+            Admitted::Now(permit) => Ok(permit),
+            Admitted::Queued(ticket) => self.wait_for_permit(ticket, ctx).await,
+        }
+    }
+
+    /// Takes a permit on one given node (a request whose node was chosen beforehand). It
+    /// does not queue.
+    pub fn admit_on(&self, url: &str) -> Result<InFlightPermit> {
+        let node = self.node(url)?;
+        if node.counters().state() != NodeState::Healthy {
+            return Err(Error::new(Kind::NoHealthyNode, format!("node {} is not healthy", node.url())));
+        }
+        InFlightPermit::try_acquire(&node, Some(&self.admission)).ok_or_else(|| self.overloaded())
+    }
+
+    /// The node the policy would choose now, without taking its permit.
+    pub fn choose(&self, ctx: &SelectCtx<'_>) -> Result<Arc<Node>> {
+        let policy = self.policies.for_request(ctx.role, ctx.model);
+        let permit = select(&self.registry.load(), ctx, policy.as_ref(), None)?;
+        let node = Arc::clone(permit.node());
+        permit.unused();
+        Ok(node)
+    }
+
+    fn overloaded(&self) -> Error {
+        Error::new(Kind::Overloaded, "every node that serves this request is busy and the wait queue is full")
+            .with_retry_after(self.admission.retry_after())
+    }
+
+    /// Waits in the queue until a node with room takes the request, or the wait times out.
+    /// The request is queued on entry; every round first tries to select (a slot freed just
+    /// before the request queued would otherwise wake nobody), then waits for a wake.
+    pub async fn wait_for_permit(&self, mut ticket: Ticket, ctx: &SelectCtx<'_>) -> Result<InFlightPermit> {
+        // Records the wait on every way out: served, timed out, failed or cancelled.
+        let timer = WaitTimer { admission: &self.admission, since: Instant::now() };
+        let deadline = tokio::time::Instant::from_std(timer.since) + self.config.queue_timeout;
+        let policy = self.policies.for_request(ctx.role, ctx.model);
+        let role = ctx.role;
+        loop {
+            match select(&self.registry.load(), ctx, policy.as_ref(), Some(&self.admission)) {
+                Ok(permit) => {
+                    self.leave_queue(ticket.id, role);
+                    return Ok(permit);
+                }
+                Err(e) if e.kind() == Kind::Overloaded => {}
+                Err(e) => {
+                    self.leave_queue(ticket.id, role);
+                    return Err(e);
+                }
+            }
+            // In a worker group, a slot freed by another worker wakes nobody here: look again
+            // every `group_poll` while waiting.
+            let wake_by = self.group_poll.map_or(deadline, |poll| deadline.min(tokio::time::Instant::now() + poll));
+            if tokio::time::timeout_at(wake_by, &mut ticket.woken).await.is_err() {
+                if tokio::time::Instant::now() < deadline {
+                    continue; // still queued, in the same place
+                }
+                self.leave_queue(ticket.id, role);
+                return Err(Error::new(Kind::Overloaded, "no node had room for the request in time")
+                    .with_retry_after(self.admission.retry_after()));
+            }
+            // Woken and out of the queue: back in at its head before trying again.
+            ticket = self.admission.enqueue(role, ctx.model, true).expect("the head of the queue is always open");
+        }
+    }
+
+    fn leave_queue(&self, id: u64, role: Role) {
+        if !self.admission.leave(id) {
+            self.admission.pass_on(role);
+        }
+    }
+
+    /// Sends `request` with `permit`'s node, retrying on another node (when `retry`) what
+    /// provably did not run: a connect failure, or a 429/503 answer before any byte. The
+    /// permit of the node that answered stays in `holder`. `prefetch`: small bodies that are
+    /// not event streams are read whole with the head.
+    pub async fn send(
+        &self,
+        mut permit: InFlightPermit,
+        request: &ForwardRequest,
+        ctx: &SelectCtx<'_>,
+        retry: bool,
+        prefetch: bool,
+        holder: &dyn PermitHolder,
+    ) -> Result<(Arc<Node>, UpstreamResponse)> {
+        self.retry_budget.request();
+        let mut tried: Vec<u64> = Vec::new();
+        loop {
+            let node = Arc::clone(permit.node());
+            holder.hold(permit);
+            let error = match self.forwarder.forward(&node, request, prefetch).await {
+                // Refused before any work (overloaded or unavailable): another node may take it.
+                Ok(response) if matches!(response.status.as_u16(), 429 | 503) => Err(response),
+                Ok(response) => return Ok((node, response)),
+                Err(e) => {
+                    if e.is_connect() {
+                        node.counters().connect_failures.fetch_add(1, Ordering::Relaxed);
+                    }
+                    holder.release(Outcome::Failed);
+                    Ok(e)
+                }
+            };
+            let retriable = match &error {
+                Ok(e) => e.is_connect(),
+                Err(_) => true,
+            };
+            tried.push(node.generation());
+            let next = if retry
+                && retriable
+                && tried.len() <= self.config.retries as usize
+                && self.retry_budget.spend()
+            {
+                let policy = self.policies.for_request(ctx.role, ctx.model);
+                select_excluding(&self.registry.load(), ctx, policy.as_ref(), Some(&self.admission), &tried).ok()
+            } else {
+                None
+            };
+            match (next, error) {
+                (Some(next), Err(refused)) => {
+                    holder.release(refused.outcome());
+                    permit = next;
+                }
+                (Some(next), Ok(_)) => permit = next,
+                (None, Ok(e)) => return Err(e),
+                (None, Err(response)) => return Ok((node, response)),
+            }
+        }
+    }
+}
+
+/// The affinity key of a request: the `x-session-id` or `x-user-id` header, else the body's
+/// `session_id` or `user`.
+pub fn affinity<'a>(headers: &'a HeaderMap, info: &'a RequestInfo<'_>) -> Option<&'a str> {
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    header("x-session-id").or_else(|| header("x-user-id")).or(info.body_affinity())
+}
+
+/// What selection needs of a request, from its parsed body and headers.
+pub fn select_ctx<'a>(role: Role, headers: &'a HeaderMap, info: &'a RequestInfo<'_>) -> SelectCtx<'a> {
+    SelectCtx { role, model: info.model.as_deref(), affinity: affinity(headers, info), prompt: info.prompt }
+}
+
+/// Observes the time a request spent queued when dropped.
+struct WaitTimer<'a> {
+    admission: &'a Admission,
+    since: Instant,
+}
+
+impl Drop for WaitTimer<'_> {
+    fn drop(&mut self) {
+        self.admission.waited.observe(self.since.elapsed());
+    }
+}

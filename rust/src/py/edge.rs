@@ -1,0 +1,125 @@
+//! `EdgeListener` and `Edge`: the public listener, bound before anything else starts, and the
+//! edge serving it with a router's engine.
+
+use std::path::PathBuf;
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+
+use super::config::seconds;
+use super::errors::to_pyerr;
+use super::router::Router;
+use crate::edge::access::Format;
+use crate::edge::{self, EdgeConfig, PdProtocol};
+use crate::runtime;
+
+#[pyclass(frozen, name = "EdgeListener", module = "pdproxy._pdproxy")]
+pub struct EdgeListener {
+    listener: Mutex<Option<tokio::net::TcpListener>>,
+    #[pyo3(get)]
+    host: String,
+    #[pyo3(get)]
+    port: u16,
+}
+
+#[pymethods]
+impl EdgeListener {
+    /// Binds `host:port` now (raises `ConfigError` when the port is taken). `threads`: the
+    /// data plane's runtime threads, which serve the edge.
+    #[new]
+    fn new(host: &str, port: u16, backlog: u32, threads: usize) -> PyResult<Self> {
+        let runtime = runtime::get(threads).map_err(|e| PyRuntimeError::new_err(e.message().to_owned()))?;
+        let listener = edge::bind(runtime, host, port, backlog).map_err(|e| to_pyerr(&e))?;
+        let address = listener.local_addr().map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
+        Ok(Self { listener: Mutex::new(Some(listener)), host: address.ip().to_string(), port: address.port() })
+    }
+}
+
+/// The settings the edge reads from `Settings` (by attribute; no defaults here).
+#[derive(FromPyObject)]
+pub struct EdgeSettings {
+    api_keys: Vec<String>,
+    max_body_size: usize,
+    body_timeout: f64,
+    serving_strategy: String,
+    pd_protocol: String,
+    access_log: bool,
+    access_log_format: String,
+    first_byte_timeout: f64,
+    pd_link_timeout: f64,
+    header_read_timeout: f64,
+}
+
+#[pyclass(frozen, name = "Edge", module = "pdproxy._pdproxy")]
+pub struct Edge {
+    inner: edge::Edge,
+}
+
+#[pymethods]
+impl Edge {
+    /// Starts serving `listener`: inference requests with `router`'s engine, everything else
+    /// through the control plane at `control_socket`, which counts as stuck after
+    /// `control_stale_after` seconds without a `heartbeat`.
+    #[new]
+    fn new(
+        router: PyRef<'_, Router>,
+        listener: PyRef<'_, EdgeListener>,
+        settings: EdgeSettings,
+        control_socket: PathBuf,
+        control_stale_after: f64,
+    ) -> PyResult<Self> {
+        let listener = listener
+            .listener
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("this listener already serves an edge"))?;
+        let disaggregation = match settings.serving_strategy.as_str() {
+            "DistServe" => Some(PdProtocol::parse(&settings.pd_protocol).map_err(|e| to_pyerr(&e))?),
+            _ => None,
+        };
+        let config = EdgeConfig {
+            api_keys: settings.api_keys,
+            max_body_size: settings.max_body_size,
+            body_timeout: seconds("body_timeout", settings.body_timeout)?,
+            disaggregation,
+            access_log: settings
+                .access_log
+                .then_some(if settings.access_log_format == "json" { Format::Json } else { Format::Text }),
+            header_read_timeout: seconds("header_read_timeout", settings.header_read_timeout)?,
+            control_socket,
+            control_timeout: seconds("first_byte_timeout", settings.first_byte_timeout)?,
+            control_stale_after: seconds("control_stale_after", control_stale_after)?,
+            pd_probe_timeout: seconds("pd_link_timeout", settings.pd_link_timeout)?,
+        };
+        let runtime = runtime::get(1).map_err(|e| PyRuntimeError::new_err(e.message().to_owned()))?;
+        let inner = edge::Edge::start(runtime, router.engine.clone(), listener, config).map_err(|e| to_pyerr(&e))?;
+        Ok(Self { inner })
+    }
+
+    /// The control plane's loop is alive.
+    fn heartbeat(&self) {
+        self.inner.heartbeat();
+    }
+
+    /// Stops accepting and ends what still runs (streams get a terminal `draining` event);
+    /// waits up to `grace` seconds for the connections to close. Returns those still open.
+    fn shutdown(&self, py: Python<'_>, grace: f64) -> usize {
+        self.inner.shutdown();
+        let deadline = Instant::now() + Duration::from_secs_f64(grace.max(0.0));
+        py.detach(|| {
+            while self.inner.connections() > 0 && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        self.inner.connections()
+    }
+
+    /// Client connections open now.
+    #[getter]
+    fn connections(&self) -> usize {
+        self.inner.connections()
+    }
+}
