@@ -312,8 +312,8 @@ class _EdgeSettings(Protocol):
 class EdgeListener:
     """The public address, bound at once (no `SO_REUSEPORT`: a taken port is refused)."""
 
-    def __new__(cls, host: str, port: int, backlog: int, threads: int) -> EdgeListener:
-        """Binds `host:port`; `threads` sizes the data plane's runtime, which serves the edge.
+    def __new__(cls, host: str, port: int, backlog: int) -> EdgeListener:
+        """Binds `host:port`.
 
         Raises:
             ConfigError: the address cannot be bound (the port is taken, the host unknown).
@@ -334,15 +334,17 @@ class Edge:
         router: Router,
         listener: EdgeListener,
         settings: _EdgeSettings,
+        threads: int,
         control_socket: str,
         control_stale_after: float,
-    ) -> Edge: ...
+    ) -> Edge:
+        """Serves `listener` on `threads` threads, each with its own event loop."""
     def heartbeat(self) -> None:
         """Tells the edge the control plane's loop is alive."""
 
-    def shutdown(self, grace: float) -> int:
-        """Stops accepting, ends running streams with a `draining` event, and waits up to `grace`
-        seconds for connections to close; returns how many are still open."""
+    def shutdown(self) -> int:
+        """Stops accepting, ends running streams with a `draining` event, and waits (about two
+        seconds at most) for connections to close; returns how many did not."""
 
     @property
     def connections(self) -> int:

@@ -43,11 +43,14 @@ CONTROL_STARTUP_TIMEOUT = 10.0
 CLOSE_GRACE = 2.0
 
 
-def bind(settings: Settings) -> tuple[_pdproxy.EdgeListener, int]:
-    """The public listener (bound now, so a taken port fails before anything starts) and the
-    number of threads serving it."""
-    threads = settings.edge_threads or os.cpu_count() or 1
-    return _pdproxy.EdgeListener(settings.host, settings.port, BACKLOG, threads), threads
+def bind(settings: Settings) -> _pdproxy.EdgeListener:
+    """The public listener, bound now: a taken port fails before anything starts."""
+    return _pdproxy.EdgeListener(settings.host, settings.port, BACKLOG)
+
+
+def threads(settings: Settings) -> int:
+    """The edge's threads: one per core unless set."""
+    return settings.edge_threads or os.cpu_count() or 1
 
 
 def serve(settings: Settings, listener: _pdproxy.EdgeListener, logging_config: dict[str, Any]) -> int:
@@ -78,7 +81,9 @@ async def _supervise(settings: Settings, listener: _pdproxy.EdgeListener, loggin
         control_task = asyncio.create_task(control.serve())
         await _until_listening(socket_path, control_task)
         assert app.router is not None
-        edge = _pdproxy.Edge(app.router.core, listener, settings, str(socket_path), CONTROL_STALE_AFTER)
+        edge = _pdproxy.Edge(
+            app.router.core, listener, settings, threads(settings), str(socket_path), CONTROL_STALE_AFTER
+        )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, app.drain)
@@ -93,7 +98,7 @@ async def _supervise(settings: Settings, listener: _pdproxy.EdgeListener, loggin
         heartbeat.cancel()
     finally:
         if edge is not None:
-            still_open = edge.shutdown(CLOSE_GRACE)
+            still_open = edge.shutdown()
             if still_open:
                 log.info("%d client connection(s) were still open at exit", still_open)
         control.stop()

@@ -34,12 +34,11 @@ RESPAWN_INTERVAL = 1.0
 def serve(settings: Settings) -> int:
     """Serves until drained (SIGTERM, Ctrl-C or ``POST /drain``); returns the exit status."""
     if settings.edge == "rust":
-        listener, threads = edge.bind(settings)  # first: a taken port fails before anything starts
-        settings = settings.replace(runtime_threads=threads)
+        listener = edge.bind(settings)  # first: a taken port fails before anything starts
         with _demo_engines(settings) as demo_nodes:
             if demo_nodes:
                 settings = settings.replace(nodes=(*settings.nodes, *demo_nodes))
-            _print_banner(settings, f"Rust edge, {threads} thread(s)")
+            _print_banner(settings, f"Rust edge, {edge.threads(settings)} thread(s)")
             return edge.serve(settings, listener, _logging_config(settings.log_level, behind_edge=True))
     _refuse_taken_port(settings)
     with _demo_engines(settings) as demo_nodes, group.prepared(settings.workers) as group_dir:

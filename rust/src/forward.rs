@@ -1,21 +1,20 @@
-//! The upstream client: one pooled keep-alive HTTP/1.1 client for all nodes.
+//! Forwarding a request to a node: its key, the time to its answer's head, and the answer's
+//! body read whole (small answers) or left to stream.
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
-use http::{Method, Request, StatusCode};
+use http::{Method, StatusCode};
 use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use http_body_util::BodyExt;
 
 use crate::error::{BoxError, Error, Kind, Result};
 use crate::headers::client_response_headers;
 use crate::node::Node;
 use crate::permit::Outcome;
 use crate::sse;
+use crate::upstream::{Client, ClientConfig};
 
 /// Client settings. Values come from the control plane's settings; no defaults live here.
 #[derive(Debug, Clone)]
@@ -83,25 +82,22 @@ pub struct StreamBody {
     pub event_stream: bool,
 }
 
+/// Sends requests to nodes. Cheap to clone: clones share one pool of connections.
 #[derive(Debug, Clone)]
 pub struct Forwarder {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: std::sync::Arc<Client>,
     config: ForwardConfig,
 }
 
 impl Forwarder {
-    /// Builds the client. Needs no runtime; connections are spawned on the caller's runtime.
+    /// Builds the client. Needs no runtime; connections belong to the runtime that opens them.
     pub fn new(config: ForwardConfig) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(config.connect_timeout));
-        connector.set_keepalive(Some(Duration::from_secs(60)));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(config.pool_idle_timeout)
-            .pool_max_idle_per_host(config.pool_max_idle_per_node)
-            .build(connector);
-        Self { client, config }
+        let client = Client::new(ClientConfig {
+            connect_timeout: config.connect_timeout,
+            idle_timeout: config.pool_idle_timeout,
+            max_idle_per_host: config.pool_max_idle_per_node,
+        });
+        Self { client: std::sync::Arc::new(client), config }
     }
 
     pub fn config(&self) -> &ForwardConfig {
@@ -111,7 +107,7 @@ impl Forwarder {
     /// Sends `request` to `node` and returns the response head; with `prefetch`, the body
     /// is read whole first when it is small and not an event stream. Accounting is the caller's.
     pub async fn forward(&self, node: &Node, request: &ForwardRequest, prefetch: bool) -> Result<UpstreamResponse> {
-        let uri = node.uri_for(&request.path_and_query)?;
+        let path = node.path_for(&request.path_and_query);
         let mut headers = request.headers.clone();
         if let Some(key) = &node.spec().api_key {
             let value = http::HeaderValue::from_str(&format!("Bearer {key}")).map_err(|e| {
@@ -119,42 +115,26 @@ impl Forwarder {
             })?;
             headers.insert(http::header::AUTHORIZATION, value);
         }
-        let mut builder = Request::builder().method(request.method.clone()).uri(uri);
-        if let Some(map) = builder.headers_mut() {
-            std::mem::swap(map, &mut headers);
-        }
-        let upstream_request = builder
-            .body(Full::new(request.body.clone()))
-            .map_err(|e| Error::with_source(Kind::InvalidRequest, "request cannot be forwarded", e))?;
-
-        let sent = tokio::time::timeout(self.config.first_byte_timeout, self.client.request(upstream_request)).await;
-        let response = match sent {
-            Ok(Ok(response)) => response,
-            Ok(Err(e)) if e.is_connect() => {
-                return Err(Error::with_source(Kind::Connect, "could not connect to the node", e));
-            }
-            Ok(Err(e)) => {
-                return Err(Error::with_source(Kind::Upstream, "the node closed the connection before answering", e));
-            }
+        let sent = self.client.send(node.authority(), &request.method, &path, &headers, &request.body);
+        let answer = match tokio::time::timeout(self.config.first_byte_timeout, sent).await {
+            Ok(answer) => answer?,
             Err(_) => return Err(Error::new(Kind::Timeout, "the node did not answer in time")),
         };
-
-        let (parts, body) = response.into_parts();
-        let headers = client_response_headers(&parts.headers);
-        let event_stream = parts.headers.get(CONTENT_TYPE).is_some_and(|ct| sse::is_event_stream(ct.as_bytes()));
-        let small = content_length(&parts.headers).is_some_and(|len| len <= self.config.prefetch_limit);
+        let headers = client_response_headers(&answer.headers);
+        let event_stream = answer.headers.get(CONTENT_TYPE).is_some_and(|ct| sse::is_event_stream(ct.as_bytes()));
+        let small = content_length(&answer.headers).is_some_and(|len| len <= self.config.prefetch_limit);
         let body = if prefetch && !event_stream && small {
-            ResponseBody::Complete(read_whole(body, self.config.stream_idle_timeout).await?)
+            ResponseBody::Complete(read_whole(answer.body, self.config.stream_idle_timeout).await?)
         } else {
-            ResponseBody::Streaming(StreamBody { body: body.map_err(BoxError::from).boxed(), event_stream })
+            ResponseBody::Streaming(StreamBody { body: answer.body.boxed(), event_stream })
         };
-        Ok(UpstreamResponse { status: parts.status, headers, body })
+        Ok(UpstreamResponse { status: answer.status, headers, body })
     }
 }
 
 /// A small body read whole; every read is bounded by `idle` (a node that announces a length,
 /// sends part of it and stalls must not hold the request forever).
-async fn read_whole(mut body: hyper::body::Incoming, idle: Duration) -> Result<Bytes> {
+async fn read_whole(mut body: impl http_body::Body<Data = Bytes, Error = BoxError> + Unpin, idle: Duration) -> Result<Bytes> {
     let mut out = bytes::BytesMut::new();
     loop {
         match tokio::time::timeout(idle, body.frame()).await {

@@ -442,6 +442,19 @@ impl Node {
         &self.counters
     }
 
+    /// `host:port` of the node.
+    pub fn authority(&self) -> &str {
+        self.authority.as_str()
+    }
+
+    /// The path on the node for a request's `path_and_query` (below the node's base path).
+    pub fn path_for(&self, path_and_query: &str) -> String {
+        let mut joined = String::with_capacity(self.base_path.len() + path_and_query.len());
+        joined.push_str(&self.base_path);
+        joined.push_str(path_and_query);
+        joined
+    }
+
     /// The node's host, without brackets around an IPv6 address.
     pub fn host(&self) -> &str {
         self.authority.host().trim_start_matches('[').trim_end_matches(']')

@@ -4,17 +4,18 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::Sleep;
-use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use super::access::Record;
 use super::answer::{self, Fault};
 use super::control::ControlBody;
+use super::Stop;
 use crate::engine::GatePass;
 use crate::error::{BoxError, Error, Kind};
 use crate::forward::UpstreamBody;
@@ -80,8 +81,10 @@ pub struct Relay {
     idle_timeout: Duration,
     idle: Pin<Box<Sleep>>,
     deadline: Option<Pin<Box<Sleep>>>,
-    /// Fires when the proxy shuts down with this stream still running.
-    cut: Pin<Box<WaitForCancellationFutureOwned>>,
+    /// When the last data came (the idle timer's deadline follows it).
+    last_data: tokio::time::Instant,
+    /// Set when the proxy shuts down with this stream still running.
+    cut: Arc<Stop>,
     started: Instant,
     report: Report,
     last_chunk: Option<Instant>,
@@ -100,7 +103,7 @@ pub struct RelayParts {
     pub event_stream: bool,
     pub idle_timeout: Duration,
     pub deadline: Option<tokio::time::Instant>,
-    pub cut: WaitForCancellationFutureOwned,
+    pub cut: Arc<Stop>,
     pub started: Instant,
     pub record: Option<Box<Record>>,
     pub pass: Option<GatePass>,
@@ -117,7 +120,8 @@ impl Relay {
             idle_timeout: parts.idle_timeout,
             idle: Box::pin(tokio::time::sleep(parts.idle_timeout)),
             deadline: parts.deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
-            cut: Box::pin(parts.cut),
+            last_data: tokio::time::Instant::now(),
+            cut: parts.cut,
             started: parts.started,
             report: Report::default(),
             last_chunk: None,
@@ -144,15 +148,16 @@ impl Relay {
         if let Some(end) = self.ended.take() {
             return self.finish(end);
         }
-        if self.cut.as_mut().poll(cx).is_ready() {
+        // The connection polls its body as soon as the shutdown wakes it (see `server`).
+        if self.cut.is_set() {
             return self.finish(Err(Error::new(Kind::Cancelled, "the proxy is shutting down")));
         }
         if self.deadline.as_mut().is_some_and(|d| d.as_mut().poll(cx).is_ready()) {
             return self.finish(Err(Error::new(Kind::Timeout, "the request took longer than its time limit")));
         }
-        // Take every frame that is ready: one write carries the whole burst.
+        // Take every frame that is ready: one write carries them all.
         let mut first: Option<Bytes> = None;
-        let mut more: Option<BytesMut> = None;
+        let mut joined: Option<BytesMut> = None;
         loop {
             match Pin::new(&mut self.upstream).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
@@ -160,15 +165,15 @@ impl Relay {
                     if data.is_empty() {
                         continue;
                     }
-                    match (&mut first, &mut more) {
+                    match (&first, &mut joined) {
                         (None, _) => first = Some(data),
                         (Some(head), None) => {
-                            let mut joined = BytesMut::with_capacity(head.len() + data.len() * 4);
-                            joined.extend_from_slice(head);
-                            joined.extend_from_slice(&data);
-                            more = Some(joined);
+                            let mut all = BytesMut::with_capacity((head.len() + data.len()) * 2);
+                            all.extend_from_slice(head);
+                            all.extend_from_slice(&data);
+                            joined = Some(all);
                         }
-                        (Some(_), Some(joined)) => joined.extend_from_slice(&data),
+                        (Some(_), Some(all)) => all.extend_from_slice(&data),
                     }
                 }
                 Poll::Ready(Some(Err(e))) => {
@@ -182,8 +187,7 @@ impl Relay {
                 Poll::Pending => break,
             }
         }
-        let data = more.map(BytesMut::freeze).or(first);
-        if let Some(data) = data {
+        if let Some(data) = joined.map(BytesMut::freeze).or(first) {
             let out = self.arrived(data);
             if !out.is_empty() {
                 return Poll::Ready(Some(Ok(Frame::data(out))));
@@ -192,10 +196,18 @@ impl Relay {
         if let Some(end) = self.ended.take() {
             return self.finish(end);
         }
-        if self.idle.as_mut().poll(cx).is_ready() {
-            return self.finish(Err(Error::new(Kind::Timeout, "the node sent nothing for too long")));
+        // The idle timer is armed lazily: data pushes its deadline forward without touching
+        // the timer; when it fires early, it is re-armed for the real deadline.
+        loop {
+            if self.idle.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            let deadline = self.last_data + self.idle_timeout;
+            if deadline <= tokio::time::Instant::now() {
+                return self.finish(Err(Error::new(Kind::Timeout, "the node sent nothing for too long")));
+            }
+            self.idle.as_mut().reset(deadline);
         }
-        Poll::Pending
     }
 
     /// Records a burst from the node; returns what may go to the client now.
@@ -206,7 +218,7 @@ impl Relay {
         if let (Some(last), Some(permit)) = (self.last_chunk.replace(now), &self.permit) {
             permit.node().counters().itl.observe(now - last);
         }
-        self.idle.as_mut().reset(tokio::time::Instant::now() + self.idle_timeout);
+        self.last_data = tokio::time::Instant::from_std(now);
         let out = if self.event_stream { self.whole_events(data) } else { data };
         if let Some(record) = &mut self.record {
             record.sent(&out);

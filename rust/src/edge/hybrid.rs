@@ -15,6 +15,7 @@ use super::access::Record;
 use super::answer::{self, Fault};
 use super::body::{EdgeBody, Relay, RelayParts};
 use super::request::{check_media_type, linger, read_body, upstream_headers, BodyError};
+use super::server::Worker;
 use super::EdgeState;
 use crate::engine::{select_ctx, GatePass, HeldPermit, PermitHolder, Refusal};
 use crate::error::{Error, Kind};
@@ -129,13 +130,14 @@ pub fn parse<'a>(
 
 /// Serves one hybrid inference request.
 pub async fn serve(
-    state: &Arc<EdgeState>,
+    worker: &Worker,
     peer: SocketAddr,
     request: hyper::Request<Incoming>,
     id: HeaderValue,
     had_id: bool,
     require_model: bool,
 ) -> Response<EdgeBody> {
+    let state = &worker.state;
     let (parts, body) = request.into_parts();
     let mut record = state.record(&id, &parts);
     let checked = match check(state, peer, parts, body, &id, had_id, &mut record).await {
@@ -158,7 +160,7 @@ pub async fn serve(
     let held = HeldPermit::default();
     let sent = within(deadline, async {
         let permit = state.engine.permit(&ctx).await?;
-        state.engine.send(permit, &request, &ctx, true, true, &held).await
+        state.engine.send(&worker.forwarder, permit, &request, &ctx, true, true, &held).await
     })
     .await;
     let (node, response) = match sent {
@@ -228,7 +230,7 @@ pub fn respond(
                 event_stream,
                 idle_timeout: state.engine.config.forward.stream_idle_timeout,
                 deadline,
-                cut: state.shutdown.clone().cancelled_owned(),
+                cut: Arc::clone(&state.shutdown),
                 started,
                 record,
                 pass,

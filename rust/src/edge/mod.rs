@@ -12,16 +12,16 @@ mod pd;
 mod request;
 mod server;
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
 use std::time::Duration;
 
 use http::header::HeaderValue;
 use http::request::Parts;
-use tokio::net::{TcpListener, TcpSocket};
-use tokio::runtime::Runtime;
+use socket2::{Domain, Socket, Type};
 use tokio_util::sync::CancellationToken;
 
 use self::access::{AccessLog, Format, Record};
@@ -97,14 +97,15 @@ pub enum Route {
     ControlPlane,
 }
 
+/// What every edge thread shares.
 pub struct EdgeState {
     pub engine: Arc<Engine>,
     pub config: EdgeConfig,
     keys: Keys,
     pub control: ControlPlane,
     access: Option<Arc<AccessLog>>,
-    /// Cancelled when the edge shuts down: the listener closes, streams still running end.
-    pub shutdown: CancellationToken,
+    /// Set when the edge shuts down: the listener closes, streams still running end.
+    pub shutdown: Arc<Stop>,
     /// Client connections open now.
     pub connections: AtomicUsize,
 }
@@ -131,38 +132,65 @@ impl EdgeState {
     }
 }
 
+/// A stop signal read on every poll of a stream: the flag is one atomic load (the token's own
+/// check takes a lock); the token wakes whoever waits.
+#[derive(Debug, Default)]
+pub struct Stop {
+    flag: AtomicBool,
+    token: CancellationToken,
+}
+
+impl Stop {
+    pub fn set(&self) {
+        self.flag.store(true, Ordering::Release);
+        self.token.cancel();
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.flag.load(Ordering::Acquire)
+    }
+
+    pub fn token(&self) -> &CancellationToken {
+        &self.token
+    }
+}
+
 /// Binds the public address now (so a busy port fails before anything else starts). No
 /// `SO_REUSEPORT`: a second proxy on the same port is refused, not handed half the traffic.
-pub fn bind(runtime: &Runtime, host: &str, port: u16, backlog: u32) -> Result<TcpListener> {
+pub fn bind(host: &str, port: u16, backlog: i32) -> Result<TcpListener> {
     let address: SocketAddr = (host, port)
         .to_socket_addrs()
         .map_err(|e| Error::with_source(Kind::Config, format!("cannot resolve {host}"), e))?
         .next()
         .ok_or_else(|| Error::new(Kind::Config, format!("{host} resolves to no address")))?;
-    let _runtime = runtime.enter();
-    let socket = if address.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }
-        .map_err(|e| Error::with_source(Kind::Config, "cannot open a socket", e))?;
-    socket.set_reuseaddr(true).map_err(|e| Error::with_source(Kind::Config, "cannot set SO_REUSEADDR", e))?;
-    socket.bind(address).map_err(|e| {
+    let failed = |what: &str, e: std::io::Error| {
         let reason = if e.kind() == std::io::ErrorKind::AddrInUse {
             "the address is already in use (is another pdproxy running?)".to_owned()
         } else {
             e.to_string()
         };
-        Error::new(Kind::Config, format!("cannot listen on {address}: {reason}"))
-    })?;
-    socket.listen(backlog).map_err(|e| Error::with_source(Kind::Config, format!("cannot listen on {address}"), e))
+        Error::new(Kind::Config, format!("cannot {what} {address}: {reason}"))
+    };
+    let socket = Socket::new(Domain::for_address(address), Type::STREAM, None).map_err(|e| failed("open a socket for", e))?;
+    socket.set_reuse_address(true).map_err(|e| failed("set SO_REUSEADDR on", e))?;
+    socket.bind(&address.into()).map_err(|e| failed("listen on", e))?;
+    socket.listen(backlog).map_err(|e| failed("listen on", e))?;
+    socket.set_nonblocking(true).map_err(|e| failed("listen on", e))?;
+    Ok(socket.into())
 }
 
-/// A running edge.
+/// A running edge: `threads` threads, each with its own event loop, serving its connections
+/// start to end (as nginx's workers do): a request never changes thread, and each thread keeps
+/// its own pool of connections to the nodes. The first thread also accepts, handing each new
+/// connection to the thread that serves the fewest.
 pub struct Edge {
     state: Arc<EdgeState>,
     address: SocketAddr,
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Edge {
-    /// Starts serving `listener` on `runtime`.
-    pub fn start(runtime: &Runtime, engine: Arc<Engine>, listener: TcpListener, config: EdgeConfig) -> Result<Self> {
+    pub fn start(engine: Arc<Engine>, listener: &TcpListener, config: EdgeConfig, threads: usize) -> Result<Self> {
         let address = listener.local_addr().map_err(|e| Error::with_source(Kind::Config, "listener has no address", e))?;
         let state = Arc::new(EdgeState {
             keys: Keys::new(&config.api_keys),
@@ -170,11 +198,23 @@ impl Edge {
             access: config.access_log.map(AccessLog::start),
             engine,
             config,
-            shutdown: CancellationToken::new(),
+            shutdown: Arc::new(Stop::default()),
             connections: AtomicUsize::new(0),
         });
-        runtime.spawn(server::accept(Arc::clone(&state), listener));
-        Ok(Self { state, address })
+        let listener = listener.try_clone().map_err(|e| Error::with_source(Kind::Config, "cannot use the listener", e))?;
+        let (inboxes, starts) = server::inboxes(threads.max(1));
+        let mut acceptor = Some((listener, inboxes));
+        let mut handles = Vec::with_capacity(starts.len());
+        for (i, start) in starts.into_iter().enumerate() {
+            let state = Arc::clone(&state);
+            let acceptor = acceptor.take();
+            let handle = std::thread::Builder::new()
+                .name(format!("pdproxy-edge-{i}"))
+                .spawn(move || server::run_thread(&state, start, acceptor))
+                .map_err(|e| Error::with_source(Kind::Config, "cannot start an edge thread", e))?;
+            handles.push(handle);
+        }
+        Ok(Self { state, address, threads: Mutex::new(handles) })
     }
 
     pub fn address(&self) -> SocketAddr {
@@ -187,9 +227,13 @@ impl Edge {
     }
 
     /// Stops accepting; streams still running end with a terminal `draining` event, and
-    /// connections close (see `connections`).
+    /// connections close; returns once every edge thread has ended.
     pub fn shutdown(&self) {
-        self.state.shutdown.cancel();
+        self.state.shutdown.set();
+        let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(PoisonError::into_inner));
+        for thread in threads {
+            let _ = thread.join();
+        }
     }
 
     pub fn connections(&self) -> usize {

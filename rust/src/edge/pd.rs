@@ -20,10 +20,11 @@ use super::access::Record;
 use super::answer::{self, INVALID_REQUEST, PREFILL_FAILED, UPSTREAM_INVALID_RESPONSE};
 use super::body::EdgeBody;
 use super::hybrid::{check, parse, refuse, refuse_error, respond, within};
-use super::{EdgeState, PdProtocol};
+use super::server::Worker;
+use super::PdProtocol;
 use crate::engine::{select_ctx, Engine, HeldPermit, PermitHolder};
 use crate::error::{Error, Kind, Result};
-use crate::forward::{ForwardRequest, ResponseBody, UpstreamBody, UpstreamResponse};
+use crate::forward::{ForwardRequest, Forwarder, ResponseBody, UpstreamBody, UpstreamResponse};
 use crate::inspect::{member, patch, RequestInfo};
 use crate::node::{Node, Role};
 use crate::permit::InFlightPermit;
@@ -33,13 +34,14 @@ const VLLM_PREFILL_PARAMS: &str = r#"{"do_remote_decode": true, "do_remote_prefi
 
 /// Serves one request through a prefill and a decode node.
 pub async fn serve(
-    state: &Arc<EdgeState>,
+    worker: &Worker,
     peer: SocketAddr,
     request: hyper::Request<Incoming>,
     id: HeaderValue,
     had_id: bool,
     protocol: PdProtocol,
 ) -> Response<EdgeBody> {
+    let state = &worker.state;
     let (parts, body) = request.into_parts();
     let mut record = state.record(&id, &parts);
     let checked = match check(state, peer, parts, body, &id, had_id, &mut record).await {
@@ -58,7 +60,7 @@ pub async fn serve(
         headers: checked.headers.clone(),
         body: checked.body.clone(),
     };
-    let flow = Flow { state, request: &request, headers: &checked.headers, info: &info };
+    let flow = Flow { worker, request: &request, headers: &checked.headers, info: &info };
     let answered = match protocol {
         PdProtocol::Vllm => within(deadline, flow.vllm()).await,
         _ => within(deadline, flow.sglang()).await,
@@ -122,7 +124,7 @@ impl Drop for Reserved {
 }
 
 struct Flow<'a> {
-    state: &'a Arc<EdgeState>,
+    worker: &'a Worker,
     request: &'a ForwardRequest,
     headers: &'a HeaderMap,
     info: &'a RequestInfo<'a>,
@@ -131,7 +133,7 @@ struct Flow<'a> {
 impl Flow<'_> {
     /// The decode node's permit, then the prefill node's.
     async fn pair(&self) -> Result<(Reserved, Reserved)> {
-        let engine = &self.state.engine;
+        let engine = &self.worker.state.engine;
         let decode = Reserved(Some(engine.permit(&select_ctx(Role::Decode, self.headers, self.info)).await?));
         let prefill = Reserved(Some(engine.permit(&select_ctx(Role::Prefill, self.headers, self.info)).await?));
         Ok((decode, prefill))
@@ -146,7 +148,8 @@ impl Flow<'_> {
                 message: "n > 1 is not supported with disaggregated prefill".to_owned(),
             });
         }
-        let engine = &self.state.engine;
+        let engine = &self.worker.state.engine;
+        let forwarder = &self.worker.forwarder;
         let (decode, prefill) = self.pair().await?;
         let mut changes = vec![("kv_transfer_params", VLLM_PREFILL_PARAMS), ("stream", "false"), ("max_tokens", "1")];
         if member(&self.request.body, "max_completion_tokens")?.is_some() {
@@ -157,7 +160,7 @@ impl Flow<'_> {
         let prefill_request = ForwardRequest { body: Bytes::from(body), ..self.request.clone() };
         let ctx = select_ctx(Role::Prefill, self.headers, self.info);
         let held = HeldPermit::default();
-        let (_, answer) = engine.send(prefill.take(), &prefill_request, &ctx, true, true, &held).await?;
+        let (_, answer) = engine.send(forwarder, prefill.take(), &prefill_request, &ctx, true, true, &held).await?;
         let (status, headers, raw) = whole(answer, &held, engine).await?;
         if status != StatusCode::OK {
             return Ok(Answer::Raw { status, headers, body: raw }); // the prefill's error; decode never runs
@@ -173,7 +176,7 @@ impl Flow<'_> {
         let decode_request = ForwardRequest { body: decode_body, ..self.request.clone() };
         let ctx = select_ctx(Role::Decode, self.headers, self.info);
         let held = HeldPermit::default();
-        let (node, response) = engine.send(decode.take(), &decode_request, &ctx, true, true, &held).await?;
+        let (node, response) = engine.send(forwarder, decode.take(), &decode_request, &ctx, true, true, &held).await?;
         relay_or_raw(node, response, held, engine).await
     }
 
@@ -181,7 +184,8 @@ impl Flow<'_> {
     /// both nodes at once (the prefill waits for the decode to join its room). The decode's
     /// answer is relayed, the prefill's read to its end; a leg that fails first cancels the other.
     async fn sglang(&self) -> Result<Answer> {
-        let engine = Arc::clone(&self.state.engine);
+        let engine = Arc::clone(&self.worker.state.engine);
+        let forwarder = &self.worker.forwarder;
         let (decode, prefill) = self.pair().await?;
         let prefill_node = Arc::clone(prefill.0.as_ref().expect("reserved").node());
         let host = prefill_node.host().to_owned();
@@ -201,8 +205,8 @@ impl Flow<'_> {
         let (host_json, port_json) = (one(host_json), one(port_json));
         let fields = [("bootstrap_host", host_json.as_str()), ("bootstrap_port", port_json.as_str()), ("bootstrap_room", rooms.as_str())];
         let both = Arc::new(ForwardRequest { body: Bytes::from(patch(&self.request.body, &fields, &[])?), ..self.request.clone() });
-        let mut prefill_leg = Leg::spawn(Arc::clone(&engine), prefill.take(), Arc::clone(&both), Role::Prefill);
-        let mut decode_leg = Leg::spawn(Arc::clone(&engine), decode.take(), both, Role::Decode);
+        let mut prefill_leg = Leg::spawn(Arc::clone(&engine), forwarder.clone(), prefill.take(), Arc::clone(&both), Role::Prefill);
+        let mut decode_leg = Leg::spawn(Arc::clone(&engine), forwarder.clone(), decode.take(), both, Role::Decode);
         let prefill_first = tokio::select! {
             biased;
             decoded = decode_leg.running() => Err(decoded),
@@ -254,7 +258,7 @@ impl Flow<'_> {
         if let Some(port) = probed.lock().unwrap_or_else(PoisonError::into_inner).get(&key) {
             return *port;
         }
-        let port = probe_bootstrap_port(&self.state.engine, node, self.state.config.pd_probe_timeout).await;
+        let port = probe_bootstrap_port(&self.worker.forwarder, node, self.worker.state.config.pd_probe_timeout).await;
         probed.lock().unwrap_or_else(PoisonError::into_inner).insert(key, port);
         port
     }
@@ -323,11 +327,17 @@ enum Leg {
 }
 
 impl Leg {
-    fn spawn(engine: Arc<Engine>, permit: InFlightPermit, request: Arc<ForwardRequest>, role: Role) -> Self {
+    fn spawn(
+        engine: Arc<Engine>,
+        forwarder: Forwarder,
+        permit: InFlightPermit,
+        request: Arc<ForwardRequest>,
+        role: Role,
+    ) -> Self {
         Leg::Running(tokio::spawn(async move {
             let ctx = crate::select::SelectCtx { role, ..Default::default() };
             let held = HeldPermit::default();
-            let (node, response) = engine.send(permit, &request, &ctx, false, true, &held).await?;
+            let (node, response) = engine.send(&forwarder, permit, &request, &ctx, false, true, &held).await?;
             let permit = held.take().ok_or_else(|| Error::new(Kind::Upstream, "the leg lost its permit"))?;
             Ok((node, response, permit))
         }))
@@ -390,7 +400,7 @@ fn batch_size(body: &[u8], info: &RequestInfo<'_>) -> Result<Option<usize>> {
 }
 
 /// Asks a prefill node for its bootstrap port (`/server_info`, then `/get_server_info`).
-async fn probe_bootstrap_port(engine: &Engine, node: &Node, timeout: Duration) -> Option<u16> {
+async fn probe_bootstrap_port(forwarder: &Forwarder, node: &Node, timeout: Duration) -> Option<u16> {
     for endpoint in ["/server_info", "/get_server_info"] {
         let request = ForwardRequest {
             method: Method::GET,
@@ -398,7 +408,7 @@ async fn probe_bootstrap_port(engine: &Engine, node: &Node, timeout: Duration) -
             headers: HeaderMap::new(),
             body: Bytes::new(),
         };
-        let Ok(Ok(response)) = tokio::time::timeout(timeout, engine.forwarder.forward(node, &request, true)).await else {
+        let Ok(Ok(response)) = tokio::time::timeout(timeout, forwarder.forward(node, &request, true)).await else {
             continue;
         };
         if response.status != StatusCode::OK {

@@ -7,7 +7,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -20,41 +20,131 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::time::Sleep;
+use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use super::answer;
 use super::body::EdgeBody;
 use super::request::request_id;
-use super::{hybrid, pd, EdgeState, Route};
+use super::{hybrid, pd, EdgeState, Route, Stop};
+use crate::forward::Forwarder;
 
 /// How long open connections get to finish once the edge shuts down.
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
-/// Accepts connections until the edge shuts down.
-pub async fn accept(state: Arc<EdgeState>, listener: TcpListener) {
+/// One edge thread: its own event loop and its own pool of connections to the nodes.
+pub struct Worker {
+    pub state: Arc<EdgeState>,
+    pub forwarder: Forwarder,
+    /// Connections this thread serves now.
+    open: Arc<AtomicUsize>,
+}
+
+/// A connection handed to an edge thread.
+type Accepted = (std::net::TcpStream, SocketAddr);
+
+/// The threads' inboxes, and how many connections each serves (the acceptor hands each new
+/// connection to the least busy thread).
+pub struct Inboxes {
+    senders: Vec<UnboundedSender<Accepted>>,
+    open: Vec<Arc<AtomicUsize>>,
+}
+
+/// What each edge thread starts with.
+pub struct ThreadStart {
+    inbox: UnboundedReceiver<Accepted>,
+    open: Arc<AtomicUsize>,
+}
+
+/// `threads` inboxes: one for the acceptor, one start for each thread.
+pub fn inboxes(threads: usize) -> (Inboxes, Vec<ThreadStart>) {
+    let mut inboxes = Inboxes { senders: Vec::new(), open: Vec::new() };
+    let mut starts = Vec::new();
+    for _ in 0..threads {
+        let (sender, inbox) = unbounded_channel();
+        let open = Arc::new(AtomicUsize::new(0));
+        inboxes.senders.push(sender);
+        inboxes.open.push(Arc::clone(&open));
+        starts.push(ThreadStart { inbox, open });
+    }
+    (inboxes, starts)
+}
+
+/// Runs one edge thread until the edge shuts down and its connections have closed; the first
+/// thread (`acceptor`) also accepts connections for all of them.
+pub fn run_thread(state: &Arc<EdgeState>, start: ThreadStart, acceptor: Option<(std::net::TcpListener, Inboxes)>) {
+    let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
+    runtime.block_on(async {
+        let worker = Arc::new(Worker {
+            state: Arc::clone(state),
+            forwarder: Forwarder::new(state.engine.config.forward.clone()),
+            open: start.open,
+        });
+        let accepting = async {
+            if let Some((listener, inboxes)) = acceptor {
+                if let Ok(listener) = TcpListener::from_std(listener) {
+                    accept(state, listener, inboxes).await;
+                }
+            }
+        };
+        tokio::join!(accepting, serve_inbox(&worker, start.inbox));
+        // Each connection closes within CLOSE_GRACE of the shutdown; wait a little longer.
+        let deadline = tokio::time::Instant::now() + CLOSE_GRACE * 2;
+        while worker.open.load(Ordering::Relaxed) > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    });
+}
+
+/// Accepts connections until the edge shuts down, each for the thread serving the fewest.
+async fn accept(state: &EdgeState, listener: TcpListener, inboxes: Inboxes) {
     loop {
         let accepted = tokio::select! {
-            () = state.shutdown.cancelled() => break,
+            () = state.shutdown.token().cancelled() => break,
             accepted = listener.accept() => accepted,
         };
-        match accepted {
-            Ok((stream, peer)) => {
-                tokio::spawn(serve_connection(Arc::clone(&state), stream, peer));
+        match accepted.and_then(|(stream, peer)| Ok((stream.into_std()?, peer))) {
+            Ok(connection) => {
+                let least_busy = (0..inboxes.open.len())
+                    .min_by_key(|&i| inboxes.open[i].load(Ordering::Relaxed))
+                    .unwrap_or_default();
+                // Counted now, so that the next connection of a burst goes elsewhere.
+                inboxes.open[least_busy].fetch_add(1, Ordering::Relaxed);
+                if inboxes.senders[least_busy].send(connection).is_err() {
+                    inboxes.open[least_busy].fetch_sub(1, Ordering::Relaxed);
+                }
             }
             // Out of descriptors or a connection reset before it was accepted: go on, gently.
             Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
         }
     }
+    // Dropping the senders ends every thread's inbox.
 }
 
-async fn serve_connection(state: Arc<EdgeState>, stream: TcpStream, peer: SocketAddr) {
+/// Serves the connections handed to this thread until the acceptor stops.
+async fn serve_inbox(worker: &Arc<Worker>, mut inbox: UnboundedReceiver<Accepted>) {
+    while let Some((stream, peer)) = inbox.recv().await {
+        match TcpStream::from_std(stream) {
+            Ok(stream) => {
+                tokio::spawn(serve_connection(Arc::clone(worker), stream, peer));
+            }
+            Err(_) => {
+                worker.open.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+async fn serve_connection(worker: Arc<Worker>, stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
+    let state = Arc::clone(&worker.state);
     state.connections.fetch_add(1, Ordering::Relaxed);
     let io = TokioIo::new(StallGuard::new(stream, state.engine.config.forward.stream_stall_timeout));
-    let service_state = Arc::clone(&state);
+    let service_worker = Arc::clone(&worker);
     let service = service_fn(move |request| {
-        let state = Arc::clone(&service_state);
-        async move { Ok::<_, Infallible>(guarded(state, peer, request).await) }
+        let worker = Arc::clone(&service_worker);
+        async move { Ok::<_, Infallible>(guarded(worker, peer, request).await) }
     });
     let mut builder = http1::Builder::new();
     builder
@@ -65,42 +155,77 @@ async fn serve_connection(state: Arc<EdgeState>, stream: TcpStream, peer: Socket
     let connection = builder.serve_connection(io, service);
     tokio::pin!(connection);
     tokio::select! {
+        biased;
         _ = connection.as_mut() => {}
-        () = state.shutdown.cancelled() => {
+        () = Shutdown::new(&state.shutdown) => {
             connection.as_mut().graceful_shutdown();
             let _ = tokio::time::timeout(CLOSE_GRACE, connection).await;
         }
     }
     state.connections.fetch_sub(1, Ordering::Relaxed);
+    worker.open.fetch_sub(1, Ordering::Relaxed);
 }
 
 /// Routes the request; a panic while serving it becomes a 500 answer, never a dead connection.
-async fn guarded(state: Arc<EdgeState>, peer: SocketAddr, request: Request<Incoming>) -> Response<EdgeBody> {
+async fn guarded(worker: Arc<Worker>, peer: SocketAddr, request: Request<Incoming>) -> Response<EdgeBody> {
     let (id, had_id) = request_id(request.headers());
     let echo = id.clone();
-    match AssertUnwindSafe(route(state, peer, request, id, had_id)).catch_unwind().await {
+    match AssertUnwindSafe(route(&worker, peer, request, id, had_id)).catch_unwind().await {
         Ok(response) => response,
         Err(_) => answer::error(answer::INTERNAL, "the proxy failed while serving this request", None, &echo),
     }
 }
 
 async fn route(
-    state: Arc<EdgeState>,
+    worker: &Worker,
     peer: SocketAddr,
     request: Request<Incoming>,
     id: http::HeaderValue,
     had_id: bool,
 ) -> Response<EdgeBody> {
+    let state = &worker.state;
     if request.method() == Method::POST {
         match state.route(request.uri().path()) {
             Route::Hybrid { require_model } => {
-                return hybrid::serve(&state, peer, request, id, had_id, require_model).await;
+                return hybrid::serve(worker, peer, request, id, had_id, require_model).await;
             }
-            Route::Disaggregated(protocol) => return pd::serve(&state, peer, request, id, had_id, protocol).await,
+            Route::Disaggregated(protocol) => return pd::serve(worker, peer, request, id, had_id, protocol).await,
             Route::ControlPlane => {}
         }
     }
     state.control.forward(peer, request, &id).await
+}
+
+/// The edge's shutdown, as a connection waits for it: its waker is registered once, then each
+/// wake-up only reads a flag (polling the token's own future takes a lock every time, and a
+/// streaming connection is woken for every event it relays).
+struct Shutdown {
+    stop: Arc<Stop>,
+    waiting: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
+}
+
+impl Shutdown {
+    fn new(stop: &Arc<Stop>) -> Self {
+        Self { stop: Arc::clone(stop), waiting: None }
+    }
+}
+
+impl Future for Shutdown {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.stop.is_set() {
+            return Poll::Ready(());
+        }
+        if self.waiting.is_none() {
+            let mut waiting = Box::pin(self.stop.token().clone().cancelled_owned());
+            if waiting.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(());
+            }
+            self.waiting = Some(waiting);
+        }
+        Poll::Pending
+    }
 }
 
 /// The client's socket, cut off when the client stops reading for longer than `limit` (its

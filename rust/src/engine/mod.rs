@@ -233,12 +233,14 @@ impl Engine {
         }
     }
 
-    /// Sends `request` with `permit`'s node, retrying on another node (when `retry`) what
-    /// provably did not run: a connect failure, or a 429/503 answer before any byte. The
-    /// permit of the node that answered stays in `holder`. `prefetch`: small bodies that are
-    /// not event streams are read whole with the head.
+    /// Sends `request` with `permit`'s node through `forwarder` (the engine's own, or an edge
+    /// thread's), retrying on another node (when `retry`) what provably did not run: a connect
+    /// failure, or a 429/503 answer before any byte. The permit of the node that answered stays
+    /// in `holder`. `prefetch`: small bodies that are not event streams are read whole with the head.
+    #[allow(clippy::too_many_arguments)]
     pub async fn send(
         &self,
+        forwarder: &Forwarder,
         mut permit: InFlightPermit,
         request: &ForwardRequest,
         ctx: &SelectCtx<'_>,
@@ -251,7 +253,7 @@ impl Engine {
         loop {
             let node = Arc::clone(permit.node());
             holder.hold(permit);
-            let error = match self.forwarder.forward(&node, request, prefetch).await {
+            let error = match forwarder.forward(&node, request, prefetch).await {
                 // Refused before any work (overloaded or unavailable): another node may take it.
                 Ok(response) if matches!(response.status.as_u16(), 429 | 503) => Err(response),
                 Ok(response) => return Ok((node, response)),

@@ -3,7 +3,6 @@
 
 use std::path::PathBuf;
 use std::sync::{Mutex, PoisonError};
-use std::time::{Duration, Instant};
 
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -13,11 +12,10 @@ use super::errors::to_pyerr;
 use super::router::Router;
 use crate::edge::access::Format;
 use crate::edge::{self, EdgeConfig, PdProtocol};
-use crate::runtime;
 
 #[pyclass(frozen, name = "EdgeListener", module = "pdproxy._pdproxy")]
 pub struct EdgeListener {
-    listener: Mutex<Option<tokio::net::TcpListener>>,
+    listener: Mutex<Option<std::net::TcpListener>>,
     #[pyo3(get)]
     host: String,
     #[pyo3(get)]
@@ -26,12 +24,10 @@ pub struct EdgeListener {
 
 #[pymethods]
 impl EdgeListener {
-    /// Binds `host:port` now (raises `ConfigError` when the port is taken). `threads`: the
-    /// data plane's runtime threads, which serve the edge.
+    /// Binds `host:port` now (raises `ConfigError` when the port is taken).
     #[new]
-    fn new(host: &str, port: u16, backlog: u32, threads: usize) -> PyResult<Self> {
-        let runtime = runtime::get(threads).map_err(|e| PyRuntimeError::new_err(e.message().to_owned()))?;
-        let listener = edge::bind(runtime, host, port, backlog).map_err(|e| to_pyerr(&e))?;
+    fn new(host: &str, port: u16, backlog: i32) -> PyResult<Self> {
+        let listener = edge::bind(host, port, backlog).map_err(|e| to_pyerr(&e))?;
         let address = listener.local_addr().map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
         Ok(Self { listener: Mutex::new(Some(listener)), host: address.ip().to_string(), port: address.port() })
     }
@@ -59,14 +55,15 @@ pub struct Edge {
 
 #[pymethods]
 impl Edge {
-    /// Starts serving `listener`: inference requests with `router`'s engine, everything else
-    /// through the control plane at `control_socket`, which counts as stuck after
-    /// `control_stale_after` seconds without a `heartbeat`.
+    /// Starts serving `listener` on `threads` threads: inference requests with `router`'s
+    /// engine, everything else through the control plane at `control_socket`, which counts as
+    /// stuck after `control_stale_after` seconds without a `heartbeat`.
     #[new]
     fn new(
         router: PyRef<'_, Router>,
         listener: PyRef<'_, EdgeListener>,
         settings: EdgeSettings,
+        threads: usize,
         control_socket: PathBuf,
         control_stale_after: f64,
     ) -> PyResult<Self> {
@@ -94,8 +91,7 @@ impl Edge {
             control_stale_after: seconds("control_stale_after", control_stale_after)?,
             pd_probe_timeout: seconds("pd_link_timeout", settings.pd_link_timeout)?,
         };
-        let runtime = runtime::get(1).map_err(|e| PyRuntimeError::new_err(e.message().to_owned()))?;
-        let inner = edge::Edge::start(runtime, router.engine.clone(), listener, config).map_err(|e| to_pyerr(&e))?;
+        let inner = edge::Edge::start(router.engine.clone(), &listener, config, threads).map_err(|e| to_pyerr(&e))?;
         Ok(Self { inner })
     }
 
@@ -105,15 +101,10 @@ impl Edge {
     }
 
     /// Stops accepting and ends what still runs (streams get a terminal `draining` event);
-    /// waits up to `grace` seconds for the connections to close. Returns those still open.
-    fn shutdown(&self, py: Python<'_>, grace: f64) -> usize {
-        self.inner.shutdown();
-        let deadline = Instant::now() + Duration::from_secs_f64(grace.max(0.0));
-        py.detach(|| {
-            while self.inner.connections() > 0 && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        });
+    /// returns once the connections have closed (within about two seconds), with the number of
+    /// those that did not.
+    fn shutdown(&self, py: Python<'_>) -> usize {
+        py.detach(|| self.inner.shutdown());
         self.inner.connections()
     }
 

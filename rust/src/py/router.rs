@@ -407,7 +407,7 @@ impl Job {
             },
         };
         // Small answers cross into Python whole, with the head.
-        let (node, response) = match engine.send(permit, &request, &ctx, retry, true, exchange.as_ref()).await {
+        let (node, response) = match engine.send(&engine.forwarder, permit, &request, &ctx, retry, true, exchange.as_ref()).await {
             Ok(answer) => answer,
             Err(e) => return reply.fail(e),
         };

@@ -1,0 +1,356 @@
+//! HTTP/1.1 on the wire, as the client needs it: the request written in one piece, the
+//! response head parsed (httparse), and the body's framing decoded (length, chunked, or until
+//! the node closes).
+
+use std::future::poll_fn;
+use std::io;
+use std::task::{Context, Poll};
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{HeaderName, HeaderValue, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
+use http::{HeaderMap, Method, StatusCode};
+
+use super::pool::Connection;
+
+/// Bytes asked of the socket per read.
+pub const READ_SIZE: usize = 16 * 1024;
+/// Largest response head accepted, and most headers in it.
+const MAX_HEAD: usize = 64 * 1024;
+const MAX_HEADERS: usize = 128;
+
+/// The request line, headers and body, in one buffer (one write).
+pub fn encode_request(method: &Method, path: &str, authority: &str, headers: &HeaderMap, body: &Bytes) -> Vec<u8> {
+    let mut out = Vec::with_capacity(256 + headers.len() * 48 + body.len());
+    out.extend_from_slice(method.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(path.as_bytes());
+    out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
+    out.extend_from_slice(authority.as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in headers {
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    if !body.is_empty() || !matches!(*method, Method::GET | Method::HEAD) {
+        out.extend_from_slice(b"content-length: ");
+        out.extend_from_slice(body.len().to_string().as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    out.extend_from_slice(body);
+    out
+}
+
+/// How the body of an answer ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// So many bytes still to come.
+    Length(u64),
+    Chunked(Chunk),
+    /// Until the node closes the connection.
+    Close,
+    Done,
+}
+
+/// Where a chunked body's decoder stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Chunk {
+    /// At a chunk-size line.
+    Size,
+    /// Inside a chunk: bytes of data left.
+    Data(u64),
+    /// After a chunk's data: its CRLF.
+    DataEnd,
+    /// After the last chunk: trailer lines up to an empty one.
+    Trailers,
+}
+
+/// A response head.
+#[derive(Debug)]
+pub struct Head {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub framing: Framing,
+    /// Whether the connection may carry another request once the body is read.
+    pub reusable: bool,
+}
+
+#[derive(Debug)]
+pub enum HeadError {
+    /// The connection ended before any byte of an answer.
+    Closed,
+    Io(io::Error),
+    Invalid(&'static str),
+}
+
+/// Reads from the socket into the connection's buffer; `Ok(0)` at its end.
+pub fn poll_fill(connection: &mut Connection, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+    loop {
+        std::task::ready!(connection.stream.poll_read_ready(cx))?;
+        connection.buffer.reserve(READ_SIZE);
+        match connection.stream.try_read_buf(&mut connection.buffer) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            result => return Poll::Ready(result),
+        }
+    }
+}
+
+/// Reads the answer's head (skipping interim 1xx answers), leaving the body's first bytes in
+/// the buffer.
+pub async fn read_head(connection: &mut Connection, method: &Method) -> Result<Head, HeadError> {
+    let mut any = !connection.buffer.is_empty();
+    loop {
+        if !connection.buffer.is_empty() {
+            if let Some((head, used)) = parse_head(&connection.buffer, method)? {
+                connection.buffer.advance(used);
+                if head.status.is_informational() && head.status != StatusCode::SWITCHING_PROTOCOLS {
+                    continue;
+                }
+                return Ok(head);
+            }
+            if connection.buffer.len() > MAX_HEAD {
+                return Err(HeadError::Invalid("the response head is too large"));
+            }
+        }
+        match poll_fn(|cx| poll_fill(connection, cx)).await {
+            Ok(0) if !any => return Err(HeadError::Closed),
+            Ok(0) => return Err(HeadError::Invalid("the node closed the connection in the middle of its head")),
+            Ok(_) => any = true,
+            Err(e) if !any && matches!(e.kind(), io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe) => {
+                return Err(HeadError::Closed);
+            }
+            Err(e) => return Err(HeadError::Io(e)),
+        }
+    }
+}
+
+fn parse_head(buffer: &[u8], method: &Method) -> Result<Option<(Head, usize)>, HeadError> {
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut response = httparse::Response::new(&mut slots);
+    let used = match response.parse(buffer) {
+        Ok(httparse::Status::Complete(used)) => used,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(_) => return Err(HeadError::Invalid("the response head does not parse")),
+    };
+    let status = response.code.and_then(|c| StatusCode::from_u16(c).ok()).ok_or(HeadError::Invalid("bad status"))?;
+    let mut headers = HeaderMap::with_capacity(response.headers.len());
+    for header in response.headers.iter() {
+        let name = HeaderName::from_bytes(header.name.as_bytes()).map_err(|_| HeadError::Invalid("bad header name"))?;
+        let value = HeaderValue::from_bytes(header.value).map_err(|_| HeadError::Invalid("bad header value"))?;
+        headers.append(name, value);
+    }
+    let http11 = response.version == Some(1);
+    let closes = headers.get_all(CONNECTION).iter().any(|v| has_token(v.as_bytes(), b"close"));
+    let keeps = headers.get_all(CONNECTION).iter().any(|v| has_token(v.as_bytes(), b"keep-alive"));
+    let mut reusable = (http11 && !closes) || (!http11 && keeps);
+    let no_body = *method == Method::HEAD
+        || status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED;
+    let chunked = headers
+        .get_all(TRANSFER_ENCODING)
+        .iter()
+        .last()
+        .is_some_and(|v| v.as_bytes().rsplit(|&b| b == b',').next().is_some_and(|c| c.trim_ascii().eq_ignore_ascii_case(b"chunked")));
+    let framing = if no_body {
+        Framing::Done
+    } else if chunked {
+        Framing::Chunked(Chunk::Size)
+    } else if let Some(length) = headers.get(CONTENT_LENGTH) {
+        let length = length.to_str().ok().and_then(|l| l.trim().parse().ok()).ok_or(HeadError::Invalid("bad content-length"))?;
+        Framing::Length(length)
+    } else {
+        reusable = false;
+        Framing::Close
+    };
+    Ok(Some((Head { status, headers, framing, reusable }, used)))
+}
+
+fn has_token(value: &[u8], token: &[u8]) -> bool {
+    value.split(|&b| b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+}
+
+/// What decoding the buffer gave.
+#[derive(Debug, Default)]
+pub struct Decoded {
+    /// Body bytes, all that the buffer held.
+    pub data: Option<Bytes>,
+    pub done: bool,
+}
+
+/// Decodes what `buffer` holds of the body; needs more bytes when it returns neither data nor done.
+pub fn decode(buffer: &mut BytesMut, framing: &mut Framing) -> Result<Decoded, &'static str> {
+    match framing {
+        Framing::Done => Ok(Decoded { data: None, done: true }),
+        Framing::Close => Ok(Decoded { data: (!buffer.is_empty()).then(|| buffer.split().freeze()), done: false }),
+        Framing::Length(left) => {
+            let take = usize::try_from(*left).unwrap_or(usize::MAX).min(buffer.len());
+            let data = (take > 0).then(|| buffer.split_to(take).freeze());
+            *left -= take as u64;
+            let done = *left == 0;
+            if done {
+                *framing = Framing::Done;
+            }
+            Ok(Decoded { data, done })
+        }
+        Framing::Chunked(state) => {
+            let mut out = Chunks::default();
+            let done = decode_chunks(buffer, state, &mut out)?;
+            if done {
+                *framing = Framing::Done;
+            }
+            Ok(Decoded { data: out.take(), done })
+        }
+    }
+}
+
+/// The data of the chunks decoded in one go: the first as a slice of the buffer, more joined.
+#[derive(Default)]
+struct Chunks {
+    first: Option<Bytes>,
+    joined: Option<BytesMut>,
+}
+
+impl Chunks {
+    fn push(&mut self, data: Bytes) {
+        match (&self.first, &mut self.joined) {
+            (None, _) => self.first = Some(data),
+            (Some(first), None) => {
+                let mut all = BytesMut::with_capacity((first.len() + data.len()) * 2);
+                all.extend_from_slice(first);
+                all.extend_from_slice(&data);
+                self.joined = Some(all);
+            }
+            (Some(_), Some(all)) => all.extend_from_slice(&data),
+        }
+    }
+
+    fn take(self) -> Option<Bytes> {
+        self.joined.map(BytesMut::freeze).or(self.first)
+    }
+}
+
+/// Decodes every whole piece of a chunked body in `buffer`; true at the end of the body.
+fn decode_chunks(buffer: &mut BytesMut, state: &mut Chunk, out: &mut Chunks) -> Result<bool, &'static str> {
+    loop {
+        match *state {
+            Chunk::Size => {
+                let Some(end) = find_crlf(buffer)? else { return Ok(false) };
+                let line = &buffer[..end];
+                let digits = line.split(|&b| b == b';').next().unwrap_or_default().trim_ascii();
+                let size = parse_hex(digits).ok_or("bad chunk size")?;
+                buffer.advance(end + 2);
+                *state = if size == 0 { Chunk::Trailers } else { Chunk::Data(size) };
+            }
+            Chunk::Data(left) => {
+                if buffer.is_empty() {
+                    return Ok(false);
+                }
+                let take = usize::try_from(left).unwrap_or(usize::MAX).min(buffer.len());
+                out.push(buffer.split_to(take).freeze());
+                let left = left - take as u64;
+                *state = if left == 0 { Chunk::DataEnd } else { Chunk::Data(left) };
+            }
+            Chunk::DataEnd => {
+                if buffer.len() < 2 {
+                    return Ok(false);
+                }
+                if &buffer[..2] != b"\r\n" {
+                    return Err("a chunk does not end with CRLF");
+                }
+                buffer.advance(2);
+                *state = Chunk::Size;
+            }
+            Chunk::Trailers => {
+                let Some(end) = find_crlf(buffer)? else { return Ok(false) };
+                buffer.advance(end + 2);
+                if end == 0 {
+                    return Ok(true);
+                }
+            }
+        }
+    }
+}
+
+/// Where the first CRLF is; an over-long line is an error.
+fn find_crlf(buffer: &[u8]) -> Result<Option<usize>, &'static str> {
+    match memchr::memmem::find(buffer, b"\r\n") {
+        Some(end) => Ok(Some(end)),
+        None if buffer.len() > 4096 => Err("a chunk line is too long"),
+        None => Ok(None),
+    }
+}
+
+fn parse_hex(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() || digits.len() > 15 {
+        return None;
+    }
+    digits.iter().try_fold(0u64, |n, &d| Some(n * 16 + u64::from(char::from(d).to_digit(16)?)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all(input: &[&[u8]], mut framing: Framing) -> (Vec<u8>, bool) {
+        let mut buffer = BytesMut::new();
+        let mut out = Vec::new();
+        for piece in input {
+            buffer.extend_from_slice(piece);
+            let d = decode(&mut buffer, &mut framing).unwrap();
+            out.extend_from_slice(&d.data.unwrap_or_default());
+            if d.done {
+                return (out, true);
+            }
+        }
+        (out, false)
+    }
+
+    #[test]
+    fn chunked_bodies_decode_across_any_cut() {
+        let wire = b"5\r\nhello\r\n7;ext=1\r\n, world\r\n0\r\nx-trailer: 1\r\n\r\n";
+        for cut in 1..wire.len() {
+            let (data, done) = all(&[&wire[..cut], &wire[cut..]], Framing::Chunked(Chunk::Size));
+            assert_eq!((data.as_slice(), done), (&b"hello, world"[..], true), "cut at {cut}");
+        }
+        let mut buffer = BytesMut::from(&b"zz\r\n"[..]);
+        assert!(decode(&mut buffer, &mut Framing::Chunked(Chunk::Size)).is_err());
+    }
+
+    #[test]
+    fn several_chunks_in_one_read_are_one_piece() {
+        let mut buffer = BytesMut::from(&b"3\r\nabc\r\n3\r\ndef\r\n1\r\ng"[..]);
+        let mut framing = Framing::Chunked(Chunk::Size);
+        let d = decode(&mut buffer, &mut framing).unwrap();
+        assert_eq!(d.data.as_deref(), Some(&b"abcdefg"[..]));
+        assert!(!d.done && buffer.is_empty());
+    }
+
+    #[test]
+    fn lengths_and_heads() {
+        let (data, done) = all(&[b"ab", b"cdef"], Framing::Length(5));
+        assert_eq!((data.as_slice(), done), (&b"abcde"[..], true));
+        let raw = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: keep-alive\r\n\r\nhi";
+        let (head, used) = parse_head(raw, &Method::POST).unwrap().unwrap();
+        assert_eq!((head.status, head.framing, head.reusable, used), (StatusCode::OK, Framing::Length(2), true, raw.len() - 2));
+        let raw = b"HTTP/1.0 200 OK\r\n\r\n";
+        let (head, _) = parse_head(raw, &Method::POST).unwrap().unwrap();
+        assert_eq!((head.framing, head.reusable), (Framing::Close, false));
+        let raw = b"HTTP/1.1 204 No Content\r\nconnection: close\r\n\r\n";
+        let (head, _) = parse_head(raw, &Method::POST).unwrap().unwrap();
+        assert_eq!((head.framing, head.reusable), (Framing::Done, false));
+        assert!(parse_head(b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n", &Method::GET).is_err());
+    }
+
+    #[test]
+    fn requests_are_one_buffer() {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-a", HeaderValue::from_static("1"));
+        let out = encode_request(&Method::POST, "/v1/x?y=1", "h:1", &headers, &Bytes::from_static(b"{}"));
+        assert_eq!(out, b"POST /v1/x?y=1 HTTP/1.1\r\nhost: h:1\r\nx-a: 1\r\ncontent-length: 2\r\n\r\n{}");
+        let out = encode_request(&Method::GET, "/health", "h:1", &HeaderMap::new(), &Bytes::new());
+        assert_eq!(out, b"GET /health HTTP/1.1\r\nhost: h:1\r\n\r\n");
+    }
+}

@@ -1,0 +1,105 @@
+//! The upstream client: HTTP/1.1 to the nodes over pooled keep-alive connections, made for a
+//! proxy. A response body is read from the node's socket by whoever consumes it (the edge's
+//! relay writes each read to the client in the same task), so there is no connection task and
+//! no channel between the two sockets, and everything one read brings goes on as one piece.
+
+mod body;
+mod codec;
+mod pool;
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http::{HeaderMap, Method, StatusCode};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
+pub use body::Body;
+use codec::{encode_request, read_head, HeadError};
+use pool::{Connection, Pool};
+
+use crate::error::{Error, Kind, Result};
+
+/// Client settings; values come from the control plane's settings.
+#[derive(Debug, Clone, Copy)]
+pub struct ClientConfig {
+    pub connect_timeout: Duration,
+    pub idle_timeout: Duration,
+    pub max_idle_per_host: usize,
+}
+
+/// A node's answer: its head, and its body still to be read.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Body,
+}
+
+#[derive(Debug)]
+pub struct Client {
+    config: ClientConfig,
+    pool: Pool,
+}
+
+impl Client {
+    pub fn new(config: ClientConfig) -> Self {
+        Self { config, pool: Pool::new(config.max_idle_per_host, config.idle_timeout) }
+    }
+
+    /// Sends one request to `authority` (`host:port`) and reads the answer's head. A pooled
+    /// connection the node had closed meanwhile (its keep-alive ran out just as the request
+    /// went) is replaced by a new one: the node never saw that request.
+    pub async fn send(
+        &self,
+        authority: &str,
+        method: &Method,
+        path: &str,
+        headers: &HeaderMap,
+        body: &Bytes,
+    ) -> Result<Answer> {
+        let request = encode_request(method, path, authority, headers, body);
+        loop {
+            let (mut connection, reused) = match self.pool.checkout(authority) {
+                Some(connection) => (connection, true),
+                None => (self.connect(authority).await?, false),
+            };
+            if let Err(e) = connection.stream.write_all(&request).await {
+                if reused {
+                    continue;
+                }
+                // The request did not reach the node whole: it never ran.
+                return Err(Error::with_source(Kind::Connect, "could not send the request to the node", e));
+            }
+            match read_head(&mut connection, method).await {
+                Ok(head) => {
+                    let body = Body::new(connection, head.framing, head.reusable, self.pool.returner(authority));
+                    return Ok(Answer { status: head.status, headers: head.headers, body });
+                }
+                Err(HeadError::Closed) if reused => {}
+                Err(HeadError::Closed) => {
+                    return Err(Error::new(Kind::Upstream, "the node closed the connection before answering"));
+                }
+                Err(HeadError::Io(e)) => {
+                    return Err(Error::with_source(Kind::Upstream, "the node broke off the connection before answering", e));
+                }
+                Err(HeadError::Invalid(why)) => {
+                    return Err(Error::new(Kind::Upstream, format!("the node's answer is not valid HTTP: {why}")));
+                }
+            }
+        }
+    }
+
+    async fn connect(&self, authority: &str) -> Result<Connection> {
+        let connected = tokio::time::timeout(self.config.connect_timeout, TcpStream::connect(authority)).await;
+        let stream = match connected {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(e)) => return Err(Error::with_source(Kind::Connect, "could not connect to the node", e)),
+            Err(_) => return Err(Error::new(Kind::Connect, "could not connect to the node in time")),
+        };
+        let _ = stream.set_nodelay(true);
+        let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
+        let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+        Ok(Connection { stream, buffer: BytesMut::with_capacity(codec::READ_SIZE) })
+    }
+}
