@@ -4,13 +4,13 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use http::header::{HeaderMap, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use http::{Method, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::BodyExt;
 
 use crate::error::{BoxError, Error, Kind, Result};
-use crate::headers::client_response_headers;
+use crate::headers::strip_hop_headers;
 use crate::node::Node;
 use crate::permit::Outcome;
 use crate::sse;
@@ -49,7 +49,8 @@ pub struct ForwardRequest {
 #[derive(Debug)]
 pub struct UpstreamResponse {
     pub status: StatusCode,
-    pub headers: Vec<(HeaderName, HeaderValue)>,
+    /// Without the headers of the node's hop.
+    pub headers: HeaderMap,
     pub body: ResponseBody,
 }
 
@@ -108,21 +109,22 @@ impl Forwarder {
     /// is read whole first when it is small and not an event stream. Accounting is the caller's.
     pub async fn forward(&self, node: &Node, request: &ForwardRequest, prefetch: bool) -> Result<UpstreamResponse> {
         let path = node.path_for(&request.path_and_query);
-        let mut headers = request.headers.clone();
-        if let Some(key) = &node.spec().api_key {
-            let value = http::HeaderValue::from_str(&format!("Bearer {key}")).map_err(|e| {
+        let key = match &node.spec().api_key {
+            Some(key) => Some(HeaderValue::from_str(&format!("Bearer {key}")).map_err(|e| {
                 Error::with_source(Kind::InvalidNode, "the node's API key is not a valid header value", e)
-            })?;
-            headers.insert(http::header::AUTHORIZATION, value);
-        }
-        let sent = self.client.send(node.authority(), &request.method, &path, &headers, &request.body);
+            })?),
+            None => None,
+        };
+        let sent =
+            self.client.send(node.authority(), &request.method, &path, &request.headers, key.as_ref(), &request.body);
         let answer = match tokio::time::timeout(self.config.first_byte_timeout, sent).await {
             Ok(answer) => answer?,
             Err(_) => return Err(Error::new(Kind::Timeout, "the node did not answer in time")),
         };
-        let headers = client_response_headers(&answer.headers);
-        let event_stream = answer.headers.get(CONTENT_TYPE).is_some_and(|ct| sse::is_event_stream(ct.as_bytes()));
-        let small = content_length(&answer.headers).is_some_and(|len| len <= self.config.prefetch_limit);
+        let mut headers = answer.headers;
+        strip_hop_headers(&mut headers);
+        let event_stream = headers.get(CONTENT_TYPE).is_some_and(|ct| sse::is_event_stream(ct.as_bytes()));
+        let small = content_length(&headers).is_some_and(|len| len <= self.config.prefetch_limit);
         let body = if prefetch && !event_stream && small {
             ResponseBody::Complete(read_whole(answer.body, self.config.stream_idle_timeout).await?)
         } else {
@@ -135,15 +137,24 @@ impl Forwarder {
 /// A small body read whole; every read is bounded by `idle` (a node that announces a length,
 /// sends part of it and stalls must not hold the request forever).
 async fn read_whole(mut body: impl http_body::Body<Data = Bytes, Error = BoxError> + Unpin, idle: Duration) -> Result<Bytes> {
-    let mut out = bytes::BytesMut::new();
+    let mut first: Option<Bytes> = None;
+    let mut joined: Option<bytes::BytesMut> = None;
     loop {
         match tokio::time::timeout(idle, body.frame()).await {
             Err(_) => return Err(Error::new(Kind::Timeout, "the node sent nothing for too long")),
-            Ok(None) => return Ok(out.freeze()),
+            Ok(None) => return Ok(joined.map(bytes::BytesMut::freeze).or(first).unwrap_or_default()),
             Ok(Some(Err(e))) => return Err(Error::with_source(Kind::Upstream, "the node broke off the response", e)),
             Ok(Some(Ok(frame))) => {
-                if let Ok(data) = frame.into_data() {
-                    out.extend_from_slice(&data);
+                let Ok(data) = frame.into_data() else { continue };
+                match (&first, &mut joined) {
+                    (None, _) => first = Some(data),
+                    (Some(head), None) => {
+                        let mut all = bytes::BytesMut::with_capacity(head.len() + data.len());
+                        all.extend_from_slice(head);
+                        all.extend_from_slice(&data);
+                        joined = Some(all);
+                    }
+                    (Some(_), Some(all)) => all.extend_from_slice(&data),
                 }
             }
         }

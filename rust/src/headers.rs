@@ -61,23 +61,37 @@ pub fn upstream_request_headers(client: &[(Vec<u8>, Vec<u8>)]) -> HeaderMap {
     out
 }
 
-/// Whether a response header stays on its hop.
-pub fn is_hop_header(name: &HeaderName, listed: &[Vec<u8>]) -> bool {
-    let n = name.as_str().as_bytes();
-    is_hop_by_hop(n) || listed.iter().any(|l| l.as_slice() == n)
+/// Removes every header named in `names` (one pass over the headers when none is there, which
+/// is the common case: no hashing).
+pub fn remove_any(headers: &mut HeaderMap, names: &[HeaderName]) {
+    if !headers.keys().any(|n| names.contains(n)) {
+        return;
+    }
+    for name in names {
+        headers.remove(name);
+    }
 }
 
-/// The node's response headers that may reach the client.
-pub fn client_response_headers(upstream: &HeaderMap) -> Vec<(HeaderName, HeaderValue)> {
-    let listed = connection_listed(upstream.get_all(header::CONNECTION).iter().map(HeaderValue::as_bytes));
-    upstream
-        .iter()
-        .filter(|(name, _)| {
-            let n = name.as_str().as_bytes();
-            !is_hop_by_hop(n) && !listed.iter().any(|l| l.as_slice() == n)
-        })
-        .map(|(n, v)| (n.clone(), v.clone()))
-        .collect()
+/// Removes from `headers` those of its own hop: hop-by-hop headers and those its `Connection`
+/// header lists (a response passed on, or a request before the proxy's own are added).
+pub fn strip_hop_headers(headers: &mut HeaderMap) {
+    static HOP: [HeaderName; 8] = [
+        header::CONNECTION,
+        HeaderName::from_static("keep-alive"),
+        header::PROXY_AUTHENTICATE,
+        header::PROXY_AUTHORIZATION,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+    ];
+    let listed = if headers.contains_key(header::CONNECTION) { listed_in_connection(headers) } else { Vec::new() };
+    remove_any(headers, &HOP);
+    for name in listed {
+        if let Ok(name) = HeaderName::from_bytes(&name) {
+            headers.remove(name);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -113,7 +127,8 @@ mod tests {
         upstream.insert("connection", HeaderValue::from_static("x-hop"));
         upstream.insert("x-hop", HeaderValue::from_static("1"));
         upstream.insert("x-request-id", HeaderValue::from_static("abc"));
-        let kept: Vec<String> = client_response_headers(&upstream).into_iter().map(|(n, _)| n.to_string()).collect();
+        strip_hop_headers(&mut upstream);
+        let kept: Vec<&str> = upstream.keys().map(HeaderName::as_str).collect();
         assert_eq!(kept, ["content-type", "x-request-id"]);
     }
 }

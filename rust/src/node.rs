@@ -25,6 +25,15 @@ pub enum Role {
 impl Role {
     pub const ALL: [Role; 3] = [Role::Hybrid, Role::Prefill, Role::Decode];
 
+    /// The role's place in tables indexed by role.
+    pub fn index(self) -> usize {
+        match self {
+            Role::Hybrid => 0,
+            Role::Prefill => 1,
+            Role::Decode => 2,
+        }
+    }
+
     /// Accepts LMDeploy's integers (Hybrid=1, Prefill=2, Decode=3) and names, any case.
     pub fn parse(raw: &str) -> Result<Self> {
         match raw.trim().to_ascii_lowercase().as_str() {

@@ -1,7 +1,7 @@
 //! The node table: an immutable snapshot swapped atomically. Readers never lock; writers
 //! (rare: add, update, remove) serialise on a mutex and publish a new snapshot.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -15,9 +15,10 @@ use crate::shared::SharedTable;
 #[derive(Debug, Default)]
 pub struct NodeSet {
     nodes: Vec<Arc<Node>>,
-    by_role: HashMap<Role, RoleNodes>,
+    /// Per role (`Role::index`).
+    by_role: [RoleNodes; 3],
     /// Per role and model: the nodes that declare it, then the nodes of unknown models.
-    by_model: HashMap<Role, HashMap<String, Vec<Arc<Node>>>>,
+    by_model: [FxHashMap<String, Vec<Arc<Node>>>; 3],
     /// Requests received per declared model (the counters outlive the snapshot).
     tallies: Tallies,
 }
@@ -26,7 +27,7 @@ pub struct NodeSet {
 /// (so a client cannot grow the set), `none` for requests that name no model.
 #[derive(Debug, Default, Clone)]
 struct Tallies {
-    by_model: HashMap<String, Arc<AtomicU64>>,
+    by_model: FxHashMap<String, Arc<AtomicU64>>,
     other: Arc<AtomicU64>,
     none: Arc<AtomicU64>,
 }
@@ -48,23 +49,23 @@ pub enum NoCandidates {
 
 impl NodeSet {
     fn build(nodes: Vec<Arc<Node>>, tallies: Tallies) -> Self {
-        let mut by_role: HashMap<Role, RoleNodes> = HashMap::new();
+        let mut by_role: [RoleNodes; 3] = Default::default();
         for node in &nodes {
-            let entry = by_role.entry(node.role()).or_default();
+            let entry = &mut by_role[node.role().index()];
             entry.all.push(Arc::clone(node));
             if node.models().is_empty() {
                 entry.wildcard.push(Arc::clone(node));
             }
         }
-        let mut by_model: HashMap<Role, HashMap<String, Vec<Arc<Node>>>> = HashMap::new();
+        let mut by_model: [FxHashMap<String, Vec<Arc<Node>>>; 3] = Default::default();
         for node in &nodes {
             for model in node.models() {
-                by_model.entry(node.role()).or_default().entry(model.clone()).or_default().push(Arc::clone(node));
+                by_model[node.role().index()].entry(model.clone()).or_default().push(Arc::clone(node));
             }
         }
-        for (role, models) in &mut by_model {
+        for (models, role) in by_model.iter_mut().zip(&by_role) {
             for list in models.values_mut() {
-                list.extend(by_role[role].wildcard.iter().cloned());
+                list.extend(role.wildcard.iter().cloned());
             }
         }
         Self { nodes, by_role, by_model, tallies }
@@ -90,12 +91,13 @@ impl NodeSet {
 
     /// The nodes of `role` that may serve `model` (any of them when the request names none).
     pub fn candidates(&self, role: Role, model: Option<&str>) -> Result<&[Arc<Node>], NoCandidates> {
-        let Some(nodes) = self.by_role.get(&role) else {
+        let nodes = &self.by_role[role.index()];
+        if nodes.all.is_empty() {
             return Err(NoCandidates::NoNodes);
-        };
+        }
         let list = match model {
             None => &nodes.all,
-            Some(m) => self.by_model.get(&role).and_then(|models| models.get(m)).unwrap_or(&nodes.wildcard),
+            Some(m) => self.by_model[role.index()].get(m).unwrap_or(&nodes.wildcard),
         };
         if list.is_empty() {
             Err(NoCandidates::ModelNotFound)
@@ -173,7 +175,8 @@ impl Registry {
     /// Publishes a new table of `nodes`. Called with the writer lock held.
     fn publish(&self, nodes: Vec<Arc<Node>>) {
         let mut all = self.tallies.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut tallies = Tallies { by_model: HashMap::new(), other: Arc::clone(&all.other), none: Arc::clone(&all.none) };
+        let mut tallies =
+            Tallies { by_model: FxHashMap::default(), other: Arc::clone(&all.other), none: Arc::clone(&all.none) };
         for model in nodes.iter().flat_map(|n| n.models()) {
             let counter = all.by_model.entry(model.clone()).or_default();
             tallies.by_model.insert(model.clone(), Arc::clone(counter));

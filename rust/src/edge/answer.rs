@@ -9,6 +9,7 @@ use http::header::{HeaderValue, CONNECTION, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHE
 use http::{Response, StatusCode};
 
 use super::body::EdgeBody;
+use super::request::X_REQUEST_ID;
 use crate::error::{Error, Kind};
 
 /// One kind of error answer: its status, OpenAI `type` and `code`, and default `Retry-After`.
@@ -103,7 +104,7 @@ pub fn error(fault: Fault, message: &str, retry_after: Option<u32>, request_id: 
     if fault == DRAINING {
         headers.insert(CONNECTION, HeaderValue::from_static("close"));
     }
-    headers.insert("x-request-id", request_id.clone());
+    headers.insert(X_REQUEST_ID.clone(), request_id.clone());
     response
 }
 

@@ -23,7 +23,7 @@ use tokio::net::UnixStream;
 use super::answer::{self, CONTROL_PLANE_UNAVAILABLE};
 use super::body::EdgeBody;
 use crate::error::BoxError;
-use crate::headers::{is_hop_header, listed_in_connection};
+use crate::headers::strip_hop_headers;
 
 /// The header that tells the control plane the client's address (its own peer is the edge).
 pub const PEER_HEADER: &str = "x-pdproxy-peer";
@@ -79,11 +79,7 @@ impl ControlPlane {
             Err(_) => return unavailable("the control plane is not available"),
         };
         let (mut parts, body) = request.into_parts();
-        let listed = listed_in_connection(&parts.headers);
-        let hop: Vec<_> = parts.headers.keys().filter(|n| is_hop_header(n, &listed)).cloned().collect();
-        for name in hop {
-            parts.headers.remove(name);
-        }
+        strip_hop_headers(&mut parts.headers);
         parts.headers.insert(
             PEER_HEADER,
             HeaderValue::from_str(&peer.to_string()).unwrap_or_else(|_| HeaderValue::from_static("")),
@@ -98,13 +94,11 @@ impl ControlPlane {
             Err(_) => return unavailable("the control plane did not answer in time"),
         };
         let (mut parts, body) = response.into_parts();
-        let listed = listed_in_connection(&parts.headers);
-        let hop: Vec<_> = parts.headers.keys().filter(|n| is_hop_header(n, &listed)).cloned().collect();
-        for name in hop {
-            // `connection: close` of a draining answer is the client's business too.
-            if name != http::header::CONNECTION {
-                parts.headers.remove(name);
-            }
+        // `connection: close` of a draining answer is the client's business too.
+        let close = parts.headers.get(http::header::CONNECTION).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
+        strip_hop_headers(&mut parts.headers);
+        if close {
+            parts.headers.insert(http::header::CONNECTION, HeaderValue::from_static("close"));
         }
         // The private hop's server is an implementation detail: the client sees the edge's answers.
         if parts.headers.get(http::header::SERVER).is_some_and(|v| v == "granian") {

@@ -8,13 +8,13 @@ use std::time::Instant;
 
 use http::header::{HeaderValue, CONNECTION, CONTENT_TYPE};
 use http::request::Parts;
-use http::{HeaderMap, Response};
+use http::Response;
 use hyper::body::Incoming;
 
 use super::access::Record;
 use super::answer::{self, Fault};
 use super::body::{EdgeBody, Relay, RelayParts};
-use super::request::{check_media_type, linger, read_body, upstream_headers, BodyError};
+use super::request::{check_media_type, linger, read_body, upstream_headers, BodyError, X_REQUEST_ID};
 use super::server::Worker;
 use super::EdgeState;
 use crate::engine::{select_ctx, GatePass, HeldPermit, PermitHolder, Refusal};
@@ -24,12 +24,10 @@ use crate::inspect::{inspect, RequestInfo};
 use crate::node::{Node, Role};
 use crate::sse;
 
-/// A request that passed the checks: its body read and parsed once.
+/// A request that passed the checks, ready to forward: its body read, its headers the node's.
 pub struct Checked {
-    pub parts: Parts,
     pub pass: GatePass,
-    pub body: bytes::Bytes,
-    pub headers: HeaderMap,
+    pub request: ForwardRequest,
 }
 
 /// The answer to a request the fast path refused, recorded as the proxy's error.
@@ -106,8 +104,14 @@ pub async fn check(
             return Err(refuse(record, answer::INVALID_REQUEST, message, None, id));
         }
     };
-    let headers = upstream_headers(&parts.headers, peer.ip(), id, had_id);
-    Ok(Checked { parts, pass, body, headers })
+    let Parts { method, uri, headers, .. } = parts;
+    let request = ForwardRequest {
+        method,
+        path_and_query: uri.path_and_query().map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned()),
+        headers: upstream_headers(headers, peer.ip(), id, had_id),
+        body,
+    };
+    Ok(Checked { pass, request })
 }
 
 /// The body's routing fields; a pass-through path (`require_model`) needs a model.
@@ -117,12 +121,13 @@ pub fn parse<'a>(
     id: &HeaderValue,
     record: &mut Option<Box<Record>>,
 ) -> Result<RequestInfo<'a>, Response<EdgeBody>> {
-    let info = inspect(&checked.body).map_err(|e| refuse_error(record, &e, id))?;
+    let info = inspect(&checked.request.body).map_err(|e| refuse_error(record, &e, id))?;
     if let Some(record) = record {
         record.model = info.model.as_deref().map(str::to_owned);
     }
     if require_model && info.model.is_none() {
-        let message = format!("no route for {} without a model in the body", checked.parts.uri.path());
+        let path = checked.request.path_and_query.split('?').next().unwrap_or_default();
+        let message = format!("no route for {path} without a model in the body");
         return Err(refuse(record, answer::NOT_FOUND, &message, None, id));
     }
     Ok(info)
@@ -148,25 +153,21 @@ pub async fn serve(
         Ok(info) => info,
         Err(refusal) => return refusal,
     };
-    let ctx = select_ctx(Role::Hybrid, &checked.headers, &info);
+    let request = &checked.request;
+    let ctx = select_ctx(Role::Hybrid, &request.headers, &info);
     let started = Instant::now();
     let deadline = state.engine.config.request_timeout.map(|t| tokio::time::Instant::now() + t);
-    let request = ForwardRequest {
-        method: checked.parts.method.clone(),
-        path_and_query: checked.parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_owned(),
-        headers: checked.headers.clone(),
-        body: checked.body.clone(),
-    };
     let held = HeldPermit::default();
     let sent = within(deadline, async {
         let permit = state.engine.permit(&ctx).await?;
-        state.engine.send(&worker.forwarder, permit, &request, &ctx, true, true, &held).await
+        state.engine.send(&worker.forwarder, permit, request, &ctx, true, true, &held).await
     })
     .await;
     let (node, response) = match sent {
         Ok(answer) => answer,
         Err(e) => return refuse_error(&mut record, &e, &id),
     };
+    drop(info);
     respond(state, &node, response, &held, &id, Some(checked.pass), record, started, deadline)
 }
 
@@ -198,13 +199,9 @@ pub fn respond(
     deadline: Option<tokio::time::Instant>,
 ) -> Response<EdgeBody> {
     let outcome = response.outcome();
-    let UpstreamResponse { status, headers, body } = response;
-    let mut head = HeaderMap::with_capacity(headers.len() + 1);
-    for (name, value) in headers {
-        head.append(name, value);
-    }
-    if !head.contains_key("x-request-id") {
-        head.insert("x-request-id", id.clone());
+    let UpstreamResponse { status, headers: mut head, body } = response;
+    if !head.contains_key(&X_REQUEST_ID) {
+        head.insert(X_REQUEST_ID.clone(), id.clone());
     }
     if let Some(record) = &mut record {
         record.node = Some(node.url().to_owned());

@@ -19,6 +19,7 @@ use serde_json::value::RawValue;
 use super::access::Record;
 use super::answer::{self, INVALID_REQUEST, PREFILL_FAILED, UPSTREAM_INVALID_RESPONSE};
 use super::body::EdgeBody;
+use super::request::X_REQUEST_ID;
 use super::hybrid::{check, parse, refuse, refuse_error, respond, within};
 use super::server::Worker;
 use super::PdProtocol;
@@ -54,17 +55,13 @@ pub async fn serve(
     };
     let started = Instant::now();
     let deadline = state.engine.config.request_timeout.map(|t| tokio::time::Instant::now() + t);
-    let request = ForwardRequest {
-        method: checked.parts.method.clone(),
-        path_and_query: checked.parts.uri.path_and_query().map_or("/", |p| p.as_str()).to_owned(),
-        headers: checked.headers.clone(),
-        body: checked.body.clone(),
-    };
-    let flow = Flow { worker, request: &request, headers: &checked.headers, info: &info };
+    let request = &checked.request;
+    let flow = Flow { worker, request, headers: &request.headers, info: &info };
     let answered = match protocol {
         PdProtocol::Vllm => within(deadline, flow.vllm()).await,
         _ => within(deadline, flow.sglang()).await,
     };
+    drop(info);
     match answered {
         Ok(Answer::Relay { node, response, held }) => {
             respond(state, &node, response, &held, &id, Some(checked.pass), record, started, deadline)
@@ -94,7 +91,7 @@ fn raw(
     record: &mut Option<Box<Record>>,
 ) -> Response<EdgeBody> {
     headers.remove(CONTENT_LENGTH);
-    headers.insert("x-request-id", id.clone());
+    headers.insert(X_REQUEST_ID.clone(), id.clone());
     if let Some(record) = record {
         record.status = Some(status.as_u16());
         record.sent(&body);
@@ -292,11 +289,7 @@ async fn whole(response: UpstreamResponse, held: &HeldPermit, engine: &Engine) -
         },
     };
     held.release(outcome);
-    let mut map = HeaderMap::with_capacity(headers.len());
-    for (name, value) in headers {
-        map.append(name, value);
-    }
-    Ok((status, map, body))
+    Ok((status, headers, body))
 }
 
 /// Reads a body to its end, each read bounded by `idle`.

@@ -5,14 +5,14 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, HOST};
+use http::header::{HeaderName, HeaderValue, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, HOST};
 use http::HeaderMap;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
-use crate::headers::{listed_in_connection, stays_on_client_hop};
+use crate::headers::{remove_any, strip_hop_headers};
 
-static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -25,7 +25,11 @@ pub fn request_id(headers: &HeaderMap) -> (HeaderValue, bool) {
     let random = fastrand::u128(..);
     // Version 4, variant 1, as Python's uuid4().hex.
     let uuid = (random & !(0xF << 76) & !(0x3 << 62)) | (0x4 << 76) | (0x2 << 62);
-    let id = HeaderValue::from_str(&format!("{uuid:032x}")).unwrap_or_else(|_| HeaderValue::from_static("0"));
+    let mut hex = [0u8; 32];
+    for (i, digit) in hex.iter_mut().enumerate() {
+        *digit = b"0123456789abcdef"[((uuid >> (124 - 4 * i)) & 0xF) as usize];
+    }
+    let id = HeaderValue::from_bytes(&hex).unwrap_or_else(|_| HeaderValue::from_static("0"));
     (id, false)
 }
 
@@ -100,25 +104,27 @@ pub async fn linger(mut body: Incoming) {
     .await;
 }
 
-/// The headers the node gets: the client's, without those of the client's hop, plus the
-/// request id and `X-Forwarded-For/Host/Proto` (the proxy's, replacing what the client claimed).
-pub fn upstream_headers(client: &HeaderMap, peer: IpAddr, request_id: &HeaderValue, had_id: bool) -> HeaderMap {
-    let listed = listed_in_connection(client);
-    let mut out = HeaderMap::with_capacity(client.len() + 4);
-    let mut forwarded_for: Option<&HeaderValue> = None;
-    for (name, value) in client {
-        if name == X_FORWARDED_FOR {
-            forwarded_for = Some(value);
-        } else if name == X_FORWARDED_HOST || name == X_FORWARDED_PROTO {
-        } else if !stays_on_client_hop(name.as_str().as_bytes(), &listed) {
-            out.append(name.clone(), value.clone());
-        }
-    }
+/// The headers the node gets, made from the client's in place: without those of the client's
+/// hop, plus the request id and `X-Forwarded-For/Host/Proto` (the proxy's, replacing what the
+/// client claimed).
+pub fn upstream_headers(mut headers: HeaderMap, peer: IpAddr, request_id: &HeaderValue, had_id: bool) -> HeaderMap {
+    let earlier = headers.get_all(&X_FORWARDED_FOR).iter().last().cloned();
+    let host = headers.get(HOST).cloned();
+    strip_hop_headers(&mut headers);
+    static CLIENT_HOP: [HeaderName; 6] = [
+        HeaderName::from_static("x-forwarded-for"),
+        HeaderName::from_static("x-forwarded-host"),
+        HeaderName::from_static("x-forwarded-proto"),
+        HOST,
+        CONTENT_LENGTH,
+        AUTHORIZATION,
+    ];
+    remove_any(&mut headers, &CLIENT_HOP);
     if !had_id {
-        out.insert(X_REQUEST_ID.clone(), request_id.clone());
+        headers.insert(X_REQUEST_ID.clone(), request_id.clone());
     }
     let peer = peer.to_string();
-    let chain = match forwarded_for {
+    let chain = match earlier {
         Some(earlier) => {
             let mut chain = earlier.as_bytes().to_vec();
             chain.extend_from_slice(b", ");
@@ -128,13 +134,13 @@ pub fn upstream_headers(client: &HeaderMap, peer: IpAddr, request_id: &HeaderVal
         None => HeaderValue::from_str(&peer),
     };
     if let Ok(chain) = chain {
-        out.insert(X_FORWARDED_FOR.clone(), chain);
+        headers.insert(X_FORWARDED_FOR.clone(), chain);
     }
-    if let Some(host) = client.get(HOST) {
-        out.insert(X_FORWARDED_HOST.clone(), host.clone());
+    if let Some(host) = host {
+        headers.insert(X_FORWARDED_HOST.clone(), host);
     }
-    out.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
-    out
+    headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+    headers
 }
 
 #[cfg(test)]
@@ -172,7 +178,7 @@ mod tests {
         h.insert("connection", HeaderValue::from_static("x-hop"));
         h.insert("x-hop", HeaderValue::from_static("1"));
         h.insert("x-session-id", HeaderValue::from_static("s"));
-        let out = upstream_headers(&h, "10.0.0.9".parse().unwrap(), &HeaderValue::from_static("id"), false);
+        let out = upstream_headers(h, "10.0.0.9".parse().unwrap(), &HeaderValue::from_static("id"), false);
         assert_eq!(out["x-forwarded-for"], "1.2.3.4, 10.0.0.9");
         assert_eq!(out["x-forwarded-host"], "proxy:8000");
         assert_eq!(out["x-forwarded-proto"], "http");

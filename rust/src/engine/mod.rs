@@ -296,8 +296,10 @@ impl Engine {
 /// The affinity key of a request: the `x-session-id` or `x-user-id` header, else the body's
 /// `session_id` or `user`.
 pub fn affinity<'a>(headers: &'a HeaderMap, info: &'a RequestInfo<'_>) -> Option<&'a str> {
-    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    header("x-session-id").or_else(|| header("x-user-id")).or(info.body_affinity())
+    static SESSION: http::HeaderName = http::HeaderName::from_static("x-session-id");
+    static USER: http::HeaderName = http::HeaderName::from_static("x-user-id");
+    let header = |name: &http::HeaderName| headers.get(name).and_then(|v| v.to_str().ok());
+    header(&SESSION).or_else(|| header(&USER)).or(info.body_affinity())
 }
 
 /// What selection needs of a request, from its parsed body and headers.

@@ -1,6 +1,6 @@
 //! The routing policy of each role, and per-model overrides.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
 use crate::error::{Error, Kind, Result};
@@ -18,19 +18,16 @@ pub struct PolicyNames {
 
 #[derive(Debug)]
 pub struct PolicySet {
-    by_role: HashMap<Role, Arc<dyn Policy>>,
-    by_model: HashMap<String, Arc<dyn Policy>>,
+    /// Per role (`Role::index`).
+    by_role: [Arc<dyn Policy>; 3],
+    by_model: FxHashMap<String, Arc<dyn Policy>>,
 }
 
 impl PolicySet {
     pub fn build(names: &PolicyNames, config: &PolicyConfig) -> Result<Self> {
         let build = |name: &str| policy_from_name(name.trim(), config);
-        let by_role = HashMap::from([
-            (Role::Hybrid, build(&names.hybrid)?),
-            (Role::Prefill, build(&names.prefill)?),
-            (Role::Decode, build(&names.decode)?),
-        ]);
-        let mut by_model = HashMap::new();
+        let by_role = [build(&names.hybrid)?, build(&names.prefill)?, build(&names.decode)?];
+        let mut by_model = FxHashMap::default();
         for entry in &names.by_model {
             let Some((model, name)) = entry.split_once('=') else {
                 return Err(Error::new(Kind::Config, format!("model policy {entry:?} must read MODEL=POLICY")));
@@ -41,13 +38,16 @@ impl PolicySet {
     }
 
     pub fn for_request(&self, role: Role, model: Option<&str>) -> &Arc<dyn Policy> {
-        model.and_then(|m| self.by_model.get(m)).unwrap_or(&self.by_role[&role])
+        if self.by_model.is_empty() {
+            return &self.by_role[role.index()];
+        }
+        model.and_then(|m| self.by_model.get(m)).unwrap_or(&self.by_role[role.index()])
     }
 
     /// `(role, policy)` for each role, then `("model:NAME", policy)` for each override.
     pub fn names(&self) -> Vec<(String, &'static str)> {
         let mut out: Vec<(String, &'static str)> =
-            Role::ALL.iter().map(|r| (r.name().to_owned(), self.by_role[r].name())).collect();
+            Role::ALL.iter().map(|r| (r.name().to_owned(), self.by_role[r.index()].name())).collect();
         out.extend(self.by_model.iter().map(|(m, p)| (format!("model:{m}"), p.name())));
         out
     }

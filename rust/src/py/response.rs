@@ -33,7 +33,7 @@ pub struct Response {
 /// The parts of a node's response head that reach Python.
 pub struct Head<'a> {
     pub status: http::StatusCode,
-    pub headers: &'a [(http::HeaderName, http::HeaderValue)],
+    pub headers: &'a http::HeaderMap,
     pub node: &'a str,
     /// The whole body, when it was read with the head.
     pub complete: Option<&'a [u8]>,

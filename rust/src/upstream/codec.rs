@@ -18,8 +18,16 @@ pub const READ_SIZE: usize = 16 * 1024;
 const MAX_HEAD: usize = 64 * 1024;
 const MAX_HEADERS: usize = 128;
 
-/// The request line, headers and body, in one buffer (one write).
-pub fn encode_request(method: &Method, path: &str, authority: &str, headers: &HeaderMap, body: &Bytes) -> Vec<u8> {
+/// The request line, headers (with the node's `authorization`, if any) and body, in one
+/// buffer (one write).
+pub fn encode_request(
+    method: &Method,
+    path: &str,
+    authority: &str,
+    headers: &HeaderMap,
+    authorization: Option<&HeaderValue>,
+    body: &Bytes,
+) -> Vec<u8> {
     let mut out = Vec::with_capacity(256 + headers.len() * 48 + body.len());
     out.extend_from_slice(method.as_str().as_bytes());
     out.push(b' ');
@@ -27,7 +35,8 @@ pub fn encode_request(method: &Method, path: &str, authority: &str, headers: &He
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     out.extend_from_slice(authority.as_bytes());
     out.extend_from_slice(b"\r\n");
-    for (name, value) in headers {
+    let key = authorization.map(|value| (&http::header::AUTHORIZATION, value));
+    for (name, value) in headers.iter().chain(key) {
         out.extend_from_slice(name.as_str().as_bytes());
         out.extend_from_slice(b": ");
         out.extend_from_slice(value.as_bytes());
@@ -103,8 +112,7 @@ pub async fn read_head(connection: &mut Connection, method: &Method) -> Result<H
     let mut any = !connection.buffer.is_empty();
     loop {
         if !connection.buffer.is_empty() {
-            if let Some((head, used)) = parse_head(&connection.buffer, method)? {
-                connection.buffer.advance(used);
+            if let Some(head) = parse_head(&mut connection.buffer, method)? {
                 if head.status.is_informational() && head.status != StatusCode::SWITCHING_PROTOCOLS {
                     continue;
                 }
@@ -126,22 +134,34 @@ pub async fn read_head(connection: &mut Connection, method: &Method) -> Result<H
     }
 }
 
-fn parse_head(buffer: &[u8], method: &Method) -> Result<Option<(Head, usize)>, HeadError> {
-    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let mut response = httparse::Response::new(&mut slots);
-    let used = match response.parse(buffer) {
+/// Parses a whole head at the start of `buffer` and takes it out; `None` while it is partial.
+/// Header values are slices of the head's bytes, not copies.
+fn parse_head(buffer: &mut BytesMut, method: &Method) -> Result<Option<Head>, HeadError> {
+    let mut slots = [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
+    let mut response = httparse::Response::new(&mut []);
+    let used = match httparse::ParserConfig::default().parse_response_with_uninit_headers(&mut response, buffer, &mut slots) {
         Ok(httparse::Status::Complete(used)) => used,
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(_) => return Err(HeadError::Invalid("the response head does not parse")),
     };
     let status = response.code.and_then(|c| StatusCode::from_u16(c).ok()).ok_or(HeadError::Invalid("bad status"))?;
-    let mut headers = HeaderMap::with_capacity(response.headers.len());
-    for header in response.headers.iter() {
-        let name = HeaderName::from_bytes(header.name.as_bytes()).map_err(|_| HeadError::Invalid("bad header name"))?;
-        let value = HeaderValue::from_bytes(header.value).map_err(|_| HeadError::Invalid("bad header value"))?;
+    let http11 = response.version == Some(1);
+    // Where each name and value lies in the buffer, to slice them once the head is taken out.
+    let base = buffer.as_ptr() as usize;
+    let spans: Vec<(usize, usize, usize, usize)> = response
+        .headers
+        .iter()
+        .map(|h| (h.name.as_ptr() as usize - base, h.name.len(), h.value.as_ptr() as usize - base, h.value.len()))
+        .collect();
+    let raw = buffer.split_to(used).freeze();
+    let mut headers = HeaderMap::with_capacity(spans.len());
+    for &(name_at, name_len, value_at, value_len) in &spans {
+        let name = HeaderName::from_bytes(&raw[name_at..name_at + name_len])
+            .map_err(|_| HeadError::Invalid("bad header name"))?;
+        let value = HeaderValue::from_maybe_shared(raw.slice(value_at..value_at + value_len))
+            .map_err(|_| HeadError::Invalid("bad header value"))?;
         headers.append(name, value);
     }
-    let http11 = response.version == Some(1);
     let closes = headers.get_all(CONNECTION).iter().any(|v| has_token(v.as_bytes(), b"close"));
     let keeps = headers.get_all(CONNECTION).iter().any(|v| has_token(v.as_bytes(), b"keep-alive"));
     let mut reusable = (http11 && !closes) || (!http11 && keeps);
@@ -149,23 +169,25 @@ fn parse_head(buffer: &[u8], method: &Method) -> Result<Option<(Head, usize)>, H
         || status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
-    let chunked = headers
-        .get_all(TRANSFER_ENCODING)
-        .iter()
-        .last()
-        .is_some_and(|v| v.as_bytes().rsplit(|&b| b == b',').next().is_some_and(|c| c.trim_ascii().eq_ignore_ascii_case(b"chunked")));
+    let chunked = headers.get_all(TRANSFER_ENCODING).iter().last().is_some_and(|v| {
+        v.as_bytes().rsplit(|&b| b == b',').next().is_some_and(|c| c.trim_ascii().eq_ignore_ascii_case(b"chunked"))
+    });
     let framing = if no_body {
         Framing::Done
     } else if chunked {
         Framing::Chunked(Chunk::Size)
     } else if let Some(length) = headers.get(CONTENT_LENGTH) {
-        let length = length.to_str().ok().and_then(|l| l.trim().parse().ok()).ok_or(HeadError::Invalid("bad content-length"))?;
+        let length = length
+            .to_str()
+            .ok()
+            .and_then(|l| l.trim().parse().ok())
+            .ok_or(HeadError::Invalid("bad content-length"))?;
         Framing::Length(length)
     } else {
         reusable = false;
         Framing::Close
     };
-    Ok(Some((Head { status, headers, framing, reusable }, used)))
+    Ok(Some(Head { status, headers, framing, reusable }))
 }
 
 fn has_token(value: &[u8], token: &[u8]) -> bool {
@@ -332,25 +354,30 @@ mod tests {
     fn lengths_and_heads() {
         let (data, done) = all(&[b"ab", b"cdef"], Framing::Length(5));
         assert_eq!((data.as_slice(), done), (&b"abcde"[..], true));
-        let raw = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: keep-alive\r\n\r\nhi";
-        let (head, used) = parse_head(raw, &Method::POST).unwrap().unwrap();
-        assert_eq!((head.status, head.framing, head.reusable, used), (StatusCode::OK, Framing::Length(2), true, raw.len() - 2));
-        let raw = b"HTTP/1.0 200 OK\r\n\r\n";
-        let (head, _) = parse_head(raw, &Method::POST).unwrap().unwrap();
+        let parse = |raw: &[u8]| parse_head(&mut BytesMut::from(raw), &Method::POST);
+        let mut buffer = BytesMut::from(&b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: keep-alive\r\nx-a: b\r\n\r\nhi"[..]);
+        let head = parse_head(&mut buffer, &Method::POST).unwrap().unwrap();
+        assert_eq!((head.status, head.framing, head.reusable), (StatusCode::OK, Framing::Length(2), true));
+        assert_eq!((&buffer[..], head.headers["x-a"].as_bytes()), (&b"hi"[..], &b"b"[..]));
+        assert!(parse(b"HTTP/1.1 200 OK\r\ncontent-le").unwrap().is_none(), "partial");
+        let head = parse(b"HTTP/1.0 200 OK\r\n\r\n").unwrap().unwrap();
         assert_eq!((head.framing, head.reusable), (Framing::Close, false));
-        let raw = b"HTTP/1.1 204 No Content\r\nconnection: close\r\n\r\n";
-        let (head, _) = parse_head(raw, &Method::POST).unwrap().unwrap();
+        let head = parse(b"HTTP/1.1 204 No Content\r\nconnection: close\r\n\r\n").unwrap().unwrap();
         assert_eq!((head.framing, head.reusable), (Framing::Done, false));
-        assert!(parse_head(b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n", &Method::GET).is_err());
+        assert!(parse(b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n").is_err());
     }
 
     #[test]
     fn requests_are_one_buffer() {
         let mut headers = HeaderMap::new();
         headers.insert("x-a", HeaderValue::from_static("1"));
-        let out = encode_request(&Method::POST, "/v1/x?y=1", "h:1", &headers, &Bytes::from_static(b"{}"));
-        assert_eq!(out, b"POST /v1/x?y=1 HTTP/1.1\r\nhost: h:1\r\nx-a: 1\r\ncontent-length: 2\r\n\r\n{}");
-        let out = encode_request(&Method::GET, "/health", "h:1", &HeaderMap::new(), &Bytes::new());
+        let key = HeaderValue::from_static("Bearer k");
+        let out = encode_request(&Method::POST, "/v1/x?y=1", "h:1", &headers, Some(&key), &Bytes::from_static(b"{}"));
+        assert_eq!(
+            out,
+            b"POST /v1/x?y=1 HTTP/1.1\r\nhost: h:1\r\nx-a: 1\r\nauthorization: Bearer k\r\ncontent-length: 2\r\n\r\n{}"
+        );
+        let out = encode_request(&Method::GET, "/health", "h:1", &HeaderMap::new(), None, &Bytes::new());
         assert_eq!(out, b"GET /health HTTP/1.1\r\nhost: h:1\r\n\r\n");
     }
 }

@@ -10,7 +10,7 @@ mod pool;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, Method, StatusCode};
+use http::{HeaderMap, HeaderValue, Method, StatusCode};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
@@ -56,9 +56,10 @@ impl Client {
         method: &Method,
         path: &str,
         headers: &HeaderMap,
+        authorization: Option<&HeaderValue>,
         body: &Bytes,
     ) -> Result<Answer> {
-        let request = encode_request(method, path, authority, headers, body);
+        let request = encode_request(method, path, authority, headers, authorization, body);
         loop {
             let (mut connection, reused) = match self.pool.checkout(authority) {
                 Some(connection) => (connection, true),
