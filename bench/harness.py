@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import random
@@ -182,6 +183,26 @@ def pdproxy(
                     break
             time.sleep(0.1)
         yield svc
+
+
+def sequential_latency(url: str, path: str, duration: float) -> list[float]:
+    """Seconds per ``GET path``, one call after the other on one keep-alive connection."""
+    host, port = url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=10)
+    samples: list[float] = []
+    deadline = time.monotonic() + duration
+    try:
+        while time.monotonic() < deadline or len(samples) < 100:
+            started = time.perf_counter()
+            connection.request("GET", path)
+            response = connection.getresponse()
+            response.read()
+            samples.append(time.perf_counter() - started)
+            if response.status != 200:
+                raise RuntimeError(f"GET {path}: {response.status}")
+    finally:
+        connection.close()
+    return samples
 
 
 @dataclass

@@ -8,7 +8,8 @@ one table per scenario, with ratios measured in the same run.
     python bench/run.py --repeat 1           # one run per target instead of the median of three
 
 Targets: `direct` (the load generator talks to the mock engines itself: the physical limit),
-`pdproxy` (`pdproxy serve` under granian, one worker) and the peers: `lmdeploy-proxy` (LMDeploy's
+`pdproxy` (`pdproxy serve`: the Rust edge), `pdproxy-granian` (`pdproxy serve --edge granian`:
+the Python app under granian, one worker, as before the edge) and the peers: `lmdeploy-proxy` (LMDeploy's
 `lmdeploy serve proxy`), `sglang-router` and `vllm-router` (Rust routers), each installed on first
 use into its own virtual environment under bench/.peers, and `nginx` (Debian's package). Each target
 runs the load ``--repeat`` times back to back; a table row is the median run.
@@ -35,6 +36,8 @@ import harness
 import peers
 
 MODEL = "bench-model"
+#: pdproxy as measured: each target name, and the edge it serves with.
+PDPROXY_TARGETS = {"pdproxy": "rust", "pdproxy-granian": "granian"}
 CHAT = "/v1/chat/completions"
 RESULTS = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent / "README.md"
@@ -231,30 +234,59 @@ def run_pd(duration: float, repeat: int, others: list[peers.Peer]) -> dict[str, 
         watch = {"proxy": proxy.proc.pid, "mock": engine.proc.pid}
         results["pdproxy hybrid"] = run_load([proxy.url + CHAT], body, connections, duration, watch)
     for protocol in PD_PROTOCOLS:
-        speakers: list[peers.Peer | None] = [None, *(p for p in others if p.pd_protocol == protocol)]
-        for peer in speakers:  # None: pdproxy; fresh engines for each, so no one inherits KV state
-            name = f"{peer.name if peer else 'pdproxy'} {protocol}"
+        # A pdproxy edge's name, or a peer; fresh engines for each, so no one inherits KV state.
+        speakers: list[str | peers.Peer] = [*PDPROXY_TARGETS, *(p for p in others if p.pd_protocol == protocol)]
+        for speaker in speakers:
+            name = f"{speaker if isinstance(speaker, str) else speaker.name} {protocol}"
             harness.say(f"{PD_TITLE}: {name}")
             with harness.mock_engines(2, MODEL, delay, roles=["prefill", "decode"]) as (prefill, decode):
                 engines = {"prefill": prefill.proc.pid, "decode": decode.proc.pid}
                 try:
-                    with _pd_proxy(peer, protocol, prefill.url, decode.url) as proxy:
+                    with _pd_proxy(speaker, protocol, prefill.url, decode.url) as proxy:
                         watch = {"proxy": proxy.proc.pid, **engines}
                         results[name] = run_load([proxy.url + CHAT], body, connections, duration, watch)
                 except Exception as e:
-                    if peer is None:
+                    if isinstance(speaker, str):
                         raise
                     harness.say(f"PD: leaving out {name}: {e}")
     return results
 
 
 def _pd_proxy(
-    peer: peers.Peer | None, protocol: str, prefill: str, decode: str
+    speaker: str | peers.Peer, protocol: str, prefill: str, decode: str
 ) -> AbstractContextManager[harness.Service]:
-    if peer is not None:
-        return peer.start_pd(prefill, decode, MODEL)
-    extra = ("--serving-strategy", "DistServe", "--pd-protocol", protocol)
+    if not isinstance(speaker, str):
+        return speaker.start_pd(prefill, decode, MODEL)
+    extra = ("--edge", PDPROXY_TARGETS[speaker], "--serving-strategy", "DistServe", "--pd-protocol", protocol)
     return harness.pdproxy([], MODEL, extra, {prefill: "prefill", decode: "decode"})
+
+
+MANAGEMENT_TITLE = "Management calls through each pdproxy edge (one client, idle proxy, two engines)"
+MANAGEMENT_PATHS = ("/nodes/status", "/metrics")
+
+
+def run_management(duration: float) -> dict[str, dict[str, list[float]]]:
+    """Latency of the management API as an operator sees it: sequential calls on one keep-alive
+    connection, for about ``duration`` seconds per path and target."""
+    results: dict[str, dict[str, list[float]]] = {}
+    with harness.mock_engines(2, MODEL) as engines:
+        for name, edge in PDPROXY_TARGETS.items():
+            with harness.pdproxy([e.url for e in engines], MODEL, ("--edge", edge)) as proxy:
+                harness.say(f"{MANAGEMENT_TITLE}: {name}")
+                results[name] = {p: harness.sequential_latency(proxy.url, p, duration) for p in MANAGEMENT_PATHS}
+    return results
+
+
+def render_management(results: dict[str, dict[str, list[float]]]) -> list[str]:
+    rows = ["| target | " + " | ".join(f"{p} p50 ms | {p} p99 ms" for p in MANAGEMENT_PATHS) + " |"]
+    rows.append("|---|" + "---|---|" * len(MANAGEMENT_PATHS))
+    for name, by_path in results.items():
+        cells = []
+        for path in MANAGEMENT_PATHS:
+            samples = sorted(by_path[path])
+            cells += [f"{samples[len(samples) // 2] * 1e3:.2f}", f"{samples[int(len(samples) * 0.99)] * 1e3:.2f}"]
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    return rows
 
 
 SCENARIOS = {
@@ -299,11 +331,12 @@ def run_scenario(s: Scenario, duration: float, others: list[peers.Peer], repeat:
         urls = [e.url for e in engines]
         harness.say(f"{s.name}: direct to the engines for {duration:.0f} s")
         results["direct"] = run_load([u + CHAT for u in urls], s.body, s.connections, duration, mocks)
-        with harness.pdproxy(urls, MODEL) as proxy:
-            harness.say(f"{s.name}: through pdproxy for {duration:.0f} s")
-            results["pdproxy"] = run_load(
-                [proxy.url + CHAT], s.body, s.connections, duration, {"proxy": proxy.proc.pid, **mocks}
-            )
+        for name, edge in PDPROXY_TARGETS.items():
+            with harness.pdproxy(urls, MODEL, ("--edge", edge)) as proxy:
+                harness.say(f"{s.name}: through {name} for {duration:.0f} s")
+                results[name] = run_load(
+                    [proxy.url + CHAT], s.body, s.connections, duration, {"proxy": proxy.proc.pid, **mocks}
+                )
         for peer in others:
             result = run_peer(s, peer, urls, duration, mocks, run_load)
             if result is not None:
@@ -353,7 +386,9 @@ def update_readme(markdown: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("scenarios", nargs="*", help=f"any of {', '.join(SCENARIOS)}, PD, mock (default: all)")
+    parser.add_argument(
+        "scenarios", nargs="*", help=f"any of {', '.join(SCENARIOS)}, PD, management, mock (default: all)"
+    )
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per run (after 1 s warm-up)")
     parser.add_argument(
         "--repeat", type=int, default=3, help="runs per target; a row is the median run (default: %(default)s)"
@@ -366,11 +401,11 @@ def main() -> None:
         "(default: %(default)s); installed into bench/.peers on first use",
     )
     args = parser.parse_args()
-    chosen = args.scenarios or [*SCENARIOS, "PD", "mock"]
+    chosen = args.scenarios or [*SCENARIOS, "PD", "management", "mock"]
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     try:
-        wanted = peers.parse(args.peers) if set(chosen) - {"mock"} else []
+        wanted = peers.parse(args.peers) if set(chosen) - {"mock", "management"} else []
     except ValueError as e:
         parser.error(str(e))
     harness.build_loadgen()
@@ -381,6 +416,13 @@ def main() -> None:
         sections[0] += " Peers: " + "; ".join(f"{p.name} {p.version()} ({p.note})" for p in others) + "."
     raw = {}
     for name in chosen:
+        if name == "management":
+            timings = run_management(args.duration)
+            section = "\n".join([f"### {MANAGEMENT_TITLE}", "", *render_management(timings)])
+            print(section + "\n", flush=True)
+            sections.append(section)
+            raw[name] = timings
+            continue
         if name == "PD":
             results = run_pd(args.duration, args.repeat, others)
             title, rows, median = PD_TITLE, render_pd(results), pd_median(args.repeat)

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Iterator
 import aiohttp
 import pytest
 
+import servers
 from pdproxy.testing import MockEngine, MockSettings
 from servers import Process, get_json, mock_engine, pdproxy_serve
 
@@ -16,6 +17,15 @@ def clean_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("PDPROXY_") or name.lower() in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
             monkeypatch.delenv(name)
+
+
+@pytest.fixture(scope="session", params=["rust", "granian"])
+def edge(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Runs the suites that use it against both edges: `pdproxy serve` with the Rust edge, and
+    with granian serving the ASGI app alone (`--edge granian`); a client must not tell them apart."""
+    servers.EDGE = request.param
+    yield request.param
+    servers.EDGE = "rust"
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +41,7 @@ def _knows_models(url: str, wanted: set[str]) -> bool:
 
 
 @pytest.fixture(scope="session")
-def proxy(engines: dict[str, Process], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
+def proxy(engines: dict[str, Process], edge: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]:
     """`pdproxy serve` (granian subprocess) in front of the three engines, models discovered."""
     args: list[str] = ["--policy", "round_robin"]
     for engine in engines.values():

@@ -19,6 +19,10 @@ from typing import Any
 #: Upper bound for a process to become ready; polled, never slept through.
 READY_TIMEOUT = 30.0
 
+#: The edge `pdproxy_serve` starts unless its arguments name one; the `edge` fixture sets it, so
+#: that suites using it run against both edges.
+EDGE = "rust"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -131,8 +135,9 @@ def pdproxy_serve(
 ) -> Iterator[Process]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    edge = () if "--edge" in args else ("--edge", EDGE)
     with run_process(
-        ["serve", "--port", str(port), *args],
+        ["serve", "--port", str(port), *edge, *args],
         url,
         "/health",
         str(tmp_path / f"pdproxy-{port}.log"),

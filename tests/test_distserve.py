@@ -20,6 +20,9 @@ from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
 from pdproxy.testing.generation import generate, prompt_text
 from servers import Process, chat_body, ledger, pdproxy_serve, register
 
+# Against both edges (see the `edge` fixture).
+pytestmark = pytest.mark.usefixtures("edge")
+
 PD_ARGS = ("--serving-strategy", "DistServe", "--pd-link-backoff", "0.05", "--pd-link-wait-timeout", "5")
 
 

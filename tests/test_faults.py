@@ -18,6 +18,9 @@ import pytest
 from pdproxy.testing import FAULT_HEADER
 from servers import Process, chat_body, get_json, mock_engine, pdproxy_serve, wait_until
 
+# Against both edges (see the `edge` fixture).
+pytestmark = pytest.mark.usefixtures("edge")
+
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Process, list[Process]]]:

@@ -17,6 +17,9 @@ import pytest
 from pdproxy.testing import MockEngine, MockSettings
 from servers import Process, chat_body, pdproxy_serve
 
+# Against both edges (see the `edge` fixture).
+pytestmark = pytest.mark.usefixtures("edge")
+
 FAST_HEALTH = ("--health-interval", "0.2", "--health-fall", "2", "--health-rise", "1")
 ADMIN = {"authorization": "Bearer admin-key"}
 

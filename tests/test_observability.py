@@ -9,10 +9,14 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
 from servers import chat_body, pdproxy_serve
+
+# Against both edges (see the `edge` fixture).
+pytestmark = pytest.mark.usefixtures("edge")
 
 
 async def serves(http: aiohttp.ClientSession, url: str, model: str) -> bool:

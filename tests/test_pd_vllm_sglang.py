@@ -17,6 +17,9 @@ from pdproxy.testing import FAULT_HEADER, MockEngine
 from pdproxy.testing.generation import generate, prompt_text
 from servers import Process, chat_body, ledger, pdproxy_serve, register
 
+# Against both edges (see the `edge` fixture).
+pytestmark = pytest.mark.usefixtures("edge")
+
 
 @asynccontextmanager
 async def pd_proxy(

@@ -8,9 +8,13 @@ import json
 import uuid
 
 import aiohttp
+import pytest
 
 from pdproxy.testing import FAULT_HEADER
 from servers import Process, chat_body, get_json, wait_until
+
+# Against both edges (see the `edge` fixture).
+pytestmark = pytest.mark.usefixtures("edge")
 
 
 def record_for(engines: dict[str, Process], request_id: str) -> tuple[str, dict]:

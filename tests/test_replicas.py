@@ -18,7 +18,8 @@ import pytest
 from redis_server import REDIS_SERVER, RedisServer, redis_server
 from servers import Process, chat_body, get_json, mock_engine, pdproxy_serve, post_json, wait_until
 
-pytestmark = pytest.mark.slow
+# Against both edges (see the `edge` fixture).
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("edge")]
 
 WAIT = 10.0  # bound on what takes a Redis notice or one reconcile (1 s)
 

@@ -132,6 +132,7 @@ async def raw_exchange(url: str, payload: bytes, read_timeout: float = 10.0) -> 
         await writer.wait_closed()
 
 
+@pytest.mark.usefixtures("edge")
 async def test_global_cap(tmp_path: Path, live: MockEngine, http: aiohttp.ClientSession) -> None:
     with pdproxy_serve(tmp_path, "--node", live.url, "--max-requests", "1") as proxy:
         slow = asyncio.ensure_future(
@@ -147,6 +148,7 @@ async def test_global_cap(tmp_path: Path, live: MockEngine, http: aiohttp.Client
             assert r.status == 200
 
 
+@pytest.mark.usefixtures("edge")
 async def test_slow_and_bad_bodies(tmp_path: Path, live: MockEngine, http: aiohttp.ClientSession) -> None:
     with pdproxy_serve(tmp_path, "--node", live.url, "--body-timeout", "0.3") as proxy:
         # A body that never finishes arriving: 408, not a hung handler.
@@ -171,6 +173,7 @@ async def test_slow_and_bad_bodies(tmp_path: Path, live: MockEngine, http: aioht
             assert r.status == 200, "the proxy is still up"
 
 
+@pytest.mark.usefixtures("edge")
 async def test_drain_finishes_streams_then_exits_cleanly(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     async with MockEngine(MockSettings(port=0, model="m", token_delay_ms=50)) as slow_engine:
         with pdproxy_serve(tmp_path, "--node", slow_engine.url, "--drain-timeout", "10") as proxy:

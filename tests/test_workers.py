@@ -79,7 +79,9 @@ def _distserve_group(tmp_path: Path) -> Iterator[tuple[Process, Process, Process
     with (
         mock_engine(tmp_path, "m", "--role", "prefill") as prefill,
         mock_engine(tmp_path, "m", "--role", "decode") as decode,
-        pdproxy_serve(tmp_path, "--edge", "granian", "--workers", str(WORKERS), "--serving-strategy", "DistServe") as proxy,
+        pdproxy_serve(
+            tmp_path, "--edge", "granian", "--workers", str(WORKERS), "--serving-strategy", "DistServe"
+        ) as proxy,
     ):
         _wait_for_workers(proxy.url)
         for engine, role in ((prefill, 2), (decode, 3)):

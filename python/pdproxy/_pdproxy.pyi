@@ -108,7 +108,6 @@ class Router:
 
     @property
     def draining(self) -> bool: ...
-
     def add_node(
         self,
         url: str,

@@ -72,8 +72,7 @@ class Settings:
     edge_threads: int = field(
         default=0,
         metadata=_opt(
-            "Threads of the Rust edge, which serve every request and the upstream connections "
-            "(0: one per core).",
+            "Threads of the Rust edge, which serve every request and the upstream connections (0: one per core).",
             section="server",
         ),
     )

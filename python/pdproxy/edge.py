@@ -101,7 +101,7 @@ async def _supervise(settings: Settings, listener: _pdproxy.EdgeListener, loggin
             still_open = edge.shutdown()
             if still_open:
                 log.info("%d client connection(s) were still open at exit", still_open)
-        control.stop()
+        control.stop()  # type: ignore[no-untyped-call]  # granian's embedded server is untyped
         if control_task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(control_task, CLOSE_GRACE)
@@ -117,7 +117,7 @@ def _severity(level: LogLevels) -> int:
 async def _until_listening(socket_path: Path, server: asyncio.Task[None]) -> None:
     """Waits for granian to listen on the control plane's socket."""
     async with asyncio.timeout(CONTROL_STARTUP_TIMEOUT):
-        while not socket_path.exists():
+        while not socket_path.exists():  # noqa: ASYNC240 (a stat of a local path, not I/O worth a thread)
             if server.done():
                 raise ConfigError(f"the control plane did not start: {server.exception()!r}")
             await asyncio.sleep(0.01)

@@ -139,7 +139,7 @@ impl Exchange {
     }
 
     /// The pump's side: appends body bytes; completes a waiting reader when a batch is ready.
-    fn push(&self, burst: &[Bytes], gap: Option<Duration>) {
+    fn push(&self, burst: &[Bytes], gap: Option<Duration>, events: u64) {
         if burst.is_empty() {
             return;
         }
@@ -147,8 +147,13 @@ impl Exchange {
         if inner.closed {
             return;
         }
-        if let (Some(gap), Some(permit)) = (gap, &inner.permit) {
-            permit.node().counters().itl.observe(gap);
+        if let Some(permit) = &inner.permit {
+            // Each event's gap to the one before: events that came together had none.
+            let itl = &permit.node().counters().itl;
+            if let Some(gap) = gap {
+                itl.observe(gap);
+            }
+            itl.observe_zeros(events.saturating_sub(1));
         }
         for data in burst {
             inner.pending.extend_from_slice(data);
@@ -261,6 +266,7 @@ pub async fn pump(
     let mut report = Report::default();
     let mut last_was_newline = false;
     let mut burst: Vec<Bytes> = Vec::new();
+    let mut burst_events = 0u64;
     let mut last_chunk: Option<Instant> = None;
     let end = loop {
         if exchange.over_limit() {
@@ -283,7 +289,9 @@ pub async fn pump(
                 Some(Ok(frame)) => {
                     if let Ok(data) = frame.into_data() {
                         report.first_byte.get_or_insert_with(|| started.elapsed());
-                        report.events += sse::count_events(&data, &mut last_was_newline);
+                        let events = sse::count_events(&data, &mut last_was_newline);
+                        report.events += events;
+                        burst_events += events;
                         burst.push(data);
                     }
                 }
@@ -295,7 +303,8 @@ pub async fn pump(
         };
         let now = Instant::now();
         let gap = if burst.is_empty() { None } else { last_chunk.replace(now).map(|last| now - last) };
-        exchange.push(&burst, gap);
+        exchange.push(&burst, gap, burst_events);
+        burst_events = 0;
         burst.clear();
         if let Some(end) = ended {
             break end;
@@ -471,5 +480,4 @@ mod tests {
         assert!(matches!(exchange.take_ready(), Some(Delivery::Batch(_))));
         assert!(matches!(exchange.take_ready(), Some(Delivery::Failed(e)) if e.is_timeout()));
     }
-
 }

@@ -136,7 +136,10 @@ impl Forwarder {
 
 /// A small body read whole; every read is bounded by `idle` (a node that announces a length,
 /// sends part of it and stalls must not hold the request forever).
-async fn read_whole(mut body: impl http_body::Body<Data = Bytes, Error = BoxError> + Unpin, idle: Duration) -> Result<Bytes> {
+async fn read_whole(
+    mut body: impl http_body::Body<Data = Bytes, Error = BoxError> + Unpin,
+    idle: Duration,
+) -> Result<Bytes> {
     let mut first: Option<Bytes> = None;
     let mut joined: Option<bytes::BytesMut> = None;
     loop {

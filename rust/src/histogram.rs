@@ -56,6 +56,14 @@ pub struct HistogramSnapshot {
 }
 
 impl<B: Bounds> Histogram<B> {
+    /// `n` observations of zero (events that arrived together), in two atomic steps.
+    pub fn observe_zeros(&self, n: u64) {
+        if n > 0 {
+            self.buckets[0].fetch_add(n, Ordering::Relaxed);
+            self.count.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
     pub fn observe(&self, value: Duration) {
         let seconds = value.as_secs_f64();
         let bucket = B::BOUNDS.iter().position(|&b| seconds <= b).unwrap_or(B::BOUNDS.len());

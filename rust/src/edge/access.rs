@@ -205,7 +205,7 @@ mod tests {
 
     #[test]
     fn floats_read_as_python_writes_them() {
-        assert_eq!(python_float(Duration::from_micros(1_500_000)), "1.5");
+        assert_eq!(python_float(Duration::from_millis(1_500)), "1.5");
         assert_eq!(python_float(Duration::from_secs(2)), "2.0");
         assert_eq!(python_float(Duration::from_micros(12)), "1.2e-05");
         assert_eq!(python_float(Duration::from_micros(123)), "0.000123");

@@ -1,4 +1,4 @@
-//! Every answer the edge makes itself: the OpenAI error envelope with `x-pdproxy-error`, in
+//! Every answer the edge makes itself: the `OpenAI` error envelope with `x-pdproxy-error`, in
 //! the exact bytes and headers the control plane (`pdproxy/errors.py`) produces, so a client
 //! cannot tell which side answered; and the terminal event of a stream that failed.
 
@@ -12,7 +12,7 @@ use super::body::EdgeBody;
 use super::request::X_REQUEST_ID;
 use crate::error::{Error, Kind};
 
-/// One kind of error answer: its status, OpenAI `type` and `code`, and default `Retry-After`.
+/// One kind of error answer: its status, `OpenAI` `type` and `code`, and default `Retry-After`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Fault {
     pub status: u16,
@@ -113,7 +113,7 @@ pub fn from_error(error: &Error, request_id: &HeaderValue) -> Response<EdgeBody>
     self::error(fault_of(error), error.message(), error.retry_after(), request_id)
 }
 
-/// The last event of a stream that failed after its head was sent: OpenAI clients raise on a
+/// The last event of a stream that failed after its head was sent: `OpenAI` clients raise on a
 /// `data:` object with an `error` key.
 pub fn stream_error_event(message: &str, fault: Fault) -> Bytes {
     let mut out = String::with_capacity(128 + message.len());

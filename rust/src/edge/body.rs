@@ -214,9 +214,15 @@ impl Relay {
     fn arrived(&mut self, data: Bytes) -> Bytes {
         let now = Instant::now();
         self.report.first_byte.get_or_insert_with(|| now - self.started);
-        self.report.events += sse::count_events(&data, &mut self.last_was_newline);
-        if let (Some(last), Some(permit)) = (self.last_chunk.replace(now), &self.permit) {
-            permit.node().counters().itl.observe(now - last);
+        let events = sse::count_events(&data, &mut self.last_was_newline);
+        self.report.events += events;
+        if let Some(permit) = &self.permit {
+            // Each event's gap to the one before: events that came together had none.
+            let itl = &permit.node().counters().itl;
+            if let Some(last) = self.last_chunk.replace(now) {
+                itl.observe(now - last);
+            }
+            itl.observe_zeros(events.saturating_sub(1));
         }
         self.last_data = tokio::time::Instant::from_std(now);
         let out = if self.event_stream { self.whole_events(data) } else { data };
@@ -277,7 +283,8 @@ impl Relay {
             Err(error) if self.event_stream => {
                 // A torn trailing event could never parse: it is dropped, never joined to the error.
                 self.held.clear();
-                let fault: Fault = if error.kind() == Kind::Cancelled { answer::DRAINING } else { answer::fault_of(&error) };
+                let fault: Fault =
+                    if error.kind() == Kind::Cancelled { answer::DRAINING } else { answer::fault_of(&error) };
                 let event = answer::stream_error_event(error.message(), fault);
                 if let Some(record) = &mut self.record {
                     record.sent(&event);

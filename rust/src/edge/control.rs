@@ -69,14 +69,18 @@ impl ControlPlane {
     }
 
     /// Forwards `request` and returns the control plane's answer.
-    pub async fn forward(&self, peer: SocketAddr, request: Request<Incoming>, request_id: &HeaderValue) -> Response<EdgeBody> {
+    pub async fn forward(
+        &self,
+        peer: SocketAddr,
+        request: Request<Incoming>,
+        request_id: &HeaderValue,
+    ) -> Response<EdgeBody> {
         let unavailable = |message: &str| answer::error(CONTROL_PLANE_UNAVAILABLE, message, None, request_id);
         if self.stuck() {
             return unavailable("the control plane is not responding");
         }
-        let mut sender = match self.connection().await {
-            Ok(sender) => sender,
-            Err(_) => return unavailable("the control plane is not available"),
+        let Ok(mut sender) = self.connection().await else {
+            return unavailable("the control plane is not available");
         };
         let (mut parts, body) = request.into_parts();
         strip_hop_headers(&mut parts.headers);
@@ -95,7 +99,8 @@ impl ControlPlane {
         };
         let (mut parts, body) = response.into_parts();
         // `connection: close` of a draining answer is the client's business too.
-        let close = parts.headers.get(http::header::CONNECTION).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
+        let close =
+            parts.headers.get(http::header::CONNECTION).is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
         strip_hop_headers(&mut parts.headers);
         if close {
             parts.headers.insert(http::header::CONNECTION, HeaderValue::from_static("close"));

@@ -30,6 +30,9 @@ pub struct Checked {
     pub request: ForwardRequest,
 }
 
+/// A refusal: the answer to send instead (boxed: it is the rare path).
+pub type Refused = Box<Response<EdgeBody>>;
+
 /// The answer to a request the fast path refused, recorded as the proxy's error.
 pub fn refuse(
     record: &mut Option<Box<Record>>,
@@ -62,25 +65,25 @@ pub async fn check(
     id: &HeaderValue,
     had_id: bool,
     record: &mut Option<Box<Record>>,
-) -> Result<Checked, Response<EdgeBody>> {
+) -> Result<Checked, Refused> {
     if !state.keys.allows(&parts.headers) {
         let message = "a valid API key is required (Authorization: Bearer KEY)";
-        return Err(refuse(record, answer::UNAUTHORIZED, message, None, id));
+        return Err(Box::new(refuse(record, answer::UNAUTHORIZED, message, None, id)));
     }
     let pass = match state.engine.gate.pass() {
         Ok(pass) => pass,
         Err(Refusal::Draining) => {
             let message = "the proxy is draining and takes no new requests";
-            return Err(refuse(record, answer::DRAINING, message, None, id));
+            return Err(Box::new(refuse(record, answer::DRAINING, message, None, id)));
         }
         Err(Refusal::Full) => {
             let message = format!("the proxy is serving its limit of {} requests", state.engine.gate.max_requests());
-            return Err(refuse(record, answer::PROXY_OVERLOADED, &message, None, id));
+            return Err(Box::new(refuse(record, answer::PROXY_OVERLOADED, &message, None, id)));
         }
     };
     if let Err(media) = check_media_type(&parts.headers) {
         let message = format!("the request body must be JSON, not {media}");
-        return Err(refuse(record, answer::UNSUPPORTED_MEDIA_TYPE, &message, None, id));
+        return Err(Box::new(refuse(record, answer::UNSUPPORTED_MEDIA_TYPE, &message, None, id)));
     }
     let limit = state.config.max_body_size;
     let body = match read_body(&parts.headers, body, limit, state.config.body_timeout).await {
@@ -92,16 +95,16 @@ pub async fn check(
             let message = format!("request body is larger than {limit} bytes");
             let mut response = refuse(record, answer::REQUEST_TOO_LARGE, &message, None, id);
             response.headers_mut().insert(CONNECTION, HeaderValue::from_static("close"));
-            return Err(response);
+            return Err(Box::new(response));
         }
         Err(BodyError::Timeout) => {
             let message =
                 format!("the request body did not arrive within {}s", state.config.body_timeout.as_secs_f64());
-            return Err(refuse(record, answer::REQUEST_TIMEOUT, &message, None, id));
+            return Err(Box::new(refuse(record, answer::REQUEST_TIMEOUT, &message, None, id)));
         }
         Err(BodyError::Broken) => {
             let message = "the request body could not be read";
-            return Err(refuse(record, answer::INVALID_REQUEST, message, None, id));
+            return Err(Box::new(refuse(record, answer::INVALID_REQUEST, message, None, id)));
         }
     };
     let Parts { method, uri, headers, .. } = parts;
@@ -120,15 +123,15 @@ pub fn parse<'a>(
     require_model: bool,
     id: &HeaderValue,
     record: &mut Option<Box<Record>>,
-) -> Result<RequestInfo<'a>, Response<EdgeBody>> {
-    let info = inspect(&checked.request.body).map_err(|e| refuse_error(record, &e, id))?;
+) -> Result<RequestInfo<'a>, Refused> {
+    let info = inspect(&checked.request.body).map_err(|e| Box::new(refuse_error(record, &e, id)))?;
     if let Some(record) = record {
         record.model = info.model.as_deref().map(str::to_owned);
     }
     if require_model && info.model.is_none() {
         let path = checked.request.path_and_query.split('?').next().unwrap_or_default();
         let message = format!("no route for {path} without a model in the body");
-        return Err(refuse(record, answer::NOT_FOUND, &message, None, id));
+        return Err(Box::new(refuse(record, answer::NOT_FOUND, &message, None, id)));
     }
     Ok(info)
 }
@@ -147,11 +150,11 @@ pub async fn serve(
     let mut record = state.record(&id, &parts);
     let checked = match check(state, peer, parts, body, &id, had_id, &mut record).await {
         Ok(checked) => checked,
-        Err(refusal) => return refusal,
+        Err(refusal) => return *refusal,
     };
     let info = match parse(&checked, require_model, &id, &mut record) {
         Ok(info) => info,
-        Err(refusal) => return refusal,
+        Err(refusal) => return *refusal,
     };
     let request = &checked.request;
     let ctx = select_ctx(Role::Hybrid, &request.headers, &info);
@@ -199,9 +202,9 @@ pub fn respond(
     deadline: Option<tokio::time::Instant>,
 ) -> Response<EdgeBody> {
     let outcome = response.outcome();
-    let UpstreamResponse { status, headers: mut head, body } = response;
-    if !head.contains_key(&X_REQUEST_ID) {
-        head.insert(X_REQUEST_ID.clone(), id.clone());
+    let UpstreamResponse { status, headers: mut answer_headers, body } = response;
+    if !answer_headers.contains_key(&X_REQUEST_ID) {
+        answer_headers.insert(X_REQUEST_ID.clone(), id.clone());
     }
     if let Some(record) = &mut record {
         record.node = Some(node.url().to_owned());
@@ -220,7 +223,7 @@ pub fn respond(
             let Some(permit) = held.take() else {
                 return answer::error(answer::INTERNAL, "the request lost its node", None, id);
             };
-            let event_stream = head.get(CONTENT_TYPE).is_some_and(|ct| sse::is_event_stream(ct.as_bytes()));
+            let event_stream = answer_headers.get(CONTENT_TYPE).is_some_and(|ct| sse::is_event_stream(ct.as_bytes()));
             let parts = RelayParts {
                 permit,
                 outcome_at_end: outcome,
@@ -237,6 +240,6 @@ pub fn respond(
     };
     let mut answer = Response::new(body);
     *answer.status_mut() = status;
-    *answer.headers_mut() = head;
+    *answer.headers_mut() = answer_headers;
     answer
 }

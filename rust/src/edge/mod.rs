@@ -171,7 +171,8 @@ pub fn bind(host: &str, port: u16, backlog: i32) -> Result<TcpListener> {
         };
         Error::new(Kind::Config, format!("cannot {what} {address}: {reason}"))
     };
-    let socket = Socket::new(Domain::for_address(address), Type::STREAM, None).map_err(|e| failed("open a socket for", e))?;
+    let socket =
+        Socket::new(Domain::for_address(address), Type::STREAM, None).map_err(|e| failed("open a socket for", e))?;
     socket.set_reuse_address(true).map_err(|e| failed("set SO_REUSEADDR on", e))?;
     socket.bind(&address.into()).map_err(|e| failed("listen on", e))?;
     socket.listen(backlog).map_err(|e| failed("listen on", e))?;
@@ -191,17 +192,23 @@ pub struct Edge {
 
 impl Edge {
     pub fn start(engine: Arc<Engine>, listener: &TcpListener, config: EdgeConfig, threads: usize) -> Result<Self> {
-        let address = listener.local_addr().map_err(|e| Error::with_source(Kind::Config, "listener has no address", e))?;
+        let address =
+            listener.local_addr().map_err(|e| Error::with_source(Kind::Config, "listener has no address", e))?;
         let state = Arc::new(EdgeState {
             keys: Keys::new(&config.api_keys),
-            control: ControlPlane::new(config.control_socket.clone(), config.control_timeout, config.control_stale_after),
+            control: ControlPlane::new(
+                config.control_socket.clone(),
+                config.control_timeout,
+                config.control_stale_after,
+            ),
             access: config.access_log.map(AccessLog::start),
             engine,
             config,
             shutdown: Arc::new(Stop::default()),
             connections: AtomicUsize::new(0),
         });
-        let listener = listener.try_clone().map_err(|e| Error::with_source(Kind::Config, "cannot use the listener", e))?;
+        let listener =
+            listener.try_clone().map_err(|e| Error::with_source(Kind::Config, "cannot use the listener", e))?;
         let (inboxes, starts) = server::inboxes(threads.max(1));
         let mut acceptor = Some((listener, inboxes));
         let mut handles = Vec::with_capacity(starts.len());

@@ -19,8 +19,8 @@ use serde_json::value::RawValue;
 use super::access::Record;
 use super::answer::{self, INVALID_REQUEST, PREFILL_FAILED, UPSTREAM_INVALID_RESPONSE};
 use super::body::EdgeBody;
-use super::request::X_REQUEST_ID;
 use super::hybrid::{check, parse, refuse, refuse_error, respond, within};
+use super::request::X_REQUEST_ID;
 use super::server::Worker;
 use super::PdProtocol;
 use crate::engine::{select_ctx, Engine, HeldPermit, PermitHolder};
@@ -47,11 +47,11 @@ pub async fn serve(
     let mut record = state.record(&id, &parts);
     let checked = match check(state, peer, parts, body, &id, had_id, &mut record).await {
         Ok(checked) => checked,
-        Err(refusal) => return refusal,
+        Err(refusal) => return *refusal,
     };
     let info = match parse(&checked, false, &id, &mut record) {
         Ok(info) => info,
-        Err(refusal) => return refusal,
+        Err(refusal) => return *refusal,
     };
     let started = Instant::now();
     let deadline = state.engine.config.request_timeout.map(|t| tokio::time::Instant::now() + t);
@@ -75,10 +75,21 @@ pub async fn serve(
 /// How a disaggregated request is answered.
 enum Answer {
     /// The decode node's successful head: its body is relayed.
-    Relay { node: Arc<Node>, response: UpstreamResponse, held: HeldPermit },
+    Relay {
+        node: Arc<Node>,
+        response: UpstreamResponse,
+        held: HeldPermit,
+    },
     /// A node's whole answer, status and body unchanged (typically its error).
-    Raw { status: StatusCode, headers: HeaderMap, body: Bytes },
-    Refused { fault: answer::Fault, message: String },
+    Raw {
+        status: StatusCode,
+        headers: HeaderMap,
+        body: Bytes,
+    },
+    Refused {
+        fault: answer::Fault,
+        message: String,
+    },
 }
 
 /// A node's whole answer, as the client gets it: the node's status, headers and body, the
@@ -200,9 +211,17 @@ impl Flow<'_> {
             Some(n) => format!("[{}]", (0..n).map(|_| room().to_string()).collect::<Vec<_>>().join(", ")),
         };
         let (host_json, port_json) = (one(host_json), one(port_json));
-        let fields = [("bootstrap_host", host_json.as_str()), ("bootstrap_port", port_json.as_str()), ("bootstrap_room", rooms.as_str())];
-        let both = Arc::new(ForwardRequest { body: Bytes::from(patch(&self.request.body, &fields, &[])?), ..self.request.clone() });
-        let mut prefill_leg = Leg::spawn(Arc::clone(&engine), forwarder.clone(), prefill.take(), Arc::clone(&both), Role::Prefill);
+        let fields = [
+            ("bootstrap_host", host_json.as_str()),
+            ("bootstrap_port", port_json.as_str()),
+            ("bootstrap_room", rooms.as_str()),
+        ];
+        let both = Arc::new(ForwardRequest {
+            body: Bytes::from(patch(&self.request.body, &fields, &[])?),
+            ..self.request.clone()
+        });
+        let mut prefill_leg =
+            Leg::spawn(Arc::clone(&engine), forwarder.clone(), prefill.take(), Arc::clone(&both), Role::Prefill);
         let mut decode_leg = Leg::spawn(Arc::clone(&engine), forwarder.clone(), decode.take(), both, Role::Decode);
         let prefill_first = tokio::select! {
             biased;
@@ -222,7 +241,9 @@ impl Flow<'_> {
                     let held = HeldPermit::default();
                     held.hold(permit);
                     return Ok(match whole(answer, &held, &engine).await {
-                        Ok((status, headers, body)) if status.is_client_error() => Answer::Raw { status, headers, body },
+                        Ok((status, headers, body)) if status.is_client_error() => {
+                            Answer::Raw { status, headers, body }
+                        }
                         _ => prefill_failed(status),
                     });
                 }
@@ -246,7 +267,9 @@ impl Flow<'_> {
     /// `/server_info` (`disaggregation_bootstrap_port`, asked once per node), else none (the
     /// decode node then assumes its own).
     async fn bootstrap_port(&self, node: &Arc<Node>) -> Option<u16> {
-        static PROBED: OnceLock<Mutex<HashMap<(String, u64), Option<u16>>>> = OnceLock::new();
+        /// Ports learnt per node (URL and generation): asked once.
+        type Probed = Mutex<HashMap<(String, u64), Option<u16>>>;
+        static PROBED: OnceLock<Probed> = OnceLock::new();
         if let Some(port) = node.spec().bootstrap_port {
             return Some(port);
         }
@@ -266,7 +289,12 @@ fn prefill_failed(status: StatusCode) -> Answer {
 }
 
 /// The decode node's answer: relayed when it succeeded, whole otherwise.
-async fn relay_or_raw(node: Arc<Node>, response: UpstreamResponse, held: HeldPermit, engine: &Engine) -> Result<Answer> {
+async fn relay_or_raw(
+    node: Arc<Node>,
+    response: UpstreamResponse,
+    held: HeldPermit,
+    engine: &Engine,
+) -> Result<Answer> {
     if response.status == StatusCode::OK {
         return Ok(Answer::Relay { node, response, held });
     }
@@ -275,18 +303,24 @@ async fn relay_or_raw(node: Arc<Node>, response: UpstreamResponse, held: HeldPer
 }
 
 /// A node's whole answer; the permit held for it is released with its outcome.
-async fn whole(response: UpstreamResponse, held: &HeldPermit, engine: &Engine) -> Result<(StatusCode, HeaderMap, Bytes)> {
+async fn whole(
+    response: UpstreamResponse,
+    held: &HeldPermit,
+    engine: &Engine,
+) -> Result<(StatusCode, HeaderMap, Bytes)> {
     let outcome = response.outcome();
     let UpstreamResponse { status, headers, body } = response;
     let body = match body {
         ResponseBody::Complete(bytes) => bytes,
-        ResponseBody::Streaming(stream) => match collect(stream.body, engine.config.forward.stream_idle_timeout).await {
-            Ok(bytes) => bytes,
-            Err(e) => {
-                held.release(crate::permit::Outcome::Failed);
-                return Err(e);
+        ResponseBody::Streaming(stream) => {
+            match collect(stream.body, engine.config.forward.stream_idle_timeout).await {
+                Ok(bytes) => bytes,
+                Err(e) => {
+                    held.release(crate::permit::Outcome::Failed);
+                    return Err(e);
+                }
             }
-        },
+        }
     };
     held.release(outcome);
     Ok((status, headers, body))
@@ -414,7 +448,8 @@ async fn probe_bootstrap_port(forwarder: &Forwarder, node: &Node, timeout: Durat
                 Err(_) => continue,
             },
         };
-        let port = serde_json::from_slice::<serde_json::Value>(&body).ok()?.get("disaggregation_bootstrap_port")?.as_u64();
+        let port =
+            serde_json::from_slice::<serde_json::Value>(&body).ok()?.get("disaggregation_bootstrap_port")?.as_u64();
         return port.and_then(|p| u16::try_from(p).ok());
     }
     None

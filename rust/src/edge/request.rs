@@ -63,7 +63,12 @@ pub fn declared_length(headers: &HeaderMap) -> Option<u64> {
 }
 
 /// Reads the whole body, refusing it past `limit` bytes or `deadline`.
-pub async fn read_body(headers: &HeaderMap, mut body: Incoming, limit: usize, deadline: Duration) -> Result<Bytes, BodyError> {
+pub async fn read_body(
+    headers: &HeaderMap,
+    mut body: Incoming,
+    limit: usize,
+    deadline: Duration,
+) -> Result<Bytes, BodyError> {
     if declared_length(headers).is_some_and(|n| n > limit as u64) {
         return Err(BodyError::TooLarge(Some(body)));
     }
@@ -98,19 +103,13 @@ pub async fn read_body(headers: &HeaderMap, mut body: Incoming, limit: usize, de
 /// whole body before reading sees the answer instead of a reset connection.
 pub async fn linger(mut body: Incoming) {
     const LINGER: Duration = Duration::from_secs(5);
-    let _ = tokio::time::timeout(LINGER, async {
-        while let Some(Ok(_)) = body.frame().await {}
-    })
-    .await;
+    let _ = tokio::time::timeout(LINGER, async { while let Some(Ok(_)) = body.frame().await {} }).await;
 }
 
 /// The headers the node gets, made from the client's in place: without those of the client's
 /// hop, plus the request id and `X-Forwarded-For/Host/Proto` (the proxy's, replacing what the
 /// client claimed).
 pub fn upstream_headers(mut headers: HeaderMap, peer: IpAddr, request_id: &HeaderValue, had_id: bool) -> HeaderMap {
-    let earlier = headers.get_all(&X_FORWARDED_FOR).iter().last().cloned();
-    let host = headers.get(HOST).cloned();
-    strip_hop_headers(&mut headers);
     static CLIENT_HOP: [HeaderName; 6] = [
         HeaderName::from_static("x-forwarded-for"),
         HeaderName::from_static("x-forwarded-host"),
@@ -119,6 +118,9 @@ pub fn upstream_headers(mut headers: HeaderMap, peer: IpAddr, request_id: &Heade
         CONTENT_LENGTH,
         AUTHORIZATION,
     ];
+    let earlier = headers.get_all(&X_FORWARDED_FOR).iter().next_back().cloned();
+    let host = headers.get(HOST).cloned();
+    strip_hop_headers(&mut headers);
     remove_any(&mut headers, &CLIENT_HOP);
     if !had_id {
         headers.insert(X_REQUEST_ID.clone(), request_id.clone());

@@ -254,9 +254,7 @@ impl StallGuard {
             self.armed = true;
         }
         match sleep.as_mut().poll(cx) {
-            Poll::Ready(()) => {
-                Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "the client stopped reading")))
-            }
+            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "the client stopped reading"))),
             Poll::Pending => Poll::Pending,
         }
     }

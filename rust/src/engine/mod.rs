@@ -15,9 +15,9 @@ pub use policies::{PolicyNames, PolicySet};
 use http::HeaderMap;
 
 use crate::admission::{Admission, Ticket};
-use crate::inspect::RequestInfo;
 use crate::error::{Error, Kind, Result};
 use crate::forward::{ForwardConfig, ForwardRequest, Forwarder, UpstreamResponse};
+use crate::inspect::RequestInfo;
 use crate::node::{Node, NodeSpec, NodeState, Role};
 use crate::permit::{InFlightPermit, Outcome};
 use crate::registry::Registry;
@@ -222,8 +222,11 @@ impl Engine {
                 return Err(Error::new(Kind::Overloaded, "no node had room for the request in time")
                     .with_retry_after(self.admission.retry_after()));
             }
-            // Woken and out of the queue: back in at its head before trying again.
-            ticket = self.admission.enqueue(role, ctx.model, true).expect("the head of the queue is always open");
+            // Woken and out of the queue: back in at its head (always open) before trying again.
+            let Some(again) = self.admission.enqueue(role, ctx.model, true) else {
+                return Err(Error::new(Kind::Overloaded, "the wait queue is closed"));
+            };
+            ticket = again;
         }
     }
 
@@ -270,10 +273,7 @@ impl Engine {
                 Err(_) => true,
             };
             tried.push(node.generation());
-            let next = if retry
-                && retriable
-                && tried.len() <= self.config.retries as usize
-                && self.retry_budget.spend()
+            let next = if retry && retriable && tried.len() <= self.config.retries as usize && self.retry_budget.spend()
             {
                 let policy = self.policies.for_request(ctx.role, ctx.model);
                 select_excluding(&self.registry.load(), ctx, policy.as_ref(), Some(&self.admission), &tried).ok()

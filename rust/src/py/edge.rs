@@ -82,9 +82,11 @@ impl Edge {
             max_body_size: settings.max_body_size,
             body_timeout: seconds("body_timeout", settings.body_timeout)?,
             disaggregation,
-            access_log: settings
-                .access_log
-                .then_some(if settings.access_log_format == "json" { Format::Json } else { Format::Text }),
+            access_log: settings.access_log.then_some(if settings.access_log_format == "json" {
+                Format::Json
+            } else {
+                Format::Text
+            }),
             header_read_timeout: seconds("header_read_timeout", settings.header_read_timeout)?,
             control_socket,
             control_timeout: seconds("first_byte_timeout", settings.first_byte_timeout)?,

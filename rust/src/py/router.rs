@@ -166,7 +166,10 @@ impl Router {
     /// Counts one inference request into the proxy's gate. Raises `Draining` while the proxy
     /// drains and `ProxyOverloaded` at `max_requests`; call `leave_request` when it is done.
     fn enter_request(&self) -> PyResult<()> {
-        self.engine.gate.enter().map_err(|refusal| super::errors::refusal_to_pyerr(refusal, self.engine.gate.max_requests()))
+        self.engine
+            .gate
+            .enter()
+            .map_err(|refusal| super::errors::refusal_to_pyerr(refusal, self.engine.gate.max_requests()))
     }
 
     fn leave_request(&self) {
@@ -397,7 +400,9 @@ impl Job {
         let Job { engine, retry, admitted, request, role, exchange } = self;
         let started = Instant::now();
         // Parsed again here: the request's fields borrow from its body, which this task owns.
-        let Ok(info) = inspect(&request.body) else { return reply.fail(Error::new(Kind::InvalidRequest, "invalid body")) };
+        let Ok(info) = inspect(&request.body) else {
+            return reply.fail(Error::new(Kind::InvalidRequest, "invalid body"));
+        };
         let ctx = select_ctx(role, &request.headers, &info);
         let permit = match admitted {
             Admitted::Now(permit) => permit,
@@ -407,10 +412,11 @@ impl Job {
             },
         };
         // Small answers cross into Python whole, with the head.
-        let (node, response) = match engine.send(&engine.forwarder, permit, &request, &ctx, retry, true, exchange.as_ref()).await {
-            Ok(answer) => answer,
-            Err(e) => return reply.fail(e),
-        };
+        let (node, response) =
+            match engine.send(&engine.forwarder, permit, &request, &ctx, retry, true, exchange.as_ref()).await {
+                Ok(answer) => answer,
+                Err(e) => return reply.fail(e),
+            };
         let outcome = response.outcome();
         let UpstreamResponse { status, headers, body } = response;
         let (complete, stream) = match body {

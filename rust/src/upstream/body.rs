@@ -26,12 +26,17 @@ impl Body {
 
     /// The body has been read whole: its connection goes back to the pool when it can serve again.
     fn ended(&mut self) {
-        if let (Some(connection), Some(returner), true) = (self.connection.take(), self.returner.take(), self.reusable) {
+        if let (Some(connection), Some(returner), true) = (self.connection.take(), self.returner.take(), self.reusable)
+        {
             returner.give_back(connection);
         }
     }
 
-    fn failed(&mut self, why: &'static str, source: Option<std::io::Error>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    fn failed(
+        &mut self,
+        why: &'static str,
+        source: Option<std::io::Error>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.connection = None;
         self.framing = Framing::Done;
         let error = match source {
@@ -68,7 +73,9 @@ impl http_body::Body for Body {
                     this.connection = None;
                     return Poll::Ready(None);
                 }
-                Poll::Ready(Ok(0)) => return this.failed("the node closed the connection before the end of its answer", None),
+                Poll::Ready(Ok(0)) => {
+                    return this.failed("the node closed the connection before the end of its answer", None)
+                }
                 Poll::Ready(Ok(_)) => {}
                 Poll::Ready(Err(e)) => return this.failed("the node broke off its answer", Some(e)),
             }

@@ -139,11 +139,12 @@ pub async fn read_head(connection: &mut Connection, method: &Method) -> Result<H
 fn parse_head(buffer: &mut BytesMut, method: &Method) -> Result<Option<Head>, HeadError> {
     let mut slots = [const { std::mem::MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_HEADERS];
     let mut response = httparse::Response::new(&mut []);
-    let used = match httparse::ParserConfig::default().parse_response_with_uninit_headers(&mut response, buffer, &mut slots) {
-        Ok(httparse::Status::Complete(used)) => used,
-        Ok(httparse::Status::Partial) => return Ok(None),
-        Err(_) => return Err(HeadError::Invalid("the response head does not parse")),
-    };
+    let used =
+        match httparse::ParserConfig::default().parse_response_with_uninit_headers(&mut response, buffer, &mut slots) {
+            Ok(httparse::Status::Complete(used)) => used,
+            Ok(httparse::Status::Partial) => return Ok(None),
+            Err(_) => return Err(HeadError::Invalid("the response head does not parse")),
+        };
     let status = response.code.and_then(|c| StatusCode::from_u16(c).ok()).ok_or(HeadError::Invalid("bad status"))?;
     let http11 = response.version == Some(1);
     // Where each name and value lies in the buffer, to slice them once the head is taken out.
@@ -169,7 +170,7 @@ fn parse_head(buffer: &mut BytesMut, method: &Method) -> Result<Option<Head>, He
         || status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
-    let chunked = headers.get_all(TRANSFER_ENCODING).iter().last().is_some_and(|v| {
+    let chunked = headers.get_all(TRANSFER_ENCODING).iter().next_back().is_some_and(|v| {
         v.as_bytes().rsplit(|&b| b == b',').next().is_some_and(|c| c.trim_ascii().eq_ignore_ascii_case(b"chunked"))
     });
     let framing = if no_body {
@@ -177,11 +178,8 @@ fn parse_head(buffer: &mut BytesMut, method: &Method) -> Result<Option<Head>, He
     } else if chunked {
         Framing::Chunked(Chunk::Size)
     } else if let Some(length) = headers.get(CONTENT_LENGTH) {
-        let length = length
-            .to_str()
-            .ok()
-            .and_then(|l| l.trim().parse().ok())
-            .ok_or(HeadError::Invalid("bad content-length"))?;
+        let length =
+            length.to_str().ok().and_then(|l| l.trim().parse().ok()).ok_or(HeadError::Invalid("bad content-length"))?;
         Framing::Length(length)
     } else {
         reusable = false;
@@ -355,7 +353,8 @@ mod tests {
         let (data, done) = all(&[b"ab", b"cdef"], Framing::Length(5));
         assert_eq!((data.as_slice(), done), (&b"abcde"[..], true));
         let parse = |raw: &[u8]| parse_head(&mut BytesMut::from(raw), &Method::POST);
-        let mut buffer = BytesMut::from(&b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: keep-alive\r\nx-a: b\r\n\r\nhi"[..]);
+        let mut buffer =
+            BytesMut::from(&b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: keep-alive\r\nx-a: b\r\n\r\nhi"[..]);
         let head = parse_head(&mut buffer, &Method::POST).unwrap().unwrap();
         assert_eq!((head.status, head.framing, head.reusable), (StatusCode::OK, Framing::Length(2), true));
         assert_eq!((&buffer[..], head.headers["x-a"].as_bytes()), (&b"hi"[..], &b"b"[..]));

@@ -82,7 +82,11 @@ impl Client {
                     return Err(Error::new(Kind::Upstream, "the node closed the connection before answering"));
                 }
                 Err(HeadError::Io(e)) => {
-                    return Err(Error::with_source(Kind::Upstream, "the node broke off the connection before answering", e));
+                    return Err(Error::with_source(
+                        Kind::Upstream,
+                        "the node broke off the connection before answering",
+                        e,
+                    ));
                 }
                 Err(HeadError::Invalid(why)) => {
                     return Err(Error::new(Kind::Upstream, format!("the node's answer is not valid HTTP: {why}")));
