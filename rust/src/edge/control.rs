@@ -28,8 +28,9 @@ use crate::headers::strip_hop_headers;
 /// The header that tells the control plane the client's address (its own peer is the edge).
 pub const PEER_HEADER: &str = "x-pdproxy-peer";
 
-/// Idle connections kept to the control plane.
-const POOL_SIZE: usize = 32;
+/// Idle connections kept to the control plane: as many as the requests it may serve at once
+/// (LMDeploy's DistServe streams all go through it), so that none has to connect anew.
+const POOL_SIZE: usize = 1024;
 
 #[derive(Debug)]
 pub struct ControlPlane {
