@@ -4,13 +4,12 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{HeaderMap, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use http::{Method, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::BodyExt;
 
 use crate::error::{BoxError, Error, Kind, Result};
-use crate::headers::strip_hop_headers;
 use crate::node::Node;
 use crate::permit::Outcome;
 use crate::sse;
@@ -35,13 +34,16 @@ pub struct ForwardConfig {
     pub stream_stall_timeout: Duration,
 }
 
-/// A request to forward: the client's, with its headers already fit for the node's hop
-/// (see `headers::upstream_request_headers`).
+/// A request to forward, as the client sent it plus the proxy's own headers.
 #[derive(Debug, Clone)]
 pub struct ForwardRequest {
     pub method: Method,
     pub path_and_query: String,
+    /// The client's headers; those of the client's hop are left out when the request is
+    /// written (`headers::stays_on_client_hop`), and so are those `extra` replaces.
     pub headers: HeaderMap,
+    /// The proxy's own headers (request id, `X-Forwarded-*`).
+    pub extra: Vec<(HeaderName, HeaderValue)>,
     pub body: Bytes,
 }
 
@@ -115,16 +117,14 @@ impl Forwarder {
             })?),
             None => None,
         };
-        let sent =
-            self.client.send(node.authority(), &request.method, &path, &request.headers, key.as_ref(), &request.body);
+        let sent = self.client.send(node.authority(), &path, request, key.as_ref());
         let answer = match tokio::time::timeout(self.config.first_byte_timeout, sent).await {
             Ok(answer) => answer?,
             Err(_) => return Err(Error::new(Kind::Timeout, "the node did not answer in time")),
         };
-        let mut headers = answer.headers;
-        strip_hop_headers(&mut headers);
+        let headers = answer.headers;
         let event_stream = headers.get(CONTENT_TYPE).is_some_and(|ct| sse::is_event_stream(ct.as_bytes()));
-        let small = content_length(&headers).is_some_and(|len| len <= self.config.prefetch_limit);
+        let small = answer.content_length.is_some_and(|len| len <= self.config.prefetch_limit as u64);
         let body = if prefetch && !event_stream && small {
             ResponseBody::Complete(read_whole(answer.body, self.config.stream_idle_timeout).await?)
         } else {

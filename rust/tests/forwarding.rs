@@ -34,10 +34,8 @@ async fn send(fwd: &Forwarder, node: &Arc<Node>, path: &str) -> _pdproxy::error:
     let request = ForwardRequest {
         method: Method::POST,
         path_and_query: path.to_owned(),
-        headers: _pdproxy::headers::upstream_request_headers(&[(
-            b"content-type".to_vec(),
-            b"application/json".to_vec(),
-        )]),
+        headers: _pdproxy::headers::header_map(&[(b"content-type".to_vec(), b"application/json".to_vec())]),
+        extra: Vec::new(),
         body: bytes::Bytes::from_static(b"{}"),
     };
     fwd.forward(node, &request, true).await

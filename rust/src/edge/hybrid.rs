@@ -2,7 +2,6 @@
 //! per request). Checks in the control plane's order, one parse of the body, admission with
 //! its permit, forwarding with retries, and the node's answer streamed straight back.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -14,7 +13,7 @@ use hyper::body::Incoming;
 use super::access::Record;
 use super::answer::{self, Fault};
 use super::body::{EdgeBody, Relay, RelayParts};
-use super::request::{check_media_type, linger, read_body, upstream_headers, BodyError, X_REQUEST_ID};
+use super::request::{check_media_type, linger, proxy_headers, read_body, BodyError, Peer, X_REQUEST_ID};
 use super::server::Worker;
 use super::EdgeState;
 use crate::engine::{select_ctx, GatePass, HeldPermit, PermitHolder, Refusal};
@@ -59,7 +58,7 @@ pub fn refuse_error(record: &mut Option<Box<Record>>, error: &Error, id: &Header
 /// type, size and time of the body. Refusals come back as the answer to send.
 pub async fn check(
     state: &EdgeState,
-    peer: SocketAddr,
+    peer: &Peer,
     parts: Parts,
     body: Incoming,
     id: &HeaderValue,
@@ -111,7 +110,8 @@ pub async fn check(
     let request = ForwardRequest {
         method,
         path_and_query: uri.path_and_query().map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned()),
-        headers: upstream_headers(headers, peer.ip(), id, had_id),
+        extra: proxy_headers(&headers, peer, id, had_id),
+        headers,
         body,
     };
     Ok(Checked { pass, request })
@@ -139,7 +139,7 @@ pub fn parse<'a>(
 /// Serves one hybrid inference request.
 pub async fn serve(
     worker: &Worker,
-    peer: SocketAddr,
+    peer: &Peer,
     request: hyper::Request<Incoming>,
     id: HeaderValue,
     had_id: bool,

@@ -26,7 +26,7 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use super::answer;
 use super::body::EdgeBody;
-use super::request::request_id;
+use super::request::{request_id, Peer};
 use super::{hybrid, pd, EdgeState, Route, Stop};
 use crate::forward::Forwarder;
 
@@ -138,13 +138,15 @@ async fn serve_inbox(worker: &Arc<Worker>, mut inbox: UnboundedReceiver<Accepted
 
 async fn serve_connection(worker: Arc<Worker>, stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
+    let peer = Arc::new(Peer::new(peer));
     let state = Arc::clone(&worker.state);
     state.connections.fetch_add(1, Ordering::Relaxed);
     let io = TokioIo::new(StallGuard::new(stream, state.engine.config.forward.stream_stall_timeout));
     let service_worker = Arc::clone(&worker);
     let service = service_fn(move |request| {
         let worker = Arc::clone(&service_worker);
-        async move { Ok::<_, Infallible>(guarded(worker, peer, request).await) }
+        let peer = Arc::clone(&peer);
+        async move { Ok::<_, Infallible>(guarded(worker, &peer, request).await) }
     });
     let mut builder = http1::Builder::new();
     builder
@@ -167,7 +169,7 @@ async fn serve_connection(worker: Arc<Worker>, stream: TcpStream, peer: SocketAd
 }
 
 /// Routes the request; a panic while serving it becomes a 500 answer, never a dead connection.
-async fn guarded(worker: Arc<Worker>, peer: SocketAddr, request: Request<Incoming>) -> Response<EdgeBody> {
+async fn guarded(worker: Arc<Worker>, peer: &Peer, request: Request<Incoming>) -> Response<EdgeBody> {
     let (id, had_id) = request_id(request.headers());
     let echo = id.clone();
     match AssertUnwindSafe(route(&worker, peer, request, id, had_id)).catch_unwind().await {
@@ -178,7 +180,7 @@ async fn guarded(worker: Arc<Worker>, peer: SocketAddr, request: Request<Incomin
 
 async fn route(
     worker: &Worker,
-    peer: SocketAddr,
+    peer: &Peer,
     request: Request<Incoming>,
     id: http::HeaderValue,
     had_id: bool,
@@ -193,7 +195,7 @@ async fn route(
             Route::ControlPlane => {}
         }
     }
-    state.control.forward(peer, request, &id).await
+    state.control.forward(peer.address, request, &id).await
 }
 
 /// The edge's shutdown, as a connection waits for it: its waker is registered once, then each

@@ -20,7 +20,7 @@ use crate::engine::{select_ctx, Admitted, Engine};
 use crate::error::{Error, Kind};
 use crate::exchange::{pump, Exchange, StreamTimeouts};
 use crate::forward::{ForwardRequest, ResponseBody, UpstreamResponse};
-use crate::headers::upstream_request_headers;
+use crate::headers::header_map;
 use crate::histogram::HistogramSnapshot;
 use crate::inspect::{inspect, patch};
 use crate::node::{Node, NodeSpec, NodeState, NodeUrl, Role};
@@ -277,7 +277,7 @@ impl Router {
         }
         let bridge = self.bridge(py)?;
         let body = Bytes::copy_from_slice(body);
-        let headers = upstream_request_headers(&headers);
+        let headers = header_map(&headers);
         let info = inspect(&body).map_err(|e| to_pyerr(&e))?;
         let admitted = match node {
             Some(url) => {
@@ -299,7 +299,7 @@ impl Router {
             engine: Arc::clone(&self.engine),
             retry: node.is_none(),
             admitted,
-            request: ForwardRequest { method, path_and_query: path, headers, body },
+            request: ForwardRequest { method, path_and_query: path, headers, extra: Vec::new(), body },
             role,
             exchange: Arc::clone(&exchange),
         };

@@ -9,8 +9,8 @@ mod pool;
 
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use bytes::BytesMut;
+use http::{HeaderMap, HeaderValue, StatusCode};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
@@ -19,6 +19,7 @@ use codec::{encode_request, read_head, HeadError};
 use pool::{Connection, Pool};
 
 use crate::error::{Error, Kind, Result};
+use crate::forward::ForwardRequest;
 
 /// Client settings; values come from the control plane's settings.
 #[derive(Debug, Clone, Copy)]
@@ -28,11 +29,13 @@ pub struct ClientConfig {
     pub max_idle_per_host: usize,
 }
 
-/// A node's answer: its head, and its body still to be read.
+/// A node's answer: its head (without the headers of the node's hop), and its body still to be read.
 #[derive(Debug)]
 pub struct Answer {
     pub status: StatusCode,
     pub headers: HeaderMap,
+    /// The body's announced length, when it has one.
+    pub content_length: Option<u64>,
     pub body: Body,
 }
 
@@ -53,13 +56,12 @@ impl Client {
     pub async fn send(
         &self,
         authority: &str,
-        method: &Method,
         path: &str,
-        headers: &HeaderMap,
+        request: &ForwardRequest,
         authorization: Option<&HeaderValue>,
-        body: &Bytes,
     ) -> Result<Answer> {
-        let request = encode_request(method, path, authority, headers, authorization, body);
+        let method = &request.method;
+        let request = encode_request(path, authority, request, authorization);
         loop {
             let (mut connection, reused) = match self.pool.checkout(authority) {
                 Some(connection) => (connection, true),
@@ -74,8 +76,12 @@ impl Client {
             }
             match read_head(&mut connection, method).await {
                 Ok(head) => {
+                    let content_length = match head.framing {
+                        codec::Framing::Length(length) => Some(length),
+                        _ => None,
+                    };
                     let body = Body::new(connection, head.framing, head.reusable, self.pool.returner(authority));
-                    return Ok(Answer { status: head.status, headers: head.headers, body });
+                    return Ok(Answer { status: head.status, headers: head.headers, content_length, body });
                 }
                 Err(HeadError::Closed) if reused => {}
                 Err(HeadError::Closed) => {
