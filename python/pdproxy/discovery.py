@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from . import background
+from .node_answers import read_json
 
 if TYPE_CHECKING:
     from ._pdproxy import Router as CoreRouter
@@ -86,10 +87,10 @@ class ModelDiscovery:
         status: int | str
         try:
             async with self._session.get(f"{url}/v1/models", headers=headers, allow_redirects=False) as response:
-                payload = await response.json(content_type=None) if response.status == 200 else None
+                payload = await read_json(response) if response.status == 200 else None
                 status = response.status
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            payload, status = None, type(e).__name__
+            payload, status = None, f"{type(e).__name__}: {e}"
         models = _model_ids(payload)
         # The node may have been removed or re-added while it was being probed.
         if self._pending.get(url) is not pending:

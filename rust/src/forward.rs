@@ -57,12 +57,14 @@ pub struct UpstreamResponse {
 }
 
 impl UpstreamResponse {
-    /// How the request counts for the node once its body has ended: a 5xx is the node's failure.
+    /// How the request counts for the node once its body has ended: a gateway error (502,
+    /// 503, 504) is the node's failure; another 5xx counts as failed without touching its
+    /// circuit (a client can provoke a 500 with a bad request).
     pub fn outcome(&self) -> Outcome {
-        if self.status.is_server_error() {
-            Outcome::Failed
-        } else {
-            Outcome::Succeeded
+        match self.status.as_u16() {
+            502..=504 => Outcome::Failed,
+            500..=599 => Outcome::Errored,
+            _ => Outcome::Succeeded,
         }
     }
 }
@@ -90,17 +92,23 @@ pub struct StreamBody {
 pub struct Forwarder {
     client: std::sync::Arc<Client>,
     config: ForwardConfig,
+    /// The proxy's id, added to every request's `x-pdproxy-via` (see `loops`).
+    via: HeaderValue,
 }
 
 impl Forwarder {
-    /// Builds the client. Needs no runtime; connections belong to the runtime that opens them.
-    pub fn new(config: ForwardConfig) -> Self {
+    /// Builds the client for the proxy `instance`. Needs no runtime; connections belong to the
+    /// runtime that opens them.
+    pub fn new(config: ForwardConfig, instance: &str) -> Self {
         let client = Client::new(ClientConfig {
             connect_timeout: config.connect_timeout,
             idle_timeout: config.pool_idle_timeout,
             max_idle_per_host: config.pool_max_idle_per_node,
+            // Every buffer of a stream counts (see `ForwardConfig::stream_buffer_limit`).
+            receive_buffer: socket_buffer(config.stream_buffer_limit),
         });
-        Self { client: std::sync::Arc::new(client), config }
+        let via = HeaderValue::from_str(instance).unwrap_or_else(|_| HeaderValue::from_static("pdproxy"));
+        Self { client: std::sync::Arc::new(client), config, via }
     }
 
     pub fn config(&self) -> &ForwardConfig {
@@ -117,7 +125,7 @@ impl Forwarder {
             })?),
             None => None,
         };
-        let sent = self.client.send(node.authority(), &path, request, key.as_ref());
+        let sent = self.client.send(node.authority(), node.spec().address, &path, request, key.as_ref(), &self.via);
         let answer = match tokio::time::timeout(self.config.first_byte_timeout, sent).await {
             Ok(answer) => answer?,
             Err(_) => return Err(Error::new(Kind::Timeout, "the node did not answer in time")),
@@ -162,6 +170,13 @@ async fn read_whole(
             }
         }
     }
+}
+
+/// The kernel buffer of one socket of a stream: a quarter of the stream's buffer limit (the
+/// kernel doubles what it is asked for), so that the proxy's buffer and both sockets together
+/// stay near the limit however slowly a client reads.
+pub fn socket_buffer(stream_buffer_limit: usize) -> usize {
+    (stream_buffer_limit / 4).max(16 << 10)
 }
 
 pub fn content_length(headers: &HeaderMap) -> Option<usize> {

@@ -392,6 +392,9 @@ pub struct NodeSpec {
     pub api_key: Option<String>,
     /// SGLang prefill nodes: the port of their bootstrap server, when declared.
     pub bootstrap_port: Option<u16>,
+    /// Where the node is reached: the address its name resolved to when it was checked, so
+    /// that a name whose answer changes later cannot send requests elsewhere. `None`: resolve.
+    pub address: Option<std::net::SocketAddr>,
 }
 
 /// An immutable description of a node plus its shared counters. Changing a node's spec

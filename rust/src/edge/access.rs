@@ -137,7 +137,7 @@ impl Record {
                 }
                 let _ = write!(out, "{name}=");
                 match value {
-                    Value::Str(Some(s)) => out.push_str(s),
+                    Value::Str(Some(s)) => escape_text(&mut out, s),
                     Value::Int(Some(n)) => {
                         let _ = write!(out, "{n}");
                     }
@@ -179,6 +179,24 @@ impl Drop for Record {
     }
 }
 
+/// A text-line field that cannot break its line or forge another field: backslashes, spaces
+/// and control characters as escapes (as `access.py` writes them).
+fn escape_text(out: &mut String, text: &str) {
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            ' ' => out.push_str("\\x20"),
+            c if c.is_ascii_control() => {
+                let _ = write!(out, "\\x{:02x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+}
+
 /// Seconds rounded to microseconds, written as Python's `repr(round(x, 6))` writes them.
 fn python_float(d: Duration) -> String {
     #[allow(clippy::cast_precision_loss)]
@@ -210,6 +228,13 @@ mod tests {
         assert_eq!(python_float(Duration::from_micros(12)), "1.2e-05");
         assert_eq!(python_float(Duration::from_micros(123)), "0.000123");
         assert_eq!(python_float(Duration::ZERO), "0.0");
+    }
+
+    #[test]
+    fn text_fields_cannot_break_their_line() {
+        let mut out = String::new();
+        escape_text(&mut out, "m\nrequest_id=forged x\\y\u{1}z\t");
+        assert_eq!(out, "m\\nrequest_id=forged\\x20x\\\\y\\x01z\\t");
     }
 
     #[test]

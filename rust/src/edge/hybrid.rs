@@ -13,7 +13,9 @@ use hyper::body::Incoming;
 use super::access::Record;
 use super::answer::{self, Fault};
 use super::body::{EdgeBody, Relay, RelayParts};
-use super::request::{check_media_type, linger, proxy_headers, read_body, BodyError, Peer, X_REQUEST_ID};
+use super::request::{
+    check_media_type, content_coding, linger, plain_path, proxy_headers, read_body, BodyError, Peer, X_REQUEST_ID,
+};
 use super::server::Worker;
 use super::EdgeState;
 use crate::engine::{select_ctx, GatePass, HeldPermit, PermitHolder, Refusal};
@@ -80,8 +82,16 @@ pub async fn check(
             return Err(Box::new(refuse(record, answer::PROXY_OVERLOADED, &message, None, id)));
         }
     };
+    if crate::loops::came_back(&parts.headers, state.engine.instance()) {
+        let message = "the request came back to this proxy: one of its nodes routes to it again";
+        return Err(Box::new(refuse(record, answer::LOOP_DETECTED, message, None, id)));
+    }
     if let Err(media) = check_media_type(&parts.headers) {
         let message = format!("the request body must be JSON, not {media}");
+        return Err(Box::new(refuse(record, answer::UNSUPPORTED_MEDIA_TYPE, &message, None, id)));
+    }
+    if let Some(coding) = content_coding(&parts.headers) {
+        let message = format!("compressed request bodies are not accepted (content-encoding: {coding})");
         return Err(Box::new(refuse(record, answer::UNSUPPORTED_MEDIA_TYPE, &message, None, id)));
     }
     let limit = state.config.max_body_size;
@@ -124,12 +134,16 @@ pub fn parse<'a>(
     id: &HeaderValue,
     record: &mut Option<Box<Record>>,
 ) -> Result<RequestInfo<'a>, Refused> {
+    let path = checked.request.path_and_query.split('?').next().unwrap_or_default();
+    if require_model && !plain_path(path) {
+        let message = "the path may not contain dot-segments or encoded separators";
+        return Err(Box::new(refuse(record, answer::INVALID_REQUEST, message, None, id)));
+    }
     let info = inspect(&checked.request.body).map_err(|e| Box::new(refuse_error(record, &e, id)))?;
     if let Some(record) = record {
         record.model = info.model.as_deref().map(str::to_owned);
     }
     if require_model && info.model.is_none() {
-        let path = checked.request.path_and_query.split('?').next().unwrap_or_default();
         let message = format!("no route for {path} without a model in the body");
         return Err(Box::new(refuse(record, answer::NOT_FOUND, &message, None, id)));
     }
@@ -229,6 +243,7 @@ pub fn respond(
                 outcome_at_end: outcome,
                 event_stream,
                 idle_timeout: state.engine.config.forward.stream_idle_timeout,
+                held_limit: state.engine.config.forward.stream_buffer_limit,
                 deadline,
                 cut: Arc::clone(&state.shutdown),
                 started,

@@ -44,6 +44,26 @@ pub fn check_media_type(headers: &HeaderMap) -> Result<(), String> {
     }
 }
 
+/// A content coding of the body other than `identity`: the proxy routes on the body's bytes,
+/// so it does not take compressed ones.
+pub fn content_coding(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(http::header::CONTENT_ENCODING)?.as_bytes();
+    let coding = value.trim_ascii();
+    (!coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity"))
+        .then(|| String::from_utf8_lossy(coding).into_owned())
+}
+
+/// Whether a pass-through path stays under `/v1/`: no dot-segments and no encoded dots or
+/// separators that a node might decode into one (`/v1/%2e%2e/%2e%2e/start_profile`).
+pub fn plain_path(path: &str) -> bool {
+    let lowered = path.to_ascii_lowercase();
+    !lowered.contains("%2e")
+        && !lowered.contains("%2f")
+        && !lowered.contains("%5c")
+        && !path.contains('\\')
+        && !path.split('/').any(|segment| segment == "." || segment == "..")
+}
+
 /// Why a body was not read.
 #[derive(Debug)]
 pub enum BodyError {
@@ -160,6 +180,15 @@ mod tests {
         assert!(!had && made.len() == 32 && made.to_str().unwrap().as_bytes()[12] == b'4');
         h.insert("x-request-id", HeaderValue::from_static("mine"));
         assert_eq!(request_id(&h), (HeaderValue::from_static("mine"), true));
+    }
+
+    #[test]
+    fn pass_through_paths() {
+        assert!(plain_path("/v1/rerank"));
+        assert!(plain_path("/v1/models/a.b"));
+        for bad in ["/v1/%2e%2e/x", "/v1/../x", "/v1/a%2Fb", "/v1/./x", "/v1/a%5Cb", "/v1/a\\b", "/v1/x/.."] {
+            assert!(!plain_path(bad), "{bad}");
+        }
     }
 
     #[test]

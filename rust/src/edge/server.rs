@@ -78,7 +78,7 @@ pub fn run_thread(state: &Arc<EdgeState>, start: ThreadStart, acceptor: Option<(
     runtime.block_on(async {
         let worker = Arc::new(Worker {
             state: Arc::clone(state),
-            forwarder: Forwarder::new(state.engine.config.forward.clone()),
+            forwarder: Forwarder::new(state.engine.config.forward.clone(), state.engine.instance()),
             open: start.open,
         });
         let accepting = async {
@@ -138,6 +138,9 @@ async fn serve_inbox(worker: &Arc<Worker>, mut inbox: UnboundedReceiver<Accepted
 
 async fn serve_connection(worker: Arc<Worker>, stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
+    // Every buffer of a stream counts: the kernel's too (see `forward::socket_buffer`).
+    let limit = worker.state.engine.config.forward.stream_buffer_limit;
+    let _ = socket2::SockRef::from(&stream).set_send_buffer_size(crate::forward::socket_buffer(limit));
     let peer = Arc::new(Peer::new(peer));
     let state = Arc::clone(&worker.state);
     state.connections.fetch_add(1, Ordering::Relaxed);

@@ -58,6 +58,8 @@ pub struct Engine {
     pub config: EngineConfig,
     /// In a worker group: how often a queued request looks for room freed by other workers.
     group_poll: Option<Duration>,
+    /// This proxy's id in `x-pdproxy-via` (see `loops`).
+    instance: String,
 }
 
 /// A permit taken at once, or a place in the queue.
@@ -101,16 +103,23 @@ impl Engine {
     pub fn new(config: EngineConfig, registry: Registry) -> Result<Self> {
         let policies = PolicySet::build(&config.policies, &config.policy)?;
         let group_poll = registry.in_a_group().then_some(GROUP_POLL);
+        let instance = crate::loops::new_instance_id();
         Ok(Self {
             registry,
             policies,
             admission: Arc::new(Admission::new(config.queue_size)),
             retry_budget: RetryBudget::new(config.retry_budget_ratio, config.retry_budget_floor),
-            forwarder: Forwarder::new(config.forward.clone()),
+            forwarder: Forwarder::new(config.forward.clone(), &instance),
             gate: Arc::new(Gate::new(config.max_requests)),
             config,
             group_poll,
+            instance,
         })
+    }
+
+    /// This proxy's id, as its requests carry it in `x-pdproxy-via`.
+    pub fn instance(&self) -> &str {
+        &self.instance
     }
 
     pub fn policies(&self) -> &PolicySet {

@@ -25,7 +25,7 @@ use crate::histogram::HistogramSnapshot;
 use crate::inspect::{inspect, patch};
 use crate::node::{Node, NodeSpec, NodeState, NodeUrl, Role};
 use crate::permit::Outcome;
-use crate::registry::{check_speed, Registry};
+use crate::registry::{check_api_key, check_speed, Registry};
 use crate::runtime;
 use crate::select::SelectCtx;
 
@@ -61,13 +61,19 @@ impl Router {
         Ok(Self { engine: Arc::new(engine), runtime, shutdown: CancellationToken::new(), bridge: OnceLock::new() })
     }
 
+    /// This proxy's id, as the requests it sends carry it in `x-pdproxy-via`.
+    #[getter]
+    fn instance_id(&self) -> &str {
+        self.engine.instance()
+    }
+
     /// The routing policy of each role (and per-model overrides, as `model:NAME`).
     #[getter]
     fn policies(&self) -> Vec<(String, &'static str)> {
         self.engine.policies().names()
     }
 
-    #[pyo3(signature = (url, models=None, role="hybrid", speed=None, max_concurrency=None, api_key=None, bootstrap_port=None))]
+    #[pyo3(signature = (url, models=None, role="hybrid", speed=None, max_concurrency=None, api_key=None, bootstrap_port=None, address=None))]
     #[allow(clippy::too_many_arguments)]
     fn add_node(
         &self,
@@ -78,8 +84,14 @@ impl Router {
         max_concurrency: Option<u32>,
         api_key: Option<String>,
         bootstrap_port: Option<u16>,
+        address: Option<&str>,
     ) -> PyResult<String> {
+        let address = address
+            .map(str::parse::<std::net::SocketAddr>)
+            .transpose()
+            .map_err(|_| to_pyerr(&Error::new(Kind::InvalidNode, "a node's address must read HOST:PORT")))?;
         let spec = NodeSpec {
+            address,
             models: models.unwrap_or_default(),
             role: role_of(role)?,
             speed,
@@ -202,11 +214,12 @@ impl Router {
 
     /// Raises `InvalidNode` for a node the table would refuse (URL, role, speed), without adding it.
     #[staticmethod]
-    #[pyo3(signature = (url, role="hybrid", speed=None))]
-    fn check_node(url: &str, role: &str, speed: Option<f64>) -> PyResult<()> {
+    #[pyo3(signature = (url, role="hybrid", speed=None, api_key=None))]
+    fn check_node(url: &str, role: &str, speed: Option<f64>, api_key: Option<&str>) -> PyResult<()> {
         NodeUrl::parse(url).map_err(|e| to_pyerr(&e))?;
         role_of(role)?;
-        check_speed(speed).map_err(|e| to_pyerr(&e))
+        check_speed(speed).map_err(|e| to_pyerr(&e))?;
+        check_api_key(api_key).map_err(|e| to_pyerr(&e))
     }
 
     /// The canonical form of a node URL (scheme and host lower-cased, no trailing slash).
@@ -469,6 +482,7 @@ fn node_stats<'py>(py: Python<'py>, node: &Arc<Node>) -> PyResult<Bound<'py, PyD
     stats.set_item("models", node.models())?;
     stats.set_item("speed", node.speed())?;
     stats.set_item("has_api_key", node.spec().api_key.is_some())?;
+    stats.set_item("address", node.spec().address.map(|a| a.to_string()))?;
     stats.set_item("state", c.state)?;
     stats.set_item("circuit", c.circuit)?;
     stats.set_item("max_concurrency", c.max_concurrency)?;

@@ -13,6 +13,7 @@ use http::{HeaderMap, Method, StatusCode};
 use super::pool::Connection;
 use crate::forward::ForwardRequest;
 use crate::headers::{is_hop_by_hop_name, listed_in_connection, stays_on_client_hop};
+use crate::loops::VIA;
 
 /// Bytes asked of the socket per read.
 pub const READ_SIZE: usize = 16 * 1024;
@@ -22,12 +23,13 @@ const MAX_HEADERS: usize = 128;
 
 /// The request line, headers and body, in one buffer (one write). The client's headers go
 /// without those of its own hop and those the proxy replaces (`extra`); then the proxy's, and
-/// the node's `authorization`, if any.
+/// the node's `authorization`, if any, and `x-pdproxy-via` ending with this proxy's id (`via`).
 pub fn encode_request(
     path: &str,
     authority: &str,
     request: &ForwardRequest,
     authorization: Option<&HeaderValue>,
+    via: &HeaderValue,
 ) -> Vec<u8> {
     let ForwardRequest { method, headers, extra, body, .. } = request;
     let mut out = Vec::with_capacity(256 + headers.len() * 48 + body.len());
@@ -40,6 +42,7 @@ pub fn encode_request(
     let listed = listed_in_connection(headers);
     let clients = headers.iter().filter(|(name, _)| {
         !stays_on_client_hop(name)
+            && **name != VIA
             && !extra.iter().any(|(replaced, _)| replaced == *name)
             && !listed.iter().any(|l| l.as_slice() == name.as_str().as_bytes())
     });
@@ -51,6 +54,14 @@ pub fn encode_request(
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
+    // The proxies this request went through, this one last (see `crate::loops`).
+    out.extend_from_slice(b"x-pdproxy-via: ");
+    for earlier in headers.get_all(&VIA) {
+        out.extend_from_slice(earlier.as_bytes());
+        out.extend_from_slice(b", ");
+    }
+    out.extend_from_slice(via.as_bytes());
+    out.extend_from_slice(b"\r\n");
     if !body.is_empty() || !matches!(*method, Method::GET | Method::HEAD) {
         out.extend_from_slice(b"content-length: ");
         out.extend_from_slice(body.len().to_string().as_bytes());
@@ -415,13 +426,15 @@ mod tests {
         ];
         let sent = request(Method::POST, &client, &[("x-forwarded-for", "1.2.3.4, 10.0.0.1")], b"{}");
         let key = HeaderValue::from_static("Bearer k");
-        let out = encode_request("/v1/x?y=1", "h:1", &sent, Some(&key));
+        let me = HeaderValue::from_static("me");
+        let out = encode_request("/v1/x?y=1", "h:1", &sent, Some(&key), &me);
         assert_eq!(
             String::from_utf8(out).unwrap(),
             "POST /v1/x?y=1 HTTP/1.1\r\nhost: h:1\r\nx-a: 1\r\nx-forwarded-for: 1.2.3.4, 10.0.0.1\r\n\
-             authorization: Bearer k\r\ncontent-length: 2\r\n\r\n{}"
+             authorization: Bearer k\r\nx-pdproxy-via: me\r\ncontent-length: 2\r\n\r\n{}"
         );
-        let out = encode_request("/health", "h:1", &request(Method::GET, &[], &[], b""), None);
-        assert_eq!(out, b"GET /health HTTP/1.1\r\nhost: h:1\r\n\r\n");
+        let earlier = request(Method::GET, &[("x-pdproxy-via", "a, b")], &[], b"");
+        let out = encode_request("/health", "h:1", &earlier, None, &me);
+        assert_eq!(out, b"GET /health HTTP/1.1\r\nhost: h:1\r\nx-pdproxy-via: a, b, me\r\n\r\n");
     }
 }

@@ -7,12 +7,13 @@ mod body;
 mod codec;
 mod pool;
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::BytesMut;
 use http::{HeaderMap, HeaderValue, StatusCode};
 use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
+use tokio::net::TcpSocket;
 
 pub use body::Body;
 use codec::{encode_request, read_head, HeadError};
@@ -27,6 +28,8 @@ pub struct ClientConfig {
     pub connect_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_idle_per_host: usize,
+    /// `SO_RCVBUF` of each connection (a node's answer waits here when the client is slow).
+    pub receive_buffer: usize,
 }
 
 /// A node's answer: its head (without the headers of the node's hop), and its body still to be read.
@@ -56,16 +59,18 @@ impl Client {
     pub async fn send(
         &self,
         authority: &str,
+        address: Option<SocketAddr>,
         path: &str,
         request: &ForwardRequest,
         authorization: Option<&HeaderValue>,
+        via: &HeaderValue,
     ) -> Result<Answer> {
         let method = &request.method;
-        let request = encode_request(path, authority, request, authorization);
+        let request = encode_request(path, authority, request, authorization, via);
         loop {
             let (mut connection, reused) = match self.pool.checkout(authority) {
                 Some(connection) => (connection, true),
-                None => (self.connect(authority).await?, false),
+                None => (self.connect(authority, address).await?, false),
             };
             if let Err(e) = connection.stream.write_all(&request).await {
                 if reused {
@@ -101,8 +106,26 @@ impl Client {
         }
     }
 
-    async fn connect(&self, authority: &str) -> Result<Connection> {
-        let connected = tokio::time::timeout(self.config.connect_timeout, TcpStream::connect(authority)).await;
+    /// A new connection to `address` when it is pinned, else to `authority` (resolved now).
+    async fn connect(&self, authority: &str, address: Option<SocketAddr>) -> Result<Connection> {
+        let connecting = async {
+            let addresses: Vec<SocketAddr> = match address {
+                Some(address) => vec![address],
+                None => tokio::net::lookup_host(authority).await?.collect(),
+            };
+            let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "the node's host resolves to nothing");
+            for address in addresses {
+                let socket = if address.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }?;
+                // Before connecting, so that the window is sized from the start.
+                let _ = socket.set_recv_buffer_size(u32::try_from(self.config.receive_buffer).unwrap_or(u32::MAX));
+                match socket.connect(address).await {
+                    Ok(stream) => return Ok(stream),
+                    Err(e) => last = e,
+                }
+            }
+            Err(last)
+        };
+        let connected = tokio::time::timeout(self.config.connect_timeout, connecting).await;
         let stream = match connected {
             Ok(Ok(stream)) => stream,
             Ok(Err(e)) => return Err(Error::with_source(Kind::Connect, "could not connect to the node", e)),
