@@ -207,7 +207,7 @@ impl Router {
     /// The node the policy would choose now, without sending anything or taking a permit.
     #[pyo3(signature = (model=None, role="hybrid", affinity=None))]
     fn select(&self, model: Option<&str>, role: &str, affinity: Option<&str>) -> PyResult<String> {
-        let ctx = SelectCtx { role: role_of(role)?, model, affinity, prompt: None };
+        let ctx = SelectCtx { role: role_of(role)?, model, affinity, ..SelectCtx::default() };
         let node = self.engine.choose(&ctx).map_err(|e| to_pyerr(&e))?;
         Ok(node.url().to_owned())
     }
