@@ -94,26 +94,27 @@ impl Admission {
 
     /// Joins the queue, or `None` when it is full.
     pub fn enqueue(&self, role: Role, model: Option<&str>, class: Class) -> Option<Ticket> {
-        let seq = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.insert(role, model, class, seq, false)
-    }
-
-    /// Back into the queue, in its old place, for a request that was woken but lost its slot.
-    pub fn requeue(&self, role: Role, model: Option<&str>, ticket: &Ticket) -> Ticket {
-        self.insert(role, model, ticket.class, ticket.seq, true)
-            .expect("a request that was queued may always wait again")
-    }
-
-    fn insert(&self, role: Role, model: Option<&str>, class: Class, seq: u64, again: bool) -> Option<Ticket> {
         let mut queue = self.lock();
-        if !again && queue.waiting.len() >= self.capacity {
+        if queue.waiting.len() >= self.capacity {
             return None;
         }
+        let seq = self.next_id.fetch_add(1, Ordering::Relaxed);
+        Some(self.push(&mut queue, role, model, class, seq))
+    }
+
+    /// Back into the queue, in its old place, for a request that was woken but lost its slot
+    /// (whatever the queue's length: it was counted in it already).
+    pub fn requeue(&self, role: Role, model: Option<&str>, ticket: &Ticket) -> Ticket {
+        let mut queue = self.lock();
+        self.push(&mut queue, role, model, ticket.class, ticket.seq)
+    }
+
+    fn push(&self, queue: &mut Queue, role: Role, model: Option<&str>, class: Class, seq: u64) -> Ticket {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (wake, woken) = oneshot::channel();
         queue.waiting.push(Waiting { id, seq, role, model: model.map(str::to_owned), class, wake });
         self.queued.store(queue.waiting.len(), Ordering::Release);
-        Some(Ticket { id, woken, seq, class })
+        Ticket { id, woken, seq, class }
     }
 
     /// Leaves the queue (served, timed out or cancelled). Returns false when the ticket was
