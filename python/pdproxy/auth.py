@@ -11,6 +11,7 @@ import hmac
 import ipaddress
 import socket
 from collections.abc import Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 from .errors import PdproxyError
@@ -35,6 +36,11 @@ class Forbidden(PdproxyError):
     type = "permission_error"
 
 
+def bearer(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    """The client's key (the token of a ``Bearer`` authorization)."""
+    return _bearer(headers)
+
+
 def _bearer(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
     for name, value in headers:
         if name == b"authorization":
@@ -55,15 +61,22 @@ class Keys:
     def __init__(self, api_keys: Sequence[str], admin_keys: Sequence[str], host: str = "127.0.0.1") -> None:
         self.api = tuple(k.encode() for k in api_keys)
         self.admin = tuple(k.encode() for k in admin_keys) or self.api
+        #: The data plane's tenants (their keys are inference keys too), once it is built.
+        self.tenants: Any = None
         #: Host names (not addresses) the proxy answers to without an admin key.
         self.names = {"localhost", socket.gethostname().lower(), host.lower()}
 
     def check_inference(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
-        if not self.api:
+        """An API key, or with tenants configured a tenant's key, when either is set."""
+        tenants = self.tenants is not None and self.tenants.tenants_configured
+        if not self.api and not tenants:
             return
         token = _bearer(headers)
-        if token is None or not _matches(token, self.api):
-            raise Unauthorized("a valid API key is required (Authorization: Bearer KEY)")
+        if token is not None and (
+            (self.api and _matches(token, self.api)) or (tenants and self.tenants.tenant_key_known(token))
+        ):
+            return
+        raise Unauthorized("a valid API key is required (Authorization: Bearer KEY)")
 
     def check_admin(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
         if not self.admin:

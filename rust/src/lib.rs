@@ -21,6 +21,8 @@ pub mod runtime;
 pub mod select;
 pub mod shared;
 pub mod sse;
+pub mod tenants;
+pub mod trace;
 pub mod upstream;
 
 #[cfg(feature = "python")]

@@ -159,6 +159,7 @@ async fn queued_requests_are_all_served_within_the_cap() {
             stream_stall_timeout: Duration::from_secs(1),
         },
         max_requests: 0,
+        tracing: None,
     };
     let engine = Arc::new(Engine::new(config, Registry::new()).unwrap());
     let spec = NodeSpec { models: vec!["m".into()], max_concurrency: Some(2), ..NodeSpec::default() };

@@ -64,6 +64,8 @@ pub struct Record {
     pub bytes: u64,
     pub events: u64,
     pub first_byte: Option<Duration>,
+    /// The request's trace (its own, or the caller's when requests are not traced).
+    pub trace_id: Option<String>,
 }
 
 impl Record {
@@ -83,6 +85,7 @@ impl Record {
             bytes: 0,
             events: 0,
             first_byte: None,
+            trace_id: None,
         })
     }
 
@@ -158,6 +161,7 @@ impl Record {
         field("events", Value::Int(Some(self.events)));
         field("ttfb", Value::Seconds(self.first_byte));
         field("duration", Value::Seconds(Some(duration)));
+        field("trace_id", Value::Str(self.trace_id.as_deref()));
         if json {
             out.push('}');
         }

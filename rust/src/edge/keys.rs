@@ -12,6 +12,11 @@ impl Keys {
         Self(keys.iter().map(|k| k.as_bytes().to_vec()).collect())
     }
 
+    /// Whether any key is set.
+    pub fn configured(&self) -> bool {
+        !self.0.is_empty()
+    }
+
     /// Whether the request may pass: no keys configured, or a `Bearer` token that is one of them.
     pub fn allows(&self, headers: &HeaderMap) -> bool {
         if self.0.is_empty() {
@@ -23,7 +28,7 @@ impl Keys {
 }
 
 /// The token of the first `Authorization` header, when its scheme is `Bearer`.
-fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
+pub fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
     let value = headers.get(AUTHORIZATION)?.as_bytes();
     let (scheme, token) = value.split_at(value.iter().position(|&b| b == b' ')?);
     scheme.eq_ignore_ascii_case(b"bearer").then(|| token.trim_ascii())

@@ -11,11 +11,12 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::BytesMut;
-use http::{HeaderMap, HeaderValue, StatusCode};
+use http::{HeaderMap, StatusCode};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpSocket;
 
 pub use body::Body;
+pub use codec::Hop;
 use codec::{encode_request, read_head, HeadError};
 use pool::{Connection, Pool};
 
@@ -62,11 +63,10 @@ impl Client {
         address: Option<SocketAddr>,
         path: &str,
         request: &ForwardRequest,
-        authorization: Option<&HeaderValue>,
-        via: &HeaderValue,
+        hop: &Hop<'_>,
     ) -> Result<Answer> {
         let method = &request.method;
-        let request = encode_request(path, authority, request, authorization, via);
+        let request = encode_request(path, authority, request, hop);
         loop {
             let (mut connection, reused) = match self.pool.checkout(authority) {
                 Some(connection) => (connection, true),
