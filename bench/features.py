@@ -93,7 +93,8 @@ def main() -> None:
         urls = [e.url for e in engines]
         measured: dict[str, dict[str, Any]] = {}
         for name, (extra, headers) in variants(Path(tmp), sink).items():
-            with harness.pdproxy(urls, MODEL, extra) as proxy:
+            key = KEY if headers else None
+            with harness.pdproxy(urls, MODEL, extra, key=key) as proxy:
                 for scenario, body, median, per in loads:
                     harness.say(f"{scenario}: {name} for {args.duration:.0f} s")
                     watch = {"proxy": proxy.proc.pid, **mocks}

@@ -147,43 +147,79 @@ pub struct RateHeaders {
     pub tokens: Option<(u64, u64, f64)>,
 }
 
+/// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`.
+static HEADER_NAMES: [[HeaderName; 3]; 2] = [
+    [
+        HeaderName::from_static("x-ratelimit-limit-requests"),
+        HeaderName::from_static("x-ratelimit-remaining-requests"),
+        HeaderName::from_static("x-ratelimit-reset-requests"),
+    ],
+    [
+        HeaderName::from_static("x-ratelimit-limit-tokens"),
+        HeaderName::from_static("x-ratelimit-remaining-tokens"),
+        HeaderName::from_static("x-ratelimit-reset-tokens"),
+    ],
+];
+
 impl RateHeaders {
     /// The headers of the answer (`OpenAI`'s names and formats).
-    pub fn to_headers(&self) -> Vec<(HeaderName, HeaderValue)> {
-        let mut out = Vec::with_capacity(6);
-        for (kind, values) in [("requests", self.requests), ("tokens", self.tokens)] {
-            let Some((limit, remaining, reset)) = values else { continue };
-            let name = |what: &str| HeaderName::from_bytes(format!("x-ratelimit-{what}-{kind}").as_bytes());
-            for (what, value) in
-                [("limit", limit.to_string()), ("remaining", remaining.to_string()), ("reset", duration_text(reset))]
-            {
-                if let (Ok(name), Ok(value)) = (name(what), HeaderValue::from_str(&value)) {
-                    out.push((name, value));
-                }
-            }
-        }
-        out
+    pub fn to_headers(&self) -> impl Iterator<Item = (HeaderName, HeaderValue)> + '_ {
+        [self.requests, self.tokens].into_iter().zip(&HEADER_NAMES).flat_map(|(values, names)| {
+            values.into_iter().flat_map(move |(limit, remaining, reset)| {
+                let values = [HeaderValue::from(limit), HeaderValue::from(remaining), duration_text(reset)];
+                names.iter().cloned().zip(values)
+            })
+        })
     }
 }
 
-/// A duration as `OpenAI` writes resets: `20ms`, `1.5s`, `6m0s`.
-pub fn duration_text(seconds: f64) -> String {
-    let seconds = seconds.max(0.0);
-    if seconds < 1.0 {
-        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        return format!("{}ms", (seconds * 1000.0).ceil() as u64);
-    }
+/// A duration as `OpenAI` writes resets: `20ms`, `1.5s`, `6m0s` (to the millisecond, up).
+pub fn duration_text(seconds: f64) -> HeaderValue {
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-    let minutes = (seconds / 60.0).floor() as u64;
-    #[allow(clippy::cast_precision_loss)]
-    let rest = seconds - (minutes * 60) as f64;
-    let rest = format!("{rest:.3}");
-    let rest = rest.trim_end_matches('0').trim_end_matches('.');
-    if minutes == 0 {
-        format!("{rest}s")
+    let ms = (seconds.max(0.0) * 1000.0).ceil() as u64;
+    let mut out = Vec::with_capacity(16);
+    if ms < 1000 {
+        push_number(&mut out, ms);
+        out.extend_from_slice(b"ms");
     } else {
-        format!("{minutes}m{rest}s")
+        let (minutes, rest) = (ms / 60_000, ms % 60_000);
+        if minutes > 0 {
+            push_number(&mut out, minutes);
+            out.push(b'm');
+        }
+        push_number(&mut out, rest / 1000);
+        let mut fraction = rest % 1000;
+        if fraction > 0 {
+            out.push(b'.');
+            let mut digits = 3;
+            while fraction % 10 == 0 {
+                fraction /= 10;
+                digits -= 1;
+            }
+            let start = out.len();
+            push_number(&mut out, fraction);
+            let written = out.len() - start;
+            // Leading zeros of the fraction (5 ms: .005).
+            for _ in written..digits {
+                out.insert(start, b'0');
+            }
+        }
+        out.push(b's');
     }
+    HeaderValue::from_maybe_shared(bytes::Bytes::from(out)).unwrap_or_else(|_| HeaderValue::from_static("0s"))
+}
+
+fn push_number(out: &mut Vec<u8>, mut n: u64) {
+    let start = out.len();
+    loop {
+        #[allow(clippy::cast_possible_truncation)]
+        out.push(b'0' + (n % 10) as u8);
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out[start..].reverse();
 }
 
 fn utc_day() -> u64 {
@@ -527,7 +563,7 @@ mod tests {
         let (_, tenant) = tenants(Limits { tpm: Some(1000), ..Limits::default() });
         let mut pass = tenant.admit(100, None).unwrap();
         assert_eq!(pass.headers.tokens.unwrap().1, 900);
-        pass.meter.observe(br#"{"usage":{"prompt_tokens":300,"completion_tokens":500,"total_tokens":800}}"#);
+        pass.meter.observe(br#"{"usage":{"prompt_tokens":300,"completion_tokens":500,"total_tokens":800}}"#, 0);
         drop(pass);
         let (headers, today) = tenant.window();
         assert!(headers.tokens.unwrap().1 <= 201, "{:?}", headers.tokens);
@@ -542,7 +578,7 @@ mod tests {
     fn a_budget_runs_out() {
         let (_, tenant) = tenants(Limits { daily_tokens: Some(50), ..Limits::default() });
         let mut pass = tenant.admit(10, None).unwrap();
-        pass.meter.observe(br#"{"usage":{"prompt_tokens":20,"completion_tokens":40}}"#);
+        pass.meter.observe(br#"{"usage":{"prompt_tokens":20,"completion_tokens":40}}"#, 0);
         drop(pass);
         let refused = tenant.admit(10, None).unwrap_err();
         assert_eq!(refused.limit, Limit::Budget);
@@ -572,9 +608,22 @@ mod tests {
     #[test]
     fn resets_read_as_openai_writes_them() {
         assert_eq!(duration_text(0.02), "20ms");
+        assert_eq!(duration_text(0.0), "0ms");
         assert_eq!(duration_text(1.5), "1.5s");
         assert_eq!(duration_text(360.0), "6m0s");
         assert_eq!(duration_text(61.25), "1m1.25s");
+        assert_eq!(duration_text(2.005), "2.005s");
+        assert_eq!(duration_text(2.05), "2.05s");
+    }
+
+    #[test]
+    fn headers_name_each_window() {
+        let headers = RateHeaders { requests: Some((3, 2, 20.0)), tokens: None };
+        let got: Vec<_> = headers.to_headers().map(|(n, v)| format!("{n}: {}", v.to_str().unwrap())).collect();
+        assert_eq!(
+            got,
+            ["x-ratelimit-limit-requests: 3", "x-ratelimit-remaining-requests: 2", "x-ratelimit-reset-requests: 20s"]
+        );
     }
 
     #[test]

@@ -10,15 +10,16 @@ use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use http::header::{HeaderName, HeaderValue};
 
 pub static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 
-/// Spans are sent in batches of at most this many, at least this often.
+/// Spans are sent in batches of at most this many, at most this long after the first one
+/// (OpenTelemetry's batch processor sends 512 at most, after 5 s by default).
 const BATCH: usize = 512;
-const FLUSH_EVERY: Duration = Duration::from_secs(1);
+const FLUSH_EVERY: Duration = Duration::from_millis(500);
 /// Spans waiting for the exporter beyond this are dropped (and counted), never queued forever.
 const BACKLOG: u64 = 65_536;
 
@@ -105,6 +106,7 @@ impl Tracer {
         let exported = Arc::new(AtomicU64::new(0));
         let dropped = Arc::new(AtomicU64::new(0));
         let writer = Exporter {
+            collector: Collector::new(&config),
             config: config.clone(),
             backlog: Arc::clone(&backlog),
             exported: Arc::clone(&exported),
@@ -275,7 +277,13 @@ impl Trace {
     /// The context a node gets for the call made as `span`.
     pub fn traceparent(&self, span: &OpenSpan) -> HeaderValue {
         let flags = if self.sampled { "01" } else { "00" };
-        let value = format!("00-{}-{}-{flags}", hex(&self.id), hex(&span.id));
+        let mut value = String::with_capacity(55);
+        value.push_str("00-");
+        push_hex(&mut value, &self.id);
+        value.push('-');
+        push_hex(&mut value, &span.id);
+        value.push('-');
+        value.push_str(flags);
         HeaderValue::from_str(&value).unwrap_or_else(|_| HeaderValue::from_static(""))
     }
 }
@@ -336,10 +344,16 @@ fn unhex<const N: usize>(text: &str) -> Option<[u8; N]> {
 
 fn hex(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        let _ = write!(out, "{b:02x}");
-    }
+    push_hex(&mut out, bytes);
     out
+}
+
+fn push_hex(out: &mut String, bytes: &[u8]) {
+    for &b in bytes {
+        let [high, low] = hex_pair(b);
+        out.push(char::from(high));
+        out.push(char::from(low));
+    }
 }
 
 fn random_bytes<const N: usize>() -> [u8; N] {
@@ -362,17 +376,22 @@ pub fn now_ns() -> u64 {
 /// The exporter thread: batches spans and posts them to the collector.
 struct Exporter {
     config: TracingConfig,
+    collector: Collector,
     backlog: Arc<AtomicU64>,
     exported: Arc<AtomicU64>,
     dropped: Arc<AtomicU64>,
 }
 
 impl Exporter {
-    fn run(&self, spans: &Receiver<Span>) {
+    /// Sends a batch once it is full, or `FLUSH_EVERY` after its first span came.
+    fn run(mut self, spans: &Receiver<Span>) {
         let mut batch = Vec::with_capacity(BATCH);
+        let mut due: Option<Instant> = None;
         loop {
-            match spans.recv_timeout(FLUSH_EVERY) {
+            let wait = due.map_or(Duration::from_secs(3600), |due| due.saturating_duration_since(Instant::now()));
+            match spans.recv_timeout(wait) {
                 Ok(span) => {
+                    due.get_or_insert_with(|| Instant::now() + FLUSH_EVERY);
                     batch.push(span);
                     while batch.len() < BATCH {
                         match spans.try_recv() {
@@ -387,13 +406,14 @@ impl Exporter {
                     return;
                 }
             }
-            if batch.len() >= BATCH || !batch.is_empty() {
+            if batch.len() >= BATCH || due.is_some_and(|due| Instant::now() >= due) {
                 self.flush(&mut batch);
+                due = None;
             }
         }
     }
 
-    fn flush(&self, batch: &mut Vec<Span>) {
+    fn flush(&mut self, batch: &mut Vec<Span>) {
         if batch.is_empty() {
             return;
         }
@@ -401,7 +421,7 @@ impl Exporter {
         self.backlog.fetch_sub(count, Ordering::Relaxed);
         let body = otlp_json(&self.config.service_name, batch);
         batch.clear();
-        if post(&self.config, &body).is_ok() {
+        if self.collector.post(&body).is_ok() {
             self.exported.fetch_add(count, Ordering::Relaxed);
         } else {
             self.dropped.fetch_add(count, Ordering::Relaxed);
@@ -410,81 +430,197 @@ impl Exporter {
 }
 
 /// One OTLP/HTTP request with the JSON encoding (an `ExportTraceServiceRequest`).
-fn otlp_json(service: &str, spans: &[Span]) -> String {
-    let mut out = String::with_capacity(256 + spans.len() * 400);
-    out.push_str(r#"{"resourceSpans":[{"resource":{"attributes":[{"key":"service.name","value":{"stringValue":"#);
-    json_str(&mut out, service);
-    out.push_str(r#"}}]},"scopeSpans":[{"scope":{"name":"pdproxy","version":""#);
-    out.push_str(env!("CARGO_PKG_VERSION"));
-    out.push_str(r#""},"spans":["#);
+fn otlp_json(service: &str, spans: &[Span]) -> Vec<u8> {
+    let mut out = Json(Vec::with_capacity(256 + spans.len() * 768));
+    out.raw(r#"{"resourceSpans":[{"resource":{"attributes":[{"key":"service.name","value":{"stringValue":"#);
+    out.string(service);
+    out.raw(r#"}}]},"scopeSpans":[{"scope":{"name":"pdproxy","version":""#);
+    out.raw(env!("CARGO_PKG_VERSION"));
+    out.raw(r#""},"spans":["#);
     for (i, span) in spans.iter().enumerate() {
         if i > 0 {
-            out.push(',');
+            out.raw(",");
         }
-        let _ = write!(out, r#"{{"traceId":"{}","spanId":"{}","#, hex(&span.trace), hex(&span.id));
+        out.raw(r#"{"traceId":""#);
+        out.hex(&span.trace);
+        out.raw(r#"","spanId":""#);
+        out.hex(&span.id);
+        out.raw(r#"","#);
         if let Some(parent) = span.parent {
-            let _ = write!(out, r#""parentSpanId":"{}","#, hex(&parent));
+            out.raw(r#""parentSpanId":""#);
+            out.hex(&parent);
+            out.raw(r#"","#);
         }
-        out.push_str(r#""name":"#);
-        json_str(&mut out, span.name);
-        let _ = write!(
-            out,
-            r#","kind":{},"startTimeUnixNano":"{}","endTimeUnixNano":"{}","attributes":["#,
-            span.kind as u8, span.start, span.end
-        );
+        out.raw(r#""name":"#);
+        out.string(span.name);
+        out.raw(r#","kind":"#);
+        out.number(span.kind as u64);
+        out.raw(r#","startTimeUnixNano":""#);
+        out.number(span.start);
+        out.raw(r#"","endTimeUnixNano":""#);
+        out.number(span.end);
+        out.raw(r#"","attributes":["#);
         for (j, (key, value)) in span.attributes.iter().enumerate() {
             if j > 0 {
-                out.push(',');
+                out.raw(",");
             }
-            out.push_str(r#"{"key":"#);
-            json_str(&mut out, key);
-            out.push_str(r#","value":{"stringValue":"#);
-            json_str(&mut out, value);
-            out.push_str("}}");
+            out.raw(r#"{"key":"#);
+            out.string(key);
+            out.raw(r#","value":{"stringValue":"#);
+            out.string(value);
+            out.raw("}}");
         }
-        out.push(']');
+        out.raw("]");
         if let Some(error) = &span.error {
-            out.push_str(r#","status":{"code":2,"message":"#);
-            json_str(&mut out, error);
-            out.push('}');
+            out.raw(r#","status":{"code":2,"message":"#);
+            out.string(error);
+            out.raw("}");
         }
-        out.push('}');
+        out.raw("}");
     }
-    out.push_str("]}]}]}");
-    out
+    out.raw("]}]}]}");
+    out.0
 }
 
-fn json_str(out: &mut String, text: &str) {
-    out.push_str(&serde_json::to_string(text).unwrap_or_else(|_| "\"\"".to_owned()));
+/// JSON written straight into bytes.
+struct Json(Vec<u8>);
+
+impl Json {
+    fn raw(&mut self, text: &str) {
+        self.0.extend_from_slice(text.as_bytes());
+    }
+
+    fn hex(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0.extend_from_slice(&hex_pair(b));
+        }
+    }
+
+    fn number(&mut self, n: u64) {
+        let mut digits = [0u8; 20];
+        let mut at = digits.len();
+        let mut n = n;
+        loop {
+            at -= 1;
+            #[allow(clippy::cast_possible_truncation)]
+            let digit = (n % 10) as u8;
+            digits[at] = b'0' + digit;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        self.0.extend_from_slice(&digits[at..]);
+    }
+
+    fn string(&mut self, text: &str) {
+        if text.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+            self.0.push(b'"');
+            self.0.extend_from_slice(text.as_bytes());
+            self.0.push(b'"');
+        } else {
+            let _ = serde_json::to_writer(&mut self.0, text);
+        }
+    }
 }
 
-/// Posts `body` to the collector (plain HTTP/1.1, one connection per batch).
-fn post(config: &TracingConfig, body: &str) -> std::io::Result<()> {
-    let rest = config
-        .endpoint
-        .strip_prefix("http://")
-        .ok_or_else(|| std::io::Error::other("only http:// OTLP endpoints are supported"))?;
-    let (authority, path) = rest.split_once('/').map_or((rest, "/".to_owned()), |(a, p)| (a, format!("/{p}")));
-    let mut stream = TcpStream::connect(authority)?;
-    stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(10)))?;
-    let mut request = format!(
-        "POST {path} HTTP/1.1\r\nhost: {authority}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
-        body.len()
-    );
-    for (name, value) in &config.headers {
-        let _ = write!(request, "{name}: {value}\r\n");
+fn hex_pair(b: u8) -> [u8; 2] {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    [DIGITS[usize::from(b >> 4)], DIGITS[usize::from(b & 0xf)]]
+}
+
+/// The collector's endpoint, with a kept-alive connection to it.
+struct Collector {
+    authority: String,
+    path: String,
+    headers: String,
+    stream: Option<TcpStream>,
+}
+
+impl Collector {
+    fn new(config: &TracingConfig) -> Self {
+        let rest = config.endpoint.strip_prefix("http://").unwrap_or(&config.endpoint);
+        let (authority, path) = rest.split_once('/').map_or((rest, "/".to_owned()), |(a, p)| (a, format!("/{p}")));
+        let mut headers = String::new();
+        for (name, value) in &config.headers {
+            let _ = write!(headers, "{name}: {value}\r\n");
+        }
+        Self { authority: authority.to_owned(), path, headers, stream: None }
     }
-    request.push_str("\r\n");
-    stream.write_all(request.as_bytes())?;
-    stream.write_all(body.as_bytes())?;
-    let mut answer = [0u8; 12];
-    stream.read_exact(&mut answer)?;
-    if answer.starts_with(b"HTTP/1.1 2") || answer.starts_with(b"HTTP/1.0 2") {
-        Ok(())
-    } else {
-        Err(std::io::Error::other("the collector refused the spans"))
+
+    /// Posts `body`; a kept connection the collector closed meanwhile is replaced once.
+    fn post(&mut self, body: &[u8]) -> std::io::Result<()> {
+        if self.stream.is_some() && self.send(body).is_ok() {
+            return Ok(());
+        }
+        self.send(body)
     }
+
+    fn send(&mut self, body: &[u8]) -> std::io::Result<()> {
+        let mut stream = if let Some(stream) = self.stream.take() {
+            stream
+        } else {
+            let stream = TcpStream::connect(&self.authority)?;
+            stream.set_read_timeout(Some(Duration::from_secs(10)))?;
+            stream.set_write_timeout(Some(Duration::from_secs(10)))?;
+            let _ = stream.set_nodelay(true);
+            stream
+        };
+        let head = format!(
+            "POST {} HTTP/1.1\r\nhost: {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n{}\r\n",
+            self.path,
+            self.authority,
+            body.len(),
+            self.headers
+        );
+        stream.write_all(head.as_bytes())?;
+        stream.write_all(body)?;
+        let (status_ok, keep) = read_answer(&mut stream)?;
+        if keep {
+            self.stream = Some(stream);
+        }
+        if status_ok {
+            Ok(())
+        } else {
+            Err(std::io::Error::other("the collector refused the spans"))
+        }
+    }
+}
+
+/// Reads the collector's answer: whether it is a 2xx, and whether the connection may be kept.
+fn read_answer(stream: &mut TcpStream) -> std::io::Result<(bool, bool)> {
+    let mut head = Vec::with_capacity(512);
+    let mut byte = [0u8; 256];
+    let end = loop {
+        let n = stream.read(&mut byte)?;
+        if n == 0 {
+            return Err(std::io::Error::other("the collector closed the connection"));
+        }
+        head.extend_from_slice(&byte[..n]);
+        if let Some(end) = memchr::memmem::find(&head, b"\r\n\r\n") {
+            break end + 4;
+        }
+        if head.len() > 64 << 10 {
+            return Err(std::io::Error::other("the collector's answer head is too long"));
+        }
+    };
+    let text = String::from_utf8_lossy(&head[..end]).to_ascii_lowercase();
+    let status_ok = text.starts_with("http/1.1 2") || text.starts_with("http/1.0 2");
+    let length = text
+        .lines()
+        .find_map(|line| line.strip_prefix("content-length:"))
+        .and_then(|value| value.trim().parse::<usize>().ok());
+    let keep = text.starts_with("http/1.1") && !text.contains("connection: close") && length.is_some();
+    // The answer's body (an ExportTraceServiceResponse) is read and dropped.
+    let mut remaining = length.unwrap_or(0).saturating_sub(head.len() - end);
+    while remaining > 0 {
+        let n = stream.read(&mut byte[..remaining.min(256)])?;
+        if n == 0 {
+            break;
+        }
+        remaining -= n;
+    }
+    Ok((status_ok, keep))
 }
 
 #[cfg(test)]
@@ -534,7 +670,7 @@ mod tests {
             attributes: vec![("pdproxy.node", "http://n:1".into())],
             error: Some("boom".into()),
         };
-        let json: serde_json::Value = serde_json::from_str(&otlp_json("svc", &[span])).unwrap();
+        let json: serde_json::Value = serde_json::from_slice(&otlp_json("svc", &[span])).unwrap();
         let got = &json["resourceSpans"][0]["scopeSpans"][0]["spans"][0];
         assert_eq!(got["traceId"], "01010101010101010101010101010101");
         assert_eq!(got["parentSpanId"], "0303030303030303");

@@ -50,7 +50,7 @@ async fn read_all(stream: StreamBody) -> (Vec<bytes::Bytes>, Option<Error>) {
     let pumping = Arc::clone(&exchange);
     tokio::spawn(async move {
         let timeouts = StreamTimeouts { idle: Duration::from_secs(5), stall: Duration::from_secs(5) };
-        pump(&pumping, stream, std::time::Instant::now(), timeouts, Outcome::Succeeded, &mut |_| {}).await;
+        pump(&pumping, stream, std::time::Instant::now(), timeouts, Outcome::Succeeded, &mut |_, _| {}).await;
     });
     let mut batches = Vec::new();
     loop {

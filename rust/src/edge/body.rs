@@ -231,7 +231,7 @@ impl Relay {
         }
         self.last_data = tokio::time::Instant::from_std(now);
         let out = if self.event_stream { self.whole_events(data) } else { data };
-        self.notes.sent(&out);
+        self.notes.sent(&out, events);
         out
     }
 

@@ -265,7 +265,7 @@ pub fn respond(
     let body = match body {
         ResponseBody::Complete(bytes) => {
             held.release(outcome);
-            notes.sent(&bytes);
+            notes.sent(&bytes, 0);
             notes.completed();
             EdgeBody::full(bytes)
         }

@@ -26,6 +26,10 @@ pub struct Notes {
 impl Notes {
     /// The notes of a request arriving with `parts`.
     pub fn begin(state: &EdgeState, id: &HeaderValue, parts: &Parts) -> Self {
+        let mut record = state.record(id, parts);
+        if record.is_none() && state.engine.tracer.is_none() {
+            return Self::default(); // nothing to note: not even a header lookup
+        }
         let caller = parts.headers.get(&TRACEPARENT).map(HeaderValue::as_bytes);
         let trace = state.engine.tracer.as_ref().map(|tracer| tracer.begin(caller, "pdproxy.request"));
         if let Some(trace) = &trace {
@@ -37,7 +41,6 @@ impl Notes {
                 ]
             });
         }
-        let mut record = state.record(id, parts);
         if let Some(record) = &mut record {
             // Untraced, the log still names the caller's trace.
             record.trace_id = match &trace {
@@ -59,6 +62,7 @@ impl Notes {
     /// Adds the tenant's `x-ratelimit-*` headers to an answer.
     pub fn decorate(&self, headers: &mut HeaderMap) {
         if let Some(pass) = &self.tenant {
+            headers.reserve(6);
             for (name, value) in pass.headers.to_headers() {
                 headers.insert(name, value);
             }
@@ -116,13 +120,13 @@ impl Notes {
         }
     }
 
-    /// Body bytes sent to the client.
-    pub fn sent(&mut self, chunk: &[u8]) {
+    /// Body bytes sent to the client, and the events they ended.
+    pub fn sent(&mut self, chunk: &[u8], events: u64) {
         if let Some(record) = &mut self.record {
             record.sent(chunk);
         }
         if let Some(pass) = &mut self.tenant {
-            pass.meter.observe(chunk);
+            pass.meter.observe(chunk, events);
         }
     }
 

@@ -112,7 +112,7 @@ fn raw(
     headers.insert(X_REQUEST_ID.clone(), id.clone());
     notes.answered(None, status.as_u16());
     notes.decorate(&mut headers);
-    notes.sent(&body);
+    notes.sent(&body, 0);
     notes.completed();
     let mut response = Response::new(EdgeBody::full(body));
     *response.status_mut() = status;

@@ -525,9 +525,9 @@ impl Job {
             };
         let outcome = response.outcome();
         let UpstreamResponse { status, headers, body } = response;
-        let mut observe = |chunk: &[u8]| {
+        let mut observe = |chunk: &[u8], events: u64| {
             if let Some(pass) = meter.as_ref().and_then(|m| m.lock().ok()).as_mut().and_then(|p| p.as_mut()) {
-                pass.meter.observe(chunk);
+                pass.meter.observe(chunk, events);
             }
         };
         if status.is_server_error() {
@@ -537,7 +537,7 @@ impl Job {
         }
         let (complete, stream) = match body {
             ResponseBody::Complete(bytes) => {
-                observe(&bytes);
+                observe(&bytes, 0);
                 exchange.release(outcome, crate::permit::Report::default());
                 (Some(bytes), None)
             }

@@ -45,7 +45,7 @@ pub struct TenantTicket {
 
 impl TenantTicket {
     pub fn new(pass: Option<TenantPass>, class: Class) -> Self {
-        let headers = pass.as_ref().map_or_else(Vec::new, |p| header_pairs(&p.headers.to_headers()));
+        let headers = pass.as_ref().map_or_else(Vec::new, |p| header_pairs(p.headers.to_headers()));
         let tenant = pass.as_ref().map(|p| p.tenant().name.clone());
         Self { pass: Arc::new(Mutex::new(pass)), class, tenant, headers }
     }
@@ -83,8 +83,8 @@ impl TenantTicket {
     }
 }
 
-fn header_pairs(headers: &[(http::HeaderName, http::HeaderValue)]) -> Vec<(Vec<u8>, Vec<u8>)> {
-    headers.iter().map(|(n, v)| (n.as_str().as_bytes().to_vec(), v.as_bytes().to_vec())).collect()
+fn header_pairs(headers: impl Iterator<Item = (http::HeaderName, http::HeaderValue)>) -> Vec<(Vec<u8>, Vec<u8>)> {
+    headers.map(|(n, v)| (n.as_str().as_bytes().to_vec(), v.as_bytes().to_vec())).collect()
 }
 
 /// A tenant over a limit, as the exception the control plane answers with.
@@ -94,7 +94,7 @@ pub fn limited_to_pyerr(limited: &Limited) -> PyErr {
         None::<String>,
         limited.retry_after,
         limited.limit.name(),
-        header_pairs(&limited.headers.to_headers()),
+        header_pairs(limited.headers.to_headers()),
     );
     if limited.limit == Limit::Budget {
         QuotaExceeded::new_err(args)

@@ -2,7 +2,13 @@
 //! completion tokens, or Anthropic's input and output tokens), found in the body or in a
 //! streamed event (`stream_options.include_usage`); else estimated from what was sent.
 
+use std::sync::LazyLock;
+
+use memchr::memmem::Finder;
 use serde::Deserialize;
+
+/// Built once: a finder's setup costs more than a search of one event.
+static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
 
 /// The tokens a node reported.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -27,10 +33,11 @@ pub struct UsageMeter {
 const MAX_CUT: usize = 4096;
 
 impl UsageMeter {
-    /// A piece of the answer as the client gets it (whole events, for a stream).
-    pub fn observe(&mut self, chunk: &[u8]) {
+    /// A piece of the answer as the client gets it, and the events it ended (counted by the
+    /// caller, who counts them anyway).
+    pub fn observe(&mut self, chunk: &[u8], events: u64) {
         self.bytes += chunk.len() as u64;
-        self.events += memchr::memmem::find_iter(chunk, b"data:").count() as u64;
+        self.events += events;
         if !self.cut.is_empty() {
             let mut cut = std::mem::take(&mut self.cut);
             cut.extend_from_slice(&chunk[..chunk.len().min(MAX_CUT)]);
@@ -38,7 +45,7 @@ impl UsageMeter {
                 self.reported = Some(usage);
             }
         }
-        for at in memchr::memmem::find_iter(chunk, b"\"usage\"") {
+        for at in USAGE.find_iter(chunk) {
             match usage_at(&chunk[at + 7..]) {
                 Found::Report(usage) => self.reported = Some(usage),
                 Found::Cut if chunk.len() - at - 7 <= MAX_CUT => self.cut = chunk[at + 7..].to_vec(),
@@ -97,40 +104,43 @@ mod tests {
     #[test]
     fn reports_are_found_in_bodies_and_events() {
         let mut whole = UsageMeter::default();
-        whole
-            .observe(br#"{"id":"x","choices":[],"usage": {"prompt_tokens":7,"total_tokens":9,"completion_tokens":2}}"#);
+        whole.observe(
+            br#"{"id":"x","choices":[],"usage": {"prompt_tokens":7,"total_tokens":9,"completion_tokens":2}}"#,
+            0,
+        );
         assert_eq!(whole.tokens(100), (7, 2, false));
 
         let mut stream = UsageMeter::default();
-        stream.observe(b"data: {\"choices\":[{\"delta\":{}}],\"usage\":null}\n\n");
+        stream.observe(b"data: {\"choices\":[{\"delta\":{}}],\"usage\":null}\n\n", 1);
         stream.observe(
             b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":4}}\n\ndata: [DONE]\n\n",
+            2,
         );
         assert_eq!(stream.tokens(100), (3, 4, false));
 
         let mut anthropic = UsageMeter::default();
-        anthropic.observe(br#"{"type":"message","usage":{"input_tokens":5,"output_tokens":6}}"#);
+        anthropic.observe(br#"{"type":"message","usage":{"input_tokens":5,"output_tokens":6}}"#, 0);
         assert_eq!(anthropic.tokens(0), (5, 6, false));
     }
 
     #[test]
     fn a_report_cut_between_pieces_is_read_whole() {
         let mut meter = UsageMeter::default();
-        meter.observe(b"data: {\"choices\":[],\"usage\":{\"prompt_tok");
-        meter.observe(b"ens\":11,\"completion_tokens\":12}}\n\n");
+        meter.observe(b"data: {\"choices\":[],\"usage\":{\"prompt_tok", 0);
+        meter.observe(b"ens\":11,\"completion_tokens\":12}}\n\n", 1);
         assert_eq!(meter.tokens(0), (11, 12, false));
     }
 
     #[test]
     fn without_a_report_tokens_are_estimated() {
         let mut stream = UsageMeter::default();
-        stream.observe(b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {}\n\ndata: [DONE]\n\n");
+        stream.observe(b"data: {\"choices\":[{\"delta\":{\"content\":\"a\"}}]}\n\ndata: {}\n\ndata: [DONE]\n\n", 3);
         assert_eq!(stream.tokens(10), (10, 2, true));
         let mut whole = UsageMeter::default();
-        whole.observe(&[b'x'; 40]);
+        whole.observe(&[b'x'; 40], 0);
         assert_eq!(whole.tokens(10), (10, 10, true));
         let mut broken = UsageMeter::default();
-        broken.observe(br#"{"usage":{"prompt_tokens":"many"}}"#);
+        broken.observe(br#"{"usage":{"prompt_tokens":"many"}}"#, 0);
         assert!(broken.tokens(1).2, "an unreadable report is no report");
     }
 }
