@@ -173,3 +173,17 @@ async def test_each_pd_leg_is_a_span_with_its_attempt(
             assert [attributes(a)["pdproxy.node"] for a in attempts] == [engine.url]
             called = [r for r in engine.state.records if r["path"] == "/v1/chat/completions"][-1]
             assert node_context(called) == (trace_id, attempts[0]["spanId"], "01")
+
+
+async def test_the_last_spans_are_exported_when_the_proxy_stops(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    async with MockEngine(MockSettings(port=0, model="m")) as engine:
+        with otlp_receiver() as otlp:
+            with pdproxy_serve(tmp_path, "--otlp-endpoint", otlp.url) as proxy:
+                await register(http, proxy.url, engine, 1)
+                trace_id = secrets.token_hex(16)
+                headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+                async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m"), headers=headers) as r:
+                    assert r.status == 200
+                assert proxy.stop() == 0, "stopped at once, within the exporter's batching delay"
+            assert otlp.named(trace_id, "pdproxy.request"), "flushed on the way out"
+            assert otlp.named(trace_id, "pdproxy.attempt")

@@ -91,7 +91,7 @@ pub struct TracingConfig {
 #[derive(Debug)]
 pub struct Tracer {
     sampler: Sampler,
-    spans: Mutex<Sender<Span>>,
+    spans: Mutex<Sender<Message>>,
     backlog: Arc<AtomicU64>,
     /// Spans exported, and spans lost (backlog full, or the collector failed).
     pub exported: Arc<AtomicU64>,
@@ -139,6 +139,16 @@ impl Tracer {
         })
     }
 
+    /// Exports the spans recorded so far (requests that ended), waiting at most `wait`: for a
+    /// proxy that stops, so that its last traces are not lost.
+    pub fn flush(&self, wait: Duration) {
+        let (done, exported) = std::sync::mpsc::sync_channel(1);
+        let sent = self.spans.lock().unwrap_or_else(PoisonError::into_inner).send(Message::Flush(done));
+        if sent.is_ok() {
+            let _ = exported.recv_timeout(wait);
+        }
+    }
+
     fn send(&self, spans: Vec<Span>) {
         let count = spans.len() as u64;
         if self.backlog.fetch_add(count, Ordering::Relaxed) + count > BACKLOG {
@@ -148,9 +158,16 @@ impl Tracer {
         }
         let sender = self.spans.lock().unwrap_or_else(PoisonError::into_inner);
         for span in spans {
-            let _ = sender.send(span);
+            let _ = sender.send(Message::Span(span));
         }
     }
+}
+
+/// What the exporter thread is sent.
+enum Message {
+    Span(Span),
+    /// Export what is waiting now, then say so.
+    Flush(std::sync::mpsc::SyncSender<()>),
 }
 
 /// One finished span.
@@ -384,21 +401,30 @@ struct Exporter {
 
 impl Exporter {
     /// Sends a batch once it is full, or `FLUSH_EVERY` after its first span came.
-    fn run(mut self, spans: &Receiver<Span>) {
+    fn run(mut self, messages: &Receiver<Message>) {
         let mut batch = Vec::with_capacity(BATCH);
         let mut due: Option<Instant> = None;
         loop {
             let wait = due.map_or(Duration::from_secs(3600), |due| due.saturating_duration_since(Instant::now()));
-            match spans.recv_timeout(wait) {
-                Ok(span) => {
+            match messages.recv_timeout(wait) {
+                Ok(Message::Span(span)) => {
                     due.get_or_insert_with(|| Instant::now() + FLUSH_EVERY);
                     batch.push(span);
                     while batch.len() < BATCH {
-                        match spans.try_recv() {
-                            Ok(span) => batch.push(span),
+                        match messages.try_recv() {
+                            Ok(Message::Span(span)) => batch.push(span),
+                            Ok(Message::Flush(done)) => {
+                                self.flush(&mut batch);
+                                let _ = done.send(());
+                            }
                             Err(_) => break,
                         }
                     }
+                }
+                Ok(Message::Flush(done)) => {
+                    self.flush(&mut batch);
+                    due = None;
+                    let _ = done.send(());
                 }
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => {

@@ -413,8 +413,12 @@ impl Router {
     /// Stops serving: requests in flight end now (their readers get an error) and new ones
     /// are refused. The router leaves its event loop when it is dropped, so that the endings
     /// of those requests still reach their readers.
-    fn close(&self) {
+    fn close(&self, py: Python<'_>) {
         self.shutdown.cancel();
+        if let Some(tracer) = &self.engine.tracer {
+            // The last requests' spans go out before the process ends.
+            py.detach(|| tracer.flush(std::time::Duration::from_secs(2)));
+        }
     }
 }
 
