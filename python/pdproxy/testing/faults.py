@@ -6,7 +6,7 @@ request (header ``x-mock-fault``, which overrides the process's knobs one by one
     status=503            answer with this HTTP status and an OpenAI error body
     hang                  accept the request and never send the response head
     drop_after=3          close the connection after 3 events (at once when not streaming)
-    ttft_ms=200           wait this long before the first token
+    ttft_ms=200           wait this long before the first token (or before the status above)
     token_delay_ms=50     wait this long between tokens
     fragment=7            write each event in pieces of 7 bytes (tests that framing survives)
     no_id                 a prefill answer without its session handle (`id`, `cache_session_id`)

@@ -255,6 +255,9 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         if faults.hang:
             await asyncio.Event().wait()  # until the client goes away
         if faults.status is not None:
+            # A failure can take time to come (ttft_ms): the other PD leg is then in flight.
+            if faults.ttft_ms is not None:
+                await _sleep_ms(faults.ttft_ms)
             completed = True
             return _error(faults.status, f"injected fault: status {faults.status}", "mock_fault", "server_error")
         preserve = state.settings.role == "prefill" and bool(body.get("preserve_cache"))
