@@ -62,7 +62,7 @@ async def test_lmdeploy_registration_body_is_accepted(
         registration = {"url": engine.url + "/", "status": {"models": ["m"], "role": 1}}
         headers = {"accept": "application/json", "content-type": "application/json"}
         async with http.post(p.url + "/nodes/add", json=registration, headers=headers) as r:
-            assert r.status == 201
+            assert r.status == 200
             added = await r.json()
         assert added["url"] == engine.url
         assert added["created"] is True
@@ -86,7 +86,7 @@ async def test_add_without_models_probes_the_node(
 ) -> None:
     with proxy(tmp_path) as p:
         async with http.post(p.url + "/nodes/add", json={"url": engine.url}) as r:
-            assert r.status == 201
+            assert r.status == 200
         await eventually(lambda: _models_of(http, p.url, engine.url, ["m"]))
         # Declared models the node does not serve give way to what it serves.
         async with http.post(p.url + "/nodes/add", json={"url": engine.url, "status": {"models": ["wrong"]}}) as r:
@@ -148,7 +148,7 @@ async def test_remove_and_terminate(tmp_path: Path, http: aiohttp.ClientSession)
         with proxy(tmp_path) as p:
             for engine in (stoppable, stubborn):
                 async with http.post(p.url + "/nodes/add", json={"url": engine.url}) as r:
-                    assert r.status == 201
+                    assert r.status == 200
             async with http.post(p.url + "/nodes/terminate", json={"url": stoppable.url}) as r:
                 assert r.status == 200
                 assert (await r.json())["terminated"] is True
@@ -159,7 +159,7 @@ async def test_remove_and_terminate(tmp_path: Path, http: aiohttp.ClientSession)
                 assert "did not confirm" in (await r.json())["error"]["message"]
             assert await status(http, p.url) == {}, "terminated nodes are removed everywhere"
             async with http.post(p.url + "/nodes/add", json={"url": stubborn.url}) as r:
-                assert r.status == 201
+                assert r.status == 200
             async with http.post(p.url + "/nodes/remove", json={"url": stubborn.url}) as r:
                 assert r.status == 200
             assert await status(http, p.url) == {}
@@ -219,7 +219,7 @@ async def test_lease_expires_and_renews(tmp_path: Path, engine: MockEngine, http
     with proxy(tmp_path) as p:
         registration = {"url": engine.url, "status": {"models": ["m"]}, "lease_ttl": 1.0}
         async with http.post(p.url + "/nodes/add", json=registration) as r:
-            assert r.status == 201
+            assert r.status == 200
         lease = (await status(http, p.url))[engine.url]["lease"]
         assert lease["ttl"] == 1.0
         for _ in range(3):  # renewing keeps it
@@ -239,7 +239,7 @@ async def test_state_file_survives_a_restart(tmp_path: Path, engine: MockEngine,
     with proxy(tmp_path, "--state-file", str(state)) as p:
         body = {"url": engine.url, "status": {"models": ["m"], "role": 1, "speed": 2}, "max_concurrency": 3}
         async with http.post(p.url + "/nodes/add", json=body) as r:
-            assert r.status == 201
+            assert r.status == 200
     saved = json.loads(state.read_text())
     assert saved["nodes"][0]["url"] == engine.url
     assert oct(state.stat().st_mode & 0o777) == "0o600"
@@ -279,7 +279,7 @@ async def test_node_api_key_and_header_hygiene(tmp_path: Path, engine: MockEngin
     with proxy(tmp_path) as p:
         body = {"url": engine.url, "status": {"models": ["m"]}, "api_key": "node-secret"}
         async with http.post(p.url + "/nodes/add", json=body) as r:
-            assert r.status == 201
+            assert r.status == 200
         sent = {
             "authorization": "Bearer client",
             "connection": "keep-alive, x-hop",

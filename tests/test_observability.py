@@ -70,7 +70,7 @@ async def test_pd_metrics(tmp_path: Path, http: aiohttp.ClientSession) -> None:
                 async with http.post(
                     proxy.url + "/nodes/add", json={"url": engine.url, "status": {"models": ["m"], "role": role}}
                 ) as r:
-                    assert r.status == 201
+                    assert r.status == 200
             async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
                 assert r.status == 200
             async with http.get(proxy.url + "/metrics") as r:

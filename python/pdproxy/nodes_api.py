@@ -1,8 +1,9 @@
 """The management API, compatible with LMDeploy's proxy: ``/nodes/add`` (LMDeploy's
 registration body, as ``lmdeploy serve api_server --proxy-url`` sends it), ``/nodes/remove``,
 ``/nodes/status``, ``/nodes/terminate``, ``/nodes/terminate_all``. Unlike LMDeploy's, every
-answer's status tells the truth (201 created, 400 bad body, 404 unknown node, 502 node
-unreachable) and the body is JSON."""
+failure's status tells the truth (400 bad body, 404 unknown node, 502 node unreachable) and the
+body is JSON. A registration answers 200 whether the node is new or known (``created`` says
+which): LMDeploy's api_server logs any other status as a failed registration."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ async def add(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
         lease_ttl=_field(extra, "lease_ttl", (int, float)),
         bootstrap_port=_field(extra, "bootstrap_port", (int,)),
     )
-    return (201 if created else 200), {
+    return 200, {
         "url": registration.url,
         "created": created,
         "status": fleet.status().get(registration.url),
@@ -205,7 +206,7 @@ ROUTES: tuple[Route, ...] = (
         add,
         "Register a node, or update and renew a registered one",
         _ADD_BODY,
-        {201: "Added", 200: "Updated", 400: "Bad body or node URL", 415: "Body is not JSON"},
+        {200: "Added or updated (`created` says which)", 400: "Bad body or node URL", 415: "Body is not JSON"},
     ),
     Route("POST", "/nodes/remove", remove, "Remove a node", _URL_BODY, {200: "Removed", 404: "Unknown node"}),
     Route(
