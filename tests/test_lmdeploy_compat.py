@@ -22,7 +22,9 @@ import pytest
 from servers import free_port, get_json, mock_engine, pdproxy_serve
 
 REPO = Path(__file__).resolve().parent.parent
-LMDEPLOY_PYTHON = os.environ.get("LMDEPLOY_PYTHON") or str(REPO / "bench" / ".peers" / "lmdeploy-venv" / "bin" / "python")
+LMDEPLOY_PYTHON = os.environ.get("LMDEPLOY_PYTHON") or str(
+    REPO / "bench" / ".peers" / "lmdeploy-venv" / "bin" / "python"
+)
 needs_lmdeploy = pytest.mark.skipif(
     not Path(LMDEPLOY_PYTHON).exists(),
     reason=f"no interpreter with lmdeploy at {LMDEPLOY_PYTHON} (set LMDEPLOY_PYTHON, or run bench/run.py once); "

@@ -196,7 +196,7 @@ async def test_settings_reach_the_data_plane() -> None:
     router = pdproxy.Router(policy="round_robin", decode_policy="prefix", model_policies=("m=random",))
     assert router.policies == {
         "hybrid": "round_robin",
-        "prefill": "min_expected_latency",
+        "prefill": "round_robin",  # the general policy, as LMDeploy's --routing-strategy
         "decode": "prefix",
         "model:m": "random",
     }

@@ -5,6 +5,8 @@ from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, final
 
 __version__: str
+#: The routing policies the data plane knows, by name.
+POLICY_NAMES: tuple[str, ...]
 
 class _RouterConfig(Protocol):
     """What the router reads from `pdproxy.Settings` (by attribute)."""

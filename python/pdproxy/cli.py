@@ -33,23 +33,82 @@ def settings_options(cls: type, envvar_prefix: str | None) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         for f in reversed(dataclasses.fields(cls)):
             kind = field_type(f)
-            envvar = f"{envvar_prefix}{f.name.upper()}" if envvar_prefix else None
+            envvars = [f"{envvar_prefix}{f.name.upper()}"] if envvar_prefix else []
+            envvars += f.metadata.get("env_aliases", ())
             common: dict[str, Any] = {
                 "help": f.metadata.get("help"),
-                "envvar": envvar,
-                "show_envvar": envvar is not None,
+                "envvar": envvars or None,
+                "show_envvar": bool(envvars),
             }
             flags = (_flag(f), *f.metadata.get("aliases", ()))
             if kind is bool:
                 option = click.option(*flags, f.name, is_flag=True, default=f.default, show_default=True, **common)
             elif kind is tuple:
-                option = click.option(*flags, f.name, multiple=True, type=str, **common)
+                default = f.default if f.default is not dataclasses.MISSING else ()
+                option = click.option(*flags, f.name, multiple=True, type=str, default=default, **common)
             else:
                 option = click.option(*flags, f.name, type=kind, default=f.default, show_default=True, **common)
             fn = option(fn)
         return fn
 
     return decorate
+
+
+#: `pdproxy serve --help` shows the options in these groups (a setting's `section`), in this order.
+SECTIONS = {
+    "server": "Serving",
+    "proxy": "Routing, limits and timeouts",
+    "pd": "Prefill/decode disaggregation (--serving-strategy DistServe)",
+    "security": "Keys, TLS and CORS",
+    "health": "Health checks",
+}
+
+
+class SettingsCommand(click.Command):
+    """`pdproxy serve`: its help grouped by section, and multi-valued options that take several
+    values after one flag as LMDeploy's (``--api-keys k1 k2``) as well as the flag repeated."""
+
+    def __init__(self, *args: Any, settings: type, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        fields = dataclasses.fields(settings)
+        self.sections = {f.name: f.metadata.get("section", "proxy") for f in fields}
+        self.greedy = {flag for f in fields if field_type(f) is tuple for flag in (_flag(f), *f.metadata["aliases"])}
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, spread_values(args, self.greedy))
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        groups: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                groups.setdefault(self.sections.get(param.name or "", ""), []).append(record)
+        for section, title in (("", "Options"), *SECTIONS.items()):
+            if groups.get(section):
+                with formatter.section(title):
+                    formatter.write_dl(groups[section])
+
+
+def spread_values(args: list[str], greedy: set[str]) -> list[str]:
+    """``--flag a b`` becomes ``--flag a --flag b`` for the ``greedy`` flags, read as LMDeploy's
+    argparse reads them: the words up to the next option (none: no value, as LMDeploy allows
+    for ``--api-keys``; a value that starts with a dash is given as ``--flag=-value``). The
+    command takes no arguments, so a word that is not an option belongs to the flag before it."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg == "--":
+            out.extend(args[i - 1 :])
+            break
+        if arg not in greedy:
+            out.append(arg)
+            continue
+        while i < len(args) and not args[i].startswith("-"):
+            out += [arg, args[i]]
+            i += 1
+    return out
 
 
 def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) -> None:
@@ -69,7 +128,7 @@ def main() -> None:
     """pdproxy: a proxy and router for fleets of OpenAI-compatible LLM inference servers."""
 
 
-@main.command()
+@main.command(cls=SettingsCommand, settings=Settings)
 @click.option(
     "--config",
     type=click.Path(dir_okay=False),
@@ -92,7 +151,8 @@ def serve(print_config: bool, **options: Any) -> None:
     try:
         settings = Settings(**options)
     except ConfigError as e:
-        raise click.UsageError(str(e)) from e
+        click.echo(f"pdproxy: {e}", err=True)  # one line, before anything is served
+        sys.exit(2)
     if print_config:
         click.echo(json.dumps(settings.redacted()))
         return

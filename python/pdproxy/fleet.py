@@ -106,9 +106,10 @@ class Fleet:
             await self.health.start()
         if self.membership is not None:
             await self.membership.start(self.apply)
-        saved = state_file.load(self.settings.state_file) if self.settings.state_file else []
+        restore = self.settings.state_file and not self.settings.disable_cache_status
+        saved = state_file.load(self.settings.state_file) if restore else []
         initial = [{k: v for k, v in e.items() if k in Registration.__dataclass_fields__} for e in saved]
-        initial += [{"url": url} for url in self.settings.nodes]
+        initial += [spec.registration() for spec in self.settings.node_specs()]
         for fields in initial:
             try:
                 await self.add(**fields)

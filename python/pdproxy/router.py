@@ -19,6 +19,7 @@ from typing import Any
 from . import _pdproxy
 from .config import Settings
 from .discovery import ModelDiscovery
+from .node_spec import NodeSpec
 
 __all__ = ["Router"]
 
@@ -29,7 +30,8 @@ class Router:
     """Routes OpenAI-style requests to a set of nodes.
 
     Args:
-        nodes: node base URLs, added to those in ``settings.nodes``.
+        nodes: nodes (base URLs, optionally with ``,key=value`` pairs as ``--node`` takes them),
+            added to those in ``settings.nodes``.
         settings: the configuration; keyword ``overrides`` replace single fields of it.
     """
 
@@ -47,8 +49,8 @@ class Router:
         # group's shared table, as this worker's index.
         self._core = _pdproxy.Router(self.settings, group)
         self._discovery = ModelDiscovery(self._core, self.settings.discovery_timeout, self.settings.discovery_interval)
-        for url in (*self.settings.nodes, *nodes):
-            self.add_node(url)
+        for spec in (*self.settings.node_specs(), *(NodeSpec.parse(n) for n in nodes)):
+            self.add_node(**spec.registration())
 
     async def start(self) -> None:
         """Discovers the models of nodes added without a model list (one round, then in the background)."""
@@ -117,7 +119,7 @@ class Router:
         url: str,
         models: Sequence[str] | None = None,
         *,
-        role: str = "hybrid",
+        role: str | int = "hybrid",
         speed: float | None = None,
         max_concurrency: int | None = None,
         api_key: str | None = None,
@@ -134,7 +136,7 @@ class Router:
         ``bootstrap_port`` is an SGLang prefill node's bootstrap server port.
         """
         declared = None if models is None else list(models)
-        normalized = self._core.add_node(url, declared, role, speed, max_concurrency, api_key, bootstrap_port)
+        normalized = self._core.add_node(url, declared, str(role), speed, max_concurrency, api_key, bootstrap_port)
         if declared is None or verify:
             self._discovery.watch(normalized, declared, api_key)
         else:

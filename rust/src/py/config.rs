@@ -48,6 +48,10 @@ pub fn seconds(name: &str, value: f64) -> PyResult<Duration> {
         .ok_or_else(|| PyValueError::new_err(format!("{name} must be a positive number of seconds, got {value}")))
 }
 
+fn or_general(role_policy: &str, general: &str) -> String {
+    if role_policy.is_empty() { general } else { role_policy }.to_owned()
+}
+
 impl RouterConfig {
     pub fn forward_config(&self) -> PyResult<ForwardConfig> {
         Ok(ForwardConfig {
@@ -66,8 +70,9 @@ impl RouterConfig {
         Ok(EngineConfig {
             policies: PolicyNames {
                 hybrid: self.policy.clone(),
-                prefill: self.prefill_policy.clone(),
-                decode: self.decode_policy.clone(),
+                // A role without a policy of its own takes the general one (`--routing-strategy`).
+                prefill: or_general(&self.prefill_policy, &self.policy),
+                decode: or_general(&self.decode_policy, &self.policy),
                 by_model: self.model_policies.clone(),
             },
             policy: PolicyConfig {
