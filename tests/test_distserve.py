@@ -119,6 +119,45 @@ async def test_stream_and_non_stream(fleet: Fleet, http: aiohttp.ClientSession) 
     assert {peer for _, peer, _ in p_log if peer} == {fleet.decode.url}
 
 
+@pytest.mark.parametrize(
+    ("args", "transport", "protocol"),
+    [
+        ((), {"protocol": "RDMA", "rdma": {"with_gdr": True, "link_type": "RoCE"}, "nvlink": None}, 2),
+        (
+            ("--link-type", "IB", "--disable-gdr"),
+            {"protocol": "RDMA", "rdma": {"with_gdr": False, "link_type": "IB"}, "nvlink": None},
+            2,
+        ),
+        (
+            ("--migration-protocol", "NVLINK"),
+            {"protocol": "NVLINK", "rdma": {"with_gdr": True, "link_type": "RoCE"}, "nvlink": None},
+            3,
+        ),
+    ],
+)
+async def test_transport_options_reach_the_handshake_and_the_migration(
+    tmp_path: Path,
+    pd_engines: tuple[MockEngine, MockEngine],
+    http: aiohttp.ClientSession,
+    args: tuple[str, ...],
+    transport: dict[str, Any],
+    protocol: int,
+) -> None:
+    """LMDeploy's --migration-protocol, --link-type and --disable-gdr, as its proxy sends them
+    (an NVLINK link still carries LMDeploy's rdma_config)."""
+    prefill, decode = pd_engines
+    with distserve_proxy(tmp_path, *args) as proxy:
+        await register(http, proxy.url, prefill, 2)
+        await register(http, proxy.url, decode, 3)
+        async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m", max_tokens=3)) as r:
+            assert r.status == 200, await r.text()
+        assert (await ledger(http, prefill))["transport"] == {decode.url: transport}
+        assert (await ledger(http, decode))["transport"] == {prefill.url: transport}
+        assert decode.state.records[-1]["body"]["migration_request"]["protocol"] == protocol
+        await settle(http, [prefill, decode], proxy.url)
+        await assert_clean(http, prefill, decode)
+
+
 async def test_prefill_request_shape(fleet: Fleet, http: aiohttp.ClientSession) -> None:
     body = chat_body("m", stream=True, max_tokens=9, stream_options={"include_usage": True})
     async with http.post(fleet.proxy.url + "/v1/chat/completions", json=body) as r:

@@ -25,7 +25,7 @@ from pdproxy.responses import Send
 from pdproxy.router import Router
 
 from .ledger import Preserved, SessionLedger
-from .links import PROTOCOL_RDMA, LinkPool
+from .links import LinkPool, Transport
 from .relay import InvalidPrefillAnswer, read_all, relay, send_raw
 
 log = logging.getLogger("pdproxy.pd")
@@ -68,6 +68,7 @@ class DistServe:
             backoff=settings.pd_link_backoff,
             wait_timeout=settings.pd_link_wait_timeout,
             api_key_of=api_key_of,
+            transport=Transport(settings.migration_protocol, settings.link_type, with_gdr=not settings.disable_gdr),
             group_dir=group_dir,
         )
         self.ledger = SessionLedger(
@@ -136,7 +137,7 @@ class DistServe:
         entry: Preserved | None = None
         try:
             if self.settings.dummy_prefill:
-                migration = _migration(DUMMY_PREFILL, 0, [], 0, dummy=True)
+                migration = _migration(self.links.transport, DUMMY_PREFILL, 0, [], 0, dummy=True)
             else:
                 prefill = self.router.select(model, role="prefill")
                 # Connect the pair while the prefill runs, so decode never waits for a handshake.
@@ -156,7 +157,7 @@ class DistServe:
                     raise InvalidPrefillAnswer("the prefill node's answer is not JSON") from None
                 entry = self.ledger.add(prefill, session, decode)
                 await link
-                migration = _migration(prefill, session, blocks, token)
+                migration = _migration(self.links.transport, prefill, session, blocks, token)
             decode_body = Router.patch(body, {"migration_request": migration})
             response = await self.router.forward(path, decode_body, headers, role="decode", node=decode)
             try:
@@ -174,9 +175,11 @@ def _prefill_body(body: bytes, chat: bool) -> bytes:
     return Router.patch(body, changes, remove=["stream_options"])
 
 
-def _migration(prefill: str, session: int, blocks: list[int], token: int, dummy: bool = False) -> dict[str, Any]:
+def _migration(
+    transport: Transport, prefill: str, session: int, blocks: list[int], token: int, dummy: bool = False
+) -> dict[str, Any]:
     return {
-        "protocol": PROTOCOL_RDMA,
+        "protocol": transport.protocol_number,
         "remote_engine_id": prefill,
         "remote_session_id": session,
         "remote_token_id": token,

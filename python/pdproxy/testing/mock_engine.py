@@ -469,6 +469,10 @@ async def _migrate(state: MockState, body: dict[str, Any], completion: _Completi
     if peer not in state.links.connected:
         state.ledger.migration_errors.append(f"no p2p connection to {peer}")
         return _error(500, f"no p2p connection to {peer}", "migration_failed", "server_error")
+    if distserve.PROTOCOLS[migration["protocol"]] != state.links.transport[peer]["protocol"]:
+        error = f"migration over {distserve.PROTOCOLS[migration['protocol']]}, but the link to {peer} is not"
+        state.ledger.migration_errors.append(error)
+        return _error(500, error, "migration_failed", "server_error")
     if state.client is None:
         state.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
     read = {
@@ -561,13 +565,18 @@ async def _p2p_initialize(request: web.Request) -> web.Response:
     body = await _json_body(request)
     peer = str(body.get("remote_engine_id"))
     state.links.record("p2p_initialize", peer)
+    transport, wrong = distserve.check_transport(body)
+    if transport is None:
+        return _error(422, f"p2p_initialize: {wrong}", "invalid_request")  # FastAPI's validation status
     state.links.initialized.add(peer)
+    state.links.transport[peer] = transport
     host = request.host.rsplit(":", 1)[0]
+    endpoint = {"protocol": body["protocol"], "endpoint_info": f"{transport['protocol'].lower()}-{peer}"}
     return web.json_response(
         {
             "status": distserve.STATUS_SUCCESS,
             "engine_endpoint_info": {"zmq_address": f"tcp://{host}:{50000 + len(state.links.initialized)}"},
-            "kvtransfer_endpoint_info": [{"protocol": distserve.PROTOCOL_RDMA, "endpoint_info": f"rdma-{peer}"}],
+            "kvtransfer_endpoint_info": [endpoint],
         }
     )
 
@@ -580,6 +589,9 @@ async def _p2p_connect(request: web.Request) -> web.Response:
     if peer not in state.links.initialized:
         # LMDeploy raises KeyError here: a 500.
         return web.Response(status=500, text="Internal Server Error")
+    if distserve.PROTOCOLS.get(body.get("protocol")) != state.links.transport[peer]["protocol"]:
+        # The engine connects with the backend p2p_initialize set up for that protocol, or fails.
+        return web.Response(status=500, text="Internal Server Error")
     state.links.connected.add(peer)
     return web.json_response({"status": distserve.STATUS_SUCCESS})
 
@@ -591,6 +603,7 @@ async def _p2p_drop_connect(request: web.Request) -> web.Response:
     state.links.record("p2p_drop_connect", peer)
     state.links.connected.discard(peer)
     state.links.initialized.discard(peer)
+    state.links.transport.pop(peer, None)
     return web.json_response({"success": True})
 
 
@@ -646,6 +659,7 @@ async def _mock_ledger(request: web.Request) -> web.Response:
     extra = {
         "links": state.links.log,
         "connected": sorted(state.links.connected),
+        "transport": state.links.transport,
         "rendezvous": state.rendezvous.report(),
         "vllm_remote": state.vllm_remote,
         "local_prefills": state.local_prefills,
