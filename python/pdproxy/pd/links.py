@@ -3,9 +3,9 @@
 A link (P, D) is connected by one handshake, strictly in LMDeploy's order: ``engine_info(P)``,
 ``engine_info(D)``, ``p2p_initialize(P)``, ``p2p_initialize(D)``, ``p2p_connect(P)``,
 ``p2p_connect(D)``, with the transport LMDeploy's proxy flags choose (``--migration-protocol``,
-``--link-type``, ``--disable-gdr``: the same integers and fields its proxy sends). Requests that find a link unconnected share one handshake (single
-flight) and wait for it with a timeout; a failed handshake is retried with backoff, a bounded
-number of times. Warm-up connects every pair with bounded concurrency and, since it joins the
+``--link-type``, ``--disable-gdr``: the same integers and fields its proxy sends). Requests that
+find a link unconnected share one handshake (single flight) and wait for it with a timeout; a
+failed handshake is retried with backoff, a bounded number of times. Warm-up connects every pair with bounded concurrency and, since it joins the
 handshakes already in flight, repeating it never piles up work. Removing a node drops its links
 on both sides.
 

@@ -589,7 +589,8 @@ async def _p2p_connect(request: web.Request) -> web.Response:
     if peer not in state.links.initialized:
         # LMDeploy raises KeyError here: a 500.
         return web.Response(status=500, text="Internal Server Error")
-    if distserve.PROTOCOLS.get(body.get("protocol")) != state.links.transport[peer]["protocol"]:
+    protocol = body.get("protocol")
+    if not isinstance(protocol, int) or distserve.PROTOCOLS.get(protocol) != state.links.transport[peer]["protocol"]:
         # The engine connects with the backend p2p_initialize set up for that protocol, or fails.
         return web.Response(status=500, text="Internal Server Error")
     state.links.connected.add(peer)
