@@ -5,9 +5,9 @@ A link (P, D) is connected by one handshake, strictly in LMDeploy's order: ``eng
 ``p2p_connect(D)``, with the transport LMDeploy's proxy flags choose (``--migration-protocol``,
 ``--link-type``, ``--disable-gdr``: the same integers and fields its proxy sends). Requests that
 find a link unconnected share one handshake (single flight) and wait for it with a timeout; a
-failed handshake is retried with backoff, a bounded number of times. Warm-up connects every pair with bounded concurrency and, since it joins the
-handshakes already in flight, repeating it never piles up work. Removing a node drops its links
-on both sides.
+failed handshake is retried with backoff, a bounded number of times. Warm-up connects every
+pair with bounded concurrency and, since it joins the handshakes already in flight, repeating it
+never piles up work. Removing a node drops its links on both sides.
 
 In a worker group the pool is the group's: a handshake runs under a lock file per pair and
 leaves a marker once connected, so each pair is connected once for all workers, and dropped
