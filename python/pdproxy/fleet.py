@@ -188,10 +188,10 @@ class Fleet:
     def _remove_here(self, url: str) -> str:
         """Removes the node from this process. Raises ``NodeNotFound``."""
         normalized = self.router.remove_node(url)
+        for hook in self.on_removed:  # while its registration (its API key) is still known
+            hook(normalized)
         self.registrations.pop(normalized, None)
         self.health.forget(normalized)
-        for hook in self.on_removed:
-            hook(normalized)
         log.info("node %s removed", normalized)
         return normalized
 

@@ -171,8 +171,9 @@ class LinkPool:
         states = [self.links[pair].summary() for pair in pairs if pair in self.links]
         return {"links": states, "connected": sum(1 for s in states if s["state"] == "connected")}
 
-    async def drop(self, url: str) -> None:
-        """Forgets every link of ``url`` and drops them on both nodes (best effort)."""
+    async def drop(self, url: str, api_key: str | None = None) -> None:
+        """Forgets every link of ``url`` and drops them on both nodes (best effort); ``api_key``
+        is ``url``'s own, given by the caller since the node may be unregistered already."""
         gone = [link for key, link in list(self.links.items()) if url in key]
         for link in gone:
             self.links.pop((link.prefill, link.decode), None)
@@ -182,16 +183,9 @@ class LinkPool:
             gone = self._unmark(url)  # the group's links, dropped by this worker only if it unmarks them
         calls = []
         for link in gone:
-            calls.append(
-                self._post(
-                    link.prefill, "p2p_drop_connect", {"engine_id": link.prefill, "remote_engine_id": link.decode}
-                )
-            )
-            calls.append(
-                self._post(
-                    link.decode, "p2p_drop_connect", {"engine_id": link.decode, "remote_engine_id": link.prefill}
-                )
-            )
+            for local, remote in ((link.prefill, link.decode), (link.decode, link.prefill)):
+                body = {"engine_id": local, "remote_engine_id": remote}
+                calls.append(self._post(local, "p2p_drop_connect", body, api_key if local == url else None))
         for outcome in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(outcome, Exception):
                 log.info("p2p_drop_connect failed: %s", outcome)
@@ -284,8 +278,8 @@ class LinkPool:
             **self.transport.init_fields(),
         }
 
-    def _headers(self, url: str) -> dict[str, str]:
-        key = self._api_key_of(url)
+    def _headers(self, url: str, api_key: str | None = None) -> dict[str, str]:
+        key = self._api_key_of(url) or api_key
         return {"authorization": f"Bearer {key}"} if key else {}
 
     async def _get(self, url: str, endpoint: str) -> Any:
@@ -295,9 +289,10 @@ class LinkPool:
                 raise HandshakeError(f"{endpoint} on {url} answered {r.status}")
             return await r.json(content_type=None)
 
-    async def _post(self, url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, url: str, endpoint: str, body: dict[str, Any], api_key: str | None = None) -> dict[str, Any]:
         assert self._session is not None
-        async with self._session.post(f"{url}/distserve/{endpoint}", json=body, headers=self._headers(url)) as r:
+        headers = self._headers(url, api_key)
+        async with self._session.post(f"{url}/distserve/{endpoint}", json=body, headers=headers) as r:
             if r.status != 200:
                 raise HandshakeError(f"{endpoint} on {url} answered {r.status}")
             answer = await r.json(content_type=None)

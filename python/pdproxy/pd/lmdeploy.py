@@ -79,6 +79,7 @@ class DistServe:
             journal=group_dir / "ledger" / str(os.getpid()) if group_dir is not None else None,
         )
         self._group_dir = group_dir
+        self._api_key_of = api_key_of
         #: Frees in progress, kept so that a cancelled request cannot cut them short.
         self._frees: set[asyncio.Task[None]] = set()
 
@@ -102,10 +103,10 @@ class DistServe:
         return freed
 
     def node_removed(self, url: str) -> None:
-        """Drops the node's links on both sides; its preserved sessions, if it was a prefill
-        node, went with it."""
-        self.ledger.forget_prefill(url)
-        self._spawn(self.links.drop(url))
+        """Drops the node's links on both sides and, if it was a prefill node, frees the
+        sessions preserved on it (those it cannot free now are left to the TTL sweep)."""
+        self._spawn(self.ledger.release_prefill(url))
+        self._spawn(self.links.drop(url, self._api_key_of(url)))
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
