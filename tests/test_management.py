@@ -94,6 +94,35 @@ async def test_add_without_models_probes_the_node(
         await eventually(lambda: _models_of(http, p.url, engine.url, ["m"]))
 
 
+async def test_a_node_takes_traffic_only_for_models_it_is_known_to_serve(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """A node added without models whose /v1/models does not answer (yet) gets no request, for
+    any model, until its models are known."""
+    async with MockEngine(model="m") as known, MockEngine(model="m") as unknown:
+        with proxy(tmp_path, "--policy", "round_robin", "--discovery-interval", "0.2") as p:
+            async with http.post(p.url + "/nodes/add", json={"url": known.url}) as r:
+                assert (await r.json())["status"]["models"] == ["m"], "discovered before the answer"
+            async with http.post(unknown.url + "/mock/config", json={"models_status": 503}):
+                pass
+            async with http.post(p.url + "/nodes/add", json={"url": unknown.url}) as r:
+                assert r.status == 200
+            for _ in range(6):
+                async with http.post(p.url + "/v1/chat/completions", json=chat_body("m")) as r:
+                    assert r.status == 200
+            async with http.post(p.url + "/v1/chat/completions", json=chat_body("other")) as r:
+                assert r.status == 503, "maybe the undiscovered node serves it: not a 404 yet"
+                assert "still being discovered" in (await r.json())["error"]["message"]
+            assert (known.state.requests, unknown.state.requests) == (6, 0)
+            async with http.post(unknown.url + "/mock/config", json={"models_status": 200}):
+                pass
+            await eventually(lambda: _models_of(http, p.url, unknown.url, ["m"]))
+            for _ in range(4):
+                async with http.post(p.url + "/v1/chat/completions", json=chat_body("m")) as r:
+                    assert r.status == 200
+            assert unknown.state.requests == 2, "once known, it takes its share"
+
+
 async def _models_of(http: aiohttp.ClientSession, proxy_url: str, node: str, models: list[str]) -> bool:
     return bool((await status(http, proxy_url)).get(node, {}).get("models") == models)
 
@@ -166,7 +195,7 @@ async def test_remove_and_terminate(tmp_path: Path, http: aiohttp.ClientSession)
 
 
 async def test_health_states_follow_the_engine(tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession) -> None:
-    with proxy(tmp_path, "--node", engine.url) as p:
+    with proxy(tmp_path, "--node", f"{engine.url},model=m") as p:
 
         async def state() -> str:
             return str((await status(http, p.url))[engine.url]["state"])
@@ -249,7 +278,8 @@ async def test_state_file_survives_a_restart(tmp_path: Path, engine: MockEngine,
 
 
 async def test_api_and_admin_keys(tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession) -> None:
-    with proxy(tmp_path, "--api-keys", "client-key", "--admin-keys", "admin-key", "--node", engine.url) as p:
+    node = f"{engine.url},model=m"
+    with proxy(tmp_path, "--api-keys", "client-key", "--admin-keys", "admin-key", "--node", node) as p:
         client = {"authorization": "Bearer client-key"}
         for headers in (None, {"authorization": "Bearer wrong"}, {"authorization": "client-key"}):
             async with http.post(p.url + "/v1/chat/completions", json=chat_body("m"), headers=headers) as r:
@@ -312,7 +342,7 @@ async def test_node_api_key_and_header_hygiene(tmp_path: Path, engine: MockEngin
 
 
 async def test_pass_through_endpoints(tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession) -> None:
-    with proxy(tmp_path, "--node", engine.url) as p:
+    with proxy(tmp_path, "--node", f"{engine.url},model=m") as p:
         await eventually(lambda: _models_of(http, p.url, engine.url, ["m"]))
         # The mock has no /v1/embeddings: the node's own 404 comes back unchanged.
         async with http.post(p.url + "/v1/embeddings", json={"model": "m", "input": "x"}) as r:

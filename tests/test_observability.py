@@ -31,7 +31,7 @@ def families(text: str) -> dict[str, list]:  # type: ignore[type-arg]
 
 async def test_metrics_parse_and_count(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     async with MockEngine(model="m") as engine:
-        with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+        with pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m") as proxy:
             while not await serves(http, proxy.url, "m"):  # the node's models are discovered
                 await asyncio.sleep(0.05)
             for stream in (False, True, True):
@@ -84,7 +84,8 @@ async def test_pd_metrics(tmp_path: Path, http: aiohttp.ClientSession) -> None:
 
 async def test_access_log_has_one_line_per_request(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     async with MockEngine(model="m") as engine:
-        with pdproxy_serve(tmp_path, "--node", engine.url, "--access-log", "--access-log-format", "json") as proxy:
+        node = f"{engine.url},model=m"
+        with pdproxy_serve(tmp_path, "--node", node, "--access-log", "--access-log-format", "json") as proxy:
             sent = {
                 "ok": (chat_body("m"), {}),
                 "stream": (chat_body("m", stream=True), {}),

@@ -103,7 +103,7 @@ async def test_errors_before_any_node_is_asked() -> None:
 
 async def test_connect_failure() -> None:
     port = free_port()  # nothing listens here
-    async with pdproxy.Router(nodes=[f"127.0.0.1:{port}"]) as router:
+    async with pdproxy.Router(nodes=[f"127.0.0.1:{port},model=m"]) as router:
         with pytest.raises(pdproxy.UpstreamConnectError) as info:
             await router.forward("/v1/chat/completions", body())
         assert isinstance(info.value, ConnectionError)

@@ -1,9 +1,10 @@
 """Model discovery: learn which models a node serves from its ``GET /v1/models``.
 
-A node added without a model list is routable at once (for any model) and probed in the
-background until it answers. A node added with a declared list is probed once to verify it:
-when the node answers, its own list wins; when it cannot be reached, the declared list is
-trusted (an LMDeploy api_server registers before it accepts connections).
+A node added without a model list takes no traffic until its models are known: it is probed
+at once (a registration waits for that first answer, ``probe``) and then in the background
+until it answers. A node added with a declared list is probed once to verify it: when the node
+answers, its own list wins; when it cannot be reached, the declared list is trusted (an
+LMDeploy api_server registers before it accepts connections).
 """
 
 from __future__ import annotations
@@ -65,6 +66,12 @@ class ModelDiscovery:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    async def probe(self, url: str) -> None:
+        """Probes ``url`` now if it is still pending (one attempt, within the timeout)."""
+        pending = self._pending.get(url)
+        if pending is not None and self._session is not None:
+            await self._probe(url, pending)
 
     async def probe_pending(self) -> None:
         self._wake.clear()

@@ -112,7 +112,8 @@ class Fleet:
         initial += [spec.registration() for spec in self.settings.node_specs()]
         for fields in initial:
             try:
-                await self.add(**fields)
+                # Serving starts at once: these nodes' models are asked for in the background.
+                await self.add(**fields, discover=False)
             except RegistryUnavailable:
                 # Serve with what the registry last said, and register this node once it is back.
                 self._background(self._register_when_available(fields), f"pdproxy-register {fields.get('url')}")
@@ -146,9 +147,11 @@ class Fleet:
         api_key: str | None = None,
         lease_ttl: float | None = None,
         bootstrap_port: int | None = None,
+        discover: bool = True,
     ) -> tuple[Registration, bool]:
         """Adds a node, or updates (and renews the lease of) a registered one. Returns its
-        registration and whether it is new."""
+        registration and whether it is new; a node without models is asked for them first
+        (``discover``)."""
         await check_node_url(url, self._allowed)
         if lease_ttl is not None and not lease_ttl > 0:
             raise InvalidNode(f"lease_ttl must be a positive number of seconds, got {lease_ttl}")
@@ -164,6 +167,9 @@ class Fleet:
             await self.membership.put(registration.saved())
         self._add_here(registration)
         self._save()
+        if models is None and discover:
+            # Answered with the node's models when it tells them at once (it has no traffic till then).
+            await self.router.discover(normalized)
         return registration, created
 
     def _add_here(self, registration: Registration) -> None:

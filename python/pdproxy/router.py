@@ -128,7 +128,7 @@ class Router:
     ) -> str:
         """Adds a node, or updates a registered one; returns its normalised URL.
 
-        Without ``models`` the node serves any model until discovery learns its list; declared
+        Without ``models`` the node takes no traffic until discovery learns its list; declared
         ``models`` are checked against the node's ``/v1/models`` once (``verify``), and the
         node's answer wins. ``role`` is ``hybrid``, ``prefill`` or ``decode`` (or LMDeploy's 1, 2,
         3); ``speed`` weighs it in ``random`` and ``min_expected_latency``; ``max_concurrency``
@@ -142,6 +142,14 @@ class Router:
         else:
             self._discovery.forget(normalized)
         return normalized
+
+    async def discover(self, url: str | None = None) -> None:
+        """Asks the node (without ``url``: every node) whose models are still unknown for them
+        now (one probe each, concurrently)."""
+        if url is None:
+            await self._discovery.probe_pending()
+        else:
+            await self._discovery.probe(url)
 
     def refresh_bindings(self) -> int:
         """In a worker group: picks up nodes another worker removed and re-added (their shared

@@ -137,8 +137,8 @@ fn wake_first(queue: &mut VecDeque<Waiting>, accepts: impl Fn(&Waiting) -> bool)
 fn serves(node: &Node, waiting: &Waiting) -> bool {
     node.role() == waiting.role
         && match &waiting.model {
-            None => true,
-            Some(m) => node.models().is_empty() || node.models().iter().any(|n| n == m),
+            None => !node.models().is_empty(),
+            Some(m) => node.models().iter().any(|n| n == m),
         }
 }
 

@@ -97,6 +97,8 @@ class MockState:
     links: Links = field(default_factory=Links)
     #: Process-wide switches set through /mock/config (calls that carry no request header).
     engine_info_status: int = 200
+    #: What /v1/models answers (an engine still loading, or one behind a broken route).
+    models_status: int = 200
     client: aiohttp.ClientSession | None = None
 
     def stats(self) -> dict[str, Any]:
@@ -495,7 +497,10 @@ def _drop_connection(request: web.Request) -> None:
 
 
 async def _models(request: web.Request) -> web.Response:
-    model = request.app[STATE].settings.model
+    state = request.app[STATE]
+    if state.models_status != 200:
+        return _error(state.models_status, "/v1/models failed (injected)", "mock_fault", "server_error")
+    model = state.settings.model
     card = {"id": model, "object": "model", "created": 0, "owned_by": "pdproxy-mock", "root": model, "parent": None}
     return web.json_response({"object": "list", "data": [card]})
 
@@ -671,9 +676,10 @@ async def _mock_ledger(request: web.Request) -> web.Response:
 async def _mock_config(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await _json_body(request)
-    if "engine_info_status" in body:
-        state.engine_info_status = int(body["engine_info_status"])
-    return web.json_response({"engine_info_status": state.engine_info_status})
+    for name in ("engine_info_status", "models_status"):
+        if name in body:
+            setattr(state, name, int(body[name]))
+    return web.json_response({"engine_info_status": state.engine_info_status, "models_status": state.models_status})
 
 
 def build_app(settings: MockSettings) -> web.Application:

@@ -166,6 +166,16 @@ pub fn select_excluding(
                 format!("the model `{}` does not exist", ctx.model.unwrap_or_default()),
             ));
         }
+        Err(NoCandidates::ModelsUnknown) => {
+            let what = ctx.model.map_or_else(|| "this request".to_owned(), |m| format!("the model `{m}`"));
+            return Err(Error::new(
+                Kind::NoHealthyNode,
+                format!(
+                    "no {} node is known to serve {what} yet: some nodes' models are still being discovered",
+                    ctx.role.name()
+                ),
+            ));
+        }
     };
     let kept: Vec<Arc<Node>>;
     let candidates = if exclude.is_empty() {
