@@ -305,6 +305,26 @@ async def test_api_keys_alone_also_guard_management(tmp_path: Path, http: aiohtt
         assert await status(http, p.url, {"authorization": "Bearer only-key"}) == {}
 
 
+async def test_keyless_registration_only_from_trusted_networks(
+    tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
+) -> None:
+    """With keys set, an unchanged LMDeploy api_server (it sends no key) registers only from a
+    network given to --keyless-registration-from; nothing else opens."""
+    registration = {"url": engine.url, "status": {"models": ["m"], "role": 1}}
+    with proxy(tmp_path, "--api-keys", "k", "--keyless-registration-from", "10.0.0.0/8") as p:
+        async with http.post(p.url + "/nodes/add", json=registration) as r:
+            assert r.status == 401, "127.0.0.1 is not in 10.0.0.0/8"
+    with proxy(tmp_path, "--api-keys", "k", "--keyless-registration-from", "10.0.0.0/8", "127.0.0.0/8") as p:
+        async with http.post(p.url + "/nodes/add", json=registration) as r:
+            assert r.status == 200
+        async with http.post(p.url + "/nodes/remove", json={"url": engine.url}) as r:
+            assert r.status == 401, "only registration is open"
+        async with http.get(p.url + "/nodes/status") as r:
+            assert r.status == 401
+        async with http.post(p.url + "/v1/chat/completions", json=chat_body("m")) as r:
+            assert r.status == 401
+
+
 async def test_node_api_key_and_header_hygiene(tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession) -> None:
     with proxy(tmp_path) as p:
         body = {"url": engine.url, "status": {"models": ["m"]}, "api_key": "node-secret"}

@@ -71,7 +71,7 @@ class ProxyApp:
         self.exit_when_drained = exit_when_drained
         #: Served by the Rust edge over a private socket: it tells the client's address (PEER_HEADER).
         self.behind_edge = behind_edge
-        self.keys = Keys(settings.api_keys, settings.admin_keys)
+        self.keys = Keys(settings.api_keys, settings.admin_keys, settings.keyless_registration_cidrs)
         self.router: Router | None = None
         self.fleet: Fleet | None = None
         self.distserve: Any = None
@@ -201,7 +201,10 @@ class ProxyApp:
             return
         route = self._admin.get((method, path))
         if route is not None:
-            self.keys.check_admin(scope["headers"])
+            if route.path == "/nodes/add":
+                self.keys.check_registration(scope["headers"], (scope.get("client") or (None,))[0])
+            else:
+                self.keys.check_admin(scope["headers"])
             status, payload = await route.handler(fleet, scope, receive)
             await send_json(send, status, payload)
             return

@@ -1,10 +1,12 @@
 """API keys: one set guards inference, another the management API; keys are compared in
 constant time. With API keys but no admin keys, management takes an API key, so setting
-keys never leaves management open by accident."""
+keys never leaves management open by accident. Registration (``POST /nodes/add``) alone may be
+opened to trusted networks (``--keyless-registration-from``), for engines that send no key."""
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from collections.abc import Sequence
 
 from .errors import PdproxyError
@@ -46,9 +48,23 @@ def _matches(token: bytes, keys: tuple[bytes, ...]) -> bool:
 
 
 class Keys:
-    def __init__(self, api_keys: Sequence[str], admin_keys: Sequence[str]) -> None:
+    def __init__(
+        self, api_keys: Sequence[str], admin_keys: Sequence[str], keyless_registration: Sequence[str] = ()
+    ) -> None:
         self.api = tuple(k.encode() for k in api_keys)
         self.admin = tuple(k.encode() for k in admin_keys) or self.api
+        self.keyless_registration = tuple(ipaddress.ip_network(n, strict=False) for n in keyless_registration)
+
+    def check_registration(self, headers: Sequence[tuple[bytes, bytes]], client: str | None) -> None:
+        """``POST /nodes/add``: an admin key, or a client in the keyless-registration networks."""
+        if client is not None and self.keyless_registration:
+            try:
+                address = ipaddress.ip_address(client)
+            except ValueError:
+                address = None
+            if address is not None and any(address in network for network in self.keyless_registration):
+                return
+        self.check_admin(headers)
 
     def check_inference(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
         if not self.api:
