@@ -289,6 +289,12 @@ async def test_api_and_admin_keys(tmp_path: Path, engine: MockEngine, http: aioh
             assert r.status == 200
         received = engine.state.records[-1]["headers"]
         assert "authorization" not in received, "the client's key never reaches the node"
+        anthropic = {"x-api-key": "client-key"}  # Anthropic's clients send their key so
+        async with http.post(p.url + "/v1/chat/completions", json=chat_body("m"), headers=anthropic) as r:
+            assert r.status == 200
+        assert "x-api-key" not in engine.state.records[-1]["headers"], "nor does an Anthropic client's"
+        async with http.post(p.url + "/v1/chat/completions", json=chat_body("m"), headers={"x-api-key": "no"}) as r:
+            assert r.status == 401
         async with http.get(p.url + "/nodes/status", headers=client) as r:
             assert r.status == 403
         async with http.get(p.url + "/nodes/status") as r:

@@ -32,11 +32,16 @@ class Forbidden(PdproxyError):
 
 
 def _bearer(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    """The client's key: ``Authorization: Bearer KEY`` (OpenAI's clients), else ``x-api-key``
+    (Anthropic's), as the Rust edge reads it."""
+    api_key = None
     for name, value in headers:
         if name == b"authorization":
             scheme, _, token = value.partition(b" ")
             return token.strip() if scheme.lower() == b"bearer" else None
-    return None
+        if name == b"x-api-key" and api_key is None:
+            api_key = value.strip()
+    return api_key
 
 
 def _matches(token: bytes, keys: tuple[bytes, ...]) -> bool:
@@ -71,7 +76,7 @@ class Keys:
             return
         token = _bearer(headers)
         if token is None or not _matches(token, self.api):
-            raise Unauthorized("a valid API key is required (Authorization: Bearer KEY)")
+            raise Unauthorized("a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)")
 
     def check_admin(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
         if not self.admin:

@@ -29,12 +29,14 @@ fn connection_listed<'a>(values: impl Iterator<Item = &'a [u8]>) -> Vec<Vec<u8>>
 
 /// Whether a client's request header stays on the client's hop: hop-by-hop headers (and
 /// those its `Connection` header lists), `host` and `content-length` (the client sets them
-/// for the node's hop) and the client's `authorization` (the proxy's key is not the node's key).
+/// for the node's hop) and the client's key, `authorization` or Anthropic's `x-api-key` (the
+/// proxy's key is not the node's key).
 pub fn stays_on_client_hop(name: &[u8], listed: &[Vec<u8>]) -> bool {
     is_hop_by_hop(name)
         || name.eq_ignore_ascii_case(b"host")
         || name.eq_ignore_ascii_case(b"content-length")
         || name.eq_ignore_ascii_case(b"authorization")
+        || name.eq_ignore_ascii_case(b"x-api-key")
         || listed.iter().any(|l| l.eq_ignore_ascii_case(name))
 }
 
@@ -110,6 +112,7 @@ mod tests {
             ("Connection", "keep-alive, X-Secret-Hop"),
             ("x-secret-hop", "1"),
             ("Authorization", "Bearer client-key"),
+            ("X-Api-Key", "client-key"),
             ("Content-Length", "10"),
             ("Transfer-Encoding", "chunked"),
             ("x-request-id", "abc"),

@@ -67,7 +67,7 @@ pub async fn check(
     record: &mut Option<Box<Record>>,
 ) -> Result<Checked, Refused> {
     if !state.keys.allows(&parts.headers) {
-        let message = "a valid API key is required (Authorization: Bearer KEY)";
+        let message = "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)";
         return Err(Box::new(refuse(record, answer::UNAUTHORIZED, message, None, id)));
     }
     let pass = match state.engine.gate.pass() {

@@ -110,13 +110,14 @@ pub async fn linger(mut body: Incoming) {
 /// hop, plus the request id and `X-Forwarded-For/Host/Proto` (the proxy's, replacing what the
 /// client claimed).
 pub fn upstream_headers(mut headers: HeaderMap, peer: IpAddr, request_id: &HeaderValue, had_id: bool) -> HeaderMap {
-    static CLIENT_HOP: [HeaderName; 6] = [
+    static CLIENT_HOP: [HeaderName; 7] = [
         HeaderName::from_static("x-forwarded-for"),
         HeaderName::from_static("x-forwarded-host"),
         HeaderName::from_static("x-forwarded-proto"),
         HOST,
         CONTENT_LENGTH,
         AUTHORIZATION,
+        HeaderName::from_static("x-api-key"),
     ];
     let earlier = headers.get_all(&X_FORWARDED_FOR).iter().next_back().cloned();
     let host = headers.get(HOST).cloned();
@@ -177,6 +178,7 @@ mod tests {
         h.insert("x-forwarded-for", HeaderValue::from_static("1.2.3.4"));
         h.insert("x-forwarded-host", HeaderValue::from_static("evil"));
         h.insert("authorization", HeaderValue::from_static("Bearer k"));
+        h.insert("x-api-key", HeaderValue::from_static("k"));
         h.insert("connection", HeaderValue::from_static("x-hop"));
         h.insert("x-hop", HeaderValue::from_static("1"));
         h.insert("x-session-id", HeaderValue::from_static("s"));
@@ -186,7 +188,7 @@ mod tests {
         assert_eq!(out["x-forwarded-proto"], "http");
         assert_eq!(out["x-request-id"], "id");
         assert_eq!(out["x-session-id"], "s");
-        for gone in ["host", "authorization", "connection", "x-hop"] {
+        for gone in ["host", "authorization", "x-api-key", "connection", "x-hop"] {
             assert!(!out.contains_key(gone), "{gone}");
         }
     }
