@@ -233,6 +233,19 @@ async def test_static_nodes_are_registered_with_what_they_declare(tmp_path: Path
             assert "Bearer node-key" in seen, "the node's own key is sent to it"
 
 
+def test_mock_engine_on_a_taken_port_says_so_in_one_line() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("mock-engine", "--port", str(port))
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"pdproxy mock-engine: cannot listen on 127.0.0.1:{port}: address already in use"], lines
+
+
 def test_settings_validate_types() -> None:
     with pytest.raises(pdproxy.ConfigError, match="port"):
         Settings(port="80")  # type: ignore[arg-type]

@@ -13,7 +13,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
-from servers import chat_body, pdproxy_serve
+from servers import chat_body, free_port, get_json, pdproxy_serve
 
 # Against both edges (see the `edge` fixture).
 pytestmark = pytest.mark.usefixtures("edge")
@@ -145,6 +145,20 @@ async def test_status_and_nodes_commands(tmp_path: Path) -> None:
             header, row = table.stdout.strip().splitlines()
             assert header.split()[:3] == ["NODE", "ROLE", "STATE"]
             assert row.split()[:3] == [engine.url, "hybrid", "healthy"]
+            options = ["--role", "prefill", "--speed", "2", "--api-key", "node-key", "--lease-ttl", "60"]
+            updated = await asyncio.to_thread(cli, "nodes", "add", engine.url, "--model", "m", *options)
+            assert updated.stdout.strip() == f"updated {engine.url}"
+            node = get_json(proxy.url + "/nodes/status")[engine.url]
+            assert (node["role_name"], node["speed"], node["lease"]["ttl"]) == ("prefill", 2, 60)
+            # A new node that cannot be reached is never shown healthy, not even at first.
+            gone = f"http://127.0.0.1:{free_port()}"
+            await asyncio.to_thread(cli, "nodes", "add", gone, "--model", "m")
+            deadline = asyncio.get_running_loop().time() + 3  # well before 3 failed checks at 5 s
+            while get_json(proxy.url + "/nodes/status")[gone]["state"] == "healthy":
+                assert asyncio.get_running_loop().time() < deadline, "an unreachable new node shown healthy"
+                await asyncio.sleep(0.05)
+            rows = (await asyncio.to_thread(cli, "status")).stdout.strip().splitlines()[1:]
+            assert next(r for r in rows if r.startswith(gone)).split()[2] == "unhealthy"
             removed = await asyncio.to_thread(cli, "nodes", "remove", engine.url)
             assert removed.stdout.strip() == f"removed {engine.url}"
             missing = await asyncio.to_thread(cli, "nodes", "remove", engine.url)

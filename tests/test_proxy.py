@@ -32,6 +32,13 @@ async def test_models_are_the_deduplicated_union(proxy: Process, http: aiohttp.C
         listing = await r.json()
     assert listing["object"] == "list"
     assert sorted(card["id"] for card in listing["data"]) == ["alpha", "beta"]
+    async with http.get(proxy.url + "/v1/models/alpha") as r:
+        assert r.status == 200
+        assert await r.json() == next(card for card in listing["data"] if card["id"] == "alpha")
+    for missing in ("gamma", "org/gamma"):
+        async with http.get(proxy.url + f"/v1/models/{missing}") as r:
+            assert r.status == 404
+            assert (await r.json())["error"]["code"] == "model_not_found"
 
 
 async def test_stream_is_byte_for_byte(

@@ -110,6 +110,27 @@ async def test_connect_failure() -> None:
         assert info.value.status == 503
         node = router.nodes()[0]
         assert (node["failed"], node["in_flight"]) == (1, 0)
+        # Whoever reads the traceback learns the node and the cause; a client's answer (message) neither.
+        assert f"node http://127.0.0.1:{port}" in str(info.value)
+        assert "refused" in str(info.value).lower()
+        assert "127.0.0.1" not in info.value.message
+
+
+async def test_integer_roles_and_a_short_summary(engines: list[MockEngine]) -> None:
+    async with pdproxy.Router() as router:
+        for role, name in ((1, "hybrid"), (2, "prefill"), (3, "decode")):
+            url = router.add_node(f"http://127.0.0.{role}:9", ["m"], role=role, verify=False)
+            assert next(n["role"] for n in router.nodes() if n["url"] == url) == name
+        router.add_node(engines[0].url)
+        await router.discover()
+        response = await router.forward("/v1/chat/completions", body(), node=engines[0].url)
+        assert b"".join([chunk async for chunk in response]).endswith(b"data: [DONE]\n\n")
+        summary = router.summary()
+        assert [n["url"] for n in summary] == [n["url"] for n in router.nodes()]
+        served = next(n for n in summary if n["url"] == engines[0].url)
+        assert (served["requests"], served["succeeded"], served["in_flight"], served["models"]) == (1, 1, 0, ["m"])
+        assert served["mean_latency"] > 0
+        assert len(repr(summary)) < 250 * len(summary), "a summary, not the histograms"
 
 
 async def test_first_byte_timeout(engines: list[MockEngine]) -> None:

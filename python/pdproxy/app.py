@@ -15,7 +15,7 @@ from . import background, dashboard, proxy
 from .access import AccessLog
 from .auth import Keys
 from .config import Settings
-from .errors import PdproxyError
+from .errors import ModelNotFound, PdproxyError
 from .fleet import Fleet
 from .group import GROUP_ENV, Group
 from .membership import Membership
@@ -215,6 +215,9 @@ class ProxyApp:
         if path == "/v1/models":
             self.keys.check_inference(scope["headers"])
             await send_json(send, 200, _model_list(router))
+        elif path.startswith("/v1/models/"):
+            self.keys.check_inference(scope["headers"])
+            await send_json(send, 200, _model_card(router, path.removeprefix("/v1/models/")))
         elif path == "/health":
             await send_json(send, 200, {"status": "healthy"})
         elif path == "/ready":
@@ -320,13 +323,29 @@ def _take_peer(scope: Scope, trusted: bool) -> None:
         scope["client"] = (host.strip("[]"), int(port) if port.isdigit() else 0)
 
 
-def _model_list(router: Router) -> dict[str, Any]:
-    """The OpenAI ``ModelList`` of every model some healthy node serves."""
+def _served_models(router: Router) -> list[str]:
+    """Every model some healthy node serves, in registration order."""
     seen: list[str] = []
     for node in router.nodes():
         if node["state"] == "healthy":
             seen.extend(m for m in node["models"] if m not in seen)
-    return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "pdproxy"} for m in seen]}
+    return seen
+
+
+def _card(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "pdproxy"}
+
+
+def _model_list(router: Router) -> dict[str, Any]:
+    """The OpenAI ``ModelList`` of every model some healthy node serves."""
+    return {"object": "list", "data": [_card(m) for m in _served_models(router)]}
+
+
+def _model_card(router: Router, model: str) -> dict[str, Any]:
+    """OpenAI's ``GET /v1/models/{model}`` (a model id may hold slashes)."""
+    if model not in _served_models(router):
+        raise ModelNotFound(f"the model `{model}` does not exist")
+    return _card(model)
 
 
 def create_app(settings: Settings | None = None) -> ProxyApp:

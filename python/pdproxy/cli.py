@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -193,23 +194,24 @@ def mock_engine(count: int, **options: Any) -> None:
     engines = [MockEngine(settings, port=port) for port in ports]
 
     async def serve() -> None:
-        for engine in engines[1:]:
-            await engine.start()
-        for engine in engines[1:]:
-            click.echo(f"mock engine: serving {settings.model} ({settings.role}) on {engine.url}", err=True)
-        first = engines[0]
-        click.echo(
-            f"mock engine: serving {settings.model} ({settings.role}) on http://{settings.host}:{settings.port}",
-            err=True,
-        )
         try:
-            await first.serve_forever()
+            for engine in engines:  # every port is bound before anything is announced
+                await engine.start()
+            for engine in engines:
+                click.echo(f"mock engine: serving {settings.model} ({settings.role}) on {engine.url}", err=True)
+            await engines[0].state.terminated.wait()  # /terminate, when allowed
+            await asyncio.sleep(0.05)  # let its answer go out
         finally:
-            for engine in engines[1:]:
+            for engine in engines:
                 await engine.stop()
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner, contextlib.suppress(KeyboardInterrupt):
-        runner.run(serve())
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner, contextlib.suppress(KeyboardInterrupt):
+            runner.run(serve())
+    except OSError as e:  # the port is taken, or the address is not this host's
+        reason = os.strerror(e.errno).lower() if e.errno else str(e)
+        click.echo(f"pdproxy mock-engine: cannot listen on {settings.host}:{settings.port}: {reason}", err=True)
+        sys.exit(1)
 
 
 def _admin_call(url: str, path: str, key: str | None, payload: object = None) -> Any:
@@ -313,18 +315,36 @@ def nodes() -> None:
 @_URL
 @_KEY
 @click.option("--model", "models", multiple=True, help="A model the node serves (default: ask the node).")
-@click.option("--role", default="hybrid", show_default=True, help="hybrid, prefill or decode.")
+@click.option("--role", default="hybrid", show_default=True, help="hybrid, prefill or decode (or 1, 2, 3).")
+@click.option("--speed", type=float, default=None, help="Relative throughput (random and min_expected_latency).")
 @click.option("--max-concurrency", type=int, default=None, help="Hard cap on the node's requests in flight.")
+@click.option("--api-key", "node_api_key", default=None, help="Key the proxy sends to the node (Bearer).")
+@click.option("--lease-ttl", type=float, default=None, help="Seconds until it lapses unless registered again.")
+@click.option("--bootstrap-port", type=int, default=None, help="SGLang prefill nodes: their bootstrap port.")
 def nodes_add(
-    node_url: str, url: str, key: str | None, models: tuple[str, ...], role: str, max_concurrency: int | None
+    node_url: str,
+    url: str,
+    key: str | None,
+    models: tuple[str, ...],
+    role: str,
+    speed: float | None,
+    max_concurrency: int | None,
+    node_api_key: str | None,
+    lease_ttl: float | None,
+    bootstrap_port: int | None,
 ) -> None:
     """Register NODE_URL with the proxy."""
-    status: dict[str, Any] = {"role": role}
+    status: dict[str, Any] = {"role": role, "speed": speed}
     if models:
         status["models"] = list(models)
     payload: dict[str, Any] = {"url": node_url, "status": status}
-    if max_concurrency is not None:
-        payload["max_concurrency"] = max_concurrency
+    extra = {
+        "max_concurrency": max_concurrency,
+        "api_key": node_api_key,
+        "lease_ttl": lease_ttl,
+        "bootstrap_port": bootstrap_port,
+    }
+    payload.update({name: value for name, value in extra.items() if value is not None})
     answer = _admin_call(url, "/nodes/add", key, payload)
     click.echo(f"{'added' if answer['created'] else 'updated'} {answer['url']}")
 

@@ -5,7 +5,9 @@ answer follows LMDeploy's shape: 200 ``{"status": "healthy"}`` serves; ``sleepin
 but not routed to; ``initializing`` is not routed to yet; 503 or ``unhealthy``, an error or
 a timeout is a failure (an empty 200, as older LMDeploy versions send, is healthy).
 ``fall`` consecutive failures take a node out of routing and ``rise`` successes bring it
-back; requests that could not connect to a node count as failures too. A failing node is
+back; requests that could not connect to a node count as failures too. A node that has not
+answered a check yet gets no such benefit of the doubt: its first failure takes it out (an
+unreachable new node is never shown healthy) and its first success brings it in. A failing node is
 kept (optionally removed after ``remove_after`` seconds), never deleted on the spot.
 """
 
@@ -40,6 +42,8 @@ class NodeHealth:
     last_check: float | None = None
     unhealthy_since: float | None = None
     connect_failures_seen: int = 0
+    #: It has answered a check once: from then on `fall` and `rise` apply.
+    answered: bool = False
     api_key: str | None = field(default=None, repr=False)
 
     def summary(self) -> dict[str, object]:
@@ -135,10 +139,13 @@ class HealthChecker:
             health.failures = 0
             health.successes += 1
             health.last_error = None
-            if engine_state == "sleeping" or health.state != "unhealthy" or health.successes >= self._rise:
+            back = health.successes >= self._rise or not health.answered
+            health.answered = True
+            if engine_state == "sleeping" or health.state != "unhealthy" or back:
                 self._set(url, health, engine_state)
             return
         if engine_state == "initializing":
+            health.answered = True
             health.successes = 0
             health.last_error = "initializing"
             self._set(url, health, "initializing")
@@ -146,7 +153,7 @@ class HealthChecker:
         health.successes = 0
         health.failures += 1
         health.last_error = error
-        if health.failures >= self._fall:
+        if health.failures >= self._fall or not health.answered:
             self._set(url, health, "unhealthy")
         overdue = health.unhealthy_since is not None and time.monotonic() - health.unhealthy_since >= self._remove_after
         if health.state == "unhealthy" and self._remove_after > 0 and overdue:

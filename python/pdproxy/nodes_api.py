@@ -166,6 +166,7 @@ async def debug_state(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int
             for n in fleet.router.nodes()
         },
         "queued": fleet.router.queued,
+        "policies": fleet.router.policies,
         "asyncio_tasks": len(asyncio.all_tasks()),
         "open_fds": _open_fds(),
     }
@@ -253,7 +254,7 @@ ROUTES: tuple[Route, ...] = (
         "GET",
         "/debug/state",
         debug_state,
-        "In-flight counts, queue, asyncio tasks and open descriptors (for fault tests)",
+        "In-flight counts, queue, routing policies, asyncio tasks and open descriptors (for fault tests)",
         None,
         {200: "State"},
     ),

@@ -24,6 +24,8 @@ from .node_spec import NodeSpec
 __all__ = ["Router"]
 
 Headers = Sequence[tuple[bytes, bytes]]
+#: The fields of a node in ``Router.summary()``.
+SUMMARY_FIELDS = ("url", "role", "state", "models", "in_flight", "requests", "succeeded", "failed", "mean_latency")
 
 
 class Router:
@@ -177,6 +179,11 @@ class Router:
     def nodes(self) -> list[dict[str, Any]]:
         """One snapshot of every node: url, role, models, state, in_flight, counts, latencies."""
         return self._core.nodes()
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per node, what a person reads first: url, role, state, models, in_flight, requests,
+        succeeded, failed, mean_latency (``nodes()`` has everything, histograms included)."""
+        return [{name: node[name] for name in SUMMARY_FIELDS} for node in self._core.nodes()]
 
     def stats(self) -> dict[str, Any]:
         """Nodes, queue and policies in one snapshot."""

@@ -108,6 +108,10 @@ impl Forwarder {
     /// Sends `request` to `node` and returns the response head; with `prefetch`, the body
     /// is read whole first when it is small and not an event stream. Accounting is the caller's.
     pub async fn forward(&self, node: &Node, request: &ForwardRequest, prefetch: bool) -> Result<UpstreamResponse> {
+        self.forward_to(node, request, prefetch).await.map_err(|e| e.at_node(node.url()))
+    }
+
+    async fn forward_to(&self, node: &Node, request: &ForwardRequest, prefetch: bool) -> Result<UpstreamResponse> {
         let path = node.path_for(&request.path_and_query);
         let key = match &node.spec().api_key {
             Some(key) => Some(HeaderValue::from_str(&format!("Bearer {key}")).map_err(|e| {
