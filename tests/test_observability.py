@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -82,7 +85,32 @@ async def test_pd_metrics(tmp_path: Path, http: aiohttp.ClientSession) -> None:
             assert metrics["pdproxy_pd_preserved_sessions"][0].value == 0
 
 
+#: The access log's fields, in order, whichever edge writes the line.
+ACCESS_FIELDS = [
+    "time",
+    "client",
+    "request_id",
+    "method",
+    "path",
+    "model",
+    "node",
+    "status",
+    "cause",
+    "bytes",
+    "events",
+    "ttfb",
+    "duration",
+]
+TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+
+
+def _arrived(stamp: str) -> float:
+    return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=datetime.UTC).timestamp()
+
+
+@pytest.mark.usefixtures("edge")
 async def test_access_log_has_one_line_per_request(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    started = time.time()
     async with MockEngine(model="m") as engine:
         node = f"{engine.url},model=m"
         with pdproxy_serve(tmp_path, "--node", node, "--access-log", "--access-log-format", "json") as proxy:
@@ -122,6 +150,26 @@ async def test_access_log_has_one_line_per_request(tmp_path: Path, http: aiohttp
     assert by_id["dropped"]["cause"] == "upstream_error@stream"
     assert by_id["gone"]["cause"] == "client_cancel@stream"
     assert "secret-client-key" not in proxy.log()
+    for line in lines:
+        assert list(line) == ACCESS_FIELDS
+        assert TIMESTAMP.match(line["time"]), line["time"]
+        assert started - 1 <= _arrived(line["time"]) <= time.time()
+        assert line["client"] == "127.0.0.1"
+
+
+@pytest.mark.usefixtures("edge")
+async def test_access_log_text_lines(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    async with MockEngine(model="m") as engine:
+        with pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m", "--access-log") as proxy:
+            async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
+                await r.read()
+            await asyncio.sleep(0.3)
+    (line,) = [line for line in proxy.log().splitlines() if line.startswith("time=")]
+    fields = dict(pair.split("=", 1) for pair in line.split(" "))
+    assert list(fields) == ACCESS_FIELDS
+    assert TIMESTAMP.match(fields["time"])
+    assert fields["client"] == "127.0.0.1"
+    assert (fields["status"], fields["cause"], fields["node"]) == ("200", "completed", engine.url)
 
 
 async def test_status_and_nodes_commands(tmp_path: Path) -> None:

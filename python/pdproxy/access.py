@@ -1,13 +1,15 @@
 """The access log: one line per inference request, written by a background thread so the
 event loop never waits on the terminal or a file. Off unless asked for (``--access-log``).
 
-A line tells the request id, method and path, the model, the node, the status, how the
-request ended and in which phase (``completed``, ``client_cancel@ttfb``, ``client_cancel@stream``,
+A line tells when the request arrived (UTC, ISO 8601 with milliseconds) and the client's
+address, the request id, method and path, the model, the node, the status, how the request
+ended and in which phase (``completed``, ``client_cancel@ttfb``, ``client_cancel@stream``,
 ``upstream_error@stream``, ``no_healthy_node@admission``...), bytes and events sent to the
 client, time to first byte and duration. Never keys or bodies."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import logging.handlers
@@ -50,6 +52,7 @@ class Record:
     """What is known of one request, filled in as it goes."""
 
     __slots__ = (
+        "arrived",
         "bytes",
         "events",
         "first_byte",
@@ -69,6 +72,7 @@ class Record:
         self.scope = scope
         self.request_id = request_id
         self.started = time.monotonic()
+        self.arrived = time.time()
         self.status: int | None = None
         self.first_byte: float | None = None
         self.bytes = 0
@@ -108,8 +112,11 @@ class Record:
             cause = "upstream_status@ttfb"
         else:
             cause = "completed"
+        client = self.scope.get("client")
         self.log.write(
             {
+                "time": utc_timestamp(self.arrived),
+                "client": client[0] if client else None,
                 "request_id": self.request_id.decode("latin-1"),
                 "method": self.scope["method"],
                 "path": self.scope["path"],
@@ -123,3 +130,9 @@ class Record:
                 "duration": round(time.monotonic() - self.started, 6),
             }
         )
+
+
+def utc_timestamp(at: float) -> str:
+    """``at`` (seconds since the epoch) as the Rust edge writes it: ``2026-12-01T09:30:00.123Z``."""
+    moment = datetime.datetime.fromtimestamp(int(at), datetime.UTC)
+    return f"{moment:%Y-%m-%dT%H:%M:%S}.{int(at * 1000) % 1000:03d}Z"

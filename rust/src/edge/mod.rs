@@ -126,9 +126,9 @@ impl EdgeState {
         }
     }
 
-    fn record(&self, id: &HeaderValue, parts: &Parts) -> Option<Box<Record>> {
+    fn record(&self, id: &HeaderValue, parts: &Parts, peer: SocketAddr) -> Option<Box<Record>> {
         let log = self.access.as_ref()?;
-        Some(Record::new(log, id.to_str().unwrap_or_default(), parts.method.as_str(), parts.uri.path()))
+        Some(Record::new(log, peer.ip(), id.to_str().unwrap_or_default(), parts.method.as_str(), parts.uri.path()))
     }
 }
 

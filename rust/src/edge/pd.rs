@@ -44,7 +44,7 @@ pub async fn serve(
 ) -> Response<EdgeBody> {
     let state = &worker.state;
     let (parts, body) = request.into_parts();
-    let mut record = state.record(&id, &parts);
+    let mut record = state.record(&id, &parts, peer);
     let checked = match check(state, peer, parts, body, &id, had_id, &mut record).await {
         Ok(checked) => checked,
         Err(refusal) => return *refusal,
