@@ -276,6 +276,8 @@ mod tests {
         assert_eq!(r.cause(), "upstream_error@ttfb");
         let line = r.line();
         assert!(line.starts_with(r#"{"time":""#));
-        assert!(line.contains(r#"Z","client":"127.0.0.1","request_id":"id","method":"POST","path":"/v1/chat/completions","model":null,"#));
+        assert!(line.contains(
+            r#"Z","client":"127.0.0.1","request_id":"id","method":"POST","path":"/v1/chat/completions","model":null,"#
+        ));
     }
 }
