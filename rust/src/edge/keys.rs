@@ -1,6 +1,6 @@
 //! API keys of the inference routes, compared in constant time: every key is compared in full
 //! whatever the outcome, so the time taken does not tell how much of a guess was right. A key
-//! comes as `Authorization: Bearer KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's).
+//! comes as `Authorization: Bearer KEY` (the `OpenAI` clients) or `x-api-key: KEY` (Anthropic's).
 
 use http::header::{HeaderName, AUTHORIZATION};
 use http::HeaderMap;
