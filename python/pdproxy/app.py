@@ -15,6 +15,7 @@ from . import background, dashboard, proxy
 from .access import AccessLog
 from .auth import Keys
 from .config import Settings
+from .cors import Cors, is_cors_path
 from .errors import ModelNotFound, PdproxyError
 from .fleet import Fleet
 from .group import GROUP_ENV, Group
@@ -25,7 +26,7 @@ from .metrics import CONTENT_TYPE, registry_for, render
 from .nodes_api import ROUTES
 from .openapi import schema
 from .pd import make_adapter
-from .responses import MethodNotAllowed, NotFound, Receive, Scope, Send, send_error, send_json
+from .responses import MethodNotAllowed, NotFound, Receive, Scope, Send, header, send_error, send_json
 from .router import Router
 
 __all__ = ["SETTINGS_ENV", "ProxyApp", "app_from_environment", "create_app"]
@@ -72,6 +73,9 @@ class ProxyApp:
         #: Served by the Rust edge over a private socket: it tells the client's address (PEER_HEADER).
         self.behind_edge = behind_edge
         self.keys = Keys(settings.api_keys, settings.admin_keys, settings.keyless_registration_cidrs)
+        self.cors = Cors(
+            settings.allow_origins, settings.allow_credentials, settings.allow_methods, settings.allow_headers
+        )
         self.router: Router | None = None
         self.fleet: Fleet | None = None
         self.distserve: Any = None
@@ -166,12 +170,29 @@ class ProxyApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
+            origin = header(scope, b"origin") if self.cors.enabled else None
+            if origin is not None and is_cors_path(scope["path"], INFERENCE_PATHS):
+                if scope["method"] == "OPTIONS" and header(scope, b"access-control-request-method") is not None:
+                    await self._preflight(scope, origin, send)
+                    return
+                send = _adding(send, self.cors.response_headers(origin))
             try:
                 await self._http(scope, receive, send)
             except PdproxyError as e:
                 await send_error(send, e)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _preflight(self, scope: Scope, origin: bytes, send: Send) -> None:
+        """A browser asks whether it may send its request (CORS): 204 with what is allowed."""
+        try:
+            method = header(scope, b"access-control-request-method") or b""
+            allowed = self.cors.preflight(origin, method, header(scope, b"access-control-request-headers"))
+        except PdproxyError as e:
+            await send_error(send, e)
+            return
+        await send({"type": "http.response.start", "status": 204, "headers": allowed})
+        await send({"type": "http.response.body", "body": b""})
 
     @property
     def in_flight(self) -> int:
@@ -304,6 +325,19 @@ class ProxyApp:
                 await self.shutdown()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _adding(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
+    """``send`` with ``headers`` added to the response's head."""
+    if not headers:
+        return send
+
+    async def sending(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *headers]}
+        await send(message)
+
+    return sending
 
 
 #: How the Rust edge tells the control plane the client's address (its own peer is the edge).

@@ -6,6 +6,7 @@ pub mod access;
 pub mod answer;
 pub mod body;
 pub mod control;
+pub mod cors;
 mod hybrid;
 mod keys;
 mod pd;
@@ -87,6 +88,8 @@ pub struct EdgeConfig {
     pub control_stale_after: Duration,
     /// SGLang: longest wait for a prefill node's `/server_info`.
     pub pd_probe_timeout: Duration,
+    /// CORS on the inference routes; `None`: off.
+    pub cors: Option<cors::Cors>,
 }
 
 /// Where a request goes.

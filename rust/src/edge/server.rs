@@ -13,6 +13,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures_util::FutureExt;
+use http::header::ORIGIN;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
@@ -26,6 +27,7 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use super::answer;
 use super::body::EdgeBody;
+use super::cors::Cors;
 use super::request::request_id;
 use super::{hybrid, pd, EdgeState, Route, Stop};
 use crate::forward::Forwarder;
@@ -184,14 +186,22 @@ async fn route(
     had_id: bool,
 ) -> Response<EdgeBody> {
     let state = &worker.state;
+    // Browsers' CORS, on the routes they may call; what the control plane serves it decorates itself.
+    let cors = state.config.cors.as_ref().filter(|_| Cors::applies_to(request.uri().path()));
+    if let Some(cors) = cors.filter(|_| Cors::is_preflight(request.method(), request.headers())) {
+        return cors.preflight(request.headers(), &id);
+    }
     if request.method() == Method::POST {
-        match state.route(request.uri().path()) {
-            Route::Hybrid { require_model } => {
-                return hybrid::serve(worker, peer, request, id, had_id, require_model).await;
-            }
-            Route::Disaggregated(protocol) => return pd::serve(worker, peer, request, id, had_id, protocol).await,
-            Route::ControlPlane => {}
+        let origin = cors.and(request.headers().get(ORIGIN).cloned());
+        let mut response = match state.route(request.uri().path()) {
+            Route::Hybrid { require_model } => hybrid::serve(worker, peer, request, id, had_id, require_model).await,
+            Route::Disaggregated(protocol) => pd::serve(worker, peer, request, id, had_id, protocol).await,
+            Route::ControlPlane => return state.control.forward(peer, request, &id).await,
+        };
+        if let (Some(cors), Some(origin)) = (cors, origin) {
+            cors.decorate(&mut response, &origin);
         }
+        return response;
     }
     state.control.forward(peer, request, &id).await
 }

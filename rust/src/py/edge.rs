@@ -11,6 +11,7 @@ use super::config::seconds;
 use super::errors::to_pyerr;
 use super::router::Router;
 use crate::edge::access::Format;
+use crate::edge::cors::Cors;
 use crate::edge::{self, EdgeConfig, PdProtocol};
 
 #[pyclass(frozen, name = "EdgeListener", module = "pdproxy._pdproxy")]
@@ -46,6 +47,10 @@ pub struct EdgeSettings {
     first_byte_timeout: f64,
     pd_link_timeout: f64,
     header_read_timeout: f64,
+    allow_origins: Vec<String>,
+    allow_credentials: bool,
+    allow_methods: Vec<String>,
+    allow_headers: Vec<String>,
 }
 
 #[pyclass(frozen, name = "Edge", module = "pdproxy._pdproxy")]
@@ -92,6 +97,12 @@ impl Edge {
             control_timeout: seconds("first_byte_timeout", settings.first_byte_timeout)?,
             control_stale_after: seconds("control_stale_after", control_stale_after)?,
             pd_probe_timeout: seconds("pd_link_timeout", settings.pd_link_timeout)?,
+            cors: Cors::new(
+                &settings.allow_origins,
+                settings.allow_credentials,
+                &settings.allow_methods,
+                &settings.allow_headers,
+            ),
         };
         let inner = edge::Edge::start(router.engine.clone(), &listener, config, threads).map_err(|e| to_pyerr(&e))?;
         Ok(Self { inner })
