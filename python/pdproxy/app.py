@@ -205,7 +205,7 @@ class ProxyApp:
         router, fleet = self.router, self.fleet
         assert router is not None
         assert fleet is not None
-        _take_peer(scope, trusted=self.behind_edge)
+        _take_peer(scope, trusted=self.behind_edge, https=self.settings.ssl)
         path, method = scope["path"], scope["method"]
         if method == "POST" and (path in INFERENCE_PATHS or path.startswith("/v1/")):
             self.keys.check_inference(scope["headers"])
@@ -344,9 +344,10 @@ def _adding(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
 PEER_HEADER = b"x-pdproxy-peer"
 
 
-def _take_peer(scope: Scope, trusted: bool) -> None:
+def _take_peer(scope: Scope, trusted: bool, https: bool) -> None:
     """Removes the edge's peer header from the request; behind the edge (``trusted``: only the
-    edge can reach this app's socket), its value becomes the ASGI client address."""
+    edge can reach this app's socket), its value becomes the ASGI client address, and the
+    scheme the client used is the edge's (``https`` with ``--ssl``)."""
     headers = scope["headers"]
     if not any(name == PEER_HEADER for name, _ in headers):
         return
@@ -355,6 +356,7 @@ def _take_peer(scope: Scope, trusted: bool) -> None:
     if trusted:
         host, _, port = peer.decode("latin-1").rpartition(":")
         scope["client"] = (host.strip("[]"), int(port) if port.isdigit() else 0)
+        scope["scheme"] = "https" if https else "http"
 
 
 def _served_models(router: Router) -> list[str]:

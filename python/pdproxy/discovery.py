@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from . import background
+from .tls import node_session
 
 if TYPE_CHECKING:
     from ._pdproxy import Router as CoreRouter
@@ -32,9 +33,10 @@ class _Pending:
 
 
 class ModelDiscovery:
-    def __init__(self, core: CoreRouter, timeout: float, interval: float) -> None:
+    def __init__(self, core: CoreRouter, timeout: float, interval: float, ca_file: str = "") -> None:
         self._core = core
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._timeout = timeout
+        self._ca_file = ca_file
         self._interval = interval
         self._pending: dict[str, _Pending] = {}
         self._wake = asyncio.Event()
@@ -56,7 +58,7 @@ class ModelDiscovery:
 
     async def start(self) -> None:
         """Probes every pending node once, then keeps at it in the background."""
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._session = node_session(self._ca_file, self._timeout)
         await self.probe_pending()
         self._task = background.start(self._run(), "pdproxy-model-discovery")
 

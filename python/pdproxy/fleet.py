@@ -27,6 +27,7 @@ from .group import Group
 from .health import HealthChecker
 from .membership import Entry, Membership, RegistryUnavailable
 from .router import Router
+from .tls import node_session
 from .urls import check_node_url, parse_networks
 
 log = logging.getLogger("pdproxy.fleet")
@@ -87,6 +88,7 @@ class Fleet:
             rise=settings.health_rise,
             remove_after=settings.health_remove_after,
             on_remove=self._remove_quietly,
+            ca_file=settings.node_ca_file,
         )
         self._session: aiohttp.ClientSession | None = None
         self._lease_task: asyncio.Task[None] | None = None
@@ -101,7 +103,7 @@ class Fleet:
     async def start(self, check_health: bool = True) -> None:
         """Loads the saved and configured nodes and starts the background work; health checks
         only with ``check_health`` (in a worker group the leader starts them, ``start_health``)."""
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.settings.admin_timeout))
+        self._session = node_session(self.settings.node_ca_file, self.settings.admin_timeout)
         if check_health:
             await self.health.start()
         if self.membership is not None:

@@ -24,6 +24,7 @@ import aiohttp
 
 from . import background
 from .router import Router
+from .tls import node_session
 
 log = logging.getLogger("pdproxy.health")
 
@@ -66,10 +67,12 @@ class HealthChecker:
         rise: int,
         remove_after: float,
         on_remove: Callable[[str], None],
+        ca_file: str = "",
     ) -> None:
         self._router = router
         self._interval = interval
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._timeout = timeout
+        self._ca_file = ca_file
         self._fall = fall
         self._rise = rise
         self._remove_after = remove_after
@@ -94,7 +97,7 @@ class HealthChecker:
         self.nodes.pop(url, None)
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._session = node_session(self._ca_file, self._timeout)
         self._task = background.start(self._run(), "pdproxy-health")
 
     async def aclose(self) -> None:

@@ -50,7 +50,9 @@ class Router:
         # In a worker group (`pdproxy serve --workers N`), the nodes' counters live in the
         # group's shared table, as this worker's index.
         self._core = _pdproxy.Router(self.settings, group)
-        self._discovery = ModelDiscovery(self._core, self.settings.discovery_timeout, self.settings.discovery_interval)
+        self._discovery = ModelDiscovery(
+            self._core, self.settings.discovery_timeout, self.settings.discovery_interval, self.settings.node_ca_file
+        )
         for spec in (*self.settings.node_specs(), *(NodeSpec.parse(n) for n in nodes)):
             self.add_node(**spec.registration())
 

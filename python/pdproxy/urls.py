@@ -37,21 +37,19 @@ def _refusal(address: Address, allowed: tuple[Network, ...]) -> str | None:
 
 
 async def check_node_url(url: str, allowed: tuple[Network, ...]) -> None:
-    """Raises ``InvalidNode`` unless ``url`` is an http URL without credentials whose host
-    resolves only to permitted addresses. Resolution runs off the event loop."""
+    """Raises ``InvalidNode`` unless ``url`` is an http or https URL without credentials whose
+    host resolves only to permitted addresses. Resolution runs off the event loop."""
     raw = url.strip()
     parts = urlsplit(raw if "://" in raw else f"http://{raw}")
-    if parts.scheme.lower() == "https":
-        raise InvalidNode(f"node {raw}: https nodes are not supported yet; use http")
-    if parts.scheme.lower() != "http":
-        raise InvalidNode(f"node {raw}: the scheme must be http")
+    if parts.scheme.lower() not in ("http", "https"):
+        raise InvalidNode(f"node {raw}: the scheme must be http or https")
     if parts.username is not None or parts.password is not None:
         raise InvalidNode(f"node {raw}: credentials in the URL are refused; register the node with an api_key")
     host = parts.hostname
     if not host:
         raise InvalidNode(f"node {raw}: the URL has no host")
     try:
-        port = parts.port or 80
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
     except ValueError:
         raise InvalidNode(f"node {raw}: the port is not a number between 0 and 65535") from None
     try:

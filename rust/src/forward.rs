@@ -33,6 +33,8 @@ pub struct ForwardConfig {
     pub stream_buffer_limit: usize,
     /// How long a reader may leave a full buffer untouched before the stream is cut off.
     pub stream_stall_timeout: Duration,
+    /// CA certificates that `https://` nodes are verified against; `None`: the system's roots.
+    pub node_ca_file: Option<std::path::PathBuf>,
 }
 
 /// A request to forward: the client's, with its headers already fit for the node's hop
@@ -97,6 +99,7 @@ impl Forwarder {
             connect_timeout: config.connect_timeout,
             idle_timeout: config.pool_idle_timeout,
             max_idle_per_host: config.pool_max_idle_per_node,
+            ca_file: config.node_ca_file.clone(),
         });
         Self { client: std::sync::Arc::new(client), config }
     }
@@ -120,7 +123,7 @@ impl Forwarder {
             None => None,
         };
         let sent =
-            self.client.send(node.authority(), &request.method, &path, &request.headers, key.as_ref(), &request.body);
+            self.client.send(node.target(), &request.method, &path, &request.headers, key.as_ref(), &request.body);
         let answer = match tokio::time::timeout(self.config.first_byte_timeout, sent).await {
             Ok(answer) => answer?,
             Err(_) => return Err(Error::new(Kind::Timeout, "the node did not answer in time")),

@@ -20,6 +20,7 @@ pub mod runtime;
 pub mod select;
 pub mod shared;
 pub mod sse;
+pub mod tls;
 pub mod upstream;
 
 #[cfg(feature = "python")]

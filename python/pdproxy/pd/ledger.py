@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 
 from pdproxy import background
+from pdproxy.tls import node_session
 
 log = logging.getLogger("pdproxy.pd")
 
@@ -43,7 +44,14 @@ class Preserved:
 
 class SessionLedger:
     def __init__(
-        self, *, ttl: float, free_timeout: float, free_attempts: int, api_key_of: Any, journal: Path | None = None
+        self,
+        *,
+        ttl: float,
+        free_timeout: float,
+        free_attempts: int,
+        api_key_of: Any,
+        journal: Path | None = None,
+        ca_file: str = "",
     ) -> None:
         self.entries: dict[int, Preserved] = {}
         #: In a worker group: this worker's journal directory.
@@ -52,7 +60,8 @@ class SessionLedger:
             journal.mkdir(parents=True, exist_ok=True)
         self._ids = itertools.count(1)
         self._ttl = ttl
-        self._timeout = aiohttp.ClientTimeout(total=free_timeout)
+        self._timeout = free_timeout
+        self._ca_file = ca_file
         self._attempts = free_attempts
         self._api_key_of = api_key_of
         self._session: aiohttp.ClientSession | None = None
@@ -62,7 +71,7 @@ class SessionLedger:
         self.free_failures = 0
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._session = node_session(self._ca_file, self._timeout)
         self._task = background.start(self._sweep(), "pdproxy-pd-ledger")
 
     async def aclose(self) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import aiohttp
 
 from pdproxy.errors import UpstreamError
+from pdproxy.tls import node_session
 
 log = logging.getLogger("pdproxy.pd")
 
@@ -112,12 +113,14 @@ class LinkPool:
         api_key_of: Callable[[str], str | None],
         transport: Transport,
         group_dir: Path | None = None,
+        ca_file: str = "",
     ) -> None:
         self.links: dict[tuple[str, str], Link] = {}
         self.transport = transport
         #: In a worker group: where the pairs' lock files and connected markers live.
         self._shared = group_dir / "links" if group_dir is not None else None
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._timeout = timeout
+        self._ca_file = ca_file
         self._attempts = attempts
         self._backoff = backoff
         self._wait_timeout = wait_timeout
@@ -125,7 +128,7 @@ class LinkPool:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._session = node_session(self._ca_file, self._timeout)
 
     async def aclose(self) -> None:
         for link in self.links.values():

@@ -70,6 +70,7 @@ class DistServe:
             api_key_of=api_key_of,
             transport=Transport(settings.migration_protocol, settings.link_type, with_gdr=not settings.disable_gdr),
             group_dir=group_dir,
+            ca_file=settings.node_ca_file,
         )
         self.ledger = SessionLedger(
             ttl=settings.pd_session_ttl,
@@ -77,6 +78,7 @@ class DistServe:
             free_attempts=settings.pd_free_attempts,
             api_key_of=api_key_of,
             journal=group_dir / "ledger" / str(os.getpid()) if group_dir is not None else None,
+            ca_file=settings.node_ca_file,
         )
         self._group_dir = group_dir
         self._api_key_of = api_key_of

@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -65,7 +66,14 @@ class MockSettings:
         },
     )
 
+    ssl_certfile: str = field(
+        default="", metadata={"help": "Serve HTTPS with this certificate chain (PEM; with --ssl-keyfile)."}
+    )
+    ssl_keyfile: str = field(default="", metadata={"help": "Serve HTTPS with this private key (PEM)."})
+
     def __post_init__(self) -> None:
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("ssl_certfile and ssl_keyfile go together")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.id_format not in ID_FORMATS:
@@ -744,14 +752,19 @@ class MockEngine:
 
     @property
     def url(self) -> str:
-        return f"http://{self.settings.host}:{self.port}"
+        scheme = "https" if self.settings.ssl_certfile else "http"
+        return f"{scheme}://{self.settings.host}:{self.port}"
 
     async def start(self) -> None:
         # handler_cancellation: a client that goes away cancels its handler at once, as a real
         # engine aborts the request.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port, backlog=1024)
+        tls = None
+        if self.settings.ssl_certfile:  # as an api_server started with --ssl
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls.load_cert_chain(self.settings.ssl_certfile, self.settings.ssl_keyfile)
+        site = web.TCPSite(self._runner, self.settings.host, self.settings.port, backlog=1024, ssl_context=tls)
         await site.start()
         self.port = self._runner.addresses[0][1]  # the bound port, also when port=0
 

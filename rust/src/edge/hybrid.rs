@@ -111,7 +111,7 @@ pub async fn check(
     let request = ForwardRequest {
         method,
         path_and_query: uri.path_and_query().map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned()),
-        headers: upstream_headers(headers, peer.ip(), id, had_id),
+        headers: upstream_headers(headers, peer.ip(), id, had_id, state.config.tls.is_some()),
         body,
     };
     Ok(Checked { pass, request })

@@ -90,6 +90,8 @@ pub struct EdgeConfig {
     pub pd_probe_timeout: Duration,
     /// CORS on the inference routes; `None`: off.
     pub cors: Option<cors::Cors>,
+    /// HTTPS (`--ssl`): the certificate clients get; `None`: plain HTTP.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// Where a request goes.

@@ -108,8 +108,14 @@ pub async fn linger(mut body: Incoming) {
 
 /// The headers the node gets, made from the client's in place: without those of the client's
 /// hop, plus the request id and `X-Forwarded-For/Host/Proto` (the proxy's, replacing what the
-/// client claimed).
-pub fn upstream_headers(mut headers: HeaderMap, peer: IpAddr, request_id: &HeaderValue, had_id: bool) -> HeaderMap {
+/// client claimed; `https` when the client came over TLS).
+pub fn upstream_headers(
+    mut headers: HeaderMap,
+    peer: IpAddr,
+    request_id: &HeaderValue,
+    had_id: bool,
+    https: bool,
+) -> HeaderMap {
     static CLIENT_HOP: [HeaderName; 7] = [
         HeaderName::from_static("x-forwarded-for"),
         HeaderName::from_static("x-forwarded-host"),
@@ -142,7 +148,7 @@ pub fn upstream_headers(mut headers: HeaderMap, peer: IpAddr, request_id: &Heade
     if let Some(host) = host {
         headers.insert(X_FORWARDED_HOST.clone(), host);
     }
-    headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+    headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static(if https { "https" } else { "http" }));
     headers
 }
 
@@ -182,7 +188,7 @@ mod tests {
         h.insert("connection", HeaderValue::from_static("x-hop"));
         h.insert("x-hop", HeaderValue::from_static("1"));
         h.insert("x-session-id", HeaderValue::from_static("s"));
-        let out = upstream_headers(h, "10.0.0.9".parse().unwrap(), &HeaderValue::from_static("id"), false);
+        let out = upstream_headers(h, "10.0.0.9".parse().unwrap(), &HeaderValue::from_static("id"), false, false);
         assert_eq!(out["x-forwarded-for"], "1.2.3.4, 10.0.0.9");
         assert_eq!(out["x-forwarded-host"], "proxy:8000");
         assert_eq!(out["x-forwarded-proto"], "http");

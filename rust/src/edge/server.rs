@@ -23,6 +23,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::time::Sleep;
+use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use super::answer;
@@ -142,8 +143,28 @@ async fn serve_connection(worker: Arc<Worker>, stream: TcpStream, peer: SocketAd
     let _ = stream.set_nodelay(true);
     let state = Arc::clone(&worker.state);
     state.connections.fetch_add(1, Ordering::Relaxed);
+    match &state.config.tls {
+        None => serve_http(&worker, stream, peer).await,
+        Some(tls) => {
+            // The handshake gets the time a client has to send its headers.
+            let handshake = TlsAcceptor::from(Arc::clone(tls)).accept(stream);
+            if let Ok(Ok(stream)) = tokio::time::timeout(state.config.header_read_timeout, handshake).await {
+                serve_http(&worker, stream, peer).await;
+            }
+        }
+    }
+    state.connections.fetch_sub(1, Ordering::Relaxed);
+    worker.open.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// Serves HTTP/1.1 on a client's connection (plain, or TLS once its handshake is done).
+async fn serve_http<S>(worker: &Arc<Worker>, stream: S, peer: SocketAddr)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let state = &worker.state;
     let io = TokioIo::new(StallGuard::new(stream, state.engine.config.forward.stream_stall_timeout));
-    let service_worker = Arc::clone(&worker);
+    let service_worker = Arc::clone(worker);
     let service = service_fn(move |request| {
         let worker = Arc::clone(&service_worker);
         async move { Ok::<_, Infallible>(guarded(worker, peer, request).await) }
@@ -164,8 +185,6 @@ async fn serve_connection(worker: Arc<Worker>, stream: TcpStream, peer: SocketAd
             let _ = tokio::time::timeout(CLOSE_GRACE, connection).await;
         }
     }
-    state.connections.fetch_sub(1, Ordering::Relaxed);
-    worker.open.fetch_sub(1, Ordering::Relaxed);
 }
 
 /// Routes the request; a panic while serving it becomes a 500 answer, never a dead connection.
@@ -240,15 +259,15 @@ impl Future for Shutdown {
 
 /// The client's socket, cut off when the client stops reading for longer than `limit` (its
 /// stream would otherwise hold its node for as long as the client likes).
-struct StallGuard {
-    stream: TcpStream,
+struct StallGuard<S> {
+    stream: S,
     limit: Duration,
     stalled: Option<Pin<Box<Sleep>>>,
     armed: bool,
 }
 
-impl StallGuard {
-    fn new(stream: TcpStream, limit: Duration) -> Self {
+impl<S> StallGuard<S> {
+    fn new(stream: S, limit: Duration) -> Self {
         Self { stream, limit, stalled: None, armed: false }
     }
 
@@ -270,13 +289,13 @@ impl StallGuard {
     }
 }
 
-impl AsyncRead for StallGuard {
+impl<S: AsyncRead + Unpin> AsyncRead for StallGuard<S> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.stream).poll_read(cx, buf)
     }
 }
 
-impl AsyncWrite for StallGuard {
+impl<S: AsyncWrite + Unpin> AsyncWrite for StallGuard<S> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let polled = Pin::new(&mut self.stream).poll_write(cx, buf);
         self.written(cx, polled)

@@ -13,6 +13,7 @@ use super::router::Router;
 use crate::edge::access::Format;
 use crate::edge::cors::Cors;
 use crate::edge::{self, EdgeConfig, PdProtocol};
+use crate::tls;
 
 #[pyclass(frozen, name = "EdgeListener", module = "pdproxy._pdproxy")]
 pub struct EdgeListener {
@@ -51,6 +52,9 @@ pub struct EdgeSettings {
     allow_credentials: bool,
     allow_methods: Vec<String>,
     allow_headers: Vec<String>,
+    ssl: bool,
+    ssl_certfile: PathBuf,
+    ssl_keyfile: PathBuf,
 }
 
 #[pyclass(frozen, name = "Edge", module = "pdproxy._pdproxy")]
@@ -103,6 +107,11 @@ impl Edge {
                 &settings.allow_methods,
                 &settings.allow_headers,
             ),
+            tls: settings
+                .ssl
+                .then(|| tls::server_config(&settings.ssl_certfile, &settings.ssl_keyfile))
+                .transpose()
+                .map_err(|e| to_pyerr(&e))?,
         };
         let inner = edge::Edge::start(router.engine.clone(), &listener, config, threads).map_err(|e| to_pyerr(&e))?;
         Ok(Self { inner })
