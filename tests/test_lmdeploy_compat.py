@@ -10,16 +10,22 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import subprocess
 import sys
 import textwrap
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+import trustme
 
-from servers import free_port, get_json, mock_engine, pdproxy_serve
+from pdproxy.config import LOG_LEVELS
+from pdproxy.testing import MockEngine
+from servers import chat_body, free_port, get_json, ledger, mock_engine, pdproxy_serve, run_process
 
 REPO = Path(__file__).resolve().parent.parent
 LMDEPLOY_PYTHON = os.environ.get("LMDEPLOY_PYTHON") or str(
@@ -113,5 +119,154 @@ def test_lmdeploy_registration_function_logs_no_failure(tmp_path: Path) -> None:
         assert (node["role"], node["models"]) == (2, ["m"])
 
 
-def unused() -> None:  # placeholder removed below
-    _ = (free_port, sys)
+def lmdeploy_line(line: str) -> list[str]:
+    """The arguments of an `lmdeploy serve proxy ...` command line, for `pdproxy serve`."""
+    words = line.split()
+    assert words[:3] == ["lmdeploy", "serve", "proxy"]
+    return words[3:]
+
+
+def post(url: str, payload: object, key: str | None = None, context: ssl.SSLContext | None = None) -> int:
+    headers = {"content-type": "application/json"} | ({"authorization": f"Bearer {key}"} if key else {})
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_verbatim_hybrid_command_line(tmp_path: Path) -> None:
+    port = free_port()
+    line = (
+        f"lmdeploy serve proxy --server-name 127.0.0.1 --server-port {port} --routing-strategy min_observed_latency "
+        "--api-keys key-one key-two --log-level INFO --disable-cache-status"
+    )
+    args, url = ["serve", *lmdeploy_line(line)], f"http://127.0.0.1:{port}"
+    with (
+        mock_engine(tmp_path, "m") as engine,
+        run_process(args, url, "/health", str(tmp_path / "proxy.log")) as proxy,
+    ):
+        registration = {"url": engine.url, "status": {"models": ["m"], "role": 1}}
+        assert post(proxy.url + "/nodes/add", registration) == 401, "keys guard registration too"
+        assert post(proxy.url + "/nodes/add", registration, key="key-one") == 200
+        for key in ("key-one", "key-two"):
+            assert post(proxy.url + "/v1/chat/completions", chat_body("m"), key=key) == 200
+        assert post(proxy.url + "/v1/chat/completions", chat_body("m"), key="key-three") == 401
+        state = get_json_with_key(proxy.url + "/debug/state", "key-two")
+        assert set(state["policies"].values()) == {"min_observed_latency"}, "every role, as LMDeploy routes"
+
+
+def get_json_with_key(url: str, key: str, context: ssl.SSLContext | None = None) -> Any:
+    request = urllib.request.Request(url, headers={"authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(request, timeout=10, context=context) as response:
+        return json.loads(response.read())
+
+
+async def test_verbatim_distserve_command_line_with_every_transport_flag(
+    tmp_path: Path, pd_engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
+) -> None:
+    """DistServe, several keys, every transport flag and --ssl (LMDeploy's certificate variables)."""
+    authority = trustme.CA()
+    issued = authority.issue_cert("127.0.0.1")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    issued.private_key_pem.write_to_path(str(key))
+    cert.write_bytes(b"".join(blob.bytes() for blob in issued.cert_chain_pems))
+    client = ssl.create_default_context()
+    authority.configure_trust(client)
+    port = free_port()
+    line = (
+        f"lmdeploy serve proxy --server-name 127.0.0.1 --server-port {port} --serving-strategy DistServe "
+        "--routing-strategy random --migration-protocol NVLINK --link-type IB --disable-gdr "
+        "--api-keys key-one key-two --ssl --log-level WARNING"
+    )
+    prefill, decode = pd_engines
+    env = {"SSL_CERTFILE": str(cert), "SSL_KEYFILE": str(key)}
+    url = f"https://127.0.0.1:{port}"
+    with run_process(["serve", *lmdeploy_line(line)], url, "/health", str(tmp_path / "proxy.log"), env=env, tls=client):
+        auth = {"authorization": "Bearer key-two"}
+        for engine, role in ((prefill, 2), (decode, 3)):
+            registration = {"url": engine.url, "status": {"models": ["m"], "role": role}}
+            async with http.post(url + "/nodes/add", json=registration, headers=auth, ssl=client) as r:
+                assert r.status == 200
+        body = chat_body("m", max_tokens=3)
+        async with http.post(url + "/v1/chat/completions", json=body, headers=auth, ssl=client) as r:
+            assert r.status == 200, await r.text()
+        transport = {"protocol": "NVLINK", "rdma": {"with_gdr": False, "link_type": "IB"}, "nvlink": None}
+        assert (await ledger(http, prefill))["transport"] == {decode.url: transport}
+        assert decode.state.records[-1]["body"]["migration_request"]["protocol"] == 3
+        async with http.get(url + "/debug/state", headers=auth, ssl=client) as r:
+            policies = (await r.json())["policies"]
+        assert (policies["prefill"], policies["decode"]) == ("random", "random")
+
+
+#: How every `lmdeploy serve proxy` option reads in pdproxy's settings: its field, and the value
+#: LMDeploy's argument has there (None: the field takes the argument as it is).
+LMDEPLOY_MEANING: dict[str, tuple[str, Any]] = {
+    "server_name": ("host", None),
+    "server_port": ("port", None),
+    "serving_strategy": ("serving_strategy", None),
+    "dummy_prefill": ("dummy_prefill", None),
+    "routing_strategy": ("policy", None),
+    "disable_cache_status": ("disable_cache_status", None),
+    "migration_protocol": ("migration_protocol", None),
+    "link_type": ("link_type", None),
+    "disable_gdr": ("disable_gdr", None),
+    "api_keys": ("api_keys", lambda keys: ["<hidden>"] * len(keys)),
+    "ssl": ("ssl", None),
+    "log_level": ("log_level", lambda level: LOG_LEVELS[level.lower()]),  # pdproxy's name of each
+}
+
+#: Prints the options of LMDeploy's own `lmdeploy serve proxy` parser as JSON.
+PARSER_SCRIPT = textwrap.dedent(
+    """
+    import argparse, json
+    from lmdeploy.cli.serve import SubCliServe
+    parser = argparse.ArgumentParser()
+    SubCliServe.subparsers = parser.add_subparsers()
+    SubCliServe.add_parser_proxy()
+    proxy = SubCliServe.subparsers.choices["proxy"]
+    options = [
+        {"flag": a.option_strings[-1], "dest": a.dest, "nargs": a.nargs, "choices": a.choices,
+         "type": getattr(a.type, "__name__", None)}
+        for a in proxy._actions if a.dest != "help"
+    ]
+    print(json.dumps(options))
+    """
+)
+
+
+@needs_lmdeploy
+def test_every_lmdeploy_proxy_flag_is_taken_with_its_meaning() -> None:
+    """Read from LMDeploy's own parser: every option, with every choice it allows."""
+    found = subprocess.run([LMDEPLOY_PYTHON, "-c", PARSER_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0, found.stderr
+    options = json.loads(found.stdout)
+    assert {o["dest"] for o in options} == set(LMDEPLOY_MEANING), "an option of LMDeploy's is not mapped here"
+    env = {**os.environ, "SSL_CERTFILE": "cert.pem", "SSL_KEYFILE": "key.pem"}
+    for option in options:
+        field, meaning = LMDEPLOY_MEANING[option["dest"]]
+        if option["nargs"] == 0:
+            values: list[list[str]] = [[]]
+        elif option["nargs"] == "*":
+            values = [["k1", "k2", "k3"], ["k1"]]
+        elif option["choices"]:
+            values = [[choice] for choice in option["choices"]]
+        else:
+            values = [["9123" if option["type"] == "int" else "10.0.0.1"]]
+        for given in values:
+            result = subprocess.run(
+                [sys.executable, "-m", "pdproxy", "serve", "--print-config", option["flag"], *given],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env=env,
+            )
+            assert result.returncode == 0, (option["flag"], given, result.stderr)
+            argument: Any = (
+                True if not given and option["nargs"] == 0 else given if option["nargs"] == "*" else given[0]
+            )
+            if option["type"] == "int":
+                argument = int(argument)
+            expected = meaning(argument) if meaning else argument
+            assert json.loads(result.stdout)[field] == expected, (option["flag"], given)
