@@ -33,8 +33,8 @@ LMDEPLOY_PYTHON = os.environ.get("LMDEPLOY_PYTHON") or str(
 )
 needs_lmdeploy = pytest.mark.skipif(
     not Path(LMDEPLOY_PYTHON).exists(),
-    reason=f"no interpreter with lmdeploy at {LMDEPLOY_PYTHON} (set LMDEPLOY_PYTHON, or run bench/run.py once); "
-    "test_registration_as_lmdeploy_posts_it covers the same request",
+    reason=f"LMDeploy's own code needs an interpreter with lmdeploy, none at {LMDEPLOY_PYTHON} (set LMDEPLOY_PYTHON, "
+    "or run bench/run.py once); the other tests here reproduce LMDeploy's requests and command lines",
 )
 
 
