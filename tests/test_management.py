@@ -152,7 +152,7 @@ async def test_bad_management_requests(tmp_path: Path, http: aiohttp.ClientSessi
 
 @pytest.mark.parametrize(
     "url",
-    ["http://169.254.169.254/", "http://user:pw@127.0.0.1:9", "http://[fe80::1]:80", "https://127.0.0.1:9"],
+    ["http://169.254.169.254/", "http://user:pw@127.0.0.1:9", "http://[fe80::1]:80", "ftp://127.0.0.1:9"],
 )
 async def test_unsafe_node_urls_are_refused(tmp_path: Path, http: aiohttp.ClientSession, url: str) -> None:
     with proxy(tmp_path) as p:

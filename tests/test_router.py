@@ -84,7 +84,7 @@ async def test_add_remove_and_discovery(engines: list[MockEngine]) -> None:
         with pytest.raises(pdproxy.NodeNotFound):
             router.remove_node(engines[1].url)
         with pytest.raises(pdproxy.InvalidNode):
-            router.add_node("https://secure:1")
+            router.add_node("ftp://files:21")
         assert [n["url"] for n in router.nodes()] == [engines[0].url]
 
 
@@ -114,6 +114,16 @@ async def test_connect_failure() -> None:
         assert f"node http://127.0.0.1:{port}" in str(info.value)
         assert "refused" in str(info.value).lower()
         assert "127.0.0.1" not in info.value.message
+
+
+async def test_nodes_that_never_told_their_models_are_named_in_the_error() -> None:
+    port = free_port()  # nothing listens here
+    async with pdproxy.Router(nodes=[f"127.0.0.1:{port}"]) as router:
+        with pytest.raises(pdproxy.NoNodeAvailable) as info:
+            await router.forward("/v1/chat/completions", body())
+        assert f"node http://127.0.0.1:{port}: /v1/models failed" in str(info.value)
+        assert "127.0.0.1" not in info.value.message
+        assert router.nodes()[0]["requests"] == 0, "no request went to a node of unknown models"
 
 
 async def test_integer_roles_and_a_short_summary(engines: list[MockEngine]) -> None:

@@ -30,6 +30,8 @@ log = logging.getLogger("pdproxy.discovery")
 class _Pending:
     declared: list[str] | None
     api_key: str | None
+    #: Why the last probe got no model list.
+    failure: str | None = None
 
 
 class ModelDiscovery:
@@ -55,6 +57,10 @@ class ModelDiscovery:
     @property
     def pending(self) -> frozenset[str]:
         return frozenset(self._pending)
+
+    def failures(self) -> dict[str, str]:
+        """Why each node whose models are still unknown did not tell them, when it was asked."""
+        return {url: p.failure for url, p in self._pending.items() if p.failure is not None and p.declared is None}
 
     async def start(self) -> None:
         """Probes every pending node once, then keeps at it in the background."""
@@ -98,7 +104,7 @@ class ModelDiscovery:
                 payload = await response.json(content_type=None) if response.status == 200 else None
                 status = response.status
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            payload, status = None, type(e).__name__
+            payload, status = None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         models = _model_ids(payload)
         # The node may have been removed or re-added while it was being probed.
         if self._pending.get(url) is not pending:
@@ -109,6 +115,7 @@ class ModelDiscovery:
                 del self._pending[url]
                 log.info("node %s: /v1/models unavailable (%s); trusting its declared models", url, status)
             else:
+                pending.failure = f"/v1/models failed ({status})"
                 log.info("node %s: model discovery failed (%s); will retry", url, status)
             return
         del self._pending[url]

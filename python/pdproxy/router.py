@@ -19,6 +19,7 @@ from typing import Any
 from . import _pdproxy
 from .config import Settings
 from .discovery import ModelDiscovery
+from .errors import NoNodeAvailable
 from .node_spec import NodeSpec
 
 __all__ = ["Router"]
@@ -229,6 +230,13 @@ class Router:
         when the request waited in the queue too long. Cancelling it cancels the upstream request.
         ``node`` sends it to that node instead of selecting one (it must be healthy and have room).
         """
-        return self._core.forward(
-            path, body, headers if isinstance(headers, list) else list(headers), method, role, node
-        )
+        try:
+            return self._core.forward(
+                path, body, headers if isinstance(headers, list) else list(headers), method, role, node
+            )
+        except NoNodeAvailable as e:
+            # Nodes whose models are unknown may be why: say which, and what they answered.
+            failures = self._discovery.failures()
+            if e.detail is None and failures:
+                e.detail = "; ".join(f"node {url}: {why}" for url, why in failures.items())
+            raise
