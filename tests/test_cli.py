@@ -272,3 +272,7 @@ async def test_demo_serves_a_streaming_chat_and_cleans_up(tmp_path: Path, http: 
     for url in engine_urls:  # the mock engines went away with the proxy
         with pytest.raises(urllib.error.URLError):
             urllib.request.urlopen(url + "/health", timeout=2)
+
+
+def test_there_is_a_global_cap_by_default() -> None:
+    assert Settings().max_requests > 0

@@ -148,3 +148,22 @@ def test_a_replica_starts_while_redis_is_down(tmp_path: Path) -> None:
             assert _chat(replica, "alpha")[0] == 200
         finally:
             redis.stop()
+
+
+def test_an_entry_written_into_redis_by_anyone_passes_the_node_checks(replicas: Replicas) -> None:
+    """Whoever can write to Redis cannot make the replicas send requests to a metadata service."""
+    import redis
+
+    r = replicas
+    assert _add(r.one, r.engine, "alpha")[0] == 201
+    client = redis.Redis.from_url(r.redis.url)
+    bad = "http://169.254.169.254"
+    client.hset("pdproxy:nodes", bad, json.dumps({"url": bad, "models": ["alpha"], "role": "hybrid"}))
+    client.publish("pdproxy:changes", bad)
+    client.close()
+    # The next reconcile (within a second) applies the snapshot: the good node stays, the bad one never comes.
+    wait_until(lambda: r.engine.url in _nodes(r.two), WAIT, "the good node on replica two")
+    for proxy in (r.one, r.two):
+        proxy_log = proxy.log()
+        wait_until(lambda p=proxy: "169.254.169.254" in p.log(), WAIT, "the refusal to be logged")
+        assert bad not in _nodes(proxy), proxy_log

@@ -73,6 +73,9 @@ class Router:
 
     def __new__(cls, config: _RouterConfig, group: tuple[SharedTable, int] | None = None) -> Router: ...
     @property
+    def instance_id(self) -> str:
+        """This proxy's id, as the requests it sends carry it in `x-pdproxy-via`."""
+    @property
     def policies(self) -> list[tuple[str, str]]:
         """(scope, policy) pairs: each role, then per-model overrides as `model:NAME`."""
 
@@ -119,8 +122,10 @@ class Router:
         max_concurrency: int | None = None,
         api_key: str | None = None,
         bootstrap_port: int | None = None,
+        address: str | None = None,
     ) -> str:
-        """Adds a node (or updates a registered one); returns its normalised URL.
+        """Adds a node (or updates a registered one); returns its normalised URL. `address`
+        (`HOST:PORT`): where to connect, instead of resolving the URL's host.
 
         Raises:
             InvalidNode: the URL is not a usable http URL, or the role or speed is invalid.
@@ -147,7 +152,7 @@ class Router:
         """Models served by the registered nodes, deduplicated."""
 
     def nodes(self) -> list[dict[str, Any]]:
-        """A snapshot of each node: url, generation, role, models, speed, has_api_key, state,
+        """A snapshot of each node: url, generation, role, models, speed, has_api_key, address, state,
         max_concurrency, in_flight, requests, succeeded, failed, connect_failures, cancelled,
         events, mean_latency, recent_latency, recent_latencies, recent_latency_per_token,
         mean_ttft, ttft_ewma (seconds, or None), circuit, and histograms (duration, ttft, itl:
@@ -160,7 +165,7 @@ class Router:
         """In a worker group: rebinds nodes whose shared slot another worker retired."""
 
     @staticmethod
-    def check_node(url: str, role: str = "hybrid", speed: float | None = None) -> None:
+    def check_node(url: str, role: str = "hybrid", speed: float | None = None, api_key: str | None = None) -> None:
         """Raises `InvalidNode` for a node the table would refuse, without adding it."""
 
     @staticmethod

@@ -45,7 +45,23 @@ class AccessLog:
         if self.json:
             log.info(json.dumps(fields, separators=(",", ":")))
         else:
-            log.info(" ".join(f"{k}={v}" for k, v in fields.items()))
+            log.info(" ".join(f"{k}={escape(v) if isinstance(v, str) else v}" for k, v in fields.items()))
+
+
+def escape(value: str) -> str:
+    """A text-line field that cannot break its line or forge another field: backslashes,
+    spaces and control characters are written as escapes (as the edge's writer does)."""
+    return value.translate(_ESCAPES)
+
+
+_ESCAPES = {
+    **{c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)},
+    ord("\\"): "\\\\",
+    ord(" "): "\\x20",
+    ord("\n"): "\\n",
+    ord("\r"): "\\r",
+    ord("\t"): "\\t",
+}
 
 
 class Record:

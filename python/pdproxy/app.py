@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +28,16 @@ from .metrics import CONTENT_TYPE, registry_for, render
 from .nodes_api import ROUTES
 from .openapi import schema
 from .pd import make_adapter
-from .responses import MethodNotAllowed, NotFound, Receive, Scope, Send, header, send_error, send_json
+from .responses import JSON_HEADERS, MethodNotAllowed, NotFound, Receive, Scope, Send, header, send_error, send_json
 from .router import Router
 
 __all__ = ["SETTINGS_ENV", "ProxyApp", "app_from_environment", "create_app"]
 
 log = logging.getLogger("pdproxy")
 
-#: How `pdproxy serve` hands its settings to granian's worker processes.
+#: How `pdproxy serve` hands its settings, and its own pid, to granian's worker processes.
 SETTINGS_ENV = "_PDPROXY_SERVE_SETTINGS"
+MAIN_PID_ENV = "_PDPROXY_SERVE_PID"
 
 #: Allocations between two young-generation collections when serving (CPython's default: 700).
 GC_THRESHOLD = 50_000
@@ -72,7 +75,7 @@ class ProxyApp:
         self.exit_when_drained = exit_when_drained
         #: Served by the Rust edge over a private socket: it tells the client's address (PEER_HEADER).
         self.behind_edge = behind_edge
-        self.keys = Keys(settings.api_keys, settings.admin_keys, settings.keyless_registration_cidrs)
+        self.keys = Keys(settings.api_keys, settings.admin_keys, settings.host, settings.keyless_registration_cidrs)
         self.cors = Cors(
             settings.allow_origins, settings.allow_credentials, settings.allow_methods, settings.allow_headers
         )
@@ -88,6 +91,7 @@ class ProxyApp:
         self._drain_task: asyncio.Task[None] | None = None
         self.group: Group | None = None
         self._group_task: asyncio.Task[None] | None = None
+        self._health_watch: asyncio.Task[None] | None = None
         self._admin_paths = {route.path for route in ROUTES}
 
     async def startup(self) -> None:
@@ -117,6 +121,7 @@ class ProxyApp:
             self.fleet.distserve = self.distserve
             self.fleet.on_removed.append(self.distserve.node_removed)
         await self.fleet.start(check_health=self.group is None)
+        self._health_watch = background.start(self._watch_health(), "pdproxy-health-watch")
         if self.group is not None:
             self._group_task = background.start(
                 self.group.run(on_lead=self._lead, leader_tick=self._leader_tick, signal_tick=self._group_signals),
@@ -154,7 +159,21 @@ class ProxyApp:
             self.drain(initiator=False)
         self.router.refresh_bindings()
 
+    async def _watch_health(self) -> None:
+        """Says so when health checks stop completing (node states would be stale)."""
+        assert self.fleet is not None
+        warned = False
+        while True:
+            await asyncio.sleep(self.settings.health_interval)
+            stale = self.fleet.health.stale()
+            if stale is not None and not warned:
+                log.warning("health checks have not completed for %.0f s: node states may be out of date", stale)
+            elif stale is None and warned:
+                log.info("health checks are completing again")
+            warned = stale is not None
+
     async def shutdown(self) -> None:
+        await background.stop(self._health_watch)
         await background.stop(self._group_task)
         if self.distserve is not None:
             await self.distserve.aclose()
@@ -231,6 +250,10 @@ class ProxyApp:
             return
         if path in self._admin_paths or path in INFERENCE_PATHS:
             raise MethodNotAllowed(f"{method} is not allowed on {path}")
+        if (method, path) == ("HEAD", "/health"):  # load balancers' liveness probes
+            await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
+            await send({"type": "http.response.body", "body": b""})
+            return
         if method != "GET":
             raise NotFound(f"no route for {method} {path}")
         if path == "/v1/models":
@@ -391,4 +414,16 @@ def create_app(settings: Settings | None = None) -> ProxyApp:
 def app_from_environment() -> ProxyApp:
     """The factory granian's workers call: settings come from `pdproxy serve` via the environment."""
     raw: Any = os.environ.get(SETTINGS_ENV)
+    _end_with_main_process(os.environ.get(MAIN_PID_ENV))
     return ProxyApp(Settings.from_json(raw) if raw else Settings(), tune_gc=True, exit_when_drained=True)
+
+
+def _end_with_main_process(main_pid: str | None) -> None:
+    """A worker ends when the `pdproxy serve` process that started it dies, however it dies:
+    an orphaned worker would go on serving the port with nobody to manage it."""
+    if main_pid is None or not sys.platform.startswith("linux"):
+        return
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if str(os.getppid()) != main_pid:  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -154,6 +154,15 @@ def serve(print_config: bool, **options: Any) -> None:
     except ConfigError as e:
         click.echo(f"pdproxy: {e}", err=True)  # one line, before anything is served
         sys.exit(2)
+    context = click.get_current_context()
+    for name in ("api_keys", "admin_keys"):
+        if context.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            flag = "--" + name.replace("_", "-")
+            click.echo(
+                f"pdproxy: warning: keys given with {flag} on the command line are visible to every user of this "
+                f"machine (ps); use {flag}-file or the environment (PDPROXY_{name.upper()}) instead",
+                err=True,
+            )
     if print_config:
         click.echo(json.dumps(settings.redacted()))
         return

@@ -194,8 +194,11 @@ class Settings:
         metadata=_opt("Bytes of a stream kept for a client that reads slowly before the node's stream is held back."),
     )
     max_requests: int = field(
-        default=0,
-        metadata=_opt("Inference requests served at once by this proxy; past it 503 with Retry-After (0: no cap)."),
+        default=4096,
+        metadata=_opt(
+            "Inference requests served at once by this proxy; past it 503 with Retry-After (0: no cap). With "
+            "each stream's buffers bounded by --stream-buffer-limit, this bounds the proxy's memory."
+        ),
     )
     body_timeout: float = field(
         default=30.0, metadata=_opt("Seconds a client may take to send its request body (then 408).")
@@ -353,6 +356,18 @@ class Settings:
     allow_headers: tuple[str, ...] = field(
         default=("*",), metadata=_opt("CORS: request headers browsers may send (* for any).", section="security")
     )
+    api_keys_file: str = field(
+        default="",
+        metadata=_opt(
+            "File of API keys, one per line (# starts a comment), added to --api-keys: keys given on the "
+            "command line are visible to every user of the machine (ps).",
+            section="security",
+        ),
+    )
+    admin_keys_file: str = field(
+        default="",
+        metadata=_opt("File of admin keys, one per line, added to --admin-keys.", section="security"),
+    )
     allow_node_cidrs: tuple[str, ...] = field(
         default=(),
         metadata=_opt(
@@ -411,6 +426,10 @@ class Settings:
             value = getattr(self, f.name)
             if field_type(f) is tuple and isinstance(value, str | list):
                 object.__setattr__(self, f.name, (value,) if isinstance(value, str) else tuple(value))
+        for keys, path in (("api_keys", self.api_keys_file), ("admin_keys", self.admin_keys_file)):
+            if path:
+                extra = tuple(k for k in _read_keys(path) if k not in getattr(self, keys))
+                object.__setattr__(self, keys, (*getattr(self, keys), *extra))
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
         self._check_choices()
@@ -549,7 +568,7 @@ class Settings:
         specs = tuple(NodeSpec.parse(text) for text in self.nodes)
         for spec in specs:
             try:
-                _pdproxy.Router.check_node(spec.url, spec.role, spec.speed)
+                _pdproxy.Router.check_node(spec.url, spec.role, spec.speed, spec.api_key)
             except ValueError as e:
                 raise ConfigError(f"node {spec.url}: {e}") from None
         return specs
@@ -576,6 +595,15 @@ class Settings:
     @classmethod
     def from_toml(cls, path: str | Path) -> Settings:
         return cls(**load_toml(path))
+
+
+def _read_keys(path: str) -> list[str]:
+    """Keys from a file: one per line, blank lines and `#` comments skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read the key file {path}: {e.strerror}") from None
+    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from . import background
+from .node_answers import read_json
 from .tls import node_session
 
 if TYPE_CHECKING:
@@ -81,10 +82,13 @@ class ModelDiscovery:
         if pending is not None and self._session is not None:
             await self._probe(url, pending)
 
-    async def probe_pending(self) -> None:
+    async def probe_pending(self, unknown_only: bool = False) -> None:
+        """Probes every pending node concurrently (``unknown_only``: those that declared no models,
+        which take no traffic until they answer)."""
         self._wake.clear()
         if self._pending and self._session is not None:
-            await asyncio.gather(*(self._probe(url, p) for url, p in list(self._pending.items())))
+            pending = [(url, p) for url, p in self._pending.items() if not unknown_only or p.declared is None]
+            await asyncio.gather(*(self._probe(url, p) for url, p in pending))
 
     async def _run(self) -> None:
         while True:
@@ -101,7 +105,7 @@ class ModelDiscovery:
         status: int | str
         try:
             async with self._session.get(f"{url}/v1/models", headers=headers, allow_redirects=False) as response:
-                payload = await response.json(content_type=None) if response.status == 200 else None
+                payload = await read_json(response) if response.status == 200 else None
                 status = response.status
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             payload, status = None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

@@ -12,6 +12,7 @@
     │   └── ModelNotFound                  404 model_not_found: no node serves the model
     ├── Overloaded                         429 overloaded: every node is at its limit and the queue is full
     ├── ProxyOverloaded                    503 overloaded: the proxy's own cap on requests is reached
+    ├── LoopDetected                       508 loop_detected: the request came back to this proxy
     └── UpstreamError                      502 upstream_error: the node failed after receiving it
         ├── UpstreamConnectError(ConnectionError)  503 upstream_connect_failed: never reached a node
         └── UpstreamTimeout(TimeoutError)          504 upstream_timeout
@@ -30,6 +31,7 @@ __all__ = [
     "Draining",
     "InvalidNode",
     "InvalidRequest",
+    "LoopDetected",
     "ModelNotFound",
     "NoNodeAvailable",
     "NodeNotFound",
@@ -174,6 +176,14 @@ class ProxyOverloaded(PdproxyError):
     code = "overloaded"
     type = "service_unavailable"
     retry_after: int | None = 1
+
+
+class LoopDetected(PdproxyError):
+    """The request came back to this proxy (a node is this proxy, or routes back to it)."""
+
+    status = 508
+    code = "loop_detected"
+    type = "server_error"
 
 
 class UpstreamError(PdproxyError):

@@ -36,6 +36,8 @@ log = logging.getLogger("pdproxy.fleet")
 ROLE_NUMBERS = {"hybrid": 1, "prefill": 2, "decode": 3}
 #: How often leases are checked.
 LEASE_TICK = 1.0
+#: The largest cap on a node's requests in flight (the data plane counts in 32 bits).
+MAX_CONCURRENCY = 2**32 - 1
 #: Longest wait between attempts to register a configured node while the registry is down.
 REGISTER_RETRY_MAX = 10.0
 
@@ -114,13 +116,14 @@ class Fleet:
         initial += [spec.registration() for spec in self.settings.node_specs()]
         for fields in initial:
             try:
-                # Serving starts at once: these nodes' models are asked for in the background.
-                await self.add(**fields, discover=False)
+                await self.add(**fields, discover=False)  # all asked at once, below
             except RegistryUnavailable:
                 # Serve with what the registry last said, and register this node once it is back.
                 self._background(self._register_when_available(fields), f"pdproxy-register {fields.get('url')}")
             except (InvalidNode, TypeError) as e:
                 log.error("node %s not added: %s", fields.get("url"), e)
+        # The models of nodes that declared none, before serving (they get no traffic until known).
+        await self.router.discover()
         if self.membership is None:
             self._lease_task = background.start(self._expire_leases(), "pdproxy-leases")
 
@@ -154,28 +157,38 @@ class Fleet:
         """Adds a node, or updates (and renews the lease of) a registered one. Returns its
         registration and whether it is new; a node without models is asked for them first
         (``discover``)."""
-        await check_node_url(url, self._allowed)
+        address = await self._checked_address(url)
         if lease_ttl is not None and not lease_ttl > 0:
             raise InvalidNode(f"lease_ttl must be a positive number of seconds, got {lease_ttl}")
+        if max_concurrency is not None and not 0 <= max_concurrency <= MAX_CONCURRENCY:
+            raise InvalidNode(
+                f"max_concurrency must be between 0 (no cap) and {MAX_CONCURRENCY}, got {max_concurrency}"
+            )
+        if bootstrap_port is not None and not 0 < bootstrap_port < 65536:
+            raise InvalidNode(f"bootstrap_port must be a port number, got {bootstrap_port}")
         normalized = _pdproxy.Router.normalize_url(url)
         expires = time.monotonic() + lease_ttl if lease_ttl is not None else None
         registration = Registration(
             normalized, models, role, speed, max_concurrency, api_key, lease_ttl, expires, bootstrap_port
         )
+        # Refused here (InvalidNode), before any other process sees it.
+        _pdproxy.Router.check_node(registration.url, registration.role, registration.speed, registration.api_key)
         created = normalized not in self.registrations
         if self.membership is not None:
-            # Refused here (InvalidNode), before any other process sees it.
-            _pdproxy.Router.check_node(registration.url, registration.role, registration.speed)
             await self.membership.put(registration.saved())
-        self._add_here(registration)
+        self._add_here(registration, address)
         self._save()
         if models is None and discover:
             # Answered with the node's models when it tells them at once (it has no traffic till then).
             await self.router.discover(normalized)
         return registration, created
 
-    def _add_here(self, registration: Registration) -> None:
-        """Adds or updates the node in this process."""
+    async def _checked_address(self, url: str) -> str:
+        """The address ``url`` is reached at, once checked (see ``urls.check_node_url``)."""
+        return await check_node_url(url, self._allowed, own_port=self.settings.port)
+
+    def _add_here(self, registration: Registration, address: str) -> None:
+        """Adds or updates the node in this process, reached at ``address`` (checked)."""
         r = registration
         created = r.url not in self.registrations
         self.router.add_node(
@@ -186,6 +199,7 @@ class Fleet:
             max_concurrency=r.max_concurrency,
             api_key=r.api_key,
             bootstrap_port=r.bootstrap_port,
+            address=address,
         )
         self.registrations[r.url] = r
         if not created and self.state_of(r.url) == "draining" and r.lease_ttl is not None:
@@ -223,7 +237,9 @@ class Fleet:
                 known.lease_expires = registration.lease_expires
                 continue
             try:
-                self._add_here(registration)
+                # Entries from a shared registry pass the same checks as any registration.
+                address = await self._checked_address(url)
+                self._add_here(registration, address)
             except (InvalidNode, ValueError) as e:
                 log.error("membership entry %s not applied: %s", url, e)
         self.router.refresh_bindings()
@@ -310,6 +326,7 @@ class Fleet:
                 "mean_ttft": node["mean_ttft"],
                 "generation": node["generation"],
                 "lease": lease,
+                "address": node["address"],
             }
             if self.distserve is not None and self.distserve.protocol == "lmdeploy":
                 out[url]["links"] = [

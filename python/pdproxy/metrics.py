@@ -3,6 +3,7 @@ plane's counters (no per-request work in Python), plus the control plane's own s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -87,6 +88,13 @@ class PdproxyCollector(Collector):
         )
         _add_histogram(waited, [], router.queue_wait())
         yield from (queued, waited, retries, serving, by_model)
+
+        if fleet is not None and fleet.health.last_round is not None:
+            age = GaugeMetricFamily(
+                "pdproxy_health_round_age_seconds", "Seconds since the last round of health checks completed"
+            )
+            age.add_metric([], time.monotonic() - fleet.health.last_round)
+            yield age
 
         pd = fleet.distserve if fleet is not None else None
         if pd is not None and pd.protocol == "lmdeploy":

@@ -14,8 +14,18 @@ from typing import Any, NamedTuple
 
 from ._pdproxy import Response
 from .access import AccessLog, Record
-from .errors import InvalidRequest, PdproxyError, RequestTimeout, UpstreamError
-from .responses import ClientGone, NotFound, Receive, Scope, Send, check_media_type, read_body, send_error
+from .errors import InvalidRequest, LoopDetected, PdproxyError, RequestTimeout, UpstreamError
+from .responses import (
+    ClientGone,
+    NotFound,
+    Receive,
+    Scope,
+    Send,
+    UnsupportedMediaType,
+    check_media_type,
+    read_body,
+    send_error,
+)
 from .router import Router
 
 #: Seconds a request runs before its client is watched for a disconnect (see ClientWatch).
@@ -67,6 +77,12 @@ class ClientHeaders(NamedTuple):
     request_id: bytes
     content_type: bytes | None
     content_length: bytes | None
+    content_encoding: bytes | None
+    via: bytes | None
+
+    def came_back(self, instance: str) -> bool:
+        """Whether the request already went through this proxy (its id in ``x-pdproxy-via``)."""
+        return self.via is not None and instance.encode() in (i.strip() for i in self.via.split(b","))
 
 
 def upstream_headers(scope: Scope) -> ClientHeaders:
@@ -74,7 +90,7 @@ def upstream_headers(scope: Scope) -> ClientHeaders:
     and ``X-Forwarded-For/Host/Proto``; with the few the handler reads, in one pass. The data
     plane drops hop-by-hop headers and the client's key (``authorization``, ``x-api-key``)."""
     headers: list[tuple[bytes, bytes]] = []
-    request_id = forwarded_for = host = content_type = content_length = None
+    request_id = forwarded_for = host = content_type = content_length = content_encoding = via = None
     for name, value in scope["headers"]:
         if name == b"x-request-id":
             request_id = value
@@ -82,6 +98,10 @@ def upstream_headers(scope: Scope) -> ClientHeaders:
             content_type = value
         elif name == b"content-length":
             content_length = value
+        elif name == b"content-encoding":
+            content_encoding = value.strip().lower()
+        elif name == b"x-pdproxy-via":
+            via = value
         elif name == b"x-forwarded-for":
             forwarded_for = value
             continue
@@ -100,7 +120,20 @@ def upstream_headers(scope: Scope) -> ClientHeaders:
     if host is not None:
         headers.append((b"x-forwarded-host", host))
     headers.append((b"x-forwarded-proto", scope.get("scheme", "http").encode()))
-    return ClientHeaders(headers, request_id, content_type, content_length)
+    return ClientHeaders(headers, request_id, content_type, content_length, content_encoding, via)
+
+
+def _raw_path(scope: Scope) -> str:
+    raw = scope.get("raw_path")
+    return raw.decode("latin-1") if raw else str(scope["path"])
+
+
+def plain_path(path: str) -> bool:
+    """Whether a pass-through path stays under ``/v1/``: no dot-segments, and no encoded dots or
+    separators that a node might decode into one (the edge's check, ``request::plain_path``)."""
+    lowered = path.lower()
+    encoded = any(s in lowered for s in ("%2e", "%2f", "%5c")) or "\\" in path
+    return not encoded and not any(segment in (".", "..") for segment in path.split("/"))
 
 
 def _stream_error_event(error: PdproxyError) -> bytes:
@@ -158,23 +191,34 @@ async def _serve(
     headers = client_headers.upstream
     echo = [(b"x-request-id", client_headers.request_id)]
     try:
+        if client_headers.came_back(router.core.instance_id):
+            raise LoopDetected("the request came back to this proxy: one of its nodes routes to it again")
         check_media_type(client_headers.content_type)
+        if client_headers.content_encoding not in (None, b"identity"):
+            coding = client_headers.content_encoding.decode("latin-1")
+            raise UnsupportedMediaType(f"compressed request bodies are not accepted (content-encoding: {coding})")
         try:
             async with asyncio.timeout(body_timeout):
                 body = await read_body(receive, max_body_size, client_headers.content_length)
         except TimeoutError:
             raise RequestTimeout(f"the request body did not arrive within {body_timeout:g}s") from None
+        if require_model and not plain_path(_raw_path(scope)):
+            raise InvalidRequest("the path may not contain dot-segments or encoded separators")
         model = Router.inspect(body)["model"] if require_model or record is not None else None
         if record is not None:
             record.model = model
         if require_model and not model:
             raise NotFound(f"no route for {scope['path']} without a model in the body")
     except ClientGone:
+        # Gone, or its body's framing broke (a server ends the body the same way for both):
+        # an answer is due in the second case, and harmless in the first.
+        await send_error(send, InvalidRequest("the request body could not be read"), echo)
         return True
     except PdproxyError as e:
         await send_error(send, e, echo)
         return False
-    path = scope["path"]
+    # The path as the client sent it (not decoded), as the edge forwards it.
+    path = _raw_path(scope)
     if scope.get("query_string"):
         path = f"{path}?{scope['query_string'].decode('latin-1')}"
     if distserve is not None and scope["path"] in distserve.paths:

@@ -129,6 +129,7 @@ class Router:
         max_concurrency: int | None = None,
         api_key: str | None = None,
         bootstrap_port: int | None = None,
+        address: str | None = None,
         verify: bool = True,
     ) -> str:
         """Adds a node, or updates a registered one; returns its normalised URL.
@@ -138,10 +139,13 @@ class Router:
         node's answer wins. ``role`` is ``hybrid``, ``prefill`` or ``decode`` (or LMDeploy's 1, 2,
         3); ``speed`` weighs it in ``random`` and ``min_expected_latency``; ``max_concurrency``
         caps its requests in flight; ``api_key`` is sent to it as a Bearer token;
-        ``bootstrap_port`` is an SGLang prefill node's bootstrap server port.
+        ``bootstrap_port`` is an SGLang prefill node's bootstrap server port; ``address``
+        (``HOST:PORT``) is where to connect instead of resolving the URL's host.
         """
         declared = None if models is None else list(models)
-        normalized = self._core.add_node(url, declared, str(role), speed, max_concurrency, api_key, bootstrap_port)
+        normalized = self._core.add_node(
+            url, declared, str(role), speed, max_concurrency, api_key, bootstrap_port, address
+        )
         if declared is None or verify:
             self._discovery.watch(normalized, declared, api_key)
         else:
@@ -150,9 +154,9 @@ class Router:
 
     async def discover(self, url: str | None = None) -> None:
         """Asks the node (without ``url``: every node) whose models are still unknown for them
-        now (one probe each, concurrently)."""
+        now (one probe each, concurrently, within ``discovery_timeout``)."""
         if url is None:
-            await self._discovery.probe_pending()
+            await self._discovery.probe_pending(unknown_only=True)
         else:
             await self._discovery.probe(url)
 

@@ -20,7 +20,7 @@ from granian.constants import HTTPModes, Interfaces, Loops
 from granian.log import LOGGING_CONFIG, LogLevels
 
 from . import edge, group, tls
-from .app import SETTINGS_ENV
+from .app import MAIN_PID_ENV, SETTINGS_ENV
 from .config import Settings
 from .errors import ConfigError
 
@@ -35,6 +35,7 @@ RESPAWN_INTERVAL = 1.0
 def serve(settings: Settings) -> int:
     """Serves until drained (SIGTERM, Ctrl-C or ``POST /drain``); returns the exit status."""
     tls.check_files(settings)  # before anything listens
+    _warn_if_open(settings)
     if settings.edge == "rust":
         listener = edge.bind(settings)  # first: a taken port fails before anything starts
         with _demo_engines(settings) as demo_nodes:
@@ -47,6 +48,7 @@ def serve(settings: Settings) -> int:
         if demo_nodes:
             settings = settings.replace(nodes=(*settings.nodes, *demo_nodes))
         os.environ[SETTINGS_ENV] = settings.to_json()
+        os.environ[MAIN_PID_ENV] = str(os.getpid())
         if group_dir is not None:
             os.environ[group.GROUP_ENV] = str(group_dir)
         _print_banner(settings, f"granian, {settings.workers} worker(s)")
@@ -78,6 +80,19 @@ def _granian_tls(settings: Settings) -> dict[str, Any]:
     if not settings.ssl:
         return {}
     return {"ssl_cert": Path(settings.ssl_certfile), "ssl_key": Path(settings.ssl_keyfile)}
+
+
+def _warn_if_open(settings: Settings) -> None:
+    """Says it loudly when anyone on the network may manage the fleet."""
+    loopback = settings.host in ("localhost", "::1") or settings.host.startswith("127.")
+    if loopback or settings.admin_keys or settings.api_keys:
+        return
+    print(
+        f"pdproxy: WARNING: listening on {settings.host} without --admin-keys: anyone who can reach port "
+        f"{settings.port} can add, remove and terminate nodes and drain this proxy. Set --admin-keys (or "
+        "--admin-keys-file), or listen on 127.0.0.1.",
+        file=sys.stderr,
+    )
 
 
 def _refuse_taken_port(settings: Settings) -> None:

@@ -97,7 +97,7 @@ impl Exchange {
 
     /// Takes everything ready, if anything is.
     pub fn take_ready(&self) -> Option<Delivery> {
-        let delivery = self.lock().ready();
+        let delivery = self.lock().ready(self.buffer_limit);
         if delivery.is_some() {
             self.space.notify_one();
         }
@@ -108,7 +108,7 @@ impl Exchange {
     /// back with the batch.
     pub fn wait(&self, waiter: Waiter) -> Result<(), (Delivery, Waiter)> {
         let mut inner = self.lock();
-        if let Some(delivery) = inner.ready() {
+        if let Some(delivery) = inner.ready(self.buffer_limit) {
             drop(inner);
             self.space.notify_one();
             return Err((delivery, waiter));
@@ -158,7 +158,7 @@ impl Exchange {
         for data in burst {
             inner.pending.extend_from_slice(data);
         }
-        Self::wake(inner);
+        self.wake(inner);
     }
 
     /// Ends the exchange with `error` (the router shuts down, the request ran out of time):
@@ -181,12 +181,12 @@ impl Exchange {
             inner.scanned = whole;
         }
         inner.end = Some(end);
-        Self::wake(inner);
+        self.wake(inner);
     }
 
-    fn wake(mut inner: MutexGuard<'_, Inner>) {
+    fn wake(&self, mut inner: MutexGuard<'_, Inner>) {
         if inner.waiter.is_some() {
-            if let Some(delivery) = inner.ready() {
+            if let Some(delivery) = inner.ready(self.buffer_limit) {
                 let waiter = inner.waiter.take();
                 drop(inner);
                 if let Some(waiter) = waiter {
@@ -213,15 +213,17 @@ impl crate::engine::PermitHolder for Exchange {
 
 impl Inner {
     /// Whole events (everything, for other bodies), else how the body ended, else nothing.
-    fn ready(&mut self) -> Option<Delivery> {
-        let batch = if self.end.is_some() || !self.event_stream {
-            (!self.pending.is_empty()).then(|| self.pending.split())
-        } else {
+    fn ready(&mut self, buffer_limit: usize) -> Option<Delivery> {
+        // An event larger than the buffer goes out as it is (held back, it would stall the stream).
+        let whole_only = self.event_stream && self.end.is_none() && self.pending.len() < buffer_limit;
+        let batch = if whole_only {
             let end = sse::last_event_end(&self.pending, self.scanned);
             let batch = end.map(|end| self.pending.split_to(end));
             // What is left followed the last boundary, so it holds none.
             self.scanned = self.pending.len();
             batch
+        } else {
+            (!self.pending.is_empty()).then(|| self.pending.split())
         };
         if let Some(batch) = batch {
             self.scanned = self.pending.len();

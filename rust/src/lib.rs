@@ -12,6 +12,7 @@ pub mod forward;
 pub mod headers;
 pub mod histogram;
 pub mod inspect;
+pub mod loops;
 pub mod node;
 pub mod permit;
 pub mod registry;

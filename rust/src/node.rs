@@ -393,6 +393,9 @@ pub struct NodeSpec {
     pub api_key: Option<String>,
     /// SGLang prefill nodes: the port of their bootstrap server, when declared.
     pub bootstrap_port: Option<u16>,
+    /// Where the node is reached: the address its name resolved to when it was checked, so
+    /// that a name whose answer changes later cannot send requests elsewhere. `None`: resolve.
+    pub address: Option<std::net::SocketAddr>,
 }
 
 /// An immutable description of a node plus its shared counters. Changing a node's spec
@@ -404,8 +407,8 @@ pub struct Node {
     authority: Authority,
     /// `scheme://host:port`, the port always written (the pool's key).
     origin: String,
-    /// `host:port` to connect to (the scheme's port when the URL names none).
-    address: String,
+    /// `host:port` to resolve and connect to (the scheme's port when the URL names none).
+    dial: String,
     base_path: String,
     generation: u64,
     spec: NodeSpec,
@@ -416,13 +419,13 @@ impl Node {
     pub(crate) fn new(url: &NodeUrl, generation: u64, spec: NodeSpec, counters: Counters) -> Self {
         counters.set_max_concurrency(spec.max_concurrency);
         let port = url.authority.port_u16().unwrap_or(if url.scheme == Scheme::HTTPS { 443 } else { 80 });
-        let address = format!("{}:{port}", url.authority.host());
+        let dial = format!("{}:{port}", url.authority.host());
         Self {
             url: url.normalized.clone(),
             scheme: url.scheme.clone(),
             authority: url.authority.clone(),
-            origin: format!("{}://{address}", url.scheme),
-            address,
+            origin: format!("{}://{dial}", url.scheme),
+            dial,
             base_path: url.base_path.clone(),
             generation,
             spec,
@@ -469,8 +472,9 @@ impl Node {
     pub fn target(&self) -> Target<'_> {
         Target {
             origin: &self.origin,
-            address: &self.address,
             authority: self.authority.as_str(),
+            dial: &self.dial,
+            pinned: self.spec.address,
             tls_name: (self.scheme == Scheme::HTTPS).then(|| self.host()),
         }
     }
@@ -565,12 +569,12 @@ mod tests {
         let secure = node("https://node.example");
         let target = secure.target();
         assert_eq!(
-            (target.origin, target.address, target.authority),
+            (target.origin, target.dial, target.authority),
             ("https://node.example:443", "node.example:443", "node.example")
         );
         assert_eq!(target.tls_name, Some("node.example"));
         let plain = node("http://[::1]:8001");
-        assert_eq!((plain.target().address, plain.target().tls_name), ("[::1]:8001", None));
+        assert_eq!((plain.target().dial, plain.target().tls_name), ("[::1]:8001", None));
         assert_eq!(node("http://h").target().origin, "http://h:80");
     }
 

@@ -203,6 +203,7 @@ impl Registry {
     pub fn add(&self, url: &str, spec: NodeSpec) -> Result<Arc<Node>> {
         let url = NodeUrl::parse(url)?;
         check_speed(spec.speed)?;
+        check_api_key(spec.api_key.as_deref())?;
         let spec = NodeSpec { models: dedup(spec.models), ..spec };
         let _writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
         let current = self.snapshot.load_full();
@@ -267,6 +268,17 @@ pub fn check_speed(speed: Option<f64>) -> Result<()> {
     match speed {
         Some(speed) if !(speed.is_finite() && speed > 0.0) => {
             Err(Error::new(Kind::InvalidNode, format!("speed must be a positive number, got {speed}")))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// A node's API key goes into a header: it must be a valid header value (no CR, LF or other
+/// control characters), or requests and health checks would fail (or carry injected headers).
+pub fn check_api_key(key: Option<&str>) -> Result<()> {
+    match key {
+        Some(key) if http::HeaderValue::from_str(&format!("Bearer {key}")).is_err() => {
+            Err(Error::new(Kind::InvalidNode, "the node's api_key must be printable text without line breaks"))
         }
         _ => Ok(()),
     }

@@ -19,7 +19,7 @@ import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 from aiohttp import web
@@ -107,6 +107,10 @@ class MockState:
     engine_info_status: int = 200
     #: What /v1/models answers (an engine still loading, or one behind a broken route).
     models_status: int = 200
+    #: How /health and /v1/models answer: `json` (as engines do), `garbage` (200, bytes that are
+    #: not UTF-8), or `huge` (200, a valid answer padded to HUGE_ANSWER bytes).
+    health_body: str = "json"
+    models_body: str = "json"
     client: aiohttp.ClientSession | None = None
 
     def stats(self) -> dict[str, Any]:
@@ -295,10 +299,14 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
                 return refusal
         ttft = faults.ttft_ms if faults.ttft_ms is not None else state.settings.ttft_ms
         delay = faults.token_delay_ms if faults.token_delay_ms is not None else state.settings.token_delay_ms
+        if faults.endless:
+            await _endless(request, bool(body.get("stream")))
         if body.get("stream"):
             migrate = (lambda: _start_decode(state, body, completion, request)) if migrating else None
             response = await _stream(request, completion, ttft, delay, faults, record, migrate)
         else:
+            if faults.stall_body:
+                await _stalled(request, json.dumps(completion.whole()).encode())
             if faults.drop_after is not None:
                 _drop_connection(request)
                 return web.Response()
@@ -324,6 +332,29 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
             state.completed += 1
         else:
             state.disconnected += 1
+
+
+async def _stalled(request: web.Request, payload: bytes) -> NoReturn:
+    """Announces the whole answer, sends half of it, and goes silent until the client leaves."""
+    response = web.StreamResponse(headers={"content-type": "application/json"})
+    response.content_length = len(payload)
+    await response.prepare(request)
+    await response.write(payload[: len(payload) // 2])
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable: waits until the client leaves")
+
+
+async def _endless(request: web.Request, stream: bool) -> NoReturn:
+    """An answer that never ends, for as long as the client reads it."""
+    content_type = "text/event-stream" if stream else "application/json"
+    response = web.StreamResponse(headers={"content-type": content_type})
+    await response.prepare(request)
+    piece = b'data: {"choices": [{"delta": {"content": " more"}}]}\n\n' if stream else b'"more text", '
+    if not stream:
+        await response.write(b'{"endless": [')
+    while True:
+        await response.write(piece * 16)
+        await asyncio.sleep(0.01)
 
 
 async def _stream(
@@ -504,20 +535,45 @@ def _drop_connection(request: web.Request) -> None:
         request.transport.abort()
 
 
-async def _models(request: web.Request) -> web.Response:
+async def _models(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     if state.models_status != 200:
         return _error(state.models_status, "/v1/models failed (injected)", "mock_fault", "server_error")
     model = state.settings.model
     card = {"id": model, "object": "model", "created": 0, "owned_by": "pdproxy-mock", "root": model, "parent": None}
-    return web.json_response({"object": "list", "data": [card]})
+    return await _misbehaving(request, request.app[STATE].models_body, {"object": "list", "data": [card]}, 200)
 
 
-async def _health(request: web.Request) -> web.Response:
+async def _health(request: web.Request) -> web.StreamResponse:
     # LMDeploy's shape: 200 for healthy/sleeping, 503 otherwise.
-    health = request.app[STATE].health
-    status = 200 if health in ("healthy", "sleeping") else 503
-    return web.json_response({"status": health, "message": f"engine is {health}"}, status=status)
+    state = request.app[STATE]
+    status = 200 if state.health in ("healthy", "sleeping") else 503
+    payload = {"status": state.health, "message": f"engine is {state.health}"}
+    return await _misbehaving(request, state.health_body, payload, status)
+
+
+#: The size of a `huge` answer (a misbehaving node's).
+HUGE_ANSWER = 64 << 20
+
+
+async def _misbehaving(request: web.Request, how: str, payload: dict[str, Any], status: int) -> web.StreamResponse:
+    """A JSON answer, or a misbehaving node's version of it (see MockState.health_body)."""
+    if how == "garbage":
+        return web.Response(body=b"\xff\xfe\xfd not utf-8 \x80", status=status, content_type="application/json")
+    if how != "huge":
+        return web.json_response(payload, status=status)
+    response = web.StreamResponse(status=status, headers={"content-type": "application/json"})
+    response.content_length = HUGE_ANSWER
+    await response.prepare(request)
+    head = json.dumps(payload)[:-1].encode() + b', "padding": "'
+    piece = b"x" * (1 << 20)
+    sent = len(head)
+    await response.write(head)
+    while sent + len(piece) < HUGE_ANSWER - 2:
+        await response.write(piece)
+        sent += len(piece)
+    await response.write(b"x" * (HUGE_ANSWER - 2 - sent) + b'"}')
+    return response
 
 
 async def _terminate(request: web.Request) -> web.Response:
@@ -687,7 +743,17 @@ async def _mock_config(request: web.Request) -> web.Response:
     for name in ("engine_info_status", "models_status"):
         if name in body:
             setattr(state, name, int(body[name]))
-    return web.json_response({"engine_info_status": state.engine_info_status, "models_status": state.models_status})
+    for knob in ("health_body", "models_body"):
+        if knob in body:
+            if body[knob] not in ANSWER_SHAPES:
+                return _error(400, f"{knob} must be one of {', '.join(ANSWER_SHAPES)}", "invalid_request")
+            setattr(state, knob, body[knob])
+    config = {"engine_info_status": state.engine_info_status, "models_status": state.models_status}
+    return web.json_response({**config, "health_body": state.health_body, "models_body": state.models_body})
+
+
+#: How a misbehaving node may answer /health and /v1/models (see MockState.health_body).
+ANSWER_SHAPES = ("json", "garbage", "huge")
 
 
 def build_app(settings: MockSettings) -> web.Application:

@@ -144,7 +144,7 @@ impl Record {
                 }
                 let _ = write!(out, "{name}=");
                 match value {
-                    Value::Str(Some(s)) => out.push_str(s),
+                    Value::Str(Some(s)) => escape_text(&mut out, s),
                     Value::Int(Some(n)) => {
                         let _ = write!(out, "{n}");
                     }
@@ -219,6 +219,24 @@ fn civil_date(days: u64) -> (u64, u64, u64) {
     (year, month, day)
 }
 
+/// A text-line field that cannot break its line or forge another field: backslashes, spaces
+/// and control characters as escapes (as `access.py` writes them).
+fn escape_text(out: &mut String, text: &str) {
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            ' ' => out.push_str("\\x20"),
+            c if c.is_ascii_control() => {
+                let _ = write!(out, "\\x{:02x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+}
+
 /// Seconds rounded to microseconds, written as Python's `repr(round(x, 6))` writes them.
 fn python_float(d: Duration) -> String {
     #[allow(clippy::cast_precision_loss)]
@@ -259,6 +277,13 @@ mod tests {
         assert_eq!(utc_timestamp(at(951_782_400, 7)), "2000-02-29T00:00:00.007Z"); // a leap day
         assert_eq!(utc_timestamp(at(1_796_092_309, 123)), "2026-12-01T02:31:49.123Z");
         assert_eq!(utc_timestamp(at(4_102_444_799, 999)), "2099-12-31T23:59:59.999Z");
+    }
+
+    #[test]
+    fn text_fields_cannot_break_their_line() {
+        let mut out = String::new();
+        escape_text(&mut out, "m\nrequest_id=forged x\\y\u{1}z\t");
+        assert_eq!(out, "m\\nrequest_id=forged\\x20x\\\\y\\x01z\\t");
     }
 
     #[test]

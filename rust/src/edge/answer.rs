@@ -36,6 +36,7 @@ pub const UPSTREAM_INVALID_RESPONSE: Fault = fault(502, "upstream_error", "upstr
 pub const PREFILL_FAILED: Fault = fault(502, "upstream_error", "prefill_failed", None);
 pub const DRAINING: Fault = fault(503, "service_unavailable", "draining", Some(1));
 pub const PROXY_OVERLOADED: Fault = fault(503, "service_unavailable", "overloaded", Some(1));
+pub const LOOP_DETECTED: Fault = fault(508, "server_error", "loop_detected", None);
 pub const CONTROL_PLANE_UNAVAILABLE: Fault = fault(503, "service_unavailable", "control_plane_unavailable", Some(1));
 
 /// The answer to a data-plane error (the same mapping as `py/errors.rs` and `errors.py`).

@@ -78,6 +78,9 @@ pub struct Relay {
     event_stream: bool,
     /// The start of an event whose end has not arrived yet (event streams).
     held: BytesMut,
+    /// An unfinished event larger than this goes out as it is (whole events are a courtesy,
+    /// not a reason to hold a giant event in memory).
+    held_limit: usize,
     idle_timeout: Duration,
     idle: Pin<Box<Sleep>>,
     deadline: Option<Pin<Box<Sleep>>>,
@@ -102,6 +105,7 @@ pub struct RelayParts {
     pub outcome_at_end: Outcome,
     pub event_stream: bool,
     pub idle_timeout: Duration,
+    pub held_limit: usize,
     pub deadline: Option<tokio::time::Instant>,
     pub cut: Arc<Stop>,
     pub started: Instant,
@@ -117,6 +121,7 @@ impl Relay {
             outcome_at_end: parts.outcome_at_end,
             event_stream: parts.event_stream,
             held: BytesMut::new(),
+            held_limit: parts.held_limit,
             idle_timeout: parts.idle_timeout,
             idle: Box::pin(tokio::time::sleep(parts.idle_timeout)),
             deadline: parts.deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
@@ -232,8 +237,16 @@ impl Relay {
         out
     }
 
-    /// The whole events of what was held plus `data`; the start of an unfinished event is held.
+    /// The whole events of what was held plus `data`; the start of an unfinished event is held
+    /// (up to `held_limit`: past it, everything goes).
     fn whole_events(&mut self, data: Bytes) -> Bytes {
+        if self.held.len() + data.len() > self.held_limit {
+            if self.held.is_empty() {
+                return data;
+            }
+            self.held.extend_from_slice(&data);
+            return self.held.split().freeze();
+        }
         if self.held.is_empty() {
             match sse::last_event_end(&data, 0) {
                 Some(end) if end == data.len() => data,

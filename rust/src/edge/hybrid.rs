@@ -2,7 +2,6 @@
 //! per request). Checks in the control plane's order, one parse of the body, admission with
 //! its permit, forwarding with retries, and the node's answer streamed straight back.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -14,7 +13,9 @@ use hyper::body::Incoming;
 use super::access::Record;
 use super::answer::{self, Fault};
 use super::body::{EdgeBody, Relay, RelayParts};
-use super::request::{check_media_type, linger, read_body, upstream_headers, BodyError, X_REQUEST_ID};
+use super::request::{
+    check_media_type, content_coding, linger, plain_path, proxy_headers, read_body, BodyError, Peer, X_REQUEST_ID,
+};
 use super::server::Worker;
 use super::EdgeState;
 use crate::engine::{select_ctx, GatePass, HeldPermit, PermitHolder, Refusal};
@@ -59,7 +60,7 @@ pub fn refuse_error(record: &mut Option<Box<Record>>, error: &Error, id: &Header
 /// type, size and time of the body. Refusals come back as the answer to send.
 pub async fn check(
     state: &EdgeState,
-    peer: SocketAddr,
+    peer: &Peer,
     parts: Parts,
     body: Incoming,
     id: &HeaderValue,
@@ -81,8 +82,16 @@ pub async fn check(
             return Err(Box::new(refuse(record, answer::PROXY_OVERLOADED, &message, None, id)));
         }
     };
+    if crate::loops::came_back(&parts.headers, state.engine.instance()) {
+        let message = "the request came back to this proxy: one of its nodes routes to it again";
+        return Err(Box::new(refuse(record, answer::LOOP_DETECTED, message, None, id)));
+    }
     if let Err(media) = check_media_type(&parts.headers) {
         let message = format!("the request body must be JSON, not {media}");
+        return Err(Box::new(refuse(record, answer::UNSUPPORTED_MEDIA_TYPE, &message, None, id)));
+    }
+    if let Some(coding) = content_coding(&parts.headers) {
+        let message = format!("compressed request bodies are not accepted (content-encoding: {coding})");
         return Err(Box::new(refuse(record, answer::UNSUPPORTED_MEDIA_TYPE, &message, None, id)));
     }
     let limit = state.config.max_body_size;
@@ -111,7 +120,8 @@ pub async fn check(
     let request = ForwardRequest {
         method,
         path_and_query: uri.path_and_query().map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned()),
-        headers: upstream_headers(headers, peer.ip(), id, had_id, state.config.tls.is_some()),
+        extra: proxy_headers(&headers, peer, id, had_id, state.config.tls.is_some()),
+        headers,
         body,
     };
     Ok(Checked { pass, request })
@@ -124,12 +134,16 @@ pub fn parse<'a>(
     id: &HeaderValue,
     record: &mut Option<Box<Record>>,
 ) -> Result<RequestInfo<'a>, Refused> {
+    let path = checked.request.path_and_query.split('?').next().unwrap_or_default();
+    if require_model && !plain_path(path) {
+        let message = "the path may not contain dot-segments or encoded separators";
+        return Err(Box::new(refuse(record, answer::INVALID_REQUEST, message, None, id)));
+    }
     let info = inspect(&checked.request.body).map_err(|e| Box::new(refuse_error(record, &e, id)))?;
     if let Some(record) = record {
         record.model = info.model.as_deref().map(str::to_owned);
     }
     if require_model && info.model.is_none() {
-        let path = checked.request.path_and_query.split('?').next().unwrap_or_default();
         let message = format!("no route for {path} without a model in the body");
         return Err(Box::new(refuse(record, answer::NOT_FOUND, &message, None, id)));
     }
@@ -139,7 +153,7 @@ pub fn parse<'a>(
 /// Serves one hybrid inference request.
 pub async fn serve(
     worker: &Worker,
-    peer: SocketAddr,
+    peer: &Peer,
     request: hyper::Request<Incoming>,
     id: HeaderValue,
     had_id: bool,
@@ -147,7 +161,7 @@ pub async fn serve(
 ) -> Response<EdgeBody> {
     let state = &worker.state;
     let (parts, body) = request.into_parts();
-    let mut record = state.record(&id, &parts, peer);
+    let mut record = state.record(&id, &parts, peer.address);
     let checked = match check(state, peer, parts, body, &id, had_id, &mut record).await {
         Ok(checked) => checked,
         Err(refusal) => return *refusal,
@@ -229,6 +243,7 @@ pub fn respond(
                 outcome_at_end: outcome,
                 event_stream,
                 idle_timeout: state.engine.config.forward.stream_idle_timeout,
+                held_limit: state.engine.config.forward.stream_buffer_limit,
                 deadline,
                 cut: Arc::clone(&state.shutdown),
                 started,

@@ -5,7 +5,6 @@
 //! that order, so two requests never hold one each while waiting for the other.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -20,6 +19,7 @@ use super::access::Record;
 use super::answer::{self, INVALID_REQUEST, PREFILL_FAILED, UPSTREAM_INVALID_RESPONSE};
 use super::body::EdgeBody;
 use super::hybrid::{check, parse, refuse, refuse_error, respond, within};
+use super::request::Peer;
 use super::request::X_REQUEST_ID;
 use super::server::Worker;
 use super::PdProtocol;
@@ -36,7 +36,7 @@ const VLLM_PREFILL_PARAMS: &str = r#"{"do_remote_decode": true, "do_remote_prefi
 /// Serves one request through a prefill and a decode node.
 pub async fn serve(
     worker: &Worker,
-    peer: SocketAddr,
+    peer: &Peer,
     request: hyper::Request<Incoming>,
     id: HeaderValue,
     had_id: bool,
@@ -44,7 +44,7 @@ pub async fn serve(
 ) -> Response<EdgeBody> {
     let state = &worker.state;
     let (parts, body) = request.into_parts();
-    let mut record = state.record(&id, &parts, peer);
+    let mut record = state.record(&id, &parts, peer.address);
     let checked = match check(state, peer, parts, body, &id, had_id, &mut record).await {
         Ok(checked) => checked,
         Err(refusal) => return *refusal,
@@ -433,6 +433,7 @@ async fn probe_bootstrap_port(forwarder: &Forwarder, node: &Node, timeout: Durat
             method: Method::GET,
             path_and_query: endpoint.to_owned(),
             headers: HeaderMap::new(),
+            extra: Vec::new(),
             body: Bytes::new(),
         };
         let Ok(Ok(response)) = tokio::time::timeout(timeout, forwarder.forward(node, &request, true)).await else {

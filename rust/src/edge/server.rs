@@ -29,7 +29,7 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 use super::answer;
 use super::body::EdgeBody;
 use super::cors::Cors;
-use super::request::request_id;
+use super::request::{request_id, Peer};
 use super::{hybrid, pd, EdgeState, Route, Stop};
 use crate::forward::Forwarder;
 
@@ -81,7 +81,7 @@ pub fn run_thread(state: &Arc<EdgeState>, start: ThreadStart, acceptor: Option<(
     runtime.block_on(async {
         let worker = Arc::new(Worker {
             state: Arc::clone(state),
-            forwarder: Forwarder::new(state.engine.config.forward.clone()),
+            forwarder: Forwarder::new(state.engine.config.forward.clone(), state.engine.instance()),
             open: start.open,
         });
         let accepting = async {
@@ -141,6 +141,10 @@ async fn serve_inbox(worker: &Arc<Worker>, mut inbox: UnboundedReceiver<Accepted
 
 async fn serve_connection(worker: Arc<Worker>, stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
+    // Every buffer of a stream counts: the kernel's too (see `forward::socket_buffer`).
+    let limit = worker.state.engine.config.forward.stream_buffer_limit;
+    let _ = socket2::SockRef::from(&stream).set_send_buffer_size(crate::forward::socket_buffer(limit));
+    let peer = Arc::new(Peer::new(peer));
     let state = Arc::clone(&worker.state);
     state.connections.fetch_add(1, Ordering::Relaxed);
     match &state.config.tls {
@@ -158,7 +162,7 @@ async fn serve_connection(worker: Arc<Worker>, stream: TcpStream, peer: SocketAd
 }
 
 /// Serves HTTP/1.1 on a client's connection (plain, or TLS once its handshake is done).
-async fn serve_http<S>(worker: &Arc<Worker>, stream: S, peer: SocketAddr)
+async fn serve_http<S>(worker: &Arc<Worker>, stream: S, peer: Arc<Peer>)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
@@ -167,7 +171,8 @@ where
     let service_worker = Arc::clone(worker);
     let service = service_fn(move |request| {
         let worker = Arc::clone(&service_worker);
-        async move { Ok::<_, Infallible>(guarded(worker, peer, request).await) }
+        let peer = Arc::clone(&peer);
+        async move { Ok::<_, Infallible>(guarded(worker, &peer, request).await) }
     });
     let mut builder = http1::Builder::new();
     builder
@@ -188,7 +193,7 @@ where
 }
 
 /// Routes the request; a panic while serving it becomes a 500 answer, never a dead connection.
-async fn guarded(worker: Arc<Worker>, peer: SocketAddr, request: Request<Incoming>) -> Response<EdgeBody> {
+async fn guarded(worker: Arc<Worker>, peer: &Peer, request: Request<Incoming>) -> Response<EdgeBody> {
     let (id, had_id) = request_id(request.headers());
     let echo = id.clone();
     match AssertUnwindSafe(route(&worker, peer, request, id, had_id)).catch_unwind().await {
@@ -199,7 +204,7 @@ async fn guarded(worker: Arc<Worker>, peer: SocketAddr, request: Request<Incomin
 
 async fn route(
     worker: &Worker,
-    peer: SocketAddr,
+    peer: &Peer,
     request: Request<Incoming>,
     id: http::HeaderValue,
     had_id: bool,
@@ -215,14 +220,14 @@ async fn route(
         let mut response = match state.route(request.uri().path()) {
             Route::Hybrid { require_model } => hybrid::serve(worker, peer, request, id, had_id, require_model).await,
             Route::Disaggregated(protocol) => pd::serve(worker, peer, request, id, had_id, protocol).await,
-            Route::ControlPlane => return state.control.forward(peer, request, &id).await,
+            Route::ControlPlane => return state.control.forward(peer.address, request, &id).await,
         };
         if let (Some(cors), Some(origin)) = (cors, origin) {
             cors.decorate(&mut response, &origin);
         }
         return response;
     }
-    state.control.forward(peer, request, &id).await
+    state.control.forward(peer.address, request, &id).await
 }
 
 /// The edge's shutdown, as a connection waits for it: its waker is registered once, then each

@@ -14,7 +14,7 @@ pub use policies::{PolicyNames, PolicySet};
 
 use http::HeaderMap;
 
-use crate::admission::{Admission, Ticket};
+use crate::admission::{Admission, Class, Ticket};
 use crate::error::{Error, Kind, Result};
 use crate::forward::{ForwardConfig, ForwardRequest, Forwarder, UpstreamResponse};
 use crate::inspect::RequestInfo;
@@ -58,6 +58,8 @@ pub struct Engine {
     pub config: EngineConfig,
     /// In a worker group: how often a queued request looks for room freed by other workers.
     group_poll: Option<Duration>,
+    /// This proxy's id in `x-pdproxy-via` (see `loops`).
+    instance: String,
 }
 
 /// A permit taken at once, or a place in the queue.
@@ -101,16 +103,23 @@ impl Engine {
     pub fn new(config: EngineConfig, registry: Registry) -> Result<Self> {
         let policies = PolicySet::build(&config.policies, &config.policy)?;
         let group_poll = registry.in_a_group().then_some(GROUP_POLL);
+        let instance = crate::loops::new_instance_id();
         Ok(Self {
             registry,
             policies,
             admission: Arc::new(Admission::new(config.queue_size)),
             retry_budget: RetryBudget::new(config.retry_budget_ratio, config.retry_budget_floor),
-            forwarder: Forwarder::new(config.forward.clone()),
+            forwarder: Forwarder::new(config.forward.clone(), &instance),
             gate: Arc::new(Gate::new(config.max_requests)),
             config,
             group_poll,
+            instance,
         })
+    }
+
+    /// This proxy's id, as its requests carry it in `x-pdproxy-via`.
+    pub fn instance(&self) -> &str {
+        &self.instance
     }
 
     pub fn policies(&self) -> &PolicySet {
@@ -140,7 +149,7 @@ impl Engine {
         set.count_request(ctx.model);
         let policy = self.policies.for_request(ctx.role, ctx.model);
         // First come, first served: newcomers wait behind requests already queued for the same nodes.
-        let selected = if self.admission.has_waiter_for(ctx.role, ctx.model) {
+        let selected = if self.admission.has_waiter_for(ctx.role, ctx.model, ctx.class) {
             Err(Error::new(Kind::Overloaded, "requests are queued for these nodes"))
         } else {
             select(&set, ctx, policy.as_ref(), Some(&self.admission))
@@ -148,7 +157,7 @@ impl Engine {
         match selected {
             Ok(permit) => Ok(Admitted::Now(permit)),
             Err(e) if e.kind() == Kind::Overloaded && self.config.queue_size > 0 => {
-                match self.admission.enqueue(ctx.role, ctx.model, false) {
+                match self.admission.enqueue(ctx.role, ctx.model, ctx.class) {
                     Some(ticket) => Ok(Admitted::Queued(ticket)),
                     None => Err(self.overloaded()),
                 }
@@ -222,11 +231,8 @@ impl Engine {
                 return Err(Error::new(Kind::Overloaded, "no node had room for the request in time")
                     .with_retry_after(self.admission.retry_after()));
             }
-            // Woken and out of the queue: back in at its head (always open) before trying again.
-            let Some(again) = self.admission.enqueue(role, ctx.model, true) else {
-                return Err(Error::new(Kind::Overloaded, "the wait queue is closed"));
-            };
-            ticket = again;
+            // Woken and out of the queue: back in, in its old place, before trying again.
+            ticket = self.admission.requeue(role, ctx.model, &ticket);
         }
     }
 
@@ -304,7 +310,13 @@ pub fn affinity<'a>(headers: &'a HeaderMap, info: &'a RequestInfo<'_>) -> Option
 
 /// What selection needs of a request, from its parsed body and headers.
 pub fn select_ctx<'a>(role: Role, headers: &'a HeaderMap, info: &'a RequestInfo<'_>) -> SelectCtx<'a> {
-    SelectCtx { role, model: info.model.as_deref(), affinity: affinity(headers, info), prompt: info.prompt }
+    SelectCtx {
+        role,
+        model: info.model.as_deref(),
+        affinity: affinity(headers, info),
+        prompt: info.prompt,
+        class: Class::default(),
+    }
 }
 
 /// Observes the time a request spent queued when dropped.

@@ -20,12 +20,12 @@ use crate::engine::{select_ctx, Admitted, Engine};
 use crate::error::{Error, Kind};
 use crate::exchange::{pump, Exchange, StreamTimeouts};
 use crate::forward::{ForwardRequest, ResponseBody, UpstreamResponse};
-use crate::headers::upstream_request_headers;
+use crate::headers::header_map;
 use crate::histogram::HistogramSnapshot;
 use crate::inspect::{inspect, patch};
 use crate::node::{Node, NodeSpec, NodeState, NodeUrl, Role};
 use crate::permit::Outcome;
-use crate::registry::{check_speed, Registry};
+use crate::registry::{check_api_key, check_speed, Registry};
 use crate::runtime;
 use crate::select::SelectCtx;
 
@@ -61,13 +61,19 @@ impl Router {
         Ok(Self { engine: Arc::new(engine), runtime, shutdown: CancellationToken::new(), bridge: OnceLock::new() })
     }
 
+    /// This proxy's id, as the requests it sends carry it in `x-pdproxy-via`.
+    #[getter]
+    fn instance_id(&self) -> &str {
+        self.engine.instance()
+    }
+
     /// The routing policy of each role (and per-model overrides, as `model:NAME`).
     #[getter]
     fn policies(&self) -> Vec<(String, &'static str)> {
         self.engine.policies().names()
     }
 
-    #[pyo3(signature = (url, models=None, role="hybrid", speed=None, max_concurrency=None, api_key=None, bootstrap_port=None))]
+    #[pyo3(signature = (url, models=None, role="hybrid", speed=None, max_concurrency=None, api_key=None, bootstrap_port=None, address=None))]
     #[allow(clippy::too_many_arguments)]
     fn add_node(
         &self,
@@ -78,8 +84,14 @@ impl Router {
         max_concurrency: Option<u32>,
         api_key: Option<String>,
         bootstrap_port: Option<u16>,
+        address: Option<&str>,
     ) -> PyResult<String> {
+        let address = address
+            .map(str::parse::<std::net::SocketAddr>)
+            .transpose()
+            .map_err(|_| to_pyerr(&Error::new(Kind::InvalidNode, "a node's address must read HOST:PORT")))?;
         let spec = NodeSpec {
+            address,
             models: models.unwrap_or_default(),
             role: role_of(role)?,
             speed,
@@ -195,18 +207,19 @@ impl Router {
     /// The node the policy would choose now, without sending anything or taking a permit.
     #[pyo3(signature = (model=None, role="hybrid", affinity=None))]
     fn select(&self, model: Option<&str>, role: &str, affinity: Option<&str>) -> PyResult<String> {
-        let ctx = SelectCtx { role: role_of(role)?, model, affinity, prompt: None };
+        let ctx = SelectCtx { role: role_of(role)?, model, affinity, ..SelectCtx::default() };
         let node = self.engine.choose(&ctx).map_err(|e| to_pyerr(&e))?;
         Ok(node.url().to_owned())
     }
 
     /// Raises `InvalidNode` for a node the table would refuse (URL, role, speed), without adding it.
     #[staticmethod]
-    #[pyo3(signature = (url, role="hybrid", speed=None))]
-    fn check_node(url: &str, role: &str, speed: Option<f64>) -> PyResult<()> {
+    #[pyo3(signature = (url, role="hybrid", speed=None, api_key=None))]
+    fn check_node(url: &str, role: &str, speed: Option<f64>, api_key: Option<&str>) -> PyResult<()> {
         NodeUrl::parse(url).map_err(|e| to_pyerr(&e))?;
         role_of(role)?;
-        check_speed(speed).map_err(|e| to_pyerr(&e))
+        check_speed(speed).map_err(|e| to_pyerr(&e))?;
+        check_api_key(api_key).map_err(|e| to_pyerr(&e))
     }
 
     /// The canonical form of a node URL (scheme and host lower-cased, no trailing slash).
@@ -277,7 +290,7 @@ impl Router {
         }
         let bridge = self.bridge(py)?;
         let body = Bytes::copy_from_slice(body);
-        let headers = upstream_request_headers(&headers);
+        let headers = header_map(&headers);
         let info = inspect(&body).map_err(|e| to_pyerr(&e))?;
         let admitted = match node {
             Some(url) => {
@@ -299,7 +312,7 @@ impl Router {
             engine: Arc::clone(&self.engine),
             retry: node.is_none(),
             admitted,
-            request: ForwardRequest { method, path_and_query: path, headers, body },
+            request: ForwardRequest { method, path_and_query: path, headers, extra: Vec::new(), body },
             role,
             exchange: Arc::clone(&exchange),
         };
@@ -469,6 +482,7 @@ fn node_stats<'py>(py: Python<'py>, node: &Arc<Node>) -> PyResult<Bound<'py, PyD
     stats.set_item("models", node.models())?;
     stats.set_item("speed", node.speed())?;
     stats.set_item("has_api_key", node.spec().api_key.is_some())?;
+    stats.set_item("address", node.spec().address.map(|a| a.to_string()))?;
     stats.set_item("state", c.state)?;
     stats.set_item("circuit", c.circuit)?;
     stats.set_item("max_concurrency", c.max_concurrency)?;

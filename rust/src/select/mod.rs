@@ -20,7 +20,7 @@ pub use prefix::{Prefix, PrefixConfig};
 pub use random::Random;
 pub use round_robin::RoundRobin;
 
-use crate::admission::Admission;
+use crate::admission::{Admission, Class};
 use crate::error::{Error, Kind, Result};
 use crate::node::{Node, NodeState, Role};
 use crate::permit::InFlightPermit;
@@ -35,6 +35,8 @@ pub struct SelectCtx<'a> {
     pub affinity: Option<&'a str>,
     /// The prompt's raw bytes (`messages` or `prompt`), for cache-aware routing.
     pub prompt: Option<&'a [u8]>,
+    /// Priority and tenant, for the wait queue when every candidate is full.
+    pub class: Class,
 }
 
 /// A routing policy picks one of the candidates that are available now.

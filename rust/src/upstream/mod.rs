@@ -7,14 +7,15 @@ mod body;
 mod codec;
 mod pool;
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use bytes::BytesMut;
+use http::{HeaderMap, HeaderValue, StatusCode};
 use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
+use tokio::net::TcpSocket;
 use tokio_rustls::TlsConnector;
 
 pub use body::Body;
@@ -22,6 +23,7 @@ use codec::{encode_request, read_head, HeadError};
 use pool::{Connection, Pool, Stream};
 
 use crate::error::{Error, Kind, Result};
+use crate::forward::ForwardRequest;
 
 /// Client settings; values come from the control plane's settings.
 #[derive(Debug, Clone)]
@@ -29,25 +31,31 @@ pub struct ClientConfig {
     pub connect_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_idle_per_host: usize,
+    /// `SO_RCVBUF` of each connection (a node's answer waits here when the client is slow).
+    pub receive_buffer: usize,
     /// CA certificates that `https://` nodes are verified against; `None`: the system's roots.
     pub ca_file: Option<PathBuf>,
 }
 
-/// Where a request goes: the node's origin (the pool's key), the address to connect to, the
-/// `Host` it is sent with, and for `https://` nodes the name its certificate must carry.
+/// Where a request goes: the node's origin (the pool's key), the `Host` it is sent with, the
+/// `host:port` to resolve unless the address is pinned, and for `https://` nodes the name its
+/// certificate must carry.
 #[derive(Debug, Clone, Copy)]
 pub struct Target<'a> {
     pub origin: &'a str,
-    pub address: &'a str,
     pub authority: &'a str,
+    pub dial: &'a str,
+    pub pinned: Option<SocketAddr>,
     pub tls_name: Option<&'a str>,
 }
 
-/// A node's answer: its head, and its body still to be read.
+/// A node's answer: its head (without the headers of the node's hop), and its body still to be read.
 #[derive(Debug)]
 pub struct Answer {
     pub status: StatusCode,
     pub headers: HeaderMap,
+    /// The body's announced length, when it has one.
+    pub content_length: Option<u64>,
     pub body: Body,
 }
 
@@ -72,13 +80,13 @@ impl Client {
     pub async fn send(
         &self,
         target: Target<'_>,
-        method: &Method,
         path: &str,
-        headers: &HeaderMap,
+        request: &ForwardRequest,
         authorization: Option<&HeaderValue>,
-        body: &Bytes,
+        via: &HeaderValue,
     ) -> Result<Answer> {
-        let request = encode_request(method, path, target.authority, headers, authorization, body);
+        let method = &request.method;
+        let request = encode_request(path, target.authority, request, authorization, via);
         loop {
             let (mut connection, reused) = match self.pool.checkout(target.origin) {
                 Some(connection) => (connection, true),
@@ -93,9 +101,12 @@ impl Client {
             }
             match read_head(&mut connection, method).await {
                 Ok(head) => {
-                    let returner = self.pool.returner(target.origin);
-                    let body = Body::new(connection, head.framing, head.reusable, returner);
-                    return Ok(Answer { status: head.status, headers: head.headers, body });
+                    let content_length = match head.framing {
+                        codec::Framing::Length(length) => Some(length),
+                        _ => None,
+                    };
+                    let body = Body::new(connection, head.framing, head.reusable, self.pool.returner(target.origin));
+                    return Ok(Answer { status: head.status, headers: head.headers, content_length, body });
                 }
                 Err(HeadError::Closed) if reused => {}
                 Err(HeadError::Closed) => {
@@ -115,9 +126,28 @@ impl Client {
         }
     }
 
+    /// A new connection to the target's pinned address, else to its host (resolved now); over
+    /// TLS for `https://` nodes.
     async fn connect(&self, target: Target<'_>) -> Result<Connection> {
         let deadline = tokio::time::Instant::now() + self.config.connect_timeout;
-        let connected = tokio::time::timeout_at(deadline, TcpStream::connect(target.address)).await;
+        let connecting = async {
+            let addresses: Vec<SocketAddr> = match target.pinned {
+                Some(address) => vec![address],
+                None => tokio::net::lookup_host(target.dial).await?.collect(),
+            };
+            let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "the node's host resolves to nothing");
+            for address in addresses {
+                let socket = if address.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }?;
+                // Before connecting, so that the window is sized from the start.
+                let _ = socket.set_recv_buffer_size(u32::try_from(self.config.receive_buffer).unwrap_or(u32::MAX));
+                match socket.connect(address).await {
+                    Ok(stream) => return Ok(stream),
+                    Err(e) => last = e,
+                }
+            }
+            Err(last)
+        };
+        let connected = tokio::time::timeout_at(deadline, connecting).await;
         let tcp = match connected {
             Ok(Ok(stream)) => stream,
             Ok(Err(e)) => return Err(Error::with_source(Kind::Connect, "could not connect to the node", e)),
