@@ -155,7 +155,7 @@ def test_an_entry_written_into_redis_by_anyone_passes_the_node_checks(replicas: 
     import redis
 
     r = replicas
-    assert _add(r.one, r.engine, "alpha")[0] == 201
+    assert _add(r.one, r.engine, "alpha")[0] == 200
     client = redis.Redis.from_url(r.redis.url)
     bad = "http://169.254.169.254"
     client.hset("pdproxy:nodes", bad, json.dumps({"url": bad, "models": ["alpha"], "role": "hybrid"}))
