@@ -221,9 +221,10 @@ def run_load(
     duration: float,
     watch: dict[str, int],
     warmup: float = 1.0,
+    headers: tuple[str, ...] = (),
 ) -> LoadResult:
-    """Runs the load generator; measures CPU and RSS of the ``watch`` processes (name -> pid)
-    over the measurement window."""
+    """Runs the load generator (``headers``: ``NAME:VALUE`` on every request); measures CPU and
+    RSS of the ``watch`` processes (name -> pid) over the measurement window."""
     args = [
         str(LOADGEN),
         "--connections",
@@ -237,6 +238,8 @@ def run_load(
     ]
     for url in urls:
         args += ["--url", url]
+    for header in headers:
+        args += ["--header", header]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE)
     time.sleep(warmup)
     before = {name: cpu_seconds(pid) for name, pid in watch.items()}

@@ -100,6 +100,7 @@ ACCESS_FIELDS = [
     "events",
     "ttfb",
     "duration",
+    "trace_id",
 ]
 TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
 

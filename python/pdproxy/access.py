@@ -5,7 +5,8 @@ A line tells when the request arrived (UTC, ISO 8601 with milliseconds) and the 
 address, the request id, method and path, the model, the node, the status, how the request
 ended and in which phase (``completed``, ``client_cancel@ttfb``, ``client_cancel@stream``,
 ``upstream_error@stream``, ``no_healthy_node@admission``...), bytes and events sent to the
-client, time to first byte and duration. Never keys or bodies."""
+client, time to first byte and duration, and the trace id (the request's, or the caller's
+``traceparent`` when requests are not traced here). Never keys or bodies."""
 
 from __future__ import annotations
 
@@ -81,6 +82,7 @@ class Record:
         "started",
         "status",
         "stream_error",
+        "trace_id",
     )
 
     def __init__(self, access: AccessLog, scope: dict[str, Any], request_id: bytes) -> None:
@@ -97,6 +99,7 @@ class Record:
         self.node: str | None = None
         self.proxy_error: str | None = None
         self.stream_error = False
+        self.trace_id: str | None = None
 
     def wrap(self, send: Send) -> Send:
         async def observed(message: dict[str, Any]) -> None:
@@ -144,6 +147,7 @@ class Record:
                 "events": self.events,
                 "ttfb": None if self.first_byte is None else round(self.first_byte, 6),
                 "duration": round(time.monotonic() - self.started, 6),
+                "trace_id": self.trace_id,
             }
         )
 

@@ -30,6 +30,8 @@ from .openapi import schema
 from .pd import make_adapter
 from .responses import JSON_HEADERS, MethodNotAllowed, NotFound, Receive, Scope, Send, header, send_error, send_json
 from .router import Router
+from .tenants import TenantsFile, UsageSync
+from .tenants import usage as tenant_usage
 
 __all__ = ["SETTINGS_ENV", "ProxyApp", "app_from_environment", "create_app"]
 
@@ -93,6 +95,8 @@ class ProxyApp:
         self._group_task: asyncio.Task[None] | None = None
         self._health_watch: asyncio.Task[None] | None = None
         self._admin_paths = {route.path for route in ROUTES}
+        self.tenants: TenantsFile | None = None
+        self.usage_sync: UsageSync | None = None
 
     async def startup(self) -> None:
         if self.tune_gc:
@@ -110,6 +114,13 @@ class ProxyApp:
         group = (self.group.table, self.group.index) if self.group else None
         self.router = Router(settings=self.settings.replace(nodes=()), group=group)
         await self.router.start()
+        self.keys.tenants = self.router.core
+        if self.settings.tenants_file:
+            self.tenants = TenantsFile(self.router, self.settings.tenants_file)
+            self.tenants.start()
+            if self.settings.registry:
+                self.usage_sync = UsageSync(self.router, self.settings.registry, self.settings.tenant_sync_interval)
+                await self.usage_sync.start()
         self.fleet = Fleet(self.router, self.settings, self._membership())
         self.fleet.group = self.group
         if self.settings.serving_strategy == "DistServe":
@@ -172,7 +183,16 @@ class ProxyApp:
                 log.info("health checks are completing again")
             warned = stale is not None
 
+    def reload_tenants(self) -> None:
+        """SIGHUP: reads the tenants file again."""
+        if self.tenants is not None:
+            self.tenants.reload()
+
     async def shutdown(self) -> None:
+        if self.usage_sync is not None:
+            await self.usage_sync.aclose()
+        if self.tenants is not None:
+            await self.tenants.aclose()
         await background.stop(self._health_watch)
         await background.stop(self._group_task)
         if self.distserve is not None:
@@ -276,6 +296,9 @@ class ProxyApp:
             self.keys.check_admin(scope["headers"])
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", CONTENT_TYPE)]})
             await send({"type": "http.response.body", "body": render(self.metrics)})
+        elif path == "/usage":
+            self.keys.check_admin(scope["headers"])
+            await send_json(send, 200, tenant_usage(router))
         elif path == "/openapi.json":
             await send_json(send, 200, schema())
         else:

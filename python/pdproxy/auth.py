@@ -12,6 +12,7 @@ import hmac
 import ipaddress
 import socket
 from collections.abc import Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 from .errors import PdproxyError
@@ -34,6 +35,11 @@ class Forbidden(PdproxyError):
     status = 403
     code = "forbidden"
     type = "permission_error"
+
+
+def bearer(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    """The client's key (the token of a ``Bearer`` authorization)."""
+    return _bearer(headers)
 
 
 def _bearer(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
@@ -67,6 +73,8 @@ class Keys:
     ) -> None:
         self.api = tuple(k.encode() for k in api_keys)
         self.admin = tuple(k.encode() for k in admin_keys) or self.api
+        #: The data plane's tenants (their keys are inference keys too), once it is built.
+        self.tenants: Any = None
         #: Host names (not addresses) the proxy answers to without an admin key.
         self.names = {"localhost", socket.gethostname().lower(), host.lower()}
         self.keyless_registration = tuple(ipaddress.ip_network(n, strict=False) for n in keyless_registration)
@@ -85,11 +93,16 @@ class Keys:
         self.check_admin(headers)
 
     def check_inference(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
-        if not self.api:
+        """An API key, or with tenants configured a tenant's key, when either is set."""
+        tenants = self.tenants is not None and self.tenants.tenants_configured
+        if not self.api and not tenants:
             return
         token = _bearer(headers)
-        if token is None or not _matches(token, self.api):
-            raise Unauthorized("a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)")
+        if token is not None and (
+            (self.api and _matches(token, self.api)) or (tenants and self.tenants.tenant_key_known(token))
+        ):
+            return
+        raise Unauthorized("a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)")
 
     def check_admin(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
         if not self.admin:

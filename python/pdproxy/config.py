@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,12 +22,14 @@ from .errors import ConfigError
 from .group import MAX_WORKERS
 from .membership import check_url as check_registry_url
 from .node_spec import NodeSpec
+from .tenants import load as load_tenants
+from .tracing import otel_settings
 
 __all__ = ["ENV_PREFIX", "Settings"]
 
 ENV_PREFIX = "PDPROXY_"
 #: Settings that hold key material: never printed or logged.
-SECRET_FIELDS = ("api_keys", "admin_keys")
+SECRET_FIELDS = ("api_keys", "admin_keys", "otlp_headers")
 
 
 #: Log levels by every name LMDeploy's `--log-level` takes, as pdproxy (and granian) name them.
@@ -368,6 +371,23 @@ class Settings:
         default="",
         metadata=_opt("File of admin keys, one per line, added to --admin-keys.", section="security"),
     )
+    tenants_file: str = field(
+        default="",
+        metadata=_opt(
+            "TOML file of tenants: each one's API keys, limits (requests and tokens per minute, requests at "
+            "once, a daily token budget) and priority. Reloaded when it changes and on SIGHUP. With tenants, "
+            "inference needs a tenant's key or an API key.",
+            section="tenants",
+        ),
+    )
+    tenant_sync_interval: float = field(
+        default=1.0,
+        metadata=_opt(
+            "With --registry: seconds between two exchanges of tenant usage with the other replicas (a "
+            "limit holds across replicas within what they admit in one interval).",
+            section="tenants",
+        ),
+    )
     allow_node_cidrs: tuple[str, ...] = field(
         default=(),
         metadata=_opt(
@@ -420,6 +440,45 @@ class Settings:
     discovery_interval: float = field(
         default=5.0, metadata=_opt("Seconds between retries of model discovery for nodes that have not answered yet.")
     )
+    otlp_endpoint: str = field(
+        default="",
+        metadata=_opt(
+            "Trace requests and export their spans over OTLP/HTTP (JSON) to this URL, e.g. "
+            "http://127.0.0.1:4318/v1/traces. Unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, or "
+            "OTEL_EXPORTER_OTLP_ENDPOINT plus /v1/traces; neither: requests are not traced (and the "
+            "client's traceparent reaches the node unchanged).",
+            section="tracing",
+        ),
+    )
+    otlp_headers: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt(
+            "NAME=VALUE header sent with every export (repeat for several). Unset: "
+            "OTEL_EXPORTER_OTLP_TRACES_HEADERS or OTEL_EXPORTER_OTLP_HEADERS.",
+            flag="--otlp-header",
+            section="tracing",
+        ),
+    )
+    service_name: str = field(
+        default="",
+        metadata=_opt("service.name of the spans. Unset: OTEL_SERVICE_NAME, else pdproxy.", section="tracing"),
+    )
+    trace_sampler: str = field(
+        default="",
+        metadata=_opt(
+            "Which traces are recorded: always_on, always_off, traceidratio, parentbased_always_on, "
+            "parentbased_always_off, parentbased_traceidratio. Unset: OTEL_TRACES_SAMPLER, else "
+            "parentbased_always_on. Unrecorded traces are still passed on to the nodes.",
+            section="tracing",
+        ),
+    )
+    trace_sampler_arg: float = field(
+        default=-1.0,
+        metadata=_opt(
+            "The ratio of the traceidratio samplers (0 to 1). Unset: OTEL_TRACES_SAMPLER_ARG, else 1.",
+            section="tracing",
+        ),
+    )
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -430,11 +489,14 @@ class Settings:
             if path:
                 extra = tuple(k for k in _read_keys(path) if k not in getattr(self, keys))
                 object.__setattr__(self, keys, (*getattr(self, keys), *extra))
+        for name, value in otel_settings(self, os.environ).items():
+            object.__setattr__(self, name, value)
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
         self._check_choices()
         self._check_numbers()
         self._check_security()
+        self._check_features()
         self.node_specs()  # each node parses
 
     def _check_choices(self) -> None:
@@ -512,6 +574,7 @@ class Settings:
             "health_interval",
             "health_timeout",
             "admin_timeout",
+            "tenant_sync_interval",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
@@ -572,6 +635,18 @@ class Settings:
             except ValueError as e:
                 raise ConfigError(f"node {spec.url}: {e}") from None
         return specs
+
+    def _check_features(self) -> None:
+        if self.tenants_file:
+            load_tenants(self.tenants_file)  # a bad file stops the start, naming its problem
+        if self.otlp_endpoint and not self.otlp_endpoint.startswith("http://"):
+            raise ConfigError(
+                f"otlp_endpoint must be an http:// URL (export to a local collector), got {self.otlp_endpoint!r}"
+            )
+        if any("=" not in header for header in self.otlp_headers):
+            raise ConfigError("otlp_headers must be NAME=VALUE pairs")
+        if not 0 <= self.trace_sampler_arg <= 1:
+            raise ConfigError(f"trace_sampler_arg must be between 0 and 1, got {self.trace_sampler_arg}")
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with some fields changed (validated again)."""

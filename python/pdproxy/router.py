@@ -224,6 +224,8 @@ class Router:
         *,
         role: str = "hybrid",
         node: str | None = None,
+        trace: _pdproxy.Trace | None = None,
+        tenant: _pdproxy.TenantTicket | None = None,
     ) -> asyncio.Future[_pdproxy.Response]:
         """Routes ``body`` by its ``model`` and sends it to the chosen node.
 
@@ -233,10 +235,14 @@ class Router:
         future raises ``UpstreamError`` and its subclasses when the node fails, ``Overloaded``
         when the request waited in the queue too long. Cancelling it cancels the upstream request.
         ``node`` sends it to that node instead of selecting one (it must be healthy and have room).
+        ``trace`` (from ``trace()``, or a span of it): the request's admission, selection and
+        attempts are recorded under it, and each node gets the attempt's ``traceparent``.
+        ``tenant`` (from ``admit``): the request queues at its priority and tenant, and the
+        answer's tokens count for the tenant (except a prefill leg's).
         """
         try:
             return self._core.forward(
-                path, body, headers if isinstance(headers, list) else list(headers), method, role, node
+                path, body, headers if isinstance(headers, list) else list(headers), method, role, node, trace, tenant
             )
         except NoNodeAvailable as e:
             # Nodes whose models are unknown may be why: say which, and what they answered.
@@ -244,3 +250,16 @@ class Router:
             if e.detail is None and failures:
                 e.detail = "; ".join(f"node {url}: {why}" for url, why in failures.items())
             raise
+
+    def admit(self, key: bytes | None, body: bytes, priority: int | None = None) -> _pdproxy.TenantTicket:
+        """A request's admission by its key's tenant: its priority (the body's ``priority``, else
+        ``priority``, bounded by the tenant's limit) and the tenant's pass, to give to
+        ``forward`` and ``close`` when the request ends. Raises ``RateLimited`` (or
+        ``QuotaExceeded``) when the tenant is over a limit."""
+        return self._core.admit_tenant(key, body, priority)
+
+    def trace(self, traceparent: bytes | None = None) -> _pdproxy.Trace | None:
+        """Opens the trace of a request that came with ``traceparent`` (else a new trace);
+        ``None`` when tracing is off (no ``otlp_endpoint``). Its root span is exported when the
+        last reference to it goes."""
+        return self._core.trace(traceparent)

@@ -23,6 +23,7 @@ from . import edge, group, tls
 from .app import MAIN_PID_ENV, SETTINGS_ENV
 from .config import Settings
 from .errors import ConfigError
+from .tracing import TraceIdFilter
 
 #: Mock engines started by --demo: how many, and how long to wait for them.
 DEMO_ENGINES = 2
@@ -110,7 +111,10 @@ def _refuse_taken_port(settings: Settings) -> None:
 def _logging_config(level: str, behind_edge: bool = False) -> dict[str, Any]:
     """granian's logging setup plus pdproxy's logger, so both print the same way."""
     config: dict[str, Any] = copy.deepcopy(LOGGING_CONFIG)
-    config["loggers"]["pdproxy"] = {"handlers": ["console"], "level": level.upper(), "propagate": False}
+    # pdproxy's own handler, so lines logged while serving a traced request carry its trace id.
+    config["filters"] = {**config.get("filters", {}), "trace_id": {"()": TraceIdFilter}}
+    config["handlers"]["pdproxy"] = {**config["handlers"]["console"], "filters": ["trace_id"]}
+    config["loggers"]["pdproxy"] = {"handlers": ["pdproxy"], "level": level.upper(), "propagate": False}
     if not behind_edge:
         return config
     config["filters"] = {**config.get("filters", {}), "no_embed_notice": {"()": _NoEmbedNotice}}

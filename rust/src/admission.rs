@@ -4,8 +4,9 @@
 //! - by class: a smaller `priority` first (vLLM's convention);
 //! - within a class, tenant after tenant in turn, each tenant's requests in arrival order, so a
 //!   tenant that sends ten times more waits longer, not the others;
-//! - every `AGING_EVERY`-th slot goes to the request that has waited longest whatever its class:
-//!   the lowest class still gets at least that share of the slots freed while it waits.
+//! - every `AGING_EVERY`-th slot goes to the request that has waited longest in a less urgent
+//!   class than the most urgent one waiting: the lowest class still gets at least that share of
+//!   the slots freed while it waits.
 //!
 //! Nothing already running is preempted.
 
@@ -187,10 +188,17 @@ impl Queue {
         let oldest = |candidates: &mut dyn Iterator<Item = (usize, &Waiting)>| {
             candidates.min_by_key(|(_, w)| w.seq).map(|(i, _)| i)
         };
-        if self.wakes % AGING_EVERY == 0 {
-            return oldest(&mut self.waiting.iter().enumerate().filter(|(_, w)| eligible(w)));
-        }
         let priority = self.waiting.iter().filter(|w| eligible(w)).map(|w| w.class.priority).min()?;
+        if self.wakes % AGING_EVERY == 0 {
+            // The longest waiter of a less urgent class, if any waits (within one class, the
+            // tenants' turns already keep everyone moving).
+            let lower = oldest(
+                &mut self.waiting.iter().enumerate().filter(|(_, w)| eligible(w) && w.class.priority > priority),
+            );
+            if lower.is_some() {
+                return lower;
+            }
+        }
         let in_class = |w: &Waiting| eligible(w) && w.class.priority == priority;
         // The next tenant in turn after the one served last in this class (cyclically).
         let last = self.last_tenant.get(&priority).copied();

@@ -255,12 +255,14 @@ pub struct StreamTimeouts {
 /// Reads the node's body into `exchange` until it ends, fails, goes idle for longer than
 /// `idle_timeout`, or the exchange is closed (which aborts this task). The exchange's permit
 /// is released when the body ends: `outcome_at_end` if it ended cleanly, else a failure.
+/// `observe` sees every piece (a tenant's token count).
 pub async fn pump(
     exchange: &Exchange,
     body: StreamBody,
     started: Instant,
     timeouts: StreamTimeouts,
     outcome_at_end: Outcome,
+    observe: &mut (dyn FnMut(&[u8]) + Send),
 ) {
     let StreamTimeouts { idle: idle_timeout, stall: stall_timeout } = timeouts;
     let StreamBody { mut body, event_stream } = body;
@@ -294,6 +296,7 @@ pub async fn pump(
                         let events = sse::count_events(&data, &mut last_was_newline);
                         report.events += events;
                         burst_events += events;
+                        observe(&data);
                         burst.push(data);
                     }
                 }
@@ -339,8 +342,9 @@ mod tests {
         exchange.attach(InFlightPermit::acquire(&node));
         let stream = StreamBody { body: body.boxed(), event_stream };
         let pumping = Arc::clone(&exchange);
-        let task =
-            tokio::spawn(async move { pump(&pumping, stream, Instant::now(), TIMEOUTS, Outcome::Succeeded).await });
+        let task = tokio::spawn(async move {
+            pump(&pumping, stream, Instant::now(), TIMEOUTS, Outcome::Succeeded, &mut |_| {}).await;
+        });
         exchange.set_task(task.abort_handle());
         (tx, exchange, counters)
     }
@@ -460,7 +464,7 @@ mod tests {
         exchange.attach(InFlightPermit::acquire(&node));
         let stream = StreamBody { body: body.boxed(), event_stream: true };
         let timeouts = StreamTimeouts { idle: Duration::from_millis(20), stall: Duration::from_secs(5) };
-        pump(&exchange, stream, Instant::now(), timeouts, Outcome::Succeeded).await;
+        pump(&exchange, stream, Instant::now(), timeouts, Outcome::Succeeded, &mut |_| {}).await;
         assert!(matches!(exchange.take_ready(), Some(Delivery::Failed(e)) if e.is_timeout()));
         assert_eq!(counters.snapshot().failed, 1);
         drop(tx);
@@ -477,7 +481,7 @@ mod tests {
         tx.send_data(Bytes::from("data: 0123456789abcdef\n\n")).await.unwrap();
         let timeouts = StreamTimeouts { idle: Duration::from_secs(5), stall: Duration::from_millis(30) };
         // Nobody reads: past the stall limit the node is let go.
-        pump(&exchange, stream, Instant::now(), timeouts, Outcome::Succeeded).await;
+        pump(&exchange, stream, Instant::now(), timeouts, Outcome::Succeeded, &mut |_| {}).await;
         assert_eq!(node.counters().snapshot().in_flight, 0);
         assert!(matches!(exchange.take_ready(), Some(Delivery::Batch(_))));
         assert!(matches!(exchange.take_ready(), Some(Delivery::Failed(e)) if e.is_timeout()));

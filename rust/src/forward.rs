@@ -13,7 +13,7 @@ use crate::error::{BoxError, Error, Kind, Result};
 use crate::node::Node;
 use crate::permit::Outcome;
 use crate::sse;
-use crate::upstream::{Client, ClientConfig};
+use crate::upstream::{Client, ClientConfig, Hop};
 
 /// Client settings. Values come from the control plane's settings; no defaults live here.
 #[derive(Debug, Clone)]
@@ -118,13 +118,26 @@ impl Forwarder {
         &self.config
     }
 
-    /// Sends `request` to `node` and returns the response head; with `prefetch`, the body
-    /// is read whole first when it is small and not an event stream. Accounting is the caller's.
-    pub async fn forward(&self, node: &Node, request: &ForwardRequest, prefetch: bool) -> Result<UpstreamResponse> {
-        self.forward_to(node, request, prefetch).await.map_err(|e| e.at_node(node.url()))
+    /// Sends `request` to `node` (with the attempt's `traceparent`, when traced) and returns
+    /// the response head; with `prefetch`, the body is read whole first when it is small and
+    /// not an event stream. Accounting is the caller's.
+    pub async fn forward(
+        &self,
+        node: &Node,
+        request: &ForwardRequest,
+        prefetch: bool,
+        traceparent: Option<&HeaderValue>,
+    ) -> Result<UpstreamResponse> {
+        self.forward_to(node, request, prefetch, traceparent).await.map_err(|e| e.at_node(node.url()))
     }
 
-    async fn forward_to(&self, node: &Node, request: &ForwardRequest, prefetch: bool) -> Result<UpstreamResponse> {
+    async fn forward_to(
+        &self,
+        node: &Node,
+        request: &ForwardRequest,
+        prefetch: bool,
+        traceparent: Option<&HeaderValue>,
+    ) -> Result<UpstreamResponse> {
         let path = node.path_for(&request.path_and_query);
         let key = match &node.spec().api_key {
             Some(key) => Some(HeaderValue::from_str(&format!("Bearer {key}")).map_err(|e| {
@@ -132,7 +145,8 @@ impl Forwarder {
             })?),
             None => None,
         };
-        let sent = self.client.send(node.target(), &path, request, key.as_ref(), &self.via);
+        let hop = Hop { authorization: key.as_ref(), via: &self.via, traceparent };
+        let sent = self.client.send(node.target(), &path, request, &hop);
         let answer = match tokio::time::timeout(self.config.first_byte_timeout, sent).await {
             Ok(answer) => answer?,
             Err(_) => return Err(Error::new(Kind::Timeout, "the node did not answer in time")),

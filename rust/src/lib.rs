@@ -21,7 +21,9 @@ pub mod runtime;
 pub mod select;
 pub mod shared;
 pub mod sse;
+pub mod tenants;
 pub mod tls;
+pub mod trace;
 pub mod upstream;
 
 #[cfg(feature = "python")]

@@ -42,7 +42,7 @@ async fn send(fwd: &Forwarder, node: &Arc<Node>, path: &str) -> _pdproxy::error:
         extra: Vec::new(),
         body: bytes::Bytes::from_static(b"{}"),
     };
-    fwd.forward(node, &request, true).await
+    fwd.forward(node, &request, true, None).await
 }
 
 /// Pumps `stream` and reads it as the Python side does: batches until the end or an error.
@@ -51,7 +51,7 @@ async fn read_all(stream: StreamBody) -> (Vec<bytes::Bytes>, Option<Error>) {
     let pumping = Arc::clone(&exchange);
     tokio::spawn(async move {
         let timeouts = StreamTimeouts { idle: Duration::from_secs(5), stall: Duration::from_secs(5) };
-        pump(&pumping, stream, std::time::Instant::now(), timeouts, Outcome::Succeeded).await;
+        pump(&pumping, stream, std::time::Instant::now(), timeouts, Outcome::Succeeded, &mut |_| {}).await;
     });
     let mut batches = Vec::new();
     loop {

@@ -160,6 +160,7 @@ async fn queued_requests_are_all_served_within_the_cap() {
             node_ca_file: None,
         },
         max_requests: 0,
+        tracing: None,
     };
     let engine = Arc::new(Engine::new(config, Registry::new()).unwrap());
     let spec = NodeSpec { models: vec!["m".into()], max_concurrency: Some(2), ..NodeSpec::default() };

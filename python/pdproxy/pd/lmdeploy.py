@@ -21,12 +21,12 @@ from typing import Any
 from pdproxy.config import Settings
 from pdproxy.errors import InvalidRequest
 from pdproxy.group import alive
-from pdproxy.responses import Send
 from pdproxy.router import Router
+from pdproxy.tracing import end_on_answer, leg
 
 from .ledger import Preserved, SessionLedger
 from .links import LinkPool, Transport
-from .relay import InvalidPrefillAnswer, read_all, relay, send_raw
+from .relay import InvalidPrefillAnswer, PdRequest, read_all, relay, send_raw
 
 log = logging.getLogger("pdproxy.pd")
 
@@ -129,8 +129,10 @@ class DistServe:
     def status(self) -> dict[str, Any]:
         return {"links": self.links.status(), "ledger": self.ledger.status()}
 
-    async def handle(self, path: str, body: bytes, headers: list[tuple[bytes, bytes]], send: Send, echo: Any) -> None:
+    async def handle(self, request: PdRequest) -> None:
         """One disaggregated request, prefill to decode to client."""
+        path, body, headers, send, echo = request.path, request.body, request.headers, request.send, request.echo
+        trace, tenant = request.trace, request.tenant
         chat = path.startswith("/v1/chat/")
         info = Router.inspect(body)
         if (info["n"] or 1) > 1:
@@ -146,9 +148,12 @@ class DistServe:
                 # Connect the pair while the prefill runs, so decode never waits for a handshake.
                 link = asyncio.ensure_future(self.links.ensure(prefill, decode))
                 link.add_done_callback(_consume_exception)
-                answer = await self.router.forward(
-                    path, _prefill_body(body, chat), headers, role="prefill", node=prefill
+                span = leg(trace, "pdproxy.prefill")
+                pending = self.router.forward(
+                    path, _prefill_body(body, chat), headers, role="prefill", node=prefill, trace=span, tenant=tenant
                 )
+                end_on_answer(span, pending)
+                answer = await pending
                 raw = await read_all(answer)
                 if answer.status != 200:
                     # The prefill node's own error, status and body unchanged.
@@ -162,7 +167,12 @@ class DistServe:
                 await link
                 migration = _migration(self.links.transport, prefill, session, blocks, token)
             decode_body = Router.patch(body, {"migration_request": migration})
-            response = await self.router.forward(path, decode_body, headers, role="decode", node=decode)
+            span = leg(trace, "pdproxy.decode")
+            pending = self.router.forward(
+                path, decode_body, headers, role="decode", node=decode, trace=span, tenant=tenant
+            )
+            end_on_answer(span, pending)
+            response = await pending
             try:
                 await relay(response, send, echo, on_first=(lambda: self.ledger.consume(entry)) if entry else None)
             finally:

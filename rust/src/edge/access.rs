@@ -69,6 +69,8 @@ pub struct Record {
     pub bytes: u64,
     pub events: u64,
     pub first_byte: Option<Duration>,
+    /// The request's trace (its own, or the caller's when requests are not traced).
+    pub trace_id: Option<String>,
 }
 
 impl Record {
@@ -90,6 +92,7 @@ impl Record {
             bytes: 0,
             events: 0,
             first_byte: None,
+            trace_id: None,
         })
     }
 
@@ -167,6 +170,7 @@ impl Record {
         field("events", Value::Int(Some(self.events)));
         field("ttfb", Value::Seconds(self.first_byte));
         field("duration", Value::Seconds(Some(duration)));
+        field("trace_id", Value::Str(self.trace_id.as_deref()));
         if json {
             out.push('}');
         }

@@ -12,9 +12,9 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::Sleep;
 
-use super::access::Record;
 use super::answer::{self, Fault};
 use super::control::ControlBody;
+use super::notes::Notes;
 use super::Stop;
 use crate::engine::GatePass;
 use crate::error::{BoxError, Error, Kind};
@@ -95,7 +95,7 @@ pub struct Relay {
     /// How the node's body ended, once it has, for the poll after the last data.
     ended: Option<Result<(), Error>>,
     finished: bool,
-    record: Option<Box<Record>>,
+    notes: Notes,
     _pass: Option<GatePass>,
 }
 
@@ -109,7 +109,7 @@ pub struct RelayParts {
     pub deadline: Option<tokio::time::Instant>,
     pub cut: Arc<Stop>,
     pub started: Instant,
-    pub record: Option<Box<Record>>,
+    pub notes: Notes,
     pub pass: Option<GatePass>,
 }
 
@@ -133,7 +133,7 @@ impl Relay {
             last_was_newline: false,
             ended: None,
             finished: false,
-            record: parts.record,
+            notes: parts.notes,
             _pass: parts.pass,
         }
     }
@@ -231,9 +231,7 @@ impl Relay {
         }
         self.last_data = tokio::time::Instant::from_std(now);
         let out = if self.event_stream { self.whole_events(data) } else { data };
-        if let Some(record) = &mut self.record {
-            record.sent(&out);
-        }
+        self.notes.sent(&out);
         out
     }
 
@@ -282,9 +280,7 @@ impl Relay {
         }
         match end {
             Ok(()) => {
-                if let Some(record) = &mut self.record {
-                    record.complete = true;
-                }
+                self.notes.completed();
                 // A node that ended mid-event: what it sent still goes out.
                 let rest = self.held.split().freeze();
                 if rest.is_empty() {
@@ -299,11 +295,7 @@ impl Relay {
                 let fault: Fault =
                     if error.kind() == Kind::Cancelled { answer::DRAINING } else { answer::fault_of(&error) };
                 let event = answer::stream_error_event(error.message(), fault);
-                if let Some(record) = &mut self.record {
-                    record.sent(&event);
-                    record.stream_error = true;
-                    record.complete = true;
-                }
+                self.notes.stream_failed(&event, error.message());
                 Poll::Ready(Some(Ok(Frame::data(event))))
             }
             Err(error) => Poll::Ready(Some(Err(Box::new(error)))),

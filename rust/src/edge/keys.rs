@@ -16,7 +16,12 @@ impl Keys {
         Self(keys.iter().map(|k| k.as_bytes().to_vec()).collect())
     }
 
-    /// Whether the request may pass: no keys configured, or a `Bearer` token that is one of them.
+    /// Whether any key is set.
+    pub fn configured(&self) -> bool {
+        !self.0.is_empty()
+    }
+
+    /// Whether the request may pass: no keys configured, or a client key that is one of them.
     pub fn allows(&self, headers: &HeaderMap) -> bool {
         if self.0.is_empty() {
             return true;
@@ -28,7 +33,7 @@ impl Keys {
 
 /// The client's key: the token of the first `Authorization` header when its scheme is
 /// `Bearer`, else the first `x-api-key`.
-fn client_key(headers: &HeaderMap) -> Option<&[u8]> {
+pub fn client_key(headers: &HeaderMap) -> Option<&[u8]> {
     match headers.get(AUTHORIZATION) {
         Some(value) => {
             let value = value.as_bytes();

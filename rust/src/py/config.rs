@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 use crate::engine::{EngineConfig, PolicyNames};
 use crate::forward::ForwardConfig;
 use crate::select::{PolicyConfig, PrefixConfig};
+use crate::trace::{Sampler, TracingConfig};
 
 #[derive(FromPyObject)]
 pub struct RouterConfig {
@@ -40,6 +41,12 @@ pub struct RouterConfig {
     pub stream_stall_timeout: f64,
     pub max_requests: usize,
     pub node_ca_file: String,
+    pub otlp_endpoint: String,
+    /// `NAME=VALUE` pairs.
+    pub otlp_headers: Vec<String>,
+    pub service_name: String,
+    pub trace_sampler: String,
+    pub trace_sampler_arg: f64,
 }
 
 pub fn seconds(name: &str, value: f64) -> PyResult<Duration> {
@@ -98,6 +105,26 @@ impl RouterConfig {
             circuit_cooldown: seconds("circuit_cooldown", self.circuit_cooldown)?,
             forward: self.forward_config()?,
             max_requests: self.max_requests,
+            tracing: self.tracing_config()?,
         })
+    }
+
+    /// Tracing, when an OTLP endpoint is set.
+    fn tracing_config(&self) -> PyResult<Option<TracingConfig>> {
+        if self.otlp_endpoint.is_empty() {
+            return Ok(None);
+        }
+        let sampler = Sampler::parse(&self.trace_sampler, Some(self.trace_sampler_arg))
+            .ok_or_else(|| PyValueError::new_err(format!("unknown trace sampler {:?}", self.trace_sampler)))?;
+        Ok(Some(TracingConfig {
+            endpoint: self.otlp_endpoint.clone(),
+            headers: self
+                .otlp_headers
+                .iter()
+                .filter_map(|h| h.split_once('=').map(|(n, v)| (n.trim().to_owned(), v.trim().to_owned())))
+                .collect(),
+            service_name: self.service_name.clone(),
+            sampler,
+        }))
     }
 }

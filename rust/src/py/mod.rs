@@ -7,6 +7,8 @@ mod errors;
 mod response;
 mod router;
 mod shared;
+mod tenants;
+mod trace;
 
 use pyo3::prelude::*;
 
@@ -21,5 +23,7 @@ fn _pdproxy(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<shared::SharedTable>()?;
     m.add_class::<edge::EdgeListener>()?;
     m.add_class::<edge::Edge>()?;
+    m.add_class::<trace::Trace>()?;
+    m.add_class::<tenants::TenantTicket>()?;
     Ok(())
 }

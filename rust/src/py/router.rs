@@ -1,7 +1,7 @@
 //! `Router`: the engine (node table, selection, admission, forwarding) as one Python object.
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -16,6 +16,9 @@ use super::config::RouterConfig;
 use super::errors::to_pyerr;
 use super::response::{Head, Response};
 use super::shared::SharedTable;
+use super::tenants::{limited_to_pyerr, tenant_dict, TenantEntry, TenantTicket};
+use super::trace::{traced, Trace};
+use crate::admission::Class;
 use crate::engine::{select_ctx, Admitted, Engine};
 use crate::error::{Error, Kind};
 use crate::exchange::{pump, Exchange, StreamTimeouts};
@@ -28,6 +31,8 @@ use crate::permit::Outcome;
 use crate::registry::{check_api_key, check_speed, Registry};
 use crate::runtime;
 use crate::select::SelectCtx;
+use crate::tenants::{estimate_tokens, TenantPass, TenantSpec};
+use crate::trace::{OpenSpan, Trace as RequestTrace};
 
 #[pyclass(frozen, name = "Router", module = "pdproxy._pdproxy")]
 pub struct Router {
@@ -270,7 +275,7 @@ impl Router {
     /// running loop that resolves to a `Response` once the node's response head has arrived;
     /// cancelling it cancels the upstream request. When every candidate is at its cap the
     /// request waits in the queue first.
-    #[pyo3(signature = (path, body, headers=Vec::new(), method="POST", role="hybrid", node=None))]
+    #[pyo3(signature = (path, body, headers=Vec::new(), method="POST", role="hybrid", node=None, trace=None, tenant=None))]
     #[allow(clippy::too_many_arguments)]
     fn forward<'py>(
         &self,
@@ -281,6 +286,8 @@ impl Router {
         method: &str,
         role: &str,
         node: Option<&str>,
+        trace: Option<PyRef<'_, Trace>>,
+        tenant: Option<PyRef<'_, TenantTicket>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let method = Method::from_bytes(method.as_bytes())
             .map_err(|_| PyValueError::new_err(format!("invalid HTTP method {method:?}")))?;
@@ -292,12 +299,17 @@ impl Router {
         let body = Bytes::copy_from_slice(body);
         let headers = header_map(&headers);
         let info = inspect(&body).map_err(|e| to_pyerr(&e))?;
-        let admitted = match node {
-            Some(url) => {
-                self.engine.registry.load().count_request(info.model.as_deref());
-                Admitted::Now(self.engine.admit_on(url).map_err(|e| to_pyerr(&e))?)
-            }
-            None => self.engine.admit(&select_ctx(role, &headers, &info)).map_err(|e| to_pyerr(&e))?,
+        let place = trace.map(|t| t.place());
+        let class = tenant.as_ref().map_or(Class { priority: info.priority.unwrap_or(0), tenant: 0 }, |t| t.class);
+        // A prefill's answer is not the client's: only the other legs count tokens.
+        let meter = tenant.filter(|_| role != Role::Prefill).map(|t| Arc::clone(&t.pass));
+        let admitted = if let Some(url) = node {
+            self.engine.registry.load().count_request(info.model.as_deref());
+            Admitted::Now(self.engine.admit_on(url).map_err(|e| to_pyerr(&e))?)
+        } else {
+            let trace = place.as_ref().map(|(trace, span)| traced(trace, span.as_ref()));
+            let ctx = SelectCtx { class, trace, ..select_ctx(role, &headers, &info) };
+            self.engine.admit(&ctx).map_err(|e| to_pyerr(&e))?
         };
         drop(info);
 
@@ -315,12 +327,87 @@ impl Router {
             request: ForwardRequest { method, path_and_query: path, headers, extra: Vec::new(), body },
             role,
             exchange: Arc::clone(&exchange),
+            trace: place,
+            class,
+            meter,
         };
         let shutdown = self.shutdown.clone();
         let task = self.runtime.spawn(async move { job.run(reply, shutdown).await });
         exchange.set_task(task.abort_handle());
         future.call_method1(pyo3::intern!(py, "add_done_callback"), (AbortOnCancel(exchange),))?;
         Ok(future)
+    }
+
+    /// Replaces the tenants with the tenants file's entries (a tenant kept by name keeps its
+    /// window and counts).
+    fn set_tenants(&self, entries: Vec<TenantEntry>) {
+        let specs: Vec<TenantSpec> = entries.into_iter().map(Into::into).collect();
+        self.engine.tenants.set(&specs);
+    }
+
+    /// Whether tenants are configured (then inference needs a tenant's key or an API key).
+    #[getter]
+    fn tenants_configured(&self) -> bool {
+        self.engine.tenants.configured()
+    }
+
+    /// Whether `key` is a tenant's.
+    fn tenant_key_known(&self, key: &[u8]) -> bool {
+        self.engine.tenants.by_key(key).is_some()
+    }
+
+    /// Admits a request by its key's tenant: its queue class (the body's `priority`, else
+    /// `priority`, bounded by the tenant), and the tenant's pass. Raises `RateLimited` (or
+    /// `QuotaExceeded`) when the tenant is over a limit.
+    #[pyo3(signature = (key, body, priority=None))]
+    fn admit_tenant(&self, key: Option<&[u8]>, body: &[u8], priority: Option<i32>) -> PyResult<TenantTicket> {
+        let info = inspect(body).map_err(|e| to_pyerr(&e))?;
+        let asked = info.priority.or(priority);
+        let tenant = key.filter(|_| self.engine.tenants.configured()).and_then(|k| self.engine.tenants.by_key(k));
+        let Some(tenant) = tenant else {
+            return Ok(TenantTicket::new(None, Class { priority: asked.unwrap_or(0), tenant: 0 }));
+        };
+        let estimate = estimate_tokens(info.prompt.map_or(0, <[u8]>::len));
+        let pass = tenant.admit(estimate, asked).map_err(|limited| limited_to_pyerr(&limited))?;
+        let class = pass.class;
+        Ok(TenantTicket::new(Some(pass), class))
+    }
+
+    /// Every tenant: limits, current window, tokens today, requests in flight and counts.
+    fn tenants<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for tenant in self.engine.tenants.all() {
+            list.append(tenant_dict(py, &tenant)?)?;
+        }
+        Ok(list)
+    }
+
+    /// Each tenant's requests and tokens here since the last call (for the replicas' sync).
+    fn take_tenant_usage(&self) -> Vec<(String, u64, u64)> {
+        self.engine
+            .tenants
+            .all()
+            .iter()
+            .map(|t| {
+                let (requests, tokens) = t.take_local();
+                (t.name.clone(), requests, tokens)
+            })
+            .collect()
+    }
+
+    /// Debits what other replicas used since the last sync from tenant `name`'s window.
+    fn absorb_tenant_usage(&self, name: &str, requests: u64, tokens: u64) {
+        if let Some(tenant) = self.engine.tenants.by_name(name) {
+            tenant.absorb(requests, tokens);
+        }
+    }
+
+    /// The trace of a request that came with `traceparent` (the caller's; else a new one), or
+    /// `None` when requests are not traced.
+    #[pyo3(signature = (traceparent=None))]
+    fn trace(&self, traceparent: Option<&[u8]>) -> Option<Trace> {
+        let tracer = self.engine.tracer.as_ref()?;
+        Some(Trace::root(tracer.begin(traceparent, "pdproxy.request")))
     }
 
     /// Stops serving: requests in flight end now (their readers get an error) and new ones
@@ -387,6 +474,11 @@ struct Job {
     request: ForwardRequest,
     role: Role,
     exchange: Arc<Exchange>,
+    /// The request's trace and the span its parts go under (the root when `None`).
+    trace: Option<(Arc<RequestTrace>, Option<OpenSpan>)>,
+    class: Class,
+    /// The tenant's pass that counts the answer's tokens.
+    meter: Option<Arc<Mutex<Option<TenantPass>>>>,
 }
 
 impl Job {
@@ -410,16 +502,17 @@ impl Job {
 
     /// Forwards the request, hands the head to Python, then pumps the body.
     async fn forward_and_pump(self, reply: &mut Reply) {
-        let Job { engine, retry, admitted, request, role, exchange } = self;
+        let Job { engine, retry, admitted, request, role, exchange, trace, class, meter } = self;
         let started = Instant::now();
         // Parsed again here: the request's fields borrow from its body, which this task owns.
         let Ok(info) = inspect(&request.body) else {
             return reply.fail(Error::new(Kind::InvalidRequest, "invalid body"));
         };
-        let ctx = select_ctx(role, &request.headers, &info);
+        let traced = trace.as_ref().map(|(trace, span)| traced(trace, span.as_ref()));
+        let ctx = SelectCtx { trace: traced, class, ..select_ctx(role, &request.headers, &info) };
         let permit = match admitted {
             Admitted::Now(permit) => permit,
-            Admitted::Queued(ticket) => match engine.wait_for_permit(ticket, &ctx).await {
+            Admitted::Queued(queued) => match engine.wait_for_permit(queued, &ctx).await {
                 Ok(permit) => permit,
                 Err(e) => return reply.fail(e),
             },
@@ -432,8 +525,19 @@ impl Job {
             };
         let outcome = response.outcome();
         let UpstreamResponse { status, headers, body } = response;
+        let mut observe = |chunk: &[u8]| {
+            if let Some(pass) = meter.as_ref().and_then(|m| m.lock().ok()).as_mut().and_then(|p| p.as_mut()) {
+                pass.meter.observe(chunk);
+            }
+        };
+        if status.is_server_error() {
+            if let Some(pass) = meter.as_ref().and_then(|m| m.lock().ok()).as_mut().and_then(|p| p.as_mut()) {
+                pass.fail();
+            }
+        }
         let (complete, stream) = match body {
             ResponseBody::Complete(bytes) => {
+                observe(&bytes);
                 exchange.release(outcome, crate::permit::Report::default());
                 (Some(bytes), None)
             }
@@ -454,7 +558,7 @@ impl Job {
         if let Some(stream) = stream {
             let config = &engine.config.forward;
             let timeouts = StreamTimeouts { idle: config.stream_idle_timeout, stall: config.stream_stall_timeout };
-            pump(&exchange, stream, started, timeouts, outcome).await;
+            pump(&exchange, stream, started, timeouts, outcome, &mut observe).await;
         }
     }
 }

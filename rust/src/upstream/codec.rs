@@ -14,6 +14,7 @@ use super::pool::{Connection, Stream};
 use crate::forward::ForwardRequest;
 use crate::headers::{is_hop_by_hop_name, listed_in_connection, stays_on_client_hop};
 use crate::loops::VIA;
+use crate::trace::TRACEPARENT;
 
 /// Bytes asked of the socket per read.
 pub const READ_SIZE: usize = 16 * 1024;
@@ -21,17 +22,23 @@ pub const READ_SIZE: usize = 16 * 1024;
 const MAX_HEAD: usize = 64 * 1024;
 const MAX_HEADERS: usize = 128;
 
+/// What this proxy adds to a request for one node.
+#[derive(Debug, Clone, Copy)]
+pub struct Hop<'a> {
+    /// The node's own key.
+    pub authorization: Option<&'a HeaderValue>,
+    /// This proxy's id, last in `x-pdproxy-via` (see `crate::loops`).
+    pub via: &'a HeaderValue,
+    /// The attempt's trace context (`crate::trace`), in place of the client's.
+    pub traceparent: Option<&'a HeaderValue>,
+}
+
 /// The request line, headers and body, in one buffer (one write). The client's headers go
-/// without those of its own hop and those the proxy replaces (`extra`); then the proxy's, and
-/// the node's `authorization`, if any, and `x-pdproxy-via` ending with this proxy's id (`via`).
-pub fn encode_request(
-    path: &str,
-    authority: &str,
-    request: &ForwardRequest,
-    authorization: Option<&HeaderValue>,
-    via: &HeaderValue,
-) -> Vec<u8> {
+/// without those of its own hop and those the proxy replaces (`extra`, the hop's); then the
+/// proxy's, and the hop's.
+pub fn encode_request(path: &str, authority: &str, request: &ForwardRequest, hop: &Hop<'_>) -> Vec<u8> {
     let ForwardRequest { method, headers, extra, body, .. } = request;
+    let Hop { authorization, via, traceparent } = *hop;
     let mut out = Vec::with_capacity(256 + headers.len() * 48 + body.len());
     out.extend_from_slice(method.as_str().as_bytes());
     out.push(b' ');
@@ -45,10 +52,12 @@ pub fn encode_request(
             && **name != VIA
             && !extra.iter().any(|(replaced, _)| replaced == *name)
             && !listed.iter().any(|l| l.as_slice() == name.as_str().as_bytes())
+            && (traceparent.is_none() || **name != TRACEPARENT)
     });
     let proxys = extra.iter().map(|(name, value)| (name, value));
     let key = authorization.map(|value| (&http::header::AUTHORIZATION, value));
-    for (name, value) in clients.chain(proxys).chain(key) {
+    let trace = traceparent.map(|value| (&TRACEPARENT, value));
+    for (name, value) in clients.chain(proxys).chain(key).chain(trace) {
         out.extend_from_slice(name.as_str().as_bytes());
         out.extend_from_slice(b": ");
         out.extend_from_slice(value.as_bytes());
@@ -430,14 +439,29 @@ mod tests {
         let sent = request(Method::POST, &client, &[("x-forwarded-for", "1.2.3.4, 10.0.0.1")], b"{}");
         let key = HeaderValue::from_static("Bearer k");
         let me = HeaderValue::from_static("me");
-        let out = encode_request("/v1/x?y=1", "h:1", &sent, Some(&key), &me);
+        let hop = Hop { authorization: Some(&key), via: &me, traceparent: None };
+        let out = encode_request("/v1/x?y=1", "h:1", &sent, &hop);
         assert_eq!(
             String::from_utf8(out).unwrap(),
             "POST /v1/x?y=1 HTTP/1.1\r\nhost: h:1\r\nx-a: 1\r\nx-forwarded-for: 1.2.3.4, 10.0.0.1\r\n\
              authorization: Bearer k\r\nx-pdproxy-via: me\r\ncontent-length: 2\r\n\r\n{}"
         );
         let earlier = request(Method::GET, &[("x-pdproxy-via", "a, b")], &[], b"");
-        let out = encode_request("/health", "h:1", &earlier, None, &me);
+        let out = encode_request("/health", "h:1", &earlier, &Hop { authorization: None, via: &me, traceparent: None });
         assert_eq!(out, b"GET /health HTTP/1.1\r\nhost: h:1\r\nx-pdproxy-via: a, b, me\r\n\r\n");
+    }
+
+    #[test]
+    fn the_attempts_trace_context_replaces_the_clients() {
+        let sent = request(Method::GET, &[("traceparent", "00-aa-bb-01"), ("tracestate", "k=v")], &[], b"");
+        let me = HeaderValue::from_static("me");
+        let ours = HeaderValue::from_static("00-cc-dd-01");
+        let out = encode_request("/x", "h:1", &sent, &Hop { authorization: None, via: &me, traceparent: Some(&ours) });
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "GET /x HTTP/1.1\r\nhost: h:1\r\ntracestate: k=v\r\ntraceparent: 00-cc-dd-01\r\nx-pdproxy-via: me\r\n\r\n"
+        );
+        let untraced = encode_request("/x", "h:1", &sent, &Hop { authorization: None, via: &me, traceparent: None });
+        assert!(String::from_utf8(untraced).unwrap().contains("traceparent: 00-aa-bb-01"), "passed on as is");
     }
 }

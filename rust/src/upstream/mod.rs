@@ -13,12 +13,13 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use http::{HeaderMap, HeaderValue, StatusCode};
+use http::{HeaderMap, StatusCode};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpSocket;
 use tokio_rustls::TlsConnector;
 
 pub use body::Body;
+pub use codec::Hop;
 use codec::{encode_request, read_head, HeadError};
 use pool::{Connection, Pool, Stream};
 
@@ -82,11 +83,10 @@ impl Client {
         target: Target<'_>,
         path: &str,
         request: &ForwardRequest,
-        authorization: Option<&HeaderValue>,
-        via: &HeaderValue,
+        hop: &Hop<'_>,
     ) -> Result<Answer> {
         let method = &request.method;
-        let request = encode_request(path, target.authority, request, authorization, via);
+        let request = encode_request(path, target.authority, request, hop);
         loop {
             let (mut connection, reused) = match self.pool.checkout(target.origin) {
                 Some(connection) => (connection, true),
