@@ -5,6 +5,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol, final
 
 __version__: str
+#: The routing policies the data plane knows, by name.
+POLICY_NAMES: tuple[str, ...]
 
 class _RouterConfig(Protocol):
     """What the router reads from `pdproxy.Settings` (by attribute)."""
@@ -396,6 +398,14 @@ class _EdgeSettings(Protocol):
     def pd_link_timeout(self) -> float: ...
     @property
     def header_read_timeout(self) -> float: ...
+    @property
+    def allow_origins(self) -> Sequence[str]: ...
+    @property
+    def allow_credentials(self) -> bool: ...
+    @property
+    def allow_methods(self) -> Sequence[str]: ...
+    @property
+    def allow_headers(self) -> Sequence[str]: ...
 
 @final
 class EdgeListener:

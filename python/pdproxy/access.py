@@ -1,14 +1,16 @@
 """The access log: one line per inference request, written by a background thread so the
 event loop never waits on the terminal or a file. Off unless asked for (``--access-log``).
 
-A line tells the request id, method and path, the model, the node, the status, how the
-request ended and in which phase (``completed``, ``client_cancel@ttfb``, ``client_cancel@stream``,
+A line tells when the request arrived (UTC, ISO 8601 with milliseconds) and the client's
+address, the request id, method and path, the model, the node, the status, how the request
+ended and in which phase (``completed``, ``client_cancel@ttfb``, ``client_cancel@stream``,
 ``upstream_error@stream``, ``no_healthy_node@admission``...), bytes and events sent to the
 client, time to first byte and duration, and the trace id (the request's, or the caller's
 ``traceparent`` when requests are not traced here). Never keys or bodies."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import logging.handlers
@@ -67,6 +69,7 @@ class Record:
     """What is known of one request, filled in as it goes."""
 
     __slots__ = (
+        "arrived",
         "bytes",
         "events",
         "first_byte",
@@ -87,6 +90,7 @@ class Record:
         self.scope = scope
         self.request_id = request_id
         self.started = time.monotonic()
+        self.arrived = time.time()
         self.status: int | None = None
         self.first_byte: float | None = None
         self.bytes = 0
@@ -127,8 +131,11 @@ class Record:
             cause = "upstream_status@ttfb"
         else:
             cause = "completed"
+        client = self.scope.get("client")
         self.log.write(
             {
+                "time": utc_timestamp(self.arrived),
+                "client": client[0] if client else None,
                 "request_id": self.request_id.decode("latin-1"),
                 "method": self.scope["method"],
                 "path": self.scope["path"],
@@ -143,3 +150,9 @@ class Record:
                 "trace_id": self.trace_id,
             }
         )
+
+
+def utc_timestamp(at: float) -> str:
+    """``at`` (seconds since the epoch) as the Rust edge writes it: ``2026-12-01T09:30:00.123Z``."""
+    moment = datetime.datetime.fromtimestamp(int(at), datetime.UTC)
+    return f"{moment:%Y-%m-%dT%H:%M:%S}.{int(at * 1000) % 1000:03d}Z"

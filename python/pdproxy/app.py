@@ -17,7 +17,8 @@ from . import background, dashboard, proxy
 from .access import AccessLog
 from .auth import Keys
 from .config import Settings
-from .errors import PdproxyError
+from .cors import Cors, is_cors_path
+from .errors import ModelNotFound, PdproxyError
 from .fleet import Fleet
 from .group import GROUP_ENV, Group
 from .membership import Membership
@@ -27,7 +28,7 @@ from .metrics import CONTENT_TYPE, registry_for, render
 from .nodes_api import ROUTES
 from .openapi import schema
 from .pd import make_adapter
-from .responses import JSON_HEADERS, MethodNotAllowed, NotFound, Receive, Scope, Send, send_error, send_json
+from .responses import JSON_HEADERS, MethodNotAllowed, NotFound, Receive, Scope, Send, header, send_error, send_json
 from .router import Router
 from .tenants import TenantsFile, UsageSync
 from .tenants import usage as tenant_usage
@@ -76,7 +77,10 @@ class ProxyApp:
         self.exit_when_drained = exit_when_drained
         #: Served by the Rust edge over a private socket: it tells the client's address (PEER_HEADER).
         self.behind_edge = behind_edge
-        self.keys = Keys(settings.api_keys, settings.admin_keys, settings.host)
+        self.keys = Keys(settings.api_keys, settings.admin_keys, settings.host, settings.keyless_registration_cidrs)
+        self.cors = Cors(
+            settings.allow_origins, settings.allow_credentials, settings.allow_methods, settings.allow_headers
+        )
         self.router: Router | None = None
         self.fleet: Fleet | None = None
         self.distserve: Any = None
@@ -205,12 +209,29 @@ class ProxyApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
+            origin = header(scope, b"origin") if self.cors.enabled else None
+            if origin is not None and is_cors_path(scope["path"], INFERENCE_PATHS):
+                if scope["method"] == "OPTIONS" and header(scope, b"access-control-request-method") is not None:
+                    await self._preflight(scope, origin, send)
+                    return
+                send = _adding(send, self.cors.response_headers(origin))
             try:
                 await self._http(scope, receive, send)
             except PdproxyError as e:
                 await send_error(send, e)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _preflight(self, scope: Scope, origin: bytes, send: Send) -> None:
+        """A browser asks whether it may send its request (CORS): 204 with what is allowed."""
+        try:
+            method = header(scope, b"access-control-request-method") or b""
+            allowed = self.cors.preflight(origin, method, header(scope, b"access-control-request-headers"))
+        except PdproxyError as e:
+            await send_error(send, e)
+            return
+        await send({"type": "http.response.start", "status": 204, "headers": allowed})
+        await send({"type": "http.response.body", "body": b""})
 
     @property
     def in_flight(self) -> int:
@@ -223,7 +244,7 @@ class ProxyApp:
         router, fleet = self.router, self.fleet
         assert router is not None
         assert fleet is not None
-        _take_peer(scope, trusted=self.behind_edge)
+        _take_peer(scope, trusted=self.behind_edge, https=self.settings.ssl)
         path, method = scope["path"], scope["method"]
         if method == "POST" and (path in INFERENCE_PATHS or path.startswith("/v1/")):
             self.keys.check_inference(scope["headers"])
@@ -240,7 +261,10 @@ class ProxyApp:
             return
         route = self._admin.get((method, path))
         if route is not None:
-            self.keys.check_admin(scope["headers"])
+            if route.path == "/nodes/add":
+                self.keys.check_registration(scope["headers"], (scope.get("client") or (None,))[0])
+            else:
+                self.keys.check_admin(scope["headers"])
             status, payload = await route.handler(fleet, scope, receive)
             await send_json(send, status, payload)
             return
@@ -255,6 +279,9 @@ class ProxyApp:
         if path == "/v1/models":
             self.keys.check_inference(scope["headers"])
             await send_json(send, 200, _model_list(router))
+        elif path.startswith("/v1/models/"):
+            self.keys.check_inference(scope["headers"])
+            await send_json(send, 200, _model_card(router, path.removeprefix("/v1/models/")))
         elif path == "/health":
             await send_json(send, 200, {"status": "healthy"})
         elif path == "/ready":
@@ -346,13 +373,27 @@ class ProxyApp:
                 return
 
 
+def _adding(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
+    """``send`` with ``headers`` added to the response's head."""
+    if not headers:
+        return send
+
+    async def sending(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), *headers]}
+        await send(message)
+
+    return sending
+
+
 #: How the Rust edge tells the control plane the client's address (its own peer is the edge).
 PEER_HEADER = b"x-pdproxy-peer"
 
 
-def _take_peer(scope: Scope, trusted: bool) -> None:
+def _take_peer(scope: Scope, trusted: bool, https: bool) -> None:
     """Removes the edge's peer header from the request; behind the edge (``trusted``: only the
-    edge can reach this app's socket), its value becomes the ASGI client address."""
+    edge can reach this app's socket), its value becomes the ASGI client address, and the
+    scheme the client used is the edge's (``https`` with ``--ssl``)."""
     headers = scope["headers"]
     if not any(name == PEER_HEADER for name, _ in headers):
         return
@@ -361,15 +402,32 @@ def _take_peer(scope: Scope, trusted: bool) -> None:
     if trusted:
         host, _, port = peer.decode("latin-1").rpartition(":")
         scope["client"] = (host.strip("[]"), int(port) if port.isdigit() else 0)
+        scope["scheme"] = "https" if https else "http"
 
 
-def _model_list(router: Router) -> dict[str, Any]:
-    """The OpenAI ``ModelList`` of every model some healthy node serves."""
+def _served_models(router: Router) -> list[str]:
+    """Every model some healthy node serves, in registration order."""
     seen: list[str] = []
     for node in router.nodes():
         if node["state"] == "healthy":
             seen.extend(m for m in node["models"] if m not in seen)
-    return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "pdproxy"} for m in seen]}
+    return seen
+
+
+def _card(model: str) -> dict[str, Any]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": "pdproxy"}
+
+
+def _model_list(router: Router) -> dict[str, Any]:
+    """The OpenAI ``ModelList`` of every model some healthy node serves."""
+    return {"object": "list", "data": [_card(m) for m in _served_models(router)]}
+
+
+def _model_card(router: Router, model: str) -> dict[str, Any]:
+    """OpenAI's ``GET /v1/models/{model}`` (a model id may hold slashes)."""
+    if model not in _served_models(router):
+        raise ModelNotFound(f"the model `{model}` does not exist")
+    return _card(model)
 
 
 def create_app(settings: Settings | None = None) -> ProxyApp:

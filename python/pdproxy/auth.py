@@ -3,7 +3,8 @@ constant time. With API keys but no admin keys, management takes an API key, so 
 keys never leaves management open by accident. Without any key, management answers only
 requests that no other web site can have made: a page the operator visits must not be able to
 register nodes, drain the proxy or terminate engines (by an image tag, a form, or a name it
-rebinds to the proxy's address)."""
+rebinds to the proxy's address). Registration (``POST /nodes/add``) alone may be opened to
+trusted networks (``--keyless-registration-from``), for engines that send no key."""
 
 from __future__ import annotations
 
@@ -42,11 +43,16 @@ def bearer(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
 
 
 def _bearer(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
+    """The client's key: ``Authorization: Bearer KEY`` (OpenAI's clients), else ``x-api-key``
+    (Anthropic's), as the Rust edge reads it."""
+    api_key = None
     for name, value in headers:
         if name == b"authorization":
             scheme, _, token = value.partition(b" ")
             return token.strip() if scheme.lower() == b"bearer" else None
-    return None
+        if name == b"x-api-key" and api_key is None:
+            api_key = value.strip()
+    return api_key
 
 
 def _matches(token: bytes, keys: tuple[bytes, ...]) -> bool:
@@ -58,13 +64,33 @@ def _matches(token: bytes, keys: tuple[bytes, ...]) -> bool:
 
 
 class Keys:
-    def __init__(self, api_keys: Sequence[str], admin_keys: Sequence[str], host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        api_keys: Sequence[str],
+        admin_keys: Sequence[str],
+        host: str = "127.0.0.1",
+        keyless_registration: Sequence[str] = (),
+    ) -> None:
         self.api = tuple(k.encode() for k in api_keys)
         self.admin = tuple(k.encode() for k in admin_keys) or self.api
         #: The data plane's tenants (their keys are inference keys too), once it is built.
         self.tenants: Any = None
         #: Host names (not addresses) the proxy answers to without an admin key.
         self.names = {"localhost", socket.gethostname().lower(), host.lower()}
+        self.keyless_registration = tuple(ipaddress.ip_network(n, strict=False) for n in keyless_registration)
+
+    def check_registration(self, headers: Sequence[tuple[bytes, bytes]], client: str | None) -> None:
+        """``POST /nodes/add``: an admin key, or a client in the keyless-registration networks
+        (a request no other web site made, as for keyless management)."""
+        if client is not None and self.keyless_registration:
+            try:
+                address = ipaddress.ip_address(client)
+            except ValueError:
+                address = None
+            if address is not None and any(address in network for network in self.keyless_registration):
+                self._check_same_site(headers)
+                return
+        self.check_admin(headers)
 
     def check_inference(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
         """An API key, or with tenants configured a tenant's key, when either is set."""
@@ -76,7 +102,7 @@ class Keys:
             (self.api and _matches(token, self.api)) or (tenants and self.tenants.tenant_key_known(token))
         ):
             return
-        raise Unauthorized("a valid API key is required (Authorization: Bearer KEY)")
+        raise Unauthorized("a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)")
 
     def check_admin(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
         if not self.admin:

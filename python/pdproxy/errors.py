@@ -69,7 +69,8 @@ class PdproxyError(Exception):
             self.retry_after = retry_after
 
     def __str__(self) -> str:
-        return self.message
+        # For whoever reads a traceback: the node and the cause. Clients get `message` alone.
+        return f"{self.message} ({self.detail})" if self.detail else self.message
 
     def body(self) -> bytes:
         """The OpenAI-style error body for this error."""

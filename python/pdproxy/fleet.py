@@ -27,6 +27,7 @@ from .group import Group
 from .health import HealthChecker
 from .membership import Entry, Membership, RegistryUnavailable
 from .router import Router
+from .tls import node_session
 from .urls import check_node_url, parse_networks
 
 log = logging.getLogger("pdproxy.fleet")
@@ -89,6 +90,7 @@ class Fleet:
             rise=settings.health_rise,
             remove_after=settings.health_remove_after,
             on_remove=self._remove_quietly,
+            ca_file=settings.node_ca_file,
         )
         self._session: aiohttp.ClientSession | None = None
         self._lease_task: asyncio.Task[None] | None = None
@@ -103,22 +105,25 @@ class Fleet:
     async def start(self, check_health: bool = True) -> None:
         """Loads the saved and configured nodes and starts the background work; health checks
         only with ``check_health`` (in a worker group the leader starts them, ``start_health``)."""
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.settings.admin_timeout))
+        self._session = node_session(self.settings.node_ca_file, self.settings.admin_timeout)
         if check_health:
             await self.health.start()
         if self.membership is not None:
             await self.membership.start(self.apply)
-        saved = state_file.load(self.settings.state_file) if self.settings.state_file else []
+        restore = self.settings.state_file and not self.settings.disable_cache_status
+        saved = state_file.load(self.settings.state_file) if restore else []
         initial = [{k: v for k, v in e.items() if k in Registration.__dataclass_fields__} for e in saved]
-        initial += [{"url": url} for url in self.settings.nodes]
+        initial += [spec.registration() for spec in self.settings.node_specs()]
         for fields in initial:
             try:
-                await self.add(**fields)
+                await self.add(**fields, discover=False)  # all asked at once, below
             except RegistryUnavailable:
                 # Serve with what the registry last said, and register this node once it is back.
                 self._background(self._register_when_available(fields), f"pdproxy-register {fields.get('url')}")
             except (InvalidNode, TypeError) as e:
                 log.error("node %s not added: %s", fields.get("url"), e)
+        # The models of nodes that declared none, before serving (they get no traffic until known).
+        await self.router.discover()
         if self.membership is None:
             self._lease_task = background.start(self._expire_leases(), "pdproxy-leases")
 
@@ -147,9 +152,11 @@ class Fleet:
         api_key: str | None = None,
         lease_ttl: float | None = None,
         bootstrap_port: int | None = None,
+        discover: bool = True,
     ) -> tuple[Registration, bool]:
         """Adds a node, or updates (and renews the lease of) a registered one. Returns its
-        registration and whether it is new."""
+        registration and whether it is new; a node without models is asked for them first
+        (``discover``)."""
         address = await self._checked_address(url)
         if lease_ttl is not None and not lease_ttl > 0:
             raise InvalidNode(f"lease_ttl must be a positive number of seconds, got {lease_ttl}")
@@ -171,6 +178,9 @@ class Fleet:
             await self.membership.put(registration.saved())
         self._add_here(registration, address)
         self._save()
+        if models is None and discover:
+            # Answered with the node's models when it tells them at once (it has no traffic till then).
+            await self.router.discover(normalized)
         return registration, created
 
     async def _checked_address(self, url: str) -> str:
@@ -200,10 +210,10 @@ class Fleet:
     def _remove_here(self, url: str) -> str:
         """Removes the node from this process. Raises ``NodeNotFound``."""
         normalized = self.router.remove_node(url)
+        for hook in self.on_removed:  # while its registration (its API key) is still known
+            hook(normalized)
         self.registrations.pop(normalized, None)
         self.health.forget(normalized)
-        for hook in self.on_removed:
-            hook(normalized)
         log.info("node %s removed", normalized)
         return normalized
 

@@ -5,8 +5,10 @@ answer follows LMDeploy's shape: 200 ``{"status": "healthy"}`` serves; ``sleepin
 but not routed to; ``initializing`` is not routed to yet; 503 or ``unhealthy``, an error or
 a timeout is a failure (an empty 200, as older LMDeploy versions send, is healthy).
 ``fall`` consecutive failures take a node out of routing and ``rise`` successes bring it
-back; requests that could not connect to a node count as failures too. A failing node is
-kept (optionally removed after ``remove_after`` seconds), never deleted on the spot.
+back; requests that could not connect to a node count as failures too. A node that has not
+answered a check yet gets no such benefit of the doubt: its first failure takes it out (an
+unreachable new node is never shown healthy) and its first success brings it in. A failing
+node is kept (optionally removed after ``remove_after`` seconds), never deleted on the spot.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import aiohttp
 from . import background
 from .node_answers import AnswerTooLarge, read_json
 from .router import Router
+from .tls import node_session
 
 log = logging.getLogger("pdproxy.health")
 
@@ -40,6 +43,8 @@ class NodeHealth:
     last_check: float | None = None
     unhealthy_since: float | None = None
     connect_failures_seen: int = 0
+    #: It has answered a check once: from then on `fall` and `rise` apply.
+    answered: bool = False
     api_key: str | None = field(default=None, repr=False)
 
     def summary(self) -> dict[str, object]:
@@ -62,10 +67,12 @@ class HealthChecker:
         rise: int,
         remove_after: float,
         on_remove: Callable[[str], None],
+        ca_file: str = "",
     ) -> None:
         self._router = router
         self._interval = interval
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._timeout = timeout
+        self._ca_file = ca_file
         self._fall = fall
         self._rise = rise
         self._remove_after = remove_after
@@ -92,7 +99,7 @@ class HealthChecker:
         self.nodes.pop(url, None)
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._session = node_session(self._ca_file, self._timeout)
         self._task = background.start(self._run(), "pdproxy-health")
 
     async def aclose(self) -> None:
@@ -122,7 +129,7 @@ class HealthChecker:
         if self.last_round is None or self._session is None:
             return None
         age = time.monotonic() - self.last_round
-        return age if age > 3 * self._interval + (self._timeout.total or 0) else None
+        return age if age > 3 * self._interval + self._timeout else None
 
     async def _run(self) -> None:
         while True:
@@ -155,10 +162,13 @@ class HealthChecker:
             health.failures = 0
             health.successes += 1
             health.last_error = None
-            if engine_state == "sleeping" or health.state != "unhealthy" or health.successes >= self._rise:
+            back = health.successes >= self._rise or not health.answered
+            health.answered = True
+            if engine_state == "sleeping" or health.state != "unhealthy" or back:
                 self._set(url, health, engine_state)
             return
         if engine_state == "initializing":
+            health.answered = True
             health.successes = 0
             health.last_error = "initializing"
             self._set(url, health, "initializing")
@@ -166,7 +176,7 @@ class HealthChecker:
         health.successes = 0
         health.failures += 1
         health.last_error = error
-        if health.failures >= self._fall:
+        if health.failures >= self._fall or not health.answered:
             self._set(url, health, "unhealthy")
         overdue = health.unhealthy_since is not None and time.monotonic() - health.unhealthy_since >= self._remove_after
         if health.state == "unhealthy" and self._remove_after > 0 and overdue:

@@ -93,7 +93,7 @@ class ClientHeaders(NamedTuple):
 def upstream_headers(scope: Scope) -> ClientHeaders:
     """The client's headers plus the proxy's: ``x-request-id`` (the client's, or a new one)
     and ``X-Forwarded-For/Host/Proto``; with the few the handler reads, in one pass. The data
-    plane drops hop-by-hop headers and the client's ``authorization``."""
+    plane drops hop-by-hop headers and the client's key (``authorization``, ``x-api-key``)."""
     headers: list[tuple[bytes, bytes]] = []
     request_id = forwarded_for = host = content_type = content_length = content_encoding = via = traceparent = None
     priority: int | None = None

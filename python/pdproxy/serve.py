@@ -12,13 +12,14 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from granian import Granian
 from granian.constants import HTTPModes, Interfaces, Loops
 from granian.log import LOGGING_CONFIG, LogLevels
 
-from . import edge, group
+from . import edge, group, tls
 from .app import MAIN_PID_ENV, SETTINGS_ENV
 from .config import Settings
 from .errors import ConfigError
@@ -34,6 +35,7 @@ RESPAWN_INTERVAL = 1.0
 
 def serve(settings: Settings) -> int:
     """Serves until drained (SIGTERM, Ctrl-C or ``POST /drain``); returns the exit status."""
+    tls.check_files(settings)  # before anything listens
     _warn_if_open(settings)
     if settings.edge == "rust":
         listener = edge.bind(settings)  # first: a taken port fails before anything starts
@@ -69,8 +71,16 @@ def serve(settings: Settings) -> int:
             # A worker that dies is replaced; the group's leader hands back the permits it held.
             respawn_failed_workers=True,
             respawn_interval=RESPAWN_INTERVAL,
+            **_granian_tls(settings),
         ).serve()
     return 0
+
+
+def _granian_tls(settings: Settings) -> dict[str, Any]:
+    """granian serves HTTPS with the same certificate as the Rust edge would (``--ssl``)."""
+    if not settings.ssl:
+        return {}
+    return {"ssl_cert": Path(settings.ssl_certfile), "ssl_key": Path(settings.ssl_keyfile)}
 
 
 def _warn_if_open(settings: Settings) -> None:
@@ -120,10 +130,11 @@ class _NoEmbedNotice:
 
 
 def _print_banner(settings: Settings, how: str) -> None:
-    base = f"http://{settings.host}:{settings.port}"
-    if not settings.nodes:
+    base = f"{'https' if settings.ssl else 'http'}://{settings.host}:{settings.port}"
+    nodes = [spec.url for spec in settings.node_specs()]  # never a node's key
+    if not nodes:
         print("pdproxy: no nodes yet; pass --node URL (or --demo to try it with mock engines)", file=sys.stderr)
-    print(f"pdproxy: serving on {base} ({how}) -> {', '.join(settings.nodes) or 'no nodes'}", file=sys.stderr)
+    print(f"pdproxy: serving on {base} ({how}) -> {', '.join(nodes) or 'no nodes'}", file=sys.stderr)
     if settings.demo:
         body = json.dumps(
             {"model": settings.demo_model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}

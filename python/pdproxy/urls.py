@@ -85,16 +85,14 @@ def is_local(address: Address) -> bool:
 
 
 async def check_node_url(url: str, allowed: tuple[Network, ...], own_port: int | None = None) -> str:
-    """Raises ``InvalidNode`` unless ``url`` is an http URL without credentials whose host
+    """Raises ``InvalidNode`` unless ``url`` is an http or https URL without credentials whose host
     resolves only to permitted addresses, none of them this proxy itself (a local address on
     ``own_port``). Returns the address the node is to be reached at (``host:port``), pinned
     so that the name is not resolved again at connect time. Resolution runs off the event loop."""
     raw = url.strip()
     parts = urlsplit(raw if "://" in raw else f"http://{raw}")
-    if parts.scheme.lower() == "https":
-        raise InvalidNode(f"node {raw}: https nodes are not supported yet; use http")
-    if parts.scheme.lower() != "http":
-        raise InvalidNode(f"node {raw}: the scheme must be http")
+    if parts.scheme.lower() not in ("http", "https"):
+        raise InvalidNode(f"node {raw}: the scheme must be http or https")
     if parts.username is not None or parts.password is not None:
         raise InvalidNode(f"node {raw}: credentials in the URL are refused; register the node with an api_key")
     host = parts.hostname
@@ -103,7 +101,7 @@ async def check_node_url(url: str, allowed: tuple[Network, ...], own_port: int |
     if any(len(label) > 63 for label in host.split(".")) or len(host) > 253:
         raise InvalidNode(f"node {raw}: the host is not a valid name (labels of at most 63 characters)")
     try:
-        port = parts.port or 80
+        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
     except ValueError:
         raise InvalidNode(f"node {raw}: the port is not a number between 0 and 65535") from None
     try:

@@ -212,8 +212,8 @@ impl Queue {
 fn serves(node: &Node, waiting: &Waiting) -> bool {
     node.role() == waiting.role
         && match &waiting.model {
-            None => true,
-            Some(m) => node.models().is_empty() || node.models().iter().any(|n| n == m),
+            None => !node.models().is_empty(),
+            Some(m) => node.models().iter().any(|n| n == m),
         }
 }
 

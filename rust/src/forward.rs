@@ -32,6 +32,8 @@ pub struct ForwardConfig {
     pub stream_buffer_limit: usize,
     /// How long a reader may leave a full buffer untouched before the stream is cut off.
     pub stream_stall_timeout: Duration,
+    /// CA certificates that `https://` nodes are verified against; `None`: the system's roots.
+    pub node_ca_file: Option<std::path::PathBuf>,
 }
 
 /// A request to forward, as the client sent it plus the proxy's own headers.
@@ -106,6 +108,7 @@ impl Forwarder {
             max_idle_per_host: config.pool_max_idle_per_node,
             // Every buffer of a stream counts (see `ForwardConfig::stream_buffer_limit`).
             receive_buffer: socket_buffer(config.stream_buffer_limit),
+            ca_file: config.node_ca_file.clone(),
         });
         let via = HeaderValue::from_str(instance).unwrap_or_else(|_| HeaderValue::from_static("pdproxy"));
         Self { client: std::sync::Arc::new(client), config, via }
@@ -125,6 +128,16 @@ impl Forwarder {
         prefetch: bool,
         traceparent: Option<&HeaderValue>,
     ) -> Result<UpstreamResponse> {
+        self.forward_to(node, request, prefetch, traceparent).await.map_err(|e| e.at_node(node.url()))
+    }
+
+    async fn forward_to(
+        &self,
+        node: &Node,
+        request: &ForwardRequest,
+        prefetch: bool,
+        traceparent: Option<&HeaderValue>,
+    ) -> Result<UpstreamResponse> {
         let path = node.path_for(&request.path_and_query);
         let key = match &node.spec().api_key {
             Some(key) => Some(HeaderValue::from_str(&format!("Bearer {key}")).map_err(|e| {
@@ -133,7 +146,7 @@ impl Forwarder {
             None => None,
         };
         let hop = Hop { authorization: key.as_ref(), via: &self.via, traceparent };
-        let sent = self.client.send(node.authority(), node.spec().address, &path, request, &hop);
+        let sent = self.client.send(node.target(), &path, request, &hop);
         let answer = match tokio::time::timeout(self.config.first_byte_timeout, sent).await {
             Ok(answer) => answer?,
             Err(_) => return Err(Error::new(Kind::Timeout, "the node did not answer in time")),

@@ -22,6 +22,7 @@ pub mod select;
 pub mod shared;
 pub mod sse;
 pub mod tenants;
+pub mod tls;
 pub mod trace;
 pub mod upstream;
 

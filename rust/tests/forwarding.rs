@@ -24,6 +24,7 @@ fn forwarder(first_byte_timeout: Duration) -> Forwarder {
             stream_idle_timeout: Duration::from_secs(5),
             stream_buffer_limit: 1 << 20,
             stream_stall_timeout: Duration::from_secs(5),
+            node_ca_file: None,
         },
         "pdproxy-test",
     )

@@ -157,6 +157,7 @@ async fn queued_requests_are_all_served_within_the_cap() {
             stream_idle_timeout: Duration::from_secs(1),
             stream_buffer_limit: 1 << 20,
             stream_stall_timeout: Duration::from_secs(1),
+            node_ca_file: None,
         },
         max_requests: 0,
         tracing: None,

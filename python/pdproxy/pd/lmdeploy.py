@@ -25,7 +25,7 @@ from pdproxy.router import Router
 from pdproxy.tracing import end_on_answer, leg
 
 from .ledger import Preserved, SessionLedger
-from .links import PROTOCOL_RDMA, LinkPool
+from .links import LinkPool, Transport
 from .relay import InvalidPrefillAnswer, PdRequest, read_all, relay, send_raw
 
 log = logging.getLogger("pdproxy.pd")
@@ -68,7 +68,9 @@ class DistServe:
             backoff=settings.pd_link_backoff,
             wait_timeout=settings.pd_link_wait_timeout,
             api_key_of=api_key_of,
+            transport=Transport(settings.migration_protocol, settings.link_type, with_gdr=not settings.disable_gdr),
             group_dir=group_dir,
+            ca_file=settings.node_ca_file,
         )
         self.ledger = SessionLedger(
             ttl=settings.pd_session_ttl,
@@ -76,8 +78,10 @@ class DistServe:
             free_attempts=settings.pd_free_attempts,
             api_key_of=api_key_of,
             journal=group_dir / "ledger" / str(os.getpid()) if group_dir is not None else None,
+            ca_file=settings.node_ca_file,
         )
         self._group_dir = group_dir
+        self._api_key_of = api_key_of
         #: Frees in progress, kept so that a cancelled request cannot cut them short.
         self._frees: set[asyncio.Task[None]] = set()
 
@@ -101,10 +105,10 @@ class DistServe:
         return freed
 
     def node_removed(self, url: str) -> None:
-        """Drops the node's links on both sides; its preserved sessions, if it was a prefill
-        node, went with it."""
-        self.ledger.forget_prefill(url)
-        self._spawn(self.links.drop(url))
+        """Drops the node's links on both sides and, if it was a prefill node, frees the
+        sessions preserved on it (those it cannot free now are left to the TTL sweep)."""
+        self._spawn(self.ledger.release_prefill(url))
+        self._spawn(self.links.drop(url, self._api_key_of(url)))
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -138,7 +142,7 @@ class DistServe:
         entry: Preserved | None = None
         try:
             if self.settings.dummy_prefill:
-                migration = _migration(DUMMY_PREFILL, 0, [], 0, dummy=True)
+                migration = _migration(self.links.transport, DUMMY_PREFILL, 0, [], 0, dummy=True)
             else:
                 prefill = self.router.select(model, role="prefill")
                 # Connect the pair while the prefill runs, so decode never waits for a handshake.
@@ -161,7 +165,7 @@ class DistServe:
                     raise InvalidPrefillAnswer("the prefill node's answer is not JSON") from None
                 entry = self.ledger.add(prefill, session, decode)
                 await link
-                migration = _migration(prefill, session, blocks, token)
+                migration = _migration(self.links.transport, prefill, session, blocks, token)
             decode_body = Router.patch(body, {"migration_request": migration})
             span = leg(trace, "pdproxy.decode")
             pending = self.router.forward(
@@ -184,9 +188,11 @@ def _prefill_body(body: bytes, chat: bool) -> bytes:
     return Router.patch(body, changes, remove=["stream_options"])
 
 
-def _migration(prefill: str, session: int, blocks: list[int], token: int, dummy: bool = False) -> dict[str, Any]:
+def _migration(
+    transport: Transport, prefill: str, session: int, blocks: list[int], token: int, dummy: bool = False
+) -> dict[str, Any]:
     return {
-        "protocol": PROTOCOL_RDMA,
+        "protocol": transport.protocol_number,
         "remote_engine_id": prefill,
         "remote_session_id": session,
         "remote_token_id": token,

@@ -22,6 +22,7 @@ from pdproxy._pdproxy import Router as CoreRouter
 from pdproxy.config import Settings
 from pdproxy.errors import UpstreamError
 from pdproxy.router import Router
+from pdproxy.tls import node_session
 from pdproxy.tracing import end_on_answer, leg
 
 from .relay import PdRequest, read_all, relay, send_raw
@@ -65,7 +66,7 @@ class SglangPD:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.settings.pd_link_timeout))
+        self._session = node_session(self.settings.node_ca_file, self.settings.pd_link_timeout)
 
     async def aclose(self) -> None:
         for task in list(self._drains):

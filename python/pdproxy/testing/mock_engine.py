@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -65,7 +66,14 @@ class MockSettings:
         },
     )
 
+    ssl_certfile: str = field(
+        default="", metadata={"help": "Serve HTTPS with this certificate chain (PEM; with --ssl-keyfile)."}
+    )
+    ssl_keyfile: str = field(default="", metadata={"help": "Serve HTTPS with this private key (PEM)."})
+
     def __post_init__(self) -> None:
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("ssl_certfile and ssl_keyfile go together")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.id_format not in ID_FORMATS:
@@ -97,6 +105,8 @@ class MockState:
     links: Links = field(default_factory=Links)
     #: Process-wide switches set through /mock/config (calls that carry no request header).
     engine_info_status: int = 200
+    #: What /v1/models answers (an engine still loading, or one behind a broken route).
+    models_status: int = 200
     #: How /health and /v1/models answer: `json` (as engines do), `garbage` (200, bytes that are
     #: not UTF-8), or `huge` (200, a valid answer padded to HUGE_ANSWER bytes).
     health_body: str = "json"
@@ -503,6 +513,10 @@ async def _migrate(state: MockState, body: dict[str, Any], completion: _Completi
     if peer not in state.links.connected:
         state.ledger.migration_errors.append(f"no p2p connection to {peer}")
         return _error(500, f"no p2p connection to {peer}", "migration_failed", "server_error")
+    if distserve.PROTOCOLS[migration["protocol"]] != state.links.transport[peer]["protocol"]:
+        error = f"migration over {distserve.PROTOCOLS[migration['protocol']]}, but the link to {peer} is not"
+        state.ledger.migration_errors.append(error)
+        return _error(500, error, "migration_failed", "server_error")
     if state.client is None:
         state.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
     read = {
@@ -525,7 +539,10 @@ def _drop_connection(request: web.Request) -> None:
 
 
 async def _models(request: web.Request) -> web.StreamResponse:
-    model = request.app[STATE].settings.model
+    state = request.app[STATE]
+    if state.models_status != 200:
+        return _error(state.models_status, "/v1/models failed (injected)", "mock_fault", "server_error")
+    model = state.settings.model
     card = {"id": model, "object": "model", "created": 0, "owned_by": "pdproxy-mock", "root": model, "parent": None}
     return await _misbehaving(request, request.app[STATE].models_body, {"object": "list", "data": [card]}, 200)
 
@@ -620,13 +637,18 @@ async def _p2p_initialize(request: web.Request) -> web.Response:
     body = await _json_body(request)
     peer = str(body.get("remote_engine_id"))
     state.links.record("p2p_initialize", peer)
+    transport, wrong = distserve.check_transport(body)
+    if transport is None:
+        return _error(422, f"p2p_initialize: {wrong}", "invalid_request")  # FastAPI's validation status
     state.links.initialized.add(peer)
+    state.links.transport[peer] = transport
     host = request.host.rsplit(":", 1)[0]
+    endpoint = {"protocol": body["protocol"], "endpoint_info": f"{transport['protocol'].lower()}-{peer}"}
     return web.json_response(
         {
             "status": distserve.STATUS_SUCCESS,
             "engine_endpoint_info": {"zmq_address": f"tcp://{host}:{50000 + len(state.links.initialized)}"},
-            "kvtransfer_endpoint_info": [{"protocol": distserve.PROTOCOL_RDMA, "endpoint_info": f"rdma-{peer}"}],
+            "kvtransfer_endpoint_info": [endpoint],
         }
     )
 
@@ -639,6 +661,10 @@ async def _p2p_connect(request: web.Request) -> web.Response:
     if peer not in state.links.initialized:
         # LMDeploy raises KeyError here: a 500.
         return web.Response(status=500, text="Internal Server Error")
+    protocol = body.get("protocol")
+    if not isinstance(protocol, int) or distserve.PROTOCOLS.get(protocol) != state.links.transport[peer]["protocol"]:
+        # The engine connects with the backend p2p_initialize set up for that protocol, or fails.
+        return web.Response(status=500, text="Internal Server Error")
     state.links.connected.add(peer)
     return web.json_response({"status": distserve.STATUS_SUCCESS})
 
@@ -650,6 +676,7 @@ async def _p2p_drop_connect(request: web.Request) -> web.Response:
     state.links.record("p2p_drop_connect", peer)
     state.links.connected.discard(peer)
     state.links.initialized.discard(peer)
+    state.links.transport.pop(peer, None)
     return web.json_response({"success": True})
 
 
@@ -705,6 +732,7 @@ async def _mock_ledger(request: web.Request) -> web.Response:
     extra = {
         "links": state.links.log,
         "connected": sorted(state.links.connected),
+        "transport": state.links.transport,
         "rendezvous": state.rendezvous.report(),
         "vllm_remote": state.vllm_remote,
         "local_prefills": state.local_prefills,
@@ -715,15 +743,16 @@ async def _mock_ledger(request: web.Request) -> web.Response:
 async def _mock_config(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await _json_body(request)
-    if "engine_info_status" in body:
-        state.engine_info_status = int(body["engine_info_status"])
+    for name in ("engine_info_status", "models_status"):
+        if name in body:
+            setattr(state, name, int(body[name]))
     for knob in ("health_body", "models_body"):
         if knob in body:
             if body[knob] not in ANSWER_SHAPES:
                 return _error(400, f"{knob} must be one of {', '.join(ANSWER_SHAPES)}", "invalid_request")
             setattr(state, knob, body[knob])
-    config = {"engine_info_status": state.engine_info_status, "health_body": state.health_body}
-    return web.json_response({**config, "models_body": state.models_body})
+    config = {"engine_info_status": state.engine_info_status, "models_status": state.models_status}
+    return web.json_response({**config, "health_body": state.health_body, "models_body": state.models_body})
 
 
 #: How a misbehaving node may answer /health and /v1/models (see MockState.health_body).
@@ -792,14 +821,19 @@ class MockEngine:
 
     @property
     def url(self) -> str:
-        return f"http://{self.settings.host}:{self.port}"
+        scheme = "https" if self.settings.ssl_certfile else "http"
+        return f"{scheme}://{self.settings.host}:{self.port}"
 
     async def start(self) -> None:
         # handler_cancellation: a client that goes away cancels its handler at once, as a real
         # engine aborts the request.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port, backlog=1024)
+        tls = None
+        if self.settings.ssl_certfile:  # as an api_server started with --ssl
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls.load_cert_chain(self.settings.ssl_certfile, self.settings.ssl_keyfile)
+        site = web.TCPSite(self._runner, self.settings.host, self.settings.port, backlog=1024, ssl_context=tls)
         await site.start()
         self.port = self._runner.addresses[0][1]  # the bound port, also when port=0
 

@@ -73,7 +73,7 @@ pub async fn check(
     notes: &mut Notes,
 ) -> Result<Checked, Refused> {
     let Ok(tenant) = state.authorize(&parts.headers) else {
-        let message = "a valid API key is required (Authorization: Bearer KEY)";
+        let message = "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)";
         return Err(Box::new(refuse(notes, answer::UNAUTHORIZED, message, None, id)));
     };
     let pass = match state.engine.gate.pass() {
@@ -125,7 +125,7 @@ pub async fn check(
     let request = ForwardRequest {
         method,
         path_and_query: uri.path_and_query().map_or_else(|| "/".to_owned(), |p| p.as_str().to_owned()),
-        extra: proxy_headers(&headers, peer, id, had_id),
+        extra: proxy_headers(&headers, peer, id, had_id, state.config.tls.is_some()),
         headers,
         body,
     };
@@ -197,7 +197,7 @@ pub async fn serve(
 ) -> Response<EdgeBody> {
     let state = &worker.state;
     let (parts, body) = request.into_parts();
-    let mut notes = Notes::begin(state, &id, &parts);
+    let mut notes = Notes::begin(state, &id, &parts, peer.address);
     let checked = match check(state, peer, parts, body, &id, had_id, &mut notes).await {
         Ok(checked) => checked,
         Err(refusal) => return *refusal,

@@ -6,6 +6,7 @@ pub mod access;
 pub mod answer;
 pub mod body;
 pub mod control;
+pub mod cors;
 mod hybrid;
 mod keys;
 mod notes;
@@ -90,6 +91,10 @@ pub struct EdgeConfig {
     pub control_stale_after: Duration,
     /// SGLang: longest wait for a prefill node's `/server_info`.
     pub pd_probe_timeout: Duration,
+    /// CORS on the inference routes; `None`: off.
+    pub cors: Option<cors::Cors>,
+    /// HTTPS (`--ssl`): the certificate clients get; `None`: plain HTTP.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// Where a request goes.
@@ -136,7 +141,7 @@ impl EdgeState {
         if !tenants.configured() {
             return if self.keys.allows(headers) { Ok(None) } else { Err(Unauthorized) };
         }
-        if let Some(tenant) = keys::bearer(headers).and_then(|key| tenants.by_key(key)) {
+        if let Some(tenant) = keys::client_key(headers).and_then(|key| tenants.by_key(key)) {
             return Ok(Some(tenant));
         }
         if self.keys.configured() && self.keys.allows(headers) {
@@ -146,9 +151,9 @@ impl EdgeState {
         }
     }
 
-    fn record(&self, id: &HeaderValue, parts: &Parts) -> Option<Box<Record>> {
+    fn record(&self, id: &HeaderValue, parts: &Parts, peer: SocketAddr) -> Option<Box<Record>> {
         let log = self.access.as_ref()?;
-        Some(Record::new(log, id.to_str().unwrap_or_default(), parts.method.as_str(), parts.uri.path()))
+        Some(Record::new(log, peer.ip(), id.to_str().unwrap_or_default(), parts.method.as_str(), parts.uri.path()))
     }
 }
 

@@ -3,6 +3,7 @@
 //! piece is dropped, so every ending (a client gone included) writes its line, exports its
 //! spans and settles its tenant's tokens.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use http::header::HeaderValue;
@@ -24,9 +25,9 @@ pub struct Notes {
 }
 
 impl Notes {
-    /// The notes of a request arriving with `parts`.
-    pub fn begin(state: &EdgeState, id: &HeaderValue, parts: &Parts) -> Self {
-        let mut record = state.record(id, parts);
+    /// The notes of a request arriving with `parts` from `peer`.
+    pub fn begin(state: &EdgeState, id: &HeaderValue, parts: &Parts, peer: SocketAddr) -> Self {
+        let mut record = state.record(id, parts, peer);
         if record.is_none() && state.engine.tracer.is_none() {
             return Self::default(); // nothing to note: not even a header lookup
         }

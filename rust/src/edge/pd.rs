@@ -47,7 +47,7 @@ pub async fn serve(
 ) -> Response<EdgeBody> {
     let state = &worker.state;
     let (parts, body) = request.into_parts();
-    let mut notes = Notes::begin(state, &id, &parts);
+    let mut notes = Notes::begin(state, &id, &parts, peer.address);
     let checked = match check(state, peer, parts, body, &id, had_id, &mut notes).await {
         Ok(checked) => checked,
         Err(refusal) => return *refusal,

@@ -140,12 +140,14 @@ impl Peer {
 }
 
 /// The proxy's own headers for the node: the request id (when the client sent none) and
-/// `X-Forwarded-For/Host/Proto`, which replace whatever the client claimed in them.
+/// `X-Forwarded-For/Host/Proto`, which replace whatever the client claimed in them (`https`
+/// when the client came over TLS).
 pub fn proxy_headers(
     client: &HeaderMap,
     peer: &Peer,
     request_id: &HeaderValue,
     had_id: bool,
+    https: bool,
 ) -> Vec<(HeaderName, HeaderValue)> {
     let mut out = Vec::with_capacity(4);
     if !had_id {
@@ -165,7 +167,7 @@ pub fn proxy_headers(
     if let Some(host) = client.get(HOST) {
         out.push((X_FORWARDED_HOST.clone(), host.clone()));
     }
-    out.push((X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http")));
+    out.push((X_FORWARDED_PROTO.clone(), HeaderValue::from_static(if https { "https" } else { "http" })));
     out
 }
 
@@ -210,12 +212,14 @@ mod tests {
         h.insert("x-forwarded-for", HeaderValue::from_static("1.2.3.4"));
         h.insert("x-forwarded-host", HeaderValue::from_static("evil"));
         let peer = Peer::new("10.0.0.9:5000".parse().unwrap());
-        let out: HeaderMap = proxy_headers(&h, &peer, &HeaderValue::from_static("id"), false).into_iter().collect();
+        let out: HeaderMap =
+            proxy_headers(&h, &peer, &HeaderValue::from_static("id"), false, false).into_iter().collect();
         assert_eq!(out["x-forwarded-for"], "1.2.3.4, 10.0.0.9");
         assert_eq!(out["x-forwarded-host"], "proxy:8000");
         assert_eq!(out["x-forwarded-proto"], "http");
         assert_eq!(out["x-request-id"], "id");
-        let out = proxy_headers(&HeaderMap::new(), &peer, &HeaderValue::from_static("id"), true);
+        let out = proxy_headers(&HeaderMap::new(), &peer, &HeaderValue::from_static("id"), true, true);
         assert_eq!(out.len(), 2, "the client's own id is kept as it is, with no host to forward");
+        assert!(out.iter().any(|(name, value)| name == "x-forwarded-proto" && value == "https"), "over TLS");
     }
 }

@@ -40,6 +40,7 @@ pub struct RouterConfig {
     pub stream_buffer_limit: usize,
     pub stream_stall_timeout: f64,
     pub max_requests: usize,
+    pub node_ca_file: String,
     pub otlp_endpoint: String,
     /// `NAME=VALUE` pairs.
     pub otlp_headers: Vec<String>,
@@ -55,6 +56,10 @@ pub fn seconds(name: &str, value: f64) -> PyResult<Duration> {
         .ok_or_else(|| PyValueError::new_err(format!("{name} must be a positive number of seconds, got {value}")))
 }
 
+fn or_general(role_policy: &str, general: &str) -> String {
+    if role_policy.is_empty() { general } else { role_policy }.to_owned()
+}
+
 impl RouterConfig {
     pub fn forward_config(&self) -> PyResult<ForwardConfig> {
         Ok(ForwardConfig {
@@ -66,6 +71,7 @@ impl RouterConfig {
             stream_idle_timeout: seconds("stream_idle_timeout", self.stream_idle_timeout)?,
             stream_buffer_limit: self.stream_buffer_limit.max(1),
             stream_stall_timeout: seconds("stream_stall_timeout", self.stream_stall_timeout)?,
+            node_ca_file: (!self.node_ca_file.is_empty()).then(|| self.node_ca_file.clone().into()),
         })
     }
 
@@ -73,8 +79,9 @@ impl RouterConfig {
         Ok(EngineConfig {
             policies: PolicyNames {
                 hybrid: self.policy.clone(),
-                prefill: self.prefill_policy.clone(),
-                decode: self.decode_policy.clone(),
+                // A role without a policy of its own takes the general one (`--routing-strategy`).
+                prefill: or_general(&self.prefill_policy, &self.policy),
+                decode: or_general(&self.decode_policy, &self.policy),
                 by_model: self.model_policies.clone(),
             },
             policy: PolicyConfig {

@@ -15,6 +15,8 @@ use pyo3::prelude::*;
 #[pymodule(gil_used = false)]
 fn _pdproxy(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The one list of routing policies; the settings check names against it before serving.
+    m.add("POLICY_NAMES", pyo3::types::PyTuple::new(m.py(), crate::select::POLICY_NAMES)?)?;
     m.add_class::<router::Router>()?;
     m.add_class::<response::Response>()?;
     m.add_class::<bridge::LoopBridge>()?;

@@ -194,6 +194,14 @@ fn pick(
             let message = format!("the model `{}` does not exist", ctx.model.unwrap_or_default());
             return (Err(Error::new(Kind::ModelNotFound, message)), 0);
         }
+        Err(NoCandidates::ModelsUnknown) => {
+            let what = ctx.model.map_or_else(|| "this request".to_owned(), |m| format!("the model `{m}`"));
+            let message = format!(
+                "no {} node is known to serve {what} yet: some nodes' models are still being discovered",
+                ctx.role.name()
+            );
+            return (Err(Error::new(Kind::NoHealthyNode, message)), 0);
+        }
     };
     let kept: Vec<Arc<Node>>;
     let candidates = if exclude.is_empty() {

@@ -10,7 +10,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{HeaderMap, Method, StatusCode};
 
-use super::pool::Connection;
+use super::pool::{Connection, Stream};
 use crate::forward::ForwardRequest;
 use crate::headers::{is_hop_by_hop_name, listed_in_connection, stays_on_client_hop};
 use crate::loops::VIA;
@@ -125,13 +125,16 @@ pub enum HeadError {
 
 /// Reads from the socket into the connection's buffer; `Ok(0)` at its end.
 pub fn poll_fill(connection: &mut Connection, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
-    loop {
-        std::task::ready!(connection.stream.poll_read_ready(cx))?;
-        connection.buffer.reserve(READ_SIZE);
-        match connection.stream.try_read_buf(&mut connection.buffer) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            result => return Poll::Ready(result),
-        }
+    connection.buffer.reserve(READ_SIZE);
+    match &mut connection.stream {
+        Stream::Plain(tcp) => loop {
+            std::task::ready!(tcp.poll_read_ready(cx))?;
+            match tcp.try_read_buf(&mut connection.buffer) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                result => return Poll::Ready(result),
+            }
+        },
+        Stream::Tls(tls) => tokio_util::io::poll_read_buf(std::pin::Pin::new(tls.as_mut()), cx, &mut connection.buffer),
     }
 }
 
