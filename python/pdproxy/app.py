@@ -18,7 +18,7 @@ from .access import AccessLog
 from .auth import Keys
 from .config import Settings
 from .cors import Cors, is_cors_path
-from .errors import ModelNotFound, PdproxyError
+from .errors import MethodNotAllowed, ModelNotFound, NotFound, PdproxyError
 from .fleet import Fleet
 from .group import GROUP_ENV, Group
 from .membership import Membership
@@ -28,7 +28,7 @@ from .metrics import CONTENT_TYPE, registry_for, render
 from .nodes_api import ROUTES
 from .openapi import schema
 from .pd import make_adapter
-from .responses import JSON_HEADERS, MethodNotAllowed, NotFound, Receive, Scope, Send, header, send_error, send_json
+from .responses import JSON_HEADERS, Receive, Scope, Send, header, send_error, send_json
 from .router import Router
 from .tenants import TenantsFile, UsageSync
 from .tenants import usage as tenant_usage

@@ -15,26 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import PdproxyError
-
-
-class Unauthorized(PdproxyError):
-    """No key, or a wrong one."""
-
-    status = 401
-    code = "unauthorized"
-    type = "authentication_error"
-
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        return [*super().headers(), (b"www-authenticate", b"Bearer")]
-
-
-class Forbidden(PdproxyError):
-    """A valid inference key used on the management API."""
-
-    status = 403
-    code = "forbidden"
-    type = "permission_error"
+from .errors import Forbidden, Unauthorized
 
 
 def bearer(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:

@@ -22,10 +22,10 @@ import aiohttp
 
 from . import _pdproxy, background, state_file
 from .config import Settings
-from .errors import InvalidNode, NodeNotFound, UpstreamError
+from .errors import InvalidNode, NodeNotFound, RegistryUnavailable, TerminateFailed
 from .group import Group
 from .health import HealthChecker
-from .membership import Entry, Membership, RegistryUnavailable
+from .membership import Entry, Membership
 from .router import Router
 from .tls import node_session
 from .urls import check_node_url, parse_networks
@@ -67,12 +67,6 @@ class Registration:
         remaining = entry.get("lease_remaining")
         expires = time.monotonic() + remaining if isinstance(remaining, int | float) else None
         return cls(**known, lease_expires=expires)
-
-
-class TerminateFailed(UpstreamError):
-    """The node did not confirm its termination (it was removed all the same)."""
-
-    code = "terminate_failed"
 
 
 class Fleet:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from . import background
-from .node_answers import AnswerTooLarge, read_json
+from .errors import AnswerTooLarge
+from .node_answers import read_json
 from .router import Router
 from .tls import node_session
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
-from .errors import InvalidRequest, PdproxyError
-from .fleet import Fleet, TerminateFailed
+from .errors import DistServeOff, InvalidRequest, PdproxyError, TerminateFailed
+from .fleet import Fleet
 from .responses import Receive, Scope, read_json
 
 #: Management request bodies are small.
@@ -117,12 +117,6 @@ async def terminate_all(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[i
             results[url] = {"terminated": False, "error": e.message}
     failed = [u for u, r in results.items() if not r["terminated"]]
     return (502 if failed else 200), {"nodes": results, "failed": failed}
-
-
-class DistServeOff(PdproxyError):
-    status = 404
-    code = "distserve_off"
-    type = "invalid_request_error"
 
 
 def _distserve(fleet: Fleet, lmdeploy: bool = True) -> Any:

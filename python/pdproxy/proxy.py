@@ -15,19 +15,18 @@ from typing import Any, NamedTuple
 from ._pdproxy import Response, TenantTicket, Trace
 from .access import AccessLog, Record
 from .auth import bearer
-from .errors import InvalidRequest, LoopDetected, PdproxyError, RequestTimeout, UpstreamError
-from .pd.relay import PdRequest, with_echo
-from .responses import (
+from .errors import (
     ClientGone,
+    InvalidRequest,
+    LoopDetected,
     NotFound,
-    Receive,
-    Scope,
-    Send,
+    PdproxyError,
+    RequestTimeout,
     UnsupportedMediaType,
-    check_media_type,
-    read_body,
-    send_error,
+    UpstreamError,
 )
+from .pd.relay import PdRequest, with_echo
+from .responses import Receive, Scope, Send, check_media_type, read_body, send_error
 from .router import Router
 from .tracing import current_trace_id, trace_id_of
 

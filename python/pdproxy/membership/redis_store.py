@@ -52,8 +52,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from pdproxy.errors import ConfigError, InvalidRequest
-from pdproxy.membership import Entry, Membership, OnChange, RegistryUnavailable
+from pdproxy.errors import ConfigError, InvalidRequest, RegistryUnavailable
+from pdproxy.membership import Entry, Membership, OnChange
 
 __all__ = ["RedisMembership"]
 

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdproxy._pdproxy import Response, TenantTicket, Trace
-from pdproxy.errors import UpstreamError
 from pdproxy.responses import Send
 
 
@@ -25,12 +24,6 @@ class PdRequest:
     echo: list[tuple[bytes, bytes]]
     trace: Trace | None = None
     tenant: TenantTicket | None = None
-
-
-class InvalidPrefillAnswer(UpstreamError):
-    """The prefill node answered with something the protocol cannot use."""
-
-    code = "upstream_invalid_response"
 
 
 async def read_all(response: Response) -> bytes:

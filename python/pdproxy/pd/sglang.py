@@ -20,7 +20,7 @@ import aiohttp
 from pdproxy._pdproxy import Response
 from pdproxy._pdproxy import Router as CoreRouter
 from pdproxy.config import Settings
-from pdproxy.errors import UpstreamError
+from pdproxy.errors import PrefillFailed, UpstreamError
 from pdproxy.router import Router
 from pdproxy.tls import node_session
 from pdproxy.tracing import end_on_answer, leg
@@ -30,12 +30,6 @@ from .relay import PdRequest, read_all, relay, send_raw
 log = logging.getLogger("pdproxy.pd")
 
 PD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
-
-
-class PrefillFailed(UpstreamError):
-    """The prefill leg failed (its 5xx or a transport error): the request was not served."""
-
-    code = "prefill_failed"
 
 
 def batch_size(body: bytes) -> int | None:
