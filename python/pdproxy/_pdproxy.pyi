@@ -76,6 +76,28 @@ class _RouterConfig(Protocol):
     @property
     def trace_sampler_arg(self) -> float: ...
 
+class _NodeRecord(Protocol):
+    """What the data plane reads from `pdproxy.node_record.NodeRecord` (by attribute)."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def models(self) -> list[str] | None: ...
+    @property
+    def role(self) -> str: ...
+    @property
+    def speed(self) -> float | None: ...
+    @property
+    def max_concurrency(self) -> int | None: ...
+    @property
+    def api_key(self) -> str | None: ...
+    @property
+    def bootstrap_port(self) -> int | None: ...
+    @property
+    def lease_ttl(self) -> float | None: ...
+    @property
+    def labels(self) -> Mapping[str, str]: ...
+
 @final
 class Router:
     """The node table, selection, admission and forwarding. Every method but `forward`
@@ -123,22 +145,21 @@ class Router:
 
     @property
     def draining(self) -> bool: ...
-    def add_node(
-        self,
-        url: str,
-        models: list[str] | None = None,
-        role: str = "hybrid",
-        speed: float | None = None,
-        max_concurrency: int | None = None,
-        api_key: str | None = None,
-        bootstrap_port: int | None = None,
-        address: str | None = None,
-    ) -> str:
-        """Adds a node (or updates a registered one); returns its normalised URL. `address`
-        (`HOST:PORT`): where to connect, instead of resolving the URL's host.
+    def add_node(self, record: _NodeRecord, address: str | None = None) -> str:
+        """Adds a node (or updates a registered one) from its record; returns its normalised URL.
+        `address` (`HOST:PORT`): where to connect, instead of resolving the URL's host.
 
         Raises:
             InvalidNode: the URL is not a usable http URL, or the role or speed is invalid.
+        """
+
+    def node(self, url: str) -> dict[str, Any]:
+        """One node: url, generation, role, models (served), declared_models (as registered),
+        speed, max_concurrency, has_api_key, api_key, bootstrap_port, lease_ttl, labels,
+        address, state, circuit, in_flight.
+
+        Raises:
+            NodeNotFound: no node with this URL is registered.
         """
 
     def set_models(self, url: str, models: list[str]) -> None:
@@ -162,7 +183,8 @@ class Router:
         """Models served by the registered nodes, deduplicated."""
 
     def nodes(self) -> list[dict[str, Any]]:
-        """A snapshot of each node: url, generation, role, models, speed, has_api_key, address, state,
+        """A snapshot of each node: url, generation, role, models, declared_models, speed,
+        has_api_key, bootstrap_port, lease_ttl, labels, address, state,
         max_concurrency, in_flight, requests, succeeded, failed, connect_failures, cancelled,
         events, mean_latency, recent_latency, recent_latencies, recent_latency_per_token,
         mean_ttft, ttft_ewma (seconds, or None), circuit, and histograms (duration, ttft, itl:
@@ -175,8 +197,9 @@ class Router:
         """In a worker group: rebinds nodes whose shared slot another worker retired."""
 
     @staticmethod
-    def check_node(url: str, role: str = "hybrid", speed: float | None = None, api_key: str | None = None) -> None:
-        """Raises `InvalidNode` for a node the table would refuse, without adding it."""
+    def check_node(record: _NodeRecord) -> str:
+        """The canonical URL of `record`; raises `InvalidNode` for a node the table would
+        refuse, without adding it."""
 
     @staticmethod
     def normalize_url(url: str) -> str:

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from . import background, dashboard, proxy
 from .access import AccessLog
 from .auth import Keys
@@ -265,8 +267,8 @@ class ProxyApp:
                 self.keys.check_registration(scope["headers"], (scope.get("client") or (None,))[0])
             else:
                 self.keys.check_admin(scope["headers"])
-            status, payload = await route.handler(fleet, scope, receive)
-            await send_json(send, status, payload)
+            status, answer = await route.handler(fleet, scope, receive)
+            await send_json(send, status, answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer)
             return
         if path in self._admin_paths or path in INFERENCE_PATHS:
             raise MethodNotAllowed(f"{method} is not allowed on {path}")

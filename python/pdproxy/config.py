@@ -21,7 +21,7 @@ from . import _pdproxy
 from .errors import ConfigError
 from .group import MAX_WORKERS
 from .membership import check_url as check_registry_url
-from .node_spec import NodeSpec
+from .node_record import NodeRecord
 from .tenants import load as load_tenants
 from .tracing import otel_settings
 
@@ -497,7 +497,7 @@ class Settings:
         self._check_numbers()
         self._check_security()
         self._check_features()
-        self.node_specs()  # each node parses
+        self.node_records()  # each node parses
 
     def _check_choices(self) -> None:
         if not 0 < self.port < 65536 and self.port != 0:
@@ -626,15 +626,9 @@ class Settings:
                 "--allow-credentials needs the origins named in --allow-origins: never * with credentials"
             )
 
-    def node_specs(self) -> tuple[NodeSpec, ...]:
+    def node_records(self) -> tuple[NodeRecord, ...]:
         """The configured nodes, each with what it declares."""
-        specs = tuple(NodeSpec.parse(text) for text in self.nodes)
-        for spec in specs:
-            try:
-                _pdproxy.Router.check_node(spec.url, spec.role, spec.speed, spec.api_key)
-            except ValueError as e:
-                raise ConfigError(f"node {spec.url}: {e}") from None
-        return specs
+        return tuple(NodeRecord.parse(text) for text in self.nodes)
 
     def _check_features(self) -> None:
         if self.tenants_file:
@@ -660,7 +654,7 @@ class Settings:
         out = dataclasses.asdict(self)
         for name in SECRET_FIELDS:
             out[name] = ["<hidden>"] * len(out[name])
-        out["nodes"] = [spec.redacted() for spec in self.node_specs()]
+        out["nodes"] = [record.redacted() for record in self.node_records()]
         return out
 
     @classmethod
@@ -698,7 +692,7 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     if isinstance(nodes, list):
         # A node may be a table of what /nodes/add would say of it: kept as its one-word form.
         where = f"{path}: nodes"
-        data["nodes"] = [NodeSpec.from_table(n, where).text() if isinstance(n, dict) else n for n in nodes]
+        data["nodes"] = [NodeRecord.of(n, where).text() if isinstance(n, dict) else n for n in nodes]
     return _coerce(data)
 
 

@@ -91,10 +91,14 @@ class PdproxyError(Exception):
     #: Seconds a client should wait before retrying, when retrying may help.
     retry_after: int | None = None
 
-    def __init__(self, message: str = "", detail: str | None = None, retry_after: int | None = None) -> None:
+    def __init__(
+        self, message: str = "", detail: str | None = None, retry_after: int | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.detail = detail
+        #: The request's field that is wrong, when one is (the error body's ``param``).
+        self.param = param
         if retry_after is not None:
             self.retry_after = retry_after
 
@@ -104,7 +108,7 @@ class PdproxyError(Exception):
 
     def body(self) -> bytes:
         """The OpenAI-style error body for this error."""
-        return error_body(self.message, type=self.type, code=self.code)
+        return error_body(self.message, type=self.type, code=self.code, param=self.param)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """Response headers for this error, as ASGI wants them."""

@@ -131,7 +131,7 @@ class _NoEmbedNotice:
 
 def _print_banner(settings: Settings, how: str) -> None:
     base = f"{'https' if settings.ssl else 'http'}://{settings.host}:{settings.port}"
-    nodes = [spec.url for spec in settings.node_specs()]  # never a node's key
+    nodes = [record.url for record in settings.node_records()]  # never a node's key
     if not nodes:
         print("pdproxy: no nodes yet; pass --node URL (or --demo to try it with mock engines)", file=sys.stderr)
     print(f"pdproxy: serving on {base} ({how}) -> {', '.join(nodes) or 'no nodes'}", file=sys.stderr)

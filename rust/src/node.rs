@@ -393,6 +393,14 @@ pub struct NodeSpec {
     pub api_key: Option<String>,
     /// SGLang prefill nodes: the port of their bootstrap server, when declared.
     pub bootstrap_port: Option<u16>,
+    /// The models it was registered with (`None`: none declared, discovery asks it); `models`
+    /// is what it serves, as discovery learnt it.
+    pub declared_models: Option<Vec<String>>,
+    /// Seconds its registration lasts unless renewed (`None`: no lease). The control plane
+    /// keeps the timer; the node keeps what it was registered with.
+    pub lease_ttl: Option<f64>,
+    /// The operator's labels (`zone=a`): shown in status, never used for routing.
+    pub labels: std::collections::BTreeMap<String, String>,
     /// Where the node is reached: the address its name resolved to when it was checked, so
     /// that a name whose answer changes later cannot send requests elsewhere. `None`: resolve.
     pub address: Option<std::net::SocketAddr>,
