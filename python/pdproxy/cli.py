@@ -13,69 +13,113 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import click
 
 from . import __version__
-from .config import ENV_PREFIX, Settings, field_type, load_toml
+from .config import ENV_PREFIX, GROUPS, Settings, load_toml, setting_kind
 from .errors import ConfigError
+from .node_record import configured_nodes
+from .settings_checks import checked
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _flag(f: dataclasses.Field[Any]) -> str:
-    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+@dataclass(frozen=True)
+class Option:
+    """One setting as the command line takes it."""
+
+    name: str
+    kind: type
+    default: object
+    help: str
+    #: Its flag, then LMDeploy's spellings of it.
+    flags: tuple[str, ...]
+    env_aliases: tuple[str, ...]
+    #: The title of the group `--help` shows it under.
+    section: str
+
+
+def options_of(cls: type) -> list[Option]:
+    """The options of a settings class: the pydantic ``Settings`` (each under its group's
+    title) or a settings dataclass (the mock engine's)."""
+    if issubclass(cls, Settings):
+        out = []
+        for name, info in cls.model_fields.items():
+            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+            flag = extra.get("flag") or "--" + name.replace("_", "-")
+            aliases = tuple(str(a) for a in extra.get("aliases") or ())  # type: ignore[union-attr]
+            env_aliases = tuple(str(a) for a in extra.get("env_aliases") or ())  # type: ignore[union-attr]
+            kind = setting_kind(info)
+            out.append(
+                Option(
+                    name,
+                    kind,
+                    info.default,
+                    info.description or "",
+                    (str(flag), *aliases),
+                    env_aliases,
+                    cls.group_of(name).title,
+                )
+            )
+        return out
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls.__name__} is neither Settings nor a settings dataclass")
+    return [
+        Option(
+            f.name,
+            _DATACLASS_KINDS[str(f.type)],
+            f.default,
+            f.metadata.get("help", ""),
+            ("--" + f.name.replace("_", "-"),),
+            (),
+            "",
+        )
+        for f in dataclasses.fields(cls)
+    ]
+
+
+_DATACLASS_KINDS: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
 
 
 def settings_options(cls: type, envvar_prefix: str | None) -> Callable[[F], F]:
-    """Adds one click option per field of the settings dataclass ``cls``."""
+    """Adds one click option per setting of ``cls``."""
 
     def decorate(fn: F) -> F:
-        for f in reversed(dataclasses.fields(cls)):
-            kind = field_type(f)
-            envvars = [f"{envvar_prefix}{f.name.upper()}"] if envvar_prefix else []
-            envvars += f.metadata.get("env_aliases", ())
-            common: dict[str, Any] = {
-                "help": f.metadata.get("help"),
-                "envvar": envvars or None,
-                "show_envvar": bool(envvars),
-            }
-            flags = (_flag(f), *f.metadata.get("aliases", ()))
-            if kind is bool:
-                option = click.option(*flags, f.name, is_flag=True, default=f.default, show_default=True, **common)
-            elif kind is tuple:
-                default = f.default if f.default is not dataclasses.MISSING else ()
-                option = click.option(*flags, f.name, multiple=True, type=str, default=default, **common)
+        for option in reversed(options_of(cls)):
+            envvars = [f"{envvar_prefix}{option.name.upper()}"] if envvar_prefix else []
+            envvars += option.env_aliases
+            common: dict[str, Any] = {"help": option.help, "envvar": envvars or None, "show_envvar": bool(envvars)}
+            if option.kind is bool:
+                decorator = click.option(
+                    *option.flags, option.name, is_flag=True, default=option.default, show_default=True, **common
+                )
+            elif option.kind is tuple:
+                decorator = click.option(
+                    *option.flags, option.name, multiple=True, type=str, default=option.default, **common
+                )
             else:
-                option = click.option(*flags, f.name, type=kind, default=f.default, show_default=True, **common)
-            fn = option(fn)
+                decorator = click.option(
+                    *option.flags, option.name, type=option.kind, default=option.default, show_default=True, **common
+                )
+            fn = decorator(fn)
         return fn
 
     return decorate
 
 
-#: `pdproxy serve --help` shows the options in these groups (a setting's `section`), in this order.
-SECTIONS = {
-    "server": "Serving",
-    "proxy": "Routing, limits and timeouts",
-    "pd": "Prefill/decode disaggregation (--serving-strategy DistServe)",
-    "security": "Keys, TLS and CORS",
-    "health": "Health checks",
-    "tenants": "Tenants: per-key limits, priorities and usage",
-    "tracing": "Tracing (OpenTelemetry, OTLP/HTTP)",
-}
-
-
 class SettingsCommand(click.Command):
-    """`pdproxy serve`: its help grouped by section, and multi-valued options that take several
-    values after one flag as LMDeploy's (``--api-keys k1 k2``) as well as the flag repeated."""
+    """`pdproxy serve`: its help grouped by the settings' groups, and multi-valued options that
+    take several values after one flag as LMDeploy's (``--api-keys k1 k2``) as well as the flag
+    repeated."""
 
     def __init__(self, *args: Any, settings: type, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        fields = dataclasses.fields(settings)
-        self.sections = {f.name: f.metadata.get("section", "proxy") for f in fields}
-        self.greedy = {flag for f in fields if field_type(f) is tuple for flag in (_flag(f), *f.metadata["aliases"])}
+        options = options_of(settings)
+        self.sections = {option.name: option.section for option in options}
+        self.greedy = {flag for option in options if option.kind is tuple for flag in option.flags}
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         return super().parse_args(ctx, spread_values(args, self.greedy))
@@ -86,10 +130,10 @@ class SettingsCommand(click.Command):
             record = param.get_help_record(ctx)
             if record is not None:
                 groups.setdefault(self.sections.get(param.name or "", ""), []).append(record)
-        for section, title in (("", "Options"), *SECTIONS.items()):
-            if groups.get(section):
-                with formatter.section(title):
-                    formatter.write_dl(groups[section])
+        for title in dict.fromkeys(("", *(group.title for group in GROUPS))):  # each title once, in order
+            if groups.get(title):
+                with formatter.section(title or "Options"):
+                    formatter.write_dl(groups[title])
 
 
 def spread_values(args: list[str], greedy: set[str]) -> list[str]:
@@ -152,7 +196,7 @@ def serve(print_config: bool, **options: Any) -> None:
         if isinstance(value, list):
             options[name] = tuple(value)
     try:
-        settings = Settings(**options)
+        settings = checked(Settings(**options))
     except ConfigError as e:
         click.echo(f"pdproxy: {e}", err=True)  # one line, before anything is served
         sys.exit(2)
@@ -166,7 +210,9 @@ def serve(print_config: bool, **options: Any) -> None:
                 err=True,
             )
     if print_config:
-        click.echo(json.dumps(settings.redacted()))
+        shown = settings.redacted()
+        shown["nodes"] = [record.redacted() for record in configured_nodes(settings)]  # their keys hidden
+        click.echo(json.dumps(shown))
         return
     try:
         status = run(settings)

@@ -26,7 +26,7 @@ from .errors import ConfigError, InvalidNode, NodeNotFound, RegistryUnavailable,
 from .group import Group
 from .health import HealthChecker
 from .membership import Entry, Membership
-from .node_record import NodeRecord
+from .node_record import NodeRecord, configured_nodes
 from .router import Router
 from .tls import node_session
 from .urls import check_node_url, parse_networks
@@ -84,7 +84,7 @@ class Fleet:
                 records.append(NodeRecord.of(entry, f"state file {self.settings.state_file}: node"))
             except ConfigError as e:
                 log.error("%s; not added", e)
-        for record in (*records, *self.settings.node_records()):
+        for record in (*records, *configured_nodes(self.settings)):
             try:
                 await self.add(record, discover=False)  # all asked at once, below
             except RegistryUnavailable:

@@ -19,9 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from . import _pdproxy
+from .config import Settings
 from .errors import ConfigError, InvalidNode
 
-__all__ = ["NodeAttributes", "NodeRecord", "validation_field", "validation_message"]
+__all__ = ["NodeAttributes", "NodeRecord", "configured_nodes", "validation_field", "validation_message"]
 
 #: Roles as LMDeploy names and numbers them (EngineRole: 1 Hybrid, 2 Prefill, 3 Decode).
 ROLES = {"hybrid": "hybrid", "1": "hybrid", "prefill": "prefill", "2": "prefill", "decode": "decode", "3": "decode"}
@@ -134,8 +135,8 @@ class NodeRecord(NodeAttributes):
             name, dot, inner = key.partition(".")
             if dot and _shape(cls, name) is dict:
                 maps.setdefault(name, {})[inner] = value
-            elif _shape(cls, f"{name}s") is list:  # `model=` repeats into `models`
-                several.setdefault(f"{name}s", []).append(value)
+            elif _shape(cls, name) is list or _shape(cls, f"{name}s") is list:  # `model=` repeats into `models`
+                several.setdefault(name if _shape(cls, name) is list else f"{name}s", []).append(value)
             else:
                 fields[name] = value
         fields.update(several)
@@ -174,6 +175,11 @@ class NodeRecord(NodeAttributes):
         """The fields ``/nodes/status`` shows as they are (the key never; url, models and role
         have LMDeploy's places)."""
         return tuple(name for name in cls.model_fields if name not in ("url", "models", "role", "api_key"))
+
+
+def configured_nodes(settings: Settings) -> tuple[NodeRecord, ...]:
+    """The nodes of the static configuration (``--node``, ``PDPROXY_NODES``, TOML ``nodes``)."""
+    return tuple(NodeRecord.parse(text) for text in settings.nodes)
 
 
 def _shape(model: type[BaseModel], name: str) -> type | None:

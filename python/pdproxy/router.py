@@ -20,7 +20,8 @@ from . import _pdproxy
 from .config import Settings
 from .discovery import ModelDiscovery
 from .errors import NoNodeAvailable
-from .node_record import NodeRecord
+from .node_record import NodeRecord, configured_nodes
+from .settings_checks import checked
 
 __all__ = ["Router"]
 
@@ -47,14 +48,14 @@ class Router:
         **overrides: Any,
     ) -> None:
         base = settings or Settings()
-        self.settings = base.replace(**overrides) if overrides else base
+        self.settings = checked(base.replace(**overrides) if overrides else base)
         # In a worker group (`pdproxy serve --workers N`), the nodes' counters live in the
         # group's shared table, as this worker's index.
         self._core = _pdproxy.Router(self.settings, group)
         self._discovery = ModelDiscovery(
             self._core, self.settings.discovery_timeout, self.settings.discovery_interval, self.settings.node_ca_file
         )
-        for record in (*self.settings.node_records(), *(NodeRecord.parse(n) for n in nodes)):
+        for record in (*configured_nodes(self.settings), *(NodeRecord.parse(n) for n in nodes)):
             self.add(record)
 
     async def start(self) -> None:

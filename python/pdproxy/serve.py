@@ -23,6 +23,7 @@ from . import edge, group, tls
 from .app import MAIN_PID_ENV, SETTINGS_ENV
 from .config import Settings
 from .errors import ConfigError
+from .node_record import configured_nodes
 from .tracing import TraceIdFilter
 
 #: Mock engines started by --demo: how many, and how long to wait for them.
@@ -131,7 +132,7 @@ class _NoEmbedNotice:
 
 def _print_banner(settings: Settings, how: str) -> None:
     base = f"{'https' if settings.ssl else 'http'}://{settings.host}:{settings.port}"
-    nodes = [record.url for record in settings.node_records()]  # never a node's key
+    nodes = [record.url for record in configured_nodes(settings)]  # never a node's key
     if not nodes:
         print("pdproxy: no nodes yet; pass --node URL (or --demo to try it with mock engines)", file=sys.stderr)
     print(f"pdproxy: serving on {base} ({how}) -> {', '.join(nodes) or 'no nodes'}", file=sys.stderr)
