@@ -27,6 +27,8 @@ from .group import Group
 from .health import HealthChecker
 from .membership import Entry, Membership
 from .node_record import NodeRecord, configured_nodes
+from .pd import PdAdapter
+from .pd.lmdeploy import DistServe
 from .router import Router
 from .tls import node_session
 from .urls import check_node_url, parse_networks
@@ -62,7 +64,7 @@ class Fleet:
         self._session: aiohttp.ClientSession | None = None
         self._lease_task: asyncio.Task[None] | None = None
         #: The disaggregation flow, when serving with DistServe (for the management API).
-        self.distserve: Any = None
+        self.distserve: PdAdapter | None = None
         #: This worker's group, when serving with several workers (for the management API).
         self.group: Group | None = None
         #: Called with a node's URL once it is removed (links and sessions to clean up).
@@ -277,7 +279,7 @@ class Fleet:
                 "lease": lease,
                 "address": node["address"],
             }
-            if self.distserve is not None and self.distserve.protocol == "lmdeploy":
+            if isinstance(self.distserve, DistServe):
                 out[url]["links"] = [
                     link for link in self.distserve.links.status() if url in (link["prefill"], link["decode"])
                 ]

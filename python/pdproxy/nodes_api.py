@@ -32,6 +32,8 @@ from .management import (
     UrlBody,
     parse_body,
 )
+from .pd import PdAdapter
+from .pd.lmdeploy import DistServe
 from .responses import Receive, Scope, read_json
 
 #: Management request bodies are small.
@@ -96,27 +98,32 @@ async def terminate_all(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[i
     return (502 if failed else 200), TerminateAllAnswer(nodes=results, failed=failed)
 
 
-def _distserve(fleet: Fleet, lmdeploy: bool = True) -> Any:
+def _pd(fleet: Fleet) -> PdAdapter:
     if fleet.distserve is None:
         raise DistServeOff("this proxy does not serve with DistServe (--serving-strategy DistServe)")
-    if lmdeploy and fleet.distserve.protocol != "lmdeploy":
-        raise DistServeOff("links and preserved sessions exist only with --pd-protocol lmdeploy")
     return fleet.distserve
 
 
+def _lmdeploy(fleet: Fleet) -> DistServe:
+    pd = _pd(fleet)
+    if not isinstance(pd, DistServe):
+        raise DistServeOff("links and preserved sessions exist only with --pd-protocol lmdeploy")
+    return pd
+
+
 async def connection_warmup(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
-    return 200, await _distserve(fleet).warmup()
+    return 200, await _lmdeploy(fleet).warmup()
 
 
 async def distserve_gc(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
     payload = await read_json(scope, receive, BODY_LIMIT)
     body = parse_body(GcBody, payload if isinstance(payload, dict) else {})
-    freed = await _distserve(fleet).ledger.gc(body.older_than)
+    freed = await _lmdeploy(fleet).ledger.gc(body.older_than)
     return 200, GcAnswer(freed=freed)
 
 
 async def distserve_status(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
-    return 200, _distserve(fleet, lmdeploy=False).status()
+    return 200, _pd(fleet).status()
 
 
 def _open_fds() -> int | None:

@@ -25,6 +25,7 @@ from .errors import (
     UnsupportedMediaType,
     UpstreamError,
 )
+from .pd import PdAdapter
 from .pd.relay import PdRequest, with_echo
 from .responses import Receive, Scope, Send, check_media_type, read_body, send_error
 from .router import Router
@@ -172,7 +173,7 @@ async def forward(
     receive: Receive,
     send: Send,
     require_model: bool = False,
-    distserve: Any = None,
+    distserve: PdAdapter | None = None,
     body_timeout: float = 30.0,
     access: AccessLog | None = None,
 ) -> None:
@@ -248,7 +249,7 @@ async def _serve(
     receive: Receive,
     send: Send,
     require_model: bool,
-    distserve: Any,
+    distserve: PdAdapter | None,
     body_timeout: float,
     client_headers: ClientHeaders,
     record: Record | None,
@@ -305,7 +306,7 @@ async def _forward_admitted(
     scope: Scope,
     receive: Receive,
     send: Send,
-    distserve: Any,
+    distserve: PdAdapter | None,
     body: bytes,
     client_headers: ClientHeaders,
     record: Record | None,
@@ -362,7 +363,7 @@ async def _forward_admitted(
 
 
 async def _disaggregated(
-    distserve: Any,
+    distserve: PdAdapter,
     path: str,
     body: bytes,
     headers: list[tuple[bytes, bytes]],

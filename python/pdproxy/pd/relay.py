@@ -9,6 +9,9 @@ from typing import Any
 from pdproxy._pdproxy import Response, TenantTicket, Trace
 from pdproxy.responses import Send
 
+#: A node's API key by its URL (the fleet's ``api_key_of``).
+ApiKeyOf = Callable[[str], str | None]
+
 
 @dataclass(frozen=True, slots=True)
 class PdRequest:

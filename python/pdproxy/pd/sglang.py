@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import random
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -51,7 +52,7 @@ class SglangPD:
     protocol = "sglang"
     paths = PD_PATHS
 
-    def __init__(self, router: Router, settings: Settings, bootstrap_port_of: Any) -> None:
+    def __init__(self, router: Router, settings: Settings, bootstrap_port_of: Callable[[str], int | None]) -> None:
         self.router = router
         self.settings = settings
         self._declared_port = bootstrap_port_of
