@@ -223,18 +223,19 @@ class Fleet:
         return normalized
 
     def api_key_of(self, url: str) -> str | None:
-        try:
-            key: str | None = self.router.node(url)["api_key"]
-        except NodeNotFound:
-            return None
-        return key
+        key = self._attribute_of(url, "api_key")
+        return key if isinstance(key, str) else None
 
     def bootstrap_port_of(self, url: str) -> int | None:
+        port = self._attribute_of(url, "bootstrap_port")
+        return port if isinstance(port, int) else None
+
+    def _attribute_of(self, url: str, name: str) -> object:
+        """One attribute of the registered node ``url`` (``None`` when it is not registered)."""
         try:
-            port: int | None = self.router.node(url)["bootstrap_port"]
+            return self.router.node(url)[name]
         except NodeNotFound:
             return None
-        return port
 
     def lookup(self, url: str) -> str:
         """The normalised URL of a registered node. Raises ``NodeNotFound``."""
