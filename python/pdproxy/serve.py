@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -126,7 +127,7 @@ def _logging_config(level: str, behind_edge: bool = False) -> dict[str, Any]:
 class _NoEmbedNotice:
     """Drops granian's warning that its embedded server (our control plane's) is experimental."""
 
-    def filter(self, record: Any) -> bool:
+    def filter(self, record: logging.LogRecord) -> bool:
         return "Embedded server is experimental" not in record.getMessage()
 
 
