@@ -543,6 +543,13 @@ impl NodeUrl {
         if uri.query().is_some() {
             return Err(Error::new(Kind::InvalidNode, format!("node URL {raw:?} must not have a query")));
         }
+        if authority.as_str().contains('@') {
+            // A key goes to a node as `api_key` (a header), never in its URL (logs, status).
+            return Err(Error::new(
+                Kind::InvalidNode,
+                "credentials in a node URL are refused; register the node with an api_key",
+            ));
+        }
         let authority: Authority = authority
             .as_str()
             .to_ascii_lowercase()
@@ -569,6 +576,7 @@ mod tests {
         ] {
             assert_eq!(NodeUrl::parse(raw).unwrap().normalized, want, "{raw}");
         }
+        assert!(NodeUrl::parse("http://user:pw@h:1").is_err(), "credentials are refused");
     }
 
     #[test]
