@@ -64,7 +64,12 @@ class NodeAttributes(BaseModel):
             raise PydanticCustomError(
                 INVALID_NODE, "max_concurrency must be between 0 (no cap) and {top}", {"top": MAX_CONCURRENCY}
             )
-        return value
+        return value or None  # 0: no cap, as the data plane keeps it
+
+    @field_validator("api_key")
+    @classmethod
+    def _key(cls, value: str | None) -> str | None:
+        return value or None  # an empty key is none, as the data plane keeps it
 
     @field_validator("bootstrap_port")
     @classmethod
