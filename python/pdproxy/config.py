@@ -1,7 +1,7 @@
 """Settings: every default of pdproxy lives here.
 
-The settings are pydantic models grouped by concern (server, routing, limits, timeouts, health,
-PD, security, tenants, observability), each validator beside its field; ``Settings`` is all of
+The settings are pydantic models grouped by concern (server, shared registry, routing, limits,
+timeouts, health, PD, security, tenants, observability), each validator beside its field; ``Settings`` is all of
 them in one flat object, which the Rust data plane reads by attribute (it declares no defaults
 of its own). The CLI (`pdproxy serve`), the environment (``PDPROXY_<FIELD>``), a TOML file
 (``--config``) and the embedded ``Router`` all read these fields; precedence is CLI >
@@ -37,7 +37,7 @@ from pydantic_core import PydanticCustomError
 
 from .errors import ConfigError
 
-__all__ = ["ENV_PREFIX", "GROUPS", "LOG_LEVELS", "Settings", "load_toml", "setting_kind"]
+__all__ = ["ENV_PREFIX", "GROUPS", "LOG_LEVELS", "Settings", "default", "load_toml", "setting_kind"]
 
 ENV_PREFIX = "PDPROXY_"
 #: Settings that hold key material: never printed or logged.
@@ -189,14 +189,6 @@ class ServerSettings(SettingsGroup):
         False,
         "Start without the nodes saved in --state-file (as LMDeploy's flag: forget the previous run's nodes).",
     )
-    registry: str = _setting(
-        "",
-        (
-            "Share node membership with other pdproxy replicas through Redis (redis://HOST:PORT/DB): a node "
-            "registered on one is routed to by all; leases expire in Redis. Each replica keeps its own health "
-            "view and in-flight counts. Empty: membership is this proxy's own."
-        ),
-    )
 
     @model_validator(mode="after")
     def _one_edge(self) -> ServerSettings:
@@ -213,6 +205,44 @@ class ServerSettings(SettingsGroup):
             )
         object.__setattr__(self, "log_level", level)  # frozen; still its construction
         return self
+
+
+class RegistrySettings(SettingsGroup):
+    """Node membership shared with other replicas through Redis."""
+
+    title: ClassVar[str] = "Shared membership (--registry)"
+
+    registry: str = _setting(
+        "",
+        (
+            "Share node membership with other pdproxy replicas through Redis (redis://HOST:PORT/DB): a node "
+            "registered on one is routed to by all; leases expire in Redis. Each replica keeps its own health "
+            "view and in-flight counts. Empty: membership is this proxy's own."
+        ),
+    )
+    registry_namespace: str = _setting(
+        "pdproxy",
+        "Prefix of every Redis key and channel pdproxy uses (replicas that share nodes use the same one).",
+    )
+    registry_timeout: Seconds = _setting(
+        2.0,
+        "Seconds a call to Redis may take before the registry counts as unavailable.",
+    )
+    registry_reconcile_interval: Seconds = _setting(
+        1.0,
+        "Seconds between two full reads of the membership (a missed notice or an expired lease is seen by then).",
+    )
+    registry_max_backoff: Seconds = _setting(
+        5.0,
+        "Longest wait between two attempts to reach Redis again.",
+    )
+
+    @field_validator("registry_namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        if not value:
+            raise _refuse("registry_namespace must not be empty")
+        return value
 
 
 class RoutingSettings(SettingsGroup):
@@ -399,6 +429,10 @@ class TimeoutSettings(SettingsGroup):
     discovery_timeout: Seconds = _setting(
         2.0,
         "Seconds to wait for a node's /v1/models when discovering its models.",
+    )
+    node_tcp_keepalive: Seconds = _setting(
+        60.0,
+        "Seconds of silence on a connection to a node before TCP keep-alive probes check it is still there.",
     )
     discovery_interval: Seconds = _setting(
         5.0,
@@ -751,6 +785,7 @@ class ObservabilitySettings(SettingsGroup):
 #: The groups, in the order `pdproxy serve --help` shows them.
 GROUPS: tuple[type[SettingsGroup], ...] = (
     ServerSettings,
+    RegistrySettings,
     RoutingSettings,
     LimitsSettings,
     TimeoutSettings,
@@ -771,6 +806,7 @@ class Settings(
     TimeoutSettings,
     LimitsSettings,
     RoutingSettings,
+    RegistrySettings,
     ServerSettings,
 ):
     """Configuration of a pdproxy server or embedded router: every group's settings."""
@@ -811,6 +847,11 @@ class Settings(
     def group_of(cls, name: str) -> type[SettingsGroup]:
         """The group that declares setting ``name``."""
         return next(group for group in GROUPS if name in group.model_fields)
+
+
+def default(name: str) -> Any:
+    """The default of setting ``name`` (for code that also runs outside ``pdproxy serve``)."""
+    return Settings.model_fields[name].default
 
 
 def settings_message(error: ValidationError) -> str:

@@ -172,9 +172,10 @@ async def forward(
     scope: Scope,
     receive: Receive,
     send: Send,
+    *,
+    body_timeout: float,
     require_model: bool = False,
     distserve: PdAdapter | None = None,
-    body_timeout: float = 30.0,
     access: AccessLog | None = None,
 ) -> None:
     """Handles one inference request end to end. ``require_model``: a pass-through path is

@@ -86,7 +86,10 @@ class Supervisor:
             self.tenants = TenantsFile(self.router, self.settings.tenants_file)
             self.tenants.start()
             if self.settings.registry:
-                self.usage_sync = UsageSync(self.router, self.settings.registry, self.settings.tenant_sync_interval)
+                s = self.settings
+                self.usage_sync = UsageSync(
+                    self.router, s.registry, s.tenant_sync_interval, s.registry_namespace, s.registry_timeout
+                )
                 await self.usage_sync.start()
         self.fleet = Fleet(self.router, self.settings, self._membership())
         self.fleet.group = self.group
@@ -126,7 +129,14 @@ class Supervisor:
     def _membership(self) -> Membership | None:
         """Where node membership is shared: Redis (--registry), else the worker group's document."""
         if self.settings.registry:
-            return membership_from_url(self.settings.registry)
+            s = self.settings
+            return membership_from_url(
+                s.registry,
+                namespace=s.registry_namespace,
+                reconcile_interval=s.registry_reconcile_interval,
+                timeout=s.registry_timeout,
+                max_backoff=s.registry_max_backoff,
+            )
         if self.group is not None:
             return GroupFileMembership(self.group.directory, self.group.table)
         return None
