@@ -312,9 +312,11 @@ SCENARIOS = {
     ),
     "S4": Scenario(
         "S4",
-        "S4: one connection, non-stream",
+        "S4: one connection, non-stream, one engine",
         chat(False, 16),
         1,
+        # One engine: every target sends every request where `direct` does (see bench/README.md).
+        engines=1,
         render=render_s4,
         median_label="p50 ms",
         median_of=lambda r: _ms(r, "latency_ms", "p50"),
