@@ -182,7 +182,7 @@ class ProxyApp:
             receive,
             send,
             require_model=path not in INFERENCE_PATHS,
-            distserve=self.supervisor.pd,
+            pd=self.supervisor.pd,
             body_timeout=self.settings.body_timeout,
             access=self.supervisor.access,
         )

@@ -17,7 +17,7 @@ PAGE = (Path(__file__).parent / "dashboard.html").read_bytes()
 
 def data(app: Supervisor) -> dict[str, Any]:
     fleet = app.fleet
-    pd = fleet.distserve.status() if fleet is not None and fleet.distserve is not None else None
+    pd = fleet.pd.status() if fleet is not None and fleet.pd is not None else None
     return {
         "time": time.time(),
         "nodes": fleet.status() if fleet is not None else {},

@@ -64,7 +64,7 @@ class Fleet:
         self._session: aiohttp.ClientSession | None = None
         self._lease_task: asyncio.Task[None] | None = None
         #: The disaggregation flow, when serving with DistServe (for the management API).
-        self.distserve: PdAdapter | None = None
+        self.pd: PdAdapter | None = None
         #: This worker's group, when serving with several workers (for the management API).
         self.group: Group | None = None
         #: Called with a node's URL once it is removed (links and sessions to clean up).
@@ -280,13 +280,11 @@ class Fleet:
                 "lease": lease,
                 "address": node["address"],
             }
-            if isinstance(self.distserve, DistServe):
+            if isinstance(self.pd, DistServe):
                 out[url]["links"] = [
-                    link for link in self.distserve.links.status() if url in (link["prefill"], link["decode"])
+                    link for link in self.pd.links.status() if url in (link["prefill"], link["decode"])
                 ]
-                out[url]["preserved_sessions"] = sum(
-                    1 for e in self.distserve.ledger.entries.values() if e.prefill == url
-                )
+                out[url]["preserved_sessions"] = sum(1 for e in self.pd.ledger.entries.values() if e.prefill == url)
         return out
 
     def health_summaries(self) -> dict[str, dict[str, Any]]:

@@ -99,7 +99,7 @@ class PdproxyCollector(Collector):
             age.add_metric([], time.monotonic() - fleet.health.last_round)
             yield age
 
-        pd = fleet.distserve if fleet is not None else None
+        pd = fleet.pd if fleet is not None else None
         if pd is not None and pd.protocol == "lmdeploy":
             yield from _pd_metrics(pd.status())
         if self.app.group is not None:

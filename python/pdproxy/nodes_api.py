@@ -99,9 +99,9 @@ async def terminate_all(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[i
 
 
 def _pd(fleet: Fleet) -> PdAdapter:
-    if fleet.distserve is None:
+    if fleet.pd is None:
         raise DistServeOff("this proxy does not serve with DistServe (--serving-strategy DistServe)")
-    return fleet.distserve
+    return fleet.pd
 
 
 def _lmdeploy(fleet: Fleet) -> DistServe:
@@ -146,8 +146,8 @@ async def debug_state(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int
         "asyncio_tasks": len(asyncio.all_tasks()),
         "open_fds": _open_fds(),
     }
-    if fleet.distserve is not None:
-        state["pd"] = fleet.distserve.status()
+    if fleet.pd is not None:
+        state["pd"] = fleet.pd.status()
     if fleet.group is not None:
         state["group"] = fleet.group.summary()
         state["requests_here"] = sum(fleet.router.model_requests().values())  # this worker's own

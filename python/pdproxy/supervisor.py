@@ -97,7 +97,7 @@ class Supervisor:
             # Before the fleet starts, so that it sees every node the fleet adds and removes.
             self.pd = make_adapter(self.router, self.settings, self.fleet, self.group.directory if self.group else None)
             await self.pd.start()
-            self.fleet.distserve = self.pd
+            self.fleet.pd = self.pd
             self.fleet.on_removed.append(self.pd.node_removed)
         await self.fleet.start(check_health=self.group is None)
         self._health_watch = background.start(self._watch_health(), "pdproxy-health-watch")
