@@ -5,7 +5,10 @@ the same models, and one node record (its `labels` attribute, from static config
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -136,5 +139,12 @@ async def test_labels_come_from_static_config_and_registration(tmp_path: Path, h
             assert status[configured.url]["labels"] == {"zone": "eu"}
             assert status[registered.url]["labels"] == {"rack": "r7"}
             assert "api_key" not in status[registered.url], "status never shows a node's key"
+            # `pdproxy nodes add` takes every attribute of the record, labels too.
+            command = [sys.executable, "-m", "pdproxy", "nodes", "add", registered.url, "--url", p.url]
+            command += ["--model", "m", "--label", "rack=r8", "--label", "row=2"]
+            updated = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=30)
+            assert updated.stdout.strip() == f"updated {registered.url}", updated.stderr
+            async with http.get(p.url + "/nodes/status") as r:
+                assert (await r.json())[registered.url]["labels"] == {"rack": "r8", "row": "2"}
         saved = {entry["url"]: entry for entry in json.loads(state.read_text())["nodes"]}
-        assert saved[registered.url]["labels"] == {"rack": "r7"}, "the state file keeps the whole record"
+        assert saved[registered.url]["labels"] == {"rack": "r8", "row": "2"}, "the state file keeps the whole record"

@@ -12,16 +12,19 @@ import dataclasses
 import json
 import os
 import sys
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import click
+from pydantic.fields import FieldInfo
 
 from . import __version__
 from .config import ENV_PREFIX, GROUPS, Settings, load_toml, setting_kind
 from .errors import ConfigError
-from .node_record import configured_nodes
+from .node_record import NodeAttributes, configured_nodes
 from .settings_checks import checked
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -367,41 +370,55 @@ def nodes() -> None:
     """Add or remove nodes of a running proxy."""
 
 
+def _attribute_shape(info: FieldInfo) -> type:
+    """How the command line takes a node attribute: list (repeated), dict (KEY=VALUE, repeated)
+    or its scalar type."""
+    kind: object = info.annotation
+    if isinstance(kind, types.UnionType):  # `float | None`: the value's own type
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    shape = typing.get_origin(kind) or kind
+    if not isinstance(shape, type):
+        raise TypeError(f"node attribute {info.title or info}: no command-line form for {kind!r}")
+    return shape
+
+
+def node_attribute_options(fn: F) -> F:
+    """One option per attribute of a node record (``NodeAttributes``): a list's repeats
+    (``--model``), a map's takes ``KEY=VALUE`` (``--label``)."""
+    for name, info in reversed(NodeAttributes.model_fields.items()):
+        shape = _attribute_shape(info)
+        several = shape in (list, dict)
+        flag = "--" + (name.removesuffix("s") if several else name).replace("_", "-")
+        if several:
+            metavar = "KEY=VALUE" if shape is dict else None
+            option = click.option(flag, f"node_{name}", multiple=True, metavar=metavar, help=info.description)
+        else:
+            option = click.option(flag, f"node_{name}", type=shape, default=None, help=info.description)
+        fn = option(fn)
+    return fn
+
+
 @nodes.command("add")
 @click.argument("node_url")
 @_URL
 @_KEY
-@click.option("--model", "models", multiple=True, help="A model the node serves (default: ask the node).")
-@click.option("--role", default="hybrid", show_default=True, help="hybrid, prefill or decode (or 1, 2, 3).")
-@click.option("--speed", type=float, default=None, help="Relative throughput (random and min_expected_latency).")
-@click.option("--max-concurrency", type=int, default=None, help="Hard cap on the node's requests in flight.")
-@click.option("--api-key", "node_api_key", default=None, help="Key the proxy sends to the node (Bearer).")
-@click.option("--lease-ttl", type=float, default=None, help="Seconds until it lapses unless registered again.")
-@click.option("--bootstrap-port", type=int, default=None, help="SGLang prefill nodes: their bootstrap port.")
-def nodes_add(
-    node_url: str,
-    url: str,
-    key: str | None,
-    models: tuple[str, ...],
-    role: str,
-    speed: float | None,
-    max_concurrency: int | None,
-    node_api_key: str | None,
-    lease_ttl: float | None,
-    bootstrap_port: int | None,
-) -> None:
-    """Register NODE_URL with the proxy."""
-    status: dict[str, Any] = {"role": role, "speed": speed}
-    if models:
-        status["models"] = list(models)
-    payload: dict[str, Any] = {"url": node_url, "status": status}
-    extra = {
-        "max_concurrency": max_concurrency,
-        "api_key": node_api_key,
-        "lease_ttl": lease_ttl,
-        "bootstrap_port": bootstrap_port,
-    }
-    payload.update({name: value for name, value in extra.items() if value is not None})
+@node_attribute_options
+def nodes_add(node_url: str, url: str, key: str | None, **attributes: Any) -> None:
+    """Register NODE_URL with the proxy (what it does not say, the node's record leaves at its
+    default; without --model the proxy asks the node)."""
+    payload: dict[str, object] = {"url": node_url}
+    for name, info in NodeAttributes.model_fields.items():
+        value = attributes[f"node_{name}"]
+        shape = _attribute_shape(info)
+        if shape is dict:
+            pairs = [item.partition("=") for item in value]
+            if any(not sep for _, sep, _ in pairs):
+                raise click.BadParameter("must read KEY=VALUE", param_hint=f"--{name.removesuffix('s')}")
+            value = {k: v for k, _, v in pairs}
+        if value:
+            payload[name] = list(value) if shape is list else value
+        elif value is not None and shape not in (list, dict):
+            payload[name] = value  # a zero or an empty text is still what was asked
     answer = _admin_call(url, "/nodes/add", key, payload)
     click.echo(f"{'added' if answer['created'] else 'updated'} {answer['url']}")
 
