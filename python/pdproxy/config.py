@@ -94,7 +94,8 @@ class Settings:
         default="min_expected_latency",
         metadata=_opt(
             "Routing policy: min_expected_latency (LMDeploy's default), random, min_observed_latency, "
-            "min_observed_latency_per_token, round_robin, least_requests, consistent_hash, prefix.",
+            "min_observed_latency_per_token, min_cache_usage (LMDeploy's), round_robin, least_requests, "
+            "consistent_hash, prefix, least_engine_load, scored (or scored:prefix=N,queue=N,kv=N).",
             aliases=("--routing-strategy",),
         ),
     )
@@ -114,6 +115,45 @@ class Settings:
     prefix_balance_threshold: int = field(
         default=8,
         metadata=_opt("prefix: leave a prefix's node when it has this many more requests than the least busy one."),
+    )
+    prefix_bytes_per_token: float = field(
+        default=4.0,
+        metadata=_opt(
+            "scored: prompt bytes per engine token, to size a node's share of the prefix table from the KV "
+            "capacity its engine reports."
+        ),
+    )
+    score_prefix_weight: float = field(
+        default=1.0,
+        metadata=_opt("scored: cost of each KiB of the prompt a node would have to prefill (not in its cache)."),
+    )
+    score_queue_weight: float = field(
+        default=1.0,
+        metadata=_opt("scored: cost of each request the node's engine has running or waiting."),
+    )
+    score_kv_weight: float = field(
+        default=1.0, metadata=_opt("scored: cost of a full KV cache (scaled by the engine's usage, 0 to 1).")
+    )
+    engine_metrics_interval: float = field(
+        default=2.0,
+        metadata=_opt(
+            "Seconds between readings of each node's /metrics (running and waiting requests, KV-cache usage "
+            "and prefix-cache hits, in vLLM's, SGLang's or LMDeploy's names); 0: never read them.",
+            section="health",
+        ),
+    )
+    engine_metrics_timeout: float = field(
+        default=1.0, metadata=_opt("Seconds a node's /metrics may take.", section="health")
+    )
+    engine_metrics_max_age: float = field(
+        default=10.0,
+        metadata=_opt("Seconds after which a node's engine figures are too old to route by.", section="health"),
+    )
+    engine_metrics_concurrency: int = field(
+        default=16, metadata=_opt("Nodes whose /metrics are read at once.", section="health")
+    )
+    engine_metrics_max_bytes: int = field(
+        default=4 << 20, metadata=_opt("Largest /metrics answer read from a node, in bytes.", section="health")
     )
     queue_size: int = field(
         default=256,
@@ -375,6 +415,20 @@ class Settings:
             raise ConfigError(f"request_timeout must not be negative, got {self.request_timeout}")
         if not 0 <= self.retry_budget_ratio <= 1:
             raise ConfigError(f"retry_budget_ratio must be between 0 and 1, got {self.retry_budget_ratio}")
+        for name in ("score_prefix_weight", "score_queue_weight", "score_kv_weight"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ConfigError(f"{name} must be a non-negative number, got {getattr(self, name)}")
+        if not 0 < self.prefix_bytes_per_token < float("inf"):
+            raise ConfigError(f"prefix_bytes_per_token must be a positive number, got {self.prefix_bytes_per_token}")
+        if not 0 <= self.engine_metrics_interval < float("inf"):
+            raise ConfigError(f"engine_metrics_interval must not be negative, got {self.engine_metrics_interval}")
+        for name in ("engine_metrics_timeout", "engine_metrics_max_age"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
+        if self.engine_metrics_concurrency < 1:
+            raise ConfigError(f"engine_metrics_concurrency must be at least 1, got {self.engine_metrics_concurrency}")
+        if self.engine_metrics_max_bytes < 1024:
+            raise ConfigError(f"engine_metrics_max_bytes must be at least 1024, got {self.engine_metrics_max_bytes}")
         if not self.hash_load_factor >= 1:
             raise ConfigError(f"hash_load_factor must be at least 1, got {self.hash_load_factor}")
         for name in (

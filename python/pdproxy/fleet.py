@@ -22,6 +22,7 @@ import aiohttp
 
 from . import _pdproxy, background, state_file
 from .config import Settings
+from .engine_scraper import EngineScraper
 from .errors import InvalidNode, NodeNotFound, UpstreamError
 from .group import Group
 from .health import HealthChecker
@@ -88,6 +89,15 @@ class Fleet:
             remove_after=settings.health_remove_after,
             on_remove=self._remove_quietly,
         )
+        #: Reads the engines' /metrics (where health checks run: in a worker group, the leader).
+        self.engines = EngineScraper(
+            router,
+            interval=settings.engine_metrics_interval,
+            timeout=settings.engine_metrics_timeout,
+            concurrency=settings.engine_metrics_concurrency,
+            max_bytes=settings.engine_metrics_max_bytes,
+            api_key_of=self.api_key_of,
+        )
         self._session: aiohttp.ClientSession | None = None
         self._lease_task: asyncio.Task[None] | None = None
         #: The disaggregation flow, when serving with DistServe (for the management API).
@@ -103,7 +113,7 @@ class Fleet:
         only with ``check_health`` (in a worker group the leader starts them, ``start_health``)."""
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.settings.admin_timeout))
         if check_health:
-            await self.health.start()
+            await self.start_health()
         if self.membership is not None:
             await self.membership.start(self.apply)
         saved = state_file.load(self.settings.state_file) if self.settings.state_file else []
@@ -121,9 +131,12 @@ class Fleet:
             self._lease_task = background.start(self._expire_leases(), "pdproxy-leases")
 
     async def start_health(self) -> None:
-        """Starts the health checks (once; a worker that becomes its group's leader)."""
+        """Starts the health checks and the engines' readings (once; a worker that becomes its
+        group's leader)."""
         if not self.health.running:
             await self.health.start()
+        if not self.engines.running and self.settings.engine_metrics_interval > 0:
+            await self.engines.start()
 
     async def aclose(self) -> None:
         await background.stop(self._lease_task)
@@ -132,6 +145,7 @@ class Fleet:
         if self.membership is not None:
             await self.membership.aclose()
         await self.health.aclose()
+        await self.engines.aclose()
         if self._session is not None:
             await self._session.close()
 
@@ -301,6 +315,11 @@ class Fleet:
                 "mean_ttft": node["mean_ttft"],
                 "generation": node["generation"],
                 "lease": lease,
+                "engine": {
+                    **node["engine"],
+                    "dialect": self.engines.dialects.get(url),
+                    "last_error": self.engines.errors.get(url),
+                },
             }
             if self.distserve is not None and self.distserve.protocol == "lmdeploy":
                 out[url]["links"] = [

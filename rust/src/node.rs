@@ -9,6 +9,7 @@ use http::uri::{Authority, Scheme};
 use http::Uri;
 
 use crate::circuit::Circuit;
+use crate::engine_report::{EngineLoad, EngineReport};
 use crate::error::{Error, Kind, Result};
 use crate::histogram::{Gap, Histogram, Latency};
 use crate::shared::{Binding, SharedTable};
@@ -138,6 +139,8 @@ pub struct NodeCounters {
     pub ttft: Histogram<Latency>,
     /// Streams: gaps between consecutive chunks (inter-token latency).
     pub itl: Histogram<Gap>,
+    /// What the node's engine last said about itself (its `/metrics`).
+    pub engine: EngineReport,
 }
 
 /// One point-in-time copy of a node's counters.
@@ -215,6 +218,7 @@ impl NodeCounters {
         self.duration.reset();
         self.ttft.reset();
         self.itl.reset();
+        self.engine.reset();
     }
 
     pub fn state(&self) -> NodeState {
@@ -449,6 +453,12 @@ impl Node {
 
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    /// The engine's report if it is younger than `max_age_ms`, with pdproxy's traffic since.
+    pub fn engine_load(&self, max_age_ms: u64, now_ms: u64) -> Option<EngineLoad> {
+        let c = &self.counters;
+        c.engine.fresh(max_age_ms, now_ms, c.in_flight(), c.requests.load(Ordering::Relaxed))
     }
 
     /// `host:port` of the node.

@@ -475,16 +475,21 @@ async def _simulated(
         digest = hashlib.sha256()
         sent = 0
         while True:
-            if response is not None and sent < job.produced:
-                if faults.drop_after is not None and job.produced > faults.drop_after:
+            if response is None:
+                sent = job.produced
+            elif sent < job.produced:
+                cut = faults.drop_after
+                end = job.produced if cut is None else min(job.produced, cut)
+                if end > sent:
+                    events = b"".join(
+                        completion.token_event(completion.tokens[i], first=i == 0) for i in range(sent, end)
+                    )
+                    digest.update(events)
+                    await response.write(events)
+                    sent = end
+                if cut is not None and sent >= cut and (job.produced > sent or job.finished):
                     _drop_connection(request)
                     return None
-                events = b"".join(
-                    completion.token_event(completion.tokens[i], first=i == 0) for i in range(sent, job.produced)
-                )
-                digest.update(events)
-                await response.write(events)
-                sent = job.produced
             if job.finished and sent >= job.produced:
                 break
             await job.next_tokens()
