@@ -124,12 +124,15 @@ class Settings:
         ),
     )
     score_prefix_weight: float = field(
-        default=1.0,
-        metadata=_opt("scored: cost of each KiB of the prompt a node would have to prefill (not in its cache)."),
+        default=2.0,
+        metadata=_opt(
+            "scored: cost of each KiB of the prompt a node would have to prefill (not in its cache), against "
+            "1 for each KiB of prompts already waiting there for their first token."
+        ),
     )
     score_queue_weight: float = field(
         default=1.0,
-        metadata=_opt("scored: cost of each request the node's engine has running or waiting."),
+        metadata=_opt("scored: cost of each request waiting for a place in the node's engine's batch."),
     )
     score_kv_weight: float = field(
         default=1.0, metadata=_opt("scored: cost of a full KV cache (scaled by the engine's usage, 0 to 1).")

@@ -24,6 +24,15 @@ pub struct EngineFigures {
     pub kv_capacity_tokens: Option<u64>,
 }
 
+/// The node's own counters when a reading is recorded, to tell what changed since.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CountsThen {
+    pub in_flight: u64,
+    pub requests: u64,
+    /// The node's `predicted_cached_bytes`.
+    pub predicted_cached: u64,
+}
+
 /// A node's last engine report, in shared-memory-safe atomics.
 #[derive(Debug, Default)]
 pub struct EngineReport {
@@ -40,6 +49,8 @@ pub struct EngineReport {
     in_flight_then: AtomicU64,
     /// The node's request count when the reading was recorded.
     requests_then: AtomicU64,
+    /// The node's `predicted_cached_bytes` when the reading was recorded.
+    predicted_then: AtomicU64,
     /// Times the engine's counters went back: it restarted with an empty cache.
     restarts: AtomicU32,
     failures: AtomicU64,
@@ -69,6 +80,21 @@ impl EngineLoad {
         #[allow(clippy::cast_precision_loss)]
         let change = self.in_flight_change as f64;
         (reported + change).max(0.0)
+    }
+
+    /// Requests waiting for a place in the engine's batch now: none if none waited at the
+    /// reading (the batch had room), else those plus the ones pdproxy started since (each
+    /// waits too) minus those it finished (each freed a place).
+    pub fn waiting(&self) -> f64 {
+        #[allow(clippy::cast_precision_loss)]
+        let change = self.in_flight_change as f64;
+        #[allow(clippy::cast_precision_loss)]
+        let waiting = self.waiting as f64;
+        if self.waiting > 0 {
+            (waiting + change).max(0.0)
+        } else {
+            0.0
+        }
     }
 
     /// KV-cache usage now: as reported, plus the average share of a running request for
@@ -114,9 +140,8 @@ fn from_u64(raw: u64) -> Option<u64> {
 }
 
 impl EngineReport {
-    /// Records a good reading taken now (`now_ms`, wall clock), while the node had `in_flight`
-    /// requests of pdproxy's in flight and `requests` sent in all.
-    pub fn record(&self, figures: &EngineFigures, in_flight: u64, requests: u64, now_ms: u64) {
+    /// Records a good reading taken now (`now_ms`, wall clock), with the node's own counters then.
+    pub fn record(&self, figures: &EngineFigures, then: CountsThen, now_ms: u64) {
         let old_prompt = from_u64(self.prompt_tokens.load(Ordering::Relaxed));
         if let (Some(old), Some(new)) = (old_prompt, figures.prompt_tokens) {
             if new < old {
@@ -129,8 +154,9 @@ impl EngineReport {
         self.prompt_tokens.store(option_u64(figures.prompt_tokens), Ordering::Relaxed);
         self.cached_tokens.store(option_u64(figures.cached_tokens), Ordering::Relaxed);
         self.kv_capacity_tokens.store(option_u64(figures.kv_capacity_tokens), Ordering::Relaxed);
-        self.in_flight_then.store(in_flight, Ordering::Relaxed);
-        self.requests_then.store(requests, Ordering::Relaxed);
+        self.in_flight_then.store(then.in_flight, Ordering::Relaxed);
+        self.requests_then.store(then.requests, Ordering::Relaxed);
+        self.predicted_then.store(then.predicted_cached, Ordering::Relaxed);
         self.failing.store(0, Ordering::Relaxed);
         self.read_at_ms.store(now_ms.max(1), Ordering::Release);
     }
@@ -144,6 +170,15 @@ impl EngineReport {
     /// Times the engine restarted (its prefix cache then starts empty).
     pub fn restarts(&self) -> u32 {
         self.restarts.load(Ordering::Relaxed)
+    }
+
+    /// When the last good reading was taken (wall-clock ms, 0: never), the engine's
+    /// cumulative prefix-cache hits (tokens) then if it exports them, and the node's
+    /// `predicted_cached_bytes` then.
+    pub fn cached_tokens_read(&self) -> (u64, Option<u64>, u64) {
+        let read_at = self.read_at_ms.load(Ordering::Acquire);
+        let hits = from_u64(self.cached_tokens.load(Ordering::Relaxed)).filter(|_| read_at != 0);
+        (read_at, hits, self.predicted_then.load(Ordering::Relaxed))
     }
 
     /// The figures if read less than `max_age_ms` ago, with pdproxy's traffic since.
@@ -192,6 +227,7 @@ impl EngineReport {
             &self.waiting,
             &self.in_flight_then,
             &self.requests_then,
+            &self.predicted_then,
             &self.failures,
         ] {
             value.store(0, Ordering::Relaxed);
@@ -208,6 +244,10 @@ impl EngineReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn then(in_flight: u64, requests: u64) -> CountsThen {
+        CountsThen { in_flight, requests, predicted_cached: 0 }
+    }
 
     fn figures(running: u64, waiting: u64, usage: f64, prompt: u64) -> EngineFigures {
         EngineFigures {
@@ -230,7 +270,7 @@ mod tests {
     #[test]
     fn figures_expire_after_their_max_age() {
         let report = EngineReport::default();
-        report.record(&figures(3, 1, 0.5, 100), 2, 10, 1_000);
+        report.record(&figures(3, 1, 0.5, 100), then(2, 10), 1_000);
         assert!(report.fresh(500, 1_400, 2, 10).is_some());
         assert!(report.fresh(500, 1_600, 2, 10).is_none(), "stale figures are not used");
         assert_eq!(report.snapshot(1_600).age_ms, Some(600), "but they are still shown, with their age");
@@ -239,7 +279,7 @@ mod tests {
     #[test]
     fn pdproxys_traffic_since_the_reading_counts() {
         let report = EngineReport::default();
-        report.record(&figures(4, 2, 0.4, 100), 3, 50, 1_000);
+        report.record(&figures(4, 2, 0.4, 100), then(3, 50), 1_000);
         // Five more requests sent since, two of them (and one older) finished: in flight 3 -> 5.
         let load = report.fresh(10_000, 1_100, 5, 55).unwrap();
         assert_eq!((load.sent_since, load.in_flight_change), (5, 2));
@@ -248,17 +288,29 @@ mod tests {
         assert!((load.kv_usage_estimate().unwrap() - 0.6).abs() < 1e-9);
         // Fewer in flight than then: the engine has fewer too, never below nothing.
         assert!((report.fresh(10_000, 1_100, 0, 55).unwrap().requests() - 3.0).abs() < 1e-9);
-        report.record(&figures(0, 0, 0.0, 120), 3, 55, 1_200);
+        report.record(&figures(0, 0, 0.0, 120), then(3, 55), 1_200);
         assert!(report.fresh(10_000, 1_300, 0, 55).unwrap().requests().abs() < 1e-9);
+    }
+
+    #[test]
+    fn waiting_requests_follow_pdproxys_traffic_while_the_batch_is_full() {
+        let report = EngineReport::default();
+        report.record(&figures(10, 0, 0.5, 100), then(10, 10), 1_000);
+        // The batch had room: new requests are taken to join it.
+        assert!(report.fresh(10_000, 1_100, 30, 30).unwrap().waiting().abs() < 1e-9);
+        report.record(&figures(16, 4, 0.9, 200), then(20, 30), 2_000);
+        let load = report.fresh(10_000, 2_100, 23, 33).unwrap();
+        assert!((load.waiting() - 7.0).abs() < 1e-9, "4 waited, 3 more came");
+        assert!(report.fresh(10_000, 2_100, 12, 33).unwrap().waiting().abs() < 1e-9, "8 finished: none waits");
     }
 
     #[test]
     fn counters_going_back_mean_a_restart() {
         let report = EngineReport::default();
-        report.record(&figures(0, 0, 0.0, 100), 0, 0, 1_000);
-        report.record(&figures(0, 0, 0.0, 150), 0, 0, 2_000);
+        report.record(&figures(0, 0, 0.0, 100), then(0, 0), 1_000);
+        report.record(&figures(0, 0, 0.0, 150), then(0, 0), 2_000);
         assert_eq!(report.restarts(), 0);
-        report.record(&figures(0, 0, 0.0, 10), 0, 0, 3_000);
+        report.record(&figures(0, 0, 0.0, 10), then(0, 0), 3_000);
         assert_eq!(report.restarts(), 1);
     }
 
@@ -268,7 +320,7 @@ mod tests {
         report.record_failure();
         report.record_failure();
         assert_eq!((report.snapshot(0).failures, report.snapshot(0).failing), (2, 2));
-        report.record(&figures(0, 0, 0.0, 1), 0, 0, 1_000);
+        report.record(&figures(0, 0, 0.0, 1), then(0, 0), 1_000);
         assert_eq!((report.snapshot(0).failures, report.snapshot(0).failing), (2, 0));
         report.reset();
         assert_eq!(report.snapshot(0), EngineReportSnapshot::default());

@@ -92,6 +92,9 @@ class EngineCounters:
     finished: int = 0
     #: The cache hit rate of the last step that admitted requests (SGLang's gauge).
     last_hit_rate: float = 0.0
+    #: Seconds the steps ran late beyond what the next step makes up (a machine too busy to
+    #: keep the simulated time: it should stay near zero).
+    late_s: float = 0.0
 
 
 class ContinuousBatcher:
@@ -151,11 +154,15 @@ class ContinuousBatcher:
 
     # -- the oracle's view ------------------------------------------------------------------
 
+    def uncached_tokens(self, prompt_blocks: list[bytes], prompt_tokens: int) -> int:
+        """Tokens of this prompt the engine would prefill, were it to arrive now."""
+        return max(1, prompt_tokens - self.cache.cached_prefix(prompt_blocks) * self.model.kv_block_tokens)
+
     def estimate_ttft(self, prompt_blocks: list[bytes], prompt_tokens: int) -> float:
         """Seconds until the first token of a request with this prompt, were it to arrive now:
         the wait for a place in the batch, then the prefill ahead of it and its own."""
         model = self.model
-        own = max(1, prompt_tokens - self.cache.cached_prefix(prompt_blocks) * model.kv_block_tokens)
+        own = self.uncached_tokens(prompt_blocks, prompt_tokens)
         ahead = sum(r.to_prefill for r in self.running) + sum(r.uncached_on_arrival for r in self.waiting)
         decoding = sum(1 for r in self.running if r.to_prefill == 0)
         step = model.step_ms(decoding, 0)
@@ -242,6 +249,8 @@ class ContinuousBatcher:
             # Steps follow each other on a schedule: a wake-up a little late (a busy machine)
             # is made up at the next step instead of slowing the engine down.
             now = loop.time()
+            if ends is not None and now - ends > CATCH_UP:
+                self.counters.late_s += now - ends - CATCH_UP
             ends = (now if ends is None else max(ends, now - CATCH_UP)) + step
             await asyncio.sleep(ends - now)
             for request, take in prefill:

@@ -192,6 +192,7 @@ class MockState:
                 "cached_tokens": b.counters.cached_tokens,
                 "generation_tokens": b.counters.generation_tokens,
                 "finished": b.counters.finished,
+                "late_s": round(b.counters.late_s, 4),
             }
         return out
 

@@ -138,7 +138,7 @@ impl Router {
         let node = self.node(url)?;
         let c = node.counters();
         let figures = EngineFigures { running, waiting, kv_usage, prompt_tokens, cached_tokens, kv_capacity_tokens };
-        c.engine.record(&figures, c.in_flight(), c.requests.load(std::sync::atomic::Ordering::Relaxed), now_ms());
+        c.record_engine_report(&figures, now_ms());
         Ok(())
     }
 

@@ -61,7 +61,7 @@ mod tests {
         set_in_flight(&nodes[1], 2);
         assert_eq!(policy.pick(&nodes, &SelectCtx::default()), Some(1));
         // A report older than the max age is as good as none.
-        nodes[0].counters().engine.record(&figures(0, 0, 0.0), 5, 5, 1);
+        nodes[0].counters().record_engine_report(&figures(0, 0, 0.0), 1);
         assert_eq!(policy.pick(&nodes, &SelectCtx::default()), Some(1));
     }
 

@@ -31,7 +31,7 @@ pub use scored::{ScoreWeights, Scored};
 use crate::admission::Admission;
 use crate::error::{Error, Kind, Result};
 use crate::node::{Node, NodeState, Role};
-use crate::permit::InFlightPermit;
+use crate::permit::{InFlightPermit, Prediction};
 use crate::registry::{NoCandidates, NodeSet};
 
 /// What policies may look at besides the nodes.
@@ -52,8 +52,12 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     /// Index into `candidates` of the chosen node, among those for which
     /// `available(node)` holds; `None` when none is.
     fn pick(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Option<usize>;
-    /// Told which node took the request (policies that learn from traffic).
-    fn selected(&self, _node: &Arc<Node>, _ctx: &SelectCtx<'_>) {}
+    /// Told which node took the request (policies that learn from traffic). Returns what the
+    /// policy expects the node to prefill and to find in its cache (nothing, if it does not
+    /// predict), which the request's permit counts on the node.
+    fn selected(&self, _node: &Arc<Node>, _ctx: &SelectCtx<'_>) -> Prediction {
+        Prediction::default()
+    }
 }
 
 /// True when `node` may take a request now: healthy and below its cap.
@@ -230,7 +234,7 @@ pub fn select_excluding(
     for _ in 0..=candidates.len() {
         let Some(i) = policy.pick(candidates, ctx) else { break };
         if let Some(permit) = InFlightPermit::try_acquire(&candidates[i], admission) {
-            policy.selected(&candidates[i], ctx);
+            permit.set_prediction(policy.selected(&candidates[i], ctx));
             return Ok(permit);
         }
     }
@@ -270,8 +274,7 @@ pub(crate) mod testing {
 
     /// Records a fresh engine report for `node`, taken with its counters as they are now.
     pub fn report(node: &Node, running: u64, waiting: u64, kv_usage: f64) {
-        let c = node.counters();
-        c.engine.record(&figures(running, waiting, kv_usage), c.in_flight(), c.requests.load(Ordering::Relaxed), now_ms());
+        node.counters().record_engine_report(&figures(running, waiting, kv_usage), now_ms());
     }
 
     /// How often each node is picked in `rounds` picks.

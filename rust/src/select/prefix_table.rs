@@ -5,6 +5,11 @@
 //!   reports its capacity (else an equal share of `entries`), least recently routed first and,
 //!   within one prompt, its deepest blocks first (an engine's LRU frees a finished sequence's
 //!   last blocks first, so its head outlives its tail);
+//! - where the engine reports its prefix-cache hits, the table checks its own predictions
+//!   against them (`predicted_cached_bytes`: what the policy expected the engine to find, for
+//!   the requests it has answered): when the engine found less in its cache than the table
+//!   expected, the table holds too much for that node (the engine evicted it), and the node's
+//!   share shrinks to what the hits bear out; it grows back while predictions hold;
 //! - a node whose engine restarted (its counters went back) forgets everything.
 //!
 //! The prompt is cut into blocks of `block_bytes` and each block's hash chains the previous
@@ -21,6 +26,14 @@ use crate::node::Node;
 
 /// Nodes the table keeps blocks for; past it the least recently routed to is forgotten.
 const MAX_NODES: usize = 1024;
+/// Predicted hits (bytes) a check of a node's share waits for, so that one reading's noise
+/// does not move it.
+const CHECK_AFTER_BYTES: u64 = 64 << 10;
+/// Hits found over hits predicted below which a node's share shrinks, and above which it grows.
+const SHRINK_BELOW: f64 = 0.9;
+const GROW_ABOVE: f64 = 0.97;
+/// The smallest share a node is cut to (blocks).
+const MIN_SHARE: usize = 16;
 
 #[derive(Debug, Clone, Copy)]
 pub struct PrefixTableConfig {
@@ -50,6 +63,47 @@ struct NodeBlocks {
     /// The engine's restart count when the blocks were learned.
     restarts: u32,
     last_used: u64,
+    /// What the engine's hits bear out (blocks); None until a check found too few hits.
+    share: Option<usize>,
+    /// At the engine's reading `checked_at`: its cumulative prefix-cache hits (tokens), and
+    /// the node's `predicted_cached_bytes`.
+    checked_at: u64,
+    checked_hits: Option<u64>,
+    checked_predicted: u64,
+}
+
+impl NodeBlocks {
+    /// Compares the hits predicted since the last check with those the engine found, once a
+    /// new reading is in and enough were predicted; moves the node's share accordingly.
+    fn check(&mut self, node: &Node, bytes_per_token: f64, ceiling: usize) {
+        let (read_at, hits, predicted_now) = node.counters().engine.cached_tokens_read();
+        if read_at == self.checked_at {
+            return;
+        }
+        let Some(hits) = hits else { return };
+        if let Some(before) = self.checked_hits {
+            let predicted = predicted_now.saturating_sub(self.checked_predicted);
+            if predicted < CHECK_AFTER_BYTES && hits >= before {
+                return; // wait for more predictions, from this reading on
+            }
+            #[allow(clippy::cast_precision_loss)]
+            let found = hits.saturating_sub(before) as f64 * bytes_per_token;
+            #[allow(clippy::cast_precision_loss)]
+            let ratio = found / (predicted.max(1)) as f64;
+            let current = self.share.unwrap_or(ceiling).min(ceiling);
+            #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            if ratio < SHRINK_BELOW {
+                let held = self.live.min(current) as f64;
+                self.share = Some(((held * ratio.max(0.5)) as usize).max(MIN_SHARE));
+            } else if ratio > GROW_ABOVE && self.share.is_some() {
+                let grown = (current as f64 * 1.1) as usize + 1;
+                self.share = (grown < ceiling).then_some(grown);
+            }
+        }
+        self.checked_at = read_at;
+        self.checked_hits = Some(hits);
+        self.checked_predicted = predicted_now;
+    }
 }
 
 #[derive(Debug, Default)]
@@ -168,10 +222,12 @@ impl PrefixTable {
             let blocks = (tokens as f64 * self.config.bytes_per_token / self.config.block_bytes.max(1) as f64) as usize;
             blocks
         });
-        let capacity = reported.map_or(share, |blocks| blocks.min(share)).max(1);
+        let ceiling = reported.map_or(share, |blocks| blocks.min(share)).max(1);
 
         let Inner { holders, nodes, clock } = &mut *inner;
         let blocks = nodes.entry(generation).or_insert_with(|| NodeBlocks { restarts, ..NodeBlocks::default() });
+        blocks.check(node, self.config.bytes_per_token, ceiling);
+        let capacity = blocks.share.unwrap_or(ceiling).min(ceiling);
         // Deepest first, so that the head of the prompt is the most recently used.
         for &hash in hashes.iter().rev() {
             *clock += 1;
@@ -270,8 +326,8 @@ mod tests {
         t.learn(&nodes[1], &a, None);
         let counters = nodes[0].counters();
         let reading = |prompt| EngineFigures { prompt_tokens: Some(prompt), ..EngineFigures::default() };
-        counters.engine.record(&reading(100), 0, 0, 1);
-        counters.engine.record(&reading(5), 0, 0, 2);
+        counters.record_engine_report(&reading(100), 1);
+        counters.record_engine_report(&reading(5), 2);
         assert_eq!(t.matched(&a, &nodes), vec![0, 4]);
         assert_eq!(t.blocks_of(nodes[0].generation()), 0);
     }
@@ -289,5 +345,37 @@ mod tests {
         for node in inner.nodes.values() {
             assert!(node.order.len() <= 2 * node.live + 64 + 7, "{}", node.order.len());
         }
+    }
+
+    #[test]
+    fn a_node_whose_engine_finds_less_than_predicted_is_trimmed() {
+        let (_reg, nodes) = nodes(1);
+        let node = &nodes[0];
+        let t = table(1 << 16);
+        let reading = |hits| EngineFigures {
+            prompt_tokens: Some(1 << 30),
+            cached_tokens: Some(hits),
+            ..EngineFigures::default()
+        };
+        node.counters().record_engine_report(&reading(0), 1);
+        let prompts: Vec<Vec<u64>> = (0..200).map(|i| hashes(&t, &format!("prompt {i:03} ").repeat(94)[..1024])).collect();
+        for prompt in &prompts {
+            t.learn(node, prompt, None); // no capacity reported: all 200 KiB kept
+        }
+        assert_eq!(t.blocks_of(node.generation()), 200 * 64);
+        // Requests the table expected to hit 128 KiB; the engine found 8192 tokens, 32 KiB.
+        let predicted = &node.counters().predicted_cached_bytes;
+        predicted.fetch_add(128 << 10, std::sync::atomic::Ordering::Relaxed);
+        node.counters().record_engine_report(&reading(8192), 2);
+        t.learn(node, &prompts[199], None);
+        assert_eq!(t.blocks_of(node.generation()), 100 * 64, "cut by half at most at once");
+        assert_eq!(t.matched(&prompts[0], &nodes), vec![0], "the oldest went");
+        // Predictions the engine bears out let the share grow back.
+        t.learn(node, &prompts[0], None);
+        predicted.fetch_add(128 << 10, std::sync::atomic::Ordering::Relaxed);
+        node.counters().record_engine_report(&reading(8192 + 32768), 3);
+        t.learn(node, &prompts[1], None);
+        t.learn(node, &prompts[2], None);
+        assert_eq!(t.blocks_of(node.generation()), 100 * 64 + 128, "{}", t.blocks_of(node.generation()));
     }
 }

@@ -1,27 +1,35 @@
-//! `scored`: the node with the lowest cost, a weighted sum of what each candidate would make
-//! the request wait for:
+//! `scored`: the node with the lowest cost, in KiB of prompt prefill (time the engine spends
+//! before the request's first token, or takes from the requests after it):
 //!
 //! ```text
-//! cost = prefix_weight * KiB of the prompt the node would have to prefill (not in its cache)
-//!      + queue_weight  * requests the node's engine has (running and waiting)
+//! cost = prefix_weight * KiB of the prompt not in the node's cache (its own prefill there)
+//!      +                 KiB of prompts pdproxy sent there that have not had their first byte
+//!      + queue_weight  * requests waiting there for a place in the engine's batch
 //!      + kv_weight     * the engine's KV-cache usage (0 to 1)
 //! ```
 //!
+//! A prefix weight above 1 counts a request's own prefill twice over: it delays its first
+//! token, and it is work added to the node that every later request there waits for (and
+//! cache space it takes), so a node that already holds the prompt keeps it unless the wait
+//! there is long.
+//!
 //! The prompt a node holds comes from the prefix table (what pdproxy routed there and the
-//! engine has not evicted since, see `prefix_table`). The engine's requests and KV usage come
-//! from its fresh report adjusted by pdproxy's traffic since; without a report, pdproxy's own
-//! requests in flight stand in for the queue and the KV term is left out. So with the default
-//! weights (1, 1, 1) a node whose cache holds 4 KiB more of the prompt (about a thousand
-//! tokens) takes the request unless it has 4 more requests than another. Ties go at random.
+//! engine has not evicted since, see `prefix_table`); the prefill a request will cost is
+//! counted on the node from its selection to its first byte (`prefill_pending_bytes`). The
+//! engine's waiting requests and KV usage come from its fresh report adjusted by pdproxy's
+//! traffic since (see `EngineLoad::waiting`); without one, the requests pdproxy sent there
+//! that have not had their first byte (`unanswered`) stand in for the queue, and the KV term
+//! is left out. Ties go at random.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use super::least_engine_load::engine_requests;
 use super::prefix_table::{PrefixTable, PrefixTableConfig};
 use super::{available_indices, Policy, SelectCtx};
 use crate::circuit::now_ms;
 use crate::error::{Error, Kind, Result};
 use crate::node::Node;
+use crate::permit::Prediction;
 
 /// The weights of the three terms.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -66,33 +74,53 @@ pub struct Scored {
     table: PrefixTable,
     /// Older engine reports are ignored.
     max_age_ms: u64,
+    /// The median KV capacity (tokens) the candidates' engines report, for the nodes whose
+    /// engines do not (a fleet is mostly alike); 0 when none does.
+    typical_capacity: AtomicU64,
 }
 
 impl Scored {
     pub fn new(weights: ScoreWeights, table: PrefixTableConfig, max_age_ms: u64) -> Self {
-        Self { weights, table: PrefixTable::new(table), max_age_ms }
+        Self { weights, table: PrefixTable::new(table), max_age_ms, typical_capacity: AtomicU64::new(0) }
+    }
+
+    fn note_capacities(&self, candidates: &[Arc<Node>]) {
+        let mut reported: Vec<u64> =
+            candidates.iter().filter_map(|n| n.engine_load(u64::MAX, now_ms()).and_then(|l| l.kv_capacity_tokens)).collect();
+        if !reported.is_empty() {
+            let mid = reported.len() / 2;
+            self.typical_capacity.store(*reported.select_nth_unstable(mid).1, Ordering::Relaxed);
+        }
     }
 
     pub fn weights(&self) -> ScoreWeights {
         self.weights
     }
 
+    /// Bytes of the prompt a node holding `matched` leading blocks would still prefill.
+    fn uncached(&self, ctx: &SelectCtx<'_>, matched: usize) -> usize {
+        let prompt = ctx.prompt.map_or(0, <[u8]>::len);
+        prompt - (matched * self.table.block_bytes()).min(self.table.considered_bytes(ctx))
+    }
+
     /// Each available candidate's cost for the request (`None`: not available).
     pub fn costs(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<f64>> {
         let hashes = self.table.block_hashes(ctx);
         let matched = self.table.matched(&hashes, candidates);
-        let considered = self.table.considered_bytes(ctx);
         let now = now_ms();
+        let w = self.weights;
         let mut out = vec![None; candidates.len()];
         for i in available_indices(candidates) {
             let node = &candidates[i];
-            let held = (matched[i] * self.table.block_bytes()).min(considered);
+            let pending = node.counters().prefill_pending_bytes.load(Ordering::Relaxed);
             #[allow(clippy::cast_precision_loss)]
-            let uncached_kib = (considered - held) as f64 / 1024.0;
-            let kv = node.engine_load(self.max_age_ms, now).and_then(|l| l.kv_usage_estimate()).unwrap_or(0.0);
-            let w = self.weights;
-            let queue = engine_requests(node, self.max_age_ms, now);
-            out[i] = Some(w.prefix * uncached_kib + w.queue * queue + w.kv * kv);
+            let (own_kib, pending_kib) = (self.uncached(ctx, matched[i]) as f64 / 1024.0, pending as f64 / 1024.0);
+            let load = node.engine_load(self.max_age_ms, now);
+            let kv = load.and_then(|l| l.kv_usage_estimate()).unwrap_or(0.0);
+            #[allow(clippy::cast_precision_loss)]
+            let unanswered = node.counters().unanswered.load(Ordering::Relaxed) as f64;
+            let queue = load.map_or(unanswered, |l| l.waiting());
+            out[i] = Some(w.prefix * own_kib + pending_kib + w.queue * queue + w.kv * kv);
         }
         out
     }
@@ -104,10 +132,12 @@ impl Policy for Scored {
     }
 
     fn pick(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Option<usize> {
+        self.note_capacities(candidates);
         let mut best = f64::INFINITY;
         let mut chosen = None;
         let mut ties = 0u32;
-        for (i, cost) in self.costs(candidates, ctx).into_iter().enumerate() {
+        let all = self.costs(candidates, ctx);
+        for (i, cost) in all.into_iter().enumerate() {
             let Some(cost) = cost else { continue };
             if cost < best {
                 (best, chosen, ties) = (cost, Some(i), 1);
@@ -121,9 +151,20 @@ impl Policy for Scored {
         chosen
     }
 
-    fn selected(&self, node: &Arc<Node>, ctx: &SelectCtx<'_>) {
-        let capacity = node.engine_load(u64::MAX, now_ms()).and_then(|l| l.kv_capacity_tokens);
-        self.table.learn(node, &self.table.block_hashes(ctx), capacity);
+    fn selected(&self, node: &Arc<Node>, ctx: &SelectCtx<'_>) -> Prediction {
+        let hashes = self.table.block_hashes(ctx);
+        let matched = self.table.matched(&hashes, std::slice::from_ref(node))[0];
+        let capacity = node
+            .engine_load(u64::MAX, now_ms())
+            .and_then(|l| l.kv_capacity_tokens)
+            .or(Some(self.typical_capacity.load(Ordering::Relaxed)).filter(|&c| c > 0));
+        let uncached = self.uncached(ctx, matched);
+        let prompt = ctx.prompt.map_or(0, <[u8]>::len);
+        self.table.learn(node, &hashes, capacity);
+        Prediction {
+            prefill: u64::try_from(uncached).unwrap_or(u64::MAX),
+            cached: u64::try_from(prompt - uncached).unwrap_or(u64::MAX),
+        }
     }
 }
 
@@ -157,11 +198,11 @@ mod tests {
         let policy = scored(WEIGHTS);
         let system = "You are a helpful assistant. ".repeat(280); // about 8 KiB
         let home = route(&policy, &nodes, format!("{system} first").as_bytes());
-        // The home node has 5 more requests than the others: 5 < 8 KiB of prefill.
-        nodes[home].counters().in_flight.fetch_add(5, Ordering::Relaxed);
+        // Five requests wait at the home node for their first token: 5 < 8 KiB of prefill.
+        nodes[home].counters().unanswered.fetch_add(5, Ordering::Relaxed);
         assert_eq!(route(&policy, &nodes, format!("{system} second").as_bytes()), home);
-        // 10 more: now another node is cheaper, and learns the prompt too.
-        nodes[home].counters().in_flight.fetch_add(5, Ordering::Relaxed);
+        // 10: now another node is cheaper, and learns the prompt too.
+        nodes[home].counters().unanswered.fetch_add(5, Ordering::Relaxed);
         let other = route(&policy, &nodes, format!("{system} third").as_bytes());
         assert_ne!(other, home);
         let costs = policy.costs(&nodes, &ctx(format!("{system} fourth").as_bytes()));
@@ -174,7 +215,7 @@ mod tests {
         let (_reg, nodes) = nodes(2);
         report(&nodes[0], 6, 2, 0.9);
         report(&nodes[1], 7, 0, 0.1);
-        // Queue 8 + 0.9 against 7 + 0.1.
+        // Two waiting and 0.9 of the cache, against none waiting and 0.1.
         assert_eq!(scored(WEIGHTS).pick(&nodes, &ctx(b"x")), Some(1));
         let kv_blind = WEIGHTS.with_overrides("kv=0, queue=1").unwrap();
         assert_eq!(kv_blind.kv, 0.0);
@@ -189,15 +230,36 @@ mod tests {
     }
 
     #[test]
-    fn without_a_prompt_or_reports_it_balances_in_flight() {
+    fn without_a_prompt_or_reports_it_balances_requests_not_yet_answered() {
         let (_reg, nodes) = nodes(3);
         let policy = scored(WEIGHTS);
         let mut picks = [0; 3];
         for _ in 0..30 {
             let i = policy.pick(&nodes, &SelectCtx::default()).unwrap();
             picks[i] += 1;
-            nodes[i].counters().in_flight.fetch_add(1, Ordering::Relaxed);
+            nodes[i].counters().unanswered.fetch_add(1, Ordering::Relaxed);
         }
         assert_eq!(picks, [10, 10, 10]);
+    }
+
+    #[test]
+    fn prefill_sent_and_not_yet_answered_counts_until_the_first_byte() {
+        let (reg, nodes) = nodes(2);
+        let policy = scored(WEIGHTS);
+        let long = "a".repeat(8 * 1024);
+        // Two different 8 KiB prompts: the second avoids the node still prefilling the first.
+        let first = crate::select::select(&reg.load(), &ctx(long.as_bytes()), &policy, None).unwrap();
+        let pending = first.node().counters().prefill_pending_bytes.load(Ordering::Relaxed);
+        assert_eq!(pending, 8 * 1024);
+        let other = "b".repeat(8 * 1024);
+        let second = crate::select::select(&reg.load(), &ctx(other.as_bytes()), &policy, None).unwrap();
+        assert_ne!(second.node().url(), first.node().url());
+        first.first_byte_seen();
+        first.first_byte_seen();
+        assert_eq!(first.node().counters().prefill_pending_bytes.load(Ordering::Relaxed), 0, "released once");
+        let node = Arc::clone(second.node());
+        drop(second);
+        assert_eq!(node.counters().prefill_pending_bytes.load(Ordering::Relaxed), 0, "and at the end at the latest");
+        assert_eq!(nodes.len(), 2);
     }
 }
