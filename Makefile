@@ -30,6 +30,10 @@ test: ## the whole test suite: pytest (real processes) and the data plane's carg
 	$(PYTHON) -m pytest
 	cargo test
 
+.PHONY: fresh-test
+fresh-test: ## the README's test command on a fresh clone: system packages, pip install ".[test]", pytest, cargo test
+	PYTHON=$(PYTHON) scripts/test.sh
+
 .PHONY: bench
 bench: ## run every benchmark scenario and refresh bench/README.md
 	$(PYTHON) bench/run.py --write-readme

@@ -131,12 +131,17 @@ def service(
             wait_ready(ready_url, proc, timeout)
             yield Service(name, proc, base_url)
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Ends a process this harness started: SIGTERM, then SIGKILL after 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 @contextlib.contextmanager
@@ -159,10 +164,15 @@ ROLE_NUMBERS = {"hybrid": 1, "prefill": 2, "decode": 3}
 
 @contextlib.contextmanager
 def pdproxy(
-    nodes: list[str], model: str, extra: tuple[str, ...] = (), roles: dict[str, str] | None = None
+    nodes: list[str],
+    model: str,
+    extra: tuple[str, ...] = (),
+    roles: dict[str, str] | None = None,
+    key: str | None = None,
 ) -> Iterator[Service]:
     """`pdproxy serve` routing to ``nodes``; with ``roles`` (url -> role) the nodes are
-    registered through /nodes/add as LMDeploy engines do, instead of --node."""
+    registered through /nodes/add as LMDeploy engines do, instead of --node. ``key``: the
+    inference key its model list needs."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     args = [sys.executable, "-m", "pdproxy", "serve", "--port", str(port), "--log-level", "warning", *extra]
@@ -178,7 +188,8 @@ def pdproxy(
         # Wait for model discovery so every request is routed by model from the start.
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            with urllib.request.urlopen(url + "/v1/models", timeout=1) as r:
+            auth = {"authorization": f"Bearer {key}"} if key else {}
+            with urllib.request.urlopen(urllib.request.Request(url + "/v1/models", headers=auth), timeout=1) as r:
                 if model in r.read().decode():
                     break
             time.sleep(0.1)
@@ -221,9 +232,10 @@ def run_load(
     duration: float,
     watch: dict[str, int],
     warmup: float = 1.0,
+    headers: tuple[str, ...] = (),
 ) -> LoadResult:
-    """Runs the load generator; measures CPU and RSS of the ``watch`` processes (name -> pid)
-    over the measurement window."""
+    """Runs the load generator (``headers``: ``NAME:VALUE`` on every request); measures CPU and
+    RSS of the ``watch`` processes (name -> pid) over the measurement window."""
     args = [
         str(LOADGEN),
         "--connections",
@@ -237,6 +249,8 @@ def run_load(
     ]
     for url in urls:
         args += ["--url", url]
+    for header in headers:
+        args += ["--header", header]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE)
     time.sleep(warmup)
     before = {name: cpu_seconds(pid) for name, pid in watch.items()}

@@ -1,7 +1,9 @@
 """Soak: mixed streaming and non-streaming load with random faults, client disconnects and
 node churn (every ``--churn`` seconds one engine is removed through /nodes/remove and added
 back a few seconds later) against several mock engines through `pdproxy serve`, for a bounded
-time. Every request must
+time. One of the engines misbehaves throughout: its /health answer is not UTF-8 and its
+/v1/models answer is 64 MB; and some requests meet a node that stalls in the middle of its
+answer or never ends it. Every request must
 end either completed or with a correct error (an OpenAI error body, or a terminal error event
 in a stream): anything else counts as lost. Memory and descriptors are sampled throughout.
 
@@ -34,7 +36,20 @@ import harness
 
 MODEL = "soak-model"
 #: Faults injected into a fraction of requests, through the mock engine's header.
-FAULTS = ["status=503", "status=500", "drop_after=2", "token_delay_ms=40", "ttft_ms=200", "status=429"]
+FAULTS = [
+    "status=503",
+    "status=500",
+    "drop_after=2",
+    "token_delay_ms=40",
+    "ttft_ms=200",
+    "status=429",
+    "stall_body",  # non-streaming answers: half sent, then silence (the proxy's idle timeout ends it)
+    "endless",  # an answer that never ends: the client stops reading after a while
+]
+#: The proxy's idle timeout in the soak, so that stalled answers end within it.
+STREAM_IDLE_TIMEOUT = 2.0
+#: How long a client reads an endless answer before it gives up on it.
+ENDLESS_READ = 0.5
 
 
 def classify(status: int, raw: bytes, stream: bool) -> str:
@@ -69,6 +84,8 @@ async def one(http: aiohttp.ClientSession, url: str, rng: random.Random, counts:
         headers["x-mock-fault"] = fault
         counts[f"fault:{fault}"] += 1
     cancel_after = rng.uniform(0.005, 0.2) if rng.random() < 0.1 else None
+    if headers.get("x-mock-fault") == "endless":
+        cancel_after = ENDLESS_READ
     try:
         async with asyncio.timeout(cancel_after or 30):
             async with http.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
@@ -125,6 +142,15 @@ async def soak(
     return {"counts": dict(counts), "samples": samples}
 
 
+def misbehave(engine: str) -> None:
+    """Makes an engine answer /health with bytes that are not UTF-8 and /v1/models with 64 MB."""
+    knobs = json.dumps({"health_body": "garbage", "models_body": "huge"}).encode()
+    request = urllib.request.Request(
+        engine + "/mock/config", data=knobs, headers={"content-type": "application/json"}, method="POST"
+    )
+    urllib.request.urlopen(request, timeout=5).close()
+
+
 def open_fds(pid: int) -> int:
     total = 0
     for p in harness.process_tree(pid):
@@ -165,7 +191,7 @@ def report(result: dict[str, Any], duration: float, concurrency: int, workers: i
     command = f"--duration {duration:.0f} --concurrency {concurrency} --churn {churn:g}"
     command += f" --workers {workers}" if workers > 1 else ""
     lines = [
-        f"Soak: {duration:.0f} s, {concurrency} concurrent clients, 3 mock engines{group}, "
+        f"Soak: {duration:.0f} s, {concurrency} concurrent clients, 3 mock engines (one misbehaving){group}, "
         f"{counts.get('sent', 0)} requests; `python bench/soak.py {command}`",
         "",
         "| outcome | requests |",
@@ -201,9 +227,16 @@ def main() -> None:
     parser.add_argument("--churn", type=float, default=30.0, help="seconds between node removals (0: none)")
     args = parser.parse_args()
     with harness.mock_engines(3, MODEL, token_delay_ms=5.0) as engines:
+        misbehave(engines[-1].url)
         edge = "granian" if args.workers > 1 else args.edge
-        extra = ("--policy", "least_requests", "--health-interval", "1", "--edge", edge, "--workers", str(args.workers))
-        with harness.pdproxy([e.url for e in engines], MODEL, extra) as proxy:
+        extra = (
+            *("--policy", "least_requests", "--health-interval", "1", "--edge", edge, "--workers", str(args.workers)),
+            *("--stream-idle-timeout", str(STREAM_IDLE_TIMEOUT)),
+        )
+        # Registered with their model (as LMDeploy engines register): the misbehaving one's
+        # /v1/models cannot be read, so its declared model is what it serves.
+        roles = {e.url: "hybrid" for e in engines}
+        with harness.pdproxy([], MODEL, extra, roles) as proxy:
             harness.say(f"soaking {proxy.url} for {args.duration:.0f} s with {args.concurrency} clients")
             nodes = [e.url for e in engines]
             result = asyncio.run(

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -30,8 +31,8 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def get_json(url: str, timeout: float = 5.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
+def get_json(url: str, timeout: float = 5.0, context: ssl.SSLContext | None = None) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout, context=context) as response:
         return json.loads(response.read())
 
 
@@ -87,8 +88,10 @@ def run_process(
     log_path: str,
     env: dict[str, str] | None = None,
     ready: Callable[[], bool] | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> Iterator[Process]:
-    """Starts ``pdproxy <args>`` and yields once ``url + ready_path`` answers 200."""
+    """Starts ``pdproxy <args>`` and yields once ``url + ready_path`` answers 200 (over HTTPS
+    verified with ``tls`` when given)."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdproxy", *args],
@@ -103,7 +106,7 @@ def run_process(
         if proc.poll() is not None:
             raise AssertionError(f"pdproxy {' '.join(args)} exited with {proc.returncode}:\n{process.log()}")
         try:
-            with urllib.request.urlopen(url + ready_path, timeout=1) as response:
+            with urllib.request.urlopen(url + ready_path, timeout=1, context=tls) as response:
                 if response.status != 200:
                     return False
         except (urllib.error.URLError, OSError):
@@ -118,23 +121,29 @@ def run_process(
 
 
 @contextlib.contextmanager
-def mock_engine(tmp_path: Any, model: str, *extra: str) -> Iterator[Process]:
+def mock_engine(tmp_path: Any, model: str, *extra: str, tls: ssl.SSLContext | None = None) -> Iterator[Process]:
     port = free_port()
     with run_process(
         ["mock-engine", "--port", str(port), "--model", model, *extra],
-        f"http://127.0.0.1:{port}",
+        f"{'https' if tls else 'http'}://127.0.0.1:{port}",
         "/health",
         str(tmp_path / f"mock-{model}-{port}.log"),
+        tls=tls,
     ) as process:
         yield process
 
 
 @contextlib.contextmanager
 def pdproxy_serve(
-    tmp_path: Any, *args: str, env: dict[str, str] | None = None, ready: Callable[[str], bool] | None = None
+    tmp_path: Any,
+    *args: str,
+    env: dict[str, str] | None = None,
+    ready: Callable[[str], bool] | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> Iterator[Process]:
+    """`pdproxy serve ARGS` on a free port (HTTPS, verified with ``tls``, when given)."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     edge = () if "--edge" in args else ("--edge", EDGE)
     with run_process(
         ["serve", "--port", str(port), *edge, *args],
@@ -143,6 +152,7 @@ def pdproxy_serve(
         str(tmp_path / f"pdproxy-{port}.log"),
         env=env,
         ready=(lambda: ready(url)) if ready else None,
+        tls=tls,
     ) as process:
         yield process
 
@@ -161,7 +171,7 @@ async def register(http: Any, proxy: str, engine: Any, role: int, **extra: Any) 
     integer (1 hybrid, 2 prefill, 3 decode)."""
     body = {"url": engine.url, "status": {"models": [engine.settings.model], "role": role}, **extra}
     async with http.post(proxy + "/nodes/add", json=body) as r:
-        assert r.status in (200, 201), await r.text()
+        assert r.status == 200, await r.text()
 
 
 async def ledger(http: Any, engine: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import pytest
 import pdproxy
 from pdproxy.config import Settings
 from pdproxy.testing import MockSettings
-from servers import chat_body, get_json, pdproxy_serve
+from servers import chat_body, free_port, get_json, pdproxy_serve
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -115,6 +115,137 @@ def test_bad_configuration_is_reported(tmp_path: Path) -> None:
     assert "role must be one of" in result.stderr
 
 
+def one_line_refusal(result: subprocess.CompletedProcess[str], *expected: str) -> None:
+    """A setting pdproxy cannot use: exit 2, one line naming it, nothing served or printed before."""
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("pdproxy: ")
+    for text in expected:
+        assert text in lines[0]
+
+
+@pytest.mark.parametrize("edge", ["rust", "granian"])
+def test_unknown_policies_are_refused_before_serving(edge: str) -> None:
+    port = str(free_port())
+    for args, named in (
+        (("--policy", "fastest"), "'fastest' (policy)"),
+        (("--routing-strategy", "fastest"), "'fastest' (policy)"),
+        (("--prefill-policy", "fastest"), "'fastest' (prefill_policy)"),
+        (("--decode-policy", "fastest"), "'fastest' (decode_policy)"),
+        (("--model-policy", "m=fastest"), "'fastest' (model policy for m)"),
+        (("--model-policy", "fastest"), "must read MODEL=POLICY"),
+    ):
+        result = run("serve", "--edge", edge, "--port", port, *args)
+        one_line_refusal(result, named)
+    known = ", ".join(pdproxy._pdproxy.POLICY_NAMES)
+    assert known in run("serve", "--policy", "fastest").stderr, "the data plane's own list is the one shown"
+
+
+def test_missing_optional_packages_are_refused_before_serving() -> None:
+    without_redis = "import sys; sys.modules['redis'] = None; from pdproxy.cli import main; main()"
+    result = subprocess.run(
+        [sys.executable, "-c", without_redis, "serve", "--port", str(free_port()), "--registry", "redis://r:6379/0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    one_line_refusal(result, "needs the redis package", "pip install 'pdproxy[redis]'")
+
+
+def test_lmdeploy_spellings_of_multi_values_log_levels_and_transport() -> None:
+    config = effective("--api-keys", "k1", "k2", "--log-level", "WARN", "--node", "http://a:1", "http://b:2")
+    assert (len(config["api_keys"]), config["log_level"]) == (2, "warning")
+    assert config["nodes"] == ["http://a:1", "http://b:2"]
+    assert effective("--api-keys", "--ssl", env={"SSL_CERTFILE": "c", "SSL_KEYFILE": "k"})["api_keys"] == []
+    assert len(effective("--api-keys=-starts-with-a-dash", "--port", "1")["api_keys"]) == 1
+    for given, level in (("CRITICAL", "critical"), ("FATAL", "critical"), ("REQUEST", "debug"), ("NOTSET", "debug")):
+        assert effective("--log-level", given)["log_level"] == level
+    transport = effective("--migration-protocol", "NVLINK", "--link-type", "IB", "--disable-gdr")
+    assert (transport["migration_protocol"], transport["link_type"], transport["disable_gdr"]) == ("NVLINK", "IB", True)
+    one_line_refusal(run("serve", "--link-type", "Ethernet"), "link_type must be RoCE or IB")
+    one_line_refusal(run("serve", "--ssl"), "SSL_CERTFILE and SSL_KEYFILE")
+    one_line_refusal(run("serve", "--allow-credentials"), "never * with credentials")
+
+
+def test_routing_strategy_applies_to_every_role_unless_a_role_has_its_own() -> None:
+    from pdproxy import Router
+
+    assert Router(settings=Settings(policy="random")).policies == {
+        "hybrid": "random",
+        "prefill": "random",
+        "decode": "random",
+    }
+    own = Router(settings=Settings(policy="random", decode_policy="round_robin")).policies
+    assert (own["prefill"], own["decode"]) == ("random", "round_robin")
+
+
+def test_help_is_grouped_by_section() -> None:
+    help_text = run("serve", "--help").stdout
+    headings = [line.rstrip(":") for line in help_text.splitlines() if line and not line.startswith(" ")]
+    for heading in ("Serving", "Routing, limits and timeouts", "Keys, TLS and CORS", "Health checks"):
+        assert heading in headings, headings
+    security = help_text.split("Keys, TLS and CORS:")[1].split("Health checks:")[0]
+    assert "--api-keys" in security
+    assert "--ssl" in security
+    assert "--connect-timeout" not in security
+
+
+def test_static_nodes_carry_what_registration_would(tmp_path: Path) -> None:
+    spec = "http://p:1,role=prefill,model=m,model=n,speed=2,max_concurrency=4,api_key=k,bootstrap_port=8998"
+    config = tmp_path / "fleet.toml"
+    config.write_text(
+        'nodes = ["http://h:1", {url = "http://p:1", role = "prefill", models = ["m", "n"], speed = 2, '
+        'max_concurrency = 4, api_key = "k", bootstrap_port = 8998}]\n'
+    )
+    shown = spec.replace("api_key=k", "api_key=<hidden>").replace("speed=2", "speed=2.0")
+    assert effective("--node", spec)["nodes"] == [shown], "the key is never printed"
+    assert effective(env={"PDPROXY_NODES": f"http://h:1 {spec}"})["nodes"] == ["http://h:1", shown]
+    assert effective("--config", str(config))["nodes"] == ["http://h:1", shown]
+    for bad, named in (
+        ("http://p:1,role=chef", "role 'chef'"),
+        ("http://p:1,max_concurrency=lots", "max_concurrency"),
+        ("http://p:1,colour=red", "unknown key(s) colour"),
+        ("http://p:1,role", "must read key=value"),
+        ("ftp://p:1", "scheme"),
+    ):
+        one_line_refusal(run("serve", "--node", bad), named)
+
+
+async def test_static_nodes_are_registered_with_what_they_declare(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    from pdproxy.testing import MockEngine
+
+    async with MockEngine(model="m", role="prefill") as prefill, MockEngine(model="m", role="decode") as decode:
+        nodes = [
+            f"{prefill.url},role=prefill,model=m,speed=2,max_concurrency=3,api_key=node-key,bootstrap_port=8998",
+            f"{decode.url},role=3,model=m",
+        ]
+        with pdproxy_serve(tmp_path, "--serving-strategy", "DistServe", "--node", *nodes) as proxy:
+            async with http.get(proxy.url + "/nodes/status") as r:
+                status = await r.json()
+            assert (status[prefill.url]["role"], status[decode.url]["role"]) == (2, 3)
+            assert (status[prefill.url]["speed"], status[prefill.url]["max_concurrency"]) == (2, 3)
+            async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
+                assert r.status == 200, await r.text()
+            async with http.get(prefill.url + "/mock/requests") as r:
+                seen = [rec["headers"].get("authorization") for rec in await r.json()]
+            assert "Bearer node-key" in seen, "the node's own key is sent to it"
+
+
+def test_mock_engine_on_a_taken_port_says_so_in_one_line() -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run("mock-engine", "--port", str(port))
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines == [f"pdproxy mock-engine: cannot listen on 127.0.0.1:{port}: address already in use"], lines
+
+
 def test_settings_validate_types() -> None:
     with pytest.raises(pdproxy.ConfigError, match="port"):
         Settings(port="80")  # type: ignore[arg-type]
@@ -141,3 +272,7 @@ async def test_demo_serves_a_streaming_chat_and_cleans_up(tmp_path: Path, http: 
     for url in engine_urls:  # the mock engines went away with the proxy
         with pytest.raises(urllib.error.URLError):
             urllib.request.urlopen(url + "/health", timeout=2)
+
+
+def test_there_is_a_global_cap_by_default() -> None:
+    assert Settings().max_requests > 0

@@ -41,7 +41,9 @@ async def test_dashboard_shows_nodes_and_updates(tmp_path: Path, browser, http: 
     from selenium.webdriver.common.by import By
 
     async with MockEngine(model="m") as a, MockEngine(model="m") as b:
-        with pdproxy_serve(tmp_path, "--node", a.url, "--node", b.url, "--admin-keys", "dash-key") as proxy:
+        with pdproxy_serve(
+            tmp_path, "--node", f"{a.url},model=m", "--node", f"{b.url},model=m", "--admin-keys", "dash-key"
+        ) as proxy:
             # The browser blocks, so it runs in a thread while this loop serves the mock engines.
             await asyncio.to_thread(browser.get, proxy.url + "/dashboard#key=dash-key")
 

@@ -6,6 +6,7 @@ no malformed prefill or decode request, and the proxy no request in flight."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -117,6 +118,45 @@ async def test_stream_and_non_stream(fleet: Fleet, http: aiohttp.ClientSession) 
         ("D", "p2p_connect"),
     ]
     assert {peer for _, peer, _ in p_log if peer} == {fleet.decode.url}
+
+
+@pytest.mark.parametrize(
+    ("args", "transport", "protocol"),
+    [
+        ((), {"protocol": "RDMA", "rdma": {"with_gdr": True, "link_type": "RoCE"}, "nvlink": None}, 2),
+        (
+            ("--link-type", "IB", "--disable-gdr"),
+            {"protocol": "RDMA", "rdma": {"with_gdr": False, "link_type": "IB"}, "nvlink": None},
+            2,
+        ),
+        (
+            ("--migration-protocol", "NVLINK"),
+            {"protocol": "NVLINK", "rdma": {"with_gdr": True, "link_type": "RoCE"}, "nvlink": None},
+            3,
+        ),
+    ],
+)
+async def test_transport_options_reach_the_handshake_and_the_migration(
+    tmp_path: Path,
+    pd_engines: tuple[MockEngine, MockEngine],
+    http: aiohttp.ClientSession,
+    args: tuple[str, ...],
+    transport: dict[str, Any],
+    protocol: int,
+) -> None:
+    """LMDeploy's --migration-protocol, --link-type and --disable-gdr, as its proxy sends them
+    (an NVLINK link still carries LMDeploy's rdma_config)."""
+    prefill, decode = pd_engines
+    with distserve_proxy(tmp_path, *args) as proxy:
+        await register(http, proxy.url, prefill, 2)
+        await register(http, proxy.url, decode, 3)
+        async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m", max_tokens=3)) as r:
+            assert r.status == 200, await r.text()
+        assert (await ledger(http, prefill))["transport"] == {decode.url: transport}
+        assert (await ledger(http, decode))["transport"] == {prefill.url: transport}
+        assert decode.state.records[-1]["body"]["migration_request"]["protocol"] == protocol
+        await settle(http, [prefill, decode], proxy.url)
+        await assert_clean(http, prefill, decode)
 
 
 async def test_prefill_request_shape(fleet: Fleet, http: aiohttp.ClientSession) -> None:
@@ -349,6 +389,72 @@ async def test_node_removed_mid_request(fleet: Fleet, http: aiohttp.ClientSessio
     await assert_clean(
         http, fleet.prefill, fleet.decode, migration_errors=len((await ledger(http, fleet.decode))["migration_errors"])
     )
+
+
+async def distserve_status(http: aiohttp.ClientSession, proxy: str) -> dict[str, Any]:
+    async with http.get(proxy + "/distserve/status") as r:
+        return dict((await r.json())["ledger"])
+
+
+async def until(check: Any, what: str, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not await check():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def test_removing_a_prefill_node_frees_the_sessions_preserved_on_it(
+    fleet: Fleet, http: aiohttp.ClientSession
+) -> None:
+    """The decode has not taken the session yet (it hangs) when its prefill node is removed: the
+    session is freed on that node now, not forgotten while the engine keeps its KV blocks."""
+    request = asyncio.ensure_future(
+        http.post(fleet.proxy.url + "/v1/chat/completions", json=chat_body("m"), headers={FAULT_HEADER: "decode.hang"})
+    )
+    await until(lambda: _live(http, fleet.prefill, 1), "the prefill to preserve a session")
+    async with http.post(fleet.proxy.url + "/nodes/remove", json={"url": fleet.prefill.url}) as r:
+        assert r.status == 200
+    await until(lambda: _live(http, fleet.prefill, 0), "the removed node's session to be freed")
+    assert not request.done(), "freed while the request still waits for its decode"
+    assert set((await ledger(http, fleet.prefill))["freed"].values()) == {"proxy"}
+    request.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await request
+    await until(lambda: _ledger_count(http, fleet.proxy.url, "preserved", 0), "the proxy's ledger to empty")
+    assert (await distserve_status(http, fleet.proxy.url))["free_failures"] == 0
+    assert (await ledger(http, fleet.prefill))["double_frees"] == []
+
+
+async def test_sessions_of_an_unreachable_removed_node_are_left_to_the_ttl_sweep(
+    tmp_path: Path, pd_engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
+) -> None:
+    prefill, decode = pd_engines
+    with distserve_proxy(tmp_path, "--pd-session-ttl", "4") as proxy:
+        await register(http, proxy.url, prefill, 2)
+        await register(http, proxy.url, decode, 3)
+        request = asyncio.ensure_future(
+            http.post(proxy.url + "/v1/chat/completions", json=chat_body("m"), headers={FAULT_HEADER: "decode.hang"})
+        )
+        await until(lambda: _live(http, prefill, 1), "the prefill to preserve a session")
+        await prefill.stop()  # gone: its session cannot be freed now
+        async with http.post(proxy.url + "/nodes/remove", json={"url": prefill.url}) as r:
+            assert r.status == 200
+        await asyncio.sleep(1.5)  # the removal's attempts to free it are over (3 tries, 0.7 s of backoff)
+        kept = await distserve_status(http, proxy.url)
+        assert (kept["preserved"], kept["free_failures"]) == (1, 0), "kept for the sweep, not forgotten"
+        await until(lambda: _ledger_count(http, proxy.url, "free_failures", 1), "the TTL sweep to try again", 10)
+        assert (await distserve_status(http, proxy.url))["preserved"] == 0
+        request.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+
+
+async def _live(http: aiohttp.ClientSession, engine: MockEngine, count: int) -> bool:
+    return len((await ledger(http, engine))["live"]) == count
+
+
+async def _ledger_count(http: aiohttp.ClientSession, proxy: str, name: str, count: int) -> bool:
+    return bool((await distserve_status(http, proxy))[name] == count)
 
 
 def test_engine_info_accepts_both_encodings() -> None:

@@ -18,7 +18,7 @@ LOCUSTFILE = Path(__file__).resolve().parent.parent / "bench" / "locustfile.py"
 
 async def test_locust_records_token_metrics(tmp_path: Path) -> None:
     async with MockEngine(model="m") as engine:
-        with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+        with pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m") as proxy:
             command = [
                 sys.executable,
                 "-m",

@@ -62,7 +62,7 @@ async def test_lmdeploy_registration_body_is_accepted(
         registration = {"url": engine.url + "/", "status": {"models": ["m"], "role": 1}}
         headers = {"accept": "application/json", "content-type": "application/json"}
         async with http.post(p.url + "/nodes/add", json=registration, headers=headers) as r:
-            assert r.status == 201
+            assert r.status == 200
             added = await r.json()
         assert added["url"] == engine.url
         assert added["created"] is True
@@ -86,12 +86,41 @@ async def test_add_without_models_probes_the_node(
 ) -> None:
     with proxy(tmp_path) as p:
         async with http.post(p.url + "/nodes/add", json={"url": engine.url}) as r:
-            assert r.status == 201
+            assert r.status == 200
         await eventually(lambda: _models_of(http, p.url, engine.url, ["m"]))
         # Declared models the node does not serve give way to what it serves.
         async with http.post(p.url + "/nodes/add", json={"url": engine.url, "status": {"models": ["wrong"]}}) as r:
             assert r.status == 200
         await eventually(lambda: _models_of(http, p.url, engine.url, ["m"]))
+
+
+async def test_a_node_takes_traffic_only_for_models_it_is_known_to_serve(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    """A node added without models whose /v1/models does not answer (yet) gets no request, for
+    any model, until its models are known."""
+    async with MockEngine(model="m") as known, MockEngine(model="m") as unknown:
+        with proxy(tmp_path, "--policy", "round_robin", "--discovery-interval", "0.2") as p:
+            async with http.post(p.url + "/nodes/add", json={"url": known.url}) as r:
+                assert (await r.json())["status"]["models"] == ["m"], "discovered before the answer"
+            async with http.post(unknown.url + "/mock/config", json={"models_status": 503}):
+                pass
+            async with http.post(p.url + "/nodes/add", json={"url": unknown.url}) as r:
+                assert r.status == 200
+            for _ in range(6):
+                async with http.post(p.url + "/v1/chat/completions", json=chat_body("m")) as r:
+                    assert r.status == 200
+            async with http.post(p.url + "/v1/chat/completions", json=chat_body("other")) as r:
+                assert r.status == 503, "maybe the undiscovered node serves it: not a 404 yet"
+                assert "still being discovered" in (await r.json())["error"]["message"]
+            assert (known.state.requests, unknown.state.requests) == (6, 0)
+            async with http.post(unknown.url + "/mock/config", json={"models_status": 200}):
+                pass
+            await eventually(lambda: _models_of(http, p.url, unknown.url, ["m"]))
+            for _ in range(4):
+                async with http.post(p.url + "/v1/chat/completions", json=chat_body("m")) as r:
+                    assert r.status == 200
+            assert unknown.state.requests == 2, "once known, it takes its share"
 
 
 async def _models_of(http: aiohttp.ClientSession, proxy_url: str, node: str, models: list[str]) -> bool:
@@ -123,7 +152,7 @@ async def test_bad_management_requests(tmp_path: Path, http: aiohttp.ClientSessi
 
 @pytest.mark.parametrize(
     "url",
-    ["http://169.254.169.254/", "http://user:pw@127.0.0.1:9", "http://[fe80::1]:80", "https://127.0.0.1:9"],
+    ["http://169.254.169.254/", "http://user:pw@127.0.0.1:9", "http://[fe80::1]:80", "ftp://127.0.0.1:9"],
 )
 async def test_unsafe_node_urls_are_refused(tmp_path: Path, http: aiohttp.ClientSession, url: str) -> None:
     with proxy(tmp_path) as p:
@@ -148,7 +177,7 @@ async def test_remove_and_terminate(tmp_path: Path, http: aiohttp.ClientSession)
         with proxy(tmp_path) as p:
             for engine in (stoppable, stubborn):
                 async with http.post(p.url + "/nodes/add", json={"url": engine.url}) as r:
-                    assert r.status == 201
+                    assert r.status == 200
             async with http.post(p.url + "/nodes/terminate", json={"url": stoppable.url}) as r:
                 assert r.status == 200
                 assert (await r.json())["terminated"] is True
@@ -159,14 +188,14 @@ async def test_remove_and_terminate(tmp_path: Path, http: aiohttp.ClientSession)
                 assert "did not confirm" in (await r.json())["error"]["message"]
             assert await status(http, p.url) == {}, "terminated nodes are removed everywhere"
             async with http.post(p.url + "/nodes/add", json={"url": stubborn.url}) as r:
-                assert r.status == 201
+                assert r.status == 200
             async with http.post(p.url + "/nodes/remove", json={"url": stubborn.url}) as r:
                 assert r.status == 200
             assert await status(http, p.url) == {}
 
 
 async def test_health_states_follow_the_engine(tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession) -> None:
-    with proxy(tmp_path, "--node", engine.url) as p:
+    with proxy(tmp_path, "--node", f"{engine.url},model=m") as p:
 
         async def state() -> str:
             return str((await status(http, p.url))[engine.url]["state"])
@@ -219,7 +248,7 @@ async def test_lease_expires_and_renews(tmp_path: Path, engine: MockEngine, http
     with proxy(tmp_path) as p:
         registration = {"url": engine.url, "status": {"models": ["m"]}, "lease_ttl": 1.0}
         async with http.post(p.url + "/nodes/add", json=registration) as r:
-            assert r.status == 201
+            assert r.status == 200
         lease = (await status(http, p.url))[engine.url]["lease"]
         assert lease["ttl"] == 1.0
         for _ in range(3):  # renewing keeps it
@@ -239,7 +268,7 @@ async def test_state_file_survives_a_restart(tmp_path: Path, engine: MockEngine,
     with proxy(tmp_path, "--state-file", str(state)) as p:
         body = {"url": engine.url, "status": {"models": ["m"], "role": 1, "speed": 2}, "max_concurrency": 3}
         async with http.post(p.url + "/nodes/add", json=body) as r:
-            assert r.status == 201
+            assert r.status == 200
     saved = json.loads(state.read_text())
     assert saved["nodes"][0]["url"] == engine.url
     assert oct(state.stat().st_mode & 0o777) == "0o600"
@@ -249,7 +278,8 @@ async def test_state_file_survives_a_restart(tmp_path: Path, engine: MockEngine,
 
 
 async def test_api_and_admin_keys(tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession) -> None:
-    with proxy(tmp_path, "--api-keys", "client-key", "--admin-keys", "admin-key", "--node", engine.url) as p:
+    node = f"{engine.url},model=m"
+    with proxy(tmp_path, "--api-keys", "client-key", "--admin-keys", "admin-key", "--node", node) as p:
         client = {"authorization": "Bearer client-key"}
         for headers in (None, {"authorization": "Bearer wrong"}, {"authorization": "client-key"}):
             async with http.post(p.url + "/v1/chat/completions", json=chat_body("m"), headers=headers) as r:
@@ -259,6 +289,12 @@ async def test_api_and_admin_keys(tmp_path: Path, engine: MockEngine, http: aioh
             assert r.status == 200
         received = engine.state.records[-1]["headers"]
         assert "authorization" not in received, "the client's key never reaches the node"
+        anthropic = {"x-api-key": "client-key"}  # Anthropic's clients send their key so
+        async with http.post(p.url + "/v1/chat/completions", json=chat_body("m"), headers=anthropic) as r:
+            assert r.status == 200
+        assert "x-api-key" not in engine.state.records[-1]["headers"], "nor does an Anthropic client's"
+        async with http.post(p.url + "/v1/chat/completions", json=chat_body("m"), headers={"x-api-key": "no"}) as r:
+            assert r.status == 401
         async with http.get(p.url + "/nodes/status", headers=client) as r:
             assert r.status == 403
         async with http.get(p.url + "/nodes/status") as r:
@@ -275,11 +311,31 @@ async def test_api_keys_alone_also_guard_management(tmp_path: Path, http: aiohtt
         assert await status(http, p.url, {"authorization": "Bearer only-key"}) == {}
 
 
+async def test_keyless_registration_only_from_trusted_networks(
+    tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
+) -> None:
+    """With keys set, an unchanged LMDeploy api_server (it sends no key) registers only from a
+    network given to --keyless-registration-from; nothing else opens."""
+    registration = {"url": engine.url, "status": {"models": ["m"], "role": 1}}
+    with proxy(tmp_path, "--api-keys", "k", "--keyless-registration-from", "10.0.0.0/8") as p:
+        async with http.post(p.url + "/nodes/add", json=registration) as r:
+            assert r.status == 401, "127.0.0.1 is not in 10.0.0.0/8"
+    with proxy(tmp_path, "--api-keys", "k", "--keyless-registration-from", "10.0.0.0/8", "127.0.0.0/8") as p:
+        async with http.post(p.url + "/nodes/add", json=registration) as r:
+            assert r.status == 200
+        async with http.post(p.url + "/nodes/remove", json={"url": engine.url}) as r:
+            assert r.status == 401, "only registration is open"
+        async with http.get(p.url + "/nodes/status") as r:
+            assert r.status == 401
+        async with http.post(p.url + "/v1/chat/completions", json=chat_body("m")) as r:
+            assert r.status == 401
+
+
 async def test_node_api_key_and_header_hygiene(tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession) -> None:
     with proxy(tmp_path) as p:
         body = {"url": engine.url, "status": {"models": ["m"]}, "api_key": "node-secret"}
         async with http.post(p.url + "/nodes/add", json=body) as r:
-            assert r.status == 201
+            assert r.status == 200
         sent = {
             "authorization": "Bearer client",
             "connection": "keep-alive, x-hop",
@@ -312,7 +368,7 @@ async def test_node_api_key_and_header_hygiene(tmp_path: Path, engine: MockEngin
 
 
 async def test_pass_through_endpoints(tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession) -> None:
-    with proxy(tmp_path, "--node", engine.url) as p:
+    with proxy(tmp_path, "--node", f"{engine.url},model=m") as p:
         await eventually(lambda: _models_of(http, p.url, engine.url, ["m"]))
         # The mock has no /v1/embeddings: the node's own 404 comes back unchanged.
         async with http.post(p.url + "/v1/embeddings", json={"model": "m", "input": "x"}) as r:

@@ -213,3 +213,33 @@ def test_fault_spec_parsing() -> None:
     for bad in ("status=abc", "status=42", "nope", "fragment=0"):
         with pytest.raises(FaultSpecError):
             parse_faults(bad)
+
+
+async def test_p2p_initialize_takes_what_lmdeploy_engines_take(engine: MockEngine, http: aiohttp.ClientSession) -> None:
+    """DistServeInitRequest's enums as integers; anything else is a validation error (422)."""
+    base = {"local_engine_id": engine.url, "remote_engine_id": "http://peer:1", "rank": None, "tcp_config": None}
+    for wrong in (
+        {"protocol": 9, "rdma_config": None},
+        {"protocol": "RDMA", "rdma_config": {"with_gdr": True, "link_type": 2}},
+        {"protocol": 2, "rdma_config": {"with_gdr": True, "link_type": 3}},
+        {"protocol": 2, "rdma_config": {"with_gdr": "yes", "link_type": 1}},
+        {"protocol": 2, "rdma_config": None},
+    ):
+        async with http.post(engine.url + "/distserve/p2p_initialize", json={**base, **wrong}) as r:
+            assert r.status == 422, wrong
+    nvlink = {"protocol": 3, "rdma_config": {"with_gdr": False, "link_type": 1}, "nvlink_config": None}
+    async with http.post(engine.url + "/distserve/p2p_initialize", json={**base, **nvlink}) as r:
+        assert r.status == 200
+        assert (await r.json())["kvtransfer_endpoint_info"][0]["protocol"] == 3
+    async with http.get(engine.url + "/mock/ledger") as r:
+        transport = (await r.json())["transport"]["http://peer:1"]
+    assert transport == {"protocol": "NVLINK", "rdma": {"with_gdr": False, "link_type": "IB"}, "nvlink": None}
+    connect = {
+        "remote_engine_id": "http://peer:1",
+        "remote_engine_endpoint_info": {},
+        "remote_kvtransfer_endpoint_info": [],
+    }
+    async with http.post(engine.url + "/distserve/p2p_connect", json={**connect, "protocol": 2}) as r:
+        assert r.status == 500, "a connection over another protocol than the link's fails"
+    async with http.post(engine.url + "/distserve/p2p_connect", json={**connect, "protocol": 3}) as r:
+        assert r.status == 200

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
@@ -13,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
-from servers import chat_body, pdproxy_serve
+from servers import chat_body, free_port, get_json, pdproxy_serve
 
 # Against both edges (see the `edge` fixture).
 pytestmark = pytest.mark.usefixtures("edge")
@@ -31,7 +34,7 @@ def families(text: str) -> dict[str, list]:  # type: ignore[type-arg]
 
 async def test_metrics_parse_and_count(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     async with MockEngine(model="m") as engine:
-        with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+        with pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m") as proxy:
             while not await serves(http, proxy.url, "m"):  # the node's models are discovered
                 await asyncio.sleep(0.05)
             for stream in (False, True, True):
@@ -70,7 +73,7 @@ async def test_pd_metrics(tmp_path: Path, http: aiohttp.ClientSession) -> None:
                 async with http.post(
                     proxy.url + "/nodes/add", json={"url": engine.url, "status": {"models": ["m"], "role": role}}
                 ) as r:
-                    assert r.status == 201
+                    assert r.status == 200
             async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
                 assert r.status == 200
             async with http.get(proxy.url + "/metrics") as r:
@@ -82,9 +85,36 @@ async def test_pd_metrics(tmp_path: Path, http: aiohttp.ClientSession) -> None:
             assert metrics["pdproxy_pd_preserved_sessions"][0].value == 0
 
 
+#: The access log's fields, in order, whichever edge writes the line.
+ACCESS_FIELDS = [
+    "time",
+    "client",
+    "request_id",
+    "method",
+    "path",
+    "model",
+    "node",
+    "status",
+    "cause",
+    "bytes",
+    "events",
+    "ttfb",
+    "duration",
+    "trace_id",
+]
+TIMESTAMP = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+
+
+def _arrived(stamp: str) -> float:
+    return datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=datetime.UTC).timestamp()
+
+
+@pytest.mark.usefixtures("edge")
 async def test_access_log_has_one_line_per_request(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    started = time.time()
     async with MockEngine(model="m") as engine:
-        with pdproxy_serve(tmp_path, "--node", engine.url, "--access-log", "--access-log-format", "json") as proxy:
+        node = f"{engine.url},model=m"
+        with pdproxy_serve(tmp_path, "--node", node, "--access-log", "--access-log-format", "json") as proxy:
             sent = {
                 "ok": (chat_body("m"), {}),
                 "stream": (chat_body("m", stream=True), {}),
@@ -121,6 +151,26 @@ async def test_access_log_has_one_line_per_request(tmp_path: Path, http: aiohttp
     assert by_id["dropped"]["cause"] == "upstream_error@stream"
     assert by_id["gone"]["cause"] == "client_cancel@stream"
     assert "secret-client-key" not in proxy.log()
+    for line in lines:
+        assert list(line) == ACCESS_FIELDS
+        assert TIMESTAMP.match(line["time"]), line["time"]
+        assert started - 1 <= _arrived(line["time"]) <= time.time()
+        assert line["client"] == "127.0.0.1"
+
+
+@pytest.mark.usefixtures("edge")
+async def test_access_log_text_lines(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    async with MockEngine(model="m") as engine:
+        with pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m", "--access-log") as proxy:
+            async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
+                await r.read()
+            await asyncio.sleep(0.3)
+    (line,) = [line for line in proxy.log().splitlines() if line.startswith("time=")]
+    fields = dict(pair.split("=", 1) for pair in line.split(" "))
+    assert list(fields) == ACCESS_FIELDS
+    assert TIMESTAMP.match(fields["time"])
+    assert fields["client"] == "127.0.0.1"
+    assert (fields["status"], fields["cause"], fields["node"]) == ("200", "completed", engine.url)
 
 
 async def test_status_and_nodes_commands(tmp_path: Path) -> None:
@@ -144,6 +194,20 @@ async def test_status_and_nodes_commands(tmp_path: Path) -> None:
             header, row = table.stdout.strip().splitlines()
             assert header.split()[:3] == ["NODE", "ROLE", "STATE"]
             assert row.split()[:3] == [engine.url, "hybrid", "healthy"]
+            options = ["--role", "prefill", "--speed", "2", "--api-key", "node-key", "--lease-ttl", "60"]
+            updated = await asyncio.to_thread(cli, "nodes", "add", engine.url, "--model", "m", *options)
+            assert updated.stdout.strip() == f"updated {engine.url}"
+            node = get_json(proxy.url + "/nodes/status")[engine.url]
+            assert (node["role_name"], node["speed"], node["lease"]["ttl"]) == ("prefill", 2, 60)
+            # A new node that cannot be reached is never shown healthy, not even at first.
+            gone = f"http://127.0.0.1:{free_port()}"
+            await asyncio.to_thread(cli, "nodes", "add", gone, "--model", "m")
+            deadline = asyncio.get_running_loop().time() + 3  # well before 3 failed checks at 5 s
+            while get_json(proxy.url + "/nodes/status")[gone]["state"] == "healthy":
+                assert asyncio.get_running_loop().time() < deadline, "an unreachable new node shown healthy"
+                await asyncio.sleep(0.05)
+            rows = (await asyncio.to_thread(cli, "status")).stdout.strip().splitlines()[1:]
+            assert next(r for r in rows if r.startswith(gone)).split()[2] == "unhealthy"
             removed = await asyncio.to_thread(cli, "nodes", "remove", engine.url)
             assert removed.stdout.strip() == f"removed {engine.url}"
             missing = await asyncio.to_thread(cli, "nodes", "remove", engine.url)

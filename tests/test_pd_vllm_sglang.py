@@ -154,7 +154,12 @@ async def test_sglang_batch_and_declared_bootstrap_port(
 
 
 @pytest.mark.parametrize(
-    ("fault", "status", "cancelled"), [("prefill.status=500", 502, "decode"), ("decode.status=503", 503, "prefill")]
+    ("fault", "status", "cancelled"),
+    # The failure comes after 300 ms, so the other leg has surely reached its engine by then.
+    [
+        ("prefill.status=500;prefill.ttft_ms=300", 502, "decode"),
+        ("decode.status=503;decode.ttft_ms=300", 503, "prefill"),
+    ],
 )
 async def test_sglang_a_failed_leg_cancels_the_other(
     tmp_path: Path,

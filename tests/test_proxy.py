@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import pathlib
 import uuid
 
 import aiohttp
 import pytest
 
 from pdproxy.testing import FAULT_HEADER
-from servers import Process, chat_body, get_json, wait_until
+from servers import Process, chat_body, get_json, pdproxy_serve, wait_until
 
 # Against both edges (see the `edge` fixture).
 pytestmark = pytest.mark.usefixtures("edge")
@@ -32,6 +33,13 @@ async def test_models_are_the_deduplicated_union(proxy: Process, http: aiohttp.C
         listing = await r.json()
     assert listing["object"] == "list"
     assert sorted(card["id"] for card in listing["data"]) == ["alpha", "beta"]
+    async with http.get(proxy.url + "/v1/models/alpha") as r:
+        assert r.status == 200
+        assert await r.json() == next(card for card in listing["data"] if card["id"] == "alpha")
+    for missing in ("gamma", "org/gamma"):
+        async with http.get(proxy.url + f"/v1/models/{missing}") as r:
+            assert r.status == 404
+            assert (await r.json())["error"]["code"] == "model_not_found"
 
 
 async def test_stream_is_byte_for_byte(
@@ -194,7 +202,6 @@ async def test_client_disconnect_before_the_head_cancels_upstream(proxy: Process
 
 
 async def test_body_over_limit_is_refused(engines: dict[str, Process], tmp_path, http: aiohttp.ClientSession) -> None:
-    from servers import pdproxy_serve
 
     with pdproxy_serve(tmp_path, "--node", engines["beta"].url, "--max-body-size", "1000") as small:
         big = chat_body("beta", prompt="x" * 2000)
@@ -203,3 +210,52 @@ async def test_body_over_limit_is_refused(engines: dict[str, Process], tmp_path,
             assert (await r.json())["error"]["code"] == "request_too_large"
         async with http.post(small.url + "/v1/chat/completions", json=chat_body("beta")) as r:
             assert r.status == 200
+
+
+async def test_browsers_may_call_the_inference_routes_but_not_management(
+    proxy: Process, http: aiohttp.ClientSession
+) -> None:
+    """By default as LMDeploy's api_server: any origin, any method and header, no credentials."""
+    origin = {"origin": "https://chat.example"}
+    ask = {**origin, "access-control-request-method": "POST", "access-control-request-headers": "Content-Type, X-Foo"}
+    async with http.options(proxy.url + "/v1/chat/completions", headers=ask) as r:
+        assert r.status == 204
+        assert r.headers["access-control-allow-origin"] == "*"
+        assert r.headers["access-control-allow-headers"] == "content-type, x-foo"
+        assert "POST" in r.headers["access-control-allow-methods"]
+        assert "access-control-allow-credentials" not in r.headers
+    for body in (chat_body("alpha"), chat_body("nope")):  # answers and the proxy's errors alike
+        async with http.post(proxy.url + "/v1/chat/completions", json=body, headers=origin) as r:
+            assert r.headers["access-control-allow-origin"] == "*", r.status
+    async with http.get(proxy.url + "/v1/models", headers=origin) as r:
+        assert r.headers["access-control-allow-origin"] == "*"
+    async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("alpha")) as r:
+        assert "access-control-allow-origin" not in r.headers, "no Origin, no CORS"
+    async with http.options(proxy.url + "/nodes/add", headers=ask) as r:
+        assert r.status == 405
+        assert "access-control-allow-origin" not in r.headers, "management answers no CORS"
+    async with http.get(proxy.url + "/nodes/status", headers=origin) as r:
+        assert "access-control-allow-origin" not in r.headers
+
+
+async def test_cors_with_named_origins_and_credentials(
+    engines: dict[str, Process], tmp_path: pathlib.Path, http: aiohttp.ClientSession
+) -> None:
+    args = ("--allow-origins", "https://a.example", "https://b.example", "--allow-credentials")
+    with pdproxy_serve(tmp_path, "--node", engines["alpha-1"].url, *args) as p:
+        ask = {"access-control-request-method": "POST"}
+        async with http.options(p.url + "/v1/completions", headers={**ask, "origin": "https://b.example"}) as r:
+            assert r.status == 204
+            assert r.headers["access-control-allow-origin"] == "https://b.example", "never * with credentials"
+            assert r.headers["access-control-allow-credentials"] == "true"
+            assert r.headers["vary"] == "Origin"
+        async with http.options(p.url + "/v1/completions", headers={**ask, "origin": "https://evil.example"}) as r:
+            assert r.status == 400
+            assert r.headers["x-pdproxy-error"] == "cors_refused"
+            assert "access-control-allow-origin" not in r.headers
+        body = chat_body("alpha")
+        async with http.post(
+            p.url + "/v1/chat/completions", json=body, headers={"origin": "https://evil.example"}
+        ) as r:
+            assert r.status == 200
+            assert "access-control-allow-origin" not in r.headers, "the browser keeps the answer from that page"

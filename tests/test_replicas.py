@@ -73,7 +73,7 @@ def _add(proxy: Process, engine: Process, model: str, **extra: Any) -> tuple[int
 
 def test_registered_on_one_routed_through_the_other(replicas: Replicas) -> None:
     r = replicas
-    assert _add(r.one, r.engine, "alpha")[0] == 201
+    assert _add(r.one, r.engine, "alpha")[0] == 200
     wait_until(lambda: r.engine.url in _nodes(r.two), WAIT, "the node on replica two")
     status, answer = _chat(r.two, "alpha")
     assert status == 200, answer
@@ -94,8 +94,8 @@ def test_registered_on_one_routed_through_the_other(replicas: Replicas) -> None:
 
 def test_a_lease_expires_in_redis_for_every_replica(replicas: Replicas) -> None:
     r = replicas
-    assert _add(r.one, r.engine, "alpha", lease_ttl=1.5)[0] == 201
-    assert _add(r.one, r.other, "beta")[0] == 201  # no lease: stays
+    assert _add(r.one, r.engine, "alpha", lease_ttl=1.5)[0] == 200
+    assert _add(r.one, r.other, "beta")[0] == 200  # no lease: stays
     wait_until(lambda: {r.engine.url, r.other.url} <= set(_nodes(r.two)), WAIT, "both nodes on replica two")
     lease = _nodes(r.two)[r.engine.url]["lease"]
     assert lease["ttl"] == 1.5
@@ -110,7 +110,7 @@ def test_a_lease_expires_in_redis_for_every_replica(replicas: Replicas) -> None:
 
 def test_replicas_recover_from_a_redis_restart(replicas: Replicas) -> None:
     r = replicas
-    assert _add(r.one, r.engine, "alpha")[0] == 201
+    assert _add(r.one, r.engine, "alpha")[0] == 200
     wait_until(lambda: r.engine.url in _nodes(r.two), WAIT, "the node on replica two")
 
     r.redis.stop()
@@ -123,7 +123,7 @@ def test_replicas_recover_from_a_redis_restart(replicas: Replicas) -> None:
 
     r.redis.restart_empty()
     # The replicas write their membership back, and changes flow again both ways.
-    wait_until(lambda: _add(r.two, r.other, "beta")[0] in (200, 201), WAIT, "registration to work again")
+    wait_until(lambda: _add(r.two, r.other, "beta")[0] == 200, WAIT, "registration to work again")
     wait_until(lambda: r.other.url in _nodes(r.one), WAIT, "the new node on replica one")
     assert r.engine.url in _nodes(r.one)
     assert r.engine.url in _nodes(r.two)
@@ -148,3 +148,22 @@ def test_a_replica_starts_while_redis_is_down(tmp_path: Path) -> None:
             assert _chat(replica, "alpha")[0] == 200
         finally:
             redis.stop()
+
+
+def test_an_entry_written_into_redis_by_anyone_passes_the_node_checks(replicas: Replicas) -> None:
+    """Whoever can write to Redis cannot make the replicas send requests to a metadata service."""
+    import redis
+
+    r = replicas
+    assert _add(r.one, r.engine, "alpha")[0] == 200
+    client = redis.Redis.from_url(r.redis.url)
+    bad = "http://169.254.169.254"
+    client.hset("pdproxy:nodes", bad, json.dumps({"url": bad, "models": ["alpha"], "role": "hybrid"}))
+    client.publish("pdproxy:changes", bad)
+    client.close()
+    # The next reconcile (within a second) applies the snapshot: the good node stays, the bad one never comes.
+    wait_until(lambda: r.engine.url in _nodes(r.two), WAIT, "the good node on replica two")
+    for proxy in (r.one, r.two):
+        proxy_log = proxy.log()
+        wait_until(lambda p=proxy: "169.254.169.254" in p.log(), WAIT, "the refusal to be logged")
+        assert bad not in _nodes(proxy), proxy_log

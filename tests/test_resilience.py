@@ -134,7 +134,7 @@ async def raw_exchange(url: str, payload: bytes, read_timeout: float = 10.0) -> 
 
 @pytest.mark.usefixtures("edge")
 async def test_global_cap(tmp_path: Path, live: MockEngine, http: aiohttp.ClientSession) -> None:
-    with pdproxy_serve(tmp_path, "--node", live.url, "--max-requests", "1") as proxy:
+    with pdproxy_serve(tmp_path, "--node", f"{live.url},model=m", "--max-requests", "1") as proxy:
         slow = asyncio.ensure_future(
             http.post(proxy.url + "/v1/chat/completions", json=chat_body("m"), headers={FAULT_HEADER: "ttft_ms=500"})
         )
@@ -150,7 +150,7 @@ async def test_global_cap(tmp_path: Path, live: MockEngine, http: aiohttp.Client
 
 @pytest.mark.usefixtures("edge")
 async def test_slow_and_bad_bodies(tmp_path: Path, live: MockEngine, http: aiohttp.ClientSession) -> None:
-    with pdproxy_serve(tmp_path, "--node", live.url, "--body-timeout", "0.3") as proxy:
+    with pdproxy_serve(tmp_path, "--node", f"{live.url},model=m", "--body-timeout", "0.3") as proxy:
         # A body that never finishes arriving: 408, not a hung handler.
         head = (
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
@@ -176,7 +176,7 @@ async def test_slow_and_bad_bodies(tmp_path: Path, live: MockEngine, http: aioht
 @pytest.mark.usefixtures("edge")
 async def test_drain_finishes_streams_then_exits_cleanly(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     async with MockEngine(MockSettings(port=0, model="m", token_delay_ms=50)) as slow_engine:
-        with pdproxy_serve(tmp_path, "--node", slow_engine.url, "--drain-timeout", "10") as proxy:
+        with pdproxy_serve(tmp_path, "--node", f"{slow_engine.url},model=m", "--drain-timeout", "10") as proxy:
             body = chat_body("m", stream=True, max_tokens=10, ignore_eos=True)
             async with http.post(proxy.url + "/v1/chat/completions", json=body) as stream:
                 first = await stream.content.readline()

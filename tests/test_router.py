@@ -84,7 +84,7 @@ async def test_add_remove_and_discovery(engines: list[MockEngine]) -> None:
         with pytest.raises(pdproxy.NodeNotFound):
             router.remove_node(engines[1].url)
         with pytest.raises(pdproxy.InvalidNode):
-            router.add_node("https://secure:1")
+            router.add_node("ftp://files:21")
         assert [n["url"] for n in router.nodes()] == [engines[0].url]
 
 
@@ -103,13 +103,44 @@ async def test_errors_before_any_node_is_asked() -> None:
 
 async def test_connect_failure() -> None:
     port = free_port()  # nothing listens here
-    async with pdproxy.Router(nodes=[f"127.0.0.1:{port}"]) as router:
+    async with pdproxy.Router(nodes=[f"127.0.0.1:{port},model=m"]) as router:
         with pytest.raises(pdproxy.UpstreamConnectError) as info:
             await router.forward("/v1/chat/completions", body())
         assert isinstance(info.value, ConnectionError)
         assert info.value.status == 503
         node = router.nodes()[0]
         assert (node["failed"], node["in_flight"]) == (1, 0)
+        # Whoever reads the traceback learns the node and the cause; a client's answer (message) neither.
+        assert f"node http://127.0.0.1:{port}" in str(info.value)
+        assert "refused" in str(info.value).lower()
+        assert "127.0.0.1" not in info.value.message
+
+
+async def test_nodes_that_never_told_their_models_are_named_in_the_error() -> None:
+    port = free_port()  # nothing listens here
+    async with pdproxy.Router(nodes=[f"127.0.0.1:{port}"]) as router:
+        with pytest.raises(pdproxy.NoNodeAvailable) as info:
+            await router.forward("/v1/chat/completions", body())
+        assert f"node http://127.0.0.1:{port}: /v1/models failed" in str(info.value)
+        assert "127.0.0.1" not in info.value.message
+        assert router.nodes()[0]["requests"] == 0, "no request went to a node of unknown models"
+
+
+async def test_integer_roles_and_a_short_summary(engines: list[MockEngine]) -> None:
+    async with pdproxy.Router() as router:
+        for role, name in ((1, "hybrid"), (2, "prefill"), (3, "decode")):
+            url = router.add_node(f"http://127.0.0.{role}:9", ["m"], role=role, verify=False)
+            assert next(n["role"] for n in router.nodes() if n["url"] == url) == name
+        router.add_node(engines[0].url)
+        await router.discover()
+        response = await router.forward("/v1/chat/completions", body(), node=engines[0].url)
+        assert b"".join([chunk async for chunk in response]).endswith(b"data: [DONE]\n\n")
+        summary = router.summary()
+        assert [n["url"] for n in summary] == [n["url"] for n in router.nodes()]
+        served = next(n for n in summary if n["url"] == engines[0].url)
+        assert (served["requests"], served["succeeded"], served["in_flight"], served["models"]) == (1, 1, 0, ["m"])
+        assert served["mean_latency"] > 0
+        assert len(repr(summary)) < 250 * len(summary), "a summary, not the histograms"
 
 
 async def test_first_byte_timeout(engines: list[MockEngine]) -> None:
@@ -196,7 +227,7 @@ async def test_settings_reach_the_data_plane() -> None:
     router = pdproxy.Router(policy="round_robin", decode_policy="prefix", model_policies=("m=random",))
     assert router.policies == {
         "hybrid": "round_robin",
-        "prefill": "min_expected_latency",
+        "prefill": "round_robin",  # the general policy, as LMDeploy's --routing-strategy
         "decode": "prefix",
         "model:m": "random",
     }

@@ -301,3 +301,40 @@ def test_the_leadership_passes_on_when_the_leader_dies(group: Process, engine: P
         10,
         "every worker to see the node unhealthy",
     )
+
+
+def test_a_worker_ends_with_its_main_process(tmp_path: Path) -> None:
+    """A worker whose main process was killed stops serving (it would otherwise keep the port)."""
+    with pdproxy_serve(tmp_path, "--edge", "granian") as proxy:
+        workers = _children(proxy.proc.pid)
+        assert workers, "granian runs its worker as a child process"
+        os.kill(proxy.proc.pid, signal.SIGKILL)
+        proxy.proc.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        orphans = [w for w in workers if _alive(w)]
+        for pid in orphans:
+            os.kill(pid, signal.SIGKILL)
+        assert not orphans, "the worker kept serving after its main process died"
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

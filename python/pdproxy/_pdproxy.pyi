@@ -1,10 +1,12 @@
 """Typed stubs of the data plane extension (Rust, built by maturin)."""
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol, final
 
 __version__: str
+#: The routing policies the data plane knows, by name.
+POLICY_NAMES: tuple[str, ...]
 
 class _RouterConfig(Protocol):
     """What the router reads from `pdproxy.Settings` (by attribute)."""
@@ -73,6 +75,16 @@ class _RouterConfig(Protocol):
     def stream_stall_timeout(self) -> float: ...
     @property
     def max_requests(self) -> int: ...
+    @property
+    def otlp_endpoint(self) -> str: ...
+    @property
+    def otlp_headers(self) -> Sequence[str]: ...
+    @property
+    def service_name(self) -> str: ...
+    @property
+    def trace_sampler(self) -> str: ...
+    @property
+    def trace_sampler_arg(self) -> float: ...
 
 @final
 class Router:
@@ -80,6 +92,9 @@ class Router:
     returns at once."""
 
     def __new__(cls, config: _RouterConfig, group: tuple[SharedTable, int] | None = None) -> Router: ...
+    @property
+    def instance_id(self) -> str:
+        """This proxy's id, as the requests it sends carry it in `x-pdproxy-via`."""
     @property
     def policies(self) -> list[tuple[str, str]]:
         """(scope, policy) pairs: each role, then per-model overrides as `model:NAME`."""
@@ -127,8 +142,10 @@ class Router:
         max_concurrency: int | None = None,
         api_key: str | None = None,
         bootstrap_port: int | None = None,
+        address: str | None = None,
     ) -> str:
-        """Adds a node (or updates a registered one); returns its normalised URL.
+        """Adds a node (or updates a registered one); returns its normalised URL. `address`
+        (`HOST:PORT`): where to connect, instead of resolving the URL's host.
 
         Raises:
             InvalidNode: the URL is not a usable http URL, or the role or speed is invalid.
@@ -182,7 +199,7 @@ class Router:
         """Models served by the registered nodes, deduplicated."""
 
     def nodes(self) -> list[dict[str, Any]]:
-        """A snapshot of each node: url, generation, role, models, speed, has_api_key, state,
+        """A snapshot of each node: url, generation, role, models, speed, has_api_key, address, state,
         max_concurrency, in_flight, requests, succeeded, failed, connect_failures, cancelled,
         events, mean_latency, recent_latency, recent_latencies, recent_latency_per_token,
         mean_ttft, ttft_ewma (seconds, or None), circuit, histograms (duration, ttft, itl:
@@ -198,7 +215,7 @@ class Router:
         """In a worker group: rebinds nodes whose shared slot another worker retired."""
 
     @staticmethod
-    def check_node(url: str, role: str = "hybrid", speed: float | None = None) -> None:
+    def check_node(url: str, role: str = "hybrid", speed: float | None = None, api_key: str | None = None) -> None:
         """Raises `InvalidNode` for a node the table would refuse, without adding it."""
 
     @staticmethod
@@ -225,8 +242,11 @@ class Router:
         method: str = "POST",
         role: str = "hybrid",
         node: str | None = None,
+        trace: Trace | None = None,
+        tenant: TenantTicket | None = None,
     ) -> asyncio.Future[Response]:
-        """Selects a node for `body` (by its `model`), or takes `node`, and sends the request.
+        """Selects a node for `body` (by its `model`), or takes `node`, and sends the request;
+        its admission, selection and attempts are spans under `trace`, when given.
 
         Raises at once:
             InvalidRequest: the body is not a JSON object or a field has the wrong type.
@@ -239,9 +259,81 @@ class Router:
         the queue too long. Cancelling it cancels the upstream request.
         """
 
+    def set_tenants(self, entries: Sequence[Mapping[str, Any]]) -> None:
+        """Replaces the tenants with the tenants file's entries (name, keys, rpm, tpm,
+        concurrency, daily_tokens, priority, priority_limit); a tenant kept by name keeps its
+        window and counts."""
+
+    @property
+    def tenants_configured(self) -> bool:
+        """Whether tenants are configured."""
+
+    def tenant_key_known(self, key: bytes) -> bool:
+        """Whether `key` is a tenant's."""
+
+    def admit_tenant(self, key: bytes | None, body: bytes, priority: int | None = None) -> TenantTicket:
+        """Admits a request by its key's tenant; raises `RateLimited` or `QuotaExceeded`."""
+
+    def tenants(self) -> list[dict[str, Any]]:
+        """Every tenant: limits, window, tokens today, requests in flight and counts."""
+
+    def take_tenant_usage(self) -> list[tuple[str, int, int]]:
+        """Each tenant's requests and tokens here since the last call."""
+
+    def absorb_tenant_usage(self, name: str, requests: int, tokens: int) -> None:
+        """Debits other replicas' use from tenant `name`'s window."""
+
+    def trace(self, traceparent: bytes | None = None) -> Trace | None:
+        """The trace of a request that came with `traceparent` (else a new one); `None` when
+        requests are not traced."""
+
     def close(self) -> None:
         """Stops serving: requests in flight end now (their readers get an error) and new
         ones are refused; the router leaves its event loop when it is dropped."""
+
+@final
+class TenantTicket:
+    """A request's admission: its queue class and, with a tenant, the tenant's pass (settled
+    when the request ends)."""
+
+    @property
+    def tenant(self) -> str | None: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The tenant's `x-ratelimit-*` headers at admission."""
+
+    def fail(self) -> None:
+        """Counts the request in its tenant's errors."""
+
+    def close(self) -> None:
+        """Settles the pass now: its slot given back, its tokens counted."""
+
+@final
+class Trace:
+    """A place in a request's trace: its root (exported when the last reference goes), or a
+    span under it made by `child` and ended by `end`."""
+
+    @property
+    def id(self) -> str:
+        """The trace id (32 hex digits)."""
+
+    @property
+    def sampled(self) -> bool:
+        """Whether the trace is recorded, or only passed on to the nodes."""
+
+    def child(self, name: str) -> Trace:
+        """A span under this one (`pdproxy.prefill`, `pdproxy.decode`)."""
+
+    def annotate(self, attributes: dict[str, str]) -> None:
+        """Attributes of the request, on its root span."""
+
+    def fail(self, message: str) -> None:
+        """Marks the request failed."""
+
+    def end(self, status: int | None = None, error: str | None = None) -> None:
+        """Ends this span (once; the root ends with the request)."""
 
 @final
 class Response:
@@ -346,6 +438,14 @@ class _EdgeSettings(Protocol):
     def pd_link_timeout(self) -> float: ...
     @property
     def header_read_timeout(self) -> float: ...
+    @property
+    def allow_origins(self) -> Sequence[str]: ...
+    @property
+    def allow_credentials(self) -> bool: ...
+    @property
+    def allow_methods(self) -> Sequence[str]: ...
+    @property
+    def allow_headers(self) -> Sequence[str]: ...
 
 @final
 class EdgeListener:

@@ -1,13 +1,16 @@
 """The access log: one line per inference request, written by a background thread so the
 event loop never waits on the terminal or a file. Off unless asked for (``--access-log``).
 
-A line tells the request id, method and path, the model, the node, the status, how the
-request ended and in which phase (``completed``, ``client_cancel@ttfb``, ``client_cancel@stream``,
+A line tells when the request arrived (UTC, ISO 8601 with milliseconds) and the client's
+address, the request id, method and path, the model, the node, the status, how the request
+ended and in which phase (``completed``, ``client_cancel@ttfb``, ``client_cancel@stream``,
 ``upstream_error@stream``, ``no_healthy_node@admission``...), bytes and events sent to the
-client, time to first byte and duration. Never keys or bodies."""
+client, time to first byte and duration, and the trace id (the request's, or the caller's
+``traceparent`` when requests are not traced here). Never keys or bodies."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import logging.handlers
@@ -43,13 +46,30 @@ class AccessLog:
         if self.json:
             log.info(json.dumps(fields, separators=(",", ":")))
         else:
-            log.info(" ".join(f"{k}={v}" for k, v in fields.items()))
+            log.info(" ".join(f"{k}={escape(v) if isinstance(v, str) else v}" for k, v in fields.items()))
+
+
+def escape(value: str) -> str:
+    """A text-line field that cannot break its line or forge another field: backslashes,
+    spaces and control characters are written as escapes (as the edge's writer does)."""
+    return value.translate(_ESCAPES)
+
+
+_ESCAPES = {
+    **{c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)},
+    ord("\\"): "\\\\",
+    ord(" "): "\\x20",
+    ord("\n"): "\\n",
+    ord("\r"): "\\r",
+    ord("\t"): "\\t",
+}
 
 
 class Record:
     """What is known of one request, filled in as it goes."""
 
     __slots__ = (
+        "arrived",
         "bytes",
         "events",
         "first_byte",
@@ -62,6 +82,7 @@ class Record:
         "started",
         "status",
         "stream_error",
+        "trace_id",
     )
 
     def __init__(self, access: AccessLog, scope: dict[str, Any], request_id: bytes) -> None:
@@ -69,6 +90,7 @@ class Record:
         self.scope = scope
         self.request_id = request_id
         self.started = time.monotonic()
+        self.arrived = time.time()
         self.status: int | None = None
         self.first_byte: float | None = None
         self.bytes = 0
@@ -77,6 +99,7 @@ class Record:
         self.node: str | None = None
         self.proxy_error: str | None = None
         self.stream_error = False
+        self.trace_id: str | None = None
 
     def wrap(self, send: Send) -> Send:
         async def observed(message: dict[str, Any]) -> None:
@@ -108,8 +131,11 @@ class Record:
             cause = "upstream_status@ttfb"
         else:
             cause = "completed"
+        client = self.scope.get("client")
         self.log.write(
             {
+                "time": utc_timestamp(self.arrived),
+                "client": client[0] if client else None,
                 "request_id": self.request_id.decode("latin-1"),
                 "method": self.scope["method"],
                 "path": self.scope["path"],
@@ -121,5 +147,12 @@ class Record:
                 "events": self.events,
                 "ttfb": None if self.first_byte is None else round(self.first_byte, 6),
                 "duration": round(time.monotonic() - self.started, 6),
+                "trace_id": self.trace_id,
             }
         )
+
+
+def utc_timestamp(at: float) -> str:
+    """``at`` (seconds since the epoch) as the Rust edge writes it: ``2026-12-01T09:30:00.123Z``."""
+    moment = datetime.datetime.fromtimestamp(int(at), datetime.UTC)
+    return f"{moment:%Y-%m-%dT%H:%M:%S}.{int(at * 1000) % 1000:03d}Z"

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -33,23 +34,82 @@ def settings_options(cls: type, envvar_prefix: str | None) -> Callable[[F], F]:
     def decorate(fn: F) -> F:
         for f in reversed(dataclasses.fields(cls)):
             kind = field_type(f)
-            envvar = f"{envvar_prefix}{f.name.upper()}" if envvar_prefix else None
+            envvars = [f"{envvar_prefix}{f.name.upper()}"] if envvar_prefix else []
+            envvars += f.metadata.get("env_aliases", ())
             common: dict[str, Any] = {
                 "help": f.metadata.get("help"),
-                "envvar": envvar,
-                "show_envvar": envvar is not None,
+                "envvar": envvars or None,
+                "show_envvar": bool(envvars),
             }
             flags = (_flag(f), *f.metadata.get("aliases", ()))
             if kind is bool:
                 option = click.option(*flags, f.name, is_flag=True, default=f.default, show_default=True, **common)
             elif kind is tuple:
-                option = click.option(*flags, f.name, multiple=True, type=str, **common)
+                default = f.default if f.default is not dataclasses.MISSING else ()
+                option = click.option(*flags, f.name, multiple=True, type=str, default=default, **common)
             else:
                 option = click.option(*flags, f.name, type=kind, default=f.default, show_default=True, **common)
             fn = option(fn)
         return fn
 
     return decorate
+
+
+#: `pdproxy serve --help` shows the options in these groups (a setting's `section`), in this order.
+SECTIONS = {
+    "server": "Serving",
+    "proxy": "Routing, limits and timeouts",
+    "pd": "Prefill/decode disaggregation (--serving-strategy DistServe)",
+    "security": "Keys, TLS and CORS",
+    "health": "Health checks",
+}
+
+
+class SettingsCommand(click.Command):
+    """`pdproxy serve`: its help grouped by section, and multi-valued options that take several
+    values after one flag as LMDeploy's (``--api-keys k1 k2``) as well as the flag repeated."""
+
+    def __init__(self, *args: Any, settings: type, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        fields = dataclasses.fields(settings)
+        self.sections = {f.name: f.metadata.get("section", "proxy") for f in fields}
+        self.greedy = {flag for f in fields if field_type(f) is tuple for flag in (_flag(f), *f.metadata["aliases"])}
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, spread_values(args, self.greedy))
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        groups: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                groups.setdefault(self.sections.get(param.name or "", ""), []).append(record)
+        for section, title in (("", "Options"), *SECTIONS.items()):
+            if groups.get(section):
+                with formatter.section(title):
+                    formatter.write_dl(groups[section])
+
+
+def spread_values(args: list[str], greedy: set[str]) -> list[str]:
+    """``--flag a b`` becomes ``--flag a --flag b`` for the ``greedy`` flags, read as LMDeploy's
+    argparse reads them: the words up to the next option (none: no value, as LMDeploy allows
+    for ``--api-keys``; a value that starts with a dash is given as ``--flag=-value``). The
+    command takes no arguments, so a word that is not an option belongs to the flag before it."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg == "--":
+            out.extend(args[i - 1 :])
+            break
+        if arg not in greedy:
+            out.append(arg)
+            continue
+        while i < len(args) and not args[i].startswith("-"):
+            out += [arg, args[i]]
+            i += 1
+    return out
 
 
 def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) -> None:
@@ -69,7 +129,7 @@ def main() -> None:
     """pdproxy: a proxy and router for fleets of OpenAI-compatible LLM inference servers."""
 
 
-@main.command()
+@main.command(cls=SettingsCommand, settings=Settings)
 @click.option(
     "--config",
     type=click.Path(dir_okay=False),
@@ -92,7 +152,17 @@ def serve(print_config: bool, **options: Any) -> None:
     try:
         settings = Settings(**options)
     except ConfigError as e:
-        raise click.UsageError(str(e)) from e
+        click.echo(f"pdproxy: {e}", err=True)  # one line, before anything is served
+        sys.exit(2)
+    context = click.get_current_context()
+    for name in ("api_keys", "admin_keys"):
+        if context.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            flag = "--" + name.replace("_", "-")
+            click.echo(
+                f"pdproxy: warning: keys given with {flag} on the command line are visible to every user of this "
+                f"machine (ps); use {flag}-file or the environment (PDPROXY_{name.upper()}) instead",
+                err=True,
+            )
     if print_config:
         click.echo(json.dumps(settings.redacted()))
         return
@@ -133,23 +203,24 @@ def mock_engine(count: int, **options: Any) -> None:
     engines = [MockEngine(settings, port=port) for port in ports]
 
     async def serve() -> None:
-        for engine in engines[1:]:
-            await engine.start()
-        for engine in engines[1:]:
-            click.echo(f"mock engine: serving {settings.model} ({settings.role}) on {engine.url}", err=True)
-        first = engines[0]
-        click.echo(
-            f"mock engine: serving {settings.model} ({settings.role}) on http://{settings.host}:{settings.port}",
-            err=True,
-        )
         try:
-            await first.serve_forever()
+            for engine in engines:  # every port is bound before anything is announced
+                await engine.start()
+            for engine in engines:
+                click.echo(f"mock engine: serving {settings.model} ({settings.role}) on {engine.url}", err=True)
+            await engines[0].state.terminated.wait()  # /terminate, when allowed
+            await asyncio.sleep(0.05)  # let its answer go out
         finally:
-            for engine in engines[1:]:
+            for engine in engines:
                 await engine.stop()
 
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner, contextlib.suppress(KeyboardInterrupt):
-        runner.run(serve())
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner, contextlib.suppress(KeyboardInterrupt):
+            runner.run(serve())
+    except OSError as e:  # the port is taken, or the address is not this host's
+        reason = os.strerror(e.errno).lower() if e.errno else str(e)
+        click.echo(f"pdproxy mock-engine: cannot listen on {settings.host}:{settings.port}: {reason}", err=True)
+        sys.exit(1)
 
 
 def _admin_call(url: str, path: str, key: str | None, payload: object = None) -> Any:
@@ -253,18 +324,36 @@ def nodes() -> None:
 @_URL
 @_KEY
 @click.option("--model", "models", multiple=True, help="A model the node serves (default: ask the node).")
-@click.option("--role", default="hybrid", show_default=True, help="hybrid, prefill or decode.")
+@click.option("--role", default="hybrid", show_default=True, help="hybrid, prefill or decode (or 1, 2, 3).")
+@click.option("--speed", type=float, default=None, help="Relative throughput (random and min_expected_latency).")
 @click.option("--max-concurrency", type=int, default=None, help="Hard cap on the node's requests in flight.")
+@click.option("--api-key", "node_api_key", default=None, help="Key the proxy sends to the node (Bearer).")
+@click.option("--lease-ttl", type=float, default=None, help="Seconds until it lapses unless registered again.")
+@click.option("--bootstrap-port", type=int, default=None, help="SGLang prefill nodes: their bootstrap port.")
 def nodes_add(
-    node_url: str, url: str, key: str | None, models: tuple[str, ...], role: str, max_concurrency: int | None
+    node_url: str,
+    url: str,
+    key: str | None,
+    models: tuple[str, ...],
+    role: str,
+    speed: float | None,
+    max_concurrency: int | None,
+    node_api_key: str | None,
+    lease_ttl: float | None,
+    bootstrap_port: int | None,
 ) -> None:
     """Register NODE_URL with the proxy."""
-    status: dict[str, Any] = {"role": role}
+    status: dict[str, Any] = {"role": role, "speed": speed}
     if models:
         status["models"] = list(models)
     payload: dict[str, Any] = {"url": node_url, "status": status}
-    if max_concurrency is not None:
-        payload["max_concurrency"] = max_concurrency
+    extra = {
+        "max_concurrency": max_concurrency,
+        "api_key": node_api_key,
+        "lease_ttl": lease_ttl,
+        "bootstrap_port": bootstrap_port,
+    }
+    payload.update({name: value for name, value in extra.items() if value is not None})
     answer = _admin_call(url, "/nodes/add", key, payload)
     click.echo(f"{'added' if answer['created'] else 'updated'} {answer['url']}")
 

@@ -11,28 +11,56 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import _pdproxy
 from .errors import ConfigError
 from .group import MAX_WORKERS
 from .membership import check_url as check_registry_url
+from .node_spec import NodeSpec
+from .tenants import load as load_tenants
+from .tracing import otel_settings
 
 __all__ = ["ENV_PREFIX", "Settings"]
 
 ENV_PREFIX = "PDPROXY_"
 #: Settings that hold key material: never printed or logged.
-SECRET_FIELDS = ("api_keys", "admin_keys")
+SECRET_FIELDS = ("api_keys", "admin_keys", "otlp_headers")
+
+
+#: Log levels by every name LMDeploy's `--log-level` takes, as pdproxy (and granian) name them.
+LOG_LEVELS = {
+    "critical": "critical",
+    "fatal": "critical",
+    "error": "error",
+    "warning": "warning",
+    "warn": "warning",
+    "info": "info",
+    "request": "debug",  # LMDeploy's level between DEBUG and INFO
+    "debug": "debug",
+    "notset": "debug",
+}
+#: LMDeploy's DistServe transport choices (`lmdeploy serve proxy --migration-protocol/--link-type`).
+MIGRATION_PROTOCOLS = ("RDMA", "NVLINK")
+LINK_TYPES = ("RoCE", "IB")
 
 
 def _opt(
-    help: str, *, flag: str | None = None, aliases: tuple[str, ...] = (), section: str = "proxy"
+    help: str,
+    *,
+    flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+    section: str = "proxy",
+    env_aliases: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Field metadata: the help text and CLI spelling of a setting (``aliases``: LMDeploy's
-    spellings, so existing launch scripts keep working)."""
-    return {"help": help, "flag": flag, "aliases": aliases, "section": section}
+    spellings, so existing launch scripts keep working; ``env_aliases``: environment variables
+    read after ``PDPROXY_<NAME>``, such as LMDeploy's)."""
+    return {"help": help, "flag": flag, "aliases": aliases, "section": section, "env_aliases": env_aliases}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,8 +74,10 @@ class Settings:
     nodes: tuple[str, ...] = field(
         default=(),
         metadata=_opt(
-            "Base URL of an inference server (LMDeploy, vLLM, SGLang api_server); repeat for several. "
-            "In the environment: URLs separated by spaces.",
+            "An inference server (LMDeploy, vLLM, SGLang api_server): its URL, optionally followed by "
+            ",key=value pairs: role (hybrid, prefill, decode), model (repeatable), speed, max_concurrency, "
+            "api_key, bootstrap_port; e.g. http://10.0.0.2:30000,role=prefill,model=qwen. Repeat for several; "
+            "in the environment, separated by spaces; in TOML, strings or tables.",
             flag="--node",
         ),
     )
@@ -88,19 +118,22 @@ class Settings:
     )
     log_level: str = field(
         default="info",
-        metadata=_opt("Log level: debug, info, warning, error.", section="server"),
+        metadata=_opt(
+            "Log level: debug, info, warning, error, critical (LMDeploy's names too, any case).", section="server"
+        ),
     )
     policy: str = field(
         default="min_expected_latency",
         metadata=_opt(
-            "Routing policy: min_expected_latency (LMDeploy's default), random, min_observed_latency, "
+            "Routing policy of every role (hybrid, and prefill and decode unless their own is given): "
+            "min_expected_latency (LMDeploy's default), random, min_observed_latency, "
             "min_observed_latency_per_token, min_cache_usage (LMDeploy's), round_robin, least_requests, "
             "consistent_hash, prefix, least_engine_load, scored (or scored:prefix=N,queue=N,kv=N).",
             aliases=("--routing-strategy",),
         ),
     )
-    prefill_policy: str = field(default="min_expected_latency", metadata=_opt("Routing policy for prefill nodes."))
-    decode_policy: str = field(default="min_expected_latency", metadata=_opt("Routing policy for decode nodes."))
+    prefill_policy: str = field(default="", metadata=_opt("Routing policy for prefill nodes (empty: --policy)."))
+    decode_policy: str = field(default="", metadata=_opt("Routing policy for decode nodes (empty: --policy)."))
     model_policies: tuple[str, ...] = field(
         default=(),
         metadata=_opt("MODEL=POLICY: a routing policy for one model; repeat for several.", flag="--model-policy"),
@@ -207,8 +240,11 @@ class Settings:
         metadata=_opt("Bytes of a stream kept for a client that reads slowly before the node's stream is held back."),
     )
     max_requests: int = field(
-        default=0,
-        metadata=_opt("Inference requests served at once by this proxy; past it 503 with Retry-After (0: no cap)."),
+        default=4096,
+        metadata=_opt(
+            "Inference requests served at once by this proxy; past it 503 with Retry-After (0: no cap). With "
+            "each stream's buffers bounded by --stream-buffer-limit, this bounds the proxy's memory."
+        ),
     )
     body_timeout: float = field(
         default=30.0, metadata=_opt("Seconds a client may take to send its request body (then 408).")
@@ -254,6 +290,24 @@ class Settings:
         default=False,
         metadata=_opt("DistServe without prefill nodes, to benchmark decode (as LMDeploy).", section="pd"),
     )
+    migration_protocol: str = field(
+        default="RDMA",
+        metadata=_opt(
+            "DistServe (lmdeploy): how the engines move KV between them, as LMDeploy's proxy: RDMA or NVLINK.",
+            section="pd",
+        ),
+    )
+    link_type: str = field(
+        default="RoCE",
+        metadata=_opt("DistServe (lmdeploy): the RDMA link type, as LMDeploy's proxy: RoCE or IB.", section="pd"),
+    )
+    disable_gdr: bool = field(
+        default=False,
+        metadata=_opt(
+            "DistServe (lmdeploy): move KV through host memory instead of GPU-direct RDMA (as LMDeploy's flag).",
+            section="pd",
+        ),
+    )
     pd_link_timeout: float = field(
         default=10.0, metadata=_opt("Seconds for each call of a link handshake.", section="pd")
     )
@@ -295,6 +349,88 @@ class Settings:
             section="security",
         ),
     )
+    keyless_registration_cidrs: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt(
+            "Networks (e.g. 10.0.0.0/8) whose hosts may POST /nodes/add without a key while keys guard "
+            "management, so that unchanged LMDeploy api_servers (which send none) can register; only for "
+            "networks you trust. Repeat for several.",
+            flag="--keyless-registration-from",
+            section="security",
+        ),
+    )
+    ssl: bool = field(
+        default=False,
+        metadata=_opt(
+            "Serve HTTPS, as LMDeploy's --ssl: the certificate and key come from SSL_CERTFILE and SSL_KEYFILE "
+            "(LMDeploy's variables) or --ssl-certfile/--ssl-keyfile.",
+            section="security",
+        ),
+    )
+    ssl_certfile: str = field(
+        default="",
+        metadata=_opt(
+            "With --ssl: the server's certificate chain (PEM).", section="security", env_aliases=("SSL_CERTFILE",)
+        ),
+    )
+    ssl_keyfile: str = field(
+        default="",
+        metadata=_opt("With --ssl: the server's private key (PEM).", section="security", env_aliases=("SSL_KEYFILE",)),
+    )
+    node_ca_file: str = field(
+        default="",
+        metadata=_opt(
+            "CA certificates (PEM) that https:// nodes are verified against (empty: the system's roots).",
+            section="security",
+        ),
+    )
+    allow_origins: tuple[str, ...] = field(
+        default=("*",),
+        metadata=_opt(
+            "CORS on the inference routes, as LMDeploy's api_server: origins browsers may call from (* for any); "
+            "several after one flag or repeated. Management routes never answer CORS.",
+            section="security",
+        ),
+    )
+    allow_credentials: bool = field(
+        default=False,
+        metadata=_opt("CORS: allow credentials (needs explicit --allow-origins, never *).", section="security"),
+    )
+    allow_methods: tuple[str, ...] = field(
+        default=("*",), metadata=_opt("CORS: methods browsers may use (* for any).", section="security")
+    )
+    allow_headers: tuple[str, ...] = field(
+        default=("*",), metadata=_opt("CORS: request headers browsers may send (* for any).", section="security")
+    )
+    api_keys_file: str = field(
+        default="",
+        metadata=_opt(
+            "File of API keys, one per line (# starts a comment), added to --api-keys: keys given on the "
+            "command line are visible to every user of the machine (ps).",
+            section="security",
+        ),
+    )
+    admin_keys_file: str = field(
+        default="",
+        metadata=_opt("File of admin keys, one per line, added to --admin-keys.", section="security"),
+    )
+    tenants_file: str = field(
+        default="",
+        metadata=_opt(
+            "TOML file of tenants: each one's API keys, limits (requests and tokens per minute, requests at "
+            "once, a daily token budget) and priority. Reloaded when it changes and on SIGHUP. With tenants, "
+            "inference needs a tenant's key or an API key.",
+            section="tenants",
+        ),
+    )
+    tenant_sync_interval: float = field(
+        default=1.0,
+        metadata=_opt(
+            "With --registry: seconds between two exchanges of tenant usage with the other replicas (a "
+            "limit holds across replicas within what they admit in one interval).",
+            section="tenants",
+        ),
+    )
     allow_node_cidrs: tuple[str, ...] = field(
         default=(),
         metadata=_opt(
@@ -334,20 +470,79 @@ class Settings:
             "JSON file where registered nodes are saved and reloaded at start (empty: off).", section="server"
         ),
     )
+    disable_cache_status: bool = field(
+        default=False,
+        metadata=_opt(
+            "Start without the nodes saved in --state-file (as LMDeploy's flag: forget the previous run's nodes).",
+            section="server",
+        ),
+    )
     discovery_timeout: float = field(
         default=2.0, metadata=_opt("Seconds to wait for a node's /v1/models when discovering its models.")
     )
     discovery_interval: float = field(
         default=5.0, metadata=_opt("Seconds between retries of model discovery for nodes that have not answered yet.")
     )
+    otlp_endpoint: str = field(
+        default="",
+        metadata=_opt(
+            "Trace requests and export their spans over OTLP/HTTP (JSON) to this URL, e.g. "
+            "http://127.0.0.1:4318/v1/traces. Unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, or "
+            "OTEL_EXPORTER_OTLP_ENDPOINT plus /v1/traces; neither: requests are not traced (and the "
+            "client's traceparent reaches the node unchanged).",
+            section="tracing",
+        ),
+    )
+    otlp_headers: tuple[str, ...] = field(
+        default=(),
+        metadata=_opt(
+            "NAME=VALUE header sent with every export (repeat for several). Unset: "
+            "OTEL_EXPORTER_OTLP_TRACES_HEADERS or OTEL_EXPORTER_OTLP_HEADERS.",
+            flag="--otlp-header",
+            section="tracing",
+        ),
+    )
+    service_name: str = field(
+        default="",
+        metadata=_opt("service.name of the spans. Unset: OTEL_SERVICE_NAME, else pdproxy.", section="tracing"),
+    )
+    trace_sampler: str = field(
+        default="",
+        metadata=_opt(
+            "Which traces are recorded: always_on, always_off, traceidratio, parentbased_always_on, "
+            "parentbased_always_off, parentbased_traceidratio. Unset: OTEL_TRACES_SAMPLER, else "
+            "parentbased_always_on. Unrecorded traces are still passed on to the nodes.",
+            section="tracing",
+        ),
+    )
+    trace_sampler_arg: float = field(
+        default=-1.0,
+        metadata=_opt(
+            "The ratio of the traceidratio samplers (0 to 1). Unset: OTEL_TRACES_SAMPLER_ARG, else 1.",
+            section="tracing",
+        ),
+    )
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "model_policies", "api_keys", "admin_keys", "allow_node_cidrs"):
-            value = getattr(self, name)
-            if isinstance(value, str | list):
-                object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if field_type(f) is tuple and isinstance(value, str | list):
+                object.__setattr__(self, f.name, (value,) if isinstance(value, str) else tuple(value))
+        for keys, path in (("api_keys", self.api_keys_file), ("admin_keys", self.admin_keys_file)):
+            if path:
+                extra = tuple(k for k in _read_keys(path) if k not in getattr(self, keys))
+                object.__setattr__(self, keys, (*getattr(self, keys), *extra))
+        for name, value in otel_settings(self, os.environ).items():
+            object.__setattr__(self, name, value)
         for f in dataclasses.fields(self):
             _check_type(f.name, getattr(self, f.name), f.type)
+        self._check_choices()
+        self._check_numbers()
+        self._check_security()
+        self._check_features()
+        self.node_specs()  # each node parses
+
+    def _check_choices(self) -> None:
         if not 0 < self.port < 65536 and self.port != 0:
             raise ConfigError(f"port must be between 1 and 65535, got {self.port}")
         if self.edge not in ("rust", "granian"):
@@ -360,6 +555,40 @@ class Settings:
             raise ConfigError(f"edge_threads must not be negative, got {self.edge_threads}")
         if self.registry:
             check_registry_url(self.registry)
+        if self.serving_strategy not in ("Hybrid", "DistServe"):
+            raise ConfigError(f"serving_strategy must be Hybrid or DistServe, got {self.serving_strategy!r}")
+        if self.access_log_format not in ("text", "json"):
+            raise ConfigError(f"access_log_format must be text or json, got {self.access_log_format!r}")
+        if self.pd_protocol not in ("lmdeploy", "vllm", "sglang"):
+            raise ConfigError(f"pd_protocol must be lmdeploy, vllm or sglang, got {self.pd_protocol!r}")
+        if self.migration_protocol.upper() not in MIGRATION_PROTOCOLS:
+            raise ConfigError(f"migration_protocol must be RDMA or NVLINK, got {self.migration_protocol!r}")
+        object.__setattr__(self, "migration_protocol", self.migration_protocol.upper())
+        link_type = {t.lower(): t for t in LINK_TYPES}.get(self.link_type.lower())
+        if link_type is None:
+            raise ConfigError(f"link_type must be RoCE or IB, got {self.link_type!r}")
+        object.__setattr__(self, "link_type", link_type)
+        level = LOG_LEVELS.get(self.log_level.lower())
+        if level is None:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)} (any case); got {self.log_level!r}")
+        object.__setattr__(self, "log_level", level)
+        self._check_policies()
+
+    def _check_policies(self) -> None:
+        """Names the data plane knows (its list: `_pdproxy.POLICY_NAMES`), for every role and model."""
+        known = _pdproxy.POLICY_NAMES
+        named = [("policy", self.policy), ("prefill_policy", self.prefill_policy or self.policy)]
+        named.append(("decode_policy", self.decode_policy or self.policy))
+        for entry in self.model_policies:
+            model, sep, name = entry.partition("=")
+            if not sep or not model.strip():
+                raise ConfigError(f"model policy {entry!r} must read MODEL=POLICY")
+            named.append((f"model policy for {model.strip()}", name))
+        for what, name in named:
+            if name.strip() not in known:
+                raise ConfigError(f"unknown routing policy {name!r} ({what}); known: {', '.join(known)}")
+
+    def _check_numbers(self) -> None:
         for name in (
             "workers",
             "runtime_threads",
@@ -388,15 +617,10 @@ class Settings:
             "health_interval",
             "health_timeout",
             "admin_timeout",
+            "tenant_sync_interval",
         ):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {getattr(self, name)}")
-        if self.serving_strategy not in ("Hybrid", "DistServe"):
-            raise ConfigError(f"serving_strategy must be Hybrid or DistServe, got {self.serving_strategy!r}")
-        if self.access_log_format not in ("text", "json"):
-            raise ConfigError(f"access_log_format must be text or json, got {self.access_log_format!r}")
-        if self.pd_protocol not in ("lmdeploy", "vllm", "sglang"):
-            raise ConfigError(f"pd_protocol must be lmdeploy, vllm or sglang, got {self.pd_protocol!r}")
         for name in ("pd_link_attempts", "pd_free_attempts", "pd_warmup_concurrency"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -407,13 +631,6 @@ class Settings:
             raise ConfigError("health_fall and health_rise must be at least 1")
         if self.health_remove_after < 0:
             raise ConfigError(f"health_remove_after must not be negative, got {self.health_remove_after}")
-        for cidr in self.allow_node_cidrs:
-            try:
-                ipaddress.ip_network(cidr, strict=False)
-            except ValueError as e:
-                raise ConfigError(f"allow_node_cidrs: {cidr!r} is not a network ({e})") from None
-        if any(not key for key in (*self.api_keys, *self.admin_keys)):
-            raise ConfigError("api_keys and admin_keys must not contain empty keys")
         if self.request_timeout < 0:
             raise ConfigError(f"request_timeout must not be negative, got {self.request_timeout}")
         if not 0 <= self.retry_budget_ratio <= 1:
@@ -446,8 +663,47 @@ class Settings:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.prefetch_limit < 0:
             raise ConfigError(f"prefetch_limit must not be negative, got {self.prefetch_limit}")
-        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
-            raise ConfigError(f"log_level must be one of debug, info, warning, error, critical; got {self.log_level!r}")
+
+    def _check_security(self) -> None:
+        for name in ("allow_node_cidrs", "keyless_registration_cidrs"):
+            for cidr in getattr(self, name):
+                try:
+                    ipaddress.ip_network(cidr, strict=False)
+                except ValueError as e:
+                    raise ConfigError(f"{name}: {cidr!r} is not a network ({e})") from None
+        if any(not key for key in (*self.api_keys, *self.admin_keys)):
+            raise ConfigError("api_keys and admin_keys must not contain empty keys")
+        if self.ssl and not (self.ssl_certfile and self.ssl_keyfile):
+            raise ConfigError(
+                "--ssl needs a certificate and its key: set SSL_CERTFILE and SSL_KEYFILE (as for LMDeploy) "
+                "or --ssl-certfile and --ssl-keyfile"
+            )
+        if self.allow_credentials and "*" in self.allow_origins:
+            raise ConfigError(
+                "--allow-credentials needs the origins named in --allow-origins: never * with credentials"
+            )
+
+    def node_specs(self) -> tuple[NodeSpec, ...]:
+        """The configured nodes, each with what it declares."""
+        specs = tuple(NodeSpec.parse(text) for text in self.nodes)
+        for spec in specs:
+            try:
+                _pdproxy.Router.check_node(spec.url, spec.role, spec.speed, spec.api_key)
+            except ValueError as e:
+                raise ConfigError(f"node {spec.url}: {e}") from None
+        return specs
+
+    def _check_features(self) -> None:
+        if self.tenants_file:
+            load_tenants(self.tenants_file)  # a bad file stops the start, naming its problem
+        if self.otlp_endpoint and not self.otlp_endpoint.startswith("http://"):
+            raise ConfigError(
+                f"otlp_endpoint must be an http:// URL (export to a local collector), got {self.otlp_endpoint!r}"
+            )
+        if any("=" not in header for header in self.otlp_headers):
+            raise ConfigError("otlp_headers must be NAME=VALUE pairs")
+        if not 0 <= self.trace_sampler_arg <= 1:
+            raise ConfigError(f"trace_sampler_arg must be between 0 and 1, got {self.trace_sampler_arg}")
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with some fields changed (validated again)."""
@@ -461,6 +717,7 @@ class Settings:
         out = dataclasses.asdict(self)
         for name in SECRET_FIELDS:
             out[name] = ["<hidden>"] * len(out[name])
+        out["nodes"] = [spec.redacted() for spec in self.node_specs()]
         return out
 
     @classmethod
@@ -470,6 +727,15 @@ class Settings:
     @classmethod
     def from_toml(cls, path: str | Path) -> Settings:
         return cls(**load_toml(path))
+
+
+def _read_keys(path: str) -> list[str]:
+    """Keys from a file: one per line, blank lines and `#` comments skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read the key file {path}: {e.strerror}") from None
+    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
 
 
 def load_toml(path: str | Path) -> dict[str, Any]:
@@ -485,6 +751,11 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown setting(s) in {path}: {', '.join(unknown)}")
+    nodes = data.get("nodes")
+    if isinstance(nodes, list):
+        # A node may be a table of what /nodes/add would say of it: kept as its one-word form.
+        where = f"{path}: nodes"
+        data["nodes"] = [NodeSpec.from_table(n, where).text() if isinstance(n, dict) else n for n in nodes]
     return _coerce(data)
 
 

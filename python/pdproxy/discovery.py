@@ -1,9 +1,10 @@
 """Model discovery: learn which models a node serves from its ``GET /v1/models``.
 
-A node added without a model list is routable at once (for any model) and probed in the
-background until it answers. A node added with a declared list is probed once to verify it:
-when the node answers, its own list wins; when it cannot be reached, the declared list is
-trusted (an LMDeploy api_server registers before it accepts connections).
+A node added without a model list takes no traffic until its models are known: it is probed
+at once (a registration waits for that first answer, ``probe``) and then in the background
+until it answers. A node added with a declared list is probed once to verify it: when the node
+answers, its own list wins; when it cannot be reached, the declared list is trusted (an
+LMDeploy api_server registers before it accepts connections).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from . import background
+from .node_answers import read_json
+from .tls import node_session
 
 if TYPE_CHECKING:
     from ._pdproxy import Router as CoreRouter
@@ -28,12 +31,15 @@ log = logging.getLogger("pdproxy.discovery")
 class _Pending:
     declared: list[str] | None
     api_key: str | None
+    #: Why the last probe got no model list.
+    failure: str | None = None
 
 
 class ModelDiscovery:
-    def __init__(self, core: CoreRouter, timeout: float, interval: float) -> None:
+    def __init__(self, core: CoreRouter, timeout: float, interval: float, ca_file: str = "") -> None:
         self._core = core
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._timeout = timeout
+        self._ca_file = ca_file
         self._interval = interval
         self._pending: dict[str, _Pending] = {}
         self._wake = asyncio.Event()
@@ -53,9 +59,13 @@ class ModelDiscovery:
     def pending(self) -> frozenset[str]:
         return frozenset(self._pending)
 
+    def failures(self) -> dict[str, str]:
+        """Why each node whose models are still unknown did not tell them, when it was asked."""
+        return {url: p.failure for url, p in self._pending.items() if p.failure is not None and p.declared is None}
+
     async def start(self) -> None:
         """Probes every pending node once, then keeps at it in the background."""
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._session = node_session(self._ca_file, self._timeout)
         await self.probe_pending()
         self._task = background.start(self._run(), "pdproxy-model-discovery")
 
@@ -66,10 +76,19 @@ class ModelDiscovery:
             await self._session.close()
             self._session = None
 
-    async def probe_pending(self) -> None:
+    async def probe(self, url: str) -> None:
+        """Probes ``url`` now if it is still pending (one attempt, within the timeout)."""
+        pending = self._pending.get(url)
+        if pending is not None and self._session is not None:
+            await self._probe(url, pending)
+
+    async def probe_pending(self, unknown_only: bool = False) -> None:
+        """Probes every pending node concurrently (``unknown_only``: those that declared no models,
+        which take no traffic until they answer)."""
         self._wake.clear()
         if self._pending and self._session is not None:
-            await asyncio.gather(*(self._probe(url, p) for url, p in list(self._pending.items())))
+            pending = [(url, p) for url, p in self._pending.items() if not unknown_only or p.declared is None]
+            await asyncio.gather(*(self._probe(url, p) for url, p in pending))
 
     async def _run(self) -> None:
         while True:
@@ -86,10 +105,10 @@ class ModelDiscovery:
         status: int | str
         try:
             async with self._session.get(f"{url}/v1/models", headers=headers, allow_redirects=False) as response:
-                payload = await response.json(content_type=None) if response.status == 200 else None
+                payload = await read_json(response) if response.status == 200 else None
                 status = response.status
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-            payload, status = None, type(e).__name__
+            payload, status = None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
         models = _model_ids(payload)
         # The node may have been removed or re-added while it was being probed.
         if self._pending.get(url) is not pending:
@@ -100,6 +119,7 @@ class ModelDiscovery:
                 del self._pending[url]
                 log.info("node %s: /v1/models unavailable (%s); trusting its declared models", url, status)
             else:
+                pending.failure = f"/v1/models failed ({status})"
                 log.info("node %s: model discovery failed (%s); will retry", url, status)
             return
         del self._pending[url]

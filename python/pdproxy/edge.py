@@ -87,6 +87,7 @@ async def _supervise(settings: Settings, listener: _pdproxy.EdgeListener, loggin
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, app.drain)
+        loop.add_signal_handler(signal.SIGHUP, app.reload_tenants)
         heartbeat = asyncio.create_task(_beat(edge.heartbeat))
         drained = asyncio.create_task(app.drained.wait())
         done, _ = await asyncio.wait({drained, control_task}, return_when=asyncio.FIRST_COMPLETED)

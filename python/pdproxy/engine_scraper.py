@@ -20,6 +20,7 @@ from . import background
 from .engine_report import EngineReading, parse
 from .errors import NodeNotFound
 from .router import Router
+from .tls import node_session
 
 log = logging.getLogger("pdproxy.engines")
 
@@ -34,10 +35,12 @@ class EngineScraper:
         concurrency: int,
         max_bytes: int,
         api_key_of: Callable[[str], str | None],
+        ca_file: str = "",
     ) -> None:
         self._router = router
         self._interval = interval
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._timeout = timeout
+        self._ca_file = ca_file
         self._slots = asyncio.Semaphore(concurrency)
         self._max_bytes = max_bytes
         self._api_key_of = api_key_of
@@ -53,7 +56,7 @@ class EngineScraper:
         return self._task is not None
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._session = node_session(self._ca_file, self._timeout)
         self._task = background.start(self._run(), "pdproxy-engine-metrics")
 
     async def aclose(self) -> None:

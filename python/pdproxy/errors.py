@@ -11,7 +11,11 @@
     ├── NoNodeAvailable                    503 no_healthy_node: nothing can serve the request now
     │   └── ModelNotFound                  404 model_not_found: no node serves the model
     ├── Overloaded                         429 overloaded: every node is at its limit and the queue is full
+    ├── RateLimited                        429 rate_limit_exceeded: a tenant over its requests, tokens or
+    │   │                                  concurrency (x-ratelimit-* headers)
+    │   └── QuotaExceeded                  429 insufficient_quota: a tenant's daily token budget is spent
     ├── ProxyOverloaded                    503 overloaded: the proxy's own cap on requests is reached
+    ├── LoopDetected                       508 loop_detected: the request came back to this proxy
     └── UpstreamError                      502 upstream_error: the node failed after receiving it
         ├── UpstreamConnectError(ConnectionError)  503 upstream_connect_failed: never reached a node
         └── UpstreamTimeout(TimeoutError)          504 upstream_timeout
@@ -30,12 +34,15 @@ __all__ = [
     "Draining",
     "InvalidNode",
     "InvalidRequest",
+    "LoopDetected",
     "ModelNotFound",
     "NoNodeAvailable",
     "NodeNotFound",
     "Overloaded",
     "PdproxyError",
     "ProxyOverloaded",
+    "QuotaExceeded",
+    "RateLimited",
     "RequestTimeout",
     "RequestTooLarge",
     "UpstreamConnectError",
@@ -62,7 +69,8 @@ class PdproxyError(Exception):
             self.retry_after = retry_after
 
     def __str__(self) -> str:
-        return self.message
+        # For whoever reads a traceback: the node and the cause. Clients get `message` alone.
+        return f"{self.message} ({self.detail})" if self.detail else self.message
 
     def body(self) -> bytes:
         """The OpenAI-style error body for this error."""
@@ -166,6 +174,39 @@ class Overloaded(PdproxyError):
     retry_after: int | None = 1
 
 
+class RateLimited(PdproxyError):
+    """A tenant is over one of its limits: ``limit`` is requests, tokens or concurrency (per
+    minute, or at once); its answer carries the tenant's ``x-ratelimit-*`` headers."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+    type = "requests"
+
+    def __init__(
+        self,
+        message: str = "",
+        detail: str | None = None,
+        retry_after: int | None = None,
+        limit: str = "requests",
+        rate_headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        super().__init__(message, detail, retry_after)
+        self.limit = limit
+        if limit == "tokens":
+            self.type = "tokens"
+        self.rate_headers = rate_headers or []
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [*super().headers(), *self.rate_headers]
+
+
+class QuotaExceeded(RateLimited):
+    """A tenant's daily token budget is spent (until midnight UTC)."""
+
+    code = "insufficient_quota"
+    type = "insufficient_quota"
+
+
 class ProxyOverloaded(PdproxyError):
     """The proxy itself serves as many requests as it may (its global cap)."""
 
@@ -173,6 +214,14 @@ class ProxyOverloaded(PdproxyError):
     code = "overloaded"
     type = "service_unavailable"
     retry_after: int | None = 1
+
+
+class LoopDetected(PdproxyError):
+    """The request came back to this proxy (a node is this proxy, or routes back to it)."""
+
+    status = 508
+    code = "loop_detected"
+    type = "server_error"
 
 
 class UpstreamError(PdproxyError):

@@ -28,6 +28,7 @@ from .group import Group
 from .health import HealthChecker
 from .membership import Entry, Membership, RegistryUnavailable
 from .router import Router
+from .tls import node_session
 from .urls import check_node_url, parse_networks
 
 log = logging.getLogger("pdproxy.fleet")
@@ -36,6 +37,8 @@ log = logging.getLogger("pdproxy.fleet")
 ROLE_NUMBERS = {"hybrid": 1, "prefill": 2, "decode": 3}
 #: How often leases are checked.
 LEASE_TICK = 1.0
+#: The largest cap on a node's requests in flight (the data plane counts in 32 bits).
+MAX_CONCURRENCY = 2**32 - 1
 #: Longest wait between attempts to register a configured node while the registry is down.
 REGISTER_RETRY_MAX = 10.0
 
@@ -88,6 +91,7 @@ class Fleet:
             rise=settings.health_rise,
             remove_after=settings.health_remove_after,
             on_remove=self._remove_quietly,
+            ca_file=settings.node_ca_file,
         )
         #: Reads the engines' /metrics (where health checks run: in a worker group, the leader).
         self.engines = EngineScraper(
@@ -97,6 +101,7 @@ class Fleet:
             concurrency=settings.engine_metrics_concurrency,
             max_bytes=settings.engine_metrics_max_bytes,
             api_key_of=self.api_key_of,
+            ca_file=settings.node_ca_file,
         )
         self._session: aiohttp.ClientSession | None = None
         self._lease_task: asyncio.Task[None] | None = None
@@ -111,22 +116,25 @@ class Fleet:
     async def start(self, check_health: bool = True) -> None:
         """Loads the saved and configured nodes and starts the background work; health checks
         only with ``check_health`` (in a worker group the leader starts them, ``start_health``)."""
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.settings.admin_timeout))
+        self._session = node_session(self.settings.node_ca_file, self.settings.admin_timeout)
         if check_health:
             await self.start_health()
         if self.membership is not None:
             await self.membership.start(self.apply)
-        saved = state_file.load(self.settings.state_file) if self.settings.state_file else []
+        restore = self.settings.state_file and not self.settings.disable_cache_status
+        saved = state_file.load(self.settings.state_file) if restore else []
         initial = [{k: v for k, v in e.items() if k in Registration.__dataclass_fields__} for e in saved]
-        initial += [{"url": url} for url in self.settings.nodes]
+        initial += [spec.registration() for spec in self.settings.node_specs()]
         for fields in initial:
             try:
-                await self.add(**fields)
+                await self.add(**fields, discover=False)  # all asked at once, below
             except RegistryUnavailable:
                 # Serve with what the registry last said, and register this node once it is back.
                 self._background(self._register_when_available(fields), f"pdproxy-register {fields.get('url')}")
             except (InvalidNode, TypeError) as e:
                 log.error("node %s not added: %s", fields.get("url"), e)
+        # The models of nodes that declared none, before serving (they get no traffic until known).
+        await self.router.discover()
         if self.membership is None:
             self._lease_task = background.start(self._expire_leases(), "pdproxy-leases")
 
@@ -159,28 +167,43 @@ class Fleet:
         api_key: str | None = None,
         lease_ttl: float | None = None,
         bootstrap_port: int | None = None,
+        discover: bool = True,
     ) -> tuple[Registration, bool]:
         """Adds a node, or updates (and renews the lease of) a registered one. Returns its
-        registration and whether it is new."""
-        await check_node_url(url, self._allowed)
+        registration and whether it is new; a node without models is asked for them first
+        (``discover``)."""
+        address = await self._checked_address(url)
         if lease_ttl is not None and not lease_ttl > 0:
             raise InvalidNode(f"lease_ttl must be a positive number of seconds, got {lease_ttl}")
+        if max_concurrency is not None and not 0 <= max_concurrency <= MAX_CONCURRENCY:
+            raise InvalidNode(
+                f"max_concurrency must be between 0 (no cap) and {MAX_CONCURRENCY}, got {max_concurrency}"
+            )
+        if bootstrap_port is not None and not 0 < bootstrap_port < 65536:
+            raise InvalidNode(f"bootstrap_port must be a port number, got {bootstrap_port}")
         normalized = _pdproxy.Router.normalize_url(url)
         expires = time.monotonic() + lease_ttl if lease_ttl is not None else None
         registration = Registration(
             normalized, models, role, speed, max_concurrency, api_key, lease_ttl, expires, bootstrap_port
         )
+        # Refused here (InvalidNode), before any other process sees it.
+        _pdproxy.Router.check_node(registration.url, registration.role, registration.speed, registration.api_key)
         created = normalized not in self.registrations
         if self.membership is not None:
-            # Refused here (InvalidNode), before any other process sees it.
-            _pdproxy.Router.check_node(registration.url, registration.role, registration.speed)
             await self.membership.put(registration.saved())
-        self._add_here(registration)
+        self._add_here(registration, address)
         self._save()
+        if models is None and discover:
+            # Answered with the node's models when it tells them at once (it has no traffic till then).
+            await self.router.discover(normalized)
         return registration, created
 
-    def _add_here(self, registration: Registration) -> None:
-        """Adds or updates the node in this process."""
+    async def _checked_address(self, url: str) -> str:
+        """The address ``url`` is reached at, once checked (see ``urls.check_node_url``)."""
+        return await check_node_url(url, self._allowed, own_port=self.settings.port)
+
+    def _add_here(self, registration: Registration, address: str) -> None:
+        """Adds or updates the node in this process, reached at ``address`` (checked)."""
         r = registration
         created = r.url not in self.registrations
         self.router.add_node(
@@ -191,6 +214,7 @@ class Fleet:
             max_concurrency=r.max_concurrency,
             api_key=r.api_key,
             bootstrap_port=r.bootstrap_port,
+            address=address,
         )
         self.registrations[r.url] = r
         if not created and self.state_of(r.url) == "draining" and r.lease_ttl is not None:
@@ -201,10 +225,10 @@ class Fleet:
     def _remove_here(self, url: str) -> str:
         """Removes the node from this process. Raises ``NodeNotFound``."""
         normalized = self.router.remove_node(url)
+        for hook in self.on_removed:  # while its registration (its API key) is still known
+            hook(normalized)
         self.registrations.pop(normalized, None)
         self.health.forget(normalized)
-        for hook in self.on_removed:
-            hook(normalized)
         log.info("node %s removed", normalized)
         return normalized
 
@@ -228,7 +252,9 @@ class Fleet:
                 known.lease_expires = registration.lease_expires
                 continue
             try:
-                self._add_here(registration)
+                # Entries from a shared registry pass the same checks as any registration.
+                address = await self._checked_address(url)
+                self._add_here(registration, address)
             except (InvalidNode, ValueError) as e:
                 log.error("membership entry %s not applied: %s", url, e)
         self.router.refresh_bindings()
@@ -320,6 +346,7 @@ class Fleet:
                     "dialect": self.engines.dialects.get(url),
                     "last_error": self.engines.errors.get(url),
                 },
+                "address": node["address"],
             }
             if self.distserve is not None and self.distserve.protocol == "lmdeploy":
                 out[url]["links"] = [

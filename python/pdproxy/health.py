@@ -5,14 +5,15 @@ answer follows LMDeploy's shape: 200 ``{"status": "healthy"}`` serves; ``sleepin
 but not routed to; ``initializing`` is not routed to yet; 503 or ``unhealthy``, an error or
 a timeout is a failure (an empty 200, as older LMDeploy versions send, is healthy).
 ``fall`` consecutive failures take a node out of routing and ``rise`` successes bring it
-back; requests that could not connect to a node count as failures too. A failing node is
-kept (optionally removed after ``remove_after`` seconds), never deleted on the spot.
+back; requests that could not connect to a node count as failures too. A node that has not
+answered a check yet gets no such benefit of the doubt: its first failure takes it out (an
+unreachable new node is never shown healthy) and its first success brings it in. A failing
+node is kept (optionally removed after ``remove_after`` seconds), never deleted on the spot.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +22,9 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from . import background
+from .node_answers import AnswerTooLarge, read_json
 from .router import Router
+from .tls import node_session
 
 log = logging.getLogger("pdproxy.health")
 
@@ -40,6 +43,8 @@ class NodeHealth:
     last_check: float | None = None
     unhealthy_since: float | None = None
     connect_failures_seen: int = 0
+    #: It has answered a check once: from then on `fall` and `rise` apply.
+    answered: bool = False
     api_key: str | None = field(default=None, repr=False)
 
     def summary(self) -> dict[str, object]:
@@ -62,10 +67,12 @@ class HealthChecker:
         rise: int,
         remove_after: float,
         on_remove: Callable[[str], None],
+        ca_file: str = "",
     ) -> None:
         self._router = router
         self._interval = interval
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._timeout = timeout
+        self._ca_file = ca_file
         self._fall = fall
         self._rise = rise
         self._remove_after = remove_after
@@ -73,6 +80,8 @@ class HealthChecker:
         self.nodes: dict[str, NodeHealth] = {}
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
+        #: When the last round of checks ended (monotonic), for the staleness alarm.
+        self.last_round: float | None = None
 
     @property
     def running(self) -> bool:
@@ -90,7 +99,7 @@ class HealthChecker:
         self.nodes.pop(url, None)
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._session = node_session(self._ca_file, self._timeout)
         self._task = background.start(self._run(), "pdproxy-health")
 
     async def aclose(self) -> None:
@@ -99,7 +108,8 @@ class HealthChecker:
             await self._session.close()
 
     async def check_all(self) -> None:
-        """One round: every node probed concurrently, passive failures counted."""
+        """One round: every node probed concurrently, passive failures counted. Each node's
+        check stands alone: whatever one node answers, the others are checked."""
         passive = {n["url"]: n["connect_failures"] for n in self._router.nodes()}
         checks = []
         for url, health in list(self.nodes.items()):
@@ -108,11 +118,25 @@ class HealthChecker:
                 health.connect_failures_seen = seen
                 self._record(url, health, None, "requests could not connect")
             checks.append(self._check(url, health))
-        await asyncio.gather(*checks)
+        for result in await asyncio.gather(*checks, return_exceptions=True):
+            if isinstance(result, Exception):
+                log.error("health check failed unexpectedly: %r", result)
+        self.last_round = time.monotonic()
+
+    def stale(self) -> float | None:
+        """Seconds since the last round ended, when that is longer than three intervals (the
+        checker has stopped or is stuck); ``None`` while checks keep up."""
+        if self.last_round is None or self._session is None:
+            return None
+        age = time.monotonic() - self.last_round
+        return age if age > 3 * self._interval + self._timeout else None
 
     async def _run(self) -> None:
         while True:
-            await self.check_all()
+            try:
+                await self.check_all()
+            except Exception:  # the checks must outlive any bug in one round
+                log.exception("a round of health checks failed; the next one starts as planned")
             await asyncio.sleep(self._interval)
 
     async def _check(self, url: str, health: NodeHealth) -> None:
@@ -120,12 +144,15 @@ class HealthChecker:
         headers = {"authorization": f"Bearer {health.api_key}"} if health.api_key else {}
         try:
             async with self._session.get(f"{url}/health", headers=headers, allow_redirects=False) as response:
-                text = await response.text()
+                payload = await read_json(response)
                 status = response.status
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except AnswerTooLarge as e:
+            self._record(url, health, None, f"/health: {e}")
+            return
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             self._record(url, health, None, f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
             return
-        self._record(url, health, _engine_state(status, text), f"/health answered {status}")
+        self._record(url, health, _engine_state(status, payload), f"/health answered {status}")
 
     def _record(self, url: str, health: NodeHealth, engine_state: str | None, error: str) -> None:
         if self.nodes.get(url) is not health:
@@ -135,10 +162,13 @@ class HealthChecker:
             health.failures = 0
             health.successes += 1
             health.last_error = None
-            if engine_state == "sleeping" or health.state != "unhealthy" or health.successes >= self._rise:
+            back = health.successes >= self._rise or not health.answered
+            health.answered = True
+            if engine_state == "sleeping" or health.state != "unhealthy" or back:
                 self._set(url, health, engine_state)
             return
         if engine_state == "initializing":
+            health.answered = True
             health.successes = 0
             health.last_error = "initializing"
             self._set(url, health, "initializing")
@@ -146,7 +176,7 @@ class HealthChecker:
         health.successes = 0
         health.failures += 1
         health.last_error = error
-        if health.failures >= self._fall:
+        if health.failures >= self._fall or not health.answered:
             self._set(url, health, "unhealthy")
         overdue = health.unhealthy_since is not None and time.monotonic() - health.unhealthy_since >= self._remove_after
         if health.state == "unhealthy" and self._remove_after > 0 and overdue:
@@ -168,12 +198,8 @@ class HealthChecker:
         self._router.set_node_state(url, state)
 
 
-def _engine_state(status: int, text: str) -> str | None:
+def _engine_state(status: int, payload: object) -> str | None:
     """The engine's own word for its state; None for a failure."""
-    try:
-        payload = json.loads(text) if text.strip() else None
-    except ValueError:
-        payload = None
     reported = payload.get("status") if isinstance(payload, dict) else None
     if status == 200:
         return reported if reported in ("healthy", "sleeping") else "healthy"

@@ -3,6 +3,7 @@ plane's counters (no per-request work in Python), plus the control plane's own s
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,11 +90,52 @@ class PdproxyCollector(Collector):
         _add_histogram(waited, [], router.queue_wait())
         yield from (queued, waited, retries, serving, by_model)
 
+        if fleet is not None and fleet.health.last_round is not None:
+            age = GaugeMetricFamily(
+                "pdproxy_health_round_age_seconds", "Seconds since the last round of health checks completed"
+            )
+            age.add_metric([], time.monotonic() - fleet.health.last_round)
+            yield age
+
         pd = fleet.distserve if fleet is not None else None
         if pd is not None and pd.protocol == "lmdeploy":
             yield from _pd_metrics(pd.status())
         if self.app.group is not None:
             yield from _group_metrics(self.app.group.summary())
+        tenants = router.core.tenants()
+        if tenants:
+            yield from _tenant_metrics(tenants)
+
+
+def _tenant_metrics(tenants: list[dict[str, Any]]) -> Iterator[Metric]:
+    """Per tenant (the tenants file bounds the label's values)."""
+    requests = CounterMetricFamily("pdproxy_tenant_requests", "Requests admitted, by tenant", labels=["tenant"])
+    errors = CounterMetricFamily("pdproxy_tenant_errors", "Admitted requests that failed", labels=["tenant"])
+    tokens = CounterMetricFamily(
+        "pdproxy_tenant_tokens", "Tokens used (the node's usage, else estimated)", labels=["tenant", "kind"]
+    )
+    rejected = CounterMetricFamily(
+        "pdproxy_tenant_rejected", "Requests refused over a limit, by limit", labels=["tenant", "limit"]
+    )
+    in_flight = GaugeMetricFamily("pdproxy_tenant_in_flight", "Requests being served", labels=["tenant"])
+    today = GaugeMetricFamily("pdproxy_tenant_tokens_today", "Tokens used this UTC day", labels=["tenant"])
+    remaining = GaugeMetricFamily(
+        "pdproxy_tenant_remaining", "What the current minute's window has left", labels=["tenant", "kind"]
+    )
+    for t in tenants:
+        name = t["name"]
+        requests.add_metric([name], t["total_requests"])
+        errors.add_metric([name], t["errors"])
+        tokens.add_metric([name, "prompt"], t["prompt_tokens"])
+        tokens.add_metric([name, "completion"], t["completion_tokens"])
+        for limit, count in t["rejected"].items():
+            rejected.add_metric([name, limit], count)
+        in_flight.add_metric([name], t["in_flight"])
+        today.add_metric([name], t["tokens_today"])
+        for kind in ("requests", "tokens"):
+            if t[kind] is not None:
+                remaining.add_metric([name, kind], t[kind]["remaining"])
+    yield from (requests, errors, tokens, rejected, in_flight, today, remaining)
 
 
 def _engine_metrics(nodes: list[dict[str, Any]]) -> Iterator[Metric]:

@@ -1,8 +1,9 @@
 """The management API, compatible with LMDeploy's proxy: ``/nodes/add`` (LMDeploy's
 registration body, as ``lmdeploy serve api_server --proxy-url`` sends it), ``/nodes/remove``,
 ``/nodes/status``, ``/nodes/terminate``, ``/nodes/terminate_all``. Unlike LMDeploy's, every
-answer's status tells the truth (201 created, 400 bad body, 404 unknown node, 502 node
-unreachable) and the body is JSON."""
+failure's status tells the truth (400 bad body, 404 unknown node, 502 node unreachable) and the
+body is JSON. A registration answers 200 whether the node is new or known (``created`` says
+which): LMDeploy's api_server logs any other status as a failed registration."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ async def add(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
         lease_ttl=_field(extra, "lease_ttl", (int, float)),
         bootstrap_port=_field(extra, "bootstrap_port", (int,)),
     )
-    return (201 if created else 200), {
+    return 200, {
         "url": registration.url,
         "created": created,
         "status": fleet.status().get(registration.url),
@@ -165,6 +166,7 @@ async def debug_state(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int
             for n in fleet.router.nodes()
         },
         "queued": fleet.router.queued,
+        "policies": fleet.router.policies,
         "asyncio_tasks": len(asyncio.all_tasks()),
         "open_fds": _open_fds(),
     }
@@ -205,7 +207,7 @@ ROUTES: tuple[Route, ...] = (
         add,
         "Register a node, or update and renew a registered one",
         _ADD_BODY,
-        {201: "Added", 200: "Updated", 400: "Bad body or node URL", 415: "Body is not JSON"},
+        {200: "Added or updated (`created` says which)", 400: "Bad body or node URL", 415: "Body is not JSON"},
     ),
     Route("POST", "/nodes/remove", remove, "Remove a node", _URL_BODY, {200: "Removed", 404: "Unknown node"}),
     Route(
@@ -252,7 +254,7 @@ ROUTES: tuple[Route, ...] = (
         "GET",
         "/debug/state",
         debug_state,
-        "In-flight counts, queue, asyncio tasks and open descriptors (for fault tests)",
+        "In-flight counts, queue, routing policies, asyncio tasks and open descriptors (for fault tests)",
         None,
         {200: "State"},
     ),

@@ -37,6 +37,7 @@ PROXY_ROUTES: tuple[tuple[str, str, str, dict[int, str]], ...] = (
     ("GET", "/ready", "The proxy can route: at least one healthy node", {200: "Ready", 503: "No routable node"}),
     ("GET", "/openapi.json", "This document", {200: "OpenAPI document"}),
     ("GET", "/metrics", "Prometheus metrics (admin)", {200: "Metrics in the Prometheus text format"}),
+    ("GET", "/usage", "Each tenant's limits, current window, tokens today and counts (admin)", {200: "Usage"}),
     ("GET", "/dashboard", "Live dashboard page (its data needs the admin key: /dashboard#key=KEY)", {200: "HTML"}),
     ("GET", "/dashboard/data", "The dashboard's data (admin)", {200: "Nodes, queue, in flight, PD links"}),
     ("POST", "/drain", "Stop taking requests, finish those in flight, then exit (admin)", {202: "Draining"}),

@@ -12,11 +12,24 @@ import uuid
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ._pdproxy import Response
+from ._pdproxy import Response, TenantTicket, Trace
 from .access import AccessLog, Record
-from .errors import InvalidRequest, PdproxyError, RequestTimeout, UpstreamError
-from .responses import ClientGone, NotFound, Receive, Scope, Send, check_media_type, read_body, send_error
+from .auth import bearer
+from .errors import InvalidRequest, LoopDetected, PdproxyError, RequestTimeout, UpstreamError
+from .pd.relay import PdRequest, with_echo
+from .responses import (
+    ClientGone,
+    NotFound,
+    Receive,
+    Scope,
+    Send,
+    UnsupportedMediaType,
+    check_media_type,
+    read_body,
+    send_error,
+)
 from .router import Router
+from .tracing import current_trace_id, trace_id_of
 
 #: Seconds a request runs before its client is watched for a disconnect (see ClientWatch).
 DISCONNECT_WATCH_DELAY = 0.01
@@ -67,14 +80,23 @@ class ClientHeaders(NamedTuple):
     request_id: bytes
     content_type: bytes | None
     content_length: bytes | None
+    content_encoding: bytes | None
+    via: bytes | None
+    traceparent: bytes | None
+    priority: int | None
+
+    def came_back(self, instance: str) -> bool:
+        """Whether the request already went through this proxy (its id in ``x-pdproxy-via``)."""
+        return self.via is not None and instance.encode() in (i.strip() for i in self.via.split(b","))
 
 
 def upstream_headers(scope: Scope) -> ClientHeaders:
     """The client's headers plus the proxy's: ``x-request-id`` (the client's, or a new one)
     and ``X-Forwarded-For/Host/Proto``; with the few the handler reads, in one pass. The data
-    plane drops hop-by-hop headers and the client's ``authorization``."""
+    plane drops hop-by-hop headers and the client's key (``authorization``, ``x-api-key``)."""
     headers: list[tuple[bytes, bytes]] = []
-    request_id = forwarded_for = host = content_type = content_length = None
+    request_id = forwarded_for = host = content_type = content_length = content_encoding = via = traceparent = None
+    priority: int | None = None
     for name, value in scope["headers"]:
         if name == b"x-request-id":
             request_id = value
@@ -82,6 +104,14 @@ def upstream_headers(scope: Scope) -> ClientHeaders:
             content_type = value
         elif name == b"content-length":
             content_length = value
+        elif name == b"content-encoding":
+            content_encoding = value.strip().lower()
+        elif name == b"x-pdproxy-via":
+            via = value
+        elif name == b"traceparent":
+            traceparent = value
+        elif name == b"x-pdproxy-priority":
+            priority = _integer(value)
         elif name == b"x-forwarded-for":
             forwarded_for = value
             continue
@@ -100,7 +130,29 @@ def upstream_headers(scope: Scope) -> ClientHeaders:
     if host is not None:
         headers.append((b"x-forwarded-host", host))
     headers.append((b"x-forwarded-proto", scope.get("scheme", "http").encode()))
-    return ClientHeaders(headers, request_id, content_type, content_length)
+    return ClientHeaders(
+        headers, request_id, content_type, content_length, content_encoding, via, traceparent, priority
+    )
+
+
+def _integer(value: bytes) -> int | None:
+    try:
+        return int(value.strip())
+    except ValueError:
+        return None
+
+
+def _raw_path(scope: Scope) -> str:
+    raw = scope.get("raw_path")
+    return raw.decode("latin-1") if raw else str(scope["path"])
+
+
+def plain_path(path: str) -> bool:
+    """Whether a pass-through path stays under ``/v1/``: no dot-segments, and no encoded dots or
+    separators that a node might decode into one (the edge's check, ``request::plain_path``)."""
+    lowered = path.lower()
+    encoded = any(s in lowered for s in ("%2e", "%2f", "%5c")) or "\\" in path
+    return not encoded and not any(segment in (".", "..") for segment in path.split("/"))
 
 
 def _stream_error_event(error: PdproxyError) -> bytes:
@@ -129,17 +181,65 @@ async def forward(
     routed only when its body names a model. ``distserve``: chat and completions go through
     prefill and decode nodes. ``access``: one access-log line for the request."""
     client_headers = upstream_headers(scope)
+    trace = router.trace(client_headers.traceparent)
+    trace_id = trace.id if trace is not None else trace_id_of(client_headers.traceparent)
     record = access.record(scope, client_headers.request_id) if access is not None else None
     if record is not None:
+        record.trace_id = trace_id
         send = record.wrap(send)
+    if trace is not None:
+        trace.annotate(
+            {
+                "http.request.method": scope["method"],
+                "url.path": scope["path"],
+                "pdproxy.request_id": client_headers.request_id.decode("latin-1"),
+            }
+        )
+        send = _traced_send(trace, send)
+    token = current_trace_id.set(trace_id)
     gone = False
     try:
         gone = await _serve(
-            router, max_body_size, scope, receive, send, require_model, distserve, body_timeout, client_headers, record
+            router,
+            max_body_size,
+            scope,
+            receive,
+            send,
+            require_model,
+            distserve,
+            body_timeout,
+            client_headers,
+            record,
+            trace,
         )
     finally:
+        current_trace_id.reset(token)
         if record is not None:
             record.finish(gone)
+
+
+def _counted(ticket: TenantTicket, send: Send) -> Send:
+    """Counts an error answer in the tenant's errors."""
+
+    async def observed(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start" and message["status"] >= 500:
+            ticket.fail()
+        await send(message)
+
+    return observed
+
+
+def _traced_send(trace: Trace, send: Send) -> Send:
+    """Notes the answer's status on the request's root span."""
+
+    async def observed(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            trace.annotate({"http.response.status_code": str(message["status"])})
+            if message["status"] >= 500:
+                trace.fail(f"answered {message['status']}")
+        await send(message)
+
+    return observed
 
 
 async def _serve(
@@ -153,38 +253,84 @@ async def _serve(
     body_timeout: float,
     client_headers: ClientHeaders,
     record: Record | None,
+    trace: Trace | None,
 ) -> bool:
     """Serves the request; returns whether the client went away before the end."""
-    headers = client_headers.upstream
     echo = [(b"x-request-id", client_headers.request_id)]
     try:
+        if client_headers.came_back(router.core.instance_id):
+            raise LoopDetected("the request came back to this proxy: one of its nodes routes to it again")
         check_media_type(client_headers.content_type)
+        if client_headers.content_encoding not in (None, b"identity"):
+            coding = client_headers.content_encoding.decode("latin-1")
+            raise UnsupportedMediaType(f"compressed request bodies are not accepted (content-encoding: {coding})")
         try:
             async with asyncio.timeout(body_timeout):
                 body = await read_body(receive, max_body_size, client_headers.content_length)
         except TimeoutError:
             raise RequestTimeout(f"the request body did not arrive within {body_timeout:g}s") from None
-        model = Router.inspect(body)["model"] if require_model or record is not None else None
+        if require_model and not plain_path(_raw_path(scope)):
+            raise InvalidRequest("the path may not contain dot-segments or encoded separators")
+        model = Router.inspect(body)["model"] if require_model or record is not None or trace is not None else None
         if record is not None:
             record.model = model
+        if trace is not None and model:
+            trace.annotate({"pdproxy.model": model})
         if require_model and not model:
             raise NotFound(f"no route for {scope['path']} without a model in the body")
+        # Without tenants the data plane reads the body's priority itself.
+        ticket = (
+            router.admit(bearer(scope["headers"]), body, client_headers.priority)
+            if router.core.tenants_configured or client_headers.priority is not None
+            else None
+        )
     except ClientGone:
+        # Gone, or its body's framing broke (a server ends the body the same way for both):
+        # an answer is due in the second case, and harmless in the first.
+        await send_error(send, InvalidRequest("the request body could not be read"), echo)
         return True
     except PdproxyError as e:
         await send_error(send, e, echo)
         return False
-    path = scope["path"]
+    try:
+        return await _forward_admitted(
+            router, scope, receive, send, distserve, body, client_headers, record, trace, ticket
+        )
+    finally:
+        if ticket is not None:
+            ticket.close()
+
+
+async def _forward_admitted(
+    router: Router,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    distserve: Any,
+    body: bytes,
+    client_headers: ClientHeaders,
+    record: Record | None,
+    trace: Trace | None,
+    ticket: TenantTicket | None,
+) -> bool:
+    """Forwards a request its tenant admitted; its answers carry the tenant's rate headers."""
+    headers = client_headers.upstream
+    echo = [(b"x-request-id", client_headers.request_id)]
+    if ticket is not None and ticket.tenant is not None:
+        echo.extend(ticket.headers)
+        send = _counted(ticket, send)
+    # The path as the client sent it (not decoded), as the edge forwards it.
+    path = _raw_path(scope)
     if scope.get("query_string"):
         path = f"{path}?{scope['query_string'].decode('latin-1')}"
     if distserve is not None and scope["path"] in distserve.paths:
-        return await _disaggregated(distserve, path, body, headers, receive, send, echo)
+        return await _disaggregated(distserve, path, body, headers, receive, send, echo, trace, ticket)
 
     watch = ClientWatch(receive, DISCONNECT_WATCH_DELAY)
     response: Response | None = None
     try:
         try:
-            pending = router.forward(path, body, headers)
+            pending = router.forward(path, body, headers, trace=trace, tenant=ticket)
         except PdproxyError as e:
             await send_error(send, e, echo)
             return False
@@ -200,10 +346,10 @@ async def _serve(
             return False
         if record is not None:
             record.node = response.node
+        if trace is not None:
+            trace.annotate({"pdproxy.node": response.node})
         watch.on_disconnect(response.close)
-        response_headers = response.headers
-        if not any(name == b"x-request-id" for name, _ in response_headers):
-            response_headers.append(echo[0])
+        response_headers = with_echo(response.headers, echo)
         await send({"type": "http.response.start", "status": response.status, "headers": response_headers})
         if response.body is not None:
             await send({"type": "http.response.body", "body": response.body})
@@ -224,11 +370,13 @@ async def _disaggregated(
     receive: Receive,
     send: Send,
     echo: list[tuple[bytes, bytes]],
+    trace: Trace | None,
+    ticket: TenantTicket | None,
 ) -> bool:
     """Runs the prefill-decode flow as one task that a client disconnect cancels at any stage.
     Returns whether the client went away."""
     watch = ClientWatch(receive, DISCONNECT_WATCH_DELAY)
-    flow = asyncio.ensure_future(distserve.handle(path, body, headers, send, echo))
+    flow = asyncio.ensure_future(distserve.handle(PdRequest(path, body, headers, send, echo, trace, ticket)))
     watch.on_disconnect(flow.cancel)
     try:
         await flow

@@ -19,17 +19,22 @@ from typing import Any
 from . import _pdproxy
 from .config import Settings
 from .discovery import ModelDiscovery
+from .errors import NoNodeAvailable
+from .node_spec import NodeSpec
 
 __all__ = ["Router"]
 
 Headers = Sequence[tuple[bytes, bytes]]
+#: The fields of a node in ``Router.summary()``.
+SUMMARY_FIELDS = ("url", "role", "state", "models", "in_flight", "requests", "succeeded", "failed", "mean_latency")
 
 
 class Router:
     """Routes OpenAI-style requests to a set of nodes.
 
     Args:
-        nodes: node base URLs, added to those in ``settings.nodes``.
+        nodes: nodes (base URLs, optionally with ``,key=value`` pairs as ``--node`` takes them),
+            added to those in ``settings.nodes``.
         settings: the configuration; keyword ``overrides`` replace single fields of it.
     """
 
@@ -46,9 +51,11 @@ class Router:
         # In a worker group (`pdproxy serve --workers N`), the nodes' counters live in the
         # group's shared table, as this worker's index.
         self._core = _pdproxy.Router(self.settings, group)
-        self._discovery = ModelDiscovery(self._core, self.settings.discovery_timeout, self.settings.discovery_interval)
-        for url in (*self.settings.nodes, *nodes):
-            self.add_node(url)
+        self._discovery = ModelDiscovery(
+            self._core, self.settings.discovery_timeout, self.settings.discovery_interval, self.settings.node_ca_file
+        )
+        for spec in (*self.settings.node_specs(), *(NodeSpec.parse(n) for n in nodes)):
+            self.add_node(**spec.registration())
 
     async def start(self) -> None:
         """Discovers the models of nodes added without a model list (one round, then in the background)."""
@@ -117,29 +124,41 @@ class Router:
         url: str,
         models: Sequence[str] | None = None,
         *,
-        role: str = "hybrid",
+        role: str | int = "hybrid",
         speed: float | None = None,
         max_concurrency: int | None = None,
         api_key: str | None = None,
         bootstrap_port: int | None = None,
+        address: str | None = None,
         verify: bool = True,
     ) -> str:
         """Adds a node, or updates a registered one; returns its normalised URL.
 
-        Without ``models`` the node serves any model until discovery learns its list; declared
+        Without ``models`` the node takes no traffic until discovery learns its list; declared
         ``models`` are checked against the node's ``/v1/models`` once (``verify``), and the
         node's answer wins. ``role`` is ``hybrid``, ``prefill`` or ``decode`` (or LMDeploy's 1, 2,
         3); ``speed`` weighs it in ``random`` and ``min_expected_latency``; ``max_concurrency``
         caps its requests in flight; ``api_key`` is sent to it as a Bearer token;
-        ``bootstrap_port`` is an SGLang prefill node's bootstrap server port.
+        ``bootstrap_port`` is an SGLang prefill node's bootstrap server port; ``address``
+        (``HOST:PORT``) is where to connect instead of resolving the URL's host.
         """
         declared = None if models is None else list(models)
-        normalized = self._core.add_node(url, declared, role, speed, max_concurrency, api_key, bootstrap_port)
+        normalized = self._core.add_node(
+            url, declared, str(role), speed, max_concurrency, api_key, bootstrap_port, address
+        )
         if declared is None or verify:
             self._discovery.watch(normalized, declared, api_key)
         else:
             self._discovery.forget(normalized)
         return normalized
+
+    async def discover(self, url: str | None = None) -> None:
+        """Asks the node (without ``url``: every node) whose models are still unknown for them
+        now (one probe each, concurrently, within ``discovery_timeout``)."""
+        if url is None:
+            await self._discovery.probe_pending(unknown_only=True)
+        else:
+            await self._discovery.probe(url)
 
     def refresh_bindings(self) -> int:
         """In a worker group: picks up nodes another worker removed and re-added (their shared
@@ -167,6 +186,11 @@ class Router:
     def nodes(self) -> list[dict[str, Any]]:
         """One snapshot of every node: url, role, models, state, in_flight, counts, latencies."""
         return self._core.nodes()
+
+    def summary(self) -> list[dict[str, Any]]:
+        """Per node, what a person reads first: url, role, state, models, in_flight, requests,
+        succeeded, failed, mean_latency (``nodes()`` has everything, histograms included)."""
+        return [{name: node[name] for name in SUMMARY_FIELDS} for node in self._core.nodes()]
 
     def stats(self) -> dict[str, Any]:
         """Nodes, queue and policies in one snapshot."""
@@ -200,6 +224,8 @@ class Router:
         *,
         role: str = "hybrid",
         node: str | None = None,
+        trace: _pdproxy.Trace | None = None,
+        tenant: _pdproxy.TenantTicket | None = None,
     ) -> asyncio.Future[_pdproxy.Response]:
         """Routes ``body`` by its ``model`` and sends it to the chosen node.
 
@@ -209,7 +235,31 @@ class Router:
         future raises ``UpstreamError`` and its subclasses when the node fails, ``Overloaded``
         when the request waited in the queue too long. Cancelling it cancels the upstream request.
         ``node`` sends it to that node instead of selecting one (it must be healthy and have room).
+        ``trace`` (from ``trace()``, or a span of it): the request's admission, selection and
+        attempts are recorded under it, and each node gets the attempt's ``traceparent``.
+        ``tenant`` (from ``admit``): the request queues at its priority and tenant, and the
+        answer's tokens count for the tenant (except a prefill leg's).
         """
-        return self._core.forward(
-            path, body, headers if isinstance(headers, list) else list(headers), method, role, node
-        )
+        try:
+            return self._core.forward(
+                path, body, headers if isinstance(headers, list) else list(headers), method, role, node, trace, tenant
+            )
+        except NoNodeAvailable as e:
+            # Nodes whose models are unknown may be why: say which, and what they answered.
+            failures = self._discovery.failures()
+            if e.detail is None and failures:
+                e.detail = "; ".join(f"node {url}: {why}" for url, why in failures.items())
+            raise
+
+    def admit(self, key: bytes | None, body: bytes, priority: int | None = None) -> _pdproxy.TenantTicket:
+        """A request's admission by its key's tenant: its priority (the body's ``priority``, else
+        ``priority``, bounded by the tenant's limit) and the tenant's pass, to give to
+        ``forward`` and ``close`` when the request ends. Raises ``RateLimited`` (or
+        ``QuotaExceeded``) when the tenant is over a limit."""
+        return self._core.admit_tenant(key, body, priority)
+
+    def trace(self, traceparent: bytes | None = None) -> _pdproxy.Trace | None:
+        """Opens the trace of a request that came with ``traceparent`` (else a new trace);
+        ``None`` when tracing is off (no ``otlp_endpoint``). Its root span is exported when the
+        last reference to it goes."""
+        return self._core.trace(traceparent)

@@ -12,16 +12,18 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from granian import Granian
 from granian.constants import HTTPModes, Interfaces, Loops
 from granian.log import LOGGING_CONFIG, LogLevels
 
-from . import edge, group
-from .app import SETTINGS_ENV
+from . import edge, group, tls
+from .app import MAIN_PID_ENV, SETTINGS_ENV
 from .config import Settings
 from .errors import ConfigError
+from .tracing import TraceIdFilter
 
 #: Mock engines started by --demo: how many, and how long to wait for them.
 DEMO_ENGINES = 2
@@ -33,6 +35,8 @@ RESPAWN_INTERVAL = 1.0
 
 def serve(settings: Settings) -> int:
     """Serves until drained (SIGTERM, Ctrl-C or ``POST /drain``); returns the exit status."""
+    tls.check_files(settings)  # before anything listens
+    _warn_if_open(settings)
     if settings.edge == "rust":
         listener = edge.bind(settings)  # first: a taken port fails before anything starts
         with _demo_engines(settings) as demo_nodes:
@@ -45,6 +49,7 @@ def serve(settings: Settings) -> int:
         if demo_nodes:
             settings = settings.replace(nodes=(*settings.nodes, *demo_nodes))
         os.environ[SETTINGS_ENV] = settings.to_json()
+        os.environ[MAIN_PID_ENV] = str(os.getpid())
         if group_dir is not None:
             os.environ[group.GROUP_ENV] = str(group_dir)
         _print_banner(settings, f"granian, {settings.workers} worker(s)")
@@ -66,8 +71,29 @@ def serve(settings: Settings) -> int:
             # A worker that dies is replaced; the group's leader hands back the permits it held.
             respawn_failed_workers=True,
             respawn_interval=RESPAWN_INTERVAL,
+            **_granian_tls(settings),
         ).serve()
     return 0
+
+
+def _granian_tls(settings: Settings) -> dict[str, Any]:
+    """granian serves HTTPS with the same certificate as the Rust edge would (``--ssl``)."""
+    if not settings.ssl:
+        return {}
+    return {"ssl_cert": Path(settings.ssl_certfile), "ssl_key": Path(settings.ssl_keyfile)}
+
+
+def _warn_if_open(settings: Settings) -> None:
+    """Says it loudly when anyone on the network may manage the fleet."""
+    loopback = settings.host in ("localhost", "::1") or settings.host.startswith("127.")
+    if loopback or settings.admin_keys or settings.api_keys:
+        return
+    print(
+        f"pdproxy: WARNING: listening on {settings.host} without --admin-keys: anyone who can reach port "
+        f"{settings.port} can add, remove and terminate nodes and drain this proxy. Set --admin-keys (or "
+        "--admin-keys-file), or listen on 127.0.0.1.",
+        file=sys.stderr,
+    )
 
 
 def _refuse_taken_port(settings: Settings) -> None:
@@ -85,7 +111,10 @@ def _refuse_taken_port(settings: Settings) -> None:
 def _logging_config(level: str, behind_edge: bool = False) -> dict[str, Any]:
     """granian's logging setup plus pdproxy's logger, so both print the same way."""
     config: dict[str, Any] = copy.deepcopy(LOGGING_CONFIG)
-    config["loggers"]["pdproxy"] = {"handlers": ["console"], "level": level.upper(), "propagate": False}
+    # pdproxy's own handler, so lines logged while serving a traced request carry its trace id.
+    config["filters"] = {**config.get("filters", {}), "trace_id": {"()": TraceIdFilter}}
+    config["handlers"]["pdproxy"] = {**config["handlers"]["console"], "filters": ["trace_id"]}
+    config["loggers"]["pdproxy"] = {"handlers": ["pdproxy"], "level": level.upper(), "propagate": False}
     if not behind_edge:
         return config
     config["filters"] = {**config.get("filters", {}), "no_embed_notice": {"()": _NoEmbedNotice}}
@@ -101,10 +130,11 @@ class _NoEmbedNotice:
 
 
 def _print_banner(settings: Settings, how: str) -> None:
-    base = f"http://{settings.host}:{settings.port}"
-    if not settings.nodes:
+    base = f"{'https' if settings.ssl else 'http'}://{settings.host}:{settings.port}"
+    nodes = [spec.url for spec in settings.node_specs()]  # never a node's key
+    if not nodes:
         print("pdproxy: no nodes yet; pass --node URL (or --demo to try it with mock engines)", file=sys.stderr)
-    print(f"pdproxy: serving on {base} ({how}) -> {', '.join(settings.nodes) or 'no nodes'}", file=sys.stderr)
+    print(f"pdproxy: serving on {base} ({how}) -> {', '.join(nodes) or 'no nodes'}", file=sys.stderr)
     if settings.demo:
         body = json.dumps(
             {"model": settings.demo_model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}

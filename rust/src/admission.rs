@@ -1,8 +1,16 @@
-//! Admission: when every candidate node is at its cap, requests wait here in FIFO order,
-//! bounded in number and in time. A released permit wakes the first waiter its node can
-//! serve, so a freed slot goes to the request that has waited longest.
+//! Admission: when every candidate node is at its cap, requests wait here, bounded in number
+//! and in time. A released permit wakes the waiter its node serves that comes first:
+//!
+//! - by class: a smaller `priority` first (vLLM's convention);
+//! - within a class, tenant after tenant in turn, each tenant's requests in arrival order, so a
+//!   tenant that sends ten times more waits longer, not the others;
+//! - every `AGING_EVERY`-th slot goes to the request that has waited longest in a less urgent
+//!   class than the most urgent one waiting: the lowest class still gets at least that share of
+//!   the slots freed while it waits.
+//!
+//! Nothing already running is preempted.
 
-use std::collections::VecDeque;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
@@ -12,11 +20,26 @@ use tokio::sync::oneshot;
 use crate::histogram::{Histogram, Latency};
 use crate::node::{Node, NodeState, Role};
 
+/// One slot in this many goes to the longest-waiting request, whatever its class.
+pub const AGING_EVERY: u64 = 8;
+
+/// Whose request it is, as the queue orders it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Class {
+    /// Served first when smaller (vLLM's `priority`); 0 unless the request or its key says.
+    pub priority: i32,
+    /// The tenant the request counts for; 0 for requests of no tenant.
+    pub tenant: u32,
+}
+
 #[derive(Debug)]
 struct Waiting {
     id: u64,
+    /// Arrival order (kept when a woken request has to wait again).
+    seq: u64,
     role: Role,
     model: Option<String>,
+    class: Class,
     wake: oneshot::Sender<()>,
 }
 
@@ -25,11 +48,22 @@ struct Waiting {
 pub struct Ticket {
     pub id: u64,
     pub woken: oneshot::Receiver<()>,
+    seq: u64,
+    class: Class,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    waiting: Vec<Waiting>,
+    /// Slots handed out so far (every `AGING_EVERY`-th goes to the oldest waiter).
+    wakes: u64,
+    /// Per priority: the tenant that was served last (the next in turn comes after it).
+    last_tenant: HashMap<i32, u32>,
 }
 
 #[derive(Debug)]
 pub struct Admission {
-    queue: Mutex<VecDeque<Waiting>>,
+    queue: Mutex<Queue>,
     queued: AtomicUsize,
     capacity: usize,
     next_id: AtomicU64,
@@ -50,7 +84,7 @@ impl Admission {
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, VecDeque<Waiting>> {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -59,23 +93,29 @@ impl Admission {
         self.queued.load(Ordering::Acquire)
     }
 
-    /// Joins the queue (at its head for a request that was woken but lost its slot), or
-    /// `None` when the queue is full.
-    pub fn enqueue(&self, role: Role, model: Option<&str>, at_front: bool) -> Option<Ticket> {
+    /// Joins the queue, or `None` when it is full.
+    pub fn enqueue(&self, role: Role, model: Option<&str>, class: Class) -> Option<Ticket> {
         let mut queue = self.lock();
-        if !at_front && queue.len() >= self.capacity {
+        if queue.waiting.len() >= self.capacity {
             return None;
         }
+        let seq = self.next_id.fetch_add(1, Ordering::Relaxed);
+        Some(self.push(&mut queue, role, model, class, seq))
+    }
+
+    /// Back into the queue, in its old place, for a request that was woken but lost its slot
+    /// (whatever the queue's length: it was counted in it already).
+    pub fn requeue(&self, role: Role, model: Option<&str>, ticket: &Ticket) -> Ticket {
+        let mut queue = self.lock();
+        self.push(&mut queue, role, model, ticket.class, ticket.seq)
+    }
+
+    fn push(&self, queue: &mut Queue, role: Role, model: Option<&str>, class: Class, seq: u64) -> Ticket {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (wake, woken) = oneshot::channel();
-        let waiting = Waiting { id, role, model: model.map(str::to_owned), wake };
-        if at_front {
-            queue.push_front(waiting);
-        } else {
-            queue.push_back(waiting);
-        }
-        self.queued.store(queue.len(), Ordering::Release);
-        Some(Ticket { id, woken })
+        queue.waiting.push(Waiting { id, seq, role, model: model.map(str::to_owned), class, wake });
+        self.queued.store(queue.waiting.len(), Ordering::Release);
+        Ticket { id, woken, seq, class }
     }
 
     /// Leaves the queue (served, timed out or cancelled). Returns false when the ticket was
@@ -83,36 +123,41 @@ impl Admission {
     /// with `pass_on`, or a slot would stay idle while others wait.
     pub fn leave(&self, id: u64) -> bool {
         let mut queue = self.lock();
-        let before = queue.len();
-        queue.retain(|w| w.id != id);
-        let was_queued = queue.len() < before;
-        self.queued.store(queue.len(), Ordering::Release);
+        let before = queue.waiting.len();
+        queue.waiting.retain(|w| w.id != id);
+        let was_queued = queue.waiting.len() < before;
+        self.queued.store(queue.waiting.len(), Ordering::Release);
         was_queued
     }
 
-    /// Wakes the longest-waiting request of `role` (a wake its receiver did not use).
+    /// Wakes the next request of `role` (a wake its receiver did not use).
     pub fn pass_on(&self, role: Role) {
         let mut queue = self.lock();
-        wake_first(&mut queue, |w| w.role == role);
-        self.queued.store(queue.len(), Ordering::Release);
+        queue.wake_next(|w| w.role == role);
+        self.queued.store(queue.waiting.len(), Ordering::Release);
     }
 
-    /// True when a queued request could take a slot on nodes of `role` serving `model`:
-    /// newcomers then queue behind it instead of taking the slot first.
-    pub fn has_waiter_for(&self, role: Role, model: Option<&str>) -> bool {
+    /// True when a queued request of `role` for `model`, of a class at least as urgent as
+    /// `class`, could take a slot on these nodes: newcomers then queue behind it instead of
+    /// taking the slot first.
+    pub fn has_waiter_for(&self, role: Role, model: Option<&str>, class: Class) -> bool {
         self.queued() > 0
-            && self.lock().iter().any(|w| w.role == role && (w.model.is_none() || w.model.as_deref() == model))
+            && self.lock().waiting.iter().any(|w| {
+                w.role == role
+                    && w.class.priority <= class.priority
+                    && (w.model.is_none() || w.model.as_deref() == model)
+            })
     }
 
-    /// A permit on `node` was released: wake the longest-waiting request it can serve.
+    /// A permit on `node` was released: wake the next request it can serve.
     pub(crate) fn released(&self, node: &Node) {
         self.completions.tick();
         if self.queued() == 0 || node.counters().state() != NodeState::Healthy {
             return;
         }
         let mut queue = self.lock();
-        wake_first(&mut queue, |w| serves(node, w));
-        self.queued.store(queue.len(), Ordering::Release);
+        queue.wake_next(|w| serves(node, w));
+        self.queued.store(queue.waiting.len(), Ordering::Release);
     }
 
     /// Seconds a rejected client should wait: the time the queue takes to drain at the
@@ -125,20 +170,50 @@ impl Admission {
     }
 }
 
-/// Removes and wakes the first waiter that `accepts`; waiters that gave up are skipped.
-fn wake_first(queue: &mut VecDeque<Waiting>, accepts: impl Fn(&Waiting) -> bool) {
-    while let Some(waiting) = queue.iter().position(&accepts).and_then(|pos| queue.remove(pos)) {
-        if waiting.wake.send(()).is_ok() {
-            return;
+impl Queue {
+    /// Removes and wakes the waiter that comes next among those `eligible` (see the module's
+    /// order); waiters that gave up are skipped.
+    fn wake_next(&mut self, eligible: impl Fn(&Waiting) -> bool) {
+        while let Some(pos) = self.next(&eligible) {
+            let waiting = self.waiting.swap_remove(pos);
+            self.last_tenant.insert(waiting.class.priority, waiting.class.tenant);
+            if waiting.wake.send(()).is_ok() {
+                return;
+            }
         }
+    }
+
+    fn next(&mut self, eligible: &impl Fn(&Waiting) -> bool) -> Option<usize> {
+        self.wakes += 1;
+        let oldest = |candidates: &mut dyn Iterator<Item = (usize, &Waiting)>| {
+            candidates.min_by_key(|(_, w)| w.seq).map(|(i, _)| i)
+        };
+        let priority = self.waiting.iter().filter(|w| eligible(w)).map(|w| w.class.priority).min()?;
+        if self.wakes % AGING_EVERY == 0 {
+            // The longest waiter of a less urgent class, if any waits (within one class, the
+            // tenants' turns already keep everyone moving).
+            let lower = oldest(
+                &mut self.waiting.iter().enumerate().filter(|(_, w)| eligible(w) && w.class.priority > priority),
+            );
+            if lower.is_some() {
+                return lower;
+            }
+        }
+        let in_class = |w: &Waiting| eligible(w) && w.class.priority == priority;
+        // The next tenant in turn after the one served last in this class (cyclically).
+        let last = self.last_tenant.get(&priority).copied();
+        let tenants = self.waiting.iter().filter(|w| in_class(w)).map(|w| w.class.tenant);
+        let after = last.and_then(|last| tenants.clone().filter(|&t| t > last).min());
+        let tenant = after.or_else(|| tenants.min())?;
+        oldest(&mut self.waiting.iter().enumerate().filter(|(_, w)| in_class(w) && w.class.tenant == tenant))
     }
 }
 
 fn serves(node: &Node, waiting: &Waiting) -> bool {
     node.role() == waiting.role
         && match &waiting.model {
-            None => true,
-            Some(m) => node.models().is_empty() || node.models().iter().any(|n| n == m),
+            None => !node.models().is_empty(),
+            Some(m) => node.models().iter().any(|n| n == m),
         }
 }
 
@@ -209,26 +284,31 @@ mod tests {
         reg.add(url, NodeSpec { models: vec![model.into()], max_concurrency: Some(1), ..NodeSpec::default() }).unwrap()
     }
 
-    #[test]
-    fn bounded_fifo() {
-        let admission = Admission::new(2);
-        let first = admission.enqueue(Role::Hybrid, Some("m"), false).unwrap();
-        let _second = admission.enqueue(Role::Hybrid, Some("m"), false).unwrap();
-        assert!(admission.enqueue(Role::Hybrid, Some("m"), false).is_none(), "the queue is bounded");
-        admission.leave(first.id);
-        assert_eq!(admission.queued(), 1);
-        assert!(admission.has_waiter_for(Role::Hybrid, Some("m")));
-        assert!(!admission.has_waiter_for(Role::Decode, Some("m")));
+    fn class(priority: i32, tenant: u32) -> Class {
+        Class { priority, tenant }
     }
 
     #[test]
-    fn release_wakes_the_oldest_waiter_the_node_serves() {
+    fn bounded() {
+        let admission = Admission::new(2);
+        let first = admission.enqueue(Role::Hybrid, Some("m"), Class::default()).unwrap();
+        let _second = admission.enqueue(Role::Hybrid, Some("m"), Class::default()).unwrap();
+        assert!(admission.enqueue(Role::Hybrid, Some("m"), Class::default()).is_none(), "the queue is bounded");
+        admission.leave(first.id);
+        assert_eq!(admission.queued(), 1);
+        assert!(admission.has_waiter_for(Role::Hybrid, Some("m"), Class::default()));
+        assert!(!admission.has_waiter_for(Role::Hybrid, Some("m"), class(-1, 0)), "a more urgent class goes first");
+        assert!(!admission.has_waiter_for(Role::Decode, Some("m"), Class::default()));
+    }
+
+    #[test]
+    fn release_wakes_a_waiter_the_node_serves() {
         let reg = Registry::new();
         let admission = Arc::new(Admission::new(8));
         let a = capped(&reg, "h:1", "a");
         let held = InFlightPermit::try_acquire(&a, Some(&admission)).unwrap();
-        let mut for_b = admission.enqueue(Role::Hybrid, Some("b"), false).unwrap();
-        let mut for_a = admission.enqueue(Role::Hybrid, Some("a"), false).unwrap();
+        let mut for_b = admission.enqueue(Role::Hybrid, Some("b"), Class::default()).unwrap();
+        let mut for_a = admission.enqueue(Role::Hybrid, Some("a"), Class::default()).unwrap();
         drop(held);
         assert!(for_a.woken.try_recv().is_ok(), "the waiter for `a` is woken");
         assert!(for_b.woken.try_recv().is_err(), "`a`'s node cannot serve `b`");
@@ -241,8 +321,8 @@ mod tests {
         let admission = Arc::new(Admission::new(8));
         let a = capped(&reg, "h:1", "a");
         let held = InFlightPermit::try_acquire(&a, Some(&admission)).unwrap();
-        drop(admission.enqueue(Role::Hybrid, None, false).unwrap());
-        let mut alive = admission.enqueue(Role::Hybrid, None, false).unwrap();
+        drop(admission.enqueue(Role::Hybrid, None, Class::default()).unwrap());
+        let mut alive = admission.enqueue(Role::Hybrid, None, Class::default()).unwrap();
         drop(held);
         assert!(alive.woken.try_recv().is_ok());
     }
@@ -255,5 +335,39 @@ mod tests {
             admission.completions.tick();
         }
         assert_eq!(admission.retry_after(), 1);
+    }
+
+    /// Which of `tickets` the next `slots` releases of one node wake, in order.
+    fn served(node: &Arc<Node>, admission: &Arc<Admission>, tickets: &mut [(char, Ticket)], slots: usize) -> String {
+        let mut order = String::new();
+        for _ in 0..slots {
+            drop(InFlightPermit::try_acquire(node, Some(admission)).unwrap());
+            for (name, ticket) in tickets.iter_mut() {
+                if ticket.woken.try_recv().is_ok() {
+                    order.push(*name);
+                }
+            }
+        }
+        order
+    }
+
+    #[test]
+    fn urgent_classes_first_tenants_in_turn_and_the_oldest_every_eighth_slot() {
+        let reg = Registry::new();
+        let admission = Arc::new(Admission::new(64));
+        let node = reg.add("h:1", NodeSpec { models: vec!["m".into()], ..NodeSpec::default() }).unwrap();
+        let mut tickets = Vec::new();
+        // Low priority first in time (l), then tenant 1 sends nine (a) and tenant 2 three (b).
+        tickets.push(('l', admission.enqueue(Role::Hybrid, Some("m"), class(5, 1)).unwrap()));
+        for _ in 0..9 {
+            tickets.push(('a', admission.enqueue(Role::Hybrid, Some("m"), class(0, 1)).unwrap()));
+        }
+        for _ in 0..3 {
+            tickets.push(('b', admission.enqueue(Role::Hybrid, Some("m"), class(0, 2)).unwrap()));
+        }
+        let order = served(&node, &admission, &mut tickets, 13);
+        // Turns between the tenants while both wait; the 8th slot to the oldest: the low one.
+        assert_eq!(order, "abababalaaaaa");
+        assert_eq!(admission.queued(), 0);
     }
 }

@@ -38,17 +38,19 @@ pub struct Error {
     message: String,
     source: Option<BoxError>,
     retry_after: Option<u32>,
+    /// The node the error happened at, for whoever debugs it (never shown to a client).
+    node: Option<String>,
 }
 
 impl Error {
     #[cold]
     pub(crate) fn new(kind: Kind, message: impl Into<String>) -> Self {
-        Self { kind, message: message.into(), source: None, retry_after: None }
+        Self { kind, message: message.into(), source: None, retry_after: None, node: None }
     }
 
     #[cold]
     pub(crate) fn with_source(kind: Kind, message: impl Into<String>, source: impl Into<BoxError>) -> Self {
-        Self { kind, message: message.into(), source: Some(source.into()), retry_after: None }
+        Self { kind, message: message.into(), source: Some(source.into()), retry_after: None, node: None }
     }
 
     /// Seconds after which a retry may succeed, for errors that say so (`Retry-After`).
@@ -60,6 +62,17 @@ impl Error {
 
     pub fn retry_after(&self) -> Option<u32> {
         self.retry_after
+    }
+
+    /// The error happened at the node `url`.
+    #[must_use]
+    pub fn at_node(mut self, url: &str) -> Self {
+        self.node = Some(url.to_owned());
+        self
+    }
+
+    pub fn node(&self) -> Option<&str> {
+        self.node.as_deref()
     }
 
     pub fn kind(&self) -> Kind {
@@ -83,6 +96,9 @@ impl fmt::Debug for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut d = f.debug_struct("Error");
         d.field("kind", &self.kind).field("message", &self.message).field("retry_after", &self.retry_after);
+        if let Some(node) = &self.node {
+            d.field("node", node);
+        }
         if let Some(source) = &self.source {
             d.field("source", source);
         }

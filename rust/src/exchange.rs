@@ -97,7 +97,7 @@ impl Exchange {
 
     /// Takes everything ready, if anything is.
     pub fn take_ready(&self) -> Option<Delivery> {
-        let delivery = self.lock().ready();
+        let delivery = self.lock().ready(self.buffer_limit);
         if delivery.is_some() {
             self.space.notify_one();
         }
@@ -108,7 +108,7 @@ impl Exchange {
     /// back with the batch.
     pub fn wait(&self, waiter: Waiter) -> Result<(), (Delivery, Waiter)> {
         let mut inner = self.lock();
-        if let Some(delivery) = inner.ready() {
+        if let Some(delivery) = inner.ready(self.buffer_limit) {
             drop(inner);
             self.space.notify_one();
             return Err((delivery, waiter));
@@ -159,7 +159,7 @@ impl Exchange {
         for data in burst {
             inner.pending.extend_from_slice(data);
         }
-        Self::wake(inner);
+        self.wake(inner);
     }
 
     /// Ends the exchange with `error` (the router shuts down, the request ran out of time):
@@ -182,12 +182,12 @@ impl Exchange {
             inner.scanned = whole;
         }
         inner.end = Some(end);
-        Self::wake(inner);
+        self.wake(inner);
     }
 
-    fn wake(mut inner: MutexGuard<'_, Inner>) {
+    fn wake(&self, mut inner: MutexGuard<'_, Inner>) {
         if inner.waiter.is_some() {
-            if let Some(delivery) = inner.ready() {
+            if let Some(delivery) = inner.ready(self.buffer_limit) {
                 let waiter = inner.waiter.take();
                 drop(inner);
                 if let Some(waiter) = waiter {
@@ -214,15 +214,17 @@ impl crate::engine::PermitHolder for Exchange {
 
 impl Inner {
     /// Whole events (everything, for other bodies), else how the body ended, else nothing.
-    fn ready(&mut self) -> Option<Delivery> {
-        let batch = if self.end.is_some() || !self.event_stream {
-            (!self.pending.is_empty()).then(|| self.pending.split())
-        } else {
+    fn ready(&mut self, buffer_limit: usize) -> Option<Delivery> {
+        // An event larger than the buffer goes out as it is (held back, it would stall the stream).
+        let whole_only = self.event_stream && self.end.is_none() && self.pending.len() < buffer_limit;
+        let batch = if whole_only {
             let end = sse::last_event_end(&self.pending, self.scanned);
             let batch = end.map(|end| self.pending.split_to(end));
             // What is left followed the last boundary, so it holds none.
             self.scanned = self.pending.len();
             batch
+        } else {
+            (!self.pending.is_empty()).then(|| self.pending.split())
         };
         if let Some(batch) = batch {
             self.scanned = self.pending.len();
@@ -254,12 +256,14 @@ pub struct StreamTimeouts {
 /// Reads the node's body into `exchange` until it ends, fails, goes idle for longer than
 /// `idle_timeout`, or the exchange is closed (which aborts this task). The exchange's permit
 /// is released when the body ends: `outcome_at_end` if it ended cleanly, else a failure.
+/// `observe` sees every piece and the events it ended (a tenant's token count).
 pub async fn pump(
     exchange: &Exchange,
     body: StreamBody,
     started: Instant,
     timeouts: StreamTimeouts,
     outcome_at_end: Outcome,
+    observe: &mut (dyn FnMut(&[u8], u64) + Send),
 ) {
     let StreamTimeouts { idle: idle_timeout, stall: stall_timeout } = timeouts;
     let StreamBody { mut body, event_stream } = body;
@@ -293,6 +297,7 @@ pub async fn pump(
                         let events = sse::count_events(&data, &mut last_was_newline);
                         report.events += events;
                         burst_events += events;
+                        observe(&data, events);
                         burst.push(data);
                     }
                 }
@@ -338,8 +343,9 @@ mod tests {
         exchange.attach(InFlightPermit::acquire(&node));
         let stream = StreamBody { body: body.boxed(), event_stream };
         let pumping = Arc::clone(&exchange);
-        let task =
-            tokio::spawn(async move { pump(&pumping, stream, Instant::now(), TIMEOUTS, Outcome::Succeeded).await });
+        let task = tokio::spawn(async move {
+            pump(&pumping, stream, Instant::now(), TIMEOUTS, Outcome::Succeeded, &mut |_, _| {}).await;
+        });
         exchange.set_task(task.abort_handle());
         (tx, exchange, counters)
     }
@@ -459,7 +465,7 @@ mod tests {
         exchange.attach(InFlightPermit::acquire(&node));
         let stream = StreamBody { body: body.boxed(), event_stream: true };
         let timeouts = StreamTimeouts { idle: Duration::from_millis(20), stall: Duration::from_secs(5) };
-        pump(&exchange, stream, Instant::now(), timeouts, Outcome::Succeeded).await;
+        pump(&exchange, stream, Instant::now(), timeouts, Outcome::Succeeded, &mut |_, _| {}).await;
         assert!(matches!(exchange.take_ready(), Some(Delivery::Failed(e)) if e.is_timeout()));
         assert_eq!(counters.snapshot().failed, 1);
         drop(tx);
@@ -476,7 +482,7 @@ mod tests {
         tx.send_data(Bytes::from("data: 0123456789abcdef\n\n")).await.unwrap();
         let timeouts = StreamTimeouts { idle: Duration::from_secs(5), stall: Duration::from_millis(30) };
         // Nobody reads: past the stall limit the node is let go.
-        pump(&exchange, stream, Instant::now(), timeouts, Outcome::Succeeded).await;
+        pump(&exchange, stream, Instant::now(), timeouts, Outcome::Succeeded, &mut |_, _| {}).await;
         assert_eq!(node.counters().snapshot().in_flight, 0);
         assert!(matches!(exchange.take_ready(), Some(Delivery::Batch(_))));
         assert!(matches!(exchange.take_ready(), Some(Delivery::Failed(e)) if e.is_timeout()));

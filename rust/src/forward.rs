@@ -4,17 +4,16 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{HeaderMap, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
 use http::{Method, StatusCode};
 use http_body_util::combinators::BoxBody;
 use http_body_util::BodyExt;
 
 use crate::error::{BoxError, Error, Kind, Result};
-use crate::headers::strip_hop_headers;
 use crate::node::Node;
 use crate::permit::Outcome;
 use crate::sse;
-use crate::upstream::{Client, ClientConfig};
+use crate::upstream::{Client, ClientConfig, Hop};
 
 /// Client settings. Values come from the control plane's settings; no defaults live here.
 #[derive(Debug, Clone)]
@@ -33,15 +32,20 @@ pub struct ForwardConfig {
     pub stream_buffer_limit: usize,
     /// How long a reader may leave a full buffer untouched before the stream is cut off.
     pub stream_stall_timeout: Duration,
+    /// CA certificates that `https://` nodes are verified against; `None`: the system's roots.
+    pub node_ca_file: Option<std::path::PathBuf>,
 }
 
-/// A request to forward: the client's, with its headers already fit for the node's hop
-/// (see `headers::upstream_request_headers`).
+/// A request to forward, as the client sent it plus the proxy's own headers.
 #[derive(Debug, Clone)]
 pub struct ForwardRequest {
     pub method: Method,
     pub path_and_query: String,
+    /// The client's headers; those of the client's hop are left out when the request is
+    /// written (`headers::stays_on_client_hop`), and so are those `extra` replaces.
     pub headers: HeaderMap,
+    /// The proxy's own headers (request id, `X-Forwarded-*`).
+    pub extra: Vec<(HeaderName, HeaderValue)>,
     pub body: Bytes,
 }
 
@@ -55,12 +59,14 @@ pub struct UpstreamResponse {
 }
 
 impl UpstreamResponse {
-    /// How the request counts for the node once its body has ended: a 5xx is the node's failure.
+    /// How the request counts for the node once its body has ended: a gateway error (502,
+    /// 503, 504) is the node's failure; another 5xx counts as failed without touching its
+    /// circuit (a client can provoke a 500 with a bad request).
     pub fn outcome(&self) -> Outcome {
-        if self.status.is_server_error() {
-            Outcome::Failed
-        } else {
-            Outcome::Succeeded
+        match self.status.as_u16() {
+            502..=504 => Outcome::Failed,
+            500..=599 => Outcome::Errored,
+            _ => Outcome::Succeeded,
         }
     }
 }
@@ -88,26 +94,50 @@ pub struct StreamBody {
 pub struct Forwarder {
     client: std::sync::Arc<Client>,
     config: ForwardConfig,
+    /// The proxy's id, added to every request's `x-pdproxy-via` (see `loops`).
+    via: HeaderValue,
 }
 
 impl Forwarder {
-    /// Builds the client. Needs no runtime; connections belong to the runtime that opens them.
-    pub fn new(config: ForwardConfig) -> Self {
+    /// Builds the client for the proxy `instance`. Needs no runtime; connections belong to the
+    /// runtime that opens them.
+    pub fn new(config: ForwardConfig, instance: &str) -> Self {
         let client = Client::new(ClientConfig {
             connect_timeout: config.connect_timeout,
             idle_timeout: config.pool_idle_timeout,
             max_idle_per_host: config.pool_max_idle_per_node,
+            // Every buffer of a stream counts (see `ForwardConfig::stream_buffer_limit`).
+            receive_buffer: socket_buffer(config.stream_buffer_limit),
+            ca_file: config.node_ca_file.clone(),
         });
-        Self { client: std::sync::Arc::new(client), config }
+        let via = HeaderValue::from_str(instance).unwrap_or_else(|_| HeaderValue::from_static("pdproxy"));
+        Self { client: std::sync::Arc::new(client), config, via }
     }
 
     pub fn config(&self) -> &ForwardConfig {
         &self.config
     }
 
-    /// Sends `request` to `node` and returns the response head; with `prefetch`, the body
-    /// is read whole first when it is small and not an event stream. Accounting is the caller's.
-    pub async fn forward(&self, node: &Node, request: &ForwardRequest, prefetch: bool) -> Result<UpstreamResponse> {
+    /// Sends `request` to `node` (with the attempt's `traceparent`, when traced) and returns
+    /// the response head; with `prefetch`, the body is read whole first when it is small and
+    /// not an event stream. Accounting is the caller's.
+    pub async fn forward(
+        &self,
+        node: &Node,
+        request: &ForwardRequest,
+        prefetch: bool,
+        traceparent: Option<&HeaderValue>,
+    ) -> Result<UpstreamResponse> {
+        self.forward_to(node, request, prefetch, traceparent).await.map_err(|e| e.at_node(node.url()))
+    }
+
+    async fn forward_to(
+        &self,
+        node: &Node,
+        request: &ForwardRequest,
+        prefetch: bool,
+        traceparent: Option<&HeaderValue>,
+    ) -> Result<UpstreamResponse> {
         let path = node.path_for(&request.path_and_query);
         let key = match &node.spec().api_key {
             Some(key) => Some(HeaderValue::from_str(&format!("Bearer {key}")).map_err(|e| {
@@ -115,16 +145,15 @@ impl Forwarder {
             })?),
             None => None,
         };
-        let sent =
-            self.client.send(node.authority(), &request.method, &path, &request.headers, key.as_ref(), &request.body);
+        let hop = Hop { authorization: key.as_ref(), via: &self.via, traceparent };
+        let sent = self.client.send(node.target(), &path, request, &hop);
         let answer = match tokio::time::timeout(self.config.first_byte_timeout, sent).await {
             Ok(answer) => answer?,
             Err(_) => return Err(Error::new(Kind::Timeout, "the node did not answer in time")),
         };
-        let mut headers = answer.headers;
-        strip_hop_headers(&mut headers);
+        let headers = answer.headers;
         let event_stream = headers.get(CONTENT_TYPE).is_some_and(|ct| sse::is_event_stream(ct.as_bytes()));
-        let small = content_length(&headers).is_some_and(|len| len <= self.config.prefetch_limit);
+        let small = answer.content_length.is_some_and(|len| len <= self.config.prefetch_limit as u64);
         let body = if prefetch && !event_stream && small {
             ResponseBody::Complete(read_whole(answer.body, self.config.stream_idle_timeout).await?)
         } else {
@@ -162,6 +191,13 @@ async fn read_whole(
             }
         }
     }
+}
+
+/// The kernel buffer of one socket of a stream: a quarter of the stream's buffer limit (the
+/// kernel doubles what it is asked for), so that the proxy's buffer and both sockets together
+/// stay near the limit however slowly a client reads.
+pub fn socket_buffer(stream_buffer_limit: usize) -> usize {
+    (stream_buffer_limit / 4).max(16 << 10)
 }
 
 pub fn content_length(headers: &HeaderMap) -> Option<usize> {

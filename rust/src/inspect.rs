@@ -22,6 +22,8 @@ pub struct RequestInfo<'a> {
     pub max_tokens: Option<u64>,
     /// The raw JSON of `messages` (chat) or `prompt` (completions), for cache-aware routing.
     pub prompt: Option<&'a [u8]>,
+    /// vLLM's `priority` (smaller is served first), for the wait queue.
+    pub priority: Option<i32>,
 }
 
 impl RequestInfo<'_> {
@@ -49,6 +51,8 @@ struct Fields<'a> {
     messages: Option<&'a RawValue>,
     #[serde(borrow, default)]
     prompt: Option<&'a RawValue>,
+    #[serde(default)]
+    priority: Option<i32>,
 }
 
 fn require_object(body: &[u8]) -> Result<()> {
@@ -91,6 +95,7 @@ pub fn inspect(body: &[u8]) -> Result<RequestInfo<'_>> {
         session_id,
         max_tokens: fields.max_tokens,
         prompt: fields.messages.or(fields.prompt).map(|raw| raw.get().as_bytes()),
+        priority: fields.priority,
     })
 }
 

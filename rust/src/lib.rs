@@ -13,6 +13,7 @@ pub mod forward;
 pub mod headers;
 pub mod histogram;
 pub mod inspect;
+pub mod loops;
 pub mod node;
 pub mod permit;
 pub mod registry;
@@ -21,6 +22,9 @@ pub mod runtime;
 pub mod select;
 pub mod shared;
 pub mod sse;
+pub mod tenants;
+pub mod tls;
+pub mod trace;
 pub mod upstream;
 
 #[cfg(feature = "python")]

@@ -13,6 +13,7 @@ use crate::engine_report::{CountsThen, EngineFigures, EngineLoad, EngineReport};
 use crate::error::{Error, Kind, Result};
 use crate::histogram::{Gap, Histogram, Latency};
 use crate::shared::{Binding, SharedTable};
+use crate::upstream::Target;
 
 /// What a node does in a disaggregated deployment (LMDeploy's `EngineRole`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -418,6 +419,9 @@ pub struct NodeSpec {
     pub api_key: Option<String>,
     /// SGLang prefill nodes: the port of their bootstrap server, when declared.
     pub bootstrap_port: Option<u16>,
+    /// Where the node is reached: the address its name resolved to when it was checked, so
+    /// that a name whose answer changes later cannot send requests elsewhere. `None`: resolve.
+    pub address: Option<std::net::SocketAddr>,
 }
 
 /// An immutable description of a node plus its shared counters. Changing a node's spec
@@ -427,6 +431,10 @@ pub struct Node {
     url: String,
     scheme: Scheme,
     authority: Authority,
+    /// `scheme://host:port`, the port always written (the pool's key).
+    origin: String,
+    /// `host:port` to resolve and connect to (the scheme's port when the URL names none).
+    dial: String,
     base_path: String,
     generation: u64,
     spec: NodeSpec,
@@ -436,10 +444,14 @@ pub struct Node {
 impl Node {
     pub(crate) fn new(url: &NodeUrl, generation: u64, spec: NodeSpec, counters: Counters) -> Self {
         counters.set_max_concurrency(spec.max_concurrency);
+        let port = url.authority.port_u16().unwrap_or(if url.scheme == Scheme::HTTPS { 443 } else { 80 });
+        let dial = format!("{}:{port}", url.authority.host());
         Self {
             url: url.normalized.clone(),
             scheme: url.scheme.clone(),
             authority: url.authority.clone(),
+            origin: format!("{}://{dial}", url.scheme),
+            dial,
             base_path: url.base_path.clone(),
             generation,
             spec,
@@ -483,9 +495,20 @@ impl Node {
         c.engine.fresh(max_age_ms, now_ms, c.in_flight(), c.requests.load(Ordering::Relaxed))
     }
 
-    /// `host:port` of the node.
+    /// `host:port` of the node, as its URL writes it.
     pub fn authority(&self) -> &str {
         self.authority.as_str()
+    }
+
+    /// Where the upstream client sends this node's requests (TLS for `https://` nodes).
+    pub fn target(&self) -> Target<'_> {
+        Target {
+            origin: &self.origin,
+            authority: self.authority.as_str(),
+            dial: &self.dial,
+            pinned: self.spec.address,
+            tls_name: (self.scheme == Scheme::HTTPS).then(|| self.host()),
+        }
     }
 
     /// The path on the node for a request's `path_and_query` (below the node's base path).
@@ -533,10 +556,10 @@ impl NodeUrl {
             .parse()
             .map_err(|e| Error::with_source(Kind::InvalidNode, format!("invalid node URL {raw:?}"), e))?;
         let scheme = uri.scheme().cloned().unwrap_or(Scheme::HTTP);
-        if scheme != Scheme::HTTP {
+        if scheme != Scheme::HTTP && scheme != Scheme::HTTPS {
             return Err(Error::new(
                 Kind::InvalidNode,
-                format!("unsupported scheme in node URL {raw:?}: only http is supported"),
+                format!("unsupported scheme in node URL {raw:?}: use http or https"),
             ));
         }
         let authority =
@@ -550,7 +573,7 @@ impl NodeUrl {
             .parse()
             .map_err(|e| Error::with_source(Kind::InvalidNode, format!("invalid host in node URL {raw:?}"), e))?;
         let base_path = uri.path().trim_end_matches('/').to_owned();
-        let normalized = format!("http://{authority}{base_path}");
+        let normalized = format!("{scheme}://{authority}{base_path}");
         Ok(Self { normalized, scheme, authority, base_path })
     }
 }
@@ -566,14 +589,30 @@ mod tests {
             ("http://127.0.0.1:8001/", "http://127.0.0.1:8001"),
             ("HTTP://LocalHost:8001", "http://localhost:8001"),
             (" http://h:1/base/ ", "http://h:1/base"),
+            ("HTTPS://Node.Example/", "https://node.example"),
         ] {
             assert_eq!(NodeUrl::parse(raw).unwrap().normalized, want, "{raw}");
         }
     }
 
     #[test]
+    fn https_nodes_are_reached_with_tls_on_the_schemes_port() {
+        let node = |raw: &str| Node::new(&NodeUrl::parse(raw).unwrap(), 1, NodeSpec::default(), Counters::default());
+        let secure = node("https://node.example");
+        let target = secure.target();
+        assert_eq!(
+            (target.origin, target.dial, target.authority),
+            ("https://node.example:443", "node.example:443", "node.example")
+        );
+        assert_eq!(target.tls_name, Some("node.example"));
+        let plain = node("http://[::1]:8001");
+        assert_eq!((plain.target().dial, plain.target().tls_name), ("[::1]:8001", None));
+        assert_eq!(node("http://h").target().origin, "http://h:80");
+    }
+
+    #[test]
     fn rejects_unusable_urls() {
-        for raw in ["https://h:1", "http://", "http://h:1/?a=1", "http://h h"] {
+        for raw in ["ftp://h:1", "http://", "http://h:1/?a=1", "http://h h"] {
             assert_eq!(NodeUrl::parse(raw).unwrap_err().kind(), Kind::InvalidNode, "{raw}");
         }
     }

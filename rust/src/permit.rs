@@ -12,8 +12,12 @@ use crate::node::Node;
 pub enum Outcome {
     /// The whole response was received from the node.
     Succeeded,
-    /// The node failed: connect error, timeout, reset, broken body.
+    /// The node failed: connect error, timeout, reset, broken body, or a gateway error
+    /// (502/503/504): counts toward its circuit.
     Failed,
+    /// The node answered with another server error (a 500 a client's request can provoke):
+    /// counted as failed, but it says nothing of the node's health, so its circuit ignores it.
+    Errored,
     /// The caller gave up first (client disconnect, body dropped unread).
     Cancelled,
     /// Selected but never sent (a dry-run selection): recorded nowhere.
@@ -171,6 +175,10 @@ impl Drop for InFlightPermit {
             Outcome::Failed => {
                 counters.failed.fetch_add(1, Ordering::Relaxed);
                 counters.circuit.failure();
+            }
+            Outcome::Errored => {
+                counters.failed.fetch_add(1, Ordering::Relaxed);
+                counters.circuit.abandon();
             }
             Outcome::Cancelled => {
                 counters.cancelled.fetch_add(1, Ordering::Relaxed);

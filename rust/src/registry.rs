@@ -17,7 +17,7 @@ pub struct NodeSet {
     nodes: Vec<Arc<Node>>,
     /// Per role (`Role::index`).
     by_role: [RoleNodes; 3],
-    /// Per role and model: the nodes that declare it, then the nodes of unknown models.
+    /// Per role and model: the nodes known to serve it.
     by_model: [FxHashMap<String, Vec<Arc<Node>>>; 3],
     /// Requests received per declared model (the counters outlive the snapshot).
     tallies: Tallies,
@@ -32,11 +32,12 @@ struct Tallies {
     none: Arc<AtomicU64>,
 }
 
-/// Per role: all its nodes, and those whose models are unknown (eligible for any model).
+/// Per role: its nodes whose models are known (a node gets traffic only for the models it is
+/// known to serve), and how many are still unknown (being discovered).
 #[derive(Debug, Default)]
 struct RoleNodes {
-    all: Vec<Arc<Node>>,
-    wildcard: Vec<Arc<Node>>,
+    known: Vec<Arc<Node>>,
+    unknown: usize,
 }
 
 /// Why a request has no candidate node.
@@ -45,27 +46,23 @@ pub enum NoCandidates {
     /// No node of the role is registered.
     NoNodes,
     ModelNotFound,
+    /// No node is known to serve it, but some nodes' models are not known yet.
+    ModelsUnknown,
 }
 
 impl NodeSet {
     fn build(nodes: Vec<Arc<Node>>, tallies: Tallies) -> Self {
         let mut by_role: [RoleNodes; 3] = Default::default();
-        for node in &nodes {
-            let entry = &mut by_role[node.role().index()];
-            entry.all.push(Arc::clone(node));
-            if node.models().is_empty() {
-                entry.wildcard.push(Arc::clone(node));
-            }
-        }
         let mut by_model: [FxHashMap<String, Vec<Arc<Node>>>; 3] = Default::default();
         for node in &nodes {
+            let entry = &mut by_role[node.role().index()];
+            if node.models().is_empty() {
+                entry.unknown += 1;
+                continue;
+            }
+            entry.known.push(Arc::clone(node));
             for model in node.models() {
                 by_model[node.role().index()].entry(model.clone()).or_default().push(Arc::clone(node));
-            }
-        }
-        for (models, role) in by_model.iter_mut().zip(&by_role) {
-            for list in models.values_mut() {
-                list.extend(role.wildcard.iter().cloned());
             }
         }
         Self { nodes, by_role, by_model, tallies }
@@ -89,20 +86,19 @@ impl NodeSet {
         self.nodes.iter().find(|n| n.url() == url.normalized)
     }
 
-    /// The nodes of `role` that may serve `model` (any of them when the request names none).
+    /// The nodes of `role` known to serve `model` (those whose models are known when the
+    /// request names none).
     pub fn candidates(&self, role: Role, model: Option<&str>) -> Result<&[Arc<Node>], NoCandidates> {
         let nodes = &self.by_role[role.index()];
-        if nodes.all.is_empty() {
-            return Err(NoCandidates::NoNodes);
-        }
         let list = match model {
-            None => &nodes.all,
-            Some(m) => self.by_model[role.index()].get(m).unwrap_or(&nodes.wildcard),
+            None => Some(&nodes.known),
+            Some(m) => self.by_model[role.index()].get(m),
         };
-        if list.is_empty() {
-            Err(NoCandidates::ModelNotFound)
-        } else {
-            Ok(list)
+        match list {
+            Some(list) if !list.is_empty() => Ok(list),
+            _ if nodes.unknown > 0 => Err(NoCandidates::ModelsUnknown),
+            _ if nodes.known.is_empty() => Err(NoCandidates::NoNodes),
+            _ => Err(NoCandidates::ModelNotFound),
         }
     }
 
@@ -207,6 +203,7 @@ impl Registry {
     pub fn add(&self, url: &str, spec: NodeSpec) -> Result<Arc<Node>> {
         let url = NodeUrl::parse(url)?;
         check_speed(spec.speed)?;
+        check_api_key(spec.api_key.as_deref())?;
         let spec = NodeSpec { models: dedup(spec.models), ..spec };
         let _writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
         let current = self.snapshot.load_full();
@@ -271,6 +268,17 @@ pub fn check_speed(speed: Option<f64>) -> Result<()> {
     match speed {
         Some(speed) if !(speed.is_finite() && speed > 0.0) => {
             Err(Error::new(Kind::InvalidNode, format!("speed must be a positive number, got {speed}")))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// A node's API key goes into a header: it must be a valid header value (no CR, LF or other
+/// control characters), or requests and health checks would fail (or carry injected headers).
+pub fn check_api_key(key: Option<&str>) -> Result<()> {
+    match key {
+        Some(key) if http::HeaderValue::from_str(&format!("Bearer {key}")).is_err() => {
+            Err(Error::new(Kind::InvalidNode, "the node's api_key must be printable text without line breaks"))
         }
         _ => Ok(()),
     }
@@ -351,7 +359,10 @@ mod tests {
 
         reg.add("h:4", spec(&[], Role::Hybrid)).unwrap();
         let set = reg.load();
-        assert_eq!(set.candidates(Role::Hybrid, Some("a")).unwrap().len(), 2, "unknown-model nodes serve any model");
-        assert_eq!(set.candidates(Role::Hybrid, Some("c")).unwrap()[0].url(), "http://h:4");
+        assert_eq!(set.candidates(Role::Hybrid, Some("a")).unwrap().len(), 1, "no traffic before its models are known");
+        assert_eq!(set.candidates(Role::Hybrid, None).unwrap().len(), 2);
+        assert_eq!(set.candidates(Role::Hybrid, Some("c")).unwrap_err(), NoCandidates::ModelsUnknown);
+        reg.add("h:5", spec(&[], Role::Decode)).unwrap();
+        assert_eq!(reg.load().candidates(Role::Decode, None).unwrap_err(), NoCandidates::ModelsUnknown);
     }
 }

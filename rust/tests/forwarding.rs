@@ -14,16 +14,20 @@ use _pdproxy::registry::Registry;
 use http::Method;
 
 fn forwarder(first_byte_timeout: Duration) -> Forwarder {
-    Forwarder::new(ForwardConfig {
-        connect_timeout: Duration::from_secs(2),
-        first_byte_timeout,
-        pool_idle_timeout: Duration::from_secs(30),
-        pool_max_idle_per_node: 8,
-        prefetch_limit: 1 << 20,
-        stream_idle_timeout: Duration::from_secs(5),
-        stream_buffer_limit: 1 << 20,
-        stream_stall_timeout: Duration::from_secs(5),
-    })
+    Forwarder::new(
+        ForwardConfig {
+            connect_timeout: Duration::from_secs(2),
+            first_byte_timeout,
+            pool_idle_timeout: Duration::from_secs(30),
+            pool_max_idle_per_node: 8,
+            prefetch_limit: 1 << 20,
+            stream_idle_timeout: Duration::from_secs(5),
+            stream_buffer_limit: 1 << 20,
+            stream_stall_timeout: Duration::from_secs(5),
+            node_ca_file: None,
+        },
+        "pdproxy-test",
+    )
 }
 
 fn node(addr: &str) -> Arc<Node> {
@@ -34,13 +38,11 @@ async fn send(fwd: &Forwarder, node: &Arc<Node>, path: &str) -> _pdproxy::error:
     let request = ForwardRequest {
         method: Method::POST,
         path_and_query: path.to_owned(),
-        headers: _pdproxy::headers::upstream_request_headers(&[(
-            b"content-type".to_vec(),
-            b"application/json".to_vec(),
-        )]),
+        headers: _pdproxy::headers::header_map(&[(b"content-type".to_vec(), b"application/json".to_vec())]),
+        extra: Vec::new(),
         body: bytes::Bytes::from_static(b"{}"),
     };
-    fwd.forward(node, &request, true).await
+    fwd.forward(node, &request, true, None).await
 }
 
 /// Pumps `stream` and reads it as the Python side does: batches until the end or an error.
@@ -49,7 +51,7 @@ async fn read_all(stream: StreamBody) -> (Vec<bytes::Bytes>, Option<Error>) {
     let pumping = Arc::clone(&exchange);
     tokio::spawn(async move {
         let timeouts = StreamTimeouts { idle: Duration::from_secs(5), stall: Duration::from_secs(5) };
-        pump(&pumping, stream, std::time::Instant::now(), timeouts, Outcome::Succeeded).await;
+        pump(&pumping, stream, std::time::Instant::now(), timeouts, Outcome::Succeeded, &mut |_, _| {}).await;
     });
     let mut batches = Vec::new();
     loop {
@@ -106,7 +108,7 @@ async fn upstream_errors_pass_through_and_count_as_failures() {
     let node = node(&addr.to_string());
     let response = send(&forwarder(Duration::from_secs(5)), &node, "/error").await.unwrap();
     assert_eq!(response.status, 503);
-    assert_eq!(response.outcome(), Outcome::Failed);
+    assert_eq!(response.outcome(), Outcome::Failed, "a gateway error counts against the node");
     let ResponseBody::Complete(body) = response.body else { panic!() };
     assert_eq!(body, r#"{"error":{"message":"busy"}}"#);
 }
@@ -120,6 +122,19 @@ async fn torn_stream_reports_an_upstream_error() {
     let (batches, error) = read_all(body).await;
     assert!(batches.iter().all(|b| b.ends_with(b"\n\n")));
     assert_eq!(error.expect("a torn stream must not end cleanly").kind(), Kind::Upstream);
+}
+
+#[tokio::test]
+async fn a_pinned_node_is_reached_at_its_checked_address_not_by_resolving_its_name() {
+    let addr = common::upstream().await;
+    let spec = NodeSpec { address: Some(addr), ..NodeSpec::default() };
+    // The name does not resolve (`.invalid` never does): only the pinned address can serve.
+    let pinned = Registry::new().add(&format!("unresolvable.invalid:{}", addr.port()), spec).unwrap();
+    let response = send(&forwarder(Duration::from_secs(5)), &pinned, "/json").await.unwrap();
+    assert_eq!(response.status, 200);
+    let unpinned = node(&format!("unresolvable.invalid:{}", addr.port()));
+    let err = send(&forwarder(Duration::from_secs(5)), &unpinned, "/json").await.unwrap_err();
+    assert!(err.is_connect(), "{err:?}");
 }
 
 #[tokio::test]

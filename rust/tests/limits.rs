@@ -157,8 +157,10 @@ async fn queued_requests_are_all_served_within_the_cap() {
             stream_idle_timeout: Duration::from_secs(1),
             stream_buffer_limit: 1 << 20,
             stream_stall_timeout: Duration::from_secs(1),
+            node_ca_file: None,
         },
         max_requests: 0,
+        tracing: None,
     };
     let engine = Arc::new(Engine::new(config, Registry::new()).unwrap());
     let spec = NodeSpec { models: vec!["m".into()], max_concurrency: Some(2), ..NodeSpec::default() };

@@ -66,6 +66,10 @@ def check_url(url: str) -> None:
         raise ConfigError(f"--registry {url!r} has no host; use redis://HOST:PORT/DB")
     if db and not db.isdigit():
         raise ConfigError(f"--registry {url!r}: the database must be a number, as in redis://HOST:{port or 6379}/0")
+    try:  # an optional extra: checked before anything is served
+        import redis.asyncio  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"--registry {url!r} needs the redis package: pip install 'pdproxy[redis]' ({e})") from None
 
 
 def from_url(url: str, **options: Any) -> Membership:

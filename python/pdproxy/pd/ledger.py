@@ -18,13 +18,14 @@ import itertools
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from pdproxy import background
+from pdproxy.tls import node_session
 
 log = logging.getLogger("pdproxy.pd")
 
@@ -36,12 +37,21 @@ class Preserved:
     session_id: int
     decode: str | None
     created: float
-    state: str = "preserved"  # preserved -> consumed | freeing -> freed | lost
+    state: str = "preserved"  # preserved -> consumed | freeing -> freed | lost (| preserved again)
+    #: The prefill node's key when the session was preserved: still known once the node is removed.
+    api_key: str | None = field(default=None, repr=False)
 
 
 class SessionLedger:
     def __init__(
-        self, *, ttl: float, free_timeout: float, free_attempts: int, api_key_of: Any, journal: Path | None = None
+        self,
+        *,
+        ttl: float,
+        free_timeout: float,
+        free_attempts: int,
+        api_key_of: Any,
+        journal: Path | None = None,
+        ca_file: str = "",
     ) -> None:
         self.entries: dict[int, Preserved] = {}
         #: In a worker group: this worker's journal directory.
@@ -50,7 +60,8 @@ class SessionLedger:
             journal.mkdir(parents=True, exist_ok=True)
         self._ids = itertools.count(1)
         self._ttl = ttl
-        self._timeout = aiohttp.ClientTimeout(total=free_timeout)
+        self._timeout = free_timeout
+        self._ca_file = ca_file
         self._attempts = free_attempts
         self._api_key_of = api_key_of
         self._session: aiohttp.ClientSession | None = None
@@ -60,7 +71,7 @@ class SessionLedger:
         self.free_failures = 0
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._session = node_session(self._ca_file, self._timeout)
         self._task = background.start(self._sweep(), "pdproxy-pd-ledger")
 
     async def aclose(self) -> None:
@@ -74,7 +85,9 @@ class SessionLedger:
                 self._journal.rmdir()
 
     def add(self, prefill: str, session_id: int, decode: str | None) -> Preserved:
-        entry = Preserved(next(self._ids), prefill, session_id, decode, time.monotonic())
+        entry = Preserved(
+            next(self._ids), prefill, session_id, decode, time.monotonic(), api_key=self._api_key_of(prefill)
+        )
         self.entries[entry.id] = entry
         if self._journal is not None:
             record = {"prefill": prefill, "session_id": session_id, "decode": decode}
@@ -111,13 +124,15 @@ class SessionLedger:
             journal.rmdir()
         return adopted
 
-    async def free(self, entry: Preserved, reason: str) -> None:
-        """Frees the session on its prefill node, once, whatever the number of callers."""
+    async def free(self, entry: Preserved, reason: str, keep_if_unreachable: bool = False) -> None:
+        """Frees the session on its prefill node, once, whatever the number of callers. When the
+        node cannot be reached the entry is given up (``lost``), or with ``keep_if_unreachable``
+        kept as it was, for the TTL sweep to try again."""
         if entry.state != "preserved":
             return
         entry.state = "freeing"
         body = {"remote_engine_id": entry.prefill, "remote_session_id": entry.session_id}
-        key = self._api_key_of(entry.prefill)
+        key = self._api_key_of(entry.prefill) or entry.api_key
         headers = {"authorization": f"Bearer {key}"} if key else {}
         for attempt in range(self._attempts):
             try:
@@ -132,16 +147,27 @@ class SessionLedger:
                 pass
             await asyncio.sleep(0.1 * 2**attempt)
         else:
+            if keep_if_unreachable:
+                entry.state = "preserved"
+                log.warning(
+                    "prefill session %s on %s not freed yet (%s): the sweep tries again after %g s",
+                    entry.session_id,
+                    entry.prefill,
+                    reason,
+                    self._ttl,
+                )
+                return
             entry.state = "lost"
             self.free_failures += 1
             log.error("could not free prefill session %s on %s (%s)", entry.session_id, entry.prefill, reason)
         self._settled(entry)
 
-    def forget_prefill(self, url: str) -> None:
-        """A removed prefill node's sessions went with it."""
-        for entry in [e for e in self.entries.values() if e.prefill == url]:
-            entry.state = "lost"
-            self._settled(entry)
+    async def release_prefill(self, url: str) -> None:
+        """A prefill node is being removed: the sessions preserved on it are freed while it can
+        still be reached (its engine would keep their KV blocks until it restarts); those it
+        cannot free now stay for the TTL sweep."""
+        leaving = [e for e in self.entries.values() if e.prefill == url and e.state == "preserved"]
+        await asyncio.gather(*(self.free(e, "its prefill node was removed", keep_if_unreachable=True) for e in leaving))
 
     async def gc(self, older_than: float = 0.0) -> list[dict[str, Any]]:
         """Frees every entry older than ``older_than`` seconds; reports what it freed."""

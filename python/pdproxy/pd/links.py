@@ -2,11 +2,12 @@
 
 A link (P, D) is connected by one handshake, strictly in LMDeploy's order: ``engine_info(P)``,
 ``engine_info(D)``, ``p2p_initialize(P)``, ``p2p_initialize(D)``, ``p2p_connect(P)``,
-``p2p_connect(D)``. Requests that find a link unconnected share one handshake (single
-flight) and wait for it with a timeout; a failed handshake is retried with backoff, a bounded
-number of times. Warm-up connects every pair with bounded concurrency and, since it joins the
-handshakes already in flight, repeating it never piles up work. Removing a node drops its links
-on both sides.
+``p2p_connect(D)``, with the transport LMDeploy's proxy flags choose (``--migration-protocol``,
+``--link-type``, ``--disable-gdr``: the same integers and fields its proxy sends). Requests that
+find a link unconnected share one handshake (single flight) and wait for it with a timeout; a
+failed handshake is retried with backoff, a bounded number of times. Warm-up connects every
+pair with bounded concurrency and, since it joins the handshakes already in flight, repeating it
+never piles up work. Removing a node drops its links on both sides.
 
 In a worker group the pool is the group's: a handshake runs under a lock file per pair and
 leaves a marker once connected, so each pair is connected once for all workers, and dropped
@@ -29,13 +30,38 @@ from typing import Any
 import aiohttp
 
 from pdproxy.errors import UpstreamError
+from pdproxy.tls import node_session
 
 log = logging.getLogger("pdproxy.pd")
 
-PROTOCOL_RDMA = 2
 STATUS_SUCCESS = 1
-#: LMDeploy's default RDMA settings for p2p_initialize.
-RDMA_CONFIG = {"with_gdr": True, "link_type": 2}
+#: LMDeploy's integer enums (MigrationProtocol, RDMALinkType), as its proxy sends them.
+PROTOCOLS = {"TCP": 1, "RDMA": 2, "NVLINK": 3}
+LINK_TYPES = {"IB": 1, "RoCE": 2}
+
+
+@dataclass(frozen=True)
+class Transport:
+    """How the engines of a link move KV (``lmdeploy serve proxy --migration-protocol
+    --link-type --disable-gdr``), in the fields of LMDeploy's ``PDConnectionMessage``."""
+
+    protocol: str = "RDMA"
+    link_type: str = "RoCE"
+    with_gdr: bool = True
+
+    @property
+    def protocol_number(self) -> int:
+        return PROTOCOLS[self.protocol]
+
+    def init_fields(self) -> dict[str, Any]:
+        """What ``p2p_initialize`` carries besides the engines: LMDeploy's proxy always sends its
+        RDMA settings (for NVLINK too) and no TCP or NVLink settings."""
+        return {
+            "protocol": self.protocol_number,
+            "tcp_config": None,
+            "rdma_config": {"with_gdr": self.with_gdr, "link_type": LINK_TYPES[self.link_type]},
+            "nvlink_config": None,
+        }
 
 
 class LinkFailed(UpstreamError):
@@ -85,12 +111,16 @@ class LinkPool:
         backoff: float,
         wait_timeout: float,
         api_key_of: Callable[[str], str | None],
+        transport: Transport,
         group_dir: Path | None = None,
+        ca_file: str = "",
     ) -> None:
         self.links: dict[tuple[str, str], Link] = {}
+        self.transport = transport
         #: In a worker group: where the pairs' lock files and connected markers live.
         self._shared = group_dir / "links" if group_dir is not None else None
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._timeout = timeout
+        self._ca_file = ca_file
         self._attempts = attempts
         self._backoff = backoff
         self._wait_timeout = wait_timeout
@@ -98,7 +128,7 @@ class LinkPool:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=self._timeout)
+        self._session = node_session(self._ca_file, self._timeout)
 
     async def aclose(self) -> None:
         for link in self.links.values():
@@ -144,8 +174,9 @@ class LinkPool:
         states = [self.links[pair].summary() for pair in pairs if pair in self.links]
         return {"links": states, "connected": sum(1 for s in states if s["state"] == "connected")}
 
-    async def drop(self, url: str) -> None:
-        """Forgets every link of ``url`` and drops them on both nodes (best effort)."""
+    async def drop(self, url: str, api_key: str | None = None) -> None:
+        """Forgets every link of ``url`` and drops them on both nodes (best effort); ``api_key``
+        is ``url``'s own, given by the caller since the node may be unregistered already."""
         gone = [link for key, link in list(self.links.items()) if url in key]
         for link in gone:
             self.links.pop((link.prefill, link.decode), None)
@@ -155,16 +186,9 @@ class LinkPool:
             gone = self._unmark(url)  # the group's links, dropped by this worker only if it unmarks them
         calls = []
         for link in gone:
-            calls.append(
-                self._post(
-                    link.prefill, "p2p_drop_connect", {"engine_id": link.prefill, "remote_engine_id": link.decode}
-                )
-            )
-            calls.append(
-                self._post(
-                    link.decode, "p2p_drop_connect", {"engine_id": link.decode, "remote_engine_id": link.prefill}
-                )
-            )
+            for local, remote in ((link.prefill, link.decode), (link.decode, link.prefill)):
+                body = {"engine_id": local, "remote_engine_id": remote}
+                calls.append(self._post(local, "p2p_drop_connect", body, api_key if local == url else None))
         for outcome in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(outcome, Exception):
                 log.info("p2p_drop_connect failed: %s", outcome)
@@ -229,14 +253,14 @@ class LinkPool:
         d_info = parse_engine_info(await self._get(decode, "engine_info"))
         if p_info.get("tp_size") != d_info.get("tp_size"):
             raise HandshakeError(f"tp_size differs: prefill {p_info.get('tp_size')}, decode {d_info.get('tp_size')}")
-        p_init = await self._post(prefill, "p2p_initialize", _init_body(prefill, p_info, decode, d_info))
-        d_init = await self._post(decode, "p2p_initialize", _init_body(decode, d_info, prefill, p_info))
+        p_init = await self._post(prefill, "p2p_initialize", self._init_body(prefill, p_info, decode, d_info))
+        d_init = await self._post(decode, "p2p_initialize", self._init_body(decode, d_info, prefill, p_info))
         for name, answer in (("prefill", p_init), ("decode", d_init)):
             if answer.get("status") != STATUS_SUCCESS:
                 raise HandshakeError(f"p2p_initialize on the {name} node answered status {answer.get('status')}")
         for local, peer, peer_init in ((prefill, decode, d_init), (decode, prefill, p_init)):
             connect = {
-                "protocol": PROTOCOL_RDMA,
+                "protocol": self.transport.protocol_number,
                 "remote_engine_id": peer,
                 "remote_engine_endpoint_info": peer_init["engine_endpoint_info"],
                 "remote_kvtransfer_endpoint_info": peer_init["kvtransfer_endpoint_info"],
@@ -245,8 +269,20 @@ class LinkPool:
             if answer.get("status") != STATUS_SUCCESS:
                 raise HandshakeError(f"p2p_connect on {local} answered status {answer.get('status')}")
 
-    def _headers(self, url: str) -> dict[str, str]:
-        key = self._api_key_of(url)
+    def _init_body(
+        self, local: str, local_info: dict[str, Any], remote: str, remote_info: dict[str, Any]
+    ) -> dict[str, Any]:
+        return {
+            "local_engine_id": local,
+            "local_engine_config": local_info,
+            "remote_engine_id": remote,
+            "remote_engine_config": remote_info,
+            "rank": None,
+            **self.transport.init_fields(),
+        }
+
+    def _headers(self, url: str, api_key: str | None = None) -> dict[str, str]:
+        key = self._api_key_of(url) or api_key
         return {"authorization": f"Bearer {key}"} if key else {}
 
     async def _get(self, url: str, endpoint: str) -> Any:
@@ -256,9 +292,10 @@ class LinkPool:
                 raise HandshakeError(f"{endpoint} on {url} answered {r.status}")
             return await r.json(content_type=None)
 
-    async def _post(self, url: str, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, url: str, endpoint: str, body: dict[str, Any], api_key: str | None = None) -> dict[str, Any]:
         assert self._session is not None
-        async with self._session.post(f"{url}/distserve/{endpoint}", json=body, headers=self._headers(url)) as r:
+        headers = self._headers(url, api_key)
+        async with self._session.post(f"{url}/distserve/{endpoint}", json=body, headers=headers) as r:
             if r.status != 200:
                 raise HandshakeError(f"{endpoint} on {url} answered {r.status}")
             answer = await r.json(content_type=None)
@@ -285,17 +322,3 @@ async def _file_lock(path: Path) -> AsyncIterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
-
-
-def _init_body(local: str, local_info: dict[str, Any], remote: str, remote_info: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "local_engine_id": local,
-        "local_engine_config": local_info,
-        "remote_engine_id": remote,
-        "remote_engine_config": remote_info,
-        "protocol": PROTOCOL_RDMA,
-        "rank": None,
-        "tcp_config": None,
-        "rdma_config": RDMA_CONFIG,
-        "nvlink_config": None,
-    }

@@ -21,12 +21,12 @@ from typing import Any
 from pdproxy.config import Settings
 from pdproxy.errors import InvalidRequest
 from pdproxy.group import alive
-from pdproxy.responses import Send
 from pdproxy.router import Router
+from pdproxy.tracing import end_on_answer, leg
 
 from .ledger import Preserved, SessionLedger
-from .links import PROTOCOL_RDMA, LinkPool
-from .relay import InvalidPrefillAnswer, read_all, relay, send_raw
+from .links import LinkPool, Transport
+from .relay import InvalidPrefillAnswer, PdRequest, read_all, relay, send_raw
 
 log = logging.getLogger("pdproxy.pd")
 
@@ -68,7 +68,9 @@ class DistServe:
             backoff=settings.pd_link_backoff,
             wait_timeout=settings.pd_link_wait_timeout,
             api_key_of=api_key_of,
+            transport=Transport(settings.migration_protocol, settings.link_type, with_gdr=not settings.disable_gdr),
             group_dir=group_dir,
+            ca_file=settings.node_ca_file,
         )
         self.ledger = SessionLedger(
             ttl=settings.pd_session_ttl,
@@ -76,8 +78,10 @@ class DistServe:
             free_attempts=settings.pd_free_attempts,
             api_key_of=api_key_of,
             journal=group_dir / "ledger" / str(os.getpid()) if group_dir is not None else None,
+            ca_file=settings.node_ca_file,
         )
         self._group_dir = group_dir
+        self._api_key_of = api_key_of
         #: Frees in progress, kept so that a cancelled request cannot cut them short.
         self._frees: set[asyncio.Task[None]] = set()
 
@@ -101,10 +105,10 @@ class DistServe:
         return freed
 
     def node_removed(self, url: str) -> None:
-        """Drops the node's links on both sides; its preserved sessions, if it was a prefill
-        node, went with it."""
-        self.ledger.forget_prefill(url)
-        self._spawn(self.links.drop(url))
+        """Drops the node's links on both sides and, if it was a prefill node, frees the
+        sessions preserved on it (those it cannot free now are left to the TTL sweep)."""
+        self._spawn(self.ledger.release_prefill(url))
+        self._spawn(self.links.drop(url, self._api_key_of(url)))
 
     def _spawn(self, work: Any) -> None:
         task = asyncio.get_running_loop().create_task(work)
@@ -125,8 +129,10 @@ class DistServe:
     def status(self) -> dict[str, Any]:
         return {"links": self.links.status(), "ledger": self.ledger.status()}
 
-    async def handle(self, path: str, body: bytes, headers: list[tuple[bytes, bytes]], send: Send, echo: Any) -> None:
+    async def handle(self, request: PdRequest) -> None:
         """One disaggregated request, prefill to decode to client."""
+        path, body, headers, send, echo = request.path, request.body, request.headers, request.send, request.echo
+        trace, tenant = request.trace, request.tenant
         chat = path.startswith("/v1/chat/")
         info = Router.inspect(body)
         if (info["n"] or 1) > 1:
@@ -136,15 +142,18 @@ class DistServe:
         entry: Preserved | None = None
         try:
             if self.settings.dummy_prefill:
-                migration = _migration(DUMMY_PREFILL, 0, [], 0, dummy=True)
+                migration = _migration(self.links.transport, DUMMY_PREFILL, 0, [], 0, dummy=True)
             else:
                 prefill = self.router.select(model, role="prefill")
                 # Connect the pair while the prefill runs, so decode never waits for a handshake.
                 link = asyncio.ensure_future(self.links.ensure(prefill, decode))
                 link.add_done_callback(_consume_exception)
-                answer = await self.router.forward(
-                    path, _prefill_body(body, chat), headers, role="prefill", node=prefill
+                span = leg(trace, "pdproxy.prefill")
+                pending = self.router.forward(
+                    path, _prefill_body(body, chat), headers, role="prefill", node=prefill, trace=span, tenant=tenant
                 )
+                end_on_answer(span, pending)
+                answer = await pending
                 raw = await read_all(answer)
                 if answer.status != 200:
                     # The prefill node's own error, status and body unchanged.
@@ -156,9 +165,14 @@ class DistServe:
                     raise InvalidPrefillAnswer("the prefill node's answer is not JSON") from None
                 entry = self.ledger.add(prefill, session, decode)
                 await link
-                migration = _migration(prefill, session, blocks, token)
+                migration = _migration(self.links.transport, prefill, session, blocks, token)
             decode_body = Router.patch(body, {"migration_request": migration})
-            response = await self.router.forward(path, decode_body, headers, role="decode", node=decode)
+            span = leg(trace, "pdproxy.decode")
+            pending = self.router.forward(
+                path, decode_body, headers, role="decode", node=decode, trace=span, tenant=tenant
+            )
+            end_on_answer(span, pending)
+            response = await pending
             try:
                 await relay(response, send, echo, on_first=(lambda: self.ledger.consume(entry)) if entry else None)
             finally:
@@ -174,9 +188,11 @@ def _prefill_body(body: bytes, chat: bool) -> bytes:
     return Router.patch(body, changes, remove=["stream_options"])
 
 
-def _migration(prefill: str, session: int, blocks: list[int], token: int, dummy: bool = False) -> dict[str, Any]:
+def _migration(
+    transport: Transport, prefill: str, session: int, blocks: list[int], token: int, dummy: bool = False
+) -> dict[str, Any]:
     return {
-        "protocol": PROTOCOL_RDMA,
+        "protocol": transport.protocol_number,
         "remote_engine_id": prefill,
         "remote_session_id": session,
         "remote_token_id": token,

@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from pdproxy._pdproxy import Response
+from pdproxy._pdproxy import Response, TenantTicket, Trace
 from pdproxy.errors import UpstreamError
 from pdproxy.responses import Send
+
+
+@dataclass(frozen=True, slots=True)
+class PdRequest:
+    """One disaggregated request, as every protocol's adapter takes it."""
+
+    #: The path as the client sent it (with its query).
+    path: str
+    body: bytes
+    #: The headers the nodes get.
+    headers: list[tuple[bytes, bytes]]
+    send: Send
+    #: The proxy's headers on every answer (request id, rate limits).
+    echo: list[tuple[bytes, bytes]]
+    trace: Trace | None = None
+    tenant: TenantTicket | None = None
 
 
 class InvalidPrefillAnswer(UpstreamError):
@@ -27,6 +44,13 @@ async def send_raw(send: Send, response: Response, raw: bytes, echo: list[tuple[
     await send({"type": "http.response.body", "body": raw})
 
 
+def with_echo(headers: list[tuple[bytes, bytes]], echo: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The node's headers plus the proxy's (request id, rate limits) that the node did not set."""
+    present = {name for name, _ in headers}
+    headers.extend(header for header in echo if header[0] not in present)
+    return headers
+
+
 async def relay(
     response: Response, send: Send, echo: list[tuple[bytes, bytes]], on_first: Callable[[], Any] | None = None
 ) -> None:
@@ -35,9 +59,7 @@ async def relay(
     if response.status != 200:
         await send_raw(send, response, await read_all(response), echo)
         return
-    headers = response.headers
-    if not any(name == b"x-request-id" for name, _ in headers):
-        headers.extend(echo)
+    headers = with_echo(response.headers, echo)
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     if response.body is not None:
         if on_first is not None:

@@ -21,10 +21,11 @@ from pdproxy._pdproxy import Response
 from pdproxy._pdproxy import Router as CoreRouter
 from pdproxy.config import Settings
 from pdproxy.errors import UpstreamError
-from pdproxy.responses import Send
 from pdproxy.router import Router
+from pdproxy.tls import node_session
+from pdproxy.tracing import end_on_answer, leg
 
-from .relay import read_all, relay, send_raw
+from .relay import PdRequest, read_all, relay, send_raw
 
 log = logging.getLogger("pdproxy.pd")
 
@@ -65,7 +66,7 @@ class SglangPD:
         self._session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.settings.pd_link_timeout))
+        self._session = node_session(self.settings.node_ca_file, self.settings.pd_link_timeout)
 
     async def aclose(self) -> None:
         for task in list(self._drains):
@@ -101,7 +102,9 @@ class SglangPD:
                         return port if isinstance(port, int) else None
         return None
 
-    async def handle(self, path: str, body: bytes, headers: list[tuple[bytes, bytes]], send: Send, echo: Any) -> None:
+    async def handle(self, request: PdRequest) -> None:
+        path, body, headers, send, echo = request.path, request.body, request.headers, request.send, request.echo
+        trace, tenant = request.trace, request.tenant
         model = Router.inspect(body)["model"]
         prefill = self.router.select(model, role="prefill")
         decode = self.router.select(model, role="decode")
@@ -115,8 +118,15 @@ class SglangPD:
             "bootstrap_room": rooms,
         }
         both = Router.patch(body, fields)
-        prefill_leg = self.router.forward(path, both, headers, role="prefill", node=prefill)
-        decode_leg = self.router.forward(path, both, headers, role="decode", node=decode)
+        prefill_span, decode_span = leg(trace, "pdproxy.prefill"), leg(trace, "pdproxy.decode")
+        prefill_leg = self.router.forward(
+            path, both, headers, role="prefill", node=prefill, trace=prefill_span, tenant=tenant
+        )
+        decode_leg = self.router.forward(
+            path, both, headers, role="decode", node=decode, trace=decode_span, tenant=tenant
+        )
+        end_on_answer(prefill_span, prefill_leg)
+        end_on_answer(decode_span, decode_leg)
         try:
             answer = await self._decode_answer(prefill_leg, decode_leg)
         except BaseException:

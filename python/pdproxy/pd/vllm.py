@@ -13,10 +13,10 @@ from typing import Any
 from pdproxy._pdproxy import Router as CoreRouter
 from pdproxy.config import Settings
 from pdproxy.errors import InvalidRequest
-from pdproxy.responses import Send
 from pdproxy.router import Router
+from pdproxy.tracing import end_on_answer, leg
 
-from .relay import InvalidPrefillAnswer, read_all, relay, send_raw
+from .relay import InvalidPrefillAnswer, PdRequest, read_all, relay, send_raw
 
 PD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
@@ -61,10 +61,17 @@ class VllmPD:
     def status(self) -> dict[str, Any]:
         return {"protocol": self.protocol}
 
-    async def handle(self, path: str, body: bytes, headers: list[tuple[bytes, bytes]], send: Send, echo: Any) -> None:
+    async def handle(self, request: PdRequest) -> None:
+        path, body, headers, send, echo = request.path, request.body, request.headers, request.send, request.echo
+        trace, tenant = request.trace, request.tenant
         if (Router.inspect(body)["n"] or 1) > 1:
             raise InvalidRequest("n > 1 is not supported with disaggregated prefill")
-        answer = await self.router.forward(path, prefill_body(body), headers, role="prefill")
+        span = leg(trace, "pdproxy.prefill")
+        pending = self.router.forward(
+            path, prefill_body(body), headers, role="prefill", trace=span or trace, tenant=tenant
+        )
+        end_on_answer(span, pending)
+        answer = await pending
         raw = await read_all(answer)
         if answer.status != 200:
             await send_raw(send, answer, raw, echo)  # the prefill's error; decode never runs
@@ -75,7 +82,10 @@ class VllmPD:
         except InvalidRequest:
             raise InvalidPrefillAnswer("the prefill node's answer is not a JSON object") from None
         decode_body = body if params in (None, "null") else CoreRouter.patch(body, [("kv_transfer_params", params)])
-        response = await self.router.forward(path, decode_body, headers, role="decode")
+        span = leg(trace, "pdproxy.decode")
+        pending = self.router.forward(path, decode_body, headers, role="decode", trace=span or trace, tenant=tenant)
+        end_on_answer(span, pending)
+        response = await pending
         try:
             await relay(response, send, echo)
         finally:

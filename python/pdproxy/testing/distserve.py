@@ -19,8 +19,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-#: LMDeploy's integer enums (they start at 1).
-PROTOCOL_RDMA = 2
+#: LMDeploy's integer enums (they start at 1): MigrationProtocol, RDMALinkType, the status.
+PROTOCOLS = {1: "TCP", 2: "RDMA", 3: "NVLINK"}
+LINK_TYPES = {1: "IB", 2: "RoCE"}
 STATUS_SUCCESS = 1
 #: Formats of the prefill answer's handle, as LMDeploy versions produced it.
 ID_FORMATS = ("legacy", "cache_session_id", "chat", "completions")
@@ -111,6 +112,8 @@ class Links:
 
     initialized: set[str] = field(default_factory=set)
     connected: set[str] = field(default_factory=set)
+    #: Per peer, the transport its p2p_initialize asked for: protocol and RDMA settings, by name.
+    transport: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: (operation, peer, monotonic time): engines in one process can be ordered together.
     log: list[tuple[str, str, float]] = field(default_factory=list)
 
@@ -131,6 +134,27 @@ def engine_info(tp_size: int, block_size: int) -> str:
         "num_gpu_blocks": 4096,
     }
     return json.dumps(json.dumps(info))
+
+
+def check_transport(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """The transport of a ``p2p_initialize`` as LMDeploy's ``DistServeInitRequest`` validates it
+    (its enums as integers, ``rdma_config`` an object of ``with_gdr`` and ``link_type`` or null);
+    ``(transport by name, None)`` or ``(None, what is wrong)``."""
+    protocol = body.get("protocol")
+    if isinstance(protocol, bool) or protocol not in PROTOCOLS:
+        return None, f"protocol {protocol!r} is not one of LMDeploy's MigrationProtocol values {sorted(PROTOCOLS)}"
+    rdma = body.get("rdma_config")
+    transport: dict[str, Any] = {"protocol": PROTOCOLS[protocol], "rdma": None, "nvlink": body.get("nvlink_config")}
+    if rdma is not None:
+        if not isinstance(rdma, dict) or set(rdma) - {"with_gdr", "link_type"}:
+            return None, f"rdma_config {rdma!r} is not a DistServeRDMAConfig"
+        with_gdr, link_type = rdma.get("with_gdr", True), rdma.get("link_type", 2)
+        if not isinstance(with_gdr, bool) or isinstance(link_type, bool) or link_type not in LINK_TYPES:
+            return None, f"rdma_config {rdma!r}: with_gdr must be a boolean, link_type one of {sorted(LINK_TYPES)}"
+        transport["rdma"] = {"with_gdr": with_gdr, "link_type": LINK_TYPES[link_type]}
+    if PROTOCOLS[protocol] == "RDMA" and transport["rdma"] is None:
+        return None, "an RDMA link needs rdma_config"
+    return transport, None
 
 
 def check_prefill_shape(body: dict[str, Any], chat: bool) -> list[str]:
@@ -154,8 +178,8 @@ def check_decode_shape(body: dict[str, Any]) -> list[str]:
     migration = body.get("migration_request")
     if not isinstance(migration, dict):
         return [*errors, "decode has no migration_request object"]
-    if migration.get("protocol") != PROTOCOL_RDMA:
-        errors.append("migration_request.protocol is not the integer 2")
+    if isinstance(migration.get("protocol"), bool) or migration.get("protocol") not in PROTOCOLS:
+        errors.append("migration_request.protocol is not one of LMDeploy's MigrationProtocol integers")
     for name, kind in (("remote_engine_id", str), ("remote_session_id", int), ("remote_token_id", int)):
         if not isinstance(migration.get(name), kind) or isinstance(migration.get(name), bool):
             errors.append(f"migration_request.{name} is not a {kind.__name__}")

@@ -6,11 +6,14 @@ request (header ``x-mock-fault``, which overrides the process's knobs one by one
     status=503            answer with this HTTP status and an OpenAI error body
     hang                  accept the request and never send the response head
     drop_after=3          close the connection after 3 events (at once when not streaming)
-    ttft_ms=200           wait this long before the first token
+    ttft_ms=200           wait this long before the first token (or before the status above)
     token_delay_ms=50     wait this long between tokens
     fragment=7            write each event in pieces of 7 bytes (tests that framing survives)
     no_id                 a prefill answer without its session handle (`id`, `cache_session_id`)
     stop_first            a vLLM prefill whose one token ends the answer (it returns null params)
+    stall_body            announce the whole answer's length, send half of it, then go silent
+    endless               an answer that never ends: an event (streams) or a piece of JSON text
+                          every 10 ms, for as long as the client reads
 
 A knob may be scoped to one role, for requests that reach both legs of a disaggregated
 request: ``prefill.status=500``, ``decode.drop_after=2``.
@@ -38,6 +41,8 @@ class Faults:
     fragment: int | None = None
     no_id: bool = False
     stop_first: bool = False
+    stall_body: bool = False
+    endless: bool = False
 
     def merged(self, override: Faults) -> Faults:
         """These knobs with every knob that ``override`` sets replaced."""
@@ -74,7 +79,7 @@ def parse_faults(spec: str, role: str | None = None) -> Faults:
                 continue
             name = rest
         try:
-            if name in ("hang", "no_id", "stop_first") and not value:
+            if name in ("hang", "no_id", "stop_first", "stall_body", "endless") and not value:
                 knobs[name] = True
             elif name in ("status", "drop_after", "fragment"):
                 knobs[name] = int(value)

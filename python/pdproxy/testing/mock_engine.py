@@ -15,10 +15,11 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import aiohttp
 from aiohttp import web
@@ -95,7 +96,14 @@ class MockSettings:
         default=0.5, metadata={"help": "Simulation: milliseconds a step takes longer per request decoding."}
     )
 
+    ssl_certfile: str = field(
+        default="", metadata={"help": "Serve HTTPS with this certificate chain (PEM; with --ssl-keyfile)."}
+    )
+    ssl_keyfile: str = field(default="", metadata={"help": "Serve HTTPS with this private key (PEM)."})
+
     def __post_init__(self) -> None:
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("ssl_certfile and ssl_keyfile go together")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.metrics_dialect not in DIALECTS:
@@ -135,6 +143,12 @@ class MockState:
     links: Links = field(default_factory=Links)
     #: Process-wide switches set through /mock/config (calls that carry no request header).
     engine_info_status: int = 200
+    #: What /v1/models answers (an engine still loading, or one behind a broken route).
+    models_status: int = 200
+    #: How /health and /v1/models answer: `json` (as engines do), `garbage` (200, bytes that are
+    #: not UTF-8), or `huge` (200, a valid answer padded to HUGE_ANSWER bytes).
+    health_body: str = "json"
+    models_body: str = "json"
     client: aiohttp.ClientSession | None = None
     #: The serving-engine simulation (``--simulate``).
     batcher: ContinuousBatcher | None = None
@@ -336,6 +350,9 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         if faults.hang:
             await asyncio.Event().wait()  # until the client goes away
         if faults.status is not None:
+            # A failure can take time to come (ttft_ms): the other PD leg is then in flight.
+            if faults.ttft_ms is not None:
+                await _sleep_ms(faults.ttft_ms)
             completed = True
             return _error(faults.status, f"injected fault: status {faults.status}", "mock_fault", "server_error")
         preserve = state.settings.role == "prefill" and bool(body.get("preserve_cache"))
@@ -374,10 +391,14 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
                 return refusal
         ttft = faults.ttft_ms if faults.ttft_ms is not None else state.settings.ttft_ms
         delay = faults.token_delay_ms if faults.token_delay_ms is not None else state.settings.token_delay_ms
+        if faults.endless:
+            await _endless(request, bool(body.get("stream")))
         if body.get("stream"):
             migrate = (lambda: _start_decode(state, body, completion, request)) if migrating else None
             response = await _stream(request, completion, ttft, delay, faults, record, migrate)
         else:
+            if faults.stall_body:
+                await _stalled(request, json.dumps(completion.whole()).encode())
             if faults.drop_after is not None:
                 _drop_connection(request)
                 return web.Response()
@@ -403,6 +424,29 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
             state.completed += 1
         else:
             state.disconnected += 1
+
+
+async def _stalled(request: web.Request, payload: bytes) -> NoReturn:
+    """Announces the whole answer, sends half of it, and goes silent until the client leaves."""
+    response = web.StreamResponse(headers={"content-type": "application/json"})
+    response.content_length = len(payload)
+    await response.prepare(request)
+    await response.write(payload[: len(payload) // 2])
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable: waits until the client leaves")
+
+
+async def _endless(request: web.Request, stream: bool) -> NoReturn:
+    """An answer that never ends, for as long as the client reads it."""
+    content_type = "text/event-stream" if stream else "application/json"
+    response = web.StreamResponse(headers={"content-type": content_type})
+    await response.prepare(request)
+    piece = b'data: {"choices": [{"delta": {"content": " more"}}]}\n\n' if stream else b'"more text", '
+    if not stream:
+        await response.write(b'{"endless": [')
+    while True:
+        await response.write(piece * 16)
+        await asyncio.sleep(0.01)
 
 
 async def _stream(
@@ -620,6 +664,10 @@ async def _migrate(state: MockState, body: dict[str, Any], completion: _Completi
     if peer not in state.links.connected:
         state.ledger.migration_errors.append(f"no p2p connection to {peer}")
         return _error(500, f"no p2p connection to {peer}", "migration_failed", "server_error")
+    if distserve.PROTOCOLS[migration["protocol"]] != state.links.transport[peer]["protocol"]:
+        error = f"migration over {distserve.PROTOCOLS[migration['protocol']]}, but the link to {peer} is not"
+        state.ledger.migration_errors.append(error)
+        return _error(500, error, "migration_failed", "server_error")
     if state.client is None:
         state.client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
     read = {
@@ -641,17 +689,45 @@ def _drop_connection(request: web.Request) -> None:
         request.transport.abort()
 
 
-async def _models(request: web.Request) -> web.Response:
-    model = request.app[STATE].settings.model
+async def _models(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    if state.models_status != 200:
+        return _error(state.models_status, "/v1/models failed (injected)", "mock_fault", "server_error")
+    model = state.settings.model
     card = {"id": model, "object": "model", "created": 0, "owned_by": "pdproxy-mock", "root": model, "parent": None}
-    return web.json_response({"object": "list", "data": [card]})
+    return await _misbehaving(request, request.app[STATE].models_body, {"object": "list", "data": [card]}, 200)
 
 
-async def _health(request: web.Request) -> web.Response:
+async def _health(request: web.Request) -> web.StreamResponse:
     # LMDeploy's shape: 200 for healthy/sleeping, 503 otherwise.
-    health = request.app[STATE].health
-    status = 200 if health in ("healthy", "sleeping") else 503
-    return web.json_response({"status": health, "message": f"engine is {health}"}, status=status)
+    state = request.app[STATE]
+    status = 200 if state.health in ("healthy", "sleeping") else 503
+    payload = {"status": state.health, "message": f"engine is {state.health}"}
+    return await _misbehaving(request, state.health_body, payload, status)
+
+
+#: The size of a `huge` answer (a misbehaving node's).
+HUGE_ANSWER = 64 << 20
+
+
+async def _misbehaving(request: web.Request, how: str, payload: dict[str, Any], status: int) -> web.StreamResponse:
+    """A JSON answer, or a misbehaving node's version of it (see MockState.health_body)."""
+    if how == "garbage":
+        return web.Response(body=b"\xff\xfe\xfd not utf-8 \x80", status=status, content_type="application/json")
+    if how != "huge":
+        return web.json_response(payload, status=status)
+    response = web.StreamResponse(status=status, headers={"content-type": "application/json"})
+    response.content_length = HUGE_ANSWER
+    await response.prepare(request)
+    head = json.dumps(payload)[:-1].encode() + b', "padding": "'
+    piece = b"x" * (1 << 20)
+    sent = len(head)
+    await response.write(head)
+    while sent + len(piece) < HUGE_ANSWER - 2:
+        await response.write(piece)
+        sent += len(piece)
+    await response.write(b"x" * (HUGE_ANSWER - 2 - sent) + b'"}')
+    return response
 
 
 async def _terminate(request: web.Request) -> web.Response:
@@ -714,13 +790,18 @@ async def _p2p_initialize(request: web.Request) -> web.Response:
     body = await _json_body(request)
     peer = str(body.get("remote_engine_id"))
     state.links.record("p2p_initialize", peer)
+    transport, wrong = distserve.check_transport(body)
+    if transport is None:
+        return _error(422, f"p2p_initialize: {wrong}", "invalid_request")  # FastAPI's validation status
     state.links.initialized.add(peer)
+    state.links.transport[peer] = transport
     host = request.host.rsplit(":", 1)[0]
+    endpoint = {"protocol": body["protocol"], "endpoint_info": f"{transport['protocol'].lower()}-{peer}"}
     return web.json_response(
         {
             "status": distserve.STATUS_SUCCESS,
             "engine_endpoint_info": {"zmq_address": f"tcp://{host}:{50000 + len(state.links.initialized)}"},
-            "kvtransfer_endpoint_info": [{"protocol": distserve.PROTOCOL_RDMA, "endpoint_info": f"rdma-{peer}"}],
+            "kvtransfer_endpoint_info": [endpoint],
         }
     )
 
@@ -733,6 +814,10 @@ async def _p2p_connect(request: web.Request) -> web.Response:
     if peer not in state.links.initialized:
         # LMDeploy raises KeyError here: a 500.
         return web.Response(status=500, text="Internal Server Error")
+    protocol = body.get("protocol")
+    if not isinstance(protocol, int) or distserve.PROTOCOLS.get(protocol) != state.links.transport[peer]["protocol"]:
+        # The engine connects with the backend p2p_initialize set up for that protocol, or fails.
+        return web.Response(status=500, text="Internal Server Error")
     state.links.connected.add(peer)
     return web.json_response({"status": distserve.STATUS_SUCCESS})
 
@@ -744,6 +829,7 @@ async def _p2p_drop_connect(request: web.Request) -> web.Response:
     state.links.record("p2p_drop_connect", peer)
     state.links.connected.discard(peer)
     state.links.initialized.discard(peer)
+    state.links.transport.pop(peer, None)
     return web.json_response({"success": True})
 
 
@@ -799,6 +885,7 @@ async def _mock_ledger(request: web.Request) -> web.Response:
     extra = {
         "links": state.links.log,
         "connected": sorted(state.links.connected),
+        "transport": state.links.transport,
         "rendezvous": state.rendezvous.report(),
         "vllm_remote": state.vllm_remote,
         "local_prefills": state.local_prefills,
@@ -809,9 +896,20 @@ async def _mock_ledger(request: web.Request) -> web.Response:
 async def _mock_config(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await _json_body(request)
-    if "engine_info_status" in body:
-        state.engine_info_status = int(body["engine_info_status"])
-    return web.json_response({"engine_info_status": state.engine_info_status})
+    for name in ("engine_info_status", "models_status"):
+        if name in body:
+            setattr(state, name, int(body[name]))
+    for knob in ("health_body", "models_body"):
+        if knob in body:
+            if body[knob] not in ANSWER_SHAPES:
+                return _error(400, f"{knob} must be one of {', '.join(ANSWER_SHAPES)}", "invalid_request")
+            setattr(state, knob, body[knob])
+    config = {"engine_info_status": state.engine_info_status, "models_status": state.models_status}
+    return web.json_response({**config, "health_body": state.health_body, "models_body": state.models_body})
+
+
+#: How a misbehaving node may answer /health and /v1/models (see MockState.health_body).
+ANSWER_SHAPES = ("json", "garbage", "huge")
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -901,14 +999,19 @@ class MockEngine:
 
     @property
     def url(self) -> str:
-        return f"http://{self.settings.host}:{self.port}"
+        scheme = "https" if self.settings.ssl_certfile else "http"
+        return f"{scheme}://{self.settings.host}:{self.port}"
 
     async def start(self) -> None:
         # handler_cancellation: a client that goes away cancels its handler at once, as a real
         # engine aborts the request.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.host, self.settings.port, backlog=1024)
+        tls = None
+        if self.settings.ssl_certfile:  # as an api_server started with --ssl
+            tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            tls.load_cert_chain(self.settings.ssl_certfile, self.settings.ssl_keyfile)
+        site = web.TCPSite(self._runner, self.settings.host, self.settings.port, backlog=1024, ssl_context=tls)
         await site.start()
         self.port = self._runner.addresses[0][1]  # the bound port, also when port=0
 

@@ -1,13 +1,15 @@
 //! The access log of the requests the edge serves: one record per request, finished when the
 //! request's last piece is dropped (so every ending, a client gone included, writes one line),
 //! handed to a writer thread. The line is the control plane's (`pdproxy/access.py`), field for
-//! field, in text or JSON.
+//! field, in text or JSON: when the request arrived (UTC) and from which address, then what
+//! became of it.
 
 use std::fmt::Write as _;
 use std::io::Write as _;
+use std::net::IpAddr;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::answer::json_string;
 
@@ -49,6 +51,9 @@ impl AccessLog {
 pub struct Record {
     log: Arc<AccessLog>,
     started: Instant,
+    /// When the request arrived, for the line's `time`.
+    arrived: SystemTime,
+    client: IpAddr,
     pub request_id: String,
     pub method: String,
     pub path: String,
@@ -64,13 +69,17 @@ pub struct Record {
     pub bytes: u64,
     pub events: u64,
     pub first_byte: Option<Duration>,
+    /// The request's trace (its own, or the caller's when requests are not traced).
+    pub trace_id: Option<String>,
 }
 
 impl Record {
-    pub fn new(log: &Arc<AccessLog>, request_id: &str, method: &str, path: &str) -> Box<Self> {
+    pub fn new(log: &Arc<AccessLog>, client: IpAddr, request_id: &str, method: &str, path: &str) -> Box<Self> {
         Box::new(Self {
             log: Arc::clone(log),
             started: Instant::now(),
+            arrived: SystemTime::now(),
+            client,
             request_id: request_id.to_owned(),
             method: method.to_owned(),
             path: path.to_owned(),
@@ -83,6 +92,7 @@ impl Record {
             bytes: 0,
             events: 0,
             first_byte: None,
+            trace_id: None,
         })
     }
 
@@ -137,7 +147,7 @@ impl Record {
                 }
                 let _ = write!(out, "{name}=");
                 match value {
-                    Value::Str(Some(s)) => out.push_str(s),
+                    Value::Str(Some(s)) => escape_text(&mut out, s),
                     Value::Int(Some(n)) => {
                         let _ = write!(out, "{n}");
                     }
@@ -147,6 +157,8 @@ impl Record {
             }
             first = false;
         };
+        field("time", Value::Str(Some(&utc_timestamp(self.arrived))));
+        field("client", Value::Str(Some(&self.client.to_string())));
         field("request_id", Value::Str(Some(&self.request_id)));
         field("method", Value::Str(Some(&self.method)));
         field("path", Value::Str(Some(&self.path)));
@@ -158,6 +170,7 @@ impl Record {
         field("events", Value::Int(Some(self.events)));
         field("ttfb", Value::Seconds(self.first_byte));
         field("duration", Value::Seconds(Some(duration)));
+        field("trace_id", Value::Str(self.trace_id.as_deref()));
         if json {
             out.push('}');
         }
@@ -176,6 +189,55 @@ impl Drop for Record {
     fn drop(&mut self) {
         let line = self.line();
         let _ = self.log.lines.send(line);
+    }
+}
+
+/// `time` as UTC in ISO 8601 with milliseconds (`2026-12-01T09:30:00.123Z`), as
+/// `access.py` writes it.
+fn utc_timestamp(at: SystemTime) -> String {
+    let since_epoch = at.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let seconds = since_epoch.as_secs();
+    let (year, month, day) = civil_date(seconds / 86_400);
+    let of_day = seconds % 86_400;
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        of_day / 3600,
+        of_day % 3600 / 60,
+        of_day % 60,
+        since_epoch.subsec_millis()
+    )
+}
+
+/// The Gregorian (year, month, day) of a count of days since 1970-01-01 (H. Hinnant's
+/// `civil_from_days`, for days on or after the epoch).
+fn civil_date(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let day_of_era = z % 146_097;
+    let year_of_era = (day_of_era - day_of_era / 1460 + day_of_era / 36_524 - day_of_era / 146_096) / 365;
+    let day_of_year = day_of_era - (365 * year_of_era + year_of_era / 4 - year_of_era / 100);
+    let shifted_month = (5 * day_of_year + 2) / 153;
+    let day = day_of_year - (153 * shifted_month + 2) / 5 + 1;
+    let month = if shifted_month < 10 { shifted_month + 3 } else { shifted_month - 9 };
+    let year = year_of_era + era * 400 + u64::from(month <= 2);
+    (year, month, day)
+}
+
+/// A text-line field that cannot break its line or forge another field: backslashes, spaces
+/// and control characters as escapes (as `access.py` writes them).
+fn escape_text(out: &mut String, text: &str) {
+    for c in text.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            ' ' => out.push_str("\\x20"),
+            c if c.is_ascii_control() => {
+                let _ = write!(out, "\\x{:02x}", c as u32);
+            }
+            c => out.push(c),
+        }
     }
 }
 
@@ -213,9 +275,25 @@ mod tests {
     }
 
     #[test]
+    fn timestamps_are_utc_iso_8601() {
+        let at = |secs: u64, millis: u64| UNIX_EPOCH + Duration::from_secs(secs) + Duration::from_millis(millis);
+        assert_eq!(utc_timestamp(at(0, 0)), "1970-01-01T00:00:00.000Z");
+        assert_eq!(utc_timestamp(at(951_782_400, 7)), "2000-02-29T00:00:00.007Z"); // a leap day
+        assert_eq!(utc_timestamp(at(1_796_092_309, 123)), "2026-12-01T02:31:49.123Z");
+        assert_eq!(utc_timestamp(at(4_102_444_799, 999)), "2099-12-31T23:59:59.999Z");
+    }
+
+    #[test]
+    fn text_fields_cannot_break_their_line() {
+        let mut out = String::new();
+        escape_text(&mut out, "m\nrequest_id=forged x\\y\u{1}z\t");
+        assert_eq!(out, "m\\nrequest_id=forged\\x20x\\\\y\\x01z\\t");
+    }
+
+    #[test]
     fn causes() {
         let log = AccessLog::start(Format::Json);
-        let mut r = Record::new(&log, "id", "POST", "/v1/chat/completions");
+        let mut r = Record::new(&log, "127.0.0.1".parse().unwrap(), "id", "POST", "/v1/chat/completions");
         assert_eq!(r.cause(), "client_cancel@ttfb");
         r.status = Some(200);
         assert_eq!(r.cause(), "client_cancel@stream");
@@ -226,6 +304,9 @@ mod tests {
         r.proxy_error = Some("upstream_error");
         assert_eq!(r.cause(), "upstream_error@ttfb");
         let line = r.line();
-        assert!(line.starts_with(r#"{"request_id":"id","method":"POST","path":"/v1/chat/completions","model":null,"#));
+        assert!(line.starts_with(r#"{"time":""#));
+        assert!(line.contains(
+            r#"Z","client":"127.0.0.1","request_id":"id","method":"POST","path":"/v1/chat/completions","model":null,"#
+        ));
     }
 }

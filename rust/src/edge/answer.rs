@@ -11,6 +11,7 @@ use http::{Response, StatusCode};
 use super::body::EdgeBody;
 use super::request::X_REQUEST_ID;
 use crate::error::{Error, Kind};
+use crate::tenants::Limit;
 
 /// One kind of error answer: its status, `OpenAI` `type` and `code`, and default `Retry-After`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,6 +37,10 @@ pub const UPSTREAM_INVALID_RESPONSE: Fault = fault(502, "upstream_error", "upstr
 pub const PREFILL_FAILED: Fault = fault(502, "upstream_error", "prefill_failed", None);
 pub const DRAINING: Fault = fault(503, "service_unavailable", "draining", Some(1));
 pub const PROXY_OVERLOADED: Fault = fault(503, "service_unavailable", "overloaded", Some(1));
+pub const LOOP_DETECTED: Fault = fault(508, "server_error", "loop_detected", None);
+pub const OVER_REQUEST_RATE: Fault = fault(429, "requests", "rate_limit_exceeded", None);
+pub const OVER_TOKEN_RATE: Fault = fault(429, "tokens", "rate_limit_exceeded", None);
+pub const OVER_BUDGET: Fault = fault(429, "insufficient_quota", "insufficient_quota", None);
 pub const CONTROL_PLANE_UNAVAILABLE: Fault = fault(503, "service_unavailable", "control_plane_unavailable", Some(1));
 
 /// The answer to a data-plane error (the same mapping as `py/errors.rs` and `errors.py`).
@@ -51,6 +56,15 @@ pub fn fault_of(error: &Error) -> Fault {
         Kind::Timeout => fault(504, "upstream_error", "upstream_timeout", None),
         Kind::Upstream | Kind::Cancelled => fault(502, "upstream_error", "upstream_error", None),
         Kind::Config => fault(500, "internal_error", "invalid_config", None),
+    }
+}
+
+/// The answer to a tenant over one of its limits (as `errors.py`'s `RateLimited`).
+pub fn limit_fault(limit: Limit) -> Fault {
+    match limit {
+        Limit::Requests | Limit::Concurrency => OVER_REQUEST_RATE,
+        Limit::Tokens => OVER_TOKEN_RATE,
+        Limit::Budget => OVER_BUDGET,
     }
 }
 

@@ -12,9 +12,9 @@ use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::Sleep;
 
-use super::access::Record;
 use super::answer::{self, Fault};
 use super::control::ControlBody;
+use super::notes::Notes;
 use super::Stop;
 use crate::engine::GatePass;
 use crate::error::{BoxError, Error, Kind};
@@ -78,6 +78,9 @@ pub struct Relay {
     event_stream: bool,
     /// The start of an event whose end has not arrived yet (event streams).
     held: BytesMut,
+    /// An unfinished event larger than this goes out as it is (whole events are a courtesy,
+    /// not a reason to hold a giant event in memory).
+    held_limit: usize,
     idle_timeout: Duration,
     idle: Pin<Box<Sleep>>,
     deadline: Option<Pin<Box<Sleep>>>,
@@ -92,7 +95,7 @@ pub struct Relay {
     /// How the node's body ended, once it has, for the poll after the last data.
     ended: Option<Result<(), Error>>,
     finished: bool,
-    record: Option<Box<Record>>,
+    notes: Notes,
     _pass: Option<GatePass>,
 }
 
@@ -102,10 +105,11 @@ pub struct RelayParts {
     pub outcome_at_end: Outcome,
     pub event_stream: bool,
     pub idle_timeout: Duration,
+    pub held_limit: usize,
     pub deadline: Option<tokio::time::Instant>,
     pub cut: Arc<Stop>,
     pub started: Instant,
-    pub record: Option<Box<Record>>,
+    pub notes: Notes,
     pub pass: Option<GatePass>,
 }
 
@@ -117,6 +121,7 @@ impl Relay {
             outcome_at_end: parts.outcome_at_end,
             event_stream: parts.event_stream,
             held: BytesMut::new(),
+            held_limit: parts.held_limit,
             idle_timeout: parts.idle_timeout,
             idle: Box::pin(tokio::time::sleep(parts.idle_timeout)),
             deadline: parts.deadline.map(|d| Box::pin(tokio::time::sleep_until(d))),
@@ -128,7 +133,7 @@ impl Relay {
             last_was_newline: false,
             ended: None,
             finished: false,
-            record: parts.record,
+            notes: parts.notes,
             _pass: parts.pass,
         }
     }
@@ -227,14 +232,20 @@ impl Relay {
         }
         self.last_data = tokio::time::Instant::from_std(now);
         let out = if self.event_stream { self.whole_events(data) } else { data };
-        if let Some(record) = &mut self.record {
-            record.sent(&out);
-        }
+        self.notes.sent(&out, events);
         out
     }
 
-    /// The whole events of what was held plus `data`; the start of an unfinished event is held.
+    /// The whole events of what was held plus `data`; the start of an unfinished event is held
+    /// (up to `held_limit`: past it, everything goes).
     fn whole_events(&mut self, data: Bytes) -> Bytes {
+        if self.held.len() + data.len() > self.held_limit {
+            if self.held.is_empty() {
+                return data;
+            }
+            self.held.extend_from_slice(&data);
+            return self.held.split().freeze();
+        }
         if self.held.is_empty() {
             match sse::last_event_end(&data, 0) {
                 Some(end) if end == data.len() => data,
@@ -270,9 +281,7 @@ impl Relay {
         }
         match end {
             Ok(()) => {
-                if let Some(record) = &mut self.record {
-                    record.complete = true;
-                }
+                self.notes.completed();
                 // A node that ended mid-event: what it sent still goes out.
                 let rest = self.held.split().freeze();
                 if rest.is_empty() {
@@ -287,11 +296,7 @@ impl Relay {
                 let fault: Fault =
                     if error.kind() == Kind::Cancelled { answer::DRAINING } else { answer::fault_of(&error) };
                 let event = answer::stream_error_event(error.message(), fault);
-                if let Some(record) = &mut self.record {
-                    record.sent(&event);
-                    record.stream_error = true;
-                    record.complete = true;
-                }
+                self.notes.stream_failed(&event, error.message());
                 Poll::Ready(Some(Ok(Frame::data(event))))
             }
             Err(error) => Poll::Ready(Some(Err(Box::new(error)))),

@@ -1,8 +1,12 @@
 //! API keys of the inference routes, compared in constant time: every key is compared in full
-//! whatever the outcome, so the time taken does not tell how much of a guess was right.
+//! whatever the outcome, so the time taken does not tell how much of a guess was right. A key
+//! comes as `Authorization: Bearer KEY` (the `OpenAI` clients) or `x-api-key: KEY` (Anthropic's).
 
-use http::header::AUTHORIZATION;
+use http::header::{HeaderName, AUTHORIZATION};
 use http::HeaderMap;
+
+/// Anthropic's clients send their key in this header.
+pub static X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 
 #[derive(Debug, Default)]
 pub struct Keys(Vec<Vec<u8>>);
@@ -12,21 +16,32 @@ impl Keys {
         Self(keys.iter().map(|k| k.as_bytes().to_vec()).collect())
     }
 
-    /// Whether the request may pass: no keys configured, or a `Bearer` token that is one of them.
+    /// Whether any key is set.
+    pub fn configured(&self) -> bool {
+        !self.0.is_empty()
+    }
+
+    /// Whether the request may pass: no keys configured, or a client key that is one of them.
     pub fn allows(&self, headers: &HeaderMap) -> bool {
         if self.0.is_empty() {
             return true;
         }
-        let Some(token) = bearer(headers) else { return false };
+        let Some(token) = client_key(headers) else { return false };
         self.0.iter().fold(false, |found, key| found | equal(token, key))
     }
 }
 
-/// The token of the first `Authorization` header, when its scheme is `Bearer`.
-fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
-    let value = headers.get(AUTHORIZATION)?.as_bytes();
-    let (scheme, token) = value.split_at(value.iter().position(|&b| b == b' ')?);
-    scheme.eq_ignore_ascii_case(b"bearer").then(|| token.trim_ascii())
+/// The client's key: the token of the first `Authorization` header when its scheme is
+/// `Bearer`, else the first `x-api-key`.
+pub fn client_key(headers: &HeaderMap) -> Option<&[u8]> {
+    match headers.get(AUTHORIZATION) {
+        Some(value) => {
+            let value = value.as_bytes();
+            let (scheme, token) = value.split_at(value.iter().position(|&b| b == b' ')?);
+            scheme.eq_ignore_ascii_case(b"bearer").then(|| token.trim_ascii())
+        }
+        None => headers.get(&X_API_KEY).map(|v| v.as_bytes().trim_ascii()),
+    }
 }
 
 /// Constant-time equality (for a given key length).
@@ -58,5 +73,10 @@ mod tests {
         }
         assert!(!keys.allows(&HeaderMap::new()));
         assert!(Keys::default().allows(&HeaderMap::new()));
+        let mut anthropic = HeaderMap::new();
+        anthropic.insert(&X_API_KEY, "other".parse().unwrap());
+        assert!(keys.allows(&anthropic));
+        anthropic.insert(&X_API_KEY, "othe".parse().unwrap());
+        assert!(!keys.allows(&anthropic));
     }
 }

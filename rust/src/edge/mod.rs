@@ -6,8 +6,10 @@ pub mod access;
 pub mod answer;
 pub mod body;
 pub mod control;
+pub mod cors;
 mod hybrid;
 mod keys;
+mod notes;
 mod pd;
 mod request;
 mod server;
@@ -21,6 +23,7 @@ use std::time::Duration;
 
 use http::header::HeaderValue;
 use http::request::Parts;
+use http::HeaderMap;
 use socket2::{Domain, Socket, Type};
 use tokio_util::sync::CancellationToken;
 
@@ -29,6 +32,7 @@ use self::control::ControlPlane;
 use self::keys::Keys;
 use crate::engine::Engine;
 use crate::error::{Error, Kind, Result};
+use crate::tenants::Tenant;
 
 /// Inference endpoints, routed by the body's model; other POSTs under `/v1/` are served too
 /// when their body names a model (as `pdproxy/app.py` routes them).
@@ -87,6 +91,10 @@ pub struct EdgeConfig {
     pub control_stale_after: Duration,
     /// SGLang: longest wait for a prefill node's `/server_info`.
     pub pd_probe_timeout: Duration,
+    /// CORS on the inference routes; `None`: off.
+    pub cors: Option<cors::Cors>,
+    /// HTTPS (`--ssl`): the certificate clients get; `None`: plain HTTP.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 /// Where a request goes.
@@ -126,11 +134,32 @@ impl EdgeState {
         }
     }
 
-    fn record(&self, id: &HeaderValue, parts: &Parts) -> Option<Box<Record>> {
+    /// Whether the request may be served, and its tenant: with tenants configured, a tenant's
+    /// key (or an API key, for no tenant) is required; without, an API key when any is set.
+    pub fn authorize(&self, headers: &HeaderMap) -> Result<Option<Arc<Tenant>>, Unauthorized> {
+        let tenants = &self.engine.tenants;
+        if !tenants.configured() {
+            return if self.keys.allows(headers) { Ok(None) } else { Err(Unauthorized) };
+        }
+        if let Some(tenant) = keys::client_key(headers).and_then(|key| tenants.by_key(key)) {
+            return Ok(Some(tenant));
+        }
+        if self.keys.configured() && self.keys.allows(headers) {
+            Ok(None)
+        } else {
+            Err(Unauthorized)
+        }
+    }
+
+    fn record(&self, id: &HeaderValue, parts: &Parts, peer: SocketAddr) -> Option<Box<Record>> {
         let log = self.access.as_ref()?;
-        Some(Record::new(log, id.to_str().unwrap_or_default(), parts.method.as_str(), parts.uri.path()))
+        Some(Record::new(log, peer.ip(), id.to_str().unwrap_or_default(), parts.method.as_str(), parts.uri.path()))
     }
 }
+
+/// A request without a valid key.
+#[derive(Debug)]
+pub struct Unauthorized;
 
 /// A stop signal read on every poll of a stream: the flag is one atomic load (the token's own
 /// check takes a lock); the token wakes whoever waits.

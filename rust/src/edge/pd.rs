@@ -5,7 +5,6 @@
 //! that order, so two requests never hold one each while waiting for the other.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -16,19 +15,23 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use serde_json::value::RawValue;
 
-use super::access::Record;
 use super::answer::{self, INVALID_REQUEST, PREFILL_FAILED, UPSTREAM_INVALID_RESPONSE};
 use super::body::EdgeBody;
-use super::hybrid::{check, parse, refuse, refuse_error, respond, within};
+use super::hybrid::{admit_tenant, check, parse, refuse, refuse_error, respond, within};
+use super::notes::Notes;
+use super::request::Peer;
 use super::request::X_REQUEST_ID;
 use super::server::Worker;
 use super::PdProtocol;
+use crate::admission::Class;
 use crate::engine::{select_ctx, Engine, HeldPermit, PermitHolder};
 use crate::error::{Error, Kind, Result};
 use crate::forward::{ForwardRequest, Forwarder, ResponseBody, UpstreamBody, UpstreamResponse};
 use crate::inspect::{member, patch, RequestInfo};
 use crate::node::{Node, Role};
 use crate::permit::InFlightPermit;
+use crate::select::SelectCtx;
+use crate::trace::{OpenSpan, SpanKind, Trace};
 
 /// What the vLLM prefill leg asks for: keep the KV cache for a remote reader.
 const VLLM_PREFILL_PARAMS: &str = r#"{"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}"#;
@@ -36,7 +39,7 @@ const VLLM_PREFILL_PARAMS: &str = r#"{"do_remote_decode": true, "do_remote_prefi
 /// Serves one request through a prefill and a decode node.
 pub async fn serve(
     worker: &Worker,
-    peer: SocketAddr,
+    peer: &Peer,
     request: hyper::Request<Incoming>,
     id: HeaderValue,
     had_id: bool,
@@ -44,19 +47,23 @@ pub async fn serve(
 ) -> Response<EdgeBody> {
     let state = &worker.state;
     let (parts, body) = request.into_parts();
-    let mut record = state.record(&id, &parts);
-    let checked = match check(state, peer, parts, body, &id, had_id, &mut record).await {
+    let mut notes = Notes::begin(state, &id, &parts, peer.address);
+    let checked = match check(state, peer, parts, body, &id, had_id, &mut notes).await {
         Ok(checked) => checked,
         Err(refusal) => return *refusal,
     };
-    let info = match parse(&checked, false, &id, &mut record) {
+    let info = match parse(&checked, false, &id, &mut notes) {
         Ok(info) => info,
+        Err(refusal) => return *refusal,
+    };
+    let class = match admit_tenant(&checked, &info, &mut notes, &id) {
+        Ok(class) => class,
         Err(refusal) => return *refusal,
     };
     let started = Instant::now();
     let deadline = state.engine.config.request_timeout.map(|t| tokio::time::Instant::now() + t);
     let request = &checked.request;
-    let flow = Flow { worker, request, headers: &request.headers, info: &info };
+    let flow = Flow { worker, request, headers: &request.headers, info: &info, trace: notes.trace.as_ref(), class };
     let answered = match protocol {
         PdProtocol::Vllm => within(deadline, flow.vllm()).await,
         _ => within(deadline, flow.sglang()).await,
@@ -64,11 +71,11 @@ pub async fn serve(
     drop(info);
     match answered {
         Ok(Answer::Relay { node, response, held }) => {
-            respond(state, &node, response, &held, &id, Some(checked.pass), record, started, deadline)
+            respond(state, &node, response, &held, &id, Some(checked.pass), notes, started, deadline)
         }
-        Ok(Answer::Raw { status, headers, body }) => raw(status, headers, body, &id, &mut record),
-        Ok(Answer::Refused { fault, message }) => refuse(&mut record, fault, &message, None, &id),
-        Err(e) => refuse_error(&mut record, &e, &id),
+        Ok(Answer::Raw { status, headers, body }) => raw(status, headers, body, &id, &mut notes),
+        Ok(Answer::Refused { fault, message }) => refuse(&mut notes, fault, &message, None, &id),
+        Err(e) => refuse_error(&mut notes, &e, &id),
     }
 }
 
@@ -99,15 +106,14 @@ fn raw(
     mut headers: HeaderMap,
     body: Bytes,
     id: &HeaderValue,
-    record: &mut Option<Box<Record>>,
+    notes: &mut Notes,
 ) -> Response<EdgeBody> {
     headers.remove(CONTENT_LENGTH);
     headers.insert(X_REQUEST_ID.clone(), id.clone());
-    if let Some(record) = record {
-        record.status = Some(status.as_u16());
-        record.sent(&body);
-        record.complete = true;
-    }
+    notes.answered(None, status.as_u16());
+    notes.decorate(&mut headers);
+    notes.sent(&body, 0);
+    notes.completed();
     let mut response = Response::new(EdgeBody::full(body));
     *response.status_mut() = status;
     *response.headers_mut() = headers;
@@ -136,14 +142,31 @@ struct Flow<'a> {
     request: &'a ForwardRequest,
     headers: &'a HeaderMap,
     info: &'a RequestInfo<'a>,
+    trace: Option<&'a Arc<Trace>>,
+    class: Class,
 }
 
 impl Flow<'_> {
+    /// Selection for `role`, its spans under `span` (the leg's, else the request's).
+    fn ctx(&self, role: Role, span: Option<&OpenSpan>) -> SelectCtx<'_> {
+        let traced = self.trace.map(|t| t.traced());
+        let trace = match span {
+            Some(span) => traced.map(|t| t.under(span)),
+            None => traced,
+        };
+        SelectCtx { trace, class: self.class, ..select_ctx(role, self.headers, self.info) }
+    }
+
+    /// A leg's span, when traced.
+    fn open_leg(&self, role: Role) -> Option<OpenSpan> {
+        self.trace.map(|t| t.traced().open(leg_name(role), SpanKind::Internal))
+    }
+
     /// The decode node's permit, then the prefill node's.
     async fn pair(&self) -> Result<(Reserved, Reserved)> {
         let engine = &self.worker.state.engine;
-        let decode = Reserved(Some(engine.permit(&select_ctx(Role::Decode, self.headers, self.info)).await?));
-        let prefill = Reserved(Some(engine.permit(&select_ctx(Role::Prefill, self.headers, self.info)).await?));
+        let decode = Reserved(Some(engine.permit(&self.ctx(Role::Decode, None)).await?));
+        let prefill = Reserved(Some(engine.permit(&self.ctx(Role::Prefill, None)).await?));
         Ok((decode, prefill))
     }
 
@@ -166,10 +189,16 @@ impl Flow<'_> {
         // Not supported on the prefill leg, or meaningless for one token.
         let body = patch(&self.request.body, &changes, &["stream_options", "min_tokens", "min_completion_tokens"])?;
         let prefill_request = ForwardRequest { body: Bytes::from(body), ..self.request.clone() };
-        let ctx = select_ctx(Role::Prefill, self.headers, self.info);
+        let leg = self.open_leg(Role::Prefill);
+        let ctx = self.ctx(Role::Prefill, leg.as_ref());
         let held = HeldPermit::default();
-        let (_, answer) = engine.send(forwarder, prefill.take(), &prefill_request, &ctx, true, true, &held).await?;
-        let (status, headers, raw) = whole(answer, &held, engine).await?;
+        let prefilled = async {
+            let (_, answer) = engine.send(forwarder, prefill.take(), &prefill_request, &ctx, true, true, &held).await?;
+            whole(answer, &held, engine).await
+        }
+        .await;
+        end_leg(self.trace, leg, prefilled.as_ref().map(|(status, _, _)| *status));
+        let (status, headers, raw) = prefilled?;
         if status != StatusCode::OK {
             return Ok(Answer::Raw { status, headers, body: raw }); // the prefill's error; decode never runs
         }
@@ -182,9 +211,12 @@ impl Flow<'_> {
             Some(params) => Bytes::from(patch(&self.request.body, &[("kv_transfer_params", params)], &[])?),
         };
         let decode_request = ForwardRequest { body: decode_body, ..self.request.clone() };
-        let ctx = select_ctx(Role::Decode, self.headers, self.info);
+        let leg = self.open_leg(Role::Decode);
+        let ctx = self.ctx(Role::Decode, leg.as_ref());
         let held = HeldPermit::default();
-        let (node, response) = engine.send(forwarder, decode.take(), &decode_request, &ctx, true, true, &held).await?;
+        let decoded = engine.send(forwarder, decode.take(), &decode_request, &ctx, true, true, &held).await;
+        end_leg(self.trace, leg, decoded.as_ref().map(|(_, response)| response.status));
+        let (node, response) = decoded?;
         relay_or_raw(node, response, held, engine).await
     }
 
@@ -220,9 +252,17 @@ impl Flow<'_> {
             body: Bytes::from(patch(&self.request.body, &fields, &[])?),
             ..self.request.clone()
         });
-        let mut prefill_leg =
-            Leg::spawn(Arc::clone(&engine), forwarder.clone(), prefill.take(), Arc::clone(&both), Role::Prefill);
-        let mut decode_leg = Leg::spawn(Arc::clone(&engine), forwarder.clone(), decode.take(), both, Role::Decode);
+        let trace = self.trace.cloned();
+        let mut prefill_leg = Leg::spawn(
+            Arc::clone(&engine),
+            forwarder.clone(),
+            prefill.take(),
+            Arc::clone(&both),
+            Role::Prefill,
+            trace.clone(),
+        );
+        let mut decode_leg =
+            Leg::spawn(Arc::clone(&engine), forwarder.clone(), decode.take(), both, Role::Decode, trace);
         let prefill_first = tokio::select! {
             biased;
             decoded = decode_leg.running() => Err(decoded),
@@ -360,11 +400,16 @@ impl Leg {
         permit: InFlightPermit,
         request: Arc<ForwardRequest>,
         role: Role,
+        trace: Option<Arc<Trace>>,
     ) -> Self {
         Leg::Running(tokio::spawn(async move {
-            let ctx = crate::select::SelectCtx { role, ..Default::default() };
+            let span = trace.as_deref().map(|t| t.traced().open(leg_name(role), SpanKind::Internal));
+            let traced = trace.as_deref().zip(span.as_ref()).map(|(t, s)| t.traced().under(s));
+            let ctx = SelectCtx { role, trace: traced, ..Default::default() };
             let held = HeldPermit::default();
-            let (node, response) = engine.send(&forwarder, permit, &request, &ctx, false, true, &held).await?;
+            let sent = engine.send(&forwarder, permit, &request, &ctx, false, true, &held).await;
+            end_leg(trace.as_ref(), span, sent.as_ref().map(|(_, response)| response.status));
+            let (node, response) = sent?;
             let permit = held.take().ok_or_else(|| Error::new(Kind::Upstream, "the leg lost its permit"))?;
             Ok((node, response, permit))
         }))
@@ -394,6 +439,27 @@ impl Drop for Leg {
         if let Leg::Running(handle) = self {
             handle.abort();
         }
+    }
+}
+
+fn leg_name(role: Role) -> &'static str {
+    if role == Role::Prefill {
+        "pdproxy.prefill"
+    } else {
+        "pdproxy.decode"
+    }
+}
+
+/// Ends a leg's span: the node's status, or why the leg failed.
+fn end_leg(trace: Option<&Arc<Trace>>, span: Option<OpenSpan>, result: std::result::Result<StatusCode, &Error>) {
+    if let (Some(trace), Some(span)) = (trace, span) {
+        let status = result.as_ref().ok().map(|s| ("http.response.status_code", s.as_str().to_owned()));
+        let error = match result {
+            Ok(status) if status.as_u16() >= 400 => Some(format!("the node answered {}", status.as_u16())),
+            Ok(_) => None,
+            Err(e) => Some(e.message().to_owned()),
+        };
+        trace.end(span, || status.into_iter().collect(), error.as_deref());
     }
 }
 
@@ -433,9 +499,11 @@ async fn probe_bootstrap_port(forwarder: &Forwarder, node: &Node, timeout: Durat
             method: Method::GET,
             path_and_query: endpoint.to_owned(),
             headers: HeaderMap::new(),
+            extra: Vec::new(),
             body: Bytes::new(),
         };
-        let Ok(Ok(response)) = tokio::time::timeout(timeout, forwarder.forward(node, &request, true)).await else {
+        let Ok(Ok(response)) = tokio::time::timeout(timeout, forwarder.forward(node, &request, true, None)).await
+        else {
             continue;
         };
         if response.status != StatusCode::OK {

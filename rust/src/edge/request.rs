@@ -1,16 +1,14 @@
 //! The client's request on the fast path: its id, its media type, its body (bounded in size
 //! and time), and the headers the node gets.
 
-use std::net::IpAddr;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::header::{HeaderName, HeaderValue, AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, HOST};
+use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, HOST};
 use http::HeaderMap;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-
-use crate::headers::{remove_any, strip_hop_headers};
 
 pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -44,6 +42,26 @@ pub fn check_media_type(headers: &HeaderMap) -> Result<(), String> {
     } else {
         Err(media.iter().map(|&b| char::from(b)).collect())
     }
+}
+
+/// A content coding of the body other than `identity`: the proxy routes on the body's bytes,
+/// so it does not take compressed ones.
+pub fn content_coding(headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(http::header::CONTENT_ENCODING)?.as_bytes();
+    let coding = value.trim_ascii();
+    (!coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity"))
+        .then(|| String::from_utf8_lossy(coding).into_owned())
+}
+
+/// Whether a pass-through path stays under `/v1/`: no dot-segments and no encoded dots or
+/// separators that a node might decode into one (`/v1/%2e%2e/%2e%2e/start_profile`).
+pub fn plain_path(path: &str) -> bool {
+    let lowered = path.to_ascii_lowercase();
+    !lowered.contains("%2e")
+        && !lowered.contains("%2f")
+        && !lowered.contains("%5c")
+        && !path.contains('\\')
+        && !path.split('/').any(|segment| segment == "." || segment == "..")
 }
 
 /// Why a body was not read.
@@ -106,43 +124,51 @@ pub async fn linger(mut body: Incoming) {
     let _ = tokio::time::timeout(LINGER, async { while let Some(Ok(_)) = body.frame().await {} }).await;
 }
 
-/// The headers the node gets, made from the client's in place: without those of the client's
-/// hop, plus the request id and `X-Forwarded-For/Host/Proto` (the proxy's, replacing what the
-/// client claimed).
-pub fn upstream_headers(mut headers: HeaderMap, peer: IpAddr, request_id: &HeaderValue, had_id: bool) -> HeaderMap {
-    static CLIENT_HOP: [HeaderName; 6] = [
-        HeaderName::from_static("x-forwarded-for"),
-        HeaderName::from_static("x-forwarded-host"),
-        HeaderName::from_static("x-forwarded-proto"),
-        HOST,
-        CONTENT_LENGTH,
-        AUTHORIZATION,
-    ];
-    let earlier = headers.get_all(&X_FORWARDED_FOR).iter().next_back().cloned();
-    let host = headers.get(HOST).cloned();
-    strip_hop_headers(&mut headers);
-    remove_any(&mut headers, &CLIENT_HOP);
+/// The client's address, as the headers that carry it need it (formatted once per connection).
+#[derive(Debug, Clone)]
+pub struct Peer {
+    pub address: SocketAddr,
+    /// The address without its port, for `X-Forwarded-For`.
+    pub ip: HeaderValue,
+}
+
+impl Peer {
+    pub fn new(address: SocketAddr) -> Self {
+        let ip = HeaderValue::from_str(&address.ip().to_string()).unwrap_or_else(|_| HeaderValue::from_static(""));
+        Self { address, ip }
+    }
+}
+
+/// The proxy's own headers for the node: the request id (when the client sent none) and
+/// `X-Forwarded-For/Host/Proto`, which replace whatever the client claimed in them (`https`
+/// when the client came over TLS).
+pub fn proxy_headers(
+    client: &HeaderMap,
+    peer: &Peer,
+    request_id: &HeaderValue,
+    had_id: bool,
+    https: bool,
+) -> Vec<(HeaderName, HeaderValue)> {
+    let mut out = Vec::with_capacity(4);
     if !had_id {
-        headers.insert(X_REQUEST_ID.clone(), request_id.clone());
+        out.push((X_REQUEST_ID.clone(), request_id.clone()));
     }
-    let peer = peer.to_string();
-    let chain = match earlier {
+    let chain = match client.get_all(&X_FORWARDED_FOR).iter().next_back() {
         Some(earlier) => {
-            let mut chain = earlier.as_bytes().to_vec();
+            let mut chain = Vec::with_capacity(earlier.len() + 2 + peer.ip.len());
+            chain.extend_from_slice(earlier.as_bytes());
             chain.extend_from_slice(b", ");
-            chain.extend_from_slice(peer.as_bytes());
-            HeaderValue::from_bytes(&chain)
+            chain.extend_from_slice(peer.ip.as_bytes());
+            HeaderValue::from_bytes(&chain).unwrap_or_else(|_| peer.ip.clone())
         }
-        None => HeaderValue::from_str(&peer),
+        None => peer.ip.clone(),
     };
-    if let Ok(chain) = chain {
-        headers.insert(X_FORWARDED_FOR.clone(), chain);
+    out.push((X_FORWARDED_FOR.clone(), chain));
+    if let Some(host) = client.get(HOST) {
+        out.push((X_FORWARDED_HOST.clone(), host.clone()));
     }
-    if let Some(host) = host {
-        headers.insert(X_FORWARDED_HOST.clone(), host);
-    }
-    headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
-    headers
+    out.push((X_FORWARDED_PROTO.clone(), HeaderValue::from_static(if https { "https" } else { "http" })));
+    out
 }
 
 #[cfg(test)]
@@ -159,6 +185,15 @@ mod tests {
     }
 
     #[test]
+    fn pass_through_paths() {
+        assert!(plain_path("/v1/rerank"));
+        assert!(plain_path("/v1/models/a.b"));
+        for bad in ["/v1/%2e%2e/x", "/v1/../x", "/v1/a%2Fb", "/v1/./x", "/v1/a%5Cb", "/v1/a\\b", "/v1/x/.."] {
+            assert!(!plain_path(bad), "{bad}");
+        }
+    }
+
+    #[test]
     fn media_types() {
         let mut h = HeaderMap::new();
         assert!(check_media_type(&h).is_ok());
@@ -171,23 +206,20 @@ mod tests {
     }
 
     #[test]
-    fn forwarded_headers_replace_the_clients_claims() {
+    fn forwarded_headers_extend_the_clients_chain() {
         let mut h = HeaderMap::new();
         h.insert(HOST, HeaderValue::from_static("proxy:8000"));
         h.insert("x-forwarded-for", HeaderValue::from_static("1.2.3.4"));
         h.insert("x-forwarded-host", HeaderValue::from_static("evil"));
-        h.insert("authorization", HeaderValue::from_static("Bearer k"));
-        h.insert("connection", HeaderValue::from_static("x-hop"));
-        h.insert("x-hop", HeaderValue::from_static("1"));
-        h.insert("x-session-id", HeaderValue::from_static("s"));
-        let out = upstream_headers(h, "10.0.0.9".parse().unwrap(), &HeaderValue::from_static("id"), false);
+        let peer = Peer::new("10.0.0.9:5000".parse().unwrap());
+        let out: HeaderMap =
+            proxy_headers(&h, &peer, &HeaderValue::from_static("id"), false, false).into_iter().collect();
         assert_eq!(out["x-forwarded-for"], "1.2.3.4, 10.0.0.9");
         assert_eq!(out["x-forwarded-host"], "proxy:8000");
         assert_eq!(out["x-forwarded-proto"], "http");
         assert_eq!(out["x-request-id"], "id");
-        assert_eq!(out["x-session-id"], "s");
-        for gone in ["host", "authorization", "connection", "x-hop"] {
-            assert!(!out.contains_key(gone), "{gone}");
-        }
+        let out = proxy_headers(&HeaderMap::new(), &peer, &HeaderValue::from_static("id"), true, true);
+        assert_eq!(out.len(), 2, "the client's own id is kept as it is, with no host to forward");
+        assert!(out.iter().any(|(name, value)| name == "x-forwarded-proto" && value == "https"), "over TLS");
     }
 }

@@ -13,6 +13,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures_util::FutureExt;
+use http::header::ORIGIN;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
@@ -22,11 +23,13 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::time::Sleep;
+use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use super::answer;
 use super::body::EdgeBody;
-use super::request::request_id;
+use super::cors::Cors;
+use super::request::{request_id, Peer};
 use super::{hybrid, pd, EdgeState, Route, Stop};
 use crate::forward::Forwarder;
 
@@ -78,7 +81,7 @@ pub fn run_thread(state: &Arc<EdgeState>, start: ThreadStart, acceptor: Option<(
     runtime.block_on(async {
         let worker = Arc::new(Worker {
             state: Arc::clone(state),
-            forwarder: Forwarder::new(state.engine.config.forward.clone()),
+            forwarder: Forwarder::new(state.engine.config.forward.clone(), state.engine.instance()),
             open: start.open,
         });
         let accepting = async {
@@ -138,13 +141,38 @@ async fn serve_inbox(worker: &Arc<Worker>, mut inbox: UnboundedReceiver<Accepted
 
 async fn serve_connection(worker: Arc<Worker>, stream: TcpStream, peer: SocketAddr) {
     let _ = stream.set_nodelay(true);
+    // Every buffer of a stream counts: the kernel's too (see `forward::socket_buffer`).
+    let limit = worker.state.engine.config.forward.stream_buffer_limit;
+    let _ = socket2::SockRef::from(&stream).set_send_buffer_size(crate::forward::socket_buffer(limit));
+    let peer = Arc::new(Peer::new(peer));
     let state = Arc::clone(&worker.state);
     state.connections.fetch_add(1, Ordering::Relaxed);
+    match &state.config.tls {
+        None => serve_http(&worker, stream, peer).await,
+        Some(tls) => {
+            // The handshake gets the time a client has to send its headers.
+            let handshake = TlsAcceptor::from(Arc::clone(tls)).accept(stream);
+            if let Ok(Ok(stream)) = tokio::time::timeout(state.config.header_read_timeout, handshake).await {
+                serve_http(&worker, stream, peer).await;
+            }
+        }
+    }
+    state.connections.fetch_sub(1, Ordering::Relaxed);
+    worker.open.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// Serves HTTP/1.1 on a client's connection (plain, or TLS once its handshake is done).
+async fn serve_http<S>(worker: &Arc<Worker>, stream: S, peer: Arc<Peer>)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let state = &worker.state;
     let io = TokioIo::new(StallGuard::new(stream, state.engine.config.forward.stream_stall_timeout));
-    let service_worker = Arc::clone(&worker);
+    let service_worker = Arc::clone(worker);
     let service = service_fn(move |request| {
         let worker = Arc::clone(&service_worker);
-        async move { Ok::<_, Infallible>(guarded(worker, peer, request).await) }
+        let peer = Arc::clone(&peer);
+        async move { Ok::<_, Infallible>(guarded(worker, &peer, request).await) }
     });
     let mut builder = http1::Builder::new();
     builder
@@ -162,12 +190,10 @@ async fn serve_connection(worker: Arc<Worker>, stream: TcpStream, peer: SocketAd
             let _ = tokio::time::timeout(CLOSE_GRACE, connection).await;
         }
     }
-    state.connections.fetch_sub(1, Ordering::Relaxed);
-    worker.open.fetch_sub(1, Ordering::Relaxed);
 }
 
 /// Routes the request; a panic while serving it becomes a 500 answer, never a dead connection.
-async fn guarded(worker: Arc<Worker>, peer: SocketAddr, request: Request<Incoming>) -> Response<EdgeBody> {
+async fn guarded(worker: Arc<Worker>, peer: &Peer, request: Request<Incoming>) -> Response<EdgeBody> {
     let (id, had_id) = request_id(request.headers());
     let echo = id.clone();
     match AssertUnwindSafe(route(&worker, peer, request, id, had_id)).catch_unwind().await {
@@ -178,22 +204,30 @@ async fn guarded(worker: Arc<Worker>, peer: SocketAddr, request: Request<Incomin
 
 async fn route(
     worker: &Worker,
-    peer: SocketAddr,
+    peer: &Peer,
     request: Request<Incoming>,
     id: http::HeaderValue,
     had_id: bool,
 ) -> Response<EdgeBody> {
     let state = &worker.state;
-    if request.method() == Method::POST {
-        match state.route(request.uri().path()) {
-            Route::Hybrid { require_model } => {
-                return hybrid::serve(worker, peer, request, id, had_id, require_model).await;
-            }
-            Route::Disaggregated(protocol) => return pd::serve(worker, peer, request, id, had_id, protocol).await,
-            Route::ControlPlane => {}
-        }
+    // Browsers' CORS, on the routes they may call; what the control plane serves it decorates itself.
+    let cors = state.config.cors.as_ref().filter(|_| Cors::applies_to(request.uri().path()));
+    if let Some(cors) = cors.filter(|_| Cors::is_preflight(request.method(), request.headers())) {
+        return cors.preflight(request.headers(), &id);
     }
-    state.control.forward(peer, request, &id).await
+    if request.method() == Method::POST {
+        let origin = cors.and(request.headers().get(ORIGIN).cloned());
+        let mut response = match state.route(request.uri().path()) {
+            Route::Hybrid { require_model } => hybrid::serve(worker, peer, request, id, had_id, require_model).await,
+            Route::Disaggregated(protocol) => pd::serve(worker, peer, request, id, had_id, protocol).await,
+            Route::ControlPlane => return state.control.forward(peer.address, request, &id).await,
+        };
+        if let (Some(cors), Some(origin)) = (cors, origin) {
+            cors.decorate(&mut response, &origin);
+        }
+        return response;
+    }
+    state.control.forward(peer.address, request, &id).await
 }
 
 /// The edge's shutdown, as a connection waits for it: its waker is registered once, then each
@@ -230,15 +264,15 @@ impl Future for Shutdown {
 
 /// The client's socket, cut off when the client stops reading for longer than `limit` (its
 /// stream would otherwise hold its node for as long as the client likes).
-struct StallGuard {
-    stream: TcpStream,
+struct StallGuard<S> {
+    stream: S,
     limit: Duration,
     stalled: Option<Pin<Box<Sleep>>>,
     armed: bool,
 }
 
-impl StallGuard {
-    fn new(stream: TcpStream, limit: Duration) -> Self {
+impl<S> StallGuard<S> {
+    fn new(stream: S, limit: Duration) -> Self {
         Self { stream, limit, stalled: None, armed: false }
     }
 
@@ -260,13 +294,13 @@ impl StallGuard {
     }
 }
 
-impl AsyncRead for StallGuard {
+impl<S: AsyncRead + Unpin> AsyncRead for StallGuard<S> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         Pin::new(&mut self.stream).poll_read(cx, buf)
     }
 }
 
-impl AsyncWrite for StallGuard {
+impl<S: AsyncWrite + Unpin> AsyncWrite for StallGuard<S> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let polled = Pin::new(&mut self.stream).poll_write(cx, buf);
         self.written(cx, polled)

@@ -14,7 +14,7 @@ pub use policies::{PolicyNames, PolicySet};
 
 use http::HeaderMap;
 
-use crate::admission::{Admission, Ticket};
+use crate::admission::{Admission, Class, Ticket};
 use crate::error::{Error, Kind, Result};
 use crate::forward::{ForwardConfig, ForwardRequest, Forwarder, UpstreamResponse};
 use crate::inspect::RequestInfo;
@@ -23,6 +23,8 @@ use crate::permit::{InFlightPermit, Outcome};
 use crate::registry::Registry;
 use crate::retry::RetryBudget;
 use crate::select::{select, select_excluding, PolicyConfig, SelectCtx};
+use crate::tenants::Tenants;
+use crate::trace::{OpenSpan, SpanKind, Trace, Tracer, TracingConfig};
 
 /// How often a request queued in a worker group looks for room freed by another worker.
 const GROUP_POLL: Duration = Duration::from_millis(5);
@@ -45,6 +47,8 @@ pub struct EngineConfig {
     pub forward: ForwardConfig,
     /// Inference requests served at once by the proxy (0: no cap).
     pub max_requests: usize,
+    /// Where spans go; `None`: requests are not traced.
+    pub tracing: Option<TracingConfig>,
 }
 
 #[derive(Debug)]
@@ -58,13 +62,26 @@ pub struct Engine {
     pub config: EngineConfig,
     /// In a worker group: how often a queued request looks for room freed by other workers.
     group_poll: Option<Duration>,
+    /// This proxy's id in `x-pdproxy-via` (see `loops`).
+    instance: String,
+    /// Present when requests are traced.
+    pub tracer: Option<Arc<Tracer>>,
+    /// Who requests count for, and their limits (empty: nobody's).
+    pub tenants: Tenants,
 }
 
 /// A permit taken at once, or a place in the queue.
 #[derive(Debug)]
 pub enum Admitted {
     Now(InFlightPermit),
-    Queued(Ticket),
+    Queued(Queued),
+}
+
+/// A request waiting in the queue: its ticket, and when traced its admission and queue spans.
+#[derive(Debug)]
+pub struct Queued {
+    ticket: Ticket,
+    spans: Option<(OpenSpan, OpenSpan)>,
 }
 
 /// Where the permit of a request being sent is kept, so that its owner can release it at
@@ -101,16 +118,25 @@ impl Engine {
     pub fn new(config: EngineConfig, registry: Registry) -> Result<Self> {
         let policies = PolicySet::build(&config.policies, &config.policy)?;
         let group_poll = registry.in_a_group().then_some(GROUP_POLL);
+        let instance = crate::loops::new_instance_id();
         Ok(Self {
             registry,
             policies,
             admission: Arc::new(Admission::new(config.queue_size)),
             retry_budget: RetryBudget::new(config.retry_budget_ratio, config.retry_budget_floor),
-            forwarder: Forwarder::new(config.forward.clone()),
+            forwarder: Forwarder::new(config.forward.clone(), &instance),
             gate: Arc::new(Gate::new(config.max_requests)),
+            tracer: config.tracing.clone().map(Tracer::start),
+            tenants: Tenants::default(),
             config,
             group_poll,
+            instance,
         })
+    }
+
+    /// This proxy's id, as its requests carry it in `x-pdproxy-via`.
+    pub fn instance(&self) -> &str {
+        &self.instance
     }
 
     pub fn policies(&self) -> &PolicySet {
@@ -139,30 +165,38 @@ impl Engine {
         let set = self.registry.load();
         set.count_request(ctx.model);
         let policy = self.policies.for_request(ctx.role, ctx.model);
+        let span = ctx.trace.map(|t| t.open("pdproxy.admission", SpanKind::Internal));
+        let inner = SelectCtx { trace: ctx.trace.zip(span.as_ref()).map(|(t, s)| t.under(s)), ..*ctx };
         // First come, first served: newcomers wait behind requests already queued for the same nodes.
-        let selected = if self.admission.has_waiter_for(ctx.role, ctx.model) {
+        let selected = if self.admission.has_waiter_for(ctx.role, ctx.model, ctx.class) {
             Err(Error::new(Kind::Overloaded, "requests are queued for these nodes"))
         } else {
-            select(&set, ctx, policy.as_ref(), Some(&self.admission))
+            select(&set, &inner, policy.as_ref(), Some(&self.admission))
         };
-        match selected {
+        let admitted = match selected {
             Ok(permit) => Ok(Admitted::Now(permit)),
             Err(e) if e.kind() == Kind::Overloaded && self.config.queue_size > 0 => {
-                match self.admission.enqueue(ctx.role, ctx.model, false) {
-                    Some(ticket) => Ok(Admitted::Queued(ticket)),
+                match self.admission.enqueue(ctx.role, ctx.model, ctx.class) {
+                    Some(ticket) => {
+                        let spans =
+                            inner.trace.zip(span).map(|(t, s)| (s, t.open("pdproxy.queue", SpanKind::Internal)));
+                        return Ok(Admitted::Queued(Queued { ticket, spans }));
+                    }
                     None => Err(self.overloaded()),
                 }
             }
             Err(e) if e.kind() == Kind::Overloaded => Err(self.overloaded()),
             Err(e) => Err(e),
-        }
+        };
+        end_admission(ctx, span, false, admitted.as_ref().err());
+        admitted
     }
 
     /// `admit`, then the wait in the queue if there was one.
     pub async fn permit(&self, ctx: &SelectCtx<'_>) -> Result<InFlightPermit> {
         match self.admit(ctx)? {
             Admitted::Now(permit) => Ok(permit),
-            Admitted::Queued(ticket) => self.wait_for_permit(ticket, ctx).await,
+            Admitted::Queued(queued) => self.wait_for_permit(queued, ctx).await,
         }
     }
 
@@ -193,7 +227,19 @@ impl Engine {
     /// Waits in the queue until a node with room takes the request, or the wait times out.
     /// The request is queued on entry; every round first tries to select (a slot freed just
     /// before the request queued would otherwise wake nobody), then waits for a wake.
-    pub async fn wait_for_permit(&self, mut ticket: Ticket, ctx: &SelectCtx<'_>) -> Result<InFlightPermit> {
+    pub async fn wait_for_permit(&self, queued: Queued, ctx: &SelectCtx<'_>) -> Result<InFlightPermit> {
+        let Queued { mut ticket, spans } = queued;
+        let (admission_span, queue_span) = spans.unzip();
+        let inner = SelectCtx { trace: ctx.trace.zip(admission_span.as_ref()).map(|(t, s)| t.under(s)), ..*ctx };
+        let waited = self.wait_in_queue(&mut ticket, &inner).await;
+        if let (Some(traced), Some(span)) = (inner.trace, queue_span) {
+            traced.trace.end(span, Vec::new, waited.as_ref().err().map(Error::message));
+        }
+        end_admission(ctx, admission_span, true, waited.as_ref().err());
+        waited
+    }
+
+    async fn wait_in_queue(&self, ticket: &mut Ticket, ctx: &SelectCtx<'_>) -> Result<InFlightPermit> {
         // Records the wait on every way out: served, timed out, failed or cancelled.
         let timer = WaitTimer { admission: &self.admission, since: Instant::now() };
         let deadline = tokio::time::Instant::from_std(timer.since) + self.config.queue_timeout;
@@ -222,11 +268,8 @@ impl Engine {
                 return Err(Error::new(Kind::Overloaded, "no node had room for the request in time")
                     .with_retry_after(self.admission.retry_after()));
             }
-            // Woken and out of the queue: back in at its head (always open) before trying again.
-            let Some(again) = self.admission.enqueue(role, ctx.model, true) else {
-                return Err(Error::new(Kind::Overloaded, "the wait queue is closed"));
-            };
-            ticket = again;
+            // Woken and out of the queue: back in, in its old place, before trying again.
+            *ticket = self.admission.requeue(role, ctx.model, ticket);
         }
     }
 
@@ -256,7 +299,13 @@ impl Engine {
         loop {
             let node = Arc::clone(permit.node());
             holder.hold(permit);
-            let error = match forwarder.forward(&node, request, prefetch).await {
+            let attempt = ctx.trace.map(|t| t.open("pdproxy.attempt", SpanKind::Client));
+            let traceparent = ctx.trace.zip(attempt.as_ref()).map(|(t, s)| t.trace.traceparent(s));
+            let answer = forwarder.forward(&node, request, prefetch, traceparent.as_ref()).await;
+            if let (Some(traced), Some(span)) = (ctx.trace, attempt) {
+                end_attempt(traced.trace, span, &node, tried.len(), &answer);
+            }
+            let error = match answer {
                 // Refused before any work (overloaded or unavailable): another node may take it.
                 Ok(response) if matches!(response.status.as_u16(), 429 | 503) => Err(response),
                 Ok(response) => return Ok((node, response)),
@@ -302,9 +351,42 @@ pub fn affinity<'a>(headers: &'a HeaderMap, info: &'a RequestInfo<'_>) -> Option
     header(&SESSION).or_else(|| header(&USER)).or(info.body_affinity())
 }
 
+/// Ends the admission span (when traced).
+fn end_admission(ctx: &SelectCtx<'_>, span: Option<OpenSpan>, queued: bool, error: Option<&Error>) {
+    if let (Some(traced), Some(span)) = (ctx.trace, span) {
+        let attributes =
+            || vec![("pdproxy.queued", queued.to_string()), ("pdproxy.priority", ctx.class.priority.to_string())];
+        traced.trace.end(span, attributes, error.map(Error::message));
+    }
+}
+
+/// Ends an attempt's span: the node, the attempt's number, and its answer's status or error.
+fn end_attempt(trace: &Trace, span: OpenSpan, node: &Node, earlier: usize, answer: &Result<UpstreamResponse>) {
+    let attributes = || {
+        let mut out = vec![("pdproxy.node", node.url().to_owned()), ("pdproxy.attempt", (earlier + 1).to_string())];
+        if let Ok(response) = answer {
+            out.push(("http.response.status_code", response.status.as_str().to_owned()));
+        }
+        out
+    };
+    let error = match answer {
+        Ok(response) if response.status.as_u16() >= 500 => Some(response.status.as_str()),
+        Ok(_) => None,
+        Err(e) => Some(e.message()),
+    };
+    trace.end(span, attributes, error);
+}
+
 /// What selection needs of a request, from its parsed body and headers.
 pub fn select_ctx<'a>(role: Role, headers: &'a HeaderMap, info: &'a RequestInfo<'_>) -> SelectCtx<'a> {
-    SelectCtx { role, model: info.model.as_deref(), affinity: affinity(headers, info), prompt: info.prompt }
+    SelectCtx {
+        role,
+        model: info.model.as_deref(),
+        affinity: affinity(headers, info),
+        prompt: info.prompt,
+        class: Class::default(),
+        trace: None,
+    }
 }
 
 /// Observes the time a request spent queued when dropped.

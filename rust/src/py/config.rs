@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 use crate::engine::{EngineConfig, PolicyNames};
 use crate::forward::ForwardConfig;
 use crate::select::{PolicyConfig, PrefixConfig, ScoreWeights};
+use crate::trace::{Sampler, TracingConfig};
 
 #[derive(FromPyObject)]
 pub struct RouterConfig {
@@ -44,6 +45,13 @@ pub struct RouterConfig {
     pub stream_buffer_limit: usize,
     pub stream_stall_timeout: f64,
     pub max_requests: usize,
+    pub node_ca_file: String,
+    pub otlp_endpoint: String,
+    /// `NAME=VALUE` pairs.
+    pub otlp_headers: Vec<String>,
+    pub service_name: String,
+    pub trace_sampler: String,
+    pub trace_sampler_arg: f64,
 }
 
 pub fn seconds(name: &str, value: f64) -> PyResult<Duration> {
@@ -51,6 +59,10 @@ pub fn seconds(name: &str, value: f64) -> PyResult<Duration> {
         .ok()
         .filter(|d| !d.is_zero())
         .ok_or_else(|| PyValueError::new_err(format!("{name} must be a positive number of seconds, got {value}")))
+}
+
+fn or_general(role_policy: &str, general: &str) -> String {
+    if role_policy.is_empty() { general } else { role_policy }.to_owned()
 }
 
 impl RouterConfig {
@@ -64,6 +76,7 @@ impl RouterConfig {
             stream_idle_timeout: seconds("stream_idle_timeout", self.stream_idle_timeout)?,
             stream_buffer_limit: self.stream_buffer_limit.max(1),
             stream_stall_timeout: seconds("stream_stall_timeout", self.stream_stall_timeout)?,
+            node_ca_file: (!self.node_ca_file.is_empty()).then(|| self.node_ca_file.clone().into()),
         })
     }
 
@@ -71,8 +84,9 @@ impl RouterConfig {
         Ok(EngineConfig {
             policies: PolicyNames {
                 hybrid: self.policy.clone(),
-                prefill: self.prefill_policy.clone(),
-                decode: self.decode_policy.clone(),
+                // A role without a policy of its own takes the general one (`--routing-strategy`).
+                prefill: or_general(&self.prefill_policy, &self.policy),
+                decode: or_general(&self.decode_policy, &self.policy),
                 by_model: self.model_policies.clone(),
             },
             policy: PolicyConfig {
@@ -106,6 +120,26 @@ impl RouterConfig {
             circuit_cooldown: seconds("circuit_cooldown", self.circuit_cooldown)?,
             forward: self.forward_config()?,
             max_requests: self.max_requests,
+            tracing: self.tracing_config()?,
         })
+    }
+
+    /// Tracing, when an OTLP endpoint is set.
+    fn tracing_config(&self) -> PyResult<Option<TracingConfig>> {
+        if self.otlp_endpoint.is_empty() {
+            return Ok(None);
+        }
+        let sampler = Sampler::parse(&self.trace_sampler, Some(self.trace_sampler_arg))
+            .ok_or_else(|| PyValueError::new_err(format!("unknown trace sampler {:?}", self.trace_sampler)))?;
+        Ok(Some(TracingConfig {
+            endpoint: self.otlp_endpoint.clone(),
+            headers: self
+                .otlp_headers
+                .iter()
+                .filter_map(|h| h.split_once('=').map(|(n, v)| (n.trim().to_owned(), v.trim().to_owned())))
+                .collect(),
+            service_name: self.service_name.clone(),
+            sampler,
+        }))
     }
 }

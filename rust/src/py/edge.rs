@@ -11,7 +11,9 @@ use super::config::seconds;
 use super::errors::to_pyerr;
 use super::router::Router;
 use crate::edge::access::Format;
+use crate::edge::cors::Cors;
 use crate::edge::{self, EdgeConfig, PdProtocol};
+use crate::tls;
 
 #[pyclass(frozen, name = "EdgeListener", module = "pdproxy._pdproxy")]
 pub struct EdgeListener {
@@ -46,6 +48,13 @@ pub struct EdgeSettings {
     first_byte_timeout: f64,
     pd_link_timeout: f64,
     header_read_timeout: f64,
+    allow_origins: Vec<String>,
+    allow_credentials: bool,
+    allow_methods: Vec<String>,
+    allow_headers: Vec<String>,
+    ssl: bool,
+    ssl_certfile: PathBuf,
+    ssl_keyfile: PathBuf,
 }
 
 #[pyclass(frozen, name = "Edge", module = "pdproxy._pdproxy")]
@@ -92,6 +101,17 @@ impl Edge {
             control_timeout: seconds("first_byte_timeout", settings.first_byte_timeout)?,
             control_stale_after: seconds("control_stale_after", control_stale_after)?,
             pd_probe_timeout: seconds("pd_link_timeout", settings.pd_link_timeout)?,
+            cors: Cors::new(
+                &settings.allow_origins,
+                settings.allow_credentials,
+                &settings.allow_methods,
+                &settings.allow_headers,
+            ),
+            tls: settings
+                .ssl
+                .then(|| tls::server_config(&settings.ssl_certfile, &settings.ssl_keyfile))
+                .transpose()
+                .map_err(|e| to_pyerr(&e))?,
         };
         let inner = edge::Edge::start(router.engine.clone(), &listener, config, threads).map_err(|e| to_pyerr(&e))?;
         Ok(Self { inner })

@@ -1,6 +1,6 @@
 //! Data-plane errors raised as the exception classes defined once in `pdproxy/errors.py`.
-//! The exception's message is safe to show a client; the underlying cause (which may name
-//! addresses or OS errors) goes to its `detail` attribute only.
+//! The exception's message is safe to show a client; the node and the underlying cause (which
+//! name addresses or OS errors) go to its `detail` attribute only.
 
 use std::error::Error as _;
 
@@ -24,7 +24,12 @@ pyo3::import_exception!(pdproxy.errors, ProxyOverloaded);
 
 /// The most specific Python exception for a data-plane error.
 pub fn to_pyerr(err: &Error) -> PyErr {
-    let args = (err.message().to_owned(), err.source().map(ToString::to_string), err.retry_after());
+    let detail = match (err.node(), err.source()) {
+        (Some(node), Some(cause)) => Some(format!("node {node}: {cause}")),
+        (Some(node), None) => Some(format!("node {node}")),
+        (None, cause) => cause.map(ToString::to_string),
+    };
+    let args = (err.message().to_owned(), detail, err.retry_after());
     match err.kind() {
         Kind::InvalidRequest => InvalidRequest::new_err(args),
         Kind::InvalidNode => InvalidNode::new_err(args),

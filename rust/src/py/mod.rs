@@ -7,17 +7,23 @@ mod errors;
 mod response;
 mod router;
 mod shared;
+mod tenants;
+mod trace;
 
 use pyo3::prelude::*;
 
 #[pymodule(gil_used = false)]
 fn _pdproxy(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    // The one list of routing policies; the settings check names against it before serving.
+    m.add("POLICY_NAMES", pyo3::types::PyTuple::new(m.py(), crate::select::POLICY_NAMES)?)?;
     m.add_class::<router::Router>()?;
     m.add_class::<response::Response>()?;
     m.add_class::<bridge::LoopBridge>()?;
     m.add_class::<shared::SharedTable>()?;
     m.add_class::<edge::EdgeListener>()?;
     m.add_class::<edge::Edge>()?;
+    m.add_class::<trace::Trace>()?;
+    m.add_class::<tenants::TenantTicket>()?;
     Ok(())
 }

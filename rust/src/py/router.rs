@@ -1,7 +1,7 @@
 //! `Router`: the engine (node table, selection, admission, forwarding) as one Python object.
 
 use std::collections::HashMap;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -16,20 +16,25 @@ use super::config::RouterConfig;
 use super::errors::to_pyerr;
 use super::response::{Head, Response};
 use super::shared::SharedTable;
+use super::tenants::{limited_to_pyerr, tenant_dict, TenantEntry, TenantTicket};
+use super::trace::{traced, Trace};
+use crate::admission::Class;
 use crate::circuit::now_ms;
 use crate::engine::{select_ctx, Admitted, Engine};
 use crate::engine_report::EngineFigures;
 use crate::error::{Error, Kind};
 use crate::exchange::{pump, Exchange, StreamTimeouts};
 use crate::forward::{ForwardRequest, ResponseBody, UpstreamResponse};
-use crate::headers::upstream_request_headers;
+use crate::headers::header_map;
 use crate::histogram::HistogramSnapshot;
 use crate::inspect::{inspect, patch};
 use crate::node::{Node, NodeSpec, NodeState, NodeUrl, Role};
 use crate::permit::Outcome;
-use crate::registry::{check_speed, Registry};
+use crate::registry::{check_api_key, check_speed, Registry};
 use crate::runtime;
 use crate::select::SelectCtx;
+use crate::tenants::{estimate_tokens, TenantPass, TenantSpec};
+use crate::trace::{OpenSpan, Trace as RequestTrace};
 
 #[pyclass(frozen, name = "Router", module = "pdproxy._pdproxy")]
 pub struct Router {
@@ -63,13 +68,19 @@ impl Router {
         Ok(Self { engine: Arc::new(engine), runtime, shutdown: CancellationToken::new(), bridge: OnceLock::new() })
     }
 
+    /// This proxy's id, as the requests it sends carry it in `x-pdproxy-via`.
+    #[getter]
+    fn instance_id(&self) -> &str {
+        self.engine.instance()
+    }
+
     /// The routing policy of each role (and per-model overrides, as `model:NAME`).
     #[getter]
     fn policies(&self) -> Vec<(String, &'static str)> {
         self.engine.policies().names()
     }
 
-    #[pyo3(signature = (url, models=None, role="hybrid", speed=None, max_concurrency=None, api_key=None, bootstrap_port=None))]
+    #[pyo3(signature = (url, models=None, role="hybrid", speed=None, max_concurrency=None, api_key=None, bootstrap_port=None, address=None))]
     #[allow(clippy::too_many_arguments)]
     fn add_node(
         &self,
@@ -80,8 +91,14 @@ impl Router {
         max_concurrency: Option<u32>,
         api_key: Option<String>,
         bootstrap_port: Option<u16>,
+        address: Option<&str>,
     ) -> PyResult<String> {
+        let address = address
+            .map(str::parse::<std::net::SocketAddr>)
+            .transpose()
+            .map_err(|_| to_pyerr(&Error::new(Kind::InvalidNode, "a node's address must read HOST:PORT")))?;
         let spec = NodeSpec {
+            address,
             models: models.unwrap_or_default(),
             role: role_of(role)?,
             speed,
@@ -230,18 +247,19 @@ impl Router {
     /// The node the policy would choose now, without sending anything or taking a permit.
     #[pyo3(signature = (model=None, role="hybrid", affinity=None))]
     fn select(&self, model: Option<&str>, role: &str, affinity: Option<&str>) -> PyResult<String> {
-        let ctx = SelectCtx { role: role_of(role)?, model, affinity, prompt: None };
+        let ctx = SelectCtx { role: role_of(role)?, model, affinity, ..SelectCtx::default() };
         let node = self.engine.choose(&ctx).map_err(|e| to_pyerr(&e))?;
         Ok(node.url().to_owned())
     }
 
     /// Raises `InvalidNode` for a node the table would refuse (URL, role, speed), without adding it.
     #[staticmethod]
-    #[pyo3(signature = (url, role="hybrid", speed=None))]
-    fn check_node(url: &str, role: &str, speed: Option<f64>) -> PyResult<()> {
+    #[pyo3(signature = (url, role="hybrid", speed=None, api_key=None))]
+    fn check_node(url: &str, role: &str, speed: Option<f64>, api_key: Option<&str>) -> PyResult<()> {
         NodeUrl::parse(url).map_err(|e| to_pyerr(&e))?;
         role_of(role)?;
-        check_speed(speed).map_err(|e| to_pyerr(&e))
+        check_speed(speed).map_err(|e| to_pyerr(&e))?;
+        check_api_key(api_key).map_err(|e| to_pyerr(&e))
     }
 
     /// The canonical form of a node URL (scheme and host lower-cased, no trailing slash).
@@ -292,7 +310,7 @@ impl Router {
     /// running loop that resolves to a `Response` once the node's response head has arrived;
     /// cancelling it cancels the upstream request. When every candidate is at its cap the
     /// request waits in the queue first.
-    #[pyo3(signature = (path, body, headers=Vec::new(), method="POST", role="hybrid", node=None))]
+    #[pyo3(signature = (path, body, headers=Vec::new(), method="POST", role="hybrid", node=None, trace=None, tenant=None))]
     #[allow(clippy::too_many_arguments)]
     fn forward<'py>(
         &self,
@@ -303,6 +321,8 @@ impl Router {
         method: &str,
         role: &str,
         node: Option<&str>,
+        trace: Option<PyRef<'_, Trace>>,
+        tenant: Option<PyRef<'_, TenantTicket>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let method = Method::from_bytes(method.as_bytes())
             .map_err(|_| PyValueError::new_err(format!("invalid HTTP method {method:?}")))?;
@@ -312,14 +332,19 @@ impl Router {
         }
         let bridge = self.bridge(py)?;
         let body = Bytes::copy_from_slice(body);
-        let headers = upstream_request_headers(&headers);
+        let headers = header_map(&headers);
         let info = inspect(&body).map_err(|e| to_pyerr(&e))?;
-        let admitted = match node {
-            Some(url) => {
-                self.engine.registry.load().count_request(info.model.as_deref());
-                Admitted::Now(self.engine.admit_on(url).map_err(|e| to_pyerr(&e))?)
-            }
-            None => self.engine.admit(&select_ctx(role, &headers, &info)).map_err(|e| to_pyerr(&e))?,
+        let place = trace.map(|t| t.place());
+        let class = tenant.as_ref().map_or(Class { priority: info.priority.unwrap_or(0), tenant: 0 }, |t| t.class);
+        // A prefill's answer is not the client's: only the other legs count tokens.
+        let meter = tenant.filter(|_| role != Role::Prefill).map(|t| Arc::clone(&t.pass));
+        let admitted = if let Some(url) = node {
+            self.engine.registry.load().count_request(info.model.as_deref());
+            Admitted::Now(self.engine.admit_on(url).map_err(|e| to_pyerr(&e))?)
+        } else {
+            let trace = place.as_ref().map(|(trace, span)| traced(trace, span.as_ref()));
+            let ctx = SelectCtx { class, trace, ..select_ctx(role, &headers, &info) };
+            self.engine.admit(&ctx).map_err(|e| to_pyerr(&e))?
         };
         drop(info);
 
@@ -334,9 +359,12 @@ impl Router {
             engine: Arc::clone(&self.engine),
             retry: node.is_none(),
             admitted,
-            request: ForwardRequest { method, path_and_query: path, headers, body },
+            request: ForwardRequest { method, path_and_query: path, headers, extra: Vec::new(), body },
             role,
             exchange: Arc::clone(&exchange),
+            trace: place,
+            class,
+            meter,
         };
         let shutdown = self.shutdown.clone();
         let task = self.runtime.spawn(async move { job.run(reply, shutdown).await });
@@ -345,11 +373,87 @@ impl Router {
         Ok(future)
     }
 
+    /// Replaces the tenants with the tenants file's entries (a tenant kept by name keeps its
+    /// window and counts).
+    fn set_tenants(&self, entries: Vec<TenantEntry>) {
+        let specs: Vec<TenantSpec> = entries.into_iter().map(Into::into).collect();
+        self.engine.tenants.set(&specs);
+    }
+
+    /// Whether tenants are configured (then inference needs a tenant's key or an API key).
+    #[getter]
+    fn tenants_configured(&self) -> bool {
+        self.engine.tenants.configured()
+    }
+
+    /// Whether `key` is a tenant's.
+    fn tenant_key_known(&self, key: &[u8]) -> bool {
+        self.engine.tenants.by_key(key).is_some()
+    }
+
+    /// Admits a request by its key's tenant: its queue class (the body's `priority`, else
+    /// `priority`, bounded by the tenant), and the tenant's pass. Raises `RateLimited` (or
+    /// `QuotaExceeded`) when the tenant is over a limit.
+    #[pyo3(signature = (key, body, priority=None))]
+    fn admit_tenant(&self, key: Option<&[u8]>, body: &[u8], priority: Option<i32>) -> PyResult<TenantTicket> {
+        let info = inspect(body).map_err(|e| to_pyerr(&e))?;
+        let asked = info.priority.or(priority);
+        let tenant = key.filter(|_| self.engine.tenants.configured()).and_then(|k| self.engine.tenants.by_key(k));
+        let Some(tenant) = tenant else {
+            return Ok(TenantTicket::new(None, Class { priority: asked.unwrap_or(0), tenant: 0 }));
+        };
+        let estimate = estimate_tokens(info.prompt.map_or(0, <[u8]>::len));
+        let pass = tenant.admit(estimate, asked).map_err(|limited| limited_to_pyerr(&limited))?;
+        let class = pass.class;
+        Ok(TenantTicket::new(Some(pass), class))
+    }
+
+    /// Every tenant: limits, current window, tokens today, requests in flight and counts.
+    fn tenants<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for tenant in self.engine.tenants.all() {
+            list.append(tenant_dict(py, &tenant)?)?;
+        }
+        Ok(list)
+    }
+
+    /// Each tenant's requests and tokens here since the last call (for the replicas' sync).
+    fn take_tenant_usage(&self) -> Vec<(String, u64, u64)> {
+        self.engine
+            .tenants
+            .all()
+            .iter()
+            .map(|t| {
+                let (requests, tokens) = t.take_local();
+                (t.name.clone(), requests, tokens)
+            })
+            .collect()
+    }
+
+    /// Debits what other replicas used since the last sync from tenant `name`'s window.
+    fn absorb_tenant_usage(&self, name: &str, requests: u64, tokens: u64) {
+        if let Some(tenant) = self.engine.tenants.by_name(name) {
+            tenant.absorb(requests, tokens);
+        }
+    }
+
+    /// The trace of a request that came with `traceparent` (the caller's; else a new one), or
+    /// `None` when requests are not traced.
+    #[pyo3(signature = (traceparent=None))]
+    fn trace(&self, traceparent: Option<&[u8]>) -> Option<Trace> {
+        let tracer = self.engine.tracer.as_ref()?;
+        Some(Trace::root(tracer.begin(traceparent, "pdproxy.request")))
+    }
+
     /// Stops serving: requests in flight end now (their readers get an error) and new ones
     /// are refused. The router leaves its event loop when it is dropped, so that the endings
     /// of those requests still reach their readers.
-    fn close(&self) {
+    fn close(&self, py: Python<'_>) {
         self.shutdown.cancel();
+        if let Some(tracer) = &self.engine.tracer {
+            // The last requests' spans go out before the process ends.
+            py.detach(|| tracer.flush(std::time::Duration::from_secs(2)));
+        }
     }
 }
 
@@ -409,6 +513,11 @@ struct Job {
     request: ForwardRequest,
     role: Role,
     exchange: Arc<Exchange>,
+    /// The request's trace and the span its parts go under (the root when `None`).
+    trace: Option<(Arc<RequestTrace>, Option<OpenSpan>)>,
+    class: Class,
+    /// The tenant's pass that counts the answer's tokens.
+    meter: Option<Arc<Mutex<Option<TenantPass>>>>,
 }
 
 impl Job {
@@ -432,16 +541,17 @@ impl Job {
 
     /// Forwards the request, hands the head to Python, then pumps the body.
     async fn forward_and_pump(self, reply: &mut Reply) {
-        let Job { engine, retry, admitted, request, role, exchange } = self;
+        let Job { engine, retry, admitted, request, role, exchange, trace, class, meter } = self;
         let started = Instant::now();
         // Parsed again here: the request's fields borrow from its body, which this task owns.
         let Ok(info) = inspect(&request.body) else {
             return reply.fail(Error::new(Kind::InvalidRequest, "invalid body"));
         };
-        let ctx = select_ctx(role, &request.headers, &info);
+        let traced = trace.as_ref().map(|(trace, span)| traced(trace, span.as_ref()));
+        let ctx = SelectCtx { trace: traced, class, ..select_ctx(role, &request.headers, &info) };
         let permit = match admitted {
             Admitted::Now(permit) => permit,
-            Admitted::Queued(ticket) => match engine.wait_for_permit(ticket, &ctx).await {
+            Admitted::Queued(queued) => match engine.wait_for_permit(queued, &ctx).await {
                 Ok(permit) => permit,
                 Err(e) => return reply.fail(e),
             },
@@ -454,8 +564,19 @@ impl Job {
             };
         let outcome = response.outcome();
         let UpstreamResponse { status, headers, body } = response;
+        let mut observe = |chunk: &[u8], events: u64| {
+            if let Some(pass) = meter.as_ref().and_then(|m| m.lock().ok()).as_mut().and_then(|p| p.as_mut()) {
+                pass.meter.observe(chunk, events);
+            }
+        };
+        if status.is_server_error() {
+            if let Some(pass) = meter.as_ref().and_then(|m| m.lock().ok()).as_mut().and_then(|p| p.as_mut()) {
+                pass.fail();
+            }
+        }
         let (complete, stream) = match body {
             ResponseBody::Complete(bytes) => {
+                observe(&bytes, 0);
                 exchange.release(outcome, crate::permit::Report::default());
                 (Some(bytes), None)
             }
@@ -476,7 +597,7 @@ impl Job {
         if let Some(stream) = stream {
             let config = &engine.config.forward;
             let timeouts = StreamTimeouts { idle: config.stream_idle_timeout, stall: config.stream_stall_timeout };
-            pump(&exchange, stream, started, timeouts, outcome).await;
+            pump(&exchange, stream, started, timeouts, outcome, &mut observe).await;
         }
     }
 }
@@ -504,6 +625,7 @@ fn node_stats<'py>(py: Python<'py>, node: &Arc<Node>) -> PyResult<Bound<'py, PyD
     stats.set_item("models", node.models())?;
     stats.set_item("speed", node.speed())?;
     stats.set_item("has_api_key", node.spec().api_key.is_some())?;
+    stats.set_item("address", node.spec().address.map(|a| a.to_string()))?;
     stats.set_item("state", c.state)?;
     stats.set_item("circuit", c.circuit)?;
     stats.set_item("max_concurrency", c.max_concurrency)?;

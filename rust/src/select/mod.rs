@@ -28,11 +28,12 @@ pub use random::Random;
 pub use round_robin::RoundRobin;
 pub use scored::{ScoreWeights, Scored};
 
-use crate::admission::Admission;
+use crate::admission::{Admission, Class};
 use crate::error::{Error, Kind, Result};
 use crate::node::{Node, NodeState, Role};
 use crate::permit::{InFlightPermit, Prediction};
 use crate::registry::{NoCandidates, NodeSet};
+use crate::trace::{SpanKind, Traced};
 
 /// What policies may look at besides the nodes.
 #[derive(Debug, Clone, Copy, Default)]
@@ -43,6 +44,10 @@ pub struct SelectCtx<'a> {
     pub affinity: Option<&'a str>,
     /// The prompt's raw bytes (`messages` or `prompt`), for cache-aware routing.
     pub prompt: Option<&'a [u8]>,
+    /// Priority and tenant, for the wait queue when every candidate is full.
+    pub class: Class,
+    /// Where the selection's span goes, when the request is traced.
+    pub trace: Option<Traced<'a>>,
 }
 
 /// A routing policy picks one of the candidates that are available now.
@@ -210,16 +215,47 @@ pub fn select_excluding(
     admission: Option<&Arc<Admission>>,
     exclude: &[u64],
 ) -> Result<InFlightPermit> {
+    let Some(traced) = ctx.trace else {
+        return pick(set, ctx, policy, admission, exclude).0;
+    };
+    let span = traced.open("pdproxy.select", SpanKind::Internal);
+    let (selected, candidates) = pick(set, ctx, policy, admission, exclude);
+    let attributes = || {
+        let mut out =
+            vec![("pdproxy.policy", policy.name().to_owned()), ("pdproxy.candidates", candidates.to_string())];
+        if let Ok(permit) = &selected {
+            out.push(("pdproxy.node", permit.node().url().to_owned()));
+        }
+        out
+    };
+    traced.trace.end(span, attributes, selected.as_ref().err().map(Error::message));
+    selected
+}
+
+/// The selection, and how many candidates it chose from.
+fn pick(
+    set: &NodeSet,
+    ctx: &SelectCtx<'_>,
+    policy: &dyn Policy,
+    admission: Option<&Arc<Admission>>,
+    exclude: &[u64],
+) -> (Result<InFlightPermit>, usize) {
     let all = match set.candidates(ctx.role, ctx.model) {
         Ok(candidates) => candidates,
         Err(NoCandidates::NoNodes) => {
-            return Err(Error::new(Kind::NoNodes, format!("no {} node is registered", ctx.role.name())));
+            return (Err(Error::new(Kind::NoNodes, format!("no {} node is registered", ctx.role.name()))), 0);
         }
         Err(NoCandidates::ModelNotFound) => {
-            return Err(Error::new(
-                Kind::ModelNotFound,
-                format!("the model `{}` does not exist", ctx.model.unwrap_or_default()),
-            ));
+            let message = format!("the model `{}` does not exist", ctx.model.unwrap_or_default());
+            return (Err(Error::new(Kind::ModelNotFound, message)), 0);
+        }
+        Err(NoCandidates::ModelsUnknown) => {
+            let what = ctx.model.map_or_else(|| "this request".to_owned(), |m| format!("the model `{m}`"));
+            let message = format!(
+                "no {} node is known to serve {what} yet: some nodes' models are still being discovered",
+                ctx.role.name()
+            );
+            return (Err(Error::new(Kind::NoHealthyNode, message)), 0);
         }
     };
     let kept: Vec<Arc<Node>>;
@@ -235,14 +271,16 @@ pub fn select_excluding(
         let Some(i) = policy.pick(candidates, ctx) else { break };
         if let Some(permit) = InFlightPermit::try_acquire(&candidates[i], admission) {
             permit.set_prediction(policy.selected(&candidates[i], ctx));
-            return Ok(permit);
+            return (Ok(permit), candidates.len());
         }
     }
-    if candidates.iter().any(|n| n.counters().state() == NodeState::Healthy && n.counters().circuit.allows()) {
-        Err(Error::new(Kind::Overloaded, "every node that serves this request is at its concurrency limit"))
-    } else {
-        Err(Error::new(Kind::NoHealthyNode, "no healthy node serves this request now"))
-    }
+    let error =
+        if candidates.iter().any(|n| n.counters().state() == NodeState::Healthy && n.counters().circuit.allows()) {
+            Error::new(Kind::Overloaded, "every node that serves this request is at its concurrency limit")
+        } else {
+            Error::new(Kind::NoHealthyNode, "no healthy node serves this request now")
+        };
+    (Err(error), candidates.len())
 }
 
 #[cfg(test)]

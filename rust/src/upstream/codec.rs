@@ -10,7 +10,11 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{HeaderName, HeaderValue, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING};
 use http::{HeaderMap, Method, StatusCode};
 
-use super::pool::Connection;
+use super::pool::{Connection, Stream};
+use crate::forward::ForwardRequest;
+use crate::headers::{is_hop_by_hop_name, listed_in_connection, stays_on_client_hop};
+use crate::loops::VIA;
+use crate::trace::TRACEPARENT;
 
 /// Bytes asked of the socket per read.
 pub const READ_SIZE: usize = 16 * 1024;
@@ -18,16 +22,23 @@ pub const READ_SIZE: usize = 16 * 1024;
 const MAX_HEAD: usize = 64 * 1024;
 const MAX_HEADERS: usize = 128;
 
-/// The request line, headers (with the node's `authorization`, if any) and body, in one
-/// buffer (one write).
-pub fn encode_request(
-    method: &Method,
-    path: &str,
-    authority: &str,
-    headers: &HeaderMap,
-    authorization: Option<&HeaderValue>,
-    body: &Bytes,
-) -> Vec<u8> {
+/// What this proxy adds to a request for one node.
+#[derive(Debug, Clone, Copy)]
+pub struct Hop<'a> {
+    /// The node's own key.
+    pub authorization: Option<&'a HeaderValue>,
+    /// This proxy's id, last in `x-pdproxy-via` (see `crate::loops`).
+    pub via: &'a HeaderValue,
+    /// The attempt's trace context (`crate::trace`), in place of the client's.
+    pub traceparent: Option<&'a HeaderValue>,
+}
+
+/// The request line, headers and body, in one buffer (one write). The client's headers go
+/// without those of its own hop and those the proxy replaces (`extra`, the hop's); then the
+/// proxy's, and the hop's.
+pub fn encode_request(path: &str, authority: &str, request: &ForwardRequest, hop: &Hop<'_>) -> Vec<u8> {
+    let ForwardRequest { method, headers, extra, body, .. } = request;
+    let Hop { authorization, via, traceparent } = *hop;
     let mut out = Vec::with_capacity(256 + headers.len() * 48 + body.len());
     out.extend_from_slice(method.as_str().as_bytes());
     out.push(b' ');
@@ -35,13 +46,31 @@ pub fn encode_request(
     out.extend_from_slice(b" HTTP/1.1\r\nhost: ");
     out.extend_from_slice(authority.as_bytes());
     out.extend_from_slice(b"\r\n");
+    let listed = listed_in_connection(headers);
+    let clients = headers.iter().filter(|(name, _)| {
+        !stays_on_client_hop(name)
+            && **name != VIA
+            && !extra.iter().any(|(replaced, _)| replaced == *name)
+            && !listed.iter().any(|l| l.as_slice() == name.as_str().as_bytes())
+            && (traceparent.is_none() || **name != TRACEPARENT)
+    });
+    let proxys = extra.iter().map(|(name, value)| (name, value));
     let key = authorization.map(|value| (&http::header::AUTHORIZATION, value));
-    for (name, value) in headers.iter().chain(key) {
+    let trace = traceparent.map(|value| (&TRACEPARENT, value));
+    for (name, value) in clients.chain(proxys).chain(key).chain(trace) {
         out.extend_from_slice(name.as_str().as_bytes());
         out.extend_from_slice(b": ");
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
+    // The proxies this request went through, this one last (see `crate::loops`).
+    out.extend_from_slice(b"x-pdproxy-via: ");
+    for earlier in headers.get_all(&VIA) {
+        out.extend_from_slice(earlier.as_bytes());
+        out.extend_from_slice(b", ");
+    }
+    out.extend_from_slice(via.as_bytes());
+    out.extend_from_slice(b"\r\n");
     if !body.is_empty() || !matches!(*method, Method::GET | Method::HEAD) {
         out.extend_from_slice(b"content-length: ");
         out.extend_from_slice(body.len().to_string().as_bytes());
@@ -96,13 +125,16 @@ pub enum HeadError {
 
 /// Reads from the socket into the connection's buffer; `Ok(0)` at its end.
 pub fn poll_fill(connection: &mut Connection, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
-    loop {
-        std::task::ready!(connection.stream.poll_read_ready(cx))?;
-        connection.buffer.reserve(READ_SIZE);
-        match connection.stream.try_read_buf(&mut connection.buffer) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-            result => return Poll::Ready(result),
-        }
+    connection.buffer.reserve(READ_SIZE);
+    match &mut connection.stream {
+        Stream::Plain(tcp) => loop {
+            std::task::ready!(tcp.poll_read_ready(cx))?;
+            match tcp.try_read_buf(&mut connection.buffer) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                result => return Poll::Ready(result),
+            }
+        },
+        Stream::Tls(tls) => tokio_util::io::poll_read_buf(std::pin::Pin::new(tls.as_mut()), cx, &mut connection.buffer),
     }
 }
 
@@ -156,21 +188,32 @@ fn parse_head(buffer: &mut BytesMut, method: &Method) -> Result<Option<Head>, He
         .collect();
     let raw = buffer.split_to(used).freeze();
     let mut headers = HeaderMap::with_capacity(spans.len());
+    // The node's hop (connection, framing) is read from here, not passed on.
+    let mut hop = HeaderMap::new();
     for &(name_at, name_len, value_at, value_len) in &spans {
         let name = HeaderName::from_bytes(&raw[name_at..name_at + name_len])
             .map_err(|_| HeadError::Invalid("bad header name"))?;
         let value = HeaderValue::from_maybe_shared(raw.slice(value_at..value_at + value_len))
             .map_err(|_| HeadError::Invalid("bad header value"))?;
-        headers.append(name, value);
+        if is_hop_by_hop_name(&name) {
+            hop.append(name, value);
+        } else {
+            headers.append(name, value);
+        }
     }
-    let closes = headers.get_all(CONNECTION).iter().any(|v| has_token(v.as_bytes(), b"close"));
-    let keeps = headers.get_all(CONNECTION).iter().any(|v| has_token(v.as_bytes(), b"keep-alive"));
+    for listed in listed_in_connection(&hop) {
+        if let Ok(name) = HeaderName::from_bytes(&listed) {
+            headers.remove(name);
+        }
+    }
+    let closes = hop.get_all(CONNECTION).iter().any(|v| has_token(v.as_bytes(), b"close"));
+    let keeps = hop.get_all(CONNECTION).iter().any(|v| has_token(v.as_bytes(), b"keep-alive"));
     let mut reusable = (http11 && !closes) || (!http11 && keeps);
     let no_body = *method == Method::HEAD
         || status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
-    let chunked = headers.get_all(TRANSFER_ENCODING).iter().next_back().is_some_and(|v| {
+    let chunked = hop.get_all(TRANSFER_ENCODING).iter().next_back().is_some_and(|v| {
         v.as_bytes().rsplit(|&b| b == b',').next().is_some_and(|c| c.trim_ascii().eq_ignore_ascii_case(b"chunked"))
     });
     let framing = if no_body {
@@ -366,17 +409,59 @@ mod tests {
         assert!(parse(b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n").is_err());
     }
 
+    fn request(
+        method: Method,
+        headers: &[(&'static str, &'static str)],
+        extra: &[(&'static str, &'static str)],
+        body: &'static [u8],
+    ) -> ForwardRequest {
+        let pair = |(n, v): &(&'static str, &'static str)| (HeaderName::from_static(n), HeaderValue::from_static(v));
+        ForwardRequest {
+            method,
+            path_and_query: String::new(),
+            headers: headers.iter().map(pair).collect(),
+            extra: extra.iter().map(pair).collect(),
+            body: Bytes::from_static(body),
+        }
+    }
+
     #[test]
-    fn requests_are_one_buffer() {
-        let mut headers = HeaderMap::new();
-        headers.insert("x-a", HeaderValue::from_static("1"));
+    fn requests_are_one_buffer_without_the_clients_hop() {
+        let client = [
+            ("x-a", "1"),
+            ("host", "proxy"),
+            ("authorization", "Bearer client"),
+            ("connection", "x-hop"),
+            ("x-hop", "2"),
+            ("content-length", "2"),
+            ("x-forwarded-for", "1.2.3.4"),
+        ];
+        let sent = request(Method::POST, &client, &[("x-forwarded-for", "1.2.3.4, 10.0.0.1")], b"{}");
         let key = HeaderValue::from_static("Bearer k");
-        let out = encode_request(&Method::POST, "/v1/x?y=1", "h:1", &headers, Some(&key), &Bytes::from_static(b"{}"));
+        let me = HeaderValue::from_static("me");
+        let hop = Hop { authorization: Some(&key), via: &me, traceparent: None };
+        let out = encode_request("/v1/x?y=1", "h:1", &sent, &hop);
         assert_eq!(
-            out,
-            b"POST /v1/x?y=1 HTTP/1.1\r\nhost: h:1\r\nx-a: 1\r\nauthorization: Bearer k\r\ncontent-length: 2\r\n\r\n{}"
+            String::from_utf8(out).unwrap(),
+            "POST /v1/x?y=1 HTTP/1.1\r\nhost: h:1\r\nx-a: 1\r\nx-forwarded-for: 1.2.3.4, 10.0.0.1\r\n\
+             authorization: Bearer k\r\nx-pdproxy-via: me\r\ncontent-length: 2\r\n\r\n{}"
         );
-        let out = encode_request(&Method::GET, "/health", "h:1", &HeaderMap::new(), None, &Bytes::new());
-        assert_eq!(out, b"GET /health HTTP/1.1\r\nhost: h:1\r\n\r\n");
+        let earlier = request(Method::GET, &[("x-pdproxy-via", "a, b")], &[], b"");
+        let out = encode_request("/health", "h:1", &earlier, &Hop { authorization: None, via: &me, traceparent: None });
+        assert_eq!(out, b"GET /health HTTP/1.1\r\nhost: h:1\r\nx-pdproxy-via: a, b, me\r\n\r\n");
+    }
+
+    #[test]
+    fn the_attempts_trace_context_replaces_the_clients() {
+        let sent = request(Method::GET, &[("traceparent", "00-aa-bb-01"), ("tracestate", "k=v")], &[], b"");
+        let me = HeaderValue::from_static("me");
+        let ours = HeaderValue::from_static("00-cc-dd-01");
+        let out = encode_request("/x", "h:1", &sent, &Hop { authorization: None, via: &me, traceparent: Some(&ours) });
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "GET /x HTTP/1.1\r\nhost: h:1\r\ntracestate: k=v\r\ntraceparent: 00-cc-dd-01\r\nx-pdproxy-via: me\r\n\r\n"
+        );
+        let untraced = encode_request("/x", "h:1", &sent, &Hop { authorization: None, via: &me, traceparent: None });
+        assert!(String::from_utf8(untraced).unwrap().contains("traceparent: 00-aa-bb-01"), "passed on as is");
     }
 }

@@ -7,32 +7,56 @@ mod body;
 mod codec;
 mod pool;
 
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, HeaderValue, Method, StatusCode};
+use bytes::BytesMut;
+use http::{HeaderMap, StatusCode};
 use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
+use tokio::net::TcpSocket;
+use tokio_rustls::TlsConnector;
 
 pub use body::Body;
+pub use codec::Hop;
 use codec::{encode_request, read_head, HeadError};
-use pool::{Connection, Pool};
+use pool::{Connection, Pool, Stream};
 
 use crate::error::{Error, Kind, Result};
+use crate::forward::ForwardRequest;
 
 /// Client settings; values come from the control plane's settings.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct ClientConfig {
     pub connect_timeout: Duration,
     pub idle_timeout: Duration,
     pub max_idle_per_host: usize,
+    /// `SO_RCVBUF` of each connection (a node's answer waits here when the client is slow).
+    pub receive_buffer: usize,
+    /// CA certificates that `https://` nodes are verified against; `None`: the system's roots.
+    pub ca_file: Option<PathBuf>,
 }
 
-/// A node's answer: its head, and its body still to be read.
+/// Where a request goes: the node's origin (the pool's key), the `Host` it is sent with, the
+/// `host:port` to resolve unless the address is pinned, and for `https://` nodes the name its
+/// certificate must carry.
+#[derive(Debug, Clone, Copy)]
+pub struct Target<'a> {
+    pub origin: &'a str,
+    pub authority: &'a str,
+    pub dial: &'a str,
+    pub pinned: Option<SocketAddr>,
+    pub tls_name: Option<&'a str>,
+}
+
+/// A node's answer: its head (without the headers of the node's hop), and its body still to be read.
 #[derive(Debug)]
 pub struct Answer {
     pub status: StatusCode,
     pub headers: HeaderMap,
+    /// The body's announced length, when it has one.
+    pub content_length: Option<u64>,
     pub body: Body,
 }
 
@@ -40,30 +64,33 @@ pub struct Answer {
 pub struct Client {
     config: ClientConfig,
     pool: Pool,
+    /// Built at the first `https://` node (loading the roots takes a while, and most fleets
+    /// are plain http).
+    tls: OnceLock<std::result::Result<Arc<rustls::ClientConfig>, String>>,
 }
 
 impl Client {
     pub fn new(config: ClientConfig) -> Self {
-        Self { config, pool: Pool::new(config.max_idle_per_host, config.idle_timeout) }
+        let pool = Pool::new(config.max_idle_per_host, config.idle_timeout);
+        Self { config, pool, tls: OnceLock::new() }
     }
 
-    /// Sends one request to `authority` (`host:port`) and reads the answer's head. A pooled
-    /// connection the node had closed meanwhile (its keep-alive ran out just as the request
-    /// went) is replaced by a new one: the node never saw that request.
+    /// Sends one request to `target` and reads the answer's head. A pooled connection the node
+    /// had closed meanwhile (its keep-alive ran out just as the request went) is replaced by a
+    /// new one: the node never saw that request.
     pub async fn send(
         &self,
-        authority: &str,
-        method: &Method,
+        target: Target<'_>,
         path: &str,
-        headers: &HeaderMap,
-        authorization: Option<&HeaderValue>,
-        body: &Bytes,
+        request: &ForwardRequest,
+        hop: &Hop<'_>,
     ) -> Result<Answer> {
-        let request = encode_request(method, path, authority, headers, authorization, body);
+        let method = &request.method;
+        let request = encode_request(path, target.authority, request, hop);
         loop {
-            let (mut connection, reused) = match self.pool.checkout(authority) {
+            let (mut connection, reused) = match self.pool.checkout(target.origin) {
                 Some(connection) => (connection, true),
-                None => (self.connect(authority).await?, false),
+                None => (self.connect(target).await?, false),
             };
             if let Err(e) = connection.stream.write_all(&request).await {
                 if reused {
@@ -74,8 +101,12 @@ impl Client {
             }
             match read_head(&mut connection, method).await {
                 Ok(head) => {
-                    let body = Body::new(connection, head.framing, head.reusable, self.pool.returner(authority));
-                    return Ok(Answer { status: head.status, headers: head.headers, body });
+                    let content_length = match head.framing {
+                        codec::Framing::Length(length) => Some(length),
+                        _ => None,
+                    };
+                    let body = Body::new(connection, head.framing, head.reusable, self.pool.returner(target.origin));
+                    return Ok(Answer { status: head.status, headers: head.headers, content_length, body });
                 }
                 Err(HeadError::Closed) if reused => {}
                 Err(HeadError::Closed) => {
@@ -95,16 +126,60 @@ impl Client {
         }
     }
 
-    async fn connect(&self, authority: &str) -> Result<Connection> {
-        let connected = tokio::time::timeout(self.config.connect_timeout, TcpStream::connect(authority)).await;
-        let stream = match connected {
+    /// A new connection to the target's pinned address, else to its host (resolved now); over
+    /// TLS for `https://` nodes.
+    async fn connect(&self, target: Target<'_>) -> Result<Connection> {
+        let deadline = tokio::time::Instant::now() + self.config.connect_timeout;
+        let connecting = async {
+            let addresses: Vec<SocketAddr> = match target.pinned {
+                Some(address) => vec![address],
+                None => tokio::net::lookup_host(target.dial).await?.collect(),
+            };
+            let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "the node's host resolves to nothing");
+            for address in addresses {
+                let socket = if address.is_ipv4() { TcpSocket::new_v4() } else { TcpSocket::new_v6() }?;
+                // Before connecting, so that the window is sized from the start.
+                let _ = socket.set_recv_buffer_size(u32::try_from(self.config.receive_buffer).unwrap_or(u32::MAX));
+                match socket.connect(address).await {
+                    Ok(stream) => return Ok(stream),
+                    Err(e) => last = e,
+                }
+            }
+            Err(last)
+        };
+        let connected = tokio::time::timeout_at(deadline, connecting).await;
+        let tcp = match connected {
             Ok(Ok(stream)) => stream,
             Ok(Err(e)) => return Err(Error::with_source(Kind::Connect, "could not connect to the node", e)),
             Err(_) => return Err(Error::new(Kind::Connect, "could not connect to the node in time")),
         };
-        let _ = stream.set_nodelay(true);
+        let _ = tcp.set_nodelay(true);
         let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
-        let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
+        let _ = socket2::SockRef::from(&tcp).set_tcp_keepalive(&keepalive);
+        let stream = match target.tls_name {
+            None => Stream::Plain(tcp),
+            Some(name) => {
+                // Within the same deadline: a handshake that fails never ran the request either.
+                let handshake = self.tls_connector()?.connect(crate::tls::server_name(name)?, tcp);
+                match tokio::time::timeout_at(deadline, handshake).await {
+                    Ok(Ok(tls)) => Stream::Tls(Box::new(tls)),
+                    Ok(Err(e)) => {
+                        return Err(Error::with_source(Kind::Connect, "the TLS handshake with the node failed", e))
+                    }
+                    Err(_) => return Err(Error::new(Kind::Connect, "the TLS handshake with the node took too long")),
+                }
+            }
+        };
         Ok(Connection { stream, buffer: BytesMut::with_capacity(codec::READ_SIZE) })
+    }
+
+    fn tls_connector(&self) -> Result<TlsConnector> {
+        let built = self
+            .tls
+            .get_or_init(|| crate::tls::client_config(self.config.ca_file.as_deref()).map_err(|e| e.to_string()));
+        match built {
+            Ok(config) => Ok(TlsConnector::from(Arc::clone(config))),
+            Err(why) => Err(Error::new(Kind::Connect, format!("cannot verify https nodes: {why}"))),
+        }
     }
 }
