@@ -108,7 +108,7 @@ class EngineScraper:
             async with self._session.get(f"{url}/metrics", headers=headers, allow_redirects=False) as response:
                 if response.status != 200:
                     raise _Failed(f"/metrics answered {response.status}")
-                body = await response.content.read(self._max_bytes + 1)
+                body = await self._read_body(response)
         except (aiohttp.ClientError, TimeoutError) as e:
             raise _Failed(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__) from None
         if len(body) > self._max_bytes:
@@ -117,6 +117,19 @@ class EngineScraper:
         if reading is None:
             raise _Failed("/metrics has no vLLM, SGLang or LMDeploy engine metrics")
         return reading
+
+    async def _read_body(self, response: aiohttp.ClientResponse) -> bytes:
+        """The answer, or as much of it as shows it is larger than ``max_bytes`` (one read may
+        return less than asked for, so read until the end or past the limit)."""
+        if response.content_length is not None and response.content_length > self._max_bytes:
+            raise _Failed(f"/metrics is larger than {self._max_bytes} bytes")
+        body = bytearray()
+        while len(body) <= self._max_bytes:
+            chunk = await response.content.read(self._max_bytes + 1 - len(body))
+            if not chunk:
+                break
+            body += chunk
+        return bytes(body)
 
     def _failed(self, url: str, message: str) -> None:
         try:

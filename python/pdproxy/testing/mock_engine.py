@@ -149,6 +149,10 @@ class MockState:
     #: not UTF-8), or `huge` (200, a valid answer padded to HUGE_ANSWER bytes).
     health_body: str = "json"
     models_body: str = "json"
+    #: What /metrics answers: its status, and `prometheus` (the engine's figures), `foreign`
+    #: (200, Prometheus text without any engine's figures) or `huge` (200, METRICS_HUGE bytes).
+    metrics_status: int = 200
+    metrics_body: str = "prometheus"
     client: aiohttp.ClientSession | None = None
     #: The serving-engine simulation (``--simulate``).
     batcher: ContinuousBatcher | None = None
@@ -896,15 +900,24 @@ async def _mock_ledger(request: web.Request) -> web.Response:
 async def _mock_config(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await _json_body(request)
-    for name in ("engine_info_status", "models_status"):
+    for name in ("engine_info_status", "models_status", "metrics_status"):
         if name in body:
             setattr(state, name, int(body[name]))
+    if "metrics_body" in body:
+        if body["metrics_body"] not in METRICS_SHAPES:
+            return _error(400, f"metrics_body must be one of {', '.join(METRICS_SHAPES)}", "invalid_request")
+        state.metrics_body = body["metrics_body"]
     for knob in ("health_body", "models_body"):
         if knob in body:
             if body[knob] not in ANSWER_SHAPES:
                 return _error(400, f"{knob} must be one of {', '.join(ANSWER_SHAPES)}", "invalid_request")
             setattr(state, knob, body[knob])
-    config = {"engine_info_status": state.engine_info_status, "models_status": state.models_status}
+    config = {
+        "engine_info_status": state.engine_info_status,
+        "models_status": state.models_status,
+        "metrics_status": state.metrics_status,
+        "metrics_body": state.metrics_body,
+    }
     return web.json_response({**config, "health_body": state.health_body, "models_body": state.models_body})
 
 
@@ -912,9 +925,22 @@ async def _mock_config(request: web.Request) -> web.Response:
 ANSWER_SHAPES = ("json", "garbage", "huge")
 
 
+#: How a misbehaving engine may answer /metrics (see MockState.metrics_body), and the size of a
+#: `huge` answer.
+METRICS_SHAPES = ("prometheus", "foreign", "huge")
+METRICS_HUGE = 8 << 20
+
+
 async def _metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    text = engine_metrics.render(state.settings.metrics_dialect, state.figures())
+    if state.metrics_status != 200:
+        return _error(state.metrics_status, "/metrics failed (injected)", "mock_fault", "server_error")
+    if state.metrics_body == "foreign":
+        text = b"# TYPE process_open_fds gauge\nprocess_open_fds 12.0\n"
+    elif state.metrics_body == "huge":
+        text = b"# padding\n" * (METRICS_HUGE // 10)
+    else:
+        text = engine_metrics.render(state.settings.metrics_dialect, state.figures())
     return web.Response(body=text, headers={"content-type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
