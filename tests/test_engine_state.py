@@ -89,10 +89,12 @@ def test_kv_cache_reuses_prefixes_and_evicts_the_least_recently_released() -> No
     cache.release(a, private=0)
     assert cache.allocate(b, private=0) == 0
     cache.release(b, private=0)
-    assert cache.cached_prefix(a) == 2 and cache.cached_prefix(b) == 2
+    assert cache.cached_prefix(a) == 2
+    assert cache.cached_prefix(b) == 2
     # Room for c: a, released first, goes; its deepest block before its first.
     assert cache.allocate(c, private=0) == 0
-    assert cache.cached_prefix(a) == 0 and cache.cached_prefix(b) == 2
+    assert cache.cached_prefix(a) == 0
+    assert cache.cached_prefix(b) == 2
     assert cache.evicted == 2
     # Held blocks are never evicted: nothing fits beside b and c held.
     assert cache.allocate(b, private=0) == 2
@@ -144,9 +146,11 @@ async def test_engine_figures_are_read_in_each_engines_dialect(
 
                 await poll("the engine's 2 running and 1 waiting in /nodes/status", read)
                 s = await status(http, proxy, e.url)
-                assert s["dialect"] == dialect and s["last_error"] is None
+                assert s["dialect"] == dialect
+                assert s["last_error"] is None
                 assert 0 < s["kv_usage"] < 1
-                assert s["prompt_tokens"] >= 80 and s["failures"] == 0
+                assert s["prompt_tokens"] >= 80
+                assert s["failures"] == 0
                 # vLLM and SGLang say how large their cache is; LMDeploy does not.
                 assert s["kv_capacity_tokens"] == (None if dialect == "lmdeploy" else 256 * 16)
                 async with http.get(proxy.url + "/metrics") as r:
@@ -180,6 +184,7 @@ async def test_failing_readings_are_counted_shown_and_their_figures_expire(
                     return s["failures"] > before and error in (s["last_error"] or "")
 
                 await poll(f"the failure {error!r} shown", failing)
+
             # A second past the last good reading, its figures are no longer routed by (nor shown
             # as current on the dashboard), but the last ones are kept for the status page.
             async def expired() -> bool:
@@ -187,7 +192,9 @@ async def test_failing_readings_are_counted_shown_and_their_figures_expire(
 
             await poll("the figures to expire", expired, timeout=5)
             s = await status(http, proxy, e.url)
-            assert s["running"] == 0 and s["age"] >= 1 and s["failing"] >= 3
+            assert s["running"] == 0
+            assert s["age"] >= 1
+            assert s["failing"] >= 3
             async with http.get(proxy.url + "/metrics") as r:
                 text = await r.text()
             assert f'pdproxy_engine_report_failures_total{{node="{e.url}"}}' in text
@@ -235,7 +242,8 @@ async def test_scored_keeps_a_prompt_where_its_prefix_is_cached(tmp_path: Path, 
             served = sorted(e.state.requests for e in (a, b, c))
             assert served == [0, 0, 4], served
             # Every request after the first found the system prompt in that engine's cache.
-            assert cached[0] == 0 and min(cached[1:]) >= len(system) // 4 - 16, cached
+            assert cached[0] == 0, cached
+            assert min(cached[1:]) >= len(system) // 4 - 16, cached
 
 
 def test_weights_of_scored_are_checked_at_startup(tmp_path: Path) -> None:
@@ -252,4 +260,5 @@ def test_weights_of_scored_are_checked_at_startup(tmp_path: Path) -> None:
             text=True,
             timeout=30,
         )
-        assert done.returncode != 0 and error in done.stderr + done.stdout, (spec, done.stderr)
+        assert done.returncode != 0, (spec, done.stderr)
+        assert error in done.stderr + done.stdout, (spec, done.stderr)
