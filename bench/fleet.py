@@ -57,10 +57,9 @@ SHAPE = EngineShape(
 )
 #: A run is noisy when the simulated engines fell this far behind their schedule (seconds, the
 #: most of any engine) or the client sent its requests this late (p99, seconds): the machine was
-#: too busy (other work) for the simulated time to hold. A noisy run is done again, twice at most.
+#: too busy (other work) for the simulated time to hold. A noisy run is done again (--retries).
 LATE_LIMIT = 0.5
 LAG_LIMIT = 0.1
-RETRIES = 2
 
 #: The capacity of the fleet on a workload: the highest arrival rate at which the oracle keeps
 #: the time to first token under this at the 90th percentile (found by bisection).
@@ -198,14 +197,14 @@ def find_capacity(fleet_: Fleet, workload: Workload, args: argparse.Namespace) -
     for _ in range(args.probes):
         rate = (low + high) / 2
         trace = workload.trace(rate, args.probe_duration, args.seed + 1000)
-        for attempt in range(RETRIES + 1):
+        for attempt in range(args.retries + 1):
             fleet_.post("/fleet/reset")
             outcomes = asyncio.run(play(fleet_.oracle, MODEL, trace, args.probe_duration, args.drain))
             measured = summarize(outcomes, args.probe_duration / 4, args.probe_duration)
             measured["engine_late_s"] = fleet_.engines_late()
             if not noisy(measured):
                 break
-            harness.say(f"  capacity probe {rate:.1f} req/s: noisy" + (", again" if attempt < RETRIES else ""))
+            harness.say(f"  capacity probe {rate:.1f} req/s: noisy" + (", again" if attempt < args.retries else ""))
             time.sleep(10)
         p90 = measured["ttft_s"]["p90"]
         harness.say(f"  capacity probe {rate:.1f} req/s: oracle TTFT p90 {_ms(p90)} ms")
@@ -224,7 +223,7 @@ def run_steady(
     spec: Router, fleet_: Fleet, installed: dict[str, peers.Peer], trace: Any, args: argparse.Namespace
 ) -> dict[str, Any]:
     """``run_one``, again (after a pause) while the machine was too busy for the run to count."""
-    for attempt in range(RETRIES + 1):
+    for attempt in range(args.retries + 1):
         result = run_one(spec, fleet_, installed, trace, args)
         result["attempts"] = attempt + 1
         result["noisy"] = noisy(result)
@@ -232,7 +231,7 @@ def run_steady(
             break
         harness.say(
             f"  {spec.name}: noisy run (engines {result['engine_late_s']:.2f} s late, send lag p99 "
-            f"{_ms(result['send_lag_s']['p99'])} ms)" + (", again" if attempt < RETRIES else ", kept and marked")
+            f"{_ms(result['send_lag_s']['p99'])} ms)" + (", again" if attempt < args.retries else ", kept and marked")
         )
         time.sleep(10)
     return result
@@ -244,9 +243,11 @@ def _ms(value: float) -> str:
 
 def table(workload: str, load: float, capacity: float, results: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
-        f"#### {WORKLOADS[workload].title}, {load:.0%} load ({load * capacity:.1f} req/s of a capacity of {capacity:.1f})",
+        f"#### {WORKLOADS[workload].title}, {load:.0%} load "
+        f"({load * capacity:.1f} req/s of a capacity of {capacity:.1f})",
         "",
-        "| router | TTFT p50 ms | TTFT p99 ms | end-to-end p50 ms | end-to-end p99 ms | req/s | tokens/s | cache hit rate | errors |",
+        "| router | TTFT p50 ms | TTFT p99 ms | end-to-end p50 ms | end-to-end p99 ms | req/s | tokens/s "
+        "| cache hit rate | errors |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
@@ -281,9 +282,10 @@ def verdicts(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
         for other, factor in (("sglang-router cache_aware", 0.7), ("round robin", 0.5)):
             if other in rows:
                 ratio = p99 / rows[other]["ttft_s"]["p99"]
+                theirs = _ms(rows[other]["ttft_s"]["p99"])
                 lines.append(
                     f"| {workload}: TTFT p99 of pdproxy's best ({name}) <= {factor}x {other} "
-                    f"| {_ms(p99)} against {_ms(rows[other]['ttft_s']['p99'])} ms ({ratio:.2f}x) | {'yes' if ratio <= factor else 'no'} |"
+                    f"| {_ms(p99)} against {theirs} ms ({ratio:.2f}x) | {'yes' if ratio <= factor else 'no'} |"
                 )
         if "oracle" in rows:
             mine, oracle = r["cache_hit_rate"], rows["oracle"]["cache_hit_rate"]
@@ -297,9 +299,10 @@ def verdicts(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
     load_only = best(rows, list(LOAD_ONLY))
     if top is not None and load_only is not None:
         ratio = top[1]["ttft_s"]["p99"] / load_only[1]["ttft_s"]["p99"]
+        mine, theirs = _ms(top[1]["ttft_s"]["p99"]), _ms(load_only[1]["ttft_s"]["p99"])
         lines.append(
-            f"| no_reuse: TTFT p99 of pdproxy's best ({top[0]}) within 5% of the best load-only policy ({load_only[0]}) "
-            f"| {_ms(top[1]['ttft_s']['p99'])} against {_ms(load_only[1]['ttft_s']['p99'])} ms ({ratio:.2f}x) | {'yes' if ratio <= 1.05 else 'no'} |"
+            f"| no_reuse: TTFT p99 of pdproxy's best ({top[0]}) within 5% of the best load-only policy "
+            f"({load_only[0]}) | {mine} against {theirs} ms ({ratio:.2f}x) | {'yes' if ratio <= 1.05 else 'no'} |"
         )
     return lines
 
@@ -367,11 +370,12 @@ def main() -> None:
         + ", or 'pdproxy POLICY' for any policy",
     )
     parser.add_argument(
-        "--duration", type=float, default=None, help="seconds of arrivals per run (default 20, quick 12)"
+        "--duration", type=float, default=None, help="seconds of arrivals per run (default 15, quick 10)"
     )
-    parser.add_argument("--warmup", type=float, default=None, help="first seconds not measured (default 5, quick 3)")
+    parser.add_argument("--warmup", type=float, default=None, help="first seconds not measured (default 4, quick 3)")
     parser.add_argument("--drain", type=float, default=30.0, help="seconds to wait for answers after the arrivals")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--retries", type=int, default=2, help="times a noisy run (machine too busy) is done again")
     parser.add_argument("--probes", type=int, default=5, help="bisection steps to find each workload's capacity")
     parser.add_argument("--probe-duration", type=float, default=10.0, help="seconds of arrivals per probe")
     parser.add_argument(
@@ -379,11 +383,14 @@ def main() -> None:
     )
     parser.add_argument("--dialects", default="vllm,sglang,lmdeploy", help="engines' metrics dialects, in turn")
     parser.add_argument("--write-readme", action="store_true", help="refresh the fleet section of bench/README.md")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS / "fleet.json", help="where the results go (charts beside it)"
+    )
     args = parser.parse_args()
     if args.quick:
         args.loads = "0.8"
-    args.duration = args.duration or (12.0 if args.quick else 20.0)
-    args.warmup = args.warmup if args.warmup is not None else (3.0 if args.quick else 5.0)
+    args.duration = args.duration or (10.0 if args.quick else 15.0)
+    args.warmup = args.warmup if args.warmup is not None else (3.0 if args.quick else 4.0)
     workloads = [w for w in args.workloads.split(",") if w]
     loads = [float(x) for x in args.loads.split(",") if x]
     # Any other "pdproxy POLICY" is pdproxy with that policy (weights too: "pdproxy scored:queue=0.5").
@@ -422,7 +429,8 @@ def main() -> None:
                     harness.say(
                         f"  {spec.name:38} TTFT p50 {_ms(r['ttft_s']['p50']):>6} p99 {_ms(r['ttft_s']['p99']):>6} ms, "
                         f"e2e p99 {_ms(r['e2e_s']['p99']):>6} ms, hit {r['cache_hit_rate']:.0%}, "
-                        f"{r['throughput_rps']:.1f} req/s, errors {r['errors']}, lag p99 {_ms(r['send_lag_s']['p99'])} ms, "
+                        f"{r['throughput_rps']:.1f} req/s, errors {r['errors']}, "
+                        f"lag p99 {_ms(r['send_lag_s']['p99'])} ms, "
                         f"late {r['engine_late_s']:.2f} s, cores {r['cpu_cores']}"
                     )
                 markdown += [*table(workload, load, capacities[workload], results[key]), ""]
@@ -435,7 +443,7 @@ def main() -> None:
         "",
     ]
     markdown = head + markdown + ["#### Against the targets (80% load)", "", *verdicts(results), ""]
-    RESULTS.mkdir(exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     out = {
         "shape": SHAPE.options(),
         "capacities": capacities,
@@ -443,9 +451,9 @@ def main() -> None:
         "results": results,
         "minutes": elapsed / 60,
     }
-    (RESULTS / "fleet.json").write_text(json.dumps(out, indent=1))
-    pictures = charts(results, RESULTS)
-    markdown += [f"![{p.stem}](results/{p.name})" for p in pictures]
+    args.out.write_text(json.dumps(out, indent=1, default=str))
+    pictures = charts(results, args.out.parent)
+    markdown += [f"![{p.stem}]({os.path.relpath(p, HERE)})" for p in pictures]
     text = "\n".join(markdown)
     print(text)
     if args.write_readme:

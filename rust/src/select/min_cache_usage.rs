@@ -1,5 +1,8 @@
-//! `min_cache_usage`: the node whose engine reports the least KV-cache usage, LMDeploy's
-//! policy of that name (its proxy's `MinCacheUsageStrategy`, lmdeploy PR #4596): only nodes
+//! `min_cache_usage`: the node whose engine reports the least KV-cache usage
+//! (`lmdeploy:gpu_cache_usage_perc` and its vLLM and SGLang equivalents), the cache-usage
+//! policy of LMDeploy's proxy under its name. (The LMDeploy snapshot read for this work,
+//! commit 1263d5cd8, still routes by random, min_expected_latency and min_observed_latency
+//! only, so the policy follows the description, not that proxy's code.) Only nodes
 //! whose report is fresh are considered; with none, `min_expected_latency` decides.
 //!
 //! Between two readings the requests pdproxy started since count too (each as a running
