@@ -1,7 +1,7 @@
 //! `min_cache_usage`: the node whose engine reports the least KV-cache usage
 //! (`lmdeploy:gpu_cache_usage_perc` and its vLLM and SGLang equivalents), the cache-usage
 //! policy of LMDeploy's proxy under its name. (The LMDeploy snapshot read for this work,
-//! commit 1263d5cd8, still routes by random, min_expected_latency and min_observed_latency
+//! commit 1263d5cd8, still routes by `random`, `min_expected_latency` and `min_observed_latency`
 //! only, so the policy follows the description, not that proxy's code.) Only nodes
 //! whose report is fresh are considered; with none, `min_expected_latency` decides.
 //!

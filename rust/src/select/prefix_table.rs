@@ -232,12 +232,11 @@ impl PrefixTable {
         for &hash in hashes.iter().rev() {
             *clock += 1;
             let entry = holders.entry(hash).or_default();
-            match entry.iter_mut().find(|h| h.generation == generation) {
-                Some(holder) => holder.stamp = *clock,
-                None => {
-                    entry.push(Holder { generation, stamp: *clock });
-                    blocks.live += 1;
-                }
+            if let Some(holder) = entry.iter_mut().find(|h| h.generation == generation) {
+                holder.stamp = *clock;
+            } else {
+                entry.push(Holder { generation, stamp: *clock });
+                blocks.live += 1;
             }
             blocks.order.push_back((hash, *clock));
         }
@@ -245,15 +244,14 @@ impl PrefixTable {
         while blocks.live > capacity {
             let Some((hash, stamp)) = blocks.order.pop_front() else { break };
             let current = holders.get(&hash).and_then(|hs| hs.iter().position(|h| h.generation == generation));
-            if let Some(at) = current {
-                if holders[&hash][at].stamp == stamp {
-                    let hs = holders.get_mut(&hash).expect("found above");
-                    hs.swap_remove(at);
-                    if hs.is_empty() {
-                        holders.remove(&hash);
-                    }
-                    blocks.live -= 1;
+            let Some(at) = current else { continue };
+            let Some(hs) = holders.get_mut(&hash) else { continue };
+            if hs[at].stamp == stamp {
+                hs.swap_remove(at);
+                if hs.is_empty() {
+                    holders.remove(&hash);
                 }
+                blocks.live -= 1;
             }
         }
         // Re-used blocks leave stale entries behind: drop them once they outnumber the live ones.
@@ -306,8 +304,8 @@ mod tests {
     fn a_node_keeps_what_its_engine_can_hold_head_first() {
         let (_reg, nodes) = nodes(1);
         let t = table(1000);
-        let a = hashes(&t, &"a".repeat(160)); // ten blocks
-        // 20 tokens of 4 bytes: five blocks of 16 bytes.
+        // Ten blocks; a capacity of 20 tokens of 4 bytes is five blocks of 16 bytes.
+        let a = hashes(&t, &"a".repeat(160));
         t.learn(&nodes[0], &a, Some(20));
         assert_eq!(t.blocks_of(nodes[0].generation()), 5);
         assert_eq!(t.matched(&a, &nodes), vec![5], "the head stays, the tail went first");
@@ -358,7 +356,8 @@ mod tests {
             ..EngineFigures::default()
         };
         node.counters().record_engine_report(&reading(0), 1);
-        let prompts: Vec<Vec<u64>> = (0..200).map(|i| hashes(&t, &format!("prompt {i:03} ").repeat(94)[..1024])).collect();
+        let prompts: Vec<Vec<u64>> =
+            (0..200).map(|i| hashes(&t, &format!("prompt {i:03} ").repeat(94)[..1024])).collect();
         for prompt in &prompts {
             t.learn(node, prompt, None); // no capacity reported: all 200 KiB kept
         }
