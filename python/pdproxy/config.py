@@ -123,7 +123,7 @@ class Settings:
         ),
     )
     policy: str = field(
-        default="min_expected_latency",
+        default="scored",
         metadata=_opt(
             "Routing policy of every role (hybrid, and prefill and decode unless their own is given): "
             "min_expected_latency (LMDeploy's default), random, min_observed_latency, "
