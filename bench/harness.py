@@ -20,6 +20,7 @@ from pdproxy.testing import mock_engine_command
 
 ROOT = Path(__file__).resolve().parent.parent
 LOADGEN = ROOT / "target" / "release" / "pdproxy-loadgen"
+FLOOR = ROOT / "target" / "release" / "pdproxy-floor"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
@@ -29,7 +30,7 @@ def say(message: str) -> None:
 
 
 def build_loadgen() -> None:
-    say("building the load generator (cargo build --release -p pdproxy-loadgen)")
+    say("building the load generator and the floor proxy (cargo build --release -p pdproxy-loadgen)")
     subprocess.run(["cargo", "build", "--release", "-q", "-p", "pdproxy-loadgen"], cwd=ROOT, check=True)
 
 
@@ -160,6 +161,18 @@ def mock_engines(
 
 
 ROLE_NUMBERS = {"hybrid": 1, "prefill": 2, "decode": 3}
+
+
+@contextlib.contextmanager
+def floor(nodes: list[str]) -> Iterator[Service]:
+    """The floor proxy (bench/loadgen/src/bin/floor.rs): hyper passing requests through, nothing else."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = [str(FLOOR), "--port", str(port)]
+    for node in nodes:
+        args += ["--upstream", node.removeprefix("http://")]
+    with service("floor", args, url + "/health", url) as svc:
+        yield svc
 
 
 @contextlib.contextmanager

@@ -331,6 +331,11 @@ def run_scenario(s: Scenario, duration: float, others: list[peers.Peer], repeat:
         urls = [e.url for e in engines]
         harness.say(f"{s.name}: direct to the engines for {duration:.0f} s")
         results["direct"] = run_load([u + CHAT for u in urls], s.body, s.connections, duration, mocks)
+        with harness.floor(urls) as floor:
+            harness.say(f"{s.name}: through the floor proxy for {duration:.0f} s")
+            results["floor"] = run_load(
+                [floor.url + CHAT], s.body, s.connections, duration, {"proxy": floor.proc.pid, **mocks}
+            )
         for name, edge in PDPROXY_TARGETS.items():
             with harness.pdproxy(urls, MODEL, ("--edge", edge)) as proxy:
                 harness.say(f"{s.name}: through {name} for {duration:.0f} s")

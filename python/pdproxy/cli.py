@@ -62,6 +62,8 @@ SECTIONS = {
     "pd": "Prefill/decode disaggregation (--serving-strategy DistServe)",
     "security": "Keys, TLS and CORS",
     "health": "Health checks",
+    "tenants": "Tenants: per-key limits, priorities and usage",
+    "tracing": "Tracing (OpenTelemetry, OTLP/HTTP)",
 }
 
 

@@ -1,0 +1,69 @@
+//! The floor of a Rust proxy, for calibration: hyper 1 on tokio, each client connection paired
+//! with one keep-alive connection to the next upstream (round robin), every request passed
+//! through as it is. No parsing, no selection, no accounting, no timeouts: what any proxy built
+//! on the same stack pays at least.
+//!
+//! usage: pdproxy-floor --port PORT --upstream HOST:PORT [--upstream HOST:PORT]... [--threads N]
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use hyper::body::Incoming;
+use hyper::client::conn::http1 as client;
+use hyper::server::conn::http1 as server;
+use hyper::service::service_fn;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Mutex;
+
+type Upstream = Arc<Mutex<client::SendRequest<Incoming>>>;
+
+async fn connect(address: &str) -> std::io::Result<Upstream> {
+    let stream = TcpStream::connect(address).await?;
+    stream.set_nodelay(true)?;
+    let (sender, connection) = client::handshake(TokioIo::new(stream)).await.map_err(std::io::Error::other)?;
+    tokio::spawn(connection);
+    Ok(Arc::new(Mutex::new(sender)))
+}
+
+async fn pass(upstream: Upstream, request: Request<Incoming>) -> Result<Response<Incoming>, hyper::Error> {
+    // One request at a time per client connection, as HTTP/1.1 keep-alive sends them.
+    let mut sender = upstream.lock().await;
+    sender.ready().await?;
+    sender.send_request(request).await
+}
+
+fn main() -> std::io::Result<()> {
+    let mut port = 0u16;
+    let mut upstreams = Vec::new();
+    let mut threads = std::thread::available_parallelism().map_or(1, usize::from);
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let value = args.next().unwrap_or_default();
+        match flag.as_str() {
+            "--port" => port = value.parse().map_err(std::io::Error::other)?,
+            "--upstream" => upstreams.push(value),
+            "--threads" => threads = value.parse().map_err(std::io::Error::other)?,
+            other => return Err(std::io::Error::other(format!("unknown argument {other}"))),
+        }
+    }
+    if upstreams.is_empty() {
+        return Err(std::io::Error::other("at least one --upstream HOST:PORT"));
+    }
+    let upstreams = Arc::new(upstreams);
+    let next = Arc::new(AtomicUsize::new(0));
+    tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build()?.block_on(async move {
+        let listener = TcpListener::bind(("127.0.0.1", port)).await?;
+        loop {
+            let (stream, _) = listener.accept().await?;
+            stream.set_nodelay(true)?;
+            let address = upstreams[next.fetch_add(1, Ordering::Relaxed) % upstreams.len()].clone();
+            tokio::spawn(async move {
+                let Ok(upstream) = connect(&address).await else { return };
+                let service = service_fn(move |request| pass(upstream.clone(), request));
+                let _ = server::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+            });
+        }
+    })
+}
