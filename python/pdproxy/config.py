@@ -128,7 +128,7 @@ class Settings:
             "Routing policy of every role (hybrid, and prefill and decode unless their own is given): "
             "min_expected_latency (LMDeploy's default), random, min_observed_latency, "
             "min_observed_latency_per_token, min_cache_usage (LMDeploy's), round_robin, least_requests, "
-            "consistent_hash, prefix, least_engine_load, scored (or scored:prefix=N,queue=N,kv=N).",
+            "consistent_hash, prefix, least_engine_load, scored (or scored:prefix=N,queue=N,kv=N,load=N).",
             aliases=("--routing-strategy",),
         ),
     )
@@ -172,6 +172,10 @@ class Settings:
     )
     score_kv_weight: float = field(
         default=1.0, metadata=_opt("scored: cost of a full KV cache (scaled by the engine's usage, 0 to 1).")
+    )
+    score_load_weight: float = field(
+        default=0.0,
+        metadata=_opt("scored: cost of each request pdproxy has in flight on the node, decoding ones included."),
     )
     engine_metrics_interval: float = field(
         default=2.0,
@@ -642,7 +646,7 @@ class Settings:
             raise ConfigError(f"request_timeout must not be negative, got {self.request_timeout}")
         if not 0 <= self.retry_budget_ratio <= 1:
             raise ConfigError(f"retry_budget_ratio must be between 0 and 1, got {self.retry_budget_ratio}")
-        for name in ("score_prefix_weight", "score_queue_weight", "score_kv_weight"):
+        for name in ("score_prefix_weight", "score_queue_weight", "score_kv_weight", "score_load_weight"):
             if not 0 <= getattr(self, name) < float("inf"):
                 raise ConfigError(f"{name} must be a non-negative number, got {getattr(self, name)}")
         if not 0 < self.prefix_bytes_per_token < float("inf"):

@@ -6,6 +6,7 @@
 //!      +                 KiB of prompts pdproxy sent there that have not had their first byte
 //!      + queue_weight  * requests waiting there for a place in the engine's batch
 //!      + kv_weight     * the engine's KV-cache usage (0 to 1)
+//!      + load_weight   * requests pdproxy has in flight there (decoding ones included)
 //! ```
 //!
 //! A prefix weight above 1 counts a request's own prefill twice over: it delays its first
@@ -37,6 +38,7 @@ pub struct ScoreWeights {
     pub prefix: f64,
     pub queue: f64,
     pub kv: f64,
+    pub load: f64,
 }
 
 impl ScoreWeights {
@@ -54,6 +56,7 @@ impl ScoreWeights {
                 "prefix" => out.prefix = value,
                 "queue" => out.queue = value,
                 "kv" => out.kv = value,
+                "load" => out.load = value,
                 _ => return Err(invalid(spec)),
             }
         }
@@ -64,7 +67,9 @@ impl ScoreWeights {
 fn invalid(spec: &str) -> Error {
     Error::new(
         Kind::Config,
-        format!("scored weights {spec:?}: use prefix=N, queue=N, kv=N separated by commas (non-negative numbers)"),
+        format!(
+            "scored weights {spec:?}: use prefix=N, queue=N, kv=N, load=N separated by commas (non-negative numbers)"
+        ),
     )
 }
 
@@ -122,7 +127,9 @@ impl Scored {
             #[allow(clippy::cast_precision_loss)]
             let unanswered = node.counters().unanswered.load(Ordering::Relaxed) as f64;
             let queue = load.map_or(unanswered, |l| l.waiting());
-            out[i] = Some(w.prefix * own_kib + pending_kib + w.queue * queue + w.kv * kv);
+            #[allow(clippy::cast_precision_loss)]
+            let in_flight = node.counters().in_flight() as f64;
+            out[i] = Some(w.prefix * own_kib + pending_kib + w.queue * queue + w.kv * kv + w.load * in_flight);
         }
         out
     }
@@ -177,7 +184,7 @@ mod tests {
     use super::super::testing::*;
     use super::*;
 
-    const WEIGHTS: ScoreWeights = ScoreWeights { prefix: 1.0, queue: 1.0, kv: 1.0 };
+    const WEIGHTS: ScoreWeights = ScoreWeights { prefix: 1.0, queue: 1.0, kv: 1.0, load: 0.0 };
 
     fn scored(weights: ScoreWeights) -> Scored {
         let table = PrefixTableConfig { block_bytes: 256, max_blocks: 64, entries: 1 << 16, bytes_per_token: 4.0 };
@@ -226,6 +233,11 @@ mod tests {
         assert_eq!(scored(queue_blind).pick(&nodes, &ctx(b"x")), Some(1));
         report(&nodes[1], 7, 0, 1.0);
         assert_eq!(scored(queue_blind).pick(&nodes, &ctx(b"x")), Some(0));
+        // With a load weight, requests in flight through pdproxy count too: node 1 has two more.
+        nodes[1].counters().in_flight.fetch_add(2, Ordering::Relaxed);
+        assert_eq!(scored(WEIGHTS).pick(&nodes, &ctx(b"x")), Some(1), "no load weight: unchanged");
+        let loaded = WEIGHTS.with_overrides("queue=0,kv=0,load=1").unwrap();
+        assert_eq!(scored(loaded).pick(&nodes, &ctx(b"x")), Some(0));
         for bad in ["prefix", "prefix=-1", "speed=2", "kv=x", "queue=inf"] {
             assert!(WEIGHTS.with_overrides(bad).is_err(), "{bad}");
         }
