@@ -16,19 +16,33 @@ format: ## format Python and Rust
 	ruff check --fix python tests bench
 	cargo fmt --all
 
-.PHONY: lint
-lint: ## ruff, mypy, stubtest (stubs against the built module), rustfmt and clippy (warnings are errors)
+.PHONY: build-dev
+build-dev: ## quick (unoptimised) build of the extension into python/pdproxy, for iterating on Rust
+	cargo build -p pdproxy --features python --profile quick
+	cp target/quick/lib_pdproxy.so python/pdproxy/_pdproxy.abi3.so
+
+.PHONY: lint-python
+lint-python: ## ruff (check and format), mypy strict, and the stub against the built module (stubtest)
 	ruff check python tests bench
 	ruff format --check python tests bench
 	$(PYTHON) -m mypy
 	cd /tmp && $(PYTHON) -m mypy.stubtest pdproxy._pdproxy --allowlist $(CURDIR)/.mypy-stubtest-allowlist
+
+.PHONY: lint-rust
+lint-rust: ## rustfmt and clippy (pedantic; warnings are errors)
 	cargo fmt --all --check
-	cargo clippy --workspace --all-targets --all-features -- -D warnings
+	cargo clippy --quiet --workspace --all-targets --all-features -- -D warnings
+
+.PHONY: lint
+lint: lint-python lint-rust ## every linter
 
 .PHONY: test
-test: ## the whole test suite: pytest (real processes) and the data plane's cargo tests
-	$(PYTHON) -m pytest
-	cargo test
+test: ## the Python suite: pytest against real processes (arguments: PYTEST_ARGS=...)
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
+
+.PHONY: test-rust
+test-rust: ## the data plane's cargo tests (no Python)
+	cargo test --quiet
 
 .PHONY: fresh-test
 fresh-test: ## the README's test command on a fresh clone: system packages, pip install ".[test]", pytest, cargo test
@@ -39,4 +53,4 @@ bench: ## run every benchmark scenario and refresh bench/README.md
 	$(PYTHON) bench/run.py --write-readme
 
 .PHONY: all
-all: lint test ## lint, then test
+all: lint test test-rust ## lint, then both test suites

@@ -11,13 +11,16 @@ Targets: `direct` (the load generator talks to the mock engines itself: the phys
 `pdproxy` (`pdproxy serve`: the Rust edge), `pdproxy-granian` (`pdproxy serve --edge granian`:
 the Python app under granian, one worker, as before the edge) and the peers: `lmdeploy-proxy` (LMDeploy's
 `lmdeploy serve proxy`), `sglang-router` and `vllm-router` (Rust routers), each installed on first
-use into its own virtual environment under bench/.peers, and `nginx` (Debian's package). Each target
-runs the load ``--repeat`` times back to back; a table row is the median run.
+use into its own virtual environment under bench/.peers, and `nginx` (Debian's package); and
+`floor`, hyper passing requests through (bench/loadgen/src/bin/floor.rs), for calibration. In S1-S4
+every target is up at once and their runs take turns, ``--repeat`` rounds (PD: back to back); a
+table row is the median run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -65,7 +68,10 @@ class Median:
     def __call__(
         self, urls: list[str], body: dict, connections: int, duration: float, watch: dict[str, int]
     ) -> harness.LoadResult:
-        runs = [harness.run_load(urls, body, connections, duration, watch) for _ in range(self.times)]
+        return self.pick([harness.run_load(urls, body, connections, duration, watch) for _ in range(self.times)])
+
+    def pick(self, runs: list[harness.LoadResult]) -> harness.LoadResult:
+        """The median of ``runs``, which keeps the measure of every run."""
         median = sorted(runs, key=self.measure)[len(runs) // 2]
         median.runs = [self.measure(r) for r in runs]
         return median
@@ -312,9 +318,11 @@ SCENARIOS = {
     ),
     "S4": Scenario(
         "S4",
-        "S4: one connection, non-stream",
+        "S4: one connection, non-stream, one engine",
         chat(False, 16),
         1,
+        # One engine: every target sends every request where `direct` does (see bench/README.md).
+        engines=1,
         render=render_s4,
         median_label="p50 ms",
         median_of=lambda r: _ms(r, "latency_ms", "p50"),
@@ -323,44 +331,40 @@ SCENARIOS = {
 
 
 def run_scenario(s: Scenario, duration: float, others: list[peers.Peer], repeat: int) -> dict[str, harness.LoadResult]:
-    harness.say(f"{s.title}: starting {s.engines} mock engine(s)")
-    run_load = s.median(repeat)
-    results: dict[str, harness.LoadResult] = {}
-    with harness.mock_engines(s.engines, MODEL, s.token_delay_ms) as engines:
+    """Every target of the scenario, its runs taking turns: all targets are up at once and each
+    round runs each of them once, so that a burst of noise on a shared machine falls on every
+    target alike rather than on the one whose runs happened to be under way."""
+    harness.say(f"{s.title}: starting {s.engines} mock engine(s) and every target")
+    median = s.median(repeat)
+    with harness.mock_engines(s.engines, MODEL, s.token_delay_ms) as engines, contextlib.ExitStack() as up:
         mocks = {f"mock-{i}": e.proc.pid for i, e in enumerate(engines)}
         urls = [e.url for e in engines]
-        harness.say(f"{s.name}: direct to the engines for {duration:.0f} s")
-        results["direct"] = run_load([u + CHAT for u in urls], s.body, s.connections, duration, mocks)
-        with harness.floor(urls) as floor:
-            harness.say(f"{s.name}: through the floor proxy for {duration:.0f} s")
-            results["floor"] = run_load(
-                [floor.url + CHAT], s.body, s.connections, duration, {"proxy": floor.proc.pid, **mocks}
-            )
+        # name -> (the URLs the load goes to, the processes whose CPU and memory count)
+        targets: dict[str, tuple[list[str], dict[str, int]]] = {"direct": ([u + CHAT for u in urls], mocks)}
+        floor = up.enter_context(harness.floor(urls))
+        targets["floor"] = ([floor.url + CHAT], {"proxy": floor.proc.pid, **mocks})
         for name, edge in PDPROXY_TARGETS.items():
-            with harness.pdproxy(urls, MODEL, ("--edge", edge)) as proxy:
-                harness.say(f"{s.name}: through {name} for {duration:.0f} s")
-                results[name] = run_load(
-                    [proxy.url + CHAT], s.body, s.connections, duration, {"proxy": proxy.proc.pid, **mocks}
-                )
+            proxy = up.enter_context(harness.pdproxy(urls, MODEL, ("--edge", edge)))
+            targets[name] = ([proxy.url + CHAT], {"proxy": proxy.proc.pid, **mocks})
         for peer in others:
-            result = run_peer(s, peer, urls, duration, mocks, run_load)
-            if result is not None:
-                results[peer.name] = result
-    return results
-
-
-def run_peer(
-    s: Scenario, peer: peers.Peer, urls: list[str], duration: float, mocks: dict[str, int], run_load: Median
-) -> harness.LoadResult | None:
-    """One run through a peer; one that fails is reported and left out of this table, not the whole run."""
-    try:
-        with peer.start(urls, MODEL) as proxy:
-            harness.say(f"{s.name}: through {peer.name} for {duration:.0f} s")
-            watch = {"proxy": proxy.proc.pid, **mocks}
-            return run_load([proxy.url + CHAT], s.body, s.connections, duration, watch)
-    except Exception as e:
-        harness.say(f"{s.name}: leaving out {peer.name}: {e}")
-        return None
+            try:
+                proxy = up.enter_context(peer.start(urls, MODEL))
+            except Exception as e:  # a peer that fails is left out of this table, not the whole run
+                harness.say(f"{s.name}: leaving out {peer.name}: {e}")
+                continue
+            targets[peer.name] = ([proxy.url + CHAT], {"proxy": proxy.proc.pid, **mocks})
+        runs: dict[str, list[harness.LoadResult]] = {name: [] for name in targets}
+        for round_ in range(repeat):
+            for name, (target, watch) in targets.items():
+                if name not in runs:
+                    continue
+                harness.say(f"{s.name}: {name}, run {round_ + 1} of {repeat}, {duration:.0f} s")
+                try:
+                    runs[name].append(harness.run_load(target, s.body, s.connections, duration, watch))
+                except Exception as e:
+                    harness.say(f"{s.name}: leaving out {name}: {e}")
+                    del runs[name]
+    return {name: median.pick(r) for name, r in runs.items()}
 
 
 def run_mock_capacity(duration: float, repeat: int) -> dict[str, harness.LoadResult]:

@@ -4,7 +4,8 @@
 #     apt-get): Debian's chromium and chromium-driver (the dashboard's browser test) and
 #     redis-server (the replicas' tests start their own on free ports);
 #   - pdproxy with its test extras (pip install ".[test]": builds the Rust extension, release);
-#   - pytest (arguments are passed on), then cargo test (the data plane without Python).
+#   - `make test` (pytest; arguments are passed on), then `make test-rust` (cargo test: the data
+#     plane without Python).
 # Prerequisites it checks: Python >= 3.11 ($PYTHON, else python3) and cargo (Rust >= 1.85).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,6 +15,7 @@ fail() { echo "scripts/test.sh: $*" >&2; exit 1; }
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
   || fail "needs Python >= 3.11 (set PYTHON=/path/to/python3.11 or newer)"
 command -v cargo >/dev/null || fail "needs a Rust toolchain >= 1.85 (https://rustup.rs), to build the extension"
+command -v make >/dev/null || fail "needs make (the Makefile's targets run the tests)"
 
 missing=()
 command -v chromium >/dev/null || missing+=(chromium)
@@ -34,5 +36,6 @@ fi
 
 "$PYTHON" -m pip install --quiet ".[test]" \
   || fail "pip could not install pdproxy; inside a virtual environment it can: $PYTHON -m venv .venv && . .venv/bin/activate"
-"$PYTHON" -m pytest "$@"
-cargo test --quiet
+# The Makefile's targets: the one place the test commands are written.
+make --no-print-directory test PYTHON="$PYTHON" PYTEST_ARGS="$*"
+make --no-print-directory test-rust

@@ -63,12 +63,12 @@ async def test_disconnect_mid_stream_releases_the_node(engine: MockEngine) -> No
         headers = [(b"content-type", b"application/json"), (FAULT_HEADER.encode(), b"token_delay_ms=300")]
         handling = asyncio.create_task(app(scope("/v1/chat/completions", headers), client.receive, client.send))
         await asyncio.wait_for(client.body_messages.wait(), 5)
-        assert app.router is not None
-        assert app.router.nodes()[0]["in_flight"] == 1
+        assert app.supervisor.router is not None
+        assert app.supervisor.router.nodes()[0]["in_flight"] == 1
         client.disconnect()
         await asyncio.wait_for(handling, 1)  # returns at once, not when the stream would end
-        assert app.router.nodes()[0]["in_flight"] == 0
-        assert app.router.nodes()[0]["cancelled"] == 1
+        assert app.supervisor.router.nodes()[0]["in_flight"] == 0
+        assert app.supervisor.router.nodes()[0]["cancelled"] == 1
         for _ in range(100):
             if engine.state.disconnected:
                 break
@@ -90,8 +90,8 @@ async def test_completed_stream_ends_the_response(engine: MockEngine) -> None:
         assert client.sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
         body = b"".join(m.get("body", b"") for m in client.sent[1:])
         assert body.endswith(b"data: [DONE]\n\n")
-        assert app.router is not None
-        assert app.router.nodes()[0]["in_flight"] == 0
+        assert app.supervisor.router is not None
+        assert app.supervisor.router.nodes()[0]["in_flight"] == 0
     finally:
         await app.shutdown()
 
@@ -111,8 +111,8 @@ async def test_no_healthy_node_is_503_with_retry_after(engine: MockEngine) -> No
     app = create_app(Settings(nodes=(engine.url,)))
     await app.startup()
     try:
-        assert app.router is not None
-        app.router.set_node_state(engine.url, "unhealthy")
+        assert app.supervisor.router is not None
+        app.supervisor.router.set_node_state(engine.url, "unhealthy")
         client = await run(app, chat_body("m"))
         status, headers = head(client)
         assert status == 503
@@ -127,11 +127,11 @@ async def test_full_node_without_queue_is_429_with_retry_after(engine: MockEngin
     app = create_app(Settings(nodes=(engine.url,), queue_size=0))
     await app.startup()
     try:
-        assert app.router is not None
-        app.router.set_max_concurrency(engine.url, 1)
+        assert app.supervisor.router is not None
+        app.supervisor.router.set_max_concurrency(engine.url, 1)
         slow = [(FAULT_HEADER.encode(), b"token_delay_ms=100")]
         first = asyncio.create_task(run(app, chat_body("m", stream=True), slow))
-        while app.router.nodes()[0]["in_flight"] == 0:
+        while app.supervisor.router.nodes()[0]["in_flight"] == 0:
             await asyncio.sleep(0.005)
         client = await run(app, chat_body("m"))
         status, headers = head(client)

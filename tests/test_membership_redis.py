@@ -16,8 +16,8 @@ import pytest
 import redis
 import redis.asyncio
 
-from pdproxy.errors import ConfigError, InvalidRequest
-from pdproxy.membership import Entry, RegistryUnavailable, from_url
+from pdproxy.errors import ConfigError, InvalidRequest, RegistryUnavailable
+from pdproxy.membership import Entry, from_url
 from pdproxy.membership.redis_store import RedisMembership
 from redis_server import REDIS_SERVER, RedisServer, redis_server
 

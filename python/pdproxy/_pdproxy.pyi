@@ -2,98 +2,23 @@
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Protocol, final
+from typing import Any, ClassVar, final
+
+# The data plane reads these by attribute (rust/src/py/config.rs, rust/src/py/node.rs); their
+# fields are declared once, in Python.
+from pdproxy.config import Settings
+from pdproxy.node_record import NodeRecord
 
 __version__: str
 #: The routing policies the data plane knows, by name.
 POLICY_NAMES: tuple[str, ...]
-
-class _RouterConfig(Protocol):
-    """What the router reads from `pdproxy.Settings` (by attribute)."""
-
-    @property
-    def policy(self) -> str: ...
-    @property
-    def prefill_policy(self) -> str: ...
-    @property
-    def decode_policy(self) -> str: ...
-    @property
-    def model_policies(self) -> Sequence[str]: ...
-    @property
-    def hash_load_factor(self) -> float: ...
-    @property
-    def prefix_block_bytes(self) -> int: ...
-    @property
-    def prefix_max_blocks(self) -> int: ...
-    @property
-    def prefix_cache_entries(self) -> int: ...
-    @property
-    def prefix_balance_threshold(self) -> int: ...
-    @property
-    def prefix_bytes_per_token(self) -> float: ...
-    @property
-    def score_prefix_weight(self) -> float: ...
-    @property
-    def score_queue_weight(self) -> float: ...
-    @property
-    def score_kv_weight(self) -> float: ...
-    @property
-    def score_load_weight(self) -> float: ...
-    @property
-    def engine_metrics_max_age(self) -> float: ...
-    @property
-    def queue_size(self) -> int: ...
-    @property
-    def queue_timeout(self) -> float: ...
-    @property
-    def request_timeout(self) -> float: ...
-    @property
-    def retries(self) -> int: ...
-    @property
-    def retry_budget_ratio(self) -> float: ...
-    @property
-    def retry_budget_floor(self) -> int: ...
-    @property
-    def circuit_failures(self) -> int: ...
-    @property
-    def circuit_cooldown(self) -> float: ...
-    @property
-    def runtime_threads(self) -> int: ...
-    @property
-    def connect_timeout(self) -> float: ...
-    @property
-    def first_byte_timeout(self) -> float: ...
-    @property
-    def pool_idle_timeout(self) -> float: ...
-    @property
-    def pool_max_idle_per_node(self) -> int: ...
-    @property
-    def prefetch_limit(self) -> int: ...
-    @property
-    def stream_idle_timeout(self) -> float: ...
-    @property
-    def stream_buffer_limit(self) -> int: ...
-    @property
-    def stream_stall_timeout(self) -> float: ...
-    @property
-    def max_requests(self) -> int: ...
-    @property
-    def otlp_endpoint(self) -> str: ...
-    @property
-    def otlp_headers(self) -> Sequence[str]: ...
-    @property
-    def service_name(self) -> str: ...
-    @property
-    def trace_sampler(self) -> str: ...
-    @property
-    def trace_sampler_arg(self) -> float: ...
 
 @final
 class Router:
     """The node table, selection, admission and forwarding. Every method but `forward`
     returns at once."""
 
-    def __new__(cls, config: _RouterConfig, group: tuple[SharedTable, int] | None = None) -> Router: ...
+    def __new__(cls, config: Settings, group: tuple[SharedTable, int] | None = None) -> Router: ...
     @property
     def instance_id(self) -> str:
         """This proxy's id, as the requests it sends carry it in `x-pdproxy-via`."""
@@ -135,22 +60,21 @@ class Router:
 
     @property
     def draining(self) -> bool: ...
-    def add_node(
-        self,
-        url: str,
-        models: list[str] | None = None,
-        role: str = "hybrid",
-        speed: float | None = None,
-        max_concurrency: int | None = None,
-        api_key: str | None = None,
-        bootstrap_port: int | None = None,
-        address: str | None = None,
-    ) -> str:
-        """Adds a node (or updates a registered one); returns its normalised URL. `address`
-        (`HOST:PORT`): where to connect, instead of resolving the URL's host.
+    def add_node(self, record: NodeRecord, address: str | None = None) -> str:
+        """Adds a node (or updates a registered one) from its record; returns its normalised URL.
+        `address` (`HOST:PORT`): where to connect, instead of resolving the URL's host.
 
         Raises:
             InvalidNode: the URL is not a usable http URL, or the role or speed is invalid.
+        """
+
+    def node(self, url: str) -> dict[str, Any]:
+        """One node: url, generation, role, models (served), declared_models (as registered),
+        speed, max_concurrency, has_api_key, api_key, bootstrap_port, lease_ttl, labels,
+        address, state, circuit, in_flight.
+
+        Raises:
+            NodeNotFound: no node with this URL is registered.
         """
 
     def set_models(self, url: str, models: list[str]) -> None:
@@ -169,6 +93,20 @@ class Router:
 
     def set_max_concurrency(self, url: str, max_concurrency: int | None) -> None:
         """Sets (or with None lifts) a node's hard cap on requests in flight."""
+
+    def models(self) -> list[str]:
+        """Models served by the registered nodes, deduplicated."""
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """A snapshot of each node: url, generation, role, models, declared_models, speed,
+        has_api_key, bootstrap_port, lease_ttl, labels, address, state,
+        max_concurrency, in_flight, requests, succeeded, failed, connect_failures, cancelled,
+        events, mean_latency, recent_latency, recent_latencies, recent_latency_per_token,
+        mean_ttft, ttft_ewma (seconds, or None), circuit, histograms (duration, ttft, itl:
+        bounds, per-bucket counts with +Inf last, sum, count), and engine (what the node's engine
+        last reported: running, waiting, kv_usage, prompt_tokens, cached_tokens,
+        kv_capacity_tokens, age in seconds, fresh, sent_since, requests_estimate, restarts,
+        failures, failing)."""
 
     def record_engine_report(
         self,
@@ -197,19 +135,6 @@ class Router:
             NodeNotFound: no node with that URL is registered.
         """
 
-    def models(self) -> list[str]:
-        """Models served by the registered nodes, deduplicated."""
-
-    def nodes(self) -> list[dict[str, Any]]:
-        """A snapshot of each node: url, generation, role, models, speed, has_api_key, address, state,
-        max_concurrency, in_flight, requests, succeeded, failed, connect_failures, cancelled,
-        events, mean_latency, recent_latency, recent_latencies, recent_latency_per_token,
-        mean_ttft, ttft_ewma (seconds, or None), circuit, histograms (duration, ttft, itl:
-        bounds, per-bucket counts with +Inf last, sum, count), and engine (what the node's engine
-        last reported: running, waiting, kv_usage, prompt_tokens, cached_tokens,
-        kv_capacity_tokens, age in seconds, fresh, sent_since, requests_estimate, restarts,
-        failures, failing)."""
-
     def select(self, model: str | None = None, role: str = "hybrid", affinity: str | None = None) -> str:
         """The URL of the node the policy would choose now; nothing is sent or counted."""
 
@@ -217,8 +142,9 @@ class Router:
         """In a worker group: rebinds nodes whose shared slot another worker retired."""
 
     @staticmethod
-    def check_node(url: str, role: str = "hybrid", speed: float | None = None, api_key: str | None = None) -> None:
-        """Raises `InvalidNode` for a node the table would refuse, without adding it."""
+    def check_node(record: NodeRecord) -> str:
+        """The canonical URL of `record`; raises `InvalidNode` for a node the table would
+        refuse, without adding it."""
 
     @staticmethod
     def normalize_url(url: str) -> str:
@@ -417,38 +343,6 @@ class SharedTable:
 
     def set_draining(self) -> None: ...
 
-class _EdgeSettings(Protocol):
-    """What the edge reads from `pdproxy.Settings` (by attribute)."""
-
-    @property
-    def api_keys(self) -> Sequence[str]: ...
-    @property
-    def max_body_size(self) -> int: ...
-    @property
-    def body_timeout(self) -> float: ...
-    @property
-    def serving_strategy(self) -> str: ...
-    @property
-    def pd_protocol(self) -> str: ...
-    @property
-    def access_log(self) -> bool: ...
-    @property
-    def access_log_format(self) -> str: ...
-    @property
-    def first_byte_timeout(self) -> float: ...
-    @property
-    def pd_link_timeout(self) -> float: ...
-    @property
-    def header_read_timeout(self) -> float: ...
-    @property
-    def allow_origins(self) -> Sequence[str]: ...
-    @property
-    def allow_credentials(self) -> bool: ...
-    @property
-    def allow_methods(self) -> Sequence[str]: ...
-    @property
-    def allow_headers(self) -> Sequence[str]: ...
-
 @final
 class EdgeListener:
     """The public address, bound at once (no `SO_REUSEPORT`: a taken port is refused)."""
@@ -474,7 +368,7 @@ class Edge:
         cls,
         router: Router,
         listener: EdgeListener,
-        settings: _EdgeSettings,
+        settings: Settings,
         threads: int,
         control_socket: str,
         control_stale_after: float,

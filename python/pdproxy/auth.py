@@ -12,29 +12,10 @@ import hmac
 import ipaddress
 import socket
 from collections.abc import Sequence
-from typing import Any
 from urllib.parse import urlsplit
 
-from .errors import PdproxyError
-
-
-class Unauthorized(PdproxyError):
-    """No key, or a wrong one."""
-
-    status = 401
-    code = "unauthorized"
-    type = "authentication_error"
-
-    def headers(self) -> list[tuple[bytes, bytes]]:
-        return [*super().headers(), (b"www-authenticate", b"Bearer")]
-
-
-class Forbidden(PdproxyError):
-    """A valid inference key used on the management API."""
-
-    status = 403
-    code = "forbidden"
-    type = "permission_error"
+from ._pdproxy import Router as CoreRouter
+from .errors import Forbidden, Unauthorized
 
 
 def bearer(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
@@ -74,7 +55,7 @@ class Keys:
         self.api = tuple(k.encode() for k in api_keys)
         self.admin = tuple(k.encode() for k in admin_keys) or self.api
         #: The data plane's tenants (their keys are inference keys too), once it is built.
-        self.tenants: Any = None
+        self.tenants: CoreRouter | None = None
         #: Host names (not addresses) the proxy answers to without an admin key.
         self.names = {"localhost", socket.gethostname().lower(), host.lower()}
         self.keyless_registration = tuple(ipaddress.ip_network(n, strict=False) for n in keyless_registration)
@@ -94,12 +75,12 @@ class Keys:
 
     def check_inference(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
         """An API key, or with tenants configured a tenant's key, when either is set."""
-        tenants = self.tenants is not None and self.tenants.tenants_configured
-        if not self.api and not tenants:
+        tenants = self.tenants if self.tenants is not None and self.tenants.tenants_configured else None
+        if not self.api and tenants is None:
             return
         token = _bearer(headers)
         if token is not None and (
-            (self.api and _matches(token, self.api)) or (tenants and self.tenants.tenant_key_known(token))
+            (self.api and _matches(token, self.api)) or (tenants is not None and tenants.tenant_key_known(token))
         ):
             return
         raise Unauthorized("a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)")

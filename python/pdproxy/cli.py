@@ -12,70 +12,117 @@ import dataclasses
 import json
 import os
 import sys
+import types
+import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import click
+from pydantic.fields import FieldInfo
 
 from . import __version__
-from .config import ENV_PREFIX, Settings, field_type, load_toml
+from .config import ENV_PREFIX, GROUPS, Settings, load_toml, setting_kind
 from .errors import ConfigError
+from .node_record import NodeAttributes, configured_nodes
+from .settings_checks import checked
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _flag(f: dataclasses.Field[Any]) -> str:
-    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+@dataclass(frozen=True)
+class Option:
+    """One setting as the command line takes it."""
+
+    name: str
+    kind: type
+    default: object
+    help: str
+    #: Its flag, then LMDeploy's spellings of it.
+    flags: tuple[str, ...]
+    env_aliases: tuple[str, ...]
+    #: The title of the group `--help` shows it under.
+    section: str
+
+
+def options_of(cls: type) -> list[Option]:
+    """The options of a settings class: the pydantic ``Settings`` (each under its group's
+    title) or a settings dataclass (the mock engine's)."""
+    if issubclass(cls, Settings):
+        out = []
+        for name, info in cls.model_fields.items():
+            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+            flag = extra.get("flag") or "--" + name.replace("_", "-")
+            aliases = tuple(str(a) for a in extra.get("aliases") or ())  # type: ignore[union-attr]
+            env_aliases = tuple(str(a) for a in extra.get("env_aliases") or ())  # type: ignore[union-attr]
+            kind = setting_kind(info)
+            out.append(
+                Option(
+                    name,
+                    kind,
+                    info.default,
+                    info.description or "",
+                    (str(flag), *aliases),
+                    env_aliases,
+                    cls.group_of(name).title,
+                )
+            )
+        return out
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls.__name__} is neither Settings nor a settings dataclass")
+    return [
+        Option(
+            f.name,
+            _DATACLASS_KINDS[str(f.type)],
+            f.default,
+            f.metadata.get("help", ""),
+            ("--" + f.name.replace("_", "-"),),
+            (),
+            "",
+        )
+        for f in dataclasses.fields(cls)
+    ]
+
+
+_DATACLASS_KINDS: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
 
 
 def settings_options(cls: type, envvar_prefix: str | None) -> Callable[[F], F]:
-    """Adds one click option per field of the settings dataclass ``cls``."""
+    """Adds one click option per setting of ``cls``."""
 
     def decorate(fn: F) -> F:
-        for f in reversed(dataclasses.fields(cls)):
-            kind = field_type(f)
-            envvars = [f"{envvar_prefix}{f.name.upper()}"] if envvar_prefix else []
-            envvars += f.metadata.get("env_aliases", ())
-            common: dict[str, Any] = {
-                "help": f.metadata.get("help"),
-                "envvar": envvars or None,
-                "show_envvar": bool(envvars),
-            }
-            flags = (_flag(f), *f.metadata.get("aliases", ()))
-            if kind is bool:
-                option = click.option(*flags, f.name, is_flag=True, default=f.default, show_default=True, **common)
-            elif kind is tuple:
-                default = f.default if f.default is not dataclasses.MISSING else ()
-                option = click.option(*flags, f.name, multiple=True, type=str, default=default, **common)
+        for option in reversed(options_of(cls)):
+            envvars = [f"{envvar_prefix}{option.name.upper()}"] if envvar_prefix else []
+            envvars += option.env_aliases
+            common: dict[str, Any] = {"help": option.help, "envvar": envvars or None, "show_envvar": bool(envvars)}
+            if option.kind is bool:
+                decorator = click.option(
+                    *option.flags, option.name, is_flag=True, default=option.default, show_default=True, **common
+                )
+            elif option.kind is tuple:
+                decorator = click.option(
+                    *option.flags, option.name, multiple=True, type=str, default=option.default, **common
+                )
             else:
-                option = click.option(*flags, f.name, type=kind, default=f.default, show_default=True, **common)
-            fn = option(fn)
+                decorator = click.option(
+                    *option.flags, option.name, type=option.kind, default=option.default, show_default=True, **common
+                )
+            fn = decorator(fn)
         return fn
 
     return decorate
 
 
-#: `pdproxy serve --help` shows the options in these groups (a setting's `section`), in this order.
-SECTIONS = {
-    "server": "Serving",
-    "proxy": "Routing, limits and timeouts",
-    "pd": "Prefill/decode disaggregation (--serving-strategy DistServe)",
-    "security": "Keys, TLS and CORS",
-    "health": "Health checks",
-    "tenants": "Tenants: per-key limits, priorities and usage",
-    "tracing": "Tracing (OpenTelemetry, OTLP/HTTP)",
-}
-
-
 class SettingsCommand(click.Command):
-    """`pdproxy serve`: its help grouped by section, and multi-valued options that take several
-    values after one flag as LMDeploy's (``--api-keys k1 k2``) as well as the flag repeated."""
+    """`pdproxy serve`: its help grouped by the settings' groups, and multi-valued options that
+    take several values after one flag as LMDeploy's (``--api-keys k1 k2``) as well as the flag
+    repeated."""
 
     def __init__(self, *args: Any, settings: type, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        fields = dataclasses.fields(settings)
-        self.sections = {f.name: f.metadata.get("section", "proxy") for f in fields}
-        self.greedy = {flag for f in fields if field_type(f) is tuple for flag in (_flag(f), *f.metadata["aliases"])}
+        options = options_of(settings)
+        self.sections = {option.name: option.section for option in options}
+        self.greedy = {flag for option in options if option.kind is tuple for flag in option.flags}
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         return super().parse_args(ctx, spread_values(args, self.greedy))
@@ -86,10 +133,10 @@ class SettingsCommand(click.Command):
             record = param.get_help_record(ctx)
             if record is not None:
                 groups.setdefault(self.sections.get(param.name or "", ""), []).append(record)
-        for section, title in (("", "Options"), *SECTIONS.items()):
-            if groups.get(section):
-                with formatter.section(title):
-                    formatter.write_dl(groups[section])
+        for title in dict.fromkeys(("", *(group.title for group in GROUPS))):  # each title once, in order
+            if groups.get(title):
+                with formatter.section(title or "Options"):
+                    formatter.write_dl(groups[title])
 
 
 def spread_values(args: list[str], greedy: set[str]) -> list[str]:
@@ -152,7 +199,7 @@ def serve(print_config: bool, **options: Any) -> None:
         if isinstance(value, list):
             options[name] = tuple(value)
     try:
-        settings = Settings(**options)
+        settings = checked(Settings(**options))
     except ConfigError as e:
         click.echo(f"pdproxy: {e}", err=True)  # one line, before anything is served
         sys.exit(2)
@@ -166,7 +213,9 @@ def serve(print_config: bool, **options: Any) -> None:
                 err=True,
             )
     if print_config:
-        click.echo(json.dumps(settings.redacted()))
+        shown = settings.redacted()
+        shown["nodes"] = [record.redacted() for record in configured_nodes(settings)]  # their keys hidden
+        click.echo(json.dumps(shown))
         return
     try:
         status = run(settings)
@@ -321,41 +370,55 @@ def nodes() -> None:
     """Add or remove nodes of a running proxy."""
 
 
+def _attribute_shape(info: FieldInfo) -> type:
+    """How the command line takes a node attribute: list (repeated), dict (KEY=VALUE, repeated)
+    or its scalar type."""
+    kind: object = info.annotation
+    if isinstance(kind, types.UnionType):  # `float | None`: the value's own type
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    shape = typing.get_origin(kind) or kind
+    if not isinstance(shape, type):
+        raise TypeError(f"node attribute {info.title or info}: no command-line form for {kind!r}")
+    return shape
+
+
+def node_attribute_options(fn: F) -> F:
+    """One option per attribute of a node record (``NodeAttributes``): a list's repeats
+    (``--model``), a map's takes ``KEY=VALUE`` (``--label``)."""
+    for name, info in reversed(NodeAttributes.model_fields.items()):
+        shape = _attribute_shape(info)
+        several = shape in (list, dict)
+        flag = "--" + (name.removesuffix("s") if several else name).replace("_", "-")
+        if several:
+            metavar = "KEY=VALUE" if shape is dict else None
+            option = click.option(flag, f"node_{name}", multiple=True, metavar=metavar, help=info.description)
+        else:
+            option = click.option(flag, f"node_{name}", type=shape, default=None, help=info.description)
+        fn = option(fn)
+    return fn
+
+
 @nodes.command("add")
 @click.argument("node_url")
 @_URL
 @_KEY
-@click.option("--model", "models", multiple=True, help="A model the node serves (default: ask the node).")
-@click.option("--role", default="hybrid", show_default=True, help="hybrid, prefill or decode (or 1, 2, 3).")
-@click.option("--speed", type=float, default=None, help="Relative throughput (random and min_expected_latency).")
-@click.option("--max-concurrency", type=int, default=None, help="Hard cap on the node's requests in flight.")
-@click.option("--api-key", "node_api_key", default=None, help="Key the proxy sends to the node (Bearer).")
-@click.option("--lease-ttl", type=float, default=None, help="Seconds until it lapses unless registered again.")
-@click.option("--bootstrap-port", type=int, default=None, help="SGLang prefill nodes: their bootstrap port.")
-def nodes_add(
-    node_url: str,
-    url: str,
-    key: str | None,
-    models: tuple[str, ...],
-    role: str,
-    speed: float | None,
-    max_concurrency: int | None,
-    node_api_key: str | None,
-    lease_ttl: float | None,
-    bootstrap_port: int | None,
-) -> None:
-    """Register NODE_URL with the proxy."""
-    status: dict[str, Any] = {"role": role, "speed": speed}
-    if models:
-        status["models"] = list(models)
-    payload: dict[str, Any] = {"url": node_url, "status": status}
-    extra = {
-        "max_concurrency": max_concurrency,
-        "api_key": node_api_key,
-        "lease_ttl": lease_ttl,
-        "bootstrap_port": bootstrap_port,
-    }
-    payload.update({name: value for name, value in extra.items() if value is not None})
+@node_attribute_options
+def nodes_add(node_url: str, url: str, key: str | None, **attributes: Any) -> None:
+    """Register NODE_URL with the proxy (what it does not say, the node's record leaves at its
+    default; without --model the proxy asks the node)."""
+    payload: dict[str, object] = {"url": node_url}
+    for name, info in NodeAttributes.model_fields.items():
+        value = attributes[f"node_{name}"]
+        shape = _attribute_shape(info)
+        if shape is dict:
+            pairs = [item.partition("=") for item in value]
+            if any(not sep for _, sep, _ in pairs):
+                raise click.BadParameter("must read KEY=VALUE", param_hint=f"--{name.removesuffix('s')}")
+            value = {k: v for k, _, v in pairs}
+        if value:
+            payload[name] = list(value) if shape is list else value
+        elif value is not None and shape not in (list, dict):
+            payload[name] = value  # a zero or an empty text is still what was asked
     answer = _admin_call(url, "/nodes/add", key, payload)
     click.echo(f"{'added' if answer['created'] else 'updated'} {answer['url']}")
 

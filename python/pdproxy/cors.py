@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .errors import PdproxyError
+from .errors import CorsRefused
 
 #: What ``*`` means in ``--allow-methods`` (Starlette's list, as LMDeploy's api_server uses).
 ALL_METHODS = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
@@ -18,14 +18,6 @@ SAFELISTED = frozenset({"accept", "accept-language", "content-language", "conten
 MAX_AGE = b"600"
 
 Headers = list[tuple[bytes, bytes]]
-
-
-class CorsRefused(PdproxyError):
-    """A preflight for an origin, method or header the settings do not allow."""
-
-    status = 400
-    code = "cors_refused"
-    type = "invalid_request_error"
 
 
 def is_cors_path(path: str, inference_paths: frozenset[str]) -> bool:

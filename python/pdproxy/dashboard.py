@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .supervisor import Supervisor
 
 #: The page, shipped next to this module.
 PAGE = (Path(__file__).parent / "dashboard.html").read_bytes()
 
 
-def data(app: Any) -> dict[str, Any]:
+def data(app: Supervisor) -> dict[str, Any]:
     fleet = app.fleet
-    pd = fleet.distserve.status() if fleet is not None and fleet.distserve is not None else None
+    pd = fleet.pd.status() if fleet is not None and fleet.pd is not None else None
     return {
         "time": time.time(),
         "nodes": fleet.status() if fleet is not None else {},

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from . import background
+from .errors import NodeNotFound
 from .node_answers import read_json
 from .tls import node_session
 
@@ -29,8 +30,8 @@ log = logging.getLogger("pdproxy.discovery")
 
 @dataclass
 class _Pending:
-    declared: list[str] | None
-    api_key: str | None
+    """A node still to probe (what it declared and its key are the node's own: ``core.node``)."""
+
     #: Why the last probe got no model list.
     failure: str | None = None
 
@@ -46,10 +47,10 @@ class ModelDiscovery:
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
 
-    def watch(self, url: str, declared: list[str] | None = None, api_key: str | None = None) -> None:
+    def watch(self, url: str) -> None:
         """Probes ``url`` (a normalised node URL): until its models are known, or once to
-        verify ``declared``."""
-        self._pending[url] = _Pending(declared, api_key)
+        verify those it declared."""
+        self._pending[url] = _Pending()
         self._wake.set()
 
     def forget(self, url: str) -> None:
@@ -61,7 +62,7 @@ class ModelDiscovery:
 
     def failures(self) -> dict[str, str]:
         """Why each node whose models are still unknown did not tell them, when it was asked."""
-        return {url: p.failure for url, p in self._pending.items() if p.failure is not None and p.declared is None}
+        return {url: p.failure for url, p in self._pending.items() if p.failure is not None and not self._declared(url)}
 
     async def start(self) -> None:
         """Probes every pending node once, then keeps at it in the background."""
@@ -87,7 +88,7 @@ class ModelDiscovery:
         which take no traffic until they answer)."""
         self._wake.clear()
         if self._pending and self._session is not None:
-            pending = [(url, p) for url, p in self._pending.items() if not unknown_only or p.declared is None]
+            pending = [(url, p) for url, p in self._pending.items() if not unknown_only or not self._declared(url)]
             await asyncio.gather(*(self._probe(url, p) for url, p in pending))
 
     async def _run(self) -> None:
@@ -99,9 +100,20 @@ class ModelDiscovery:
                     await self._wake.wait()
             await self.probe_pending()
 
+    def _declared(self, url: str) -> bool:
+        with contextlib.suppress(NodeNotFound):
+            return self._core.node(url)["declared_models"] is not None
+        return False
+
     async def _probe(self, url: str, pending: _Pending) -> None:
         assert self._session is not None
-        headers = {"authorization": f"Bearer {pending.api_key}"} if pending.api_key else {}
+        try:
+            node = self._core.node(url)
+        except NodeNotFound:
+            self._pending.pop(url, None)
+            return
+        declared: list[str] | None = node["declared_models"]
+        headers = {"authorization": f"Bearer {node['api_key']}"} if node["api_key"] else {}
         status: int | str
         try:
             async with self._session.get(f"{url}/v1/models", headers=headers, allow_redirects=False) as response:
@@ -114,7 +126,7 @@ class ModelDiscovery:
         if self._pending.get(url) is not pending:
             return
         if models is None:
-            if pending.declared is not None:
+            if declared is not None:
                 # No probe possible: trust what the node declared, and stop probing.
                 del self._pending[url]
                 log.info("node %s: /v1/models unavailable (%s); trusting its declared models", url, status)
@@ -123,8 +135,8 @@ class ModelDiscovery:
                 log.info("node %s: model discovery failed (%s); will retry", url, status)
             return
         del self._pending[url]
-        if pending.declared is not None and sorted(pending.declared) != sorted(models):
-            log.warning("node %s declared models %s but serves %s; using what it serves", url, pending.declared, models)
+        if declared is not None and sorted(declared) != sorted(models):
+            log.warning("node %s declared models %s but serves %s; using what it serves", url, declared, models)
         self._core.set_models(url, models)
         log.info("node %s serves %s", url, ", ".join(models) or "no models")
 

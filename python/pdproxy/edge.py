@@ -80,21 +80,21 @@ async def _supervise(settings: Settings, listener: _pdproxy.EdgeListener, loggin
         await app.startup()
         control_task = asyncio.create_task(control.serve())
         await _until_listening(socket_path, control_task)
-        assert app.router is not None
+        assert app.supervisor.router is not None
         edge = _pdproxy.Edge(
-            app.router.core, listener, settings, threads(settings), str(socket_path), CONTROL_STALE_AFTER
+            app.supervisor.router.core, listener, settings, threads(settings), str(socket_path), CONTROL_STALE_AFTER
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, app.drain)
-        loop.add_signal_handler(signal.SIGHUP, app.reload_tenants)
+            loop.add_signal_handler(sig, app.supervisor.drain)
+        loop.add_signal_handler(signal.SIGHUP, app.supervisor.reload_tenants)
         heartbeat = asyncio.create_task(_beat(edge.heartbeat))
-        drained = asyncio.create_task(app.drained.wait())
+        drained = asyncio.create_task(app.supervisor.drained.wait())
         done, _ = await asyncio.wait({drained, control_task}, return_when=asyncio.FIRST_COMPLETED)
         if drained not in done:
             log.error("the control plane stopped unexpectedly: finishing the requests in flight, then exiting")
             status = 1
-            app.drain()
+            app.supervisor.drain()
             await drained
         heartbeat.cancel()
     finally:

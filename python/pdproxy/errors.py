@@ -5,9 +5,15 @@
     ├── InvalidRequest(ValueError)         400 invalid_request: the client's request is unusable
     │   ├── RequestTooLarge                413 request_too_large
     │   └── RequestTimeout                 408 request_timeout: the body came too slowly
+    ├── UnsupportedMediaType               415 unsupported_media_type: the body is not JSON
+    ├── NotFound, MethodNotAllowed         404 not_found, 405 method_not_allowed
+    ├── CorsRefused                        400 cors_refused: a preflight the CORS settings refuse
+    ├── Unauthorized, Forbidden            401 unauthorized, 403 forbidden (keys)
     ├── Draining                           503 draining: shutting down, no new requests
     ├── InvalidNode(ValueError)            a node URL that cannot be used
     ├── NodeNotFound(KeyError)             no node with that URL is registered
+    ├── RegistryUnavailable                503 registry_unavailable: the shared registry is down
+    ├── DistServeOff                       404 distserve_off: a DistServe route without DistServe
     ├── NoNodeAvailable                    503 no_healthy_node: nothing can serve the request now
     │   └── ModelNotFound                  404 model_not_found: no node serves the model
     ├── Overloaded                         429 overloaded: every node is at its limit and the queue is full
@@ -18,7 +24,16 @@
     ├── LoopDetected                       508 loop_detected: the request came back to this proxy
     └── UpstreamError                      502 upstream_error: the node failed after receiving it
         ├── UpstreamConnectError(ConnectionError)  503 upstream_connect_failed: never reached a node
-        └── UpstreamTimeout(TimeoutError)          504 upstream_timeout
+        ├── UpstreamTimeout(TimeoutError)          504 upstream_timeout
+        ├── TerminateFailed                502 terminate_failed: a node did not confirm /terminate
+        ├── InvalidPrefillAnswer           502 upstream_invalid_response: a prefill answer PD cannot use
+        ├── PrefillFailed                  502 prefill_failed: SGLang's prefill leg failed
+        └── LinkFailed                     502 pd_link_failed: prefill and decode could not be linked
+
+    Outside the hierarchy (never answered to a client as such):
+    ClientGone                             the client left before its request was read
+    HandshakeError                         one PD link handshake call failed (retried)
+    AnswerTooLarge(ValueError)             a node's control answer is larger than the proxy reads
 
 The data plane (Rust) raises these same classes. Each carries the HTTP status and error code
 the proxy answers with; ``message`` is safe to show a client, ``detail`` (the underlying cause,
@@ -30,21 +45,36 @@ from __future__ import annotations
 import json
 
 __all__ = [
+    "AnswerTooLarge",
+    "ClientGone",
     "ConfigError",
+    "CorsRefused",
+    "DistServeOff",
     "Draining",
+    "Forbidden",
+    "HandshakeError",
     "InvalidNode",
+    "InvalidPrefillAnswer",
     "InvalidRequest",
+    "LinkFailed",
     "LoopDetected",
+    "MethodNotAllowed",
     "ModelNotFound",
     "NoNodeAvailable",
     "NodeNotFound",
+    "NotFound",
     "Overloaded",
     "PdproxyError",
+    "PrefillFailed",
     "ProxyOverloaded",
     "QuotaExceeded",
     "RateLimited",
+    "RegistryUnavailable",
     "RequestTimeout",
     "RequestTooLarge",
+    "TerminateFailed",
+    "Unauthorized",
+    "UnsupportedMediaType",
     "UpstreamConnectError",
     "UpstreamError",
     "UpstreamTimeout",
@@ -61,10 +91,14 @@ class PdproxyError(Exception):
     #: Seconds a client should wait before retrying, when retrying may help.
     retry_after: int | None = None
 
-    def __init__(self, message: str = "", detail: str | None = None, retry_after: int | None = None) -> None:
+    def __init__(
+        self, message: str = "", detail: str | None = None, retry_after: int | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.detail = detail
+        #: The request's field that is wrong, when one is (the error body's ``param``).
+        self.param = param
         if retry_after is not None:
             self.retry_after = retry_after
 
@@ -74,7 +108,7 @@ class PdproxyError(Exception):
 
     def body(self) -> bytes:
         """The OpenAI-style error body for this error."""
-        return error_body(self.message, type=self.type, code=self.code)
+        return error_body(self.message, type=self.type, code=self.code, param=self.param)
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         """Response headers for this error, as ASGI wants them."""
@@ -250,3 +284,108 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
 def error_body(message: str, *, type: str, code: str, param: str | None = None) -> bytes:
     """The OpenAI error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
     return json.dumps({"error": {"message": message, "type": type, "param": param, "code": code}}).encode()
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+class UnsupportedMediaType(PdproxyError):
+    """The request body is not JSON."""
+
+    status = 415
+    code = "unsupported_media_type"
+    type = "invalid_request_error"
+
+
+class NotFound(PdproxyError):
+    """No such route."""
+
+    status = 404
+    code = "not_found"
+    type = "invalid_request_error"
+
+
+class MethodNotAllowed(PdproxyError):
+    """The route exists, not with this method."""
+
+    status = 405
+    code = "method_not_allowed"
+    type = "invalid_request_error"
+
+
+class CorsRefused(PdproxyError):
+    """A preflight for an origin, method or header the settings do not allow."""
+
+    status = 400
+    code = "cors_refused"
+    type = "invalid_request_error"
+
+
+class Unauthorized(PdproxyError):
+    """No key, or a wrong one."""
+
+    status = 401
+    code = "unauthorized"
+    type = "authentication_error"
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [*super().headers(), (b"www-authenticate", b"Bearer")]
+
+
+class Forbidden(PdproxyError):
+    """A valid inference key used on the management API."""
+
+    status = 403
+    code = "forbidden"
+    type = "permission_error"
+
+
+class RegistryUnavailable(PdproxyError):
+    """The shared registry cannot be reached, so a node cannot be added or removed now."""
+
+    status = 503
+    code = "registry_unavailable"
+    type = "service_unavailable"
+    retry_after: int | None = 1
+
+
+class DistServeOff(PdproxyError):
+    """A DistServe management route on a proxy that does not serve with it (or not its protocol)."""
+
+    status = 404
+    code = "distserve_off"
+    type = "invalid_request_error"
+
+
+class TerminateFailed(UpstreamError):
+    """The node did not confirm its termination (it was removed all the same)."""
+
+    code = "terminate_failed"
+
+
+class InvalidPrefillAnswer(UpstreamError):
+    """The prefill node answered with something the protocol cannot use."""
+
+    code = "upstream_invalid_response"
+
+
+class PrefillFailed(UpstreamError):
+    """The prefill leg failed (its 5xx or a transport error): the request was not served."""
+
+    code = "prefill_failed"
+
+
+class LinkFailed(UpstreamError):
+    """The prefill and decode nodes could not be connected."""
+
+    status = 502
+    code = "pd_link_failed"
+
+
+class HandshakeError(Exception):
+    """A PD link handshake call failed (retried, then reported as `LinkFailed`)."""
+
+
+class AnswerTooLarge(ValueError):
+    """The node's answer is larger than the proxy reads."""

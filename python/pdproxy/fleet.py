@@ -1,7 +1,8 @@
-"""The fleet: the nodes the proxy serves and everything kept about them besides the data
-plane's table: how each registered (for LMDeploy-compatible status and the state file), its
-lease, its health. Every way in (the CLI's --node, /nodes/*, the state file) goes through
-here, so a node is checked, tracked and saved the same way whichever door it came through.
+"""The fleet: how nodes come and go. What a node is lives in the data plane's node table
+(``Router.node(url)``, one ``NodeRecord``); the fleet keeps only what is its own: when each
+lease runs out, and the state file. Every way in (the CLI's --node, /nodes/*, the state file)
+goes through here, so a node is checked, tracked and saved the same way whichever door it
+came through.
 
 With a shared ``Membership`` (the workers of a group, or replicas sharing Redis), a change is
 written there first and every process applies the membership's snapshots, its own changes
@@ -15,18 +16,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import aiohttp
 
-from . import _pdproxy, background, state_file
+from . import background, state_file
 from .config import Settings
 from .engine_scraper import EngineScraper
-from .errors import InvalidNode, NodeNotFound, UpstreamError
+from .errors import ConfigError, InvalidNode, NodeNotFound, RegistryUnavailable, TerminateFailed
 from .group import Group
 from .health import HealthChecker
-from .membership import Entry, Membership, RegistryUnavailable
+from .membership import Entry, Membership
+from .node_record import NodeRecord, configured_nodes
+from .pd import PdAdapter
+from .pd.lmdeploy import DistServe
 from .router import Router
 from .tls import node_session
 from .urls import check_node_url, parse_networks
@@ -37,43 +40,8 @@ log = logging.getLogger("pdproxy.fleet")
 ROLE_NUMBERS = {"hybrid": 1, "prefill": 2, "decode": 3}
 #: How often leases are checked.
 LEASE_TICK = 1.0
-#: The largest cap on a node's requests in flight (the data plane counts in 32 bits).
-MAX_CONCURRENCY = 2**32 - 1
 #: Longest wait between attempts to register a configured node while the registry is down.
 REGISTER_RETRY_MAX = 10.0
-
-
-@dataclass
-class Registration:
-    url: str
-    models: list[str] | None = None
-    role: str = "hybrid"
-    speed: float | None = None
-    max_concurrency: int | None = None
-    api_key: str | None = None
-    lease_ttl: float | None = None
-    lease_expires: float | None = None
-    #: SGLang prefill nodes: the port of their bootstrap server.
-    bootstrap_port: int | None = None
-
-    def saved(self) -> dict[str, Any]:
-        out = asdict(self)
-        del out["lease_expires"]  # a reloaded lease starts over
-        return out
-
-    @classmethod
-    def from_entry(cls, entry: Entry) -> Registration:
-        """A registration from a membership entry (the lease as it has left)."""
-        known = {k: v for k, v in entry.items() if k in cls.__dataclass_fields__ and k != "lease_expires"}
-        remaining = entry.get("lease_remaining")
-        expires = time.monotonic() + remaining if isinstance(remaining, int | float) else None
-        return cls(**known, lease_expires=expires)
-
-
-class TerminateFailed(UpstreamError):
-    """The node did not confirm its termination (it was removed all the same)."""
-
-    code = "terminate_failed"
 
 
 class Fleet:
@@ -81,7 +49,8 @@ class Fleet:
         self.router = router
         self.settings = settings
         self.membership = membership
-        self.registrations: dict[str, Registration] = {}
+        #: When each leased node's lease runs out (monotonic seconds).
+        self.leases: dict[str, float] = {}
         self._allowed = parse_networks(settings.allow_node_cidrs)
         self.health = HealthChecker(
             router,
@@ -106,7 +75,7 @@ class Fleet:
         self._session: aiohttp.ClientSession | None = None
         self._lease_task: asyncio.Task[None] | None = None
         #: The disaggregation flow, when serving with DistServe (for the management API).
-        self.distserve: Any = None
+        self.pd: PdAdapter | None = None
         #: This worker's group, when serving with several workers (for the management API).
         self.group: Group | None = None
         #: Called with a node's URL once it is removed (links and sessions to clean up).
@@ -122,17 +91,20 @@ class Fleet:
         if self.membership is not None:
             await self.membership.start(self.apply)
         restore = self.settings.state_file and not self.settings.disable_cache_status
-        saved = state_file.load(self.settings.state_file) if restore else []
-        initial = [{k: v for k, v in e.items() if k in Registration.__dataclass_fields__} for e in saved]
-        initial += [spec.registration() for spec in self.settings.node_specs()]
-        for fields in initial:
+        records = []
+        for entry in state_file.load(self.settings.state_file) if restore else []:
             try:
-                await self.add(**fields, discover=False)  # all asked at once, below
+                records.append(NodeRecord.of(entry, f"state file {self.settings.state_file}: node"))
+            except ConfigError as e:
+                log.error("%s; not added", e)
+        for record in (*records, *configured_nodes(self.settings)):
+            try:
+                await self.add(record, discover=False)  # all asked at once, below
             except RegistryUnavailable:
                 # Serve with what the registry last said, and register this node once it is back.
-                self._background(self._register_when_available(fields), f"pdproxy-register {fields.get('url')}")
-            except (InvalidNode, TypeError) as e:
-                log.error("node %s not added: %s", fields.get("url"), e)
+                self._background(self._register_when_available(record), f"pdproxy-register {record.url}")
+            except InvalidNode as e:
+                log.error("node %s not added: %s", record.url, e)
         # The models of nodes that declared none, before serving (they get no traffic until known).
         await self.router.discover()
         if self.membership is None:
@@ -157,108 +129,84 @@ class Fleet:
         if self._session is not None:
             await self._session.close()
 
-    async def add(
-        self,
-        url: str,
-        models: list[str] | None = None,
-        role: str = "hybrid",
-        speed: float | None = None,
-        max_concurrency: int | None = None,
-        api_key: str | None = None,
-        lease_ttl: float | None = None,
-        bootstrap_port: int | None = None,
-        discover: bool = True,
-    ) -> tuple[Registration, bool]:
-        """Adds a node, or updates (and renews the lease of) a registered one. Returns its
-        registration and whether it is new; a node without models is asked for them first
-        (``discover``)."""
-        address = await self._checked_address(url)
-        if lease_ttl is not None and not lease_ttl > 0:
-            raise InvalidNode(f"lease_ttl must be a positive number of seconds, got {lease_ttl}")
-        if max_concurrency is not None and not 0 <= max_concurrency <= MAX_CONCURRENCY:
-            raise InvalidNode(
-                f"max_concurrency must be between 0 (no cap) and {MAX_CONCURRENCY}, got {max_concurrency}"
-            )
-        if bootstrap_port is not None and not 0 < bootstrap_port < 65536:
-            raise InvalidNode(f"bootstrap_port must be a port number, got {bootstrap_port}")
-        normalized = _pdproxy.Router.normalize_url(url)
-        expires = time.monotonic() + lease_ttl if lease_ttl is not None else None
-        registration = Registration(
-            normalized, models, role, speed, max_concurrency, api_key, lease_ttl, expires, bootstrap_port
-        )
-        # Refused here (InvalidNode), before any other process sees it.
-        _pdproxy.Router.check_node(registration.url, registration.role, registration.speed, registration.api_key)
-        created = normalized not in self.registrations
+    async def add(self, record: NodeRecord, discover: bool = True) -> tuple[str, bool]:
+        """Adds a node, or updates (and renews the lease of) a registered one. Returns its URL
+        and whether it is new; a node without models is asked for them first (``discover``)."""
+        address = await self._checked_address(record.url)
+        created = self.state_of(record.url) is None
         if self.membership is not None:
-            await self.membership.put(registration.saved())
-        self._add_here(registration, address)
+            await self.membership.put(record.saved())
+        expires = time.monotonic() + record.lease_ttl if record.lease_ttl is not None else None
+        self._add_here(record, address, expires)
         self._save()
-        if models is None and discover:
+        if record.models is None and discover:
             # Answered with the node's models when it tells them at once (it has no traffic till then).
-            await self.router.discover(normalized)
-        return registration, created
+            await self.router.discover(record.url)
+        return record.url, created
 
     async def _checked_address(self, url: str) -> str:
         """The address ``url`` is reached at, once checked (see ``urls.check_node_url``)."""
         return await check_node_url(url, self._allowed, own_port=self.settings.port)
 
-    def _add_here(self, registration: Registration, address: str) -> None:
+    def _add_here(self, record: NodeRecord, address: str, lease_expires: float | None) -> None:
         """Adds or updates the node in this process, reached at ``address`` (checked)."""
-        r = registration
-        created = r.url not in self.registrations
-        self.router.add_node(
-            r.url,
-            r.models,
-            role=r.role,
-            speed=r.speed,
-            max_concurrency=r.max_concurrency,
-            api_key=r.api_key,
-            bootstrap_port=r.bootstrap_port,
-            address=address,
-        )
-        self.registrations[r.url] = r
-        if not created and self.state_of(r.url) == "draining" and r.lease_ttl is not None:
-            self.router.set_node_state(r.url, "healthy")  # a renewed lease ends the drain
-        self.health.track(r.url, r.api_key)
-        log.info("node %s %s (%s)", r.url, "added" if created else "updated", r.role)
+        state = self.state_of(record.url)
+        self.router.add(record, address=address)
+        if lease_expires is None:
+            self.leases.pop(record.url, None)
+        else:
+            self.leases[record.url] = lease_expires
+            if state == "draining":
+                self.router.set_node_state(record.url, "healthy")  # a renewed lease ends the drain
+        self.health.track(record.url)
+        log.info("node %s %s (%s)", record.url, "added" if state is None else "updated", record.role)
 
     def _remove_here(self, url: str) -> str:
         """Removes the node from this process. Raises ``NodeNotFound``."""
-        normalized = self.router.remove_node(url)
-        for hook in self.on_removed:  # while its registration (its API key) is still known
+        normalized = self.lookup(url)
+        for hook in self.on_removed:  # while the node (its API key) is still known
             hook(normalized)
-        self.registrations.pop(normalized, None)
+        self.router.remove_node(normalized)
+        self.leases.pop(normalized, None)
         self.health.forget(normalized)
         log.info("node %s removed", normalized)
         return normalized
 
     async def apply(self, entries: list[Entry]) -> None:
         """Makes this process's nodes those of a membership snapshot."""
-        wanted = {}
+        wanted: dict[str, tuple[NodeRecord, float | None]] = {}
         for entry in entries:
+            remaining = entry.get("lease_remaining")
             try:
-                registration = Registration.from_entry(entry)
-                registration.url = _pdproxy.Router.normalize_url(registration.url)
-            except (TypeError, ValueError) as e:
-                log.error("membership entry %r ignored: %s", entry.get("url"), e)
+                record = NodeRecord.of({k: v for k, v in entry.items() if k != "lease_remaining"}, "membership entry")
+            except ConfigError as e:
+                log.error("%s; ignored", e)
                 continue
-            wanted[registration.url] = registration
-        for url in [u for u in self.registrations if u not in wanted]:
+            expires = time.monotonic() + remaining if isinstance(remaining, int | float) else None
+            wanted[record.url] = (record, expires)
+        for url in [n["url"] for n in self.router.nodes() if n["url"] not in wanted]:
             with contextlib.suppress(NodeNotFound):
                 self._remove_here(url)
-        for url, registration in wanted.items():
-            known = self.registrations.get(url)
-            if known is not None and _same(known, registration):
-                known.lease_expires = registration.lease_expires
+        for url, (record, expires) in wanted.items():
+            if self._record_of(url) == record:
+                if expires is not None:
+                    self.leases[url] = expires
                 continue
             try:
                 # Entries from a shared registry pass the same checks as any registration.
                 address = await self._checked_address(url)
-                self._add_here(registration, address)
+                self._add_here(record, address, expires)
             except (InvalidNode, ValueError) as e:
                 log.error("membership entry %s not applied: %s", url, e)
         self.router.refresh_bindings()
         self._save()
+
+    def _record_of(self, url: str) -> NodeRecord | None:
+        """The record of the registered node ``url`` (what it declared), if any."""
+        try:
+            return NodeRecord.of_node(self.router.node(url))
+        except NodeNotFound:
+            return None
 
     async def remove(self, url: str) -> str:
         """Removes a node everywhere. Raises ``NodeNotFound``."""
@@ -274,8 +222,7 @@ class Fleet:
         """Asks the node to stop (its ``/terminate``), then removes it. Raises ``NodeNotFound``,
         or ``TerminateFailed`` when the node did not confirm (it is removed all the same)."""
         normalized = self.lookup(url)
-        registration = self.registrations.get(normalized)
-        key = registration.api_key if registration else None
+        key = self.api_key_of(normalized)
         headers = {"authorization": f"Bearer {key}"} if key else {}
         failure: str | None = None
         assert self._session is not None
@@ -291,23 +238,29 @@ class Fleet:
         return normalized
 
     def api_key_of(self, url: str) -> str | None:
-        registration = self.registrations.get(url)
-        return registration.api_key if registration else None
+        key = self._attribute_of(url, "api_key")
+        return key if isinstance(key, str) else None
 
     def bootstrap_port_of(self, url: str) -> int | None:
-        registration = self.registrations.get(url)
-        return registration.bootstrap_port if registration else None
+        port = self._attribute_of(url, "bootstrap_port")
+        return port if isinstance(port, int) else None
+
+    def _attribute_of(self, url: str, name: str) -> object:
+        """One attribute of the registered node ``url`` (``None`` when it is not registered)."""
+        try:
+            return self.router.node(url)[name]
+        except NodeNotFound:
+            return None
 
     def lookup(self, url: str) -> str:
         """The normalised URL of a registered node. Raises ``NodeNotFound``."""
-        wanted = _pdproxy.Router.normalize_url(url)
-        for node in self.router.nodes():
-            if node["url"] == wanted:
-                return str(node["url"])
-        raise NodeNotFound(f"no node {url} is registered")
+        return str(self.router.node(url)["url"])
 
     def state_of(self, url: str) -> str | None:
-        return next((n["state"] for n in self.router.nodes() if n["url"] == url), None)
+        try:
+            return str(self.router.node(url)["state"])
+        except NodeNotFound:
+            return None
 
     def status(self) -> dict[str, dict[str, Any]]:
         """Every node, keyed by URL: LMDeploy's keys (role as its integer, models, unfinished,
@@ -317,11 +270,10 @@ class Fleet:
         health = self.health_summaries()
         for node in self.router.nodes():
             url = node["url"]
-            registration = self.registrations.get(url)
-            lease = None
-            if registration is not None and registration.lease_expires is not None:
-                lease = {"ttl": registration.lease_ttl, "expires_in": round(registration.lease_expires - now, 3)}
+            expires = self.leases.get(url)
+            lease = None if expires is None else {"ttl": node["lease_ttl"], "expires_in": round(expires - now, 3)}
             out[url] = {
+                **{name: node[name] for name in NodeRecord.shown_fields()},
                 "role": ROLE_NUMBERS[node["role"]],
                 "models": node["models"],
                 "unfinished": node["in_flight"],
@@ -348,13 +300,11 @@ class Fleet:
                 },
                 "address": node["address"],
             }
-            if self.distserve is not None and self.distserve.protocol == "lmdeploy":
+            if isinstance(self.pd, DistServe):
                 out[url]["links"] = [
-                    link for link in self.distserve.links.status() if url in (link["prefill"], link["decode"])
+                    link for link in self.pd.links.status() if url in (link["prefill"], link["decode"])
                 ]
-                out[url]["preserved_sessions"] = sum(
-                    1 for e in self.distserve.ledger.entries.values() if e.prefill == url
-                )
+                out[url]["preserved_sessions"] = sum(1 for e in self.pd.ledger.entries.values() if e.prefill == url)
         return out
 
     def health_summaries(self) -> dict[str, dict[str, Any]]:
@@ -387,24 +337,25 @@ class Fleet:
         self._chores.add(task)
         task.add_done_callback(self._chores.discard)
 
-    async def _register_when_available(self, fields: dict[str, Any]) -> None:
+    async def _register_when_available(self, record: NodeRecord) -> None:
         delay = 1.0
         while True:
             await asyncio.sleep(delay)
             try:
-                await self.add(**fields)
+                await self.add(record)
             except RegistryUnavailable:
                 delay = min(delay * 2, REGISTER_RETRY_MAX)
                 continue
-            except (InvalidNode, TypeError) as e:
-                log.error("node %s not added: %s", fields.get("url"), e)
+            except InvalidNode as e:
+                log.error("node %s not added: %s", record.url, e)
             return
 
     def _save(self) -> None:
         # In a worker group only the leader writes it.
         if self.settings.state_file and (self.group is None or self.group.leader):
             try:
-                state_file.save(self.settings.state_file, [r.saved() for r in self.registrations.values()])
+                records = [self._record_of(n["url"]) for n in self.router.nodes()]
+                state_file.save(self.settings.state_file, [r.saved() for r in records if r is not None])
             except OSError as e:
                 log.error("state file %s not written: %s", self.settings.state_file, e)
 
@@ -414,19 +365,18 @@ class Fleet:
         while True:
             await asyncio.sleep(LEASE_TICK)
             now = time.monotonic()
-            in_flight = {n["url"]: n["in_flight"] for n in self.router.nodes()}
-            for url, registration in list(self.registrations.items()):
-                if registration.lease_expires is None or now < registration.lease_expires:
+            for url, expires in list(self.leases.items()):
+                if now < expires:
                     continue
-                if self.state_of(url) != "draining":
+                try:
+                    node = self.router.node(url)
+                except NodeNotFound:
+                    self.leases.pop(url, None)
+                    continue
+                if node["state"] != "draining":
                     log.warning("node %s: lease expired; draining it", url)
                     self.router.set_node_state(url, "draining")
-                overdue = now - registration.lease_expires >= (registration.lease_ttl or 0)
-                if in_flight.get(url, 0) == 0 or overdue:
+                overdue = now - expires >= (node["lease_ttl"] or 0)
+                if node["in_flight"] == 0 or overdue:
                     with contextlib.suppress(NodeNotFound):
                         await self.remove(url)
-
-
-def _same(a: Registration, b: Registration) -> bool:
-    """The same registration, leases' countdowns aside."""
-    return a.saved() == b.saved()

@@ -17,12 +17,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 
 from . import background
-from .node_answers import AnswerTooLarge, read_json
+from .errors import AnswerTooLarge, NodeNotFound
+from .node_answers import read_json
 from .router import Router
 from .tls import node_session
 
@@ -45,7 +46,6 @@ class NodeHealth:
     connect_failures_seen: int = 0
     #: It has answered a check once: from then on `fall` and `rise` apply.
     answered: bool = False
-    api_key: str | None = field(default=None, repr=False)
 
     def summary(self) -> dict[str, object]:
         return {
@@ -88,10 +88,9 @@ class HealthChecker:
         """Whether this process checks (in a worker group, only the leader does)."""
         return self._session is not None
 
-    def track(self, url: str, api_key: str | None = None) -> None:
+    def track(self, url: str) -> None:
         """Starts (or keeps) checking ``url``; a new node starts healthy and is checked at once."""
         health = self.nodes.setdefault(url, NodeHealth())
-        health.api_key = api_key
         if self._session is not None:
             asyncio.get_running_loop().create_task(self._check(url, health))
 
@@ -141,7 +140,11 @@ class HealthChecker:
 
     async def _check(self, url: str, health: NodeHealth) -> None:
         assert self._session is not None
-        headers = {"authorization": f"Bearer {health.api_key}"} if health.api_key else {}
+        try:
+            key = self._router.node(url)["api_key"]
+        except NodeNotFound:
+            return  # removed meanwhile
+        headers = {"authorization": f"Bearer {key}"} if key else {}
         try:
             async with self._session.get(f"{url}/health", headers=headers, allow_redirects=False) as response:
                 payload = await read_json(response)
@@ -186,7 +189,10 @@ class HealthChecker:
     def _set(self, url: str, health: NodeHealth, state: str) -> None:
         if state == health.state:
             return
-        current = next((n["state"] for n in self._router.nodes() if n["url"] == url), None)
+        try:
+            current = self._router.node(url)["state"]
+        except NodeNotFound:
+            current = None
         if current is None or current not in CHECKED_STATES:
             health.state = state  # remember, but do not undo an operator's drain
             return

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from . import __version__
+
+if TYPE_CHECKING:
+    from .supervisor import Supervisor
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 STATES = ("healthy", "unhealthy", "draining", "sleeping", "initializing")
@@ -34,7 +37,7 @@ def _add_histogram(family: HistogramMetricFamily, labels: list[str], h: dict[str
 
 
 class PdproxyCollector(Collector):
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Supervisor) -> None:
         self.app = app
 
     def collect(self) -> Iterator[Metric]:
@@ -97,7 +100,7 @@ class PdproxyCollector(Collector):
             age.add_metric([], time.monotonic() - fleet.health.last_round)
             yield age
 
-        pd = fleet.distserve if fleet is not None else None
+        pd = fleet.pd if fleet is not None else None
         if pd is not None and pd.protocol == "lmdeploy":
             yield from _pd_metrics(pd.status())
         if self.app.group is not None:
@@ -211,7 +214,7 @@ def _pd_metrics(status: dict[str, Any]) -> Iterator[Metric]:
     yield from (links, handshake, preserved, ended)
 
 
-def registry_for(app: Any) -> CollectorRegistry:
+def registry_for(app: Supervisor) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(PdproxyCollector(app))
     ProcessCollector(registry=registry)  # process_resident_memory_bytes, process_open_fds, ...

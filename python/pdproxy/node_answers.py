@@ -8,12 +8,10 @@ from typing import Any
 
 import aiohttp
 
+from .errors import AnswerTooLarge
+
 #: Largest answer read from a node's control endpoints.
 ANSWER_LIMIT = 1 << 20
-
-
-class AnswerTooLarge(ValueError):
-    """The node's answer is larger than the proxy reads."""
 
 
 async def read_limited(response: aiohttp.ClientResponse, limit: int = ANSWER_LIMIT) -> bytes:

@@ -14,14 +14,33 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
-from .errors import InvalidRequest, PdproxyError
-from .fleet import Fleet, TerminateFailed
+from pydantic import BaseModel
+
+from .errors import DistServeOff, PdproxyError
+from .fleet import Fleet
+from .management import (
+    AddNodeAnswer,
+    AddNodeBody,
+    GcAnswer,
+    GcBody,
+    NodesStatus,
+    NodeStatus,
+    RemoveAnswer,
+    TerminateAllAnswer,
+    TerminateAnswer,
+    TerminateResult,
+    UrlBody,
+    parse_body,
+)
+from .pd import PdAdapter
+from .pd.lmdeploy import DistServe
 from .responses import Receive, Scope, read_json
 
 #: Management request bodies are small.
 BODY_LIMIT = 64 << 10
 
-Handler = Callable[[Fleet, Scope, Receive], Awaitable[tuple[int, Any]]]
+#: A handler's answer: its status and a model (or, for routes without a fixed shape, JSON data).
+Handler = Callable[[Fleet, Scope, Receive], Awaitable[tuple[int, object]]]
 
 
 @dataclass(frozen=True)
@@ -30,124 +49,81 @@ class Route:
     path: str
     handler: Handler
     summary: str
-    request: dict[str, Any] | None = None
+    #: The request body's model (``/openapi.json`` shows its schema), if the route takes one.
+    body: type[BaseModel] | None = None
+    #: The 200 answer's model, if it has a fixed shape.
+    answer: type[BaseModel] | None = None
     responses: dict[int, str] = field(default_factory=dict)
-
-
-def _field(payload: dict[str, Any], name: str, kinds: tuple[type, ...], where: str = "") -> Any:
-    value = payload.get(name)
-    if value is not None and (not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds)):
-        names = " or ".join(k.__name__ for k in kinds)
-        raise InvalidRequest(f"`{where}{name}` must be {names}")
-    return value
-
-
-def _role(value: Any) -> str:
-    if value is None:
-        return "hybrid"
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise InvalidRequest("`status.role` must be LMDeploy's integer (1, 2, 3) or a role name")
-    return str(value)
 
 
 async def _url_body(scope: Scope, receive: Receive) -> str:
     payload = await read_json(scope, receive, BODY_LIMIT)
-    if isinstance(payload, dict) and isinstance(payload.get("url"), str):
-        return str(payload["url"])
     # LMDeploy's documentation once used `?node_url=`; accept it too.
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
-    if query.get("node_url"):
+    if not isinstance(payload, dict) and query.get("node_url"):
         return str(query["node_url"][0])
-    raise InvalidRequest("the body must be a JSON object with a string `url`")
+    return parse_body(UrlBody, payload).url
 
 
-async def add(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
-    payload = await read_json(scope, receive, BODY_LIMIT)
-    if not isinstance(payload, dict) or not isinstance(payload.get("url"), str):
-        raise InvalidRequest("the body must be a JSON object with a string `url`")
-    status = payload.get("status") or {}
-    if not isinstance(status, dict):
-        raise InvalidRequest("`status` must be an object or null")
-    models = _field(status, "models", (list,), "status.")
-    if models is not None and not all(isinstance(m, str) for m in models):
-        raise InvalidRequest("`status.models` must be a list of strings")
-    # pdproxy's own fields may sit at the top level or inside `status`.
-    extra = {**status, **payload}
-    registration, created = await fleet.add(
-        payload["url"],
-        models=models or None,
-        role=_role(status.get("role")),
-        speed=_field(status, "speed", (int, float), "status."),
-        max_concurrency=_field(extra, "max_concurrency", (int,)),
-        api_key=_field(extra, "api_key", (str,)),
-        lease_ttl=_field(extra, "lease_ttl", (int, float)),
-        bootstrap_port=_field(extra, "bootstrap_port", (int,)),
-    )
-    return 200, {
-        "url": registration.url,
-        "created": created,
-        "status": fleet.status().get(registration.url),
-    }
+async def add(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
+    body = parse_body(AddNodeBody, await read_json(scope, receive, BODY_LIMIT))
+    url, created = await fleet.add(body.record())
+    status = fleet.status().get(url)
+    return 200, AddNodeAnswer(url=url, created=created, status=None if status is None else NodeStatus(**status))
 
 
-async def remove(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
+async def remove(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
     url = await fleet.remove(await _url_body(scope, receive))
-    return 200, {"url": url, "removed": True}
+    return 200, RemoveAnswer(url=url, removed=True)
 
 
-async def status(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
+async def status(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
     return 200, fleet.status()
 
 
-async def terminate(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
+async def terminate(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
     url = await fleet.terminate(await _url_body(scope, receive))
-    return 200, {"url": url, "terminated": True}
+    return 200, TerminateAnswer(url=url, terminated=True)
 
 
-async def terminate_all(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
-    urls = list(fleet.registrations) or [n["url"] for n in fleet.router.nodes()]
-    results: dict[str, Any] = {}
-    for url in urls:
+async def terminate_all(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
+    results: dict[str, TerminateResult] = {}
+    for url in [n["url"] for n in fleet.router.nodes()]:
         try:
             await fleet.terminate(url)
-            results[url] = {"terminated": True}
-        except TerminateFailed as e:
-            results[url] = {"terminated": False, "error": e.message}
-        except PdproxyError as e:
-            results[url] = {"terminated": False, "error": e.message}
-    failed = [u for u, r in results.items() if not r["terminated"]]
-    return (502 if failed else 200), {"nodes": results, "failed": failed}
+            results[url] = TerminateResult(terminated=True)
+        except PdproxyError as e:  # TerminateFailed among them
+            results[url] = TerminateResult(terminated=False, error=e.message)
+    failed = [u for u, r in results.items() if not r.terminated]
+    return (502 if failed else 200), TerminateAllAnswer(nodes=results, failed=failed)
 
 
-class DistServeOff(PdproxyError):
-    status = 404
-    code = "distserve_off"
-    type = "invalid_request_error"
-
-
-def _distserve(fleet: Fleet, lmdeploy: bool = True) -> Any:
-    if fleet.distserve is None:
+def _pd(fleet: Fleet) -> PdAdapter:
+    if fleet.pd is None:
         raise DistServeOff("this proxy does not serve with DistServe (--serving-strategy DistServe)")
-    if lmdeploy and fleet.distserve.protocol != "lmdeploy":
+    return fleet.pd
+
+
+def _lmdeploy(fleet: Fleet) -> DistServe:
+    pd = _pd(fleet)
+    if not isinstance(pd, DistServe):
         raise DistServeOff("links and preserved sessions exist only with --pd-protocol lmdeploy")
-    return fleet.distserve
+    return pd
 
 
-async def connection_warmup(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
-    return 200, await _distserve(fleet).warmup()
+async def connection_warmup(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
+    return 200, await _lmdeploy(fleet).warmup()
 
 
-async def distserve_gc(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
+async def distserve_gc(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
     payload = await read_json(scope, receive, BODY_LIMIT)
-    older_than = payload.get("older_than", 60.0) if isinstance(payload, dict) else 60.0
-    if not isinstance(older_than, int | float) or isinstance(older_than, bool) or older_than < 0:
-        raise InvalidRequest("`older_than` must be a non-negative number of seconds")
-    freed = await _distserve(fleet).ledger.gc(float(older_than))
-    return 200, {"freed": freed}
+    body = parse_body(GcBody, payload if isinstance(payload, dict) else {})
+    freed = await _lmdeploy(fleet).ledger.gc(body.older_than)
+    return 200, GcAnswer(freed=freed)
 
 
-async def distserve_status(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
-    return 200, _distserve(fleet, lmdeploy=False).status()
+async def distserve_status(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
+    return 200, _pd(fleet).status()
 
 
 def _open_fds() -> int | None:
@@ -157,7 +133,7 @@ def _open_fds() -> int | None:
         return None
 
 
-async def debug_state(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, Any]:
+async def debug_state(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
     """What the fault tests check after every scenario: counts that must return to zero and
     resources that must not grow."""
     state: dict[str, Any] = {
@@ -170,35 +146,13 @@ async def debug_state(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int
         "asyncio_tasks": len(asyncio.all_tasks()),
         "open_fds": _open_fds(),
     }
-    if fleet.distserve is not None:
-        state["pd"] = fleet.distserve.status()
+    if fleet.pd is not None:
+        state["pd"] = fleet.pd.status()
     if fleet.group is not None:
         state["group"] = fleet.group.summary()
         state["requests_here"] = sum(fleet.router.model_requests().values())  # this worker's own
     return 200, state
 
-
-_URL_BODY = {"type": "object", "required": ["url"], "properties": {"url": {"type": "string"}}}
-_ADD_BODY = {
-    "type": "object",
-    "required": ["url"],
-    "properties": {
-        "url": {"type": "string", "description": "The node's base URL, e.g. http://10.0.0.5:23333"},
-        "status": {
-            "type": ["object", "null"],
-            "description": "LMDeploy's node status",
-            "properties": {
-                "models": {"type": "array", "items": {"type": "string"}},
-                "role": {"description": "1 Hybrid, 2 Prefill, 3 Decode, or the name", "type": ["integer", "string"]},
-                "speed": {"type": ["number", "null"]},
-            },
-        },
-        "max_concurrency": {"type": "integer", "description": "Hard cap on the node's requests in flight"},
-        "api_key": {"type": "string", "description": "Sent to the node as `Authorization: Bearer`"},
-        "lease_ttl": {"type": "number", "description": "Seconds until the registration lapses unless renewed"},
-        "bootstrap_port": {"type": "integer", "description": "SGLang prefill nodes: their bootstrap server's port"},
-    },
-}
 
 ROUTES: tuple[Route, ...] = (
     Route(
@@ -206,16 +160,20 @@ ROUTES: tuple[Route, ...] = (
         "/nodes/add",
         add,
         "Register a node, or update and renew a registered one",
-        _ADD_BODY,
+        AddNodeBody,
+        AddNodeAnswer,
         {200: "Added or updated (`created` says which)", 400: "Bad body or node URL", 415: "Body is not JSON"},
     ),
-    Route("POST", "/nodes/remove", remove, "Remove a node", _URL_BODY, {200: "Removed", 404: "Unknown node"}),
+    Route(
+        "POST", "/nodes/remove", remove, "Remove a node", UrlBody, RemoveAnswer, {200: "Removed", 404: "Unknown node"}
+    ),
     Route(
         "GET",
         "/nodes/status",
         status,
         "Every node's role, models, health, load and latency",
         None,
+        NodesStatus,
         {200: "Status by node URL"},
     ),
     Route(
@@ -223,7 +181,8 @@ ROUTES: tuple[Route, ...] = (
         "/nodes/terminate",
         terminate,
         "Stop a node (its /terminate) and remove it",
-        _URL_BODY,
+        UrlBody,
+        TerminateAnswer,
         {200: "Terminated", 404: "Unknown node", 502: "The node did not confirm; it was removed"},
     ),
     Route(
@@ -232,6 +191,7 @@ ROUTES: tuple[Route, ...] = (
         terminate_all,
         "Stop and remove every node",
         None,
+        TerminateAllAnswer,
         {200: "All terminated", 502: "Some nodes did not confirm; all were removed"},
     ),
     Route(
@@ -240,6 +200,7 @@ ROUTES: tuple[Route, ...] = (
         connection_warmup,
         "Connect every prefill-decode pair now (joins handshakes in flight: repeating it is harmless)",
         None,
+        None,
         {200: "Link states", 404: "DistServe is off"},
     ),
     Route(
@@ -247,7 +208,8 @@ ROUTES: tuple[Route, ...] = (
         "/distserve/gc",
         distserve_gc,
         "Free preserved prefill sessions older than `older_than` seconds (default 60)",
-        {"type": "object", "properties": {"older_than": {"type": "number"}}},
+        GcBody,
+        GcAnswer,
         {200: "What was freed", 404: "DistServe is off"},
     ),
     Route(
@@ -256,6 +218,7 @@ ROUTES: tuple[Route, ...] = (
         debug_state,
         "In-flight counts, queue, routing policies, asyncio tasks and open descriptors (for fault tests)",
         None,
+        None,
         {200: "State"},
     ),
     Route(
@@ -263,6 +226,7 @@ ROUTES: tuple[Route, ...] = (
         "/distserve/status",
         distserve_status,
         "Prefill-decode links and the ledger of preserved sessions",
+        None,
         None,
         {200: "Links and ledger", 404: "DistServe is off"},
     ),

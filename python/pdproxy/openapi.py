@@ -1,9 +1,12 @@
 """The OpenAPI description of the proxy's own endpoints, built from the same route table
-that dispatches them, so it cannot drift from what the proxy does."""
+that dispatches them and the pydantic models its handlers parse and answer with, so it cannot
+drift from what the proxy does."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from pydantic import BaseModel
 
 from . import __version__
 from .nodes_api import ROUTES
@@ -54,8 +57,17 @@ def _responses(statuses: dict[int, str]) -> dict[str, Any]:
     return out
 
 
+def _model_schema(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:
+    """A reference to ``model``'s JSON schema, which (with the models it uses) joins ``components``."""
+    generated = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    components.update(generated.pop("$defs", {}))
+    components[model.__name__] = generated
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
 def schema() -> dict[str, Any]:
     paths: dict[str, dict[str, Any]] = {}
+    components: dict[str, Any] = {"Error": _ERROR}
     for method, path, summary, statuses in PROXY_ROUTES:
         paths.setdefault(path, {})[method.lower()] = {"summary": summary, "responses": _responses(statuses)}
     for route in ROUTES:
@@ -64,15 +76,19 @@ def schema() -> dict[str, Any]:
             "tags": ["nodes"],
             "responses": _responses({**route.responses, 401: "Missing or wrong admin key"}),
         }
-        if route.request is not None:
-            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": route.request}}}
+        if route.body is not None:
+            body = _model_schema(route.body, components)
+            operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
+        if route.answer is not None:
+            answer = _model_schema(route.answer, components)
+            operation["responses"]["200"]["content"] = {"application/json": {"schema": answer}}
         paths.setdefault(route.path, {})[route.method.lower()] = operation
     return {
         "openapi": "3.1.0",
         "info": {"title": "pdproxy", "version": __version__},
         "paths": paths,
         "components": {
-            "schemas": {"Error": _ERROR},
+            "schemas": components,
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
     }

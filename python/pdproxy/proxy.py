@@ -15,19 +15,19 @@ from typing import Any, NamedTuple
 from ._pdproxy import Response, TenantTicket, Trace
 from .access import AccessLog, Record
 from .auth import bearer
-from .errors import InvalidRequest, LoopDetected, PdproxyError, RequestTimeout, UpstreamError
-from .pd.relay import PdRequest, with_echo
-from .responses import (
+from .errors import (
     ClientGone,
+    InvalidRequest,
+    LoopDetected,
     NotFound,
-    Receive,
-    Scope,
-    Send,
+    PdproxyError,
+    RequestTimeout,
     UnsupportedMediaType,
-    check_media_type,
-    read_body,
-    send_error,
+    UpstreamError,
 )
+from .pd import PdAdapter
+from .pd.relay import PdRequest, with_echo
+from .responses import Receive, Scope, Send, check_media_type, read_body, send_error
 from .router import Router
 from .tracing import current_trace_id, trace_id_of
 
@@ -172,13 +172,14 @@ async def forward(
     scope: Scope,
     receive: Receive,
     send: Send,
+    *,
+    body_timeout: float,
     require_model: bool = False,
-    distserve: Any = None,
-    body_timeout: float = 30.0,
+    pd: PdAdapter | None = None,
     access: AccessLog | None = None,
 ) -> None:
     """Handles one inference request end to end. ``require_model``: a pass-through path is
-    routed only when its body names a model. ``distserve``: chat and completions go through
+    routed only when its body names a model. ``pd``: chat and completions go through
     prefill and decode nodes. ``access``: one access-log line for the request."""
     client_headers = upstream_headers(scope)
     trace = router.trace(client_headers.traceparent)
@@ -206,7 +207,7 @@ async def forward(
             receive,
             send,
             require_model,
-            distserve,
+            pd,
             body_timeout,
             client_headers,
             record,
@@ -249,7 +250,7 @@ async def _serve(
     receive: Receive,
     send: Send,
     require_model: bool,
-    distserve: Any,
+    pd: PdAdapter | None,
     body_timeout: float,
     client_headers: ClientHeaders,
     record: Record | None,
@@ -293,9 +294,7 @@ async def _serve(
         await send_error(send, e, echo)
         return False
     try:
-        return await _forward_admitted(
-            router, scope, receive, send, distserve, body, client_headers, record, trace, ticket
-        )
+        return await _forward_admitted(router, scope, receive, send, pd, body, client_headers, record, trace, ticket)
     finally:
         if ticket is not None:
             ticket.close()
@@ -306,7 +305,7 @@ async def _forward_admitted(
     scope: Scope,
     receive: Receive,
     send: Send,
-    distserve: Any,
+    pd: PdAdapter | None,
     body: bytes,
     client_headers: ClientHeaders,
     record: Record | None,
@@ -323,8 +322,8 @@ async def _forward_admitted(
     path = _raw_path(scope)
     if scope.get("query_string"):
         path = f"{path}?{scope['query_string'].decode('latin-1')}"
-    if distserve is not None and scope["path"] in distserve.paths:
-        return await _disaggregated(distserve, path, body, headers, receive, send, echo, trace, ticket)
+    if pd is not None and scope["path"] in pd.paths:
+        return await _disaggregated(pd, path, body, headers, receive, send, echo, trace, ticket)
 
     watch = ClientWatch(receive, DISCONNECT_WATCH_DELAY)
     response: Response | None = None
@@ -363,7 +362,7 @@ async def _forward_admitted(
 
 
 async def _disaggregated(
-    distserve: Any,
+    pd: PdAdapter,
     path: str,
     body: bytes,
     headers: list[tuple[bytes, bytes]],
@@ -376,7 +375,7 @@ async def _disaggregated(
     """Runs the prefill-decode flow as one task that a client disconnect cancels at any stage.
     Returns whether the client went away."""
     watch = ClientWatch(receive, DISCONNECT_WATCH_DELAY)
-    flow = asyncio.ensure_future(distserve.handle(PdRequest(path, body, headers, send, echo, trace, ticket)))
+    flow = asyncio.ensure_future(pd.handle(PdRequest(path, body, headers, send, echo, trace, ticket)))
     watch.on_disconnect(flow.cancel)
     try:
         await flow

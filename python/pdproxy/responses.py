@@ -7,7 +7,13 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .errors import InvalidRequest, PdproxyError, RequestTooLarge
+from .errors import (
+    ClientGone,
+    InvalidRequest,
+    PdproxyError,
+    RequestTooLarge,
+    UnsupportedMediaType,
+)
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -15,30 +21,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
-
-
-class ClientGone(Exception):
-    """The client disconnected before its request was read."""
-
-
-class UnsupportedMediaType(PdproxyError):
-    """The request body is not JSON."""
-
-    status = 415
-    code = "unsupported_media_type"
-    type = "invalid_request_error"
-
-
-class NotFound(PdproxyError):
-    status = 404
-    code = "not_found"
-    type = "invalid_request_error"
-
-
-class MethodNotAllowed(PdproxyError):
-    status = 405
-    code = "method_not_allowed"
-    type = "invalid_request_error"
 
 
 async def send_json(send: Send, status: int, payload: object, headers: list[tuple[bytes, bytes]] | None = None) -> None:

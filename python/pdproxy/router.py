@@ -20,7 +20,8 @@ from . import _pdproxy
 from .config import Settings
 from .discovery import ModelDiscovery
 from .errors import NoNodeAvailable
-from .node_spec import NodeSpec
+from .node_record import NodeRecord, configured_nodes
+from .settings_checks import checked
 
 __all__ = ["Router"]
 
@@ -47,15 +48,15 @@ class Router:
         **overrides: Any,
     ) -> None:
         base = settings or Settings()
-        self.settings = base.replace(**overrides) if overrides else base
+        self.settings = checked(base.replace(**overrides) if overrides else base)
         # In a worker group (`pdproxy serve --workers N`), the nodes' counters live in the
         # group's shared table, as this worker's index.
         self._core = _pdproxy.Router(self.settings, group)
         self._discovery = ModelDiscovery(
             self._core, self.settings.discovery_timeout, self.settings.discovery_interval, self.settings.node_ca_file
         )
-        for spec in (*self.settings.node_specs(), *(NodeSpec.parse(n) for n in nodes)):
-            self.add_node(**spec.registration())
+        for record in (*configured_nodes(self.settings), *(NodeRecord.parse(n) for n in nodes)):
+            self.add(record)
 
     async def start(self) -> None:
         """Discovers the models of nodes added without a model list (one round, then in the background)."""
@@ -119,38 +120,38 @@ class Router:
         """Requests received per model (``other``: a model no node declares)."""
         return self._core.model_requests()
 
-    def add_node(
-        self,
-        url: str,
-        models: Sequence[str] | None = None,
-        *,
-        role: str | int = "hybrid",
-        speed: float | None = None,
-        max_concurrency: int | None = None,
-        api_key: str | None = None,
-        bootstrap_port: int | None = None,
-        address: str | None = None,
-        verify: bool = True,
-    ) -> str:
+    def add_node(self, url: str, models: Sequence[str] | None = None, **attributes: object) -> str:
         """Adds a node, or updates a registered one; returns its normalised URL.
+
+        ``attributes`` are those of ``NodeRecord`` (``role``: ``hybrid``, ``prefill`` or
+        ``decode``, or LMDeploy's 1, 2, 3; ``speed`` weighs it in ``random`` and
+        ``min_expected_latency``; ``max_concurrency`` caps its requests in flight; ``api_key`` is
+        sent to it as a Bearer token; ``bootstrap_port``: an SGLang prefill node's bootstrap
+        port; ``labels``) and ``add``'s ``address`` and ``verify``. Raises ``InvalidNode``.
+        """
+        options = {name: attributes.pop(name) for name in ("address", "verify") if name in attributes}
+        fields = {"url": url, "models": None if models is None else list(models), **attributes}
+        return self.add(NodeRecord.checked(fields), **options)  # type: ignore[arg-type]
+
+    def add(self, record: NodeRecord, *, address: str | None = None, verify: bool = True) -> str:
+        """Adds the node ``record`` describes, or updates it; returns its URL.
 
         Without ``models`` the node takes no traffic until discovery learns its list; declared
         ``models`` are checked against the node's ``/v1/models`` once (``verify``), and the
-        node's answer wins. ``role`` is ``hybrid``, ``prefill`` or ``decode`` (or LMDeploy's 1, 2,
-        3); ``speed`` weighs it in ``random`` and ``min_expected_latency``; ``max_concurrency``
-        caps its requests in flight; ``api_key`` is sent to it as a Bearer token;
-        ``bootstrap_port`` is an SGLang prefill node's bootstrap server port; ``address``
-        (``HOST:PORT``) is where to connect instead of resolving the URL's host.
-        """
-        declared = None if models is None else list(models)
-        normalized = self._core.add_node(
-            url, declared, str(role), speed, max_concurrency, api_key, bootstrap_port, address
-        )
-        if declared is None or verify:
-            self._discovery.watch(normalized, declared, api_key)
+        node's answer wins. ``address`` (``HOST:PORT``) is where to connect instead of resolving
+        the URL's host."""
+        url = self._core.add_node(record, address)
+        if record.models is None or verify:
+            self._discovery.watch(url)
         else:
-            self._discovery.forget(normalized)
-        return normalized
+            self._discovery.forget(url)
+        return url
+
+    def node(self, url: str) -> dict[str, Any]:
+        """One node: its record (``api_key`` included, ``declared_models`` as registered,
+        ``models`` as it serves them), ``state``, ``circuit`` and ``in_flight``. Raises
+        ``NodeNotFound``."""
+        return self._core.node(url)
 
     async def discover(self, url: str | None = None) -> None:
         """Asks the node (without ``url``: every node) whose models are still unknown for them

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -23,6 +24,7 @@ from . import edge, group, tls
 from .app import MAIN_PID_ENV, SETTINGS_ENV
 from .config import Settings
 from .errors import ConfigError
+from .node_record import configured_nodes
 from .tracing import TraceIdFilter
 
 #: Mock engines started by --demo: how many, and how long to wait for them.
@@ -125,13 +127,13 @@ def _logging_config(level: str, behind_edge: bool = False) -> dict[str, Any]:
 class _NoEmbedNotice:
     """Drops granian's warning that its embedded server (our control plane's) is experimental."""
 
-    def filter(self, record: Any) -> bool:
+    def filter(self, record: logging.LogRecord) -> bool:
         return "Embedded server is experimental" not in record.getMessage()
 
 
 def _print_banner(settings: Settings, how: str) -> None:
     base = f"{'https' if settings.ssl else 'http'}://{settings.host}:{settings.port}"
-    nodes = [spec.url for spec in settings.node_specs()]  # never a node's key
+    nodes = [record.url for record in configured_nodes(settings)]  # never a node's key
     if not nodes:
         print("pdproxy: no nodes yet; pass --node URL (or --demo to try it with mock engines)", file=sys.stderr)
     print(f"pdproxy: serving on {base} ({how}) -> {', '.join(nodes) or 'no nodes'}", file=sys.stderr)

@@ -140,14 +140,14 @@ class UsageSync:
     others' totals grew by since it last looked.
     """
 
-    def __init__(self, router: Router, url: str, interval: float, namespace: str = "pdproxy") -> None:
+    def __init__(self, router: Router, url: str, interval: float, namespace: str, timeout: float) -> None:
         import redis.asyncio
 
         self.router = router
         self.interval = interval
         self.replica = os.urandom(8).hex()
         self._prefix = f"{namespace}:tenant-usage:"
-        self._client = redis.asyncio.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self._client = redis.asyncio.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         self._totals: dict[str, tuple[int, int]] = {}
         self._seen: dict[tuple[str, str], tuple[int, int]] = {}
         self._watched: set[str] = set()

@@ -6,12 +6,14 @@ control plane only opens a request's trace (``Router.core.trace``) and names its
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import logging
 from collections.abc import Mapping
-from typing import Any
 from urllib.parse import unquote
 
+from ._pdproxy import Response, Trace
+from .config import Settings
 from .errors import ConfigError
 
 #: The trace of the request being served (for log lines written while serving it).
@@ -27,10 +29,10 @@ SAMPLERS = (
 )
 
 
-def otel_settings(settings: Any, env: Mapping[str, str]) -> dict[str, Any]:
+def otel_settings(settings: Settings, env: Mapping[str, str]) -> dict[str, object]:
     """The tracing settings left unset, filled from ``OTEL_*`` variables and OpenTelemetry's
     defaults (``OTEL_SDK_DISABLED=true`` turns tracing off)."""
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     disabled = env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
     if not settings.otlp_endpoint and not disabled:
         if env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
@@ -84,17 +86,17 @@ def trace_id_of(traceparent: bytes | None) -> str | None:
     return parts[1].decode().lower()
 
 
-def leg(trace: Any, name: str) -> Any:
+def leg(trace: Trace | None, name: str) -> Trace | None:
     """A span for one leg of a disaggregated request under ``trace`` (``None`` untraced)."""
     return trace.child(name) if trace is not None else None
 
 
-def end_on_answer(span: Any, answer: Any) -> None:
+def end_on_answer(span: Trace | None, answer: asyncio.Future[Response]) -> None:
     """Ends a leg's ``span`` when its ``answer`` future is done: the node's status or the error."""
     if span is None:
         return
 
-    def done(future: Any) -> None:
+    def done(future: asyncio.Future[Response]) -> None:
         if future.cancelled():
             span.end(error="cancelled")
         elif future.exception() is not None:

@@ -85,16 +85,13 @@ def is_local(address: Address) -> bool:
 
 
 async def check_node_url(url: str, allowed: tuple[Network, ...], own_port: int | None = None) -> str:
-    """Raises ``InvalidNode`` unless ``url`` is an http or https URL without credentials whose host
-    resolves only to permitted addresses, none of them this proxy itself (a local address on
-    ``own_port``). Returns the address the node is to be reached at (``host:port``), pinned
-    so that the name is not resolved again at connect time. Resolution runs off the event loop."""
-    raw = url.strip()
-    parts = urlsplit(raw if "://" in raw else f"http://{raw}")
-    if parts.scheme.lower() not in ("http", "https"):
-        raise InvalidNode(f"node {raw}: the scheme must be http or https")
-    if parts.username is not None or parts.password is not None:
-        raise InvalidNode(f"node {raw}: credentials in the URL are refused; register the node with an api_key")
+    """Raises ``InvalidNode`` unless the node at ``url`` (a record's canonical URL: http or https,
+    no credentials, as the data plane parsed it once) has a host that resolves only to permitted
+    addresses, none of them this proxy itself (a local address on ``own_port``). Returns the
+    address the node is to be reached at (``host:port``), pinned so that the name is not
+    resolved again at connect time. Resolution runs off the event loop."""
+    raw = url
+    parts = urlsplit(url)
     host = parts.hostname
     if not host:
         raise InvalidNode(f"node {raw}: the URL has no host")

@@ -34,6 +34,8 @@ pub struct ForwardConfig {
     pub stream_stall_timeout: Duration,
     /// CA certificates that `https://` nodes are verified against; `None`: the system's roots.
     pub node_ca_file: Option<std::path::PathBuf>,
+    /// Silence on a node connection before TCP keep-alive probes start.
+    pub tcp_keepalive: Duration,
 }
 
 /// A request to forward, as the client sent it plus the proxy's own headers.
@@ -109,6 +111,7 @@ impl Forwarder {
             // Every buffer of a stream counts (see `ForwardConfig::stream_buffer_limit`).
             receive_buffer: socket_buffer(config.stream_buffer_limit),
             ca_file: config.node_ca_file.clone(),
+            tcp_keepalive: config.tcp_keepalive,
         });
         let via = HeaderValue::from_str(instance).unwrap_or_else(|_| HeaderValue::from_static("pdproxy"));
         Self { client: std::sync::Arc::new(client), config, via }

@@ -419,6 +419,14 @@ pub struct NodeSpec {
     pub api_key: Option<String>,
     /// SGLang prefill nodes: the port of their bootstrap server, when declared.
     pub bootstrap_port: Option<u16>,
+    /// The models it was registered with (`None`: none declared, discovery asks it); `models`
+    /// is what it serves, as discovery learnt it.
+    pub declared_models: Option<Vec<String>>,
+    /// Seconds its registration lasts unless renewed (`None`: no lease). The control plane
+    /// keeps the timer; the node keeps what it was registered with.
+    pub lease_ttl: Option<f64>,
+    /// The operator's labels (`zone=a`): shown in status, never used for routing.
+    pub labels: std::collections::BTreeMap<String, String>,
     /// Where the node is reached: the address its name resolved to when it was checked, so
     /// that a name whose answer changes later cannot send requests elsewhere. `None`: resolve.
     pub address: Option<std::net::SocketAddr>,
@@ -567,6 +575,13 @@ impl NodeUrl {
         if uri.query().is_some() {
             return Err(Error::new(Kind::InvalidNode, format!("node URL {raw:?} must not have a query")));
         }
+        if authority.as_str().contains('@') {
+            // A key goes to a node as `api_key` (a header), never in its URL (logs, status).
+            return Err(Error::new(
+                Kind::InvalidNode,
+                "credentials in a node URL are refused; register the node with an api_key",
+            ));
+        }
         let authority: Authority = authority
             .as_str()
             .to_ascii_lowercase()
@@ -593,6 +608,7 @@ mod tests {
         ] {
             assert_eq!(NodeUrl::parse(raw).unwrap().normalized, want, "{raw}");
         }
+        assert!(NodeUrl::parse("http://user:pw@h:1").is_err(), "credentials are refused");
     }
 
     #[test]

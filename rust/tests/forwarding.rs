@@ -25,6 +25,7 @@ fn forwarder(first_byte_timeout: Duration) -> Forwarder {
             stream_buffer_limit: 1 << 20,
             stream_stall_timeout: Duration::from_secs(5),
             node_ca_file: None,
+            tcp_keepalive: Duration::from_secs(60),
         },
         "pdproxy-test",
     )

@@ -158,6 +158,7 @@ async fn queued_requests_are_all_served_within_the_cap() {
             stream_buffer_limit: 1 << 20,
             stream_stall_timeout: Duration::from_secs(1),
             node_ca_file: None,
+            tcp_keepalive: Duration::from_secs(60),
         },
         max_requests: 0,
         tracing: None,

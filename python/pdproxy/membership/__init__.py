@@ -11,22 +11,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from pdproxy.errors import ConfigError, PdproxyError
+from pdproxy.errors import ConfigError, RegistryUnavailable
 
 __all__ = ["Entry", "Membership", "OnChange", "RegistryUnavailable", "check_url", "from_url"]
 
 #: One node registration: a JSON-able dict with at least "url" (str); may have "lease_ttl" (seconds or None).
 Entry = dict[str, Any]
 OnChange = Callable[[list[Entry]], Awaitable[None]]
-
-
-class RegistryUnavailable(PdproxyError):
-    """The shared registry cannot be reached, so a node cannot be added or removed now."""
-
-    status = 503
-    code = "registry_unavailable"
-    type = "service_unavailable"
-    retry_after: int | None = 1
 
 
 class Membership(abc.ABC):

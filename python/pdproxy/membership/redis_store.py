@@ -52,8 +52,9 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from pdproxy.errors import ConfigError, InvalidRequest
-from pdproxy.membership import Entry, Membership, OnChange, RegistryUnavailable
+from pdproxy.config import default
+from pdproxy.errors import ConfigError, InvalidRequest, RegistryUnavailable
+from pdproxy.membership import Entry, Membership, OnChange
 
 __all__ = ["RedisMembership"]
 
@@ -119,10 +120,10 @@ class RedisMembership(Membership):
         self,
         url: str,
         *,
-        namespace: str = "pdproxy",
-        reconcile_interval: float = 1.0,
-        timeout: float = 2.0,
-        max_backoff: float = 5.0,
+        namespace: str = default("registry_namespace"),
+        reconcile_interval: float = default("registry_reconcile_interval"),
+        timeout: float = default("registry_timeout"),
+        max_backoff: float = default("registry_max_backoff"),
     ) -> None:
         for name, value in (
             ("reconcile_interval", reconcile_interval),

@@ -27,6 +27,8 @@ import aiohttp
 from pdproxy import background
 from pdproxy.tls import node_session
 
+from .relay import ApiKeyOf
+
 log = logging.getLogger("pdproxy.pd")
 
 
@@ -49,7 +51,7 @@ class SessionLedger:
         ttl: float,
         free_timeout: float,
         free_attempts: int,
-        api_key_of: Any,
+        api_key_of: ApiKeyOf,
         journal: Path | None = None,
         ca_file: str = "",
     ) -> None:

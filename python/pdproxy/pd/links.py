@@ -29,7 +29,7 @@ from typing import Any
 
 import aiohttp
 
-from pdproxy.errors import UpstreamError
+from pdproxy.errors import HandshakeError, LinkFailed
 from pdproxy.tls import node_session
 
 log = logging.getLogger("pdproxy.pd")
@@ -62,13 +62,6 @@ class Transport:
             "rdma_config": {"with_gdr": self.with_gdr, "link_type": LINK_TYPES[self.link_type]},
             "nvlink_config": None,
         }
-
-
-class LinkFailed(UpstreamError):
-    """The prefill and decode nodes could not be connected."""
-
-    status = 502
-    code = "pd_link_failed"
 
 
 @dataclass
@@ -302,10 +295,6 @@ class LinkPool:
         if not isinstance(answer, dict):
             raise HandshakeError(f"{endpoint} on {url} did not answer an object")
         return answer
-
-
-class HandshakeError(Exception):
-    pass
 
 
 @contextlib.asynccontextmanager

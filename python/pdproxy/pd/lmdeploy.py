@@ -19,14 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from pdproxy.config import Settings
-from pdproxy.errors import InvalidRequest
+from pdproxy.errors import InvalidPrefillAnswer, InvalidRequest
 from pdproxy.group import alive
 from pdproxy.router import Router
 from pdproxy.tracing import end_on_answer, leg
 
 from .ledger import Preserved, SessionLedger
 from .links import LinkPool, Transport
-from .relay import InvalidPrefillAnswer, PdRequest, read_all, relay, send_raw
+from .relay import ApiKeyOf, PdRequest, read_all, relay, send_raw
 
 log = logging.getLogger("pdproxy.pd")
 
@@ -59,7 +59,7 @@ class DistServe:
     protocol = "lmdeploy"
     paths = PD_PATHS
 
-    def __init__(self, router: Router, settings: Settings, api_key_of: Any, group_dir: Path | None = None) -> None:
+    def __init__(self, router: Router, settings: Settings, api_key_of: ApiKeyOf, group_dir: Path | None = None) -> None:
         self.router = router
         self.settings = settings
         self.links = LinkPool(

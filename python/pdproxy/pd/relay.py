@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdproxy._pdproxy import Response, TenantTicket, Trace
-from pdproxy.errors import UpstreamError
 from pdproxy.responses import Send
+
+#: A node's API key by its URL (the fleet's ``api_key_of``).
+ApiKeyOf = Callable[[str], str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,12 +27,6 @@ class PdRequest:
     echo: list[tuple[bytes, bytes]]
     trace: Trace | None = None
     tenant: TenantTicket | None = None
-
-
-class InvalidPrefillAnswer(UpstreamError):
-    """The prefill node answered with something the protocol cannot use."""
-
-    code = "upstream_invalid_response"
 
 
 async def read_all(response: Response) -> bytes:

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import random
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -20,7 +21,7 @@ import aiohttp
 from pdproxy._pdproxy import Response
 from pdproxy._pdproxy import Router as CoreRouter
 from pdproxy.config import Settings
-from pdproxy.errors import UpstreamError
+from pdproxy.errors import PrefillFailed, UpstreamError
 from pdproxy.router import Router
 from pdproxy.tls import node_session
 from pdproxy.tracing import end_on_answer, leg
@@ -30,12 +31,6 @@ from .relay import PdRequest, read_all, relay, send_raw
 log = logging.getLogger("pdproxy.pd")
 
 PD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
-
-
-class PrefillFailed(UpstreamError):
-    """The prefill leg failed (its 5xx or a transport error): the request was not served."""
-
-    code = "prefill_failed"
 
 
 def batch_size(body: bytes) -> int | None:
@@ -57,7 +52,7 @@ class SglangPD:
     protocol = "sglang"
     paths = PD_PATHS
 
-    def __init__(self, router: Router, settings: Settings, bootstrap_port_of: Any) -> None:
+    def __init__(self, router: Router, settings: Settings, bootstrap_port_of: Callable[[str], int | None]) -> None:
         self.router = router
         self.settings = settings
         self._declared_port = bootstrap_port_of

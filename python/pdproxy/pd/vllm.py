@@ -12,11 +12,11 @@ from typing import Any
 
 from pdproxy._pdproxy import Router as CoreRouter
 from pdproxy.config import Settings
-from pdproxy.errors import InvalidRequest
+from pdproxy.errors import InvalidPrefillAnswer, InvalidRequest
 from pdproxy.router import Router
 from pdproxy.tracing import end_on_answer, leg
 
-from .relay import InvalidPrefillAnswer, PdRequest, read_all, relay, send_raw
+from .relay import ApiKeyOf, PdRequest, read_all, relay, send_raw
 
 PD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
@@ -45,7 +45,7 @@ class VllmPD:
     protocol = "vllm"
     paths = PD_PATHS
 
-    def __init__(self, router: Router, settings: Settings, api_key_of: Any) -> None:
+    def __init__(self, router: Router, settings: Settings, api_key_of: ApiKeyOf) -> None:
         self.router = router
         self.settings = settings
 

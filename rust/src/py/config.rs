@@ -45,6 +45,7 @@ pub struct RouterConfig {
     pub stream_idle_timeout: f64,
     pub stream_buffer_limit: usize,
     pub stream_stall_timeout: f64,
+    pub node_tcp_keepalive: f64,
     pub max_requests: usize,
     pub node_ca_file: String,
     pub otlp_endpoint: String,
@@ -78,6 +79,7 @@ impl RouterConfig {
             stream_buffer_limit: self.stream_buffer_limit.max(1),
             stream_stall_timeout: seconds("stream_stall_timeout", self.stream_stall_timeout)?,
             node_ca_file: (!self.node_ca_file.is_empty()).then(|| self.node_ca_file.clone().into()),
+            tcp_keepalive: seconds("node_tcp_keepalive", self.node_tcp_keepalive)?,
         })
     }
 

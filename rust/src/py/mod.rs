@@ -4,6 +4,7 @@ mod bridge;
 mod config;
 mod edge;
 mod errors;
+mod node;
 mod response;
 mod router;
 mod shared;

@@ -14,6 +14,7 @@ use tokio_util::sync::CancellationToken;
 use super::bridge::{resolve, LoopBridge};
 use super::config::RouterConfig;
 use super::errors::to_pyerr;
+use super::node::{record_dict, NodeRecord};
 use super::response::{Head, Response};
 use super::shared::SharedTable;
 use super::tenants::{limited_to_pyerr, tenant_dict, TenantEntry, TenantTicket};
@@ -28,9 +29,9 @@ use crate::forward::{ForwardRequest, ResponseBody, UpstreamResponse};
 use crate::headers::header_map;
 use crate::histogram::HistogramSnapshot;
 use crate::inspect::{inspect, patch};
-use crate::node::{Node, NodeSpec, NodeState, NodeUrl, Role};
+use crate::node::{Node, NodeState, NodeUrl, Role};
 use crate::permit::Outcome;
-use crate::registry::{check_api_key, check_speed, Registry};
+use crate::registry::Registry;
 use crate::runtime;
 use crate::select::SelectCtx;
 use crate::tenants::{estimate_tokens, TenantPass, TenantSpec};
@@ -80,34 +81,24 @@ impl Router {
         self.engine.policies().names()
     }
 
-    #[pyo3(signature = (url, models=None, role="hybrid", speed=None, max_concurrency=None, api_key=None, bootstrap_port=None, address=None))]
-    #[allow(clippy::too_many_arguments)]
-    fn add_node(
-        &self,
-        url: &str,
-        models: Option<Vec<String>>,
-        role: &str,
-        speed: Option<f64>,
-        max_concurrency: Option<u32>,
-        api_key: Option<String>,
-        bootstrap_port: Option<u16>,
-        address: Option<&str>,
-    ) -> PyResult<String> {
-        let address = address
-            .map(str::parse::<std::net::SocketAddr>)
-            .transpose()
-            .map_err(|_| to_pyerr(&Error::new(Kind::InvalidNode, "a node's address must read HOST:PORT")))?;
-        let spec = NodeSpec {
-            address,
-            models: models.unwrap_or_default(),
-            role: role_of(role)?,
-            speed,
-            max_concurrency: max_concurrency.filter(|&m| m > 0),
-            api_key: api_key.filter(|k| !k.is_empty()),
-            bootstrap_port,
-        };
-        let node = self.engine.add_node(url, spec).map_err(|e| to_pyerr(&e))?;
+    /// Adds a node (or updates a registered one) from its record; returns its normalised URL.
+    /// `address` (`HOST:PORT`): where to connect, instead of resolving the URL's host.
+    #[pyo3(signature = (record, address=None))]
+    fn add_node(&self, record: NodeRecord, address: Option<&str>) -> PyResult<String> {
+        let url = record.url.clone();
+        let node = self.engine.add_node(&url, record.into_spec(address)?).map_err(|e| to_pyerr(&e))?;
         Ok(node.url().to_owned())
+    }
+
+    /// One node: its record (API key included), state, circuit and requests in flight.
+    fn node<'py>(&self, py: Python<'py>, url: &str) -> PyResult<Bound<'py, PyDict>> {
+        let node = self.lookup(url)?;
+        let out = record_dict(py, &node, true)?;
+        let counters = node.counters().snapshot();
+        out.set_item("state", counters.state)?;
+        out.set_item("circuit", counters.circuit)?;
+        out.set_item("in_flight", counters.in_flight)?;
+        Ok(out)
     }
 
     /// Replaces the models of a registered node, keeping everything else.
@@ -131,7 +122,7 @@ impl Router {
     /// `sleeping`. Only healthy nodes are selected.
     fn set_node_state(&self, url: &str, state: &str) -> PyResult<()> {
         let state = NodeState::parse(state).map_err(|e| to_pyerr(&e))?;
-        self.node(url)?.counters().set_state(state);
+        self.lookup(url)?.counters().set_state(state);
         Ok(())
     }
 
@@ -152,7 +143,7 @@ impl Router {
         if kv_usage.is_some_and(|u| !u.is_finite()) {
             return Err(PyValueError::new_err(format!("kv_usage must be a finite number, got {kv_usage:?}")));
         }
-        let node = self.node(url)?;
+        let node = self.lookup(url)?;
         let c = node.counters();
         let figures = EngineFigures { running, waiting, kv_usage, prompt_tokens, cached_tokens, kv_capacity_tokens };
         c.record_engine_report(&figures, now_ms());
@@ -161,7 +152,7 @@ impl Router {
 
     /// Counts a failed reading of a node's engine metrics.
     fn record_engine_failure(&self, url: &str) -> PyResult<()> {
-        self.node(url)?.counters().engine.record_failure();
+        self.lookup(url)?.counters().engine.record_failure();
         Ok(())
     }
 
@@ -252,14 +243,11 @@ impl Router {
         Ok(node.url().to_owned())
     }
 
-    /// Raises `InvalidNode` for a node the table would refuse (URL, role, speed), without adding it.
+    /// The canonical URL of a node record, once every rule of the node table holds for it.
+    /// Raises `InvalidNode` for a node the table would refuse, without adding it.
     #[staticmethod]
-    #[pyo3(signature = (url, role="hybrid", speed=None, api_key=None))]
-    fn check_node(url: &str, role: &str, speed: Option<f64>, api_key: Option<&str>) -> PyResult<()> {
-        NodeUrl::parse(url).map_err(|e| to_pyerr(&e))?;
-        role_of(role)?;
-        check_speed(speed).map_err(|e| to_pyerr(&e))?;
-        check_api_key(api_key).map_err(|e| to_pyerr(&e))
+    fn check_node(record: NodeRecord) -> PyResult<String> {
+        record.check()
     }
 
     /// The canonical form of a node URL (scheme and host lower-cased, no trailing slash).
@@ -467,7 +455,7 @@ impl Drop for Router {
 }
 
 impl Router {
-    fn node(&self, url: &str) -> PyResult<Arc<Node>> {
+    fn lookup(&self, url: &str) -> PyResult<Arc<Node>> {
         self.engine.node(url).map_err(|e| to_pyerr(&e))
     }
 
@@ -618,17 +606,9 @@ impl AbortOnCancel {
 
 fn node_stats<'py>(py: Python<'py>, node: &Arc<Node>) -> PyResult<Bound<'py, PyDict>> {
     let c = node.counters().snapshot();
-    let stats = PyDict::new(py);
-    stats.set_item("url", node.url())?;
-    stats.set_item("generation", node.generation())?;
-    stats.set_item("role", node.role().name())?;
-    stats.set_item("models", node.models())?;
-    stats.set_item("speed", node.speed())?;
-    stats.set_item("has_api_key", node.spec().api_key.is_some())?;
-    stats.set_item("address", node.spec().address.map(|a| a.to_string()))?;
+    let stats = record_dict(py, node, false)?;
     stats.set_item("state", c.state)?;
     stats.set_item("circuit", c.circuit)?;
-    stats.set_item("max_concurrency", c.max_concurrency)?;
     stats.set_item("in_flight", c.in_flight)?;
     stats.set_item("requests", c.requests)?;
     stats.set_item("succeeded", c.succeeded)?;

@@ -36,6 +36,8 @@ pub struct ClientConfig {
     pub receive_buffer: usize,
     /// CA certificates that `https://` nodes are verified against; `None`: the system's roots.
     pub ca_file: Option<PathBuf>,
+    /// Silence on a connection before TCP keep-alive probes start.
+    pub tcp_keepalive: Duration,
 }
 
 /// Where a request goes: the node's origin (the pool's key), the `Host` it is sent with, the
@@ -154,7 +156,7 @@ impl Client {
             Err(_) => return Err(Error::new(Kind::Connect, "could not connect to the node in time")),
         };
         let _ = tcp.set_nodelay(true);
-        let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(60));
+        let keepalive = socket2::TcpKeepalive::new().with_time(self.config.tcp_keepalive);
         let _ = socket2::SockRef::from(&tcp).set_tcp_keepalive(&keepalive);
         let stream = match target.tls_name {
             None => Stream::Plain(tcp),

@@ -1,0 +1,53 @@
+"""The checks of a ``Settings`` that need the rest of pdproxy: routing policies the data plane
+knows, the worker group's size (the shared table's), the shared registry's URL, the tenants file, each configured
+node, and the tracing settings left to the ``OTEL_*`` environment. ``checked`` runs them before
+anything is served (the CLI, and every ``Router``), so that ``config`` stays a leaf."""
+
+from __future__ import annotations
+
+import os
+
+from . import _pdproxy
+from .config import Settings
+from .errors import ConfigError
+from .group import MAX_WORKERS
+from .membership import check_url as check_registry_url
+from .node_record import configured_nodes
+from .tenants import load as load_tenants
+from .tracing import otel_settings
+
+__all__ = ["checked"]
+
+
+def checked(settings: Settings) -> Settings:
+    """``settings`` with the tracing settings the environment fills; raises ``ConfigError``
+    naming the first setting pdproxy cannot use."""
+    if settings.workers > MAX_WORKERS:
+        raise ConfigError(f"--workers is at most {MAX_WORKERS}, got {settings.workers}")
+    if settings.edge == "rust" and settings.workers != 1:
+        raise ConfigError("--workers is for --edge granian; the Rust edge uses every core in one process")
+    _check_policies(settings)
+    if settings.registry:
+        check_registry_url(settings.registry)
+    if settings.tenants_file:
+        load_tenants(settings.tenants_file)  # a bad file stops the start, naming its problem
+    configured_nodes(settings)  # each node parses
+    filled = otel_settings(settings, os.environ)
+    return settings.replace(**filled) if filled else settings
+
+
+def _check_policies(settings: Settings) -> None:
+    """Names the data plane knows (its list: `_pdproxy.POLICY_NAMES`), for every role and model."""
+    known = _pdproxy.POLICY_NAMES
+    named = [("policy", settings.policy), ("prefill_policy", settings.prefill_policy or settings.policy)]
+    named.append(("decode_policy", settings.decode_policy or settings.policy))
+    for entry in settings.model_policies:
+        model, _, name = entry.partition("=")  # its form is the setting's own check
+        named.append((f"model policy for {model.strip()}", name))
+    for what, name in named:
+        # `scored:prefix=2,queue=0.5` names the policy and its weights (the data plane checks those).
+        base, weighted, _ = name.strip().partition(":")
+        if base not in known:
+            raise ConfigError(f"unknown routing policy {name!r} ({what}); known: {', '.join(known)}")
+        if weighted and base != "scored":
+            raise ConfigError(f"routing policy {name!r} ({what}): only scored takes weights (scored:queue=0.5)")
