@@ -66,7 +66,8 @@ class Peer:
     dist: str  # its distribution on PyPI
     spec: str  # the version range installed
     check: str  # a module whose import proves the install works
-    launch: Callable[[Peer, list[str], str], AbstractContextManager[harness.Service]]
+    # (peer, engines, model, policy: its routing policy, None for the one the benchmarks use)
+    launch: Callable[[Peer, list[str], str, str | None], AbstractContextManager[harness.Service]]
     note: str  # how it runs, for the run's header line
     # Empty: pip installs the peer with its own dependencies. Else the peer goes in without them and
     # only these go beside it, within the version ranges the peer declares.
@@ -82,9 +83,12 @@ class Peer:
         assert self.launch_pd is not None
         return self.launch_pd(self, prefill, decode, model)
 
-    def start(self, engines: list[str], model: str) -> AbstractContextManager[harness.Service]:
-        """The peer routing to ``engines``, yielded once it has answered a request."""
-        return self.launch(self, engines, model)
+    def start(
+        self, engines: list[str], model: str, policy: str | None = None
+    ) -> AbstractContextManager[harness.Service]:
+        """The peer routing to ``engines`` (with ``policy``, else the benchmarks' one), yielded once
+        it has answered a request."""
+        return self.launch(self, engines, model, policy)
 
     @property
     def python(self) -> Path:
@@ -266,8 +270,11 @@ def _lmdeploy(peer: Peer, nodes: dict[str, str], model: str, extra: tuple[str, .
         yield svc
 
 
-def lmdeploy_proxy(peer: Peer, engines: list[str], model: str) -> AbstractContextManager[harness.Service]:
-    return _lmdeploy(peer, dict.fromkeys(engines, "hybrid"), model, ())
+def lmdeploy_proxy(
+    peer: Peer, engines: list[str], model: str, policy: str | None = None
+) -> AbstractContextManager[harness.Service]:
+    extra = ("--routing-strategy", policy) if policy else ()
+    return _lmdeploy(peer, dict.fromkeys(engines, "hybrid"), model, extra)
 
 
 def lmdeploy_distserve(peer: Peer, prefill: str, decode: str, model: str) -> AbstractContextManager[harness.Service]:
@@ -281,13 +288,15 @@ def _sglang_workers_ready(url: str, count: int) -> bool:
 
 
 @contextlib.contextmanager
-def _rust_router(peer: Peer, module: str, workers: list[str], count: int, model: str) -> Iterator[harness.Service]:
+def _rust_router(
+    peer: Peer, module: str, workers: list[str], count: int, model: str, policy: str = SGLANG_POLICY
+) -> Iterator[harness.Service]:
     """sglang-router or vllm-router (a fork of it): they start the same way; ``workers`` are the
     flags that name the engines, ``count`` how many."""
     port = harness.free_port()
     url = f"http://127.0.0.1:{port}"
     args = [str(peer.python), "-m", module, "--host", "127.0.0.1", "--port", str(port)]
-    args += ["--policy", SGLANG_POLICY, "--log-level", "warning" if "vllm" in module else "warn", *workers]
+    args += ["--policy", policy, "--log-level", "warning" if "vllm" in module else "warn", *workers]
     # The Prometheus exporter is on by default, on 0.0.0.0:29000: keep it (it is part of the router's
     # work) but on loopback and a free port, so it neither collides nor listens beyond this machine.
     args += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(harness.free_port())]
@@ -301,9 +310,11 @@ def _rust_router(peer: Peer, module: str, workers: list[str], count: int, model:
         yield svc
 
 
-def rust_router(module: str) -> Callable[[Peer, list[str], str], AbstractContextManager[harness.Service]]:
-    def launch(peer: Peer, engines: list[str], model: str) -> AbstractContextManager[harness.Service]:
-        return _rust_router(peer, module, ["--worker-urls", *engines], len(engines), model)
+def rust_router(module: str) -> Callable[[Peer, list[str], str, str | None], AbstractContextManager[harness.Service]]:
+    def launch(
+        peer: Peer, engines: list[str], model: str, policy: str | None = None
+    ) -> AbstractContextManager[harness.Service]:
+        return _rust_router(peer, module, ["--worker-urls", *engines], len(engines), model, policy or SGLANG_POLICY)
 
     return launch
 
@@ -358,7 +369,7 @@ http {{
 
 
 @contextlib.contextmanager
-def nginx(peer: Peer, engines: list[str], model: str) -> Iterator[harness.Service]:
+def nginx(peer: Peer, engines: list[str], model: str, policy: str | None = None) -> Iterator[harness.Service]:
     port = harness.free_port()
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(prefix="pdproxy-bench-nginx-") as workdir:

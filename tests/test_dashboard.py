@@ -73,3 +73,20 @@ async def test_dashboard_shows_nodes_and_updates(tmp_path: Path, browser, http: 
                 assert r.status == 200
             await until(lambda: sum(rows().values()) == before + 1)
             assert await asyncio.to_thread(lambda: browser.find_element(By.ID, "error").text) == ""
+
+            def engine_cells() -> list[tuple[str, str]]:
+                # What each engine's /metrics said, once pdproxy has read them ("-" before).
+                for _ in range(10):
+                    try:
+                        return [
+                            (
+                                row.find_element(By.CLASS_NAME, "engine-running").text,
+                                row.find_element(By.CLASS_NAME, "engine-kv").text,
+                            )
+                            for row in browser.find_elements(By.CSS_SELECTOR, "#nodes-table tbody tr")
+                        ]
+                    except StaleElementReferenceException:
+                        continue
+                return []
+
+            await until(lambda: engine_cells() == [("0", "0%"), ("0", "0%")])

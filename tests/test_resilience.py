@@ -75,7 +75,9 @@ async def test_work_that_may_have_run_is_never_retried(live: MockEngine) -> None
 
 async def test_retry_budget_and_limit(live: MockEngine) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    async with pdproxy.Router(retry_budget_floor=0, retry_budget_ratio=0.0, circuit_failures=0) as router:
+    # Round robin: every other request goes to the dead node, whatever the default policy prefers.
+    budget = {"retry_budget_floor": 0, "retry_budget_ratio": 0.0, "circuit_failures": 0}
+    async with pdproxy.Router(policy="round_robin", **budget) as router:
         router.add_node(dead, ["m"])
         router.add_node(live.url, ["m"], max_concurrency=1)
         router.set_node_state(live.url, "healthy")

@@ -79,7 +79,7 @@ async def test_a_request_is_one_trace_under_the_callers_span(tmp_path: Path, htt
                 assert chain(select, spans) == ["pdproxy.select", "pdproxy.admission", "pdproxy.request"]
                 assert attributes(select)["pdproxy.node"] == engine.url
                 assert attributes(select)["pdproxy.candidates"] == "1"
-                assert attributes(select)["pdproxy.policy"] == "min_expected_latency"
+                assert attributes(select)["pdproxy.policy"] == "scored"  # the default
                 assert attributes(otlp.named(trace_id, "pdproxy.admission")[0])["pdproxy.queued"] == "false"
                 for span in spans.values():
                     assert int(root["startTimeUnixNano"]) <= int(span["startTimeUnixNano"])

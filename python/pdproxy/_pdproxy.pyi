@@ -102,8 +102,38 @@ class Router:
         has_api_key, bootstrap_port, lease_ttl, labels, address, state,
         max_concurrency, in_flight, requests, succeeded, failed, connect_failures, cancelled,
         events, mean_latency, recent_latency, recent_latencies, recent_latency_per_token,
-        mean_ttft, ttft_ewma (seconds, or None), circuit, and histograms (duration, ttft, itl:
-        bounds, per-bucket counts with +Inf last, sum, count)."""
+        mean_ttft, ttft_ewma (seconds, or None), circuit, histograms (duration, ttft, itl:
+        bounds, per-bucket counts with +Inf last, sum, count), and engine (what the node's engine
+        last reported: running, waiting, kv_usage, prompt_tokens, cached_tokens,
+        kv_capacity_tokens, age in seconds, fresh, sent_since, requests_estimate, restarts,
+        failures, failing)."""
+
+    def record_engine_report(
+        self,
+        url: str,
+        running: int,
+        waiting: int,
+        kv_usage: float | None = None,
+        prompt_tokens: int | None = None,
+        cached_tokens: int | None = None,
+        kv_capacity_tokens: int | None = None,
+    ) -> None:
+        """Records what a node's engine reported about itself (read from its `/metrics`): requests
+        running and waiting, KV-cache usage (0 to 1), cumulative prompt and prefix-cached tokens,
+        KV capacity in tokens. Policies use it until it is older than `engine_metrics_max_age`,
+        counting the requests sent and finished since.
+
+        Raises:
+            NodeNotFound: no node with that URL is registered.
+            ValueError: `kv_usage` is not a finite number.
+        """
+
+    def record_engine_failure(self, url: str) -> None:
+        """Counts a failed reading of a node's engine metrics.
+
+        Raises:
+            NodeNotFound: no node with that URL is registered.
+        """
 
     def select(self, model: str | None = None, role: str = "hybrid", affinity: str | None = None) -> str:
         """The URL of the node the policy would choose now; nothing is sent or counted."""

@@ -103,6 +103,18 @@ def _at_least_one(value: int, info: ValidationInfo) -> int:
     return value
 
 
+def _weight(value: float, info: ValidationInfo) -> float:
+    if not 0 <= value < float("inf"):
+        raise _refuse("{name} must be a non-negative number, got {value}", name=info.field_name, value=value)
+    return value
+
+
+def _positive(value: float, info: ValidationInfo) -> float:
+    if not 0 < value < float("inf"):
+        raise _refuse("{name} must be a positive number, got {value}", name=info.field_name, value=value)
+    return value
+
+
 def _share(value: float, info: ValidationInfo) -> float:
     if not 0 <= value <= 1:
         raise _refuse("{name} must be between 0 and 1, got {value}", name=info.field_name, value=value)
@@ -119,6 +131,8 @@ NotNegativeSeconds = Annotated[float, AfterValidator(_not_negative)]
 AtLeastOne = Annotated[int, AfterValidator(_at_least_one)]
 NotNegative = Annotated[int, AfterValidator(_not_negative)]
 Share = Annotated[float, AfterValidator(_share)]
+Weight = Annotated[float, AfterValidator(_weight)]
+PositiveNumber = Annotated[float, AfterValidator(_positive)]
 Several = Annotated[tuple[str, ...], BeforeValidator(_several)]
 
 
@@ -261,11 +275,12 @@ class RoutingSettings(SettingsGroup):
         flag="--node",
     )
     policy: str = _setting(
-        "min_expected_latency",
+        "scored",
         (
             "Routing policy of every role (hybrid, and prefill and decode unless their own is given): "
             "min_expected_latency (LMDeploy's default), random, min_observed_latency, "
-            "min_observed_latency_per_token, round_robin, least_requests, consistent_hash, prefix."
+            "min_observed_latency_per_token, min_cache_usage (LMDeploy's), round_robin, least_requests, "
+            "consistent_hash, prefix, least_engine_load, scored (or scored:prefix=N,queue=N,kv=N,load=N)."
         ),
         aliases=("--routing-strategy",),
     )
@@ -301,6 +316,35 @@ class RoutingSettings(SettingsGroup):
     prefix_balance_threshold: NotNegative = _setting(
         8,
         "prefix: leave a prefix's node when it has this many more requests than the least busy one.",
+    )
+    prefix_bytes_per_token: PositiveNumber = _setting(
+        4.0,
+        (
+            "scored: prompt bytes per engine token, to size a node's share of the prefix table from the KV "
+            "capacity its engine reports."
+        ),
+    )
+    score_prefix_weight: Weight = _setting(
+        2.0,
+        (
+            "scored: cost of each KiB of the prompt a node would have to prefill (not in its cache), against "
+            "1 for each KiB of prompts already waiting there for their first token."
+        ),
+    )
+    score_queue_weight: Weight = _setting(
+        0.5,
+        (
+            "scored: cost of each request waiting for a place in the node's engine's batch (0.5: the best "
+            "of 0.25, 0.5 and 1 in bench/fleet.py)."
+        ),
+    )
+    score_kv_weight: Weight = _setting(
+        1.0,
+        "scored: cost of a full KV cache (scaled by the engine's usage, 0 to 1).",
+    )
+    score_load_weight: Weight = _setting(
+        0.0,
+        "scored: cost of each request pdproxy has in flight on the node, decoding ones included.",
     )
     retries: NotNegative = _setting(
         2,
@@ -465,6 +509,36 @@ class HealthSettings(SettingsGroup):
         0.0,
         "Remove a node unhealthy for this many seconds (0: never remove).",
     )
+    engine_metrics_interval: NotNegativeSeconds = _setting(
+        2.0,
+        (
+            "Seconds between readings of each node's /metrics (running and waiting requests, KV-cache usage "
+            "and prefix-cache hits, in vLLM's, SGLang's or LMDeploy's names); 0: never read them."
+        ),
+    )
+    engine_metrics_timeout: Seconds = _setting(
+        1.0,
+        "Seconds a node's /metrics may take.",
+    )
+    engine_metrics_max_age: Seconds = _setting(
+        10.0,
+        "Seconds after which a node's engine figures are too old to route by.",
+    )
+    engine_metrics_concurrency: AtLeastOne = _setting(
+        16,
+        "Nodes whose /metrics are read at once.",
+    )
+    engine_metrics_max_bytes: AtLeastOne = _setting(
+        4 << 20,
+        "Largest /metrics answer read from a node, in bytes (at least 1024).",
+    )
+
+    @field_validator("engine_metrics_max_bytes")
+    @classmethod
+    def _metrics_size(cls, value: int) -> int:
+        if value < 1024:
+            raise _refuse("engine_metrics_max_bytes must be at least 1024, got {value}", value=value)
+        return value
 
 
 class PdSettings(SettingsGroup):

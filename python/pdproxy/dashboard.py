@@ -1,5 +1,5 @@
 """``GET /dashboard``: one self-contained page (no build step, no external assets) that shows
-the nodes, their health, load, latency and the PD links, refreshed every second from
+the nodes, their health, load, latency, their engines' own figures and the PD links, refreshed every second from
 ``GET /dashboard/data``. With admin keys, open it as ``/dashboard#key=KEY``."""
 
 from __future__ import annotations

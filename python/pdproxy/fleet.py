@@ -22,6 +22,7 @@ import aiohttp
 
 from . import background, state_file
 from .config import Settings
+from .engine_scraper import EngineScraper
 from .errors import ConfigError, InvalidNode, NodeNotFound, RegistryUnavailable, TerminateFailed
 from .group import Group
 from .health import HealthChecker
@@ -61,6 +62,16 @@ class Fleet:
             on_remove=self._remove_quietly,
             ca_file=settings.node_ca_file,
         )
+        #: Reads the engines' /metrics (where health checks run: in a worker group, the leader).
+        self.engines = EngineScraper(
+            router,
+            interval=settings.engine_metrics_interval,
+            timeout=settings.engine_metrics_timeout,
+            concurrency=settings.engine_metrics_concurrency,
+            max_bytes=settings.engine_metrics_max_bytes,
+            api_key_of=self.api_key_of,
+            ca_file=settings.node_ca_file,
+        )
         self._session: aiohttp.ClientSession | None = None
         self._lease_task: asyncio.Task[None] | None = None
         #: The disaggregation flow, when serving with DistServe (for the management API).
@@ -76,7 +87,7 @@ class Fleet:
         only with ``check_health`` (in a worker group the leader starts them, ``start_health``)."""
         self._session = node_session(self.settings.node_ca_file, self.settings.admin_timeout)
         if check_health:
-            await self.health.start()
+            await self.start_health()
         if self.membership is not None:
             await self.membership.start(self.apply)
         restore = self.settings.state_file and not self.settings.disable_cache_status
@@ -100,9 +111,12 @@ class Fleet:
             self._lease_task = background.start(self._expire_leases(), "pdproxy-leases")
 
     async def start_health(self) -> None:
-        """Starts the health checks (once; a worker that becomes its group's leader)."""
+        """Starts the health checks and the engines' readings (once; a worker that becomes its
+        group's leader)."""
         if not self.health.running:
             await self.health.start()
+        if not self.engines.running and self.settings.engine_metrics_interval > 0:
+            await self.engines.start()
 
     async def aclose(self) -> None:
         await background.stop(self._lease_task)
@@ -111,6 +125,7 @@ class Fleet:
         if self.membership is not None:
             await self.membership.aclose()
         await self.health.aclose()
+        await self.engines.aclose()
         if self._session is not None:
             await self._session.close()
 
@@ -278,6 +293,11 @@ class Fleet:
                 "mean_ttft": node["mean_ttft"],
                 "generation": node["generation"],
                 "lease": lease,
+                "engine": {
+                    **node["engine"],
+                    "dialect": self.engines.dialects.get(url),
+                    "last_error": self.engines.errors.get(url),
+                },
                 "address": node["address"],
             }
             if isinstance(self.pd, DistServe):

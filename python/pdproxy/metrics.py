@@ -71,6 +71,7 @@ class PdproxyCollector(Collector):
                 state.add_metric([n["url"], s], 1 if n["state"] == s else 0)
             circuit.add_metric([n["url"]], 0 if n["circuit"] == "closed" else 1)
         yield from (requests, connect, events, in_flight, state, circuit)
+        yield from _engine_metrics(nodes)
         yield _histogram(
             "pdproxy_request_duration_seconds", "Requests from admission to the end of the body", nodes, "duration"
         )
@@ -138,6 +139,42 @@ def _tenant_metrics(tenants: list[dict[str, Any]]) -> Iterator[Metric]:
             if t[kind] is not None:
                 remaining.add_metric([name, kind], t[kind]["remaining"])
     yield from (requests, errors, tokens, rejected, in_flight, today, remaining)
+
+
+def _engine_metrics(nodes: list[dict[str, Any]]) -> Iterator[Metric]:
+    """What each node's engine last reported (its /metrics, read by pdproxy)."""
+    labels = ["node"]
+    running = GaugeMetricFamily("pdproxy_engine_running", "Requests the node's engine reports running", labels=labels)
+    waiting = GaugeMetricFamily("pdproxy_engine_waiting", "Requests the node's engine reports waiting", labels=labels)
+    kv = GaugeMetricFamily(
+        "pdproxy_engine_kv_usage", "KV-cache usage the node's engine reports (0 to 1)", labels=labels
+    )
+    hit = GaugeMetricFamily(
+        "pdproxy_engine_prefix_cache_hit_ratio",
+        "Prompt tokens the node's engine found in its prefix cache, over all it looked up",
+        labels=labels,
+    )
+    age = GaugeMetricFamily("pdproxy_engine_report_age_seconds", "Age of the engine's last report", labels=labels)
+    failures = CounterMetricFamily(
+        "pdproxy_engine_report_failures", "Readings of the engine's /metrics that failed", labels=labels
+    )
+    restarts = CounterMetricFamily(
+        "pdproxy_engine_restarts", "Times the engine's counters went back (a restart)", labels=labels
+    )
+    for n in nodes:
+        e, url = n["engine"], [n["url"]]
+        failures.add_metric(url, e["failures"])
+        restarts.add_metric(url, e["restarts"])
+        if e["age"] is None:
+            continue
+        age.add_metric(url, e["age"])
+        running.add_metric(url, e["running"])
+        waiting.add_metric(url, e["waiting"])
+        if e["kv_usage"] is not None:
+            kv.add_metric(url, e["kv_usage"])
+        if e["prompt_tokens"] and e["cached_tokens"] is not None:
+            hit.add_metric(url, e["cached_tokens"] / e["prompt_tokens"])
+    yield from (running, waiting, kv, hit, age, failures, restarts)
 
 
 def _group_metrics(summary: dict[str, Any]) -> Iterator[Metric]:

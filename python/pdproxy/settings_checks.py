@@ -45,5 +45,9 @@ def _check_policies(settings: Settings) -> None:
         model, _, name = entry.partition("=")  # its form is the setting's own check
         named.append((f"model policy for {model.strip()}", name))
     for what, name in named:
-        if name.strip() not in known:
+        # `scored:prefix=2,queue=0.5` names the policy and its weights (the data plane checks those).
+        base, weighted, _ = name.strip().partition(":")
+        if base not in known:
             raise ConfigError(f"unknown routing policy {name!r} ({what}); known: {', '.join(known)}")
+        if weighted and base != "scored":
+            raise ConfigError(f"routing policy {name!r} ({what}): only scored takes weights (scored:queue=0.5)")

@@ -148,6 +148,7 @@ impl Exchange {
             return;
         }
         if let Some(permit) = &inner.permit {
+            permit.first_byte_seen();
             // Each event's gap to the one before: events that came together had none.
             let itl = &permit.node().counters().itl;
             if let Some(gap) = gap {

@@ -6,6 +6,7 @@ pub mod circuit;
 pub mod doorbell;
 pub mod edge;
 pub mod engine;
+pub mod engine_report;
 pub mod error;
 pub mod exchange;
 pub mod forward;

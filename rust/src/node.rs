@@ -9,6 +9,7 @@ use http::uri::{Authority, Scheme};
 use http::Uri;
 
 use crate::circuit::Circuit;
+use crate::engine_report::{CountsThen, EngineFigures, EngineLoad, EngineReport};
 use crate::error::{Error, Kind, Result};
 use crate::histogram::{Gap, Histogram, Latency};
 use crate::shared::{Binding, SharedTable};
@@ -125,6 +126,15 @@ pub struct NodeCounters {
     pub ttft_count: AtomicU64,
     /// Exponentially weighted mean of time to first byte, microseconds (0: none yet).
     pub ttft_us_ewma: AtomicU64,
+    /// Prompt bytes the node is expected to prefill for requests sent to it that have not had
+    /// their first byte yet (what the routing policy predicted was not in its cache).
+    pub prefill_pending_bytes: AtomicU64,
+    /// Requests sent to the node that have not had the first byte of their answer yet: waiting
+    /// in the engine's queue, or being prefilled.
+    pub unanswered: AtomicU64,
+    /// Prompt bytes the routing policy expected the node to find in its cache, summed over
+    /// the requests that had their first byte (so the engine has looked them up by then).
+    pub predicted_cached_bytes: AtomicU64,
     /// The last `LATENCY_WINDOW` successful requests: latency (µs) and events served.
     recent_latency_us: [AtomicU32; LATENCY_WINDOW],
     recent_events: [AtomicU32; LATENCY_WINDOW],
@@ -139,6 +149,8 @@ pub struct NodeCounters {
     pub ttft: Histogram<Latency>,
     /// Streams: gaps between consecutive chunks (inter-token latency).
     pub itl: Histogram<Gap>,
+    /// What the node's engine last said about itself (its `/metrics`).
+    pub engine: EngineReport,
 }
 
 /// One point-in-time copy of a node's counters.
@@ -203,6 +215,9 @@ impl NodeCounters {
             &self.ttft_us_sum,
             &self.ttft_count,
             &self.ttft_us_ewma,
+            &self.prefill_pending_bytes,
+            &self.unanswered,
+            &self.predicted_cached_bytes,
             &self.recent_cursor,
         ] {
             counter.store(0, Ordering::Relaxed);
@@ -216,6 +231,17 @@ impl NodeCounters {
         self.duration.reset();
         self.ttft.reset();
         self.itl.reset();
+        self.engine.reset();
+    }
+
+    /// Records a reading of the node's engine taken now (`now_ms`), with its own counters.
+    pub fn record_engine_report(&self, figures: &EngineFigures, now_ms: u64) {
+        let then = CountsThen {
+            in_flight: self.in_flight(),
+            requests: self.requests.load(Ordering::Relaxed),
+            predicted_cached: self.predicted_cached_bytes.load(Ordering::Relaxed),
+        };
+        self.engine.record(figures, then, now_ms);
     }
 
     pub fn state(&self) -> NodeState {
@@ -469,6 +495,12 @@ impl Node {
 
     pub fn counters(&self) -> &Counters {
         &self.counters
+    }
+
+    /// The engine's report if it is younger than `max_age_ms`, with pdproxy's traffic since.
+    pub fn engine_load(&self, max_age_ms: u64, now_ms: u64) -> Option<EngineLoad> {
+        let c = &self.counters;
+        c.engine.fresh(max_age_ms, now_ms, c.in_flight(), c.requests.load(Ordering::Relaxed))
     }
 
     /// `host:port` of the node, as its URL writes it.

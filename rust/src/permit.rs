@@ -1,6 +1,6 @@
 //! The in-flight permit: counted when taken, released exactly once when dropped.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,6 +24,15 @@ pub enum Outcome {
     Unused,
 }
 
+/// What a routing policy expects a node to do for a request (prompt bytes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Prediction {
+    /// To prefill: not in the node's cache.
+    pub prefill: u64,
+    /// To be found in its cache.
+    pub cached: u64,
+}
+
 /// What a streamed body showed, recorded into the node's statistics at release.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Report {
@@ -43,6 +52,13 @@ pub struct InFlightPermit {
     started: Instant,
     outcome: Outcome,
     report: Report,
+    /// Prompt bytes counted in the node's `prefill_pending_bytes` until the first byte comes.
+    prefill_pending: AtomicU64,
+    /// Counted in the node's `unanswered` until the first byte comes.
+    unanswered: AtomicBool,
+    /// Prompt bytes the policy expected in the node's cache, added to its
+    /// `predicted_cached_bytes` at the first byte.
+    predicted_cached: AtomicU64,
 }
 
 impl InFlightPermit {
@@ -58,12 +74,16 @@ impl InFlightPermit {
             return None;
         }
         counters.requests.fetch_add(1, Ordering::Relaxed);
+        counters.unanswered.fetch_add(1, Ordering::Relaxed);
         Some(Self {
             node: Arc::clone(node),
             admission: admission.cloned(),
             started: Instant::now(),
             outcome: Outcome::Cancelled,
             report: Report::default(),
+            prefill_pending: AtomicU64::new(0),
+            unanswered: AtomicBool::new(true),
+            predicted_cached: AtomicU64::new(0),
         })
     }
 
@@ -72,12 +92,16 @@ impl InFlightPermit {
         let counters = node.counters();
         counters.try_enter(None);
         counters.requests.fetch_add(1, Ordering::Relaxed);
+        counters.unanswered.fetch_add(1, Ordering::Relaxed);
         Self {
             node: Arc::clone(node),
             admission: None,
             started: Instant::now(),
             outcome: Outcome::Cancelled,
             report: Report::default(),
+            prefill_pending: AtomicU64::new(0),
+            unanswered: AtomicBool::new(true),
+            predicted_cached: AtomicU64::new(0),
         }
     }
 
@@ -104,10 +128,40 @@ impl InFlightPermit {
     pub fn started(&self) -> Instant {
         self.started
     }
+
+    /// Records what the policy expects of the node for this request: `prefill` bytes of prompt
+    /// to compute, counted in its `prefill_pending_bytes` until the first byte of the answer
+    /// (or the end), and `cached` bytes to be found in its cache.
+    pub fn set_prediction(&self, prediction: Prediction) {
+        if prediction.prefill > 0 {
+            self.node.counters().prefill_pending_bytes.fetch_add(prediction.prefill, Ordering::Relaxed);
+            self.prefill_pending.fetch_add(prediction.prefill, Ordering::Relaxed);
+        }
+        self.predicted_cached.store(prediction.cached, Ordering::Relaxed);
+    }
+
+    /// The answer's first byte came: the node has prefilled the prompt (once; later calls do nothing).
+    pub fn first_byte_seen(&self) {
+        let counters = self.node.counters();
+        if self.unanswered.swap(false, Ordering::Relaxed) {
+            counters.unanswered.fetch_sub(1, Ordering::Relaxed);
+        }
+        let bytes = self.prefill_pending.swap(0, Ordering::Relaxed);
+        if bytes > 0 {
+            counters.prefill_pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        }
+        let cached = self.predicted_cached.swap(0, Ordering::Relaxed);
+        if cached > 0 {
+            counters.predicted_cached_bytes.fetch_add(cached, Ordering::Relaxed);
+        }
+    }
 }
 
 impl Drop for InFlightPermit {
     fn drop(&mut self) {
+        // Unanswered, the request may never have reached the engine's cache: no prediction to check.
+        self.predicted_cached.store(0, Ordering::Relaxed);
+        self.first_byte_seen();
         let counters = self.node.counters();
         if self.outcome != Outcome::Unused {
             counters.duration.observe(self.started.elapsed());

@@ -10,7 +10,7 @@ use _pdproxy::forward::ForwardConfig;
 use _pdproxy::node::{Node, NodeSpec, NodeState};
 use _pdproxy::permit::{InFlightPermit, Outcome};
 use _pdproxy::registry::Registry;
-use _pdproxy::select::{policy_from_name, select, PolicyConfig, PrefixConfig, SelectCtx, POLICY_NAMES};
+use _pdproxy::select::{policy_from_name, select, PolicyConfig, SelectCtx, POLICY_NAMES};
 use proptest::prelude::*;
 
 fn capped_nodes(caps: &[u32]) -> (Registry, Vec<Arc<Node>>) {
@@ -87,7 +87,7 @@ proptest! {
 /// each acquisition, never exceeds its cap, and everything returns to zero.
 #[test]
 fn concurrent_selection_never_exceeds_caps() {
-    let config = PolicyConfig { hash_load_factor: 1.25, prefix: PrefixConfig::default() };
+    let config = PolicyConfig::default();
     for name in POLICY_NAMES {
         let (reg, nodes) = capped_nodes(&[1, 2, 3]);
         let reg = Arc::new(reg);
@@ -139,7 +139,7 @@ async fn queued_requests_are_all_served_within_the_cap() {
             decode: "least_requests".into(),
             by_model: Vec::new(),
         },
-        policy: PolicyConfig { hash_load_factor: 1.25, prefix: PrefixConfig::default() },
+        policy: PolicyConfig::default(),
         queue_size: 1000,
         queue_timeout: Duration::from_secs(5),
         request_timeout: None,

@@ -24,10 +24,14 @@ from typing import Any, NoReturn
 import aiohttp
 from aiohttp import web
 
-from . import distserve
+from . import distserve, engine_metrics
+from .batching import ContinuousBatcher, EngineModel, PromptTooLong
 from .distserve import ID_FORMATS, KvLedger, Links
+from .engine_metrics import DIALECTS, EngineFigures
 from .faults import FAULT_HEADER, NO_FAULTS, Faults, FaultSpecError, parse_faults
 from .generation import count_tokens, generate, prompt_text, token_id
+from .tokens import TOKEN_BYTES, block_hashes, render_prompt
+from .tokens import count_tokens as sim_tokens
 from .vllm_sglang import Rendezvous, check_vllm_prefill_shape, vllm_remote_path
 
 __all__ = ["MockEngine", "MockSettings", "build_app"]
@@ -65,6 +69,32 @@ class MockSettings:
             "session_id, -1 by default)."
         },
     )
+    metrics_dialect: str = field(
+        default="lmdeploy",
+        metadata={"help": "Whose /metrics names and labels to serve: lmdeploy, vllm or sglang."},
+    )
+    simulate: bool = field(
+        default=False,
+        metadata={
+            "help": "Behave like a serving engine (hybrid role): a paged KV cache with prefix reuse and LRU "
+            "eviction, continuous batching with a waiting queue, prefill time from the uncached prompt tokens "
+            "and decode steps that grow with the batch (the options below); --ttft-ms and --token-delay-ms do "
+            "not apply then."
+        },
+    )
+    kv_blocks: int = field(default=2048, metadata={"help": "Simulation: KV-cache blocks."})
+    kv_block_tokens: int = field(default=16, metadata={"help": "Simulation: tokens per KV-cache block."})
+    max_batch: int = field(default=32, metadata={"help": "Simulation: requests running at once (the rest wait)."})
+    max_step_tokens: int = field(
+        default=2048, metadata={"help": "Simulation: prompt tokens prefilled per step (chunked prefill)."}
+    )
+    prefill_ms_per_token: float = field(
+        default=0.2, metadata={"help": "Simulation: milliseconds of a step per prompt token prefilled."}
+    )
+    decode_step_ms: float = field(default=20.0, metadata={"help": "Simulation: milliseconds of every step."})
+    decode_step_ms_per_seq: float = field(
+        default=0.5, metadata={"help": "Simulation: milliseconds a step takes longer per request decoding."}
+    )
 
     ssl_certfile: str = field(
         default="", metadata={"help": "Serve HTTPS with this certificate chain (PEM; with --ssl-keyfile)."}
@@ -76,6 +106,14 @@ class MockSettings:
             raise ValueError("ssl_certfile and ssl_keyfile go together")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.metrics_dialect not in DIALECTS:
+            raise ValueError(f"metrics_dialect must be one of {', '.join(DIALECTS)}, got {self.metrics_dialect!r}")
+        for name in ("kv_blocks", "kv_block_tokens", "max_batch", "max_step_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("prefill_ms_per_token", "decode_step_ms", "decode_step_ms_per_seq"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.id_format not in ID_FORMATS:
             raise ValueError(f"id_format must be one of {', '.join(ID_FORMATS)}, got {self.id_format!r}")
         parse_faults(self.fault)  # fail at startup, not per request
@@ -111,10 +149,46 @@ class MockState:
     #: not UTF-8), or `huge` (200, a valid answer padded to HUGE_ANSWER bytes).
     health_body: str = "json"
     models_body: str = "json"
+    #: What /metrics answers: its status, and `prometheus` (the engine's figures), `foreign`
+    #: (200, Prometheus text without any engine's figures) or `huge` (200, METRICS_HUGE bytes).
+    metrics_status: int = 200
+    metrics_body: str = "prometheus"
     client: aiohttp.ClientSession | None = None
+    #: The serving-engine simulation (``--simulate``).
+    batcher: ContinuousBatcher | None = None
+
+    def figures(self) -> EngineFigures:
+        """What the engine reports on /metrics now."""
+        s = self.settings
+        b = self.batcher
+        if b is None:
+            return EngineFigures(
+                model=s.model,
+                running=self.active,
+                waiting=0,
+                kv_usage=0.0,
+                kv_blocks=s.kv_blocks,
+                kv_block_tokens=s.kv_block_tokens,
+                prompt_tokens=0,
+                cached_tokens=0,
+                generation_tokens=0,
+                last_hit_rate=0.0,
+            )
+        return EngineFigures(
+            model=s.model,
+            running=len(b.running),
+            waiting=len(b.waiting),
+            kv_usage=b.cache.usage(),
+            kv_blocks=s.kv_blocks,
+            kv_block_tokens=s.kv_block_tokens,
+            prompt_tokens=b.counters.prompt_tokens,
+            cached_tokens=b.counters.cached_tokens,
+            generation_tokens=b.counters.generation_tokens,
+            last_hit_rate=b.counters.last_hit_rate,
+        )
 
     def stats(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "model": self.settings.model,
             "role": self.settings.role,
             "health": self.health,
@@ -124,6 +198,21 @@ class MockState:
             "active": self.active,
             "peak_active": self.peak_active,
         }
+        if self.batcher is not None:
+            b = self.batcher
+            out["simulation"] = {
+                "running": len(b.running),
+                "waiting": len(b.waiting),
+                "kv_usage": b.cache.usage(),
+                "kv_cached_blocks": b.cache.cached,
+                "kv_evicted_blocks": b.cache.evicted,
+                "prompt_tokens": b.counters.prompt_tokens,
+                "cached_tokens": b.counters.cached_tokens,
+                "generation_tokens": b.counters.generation_tokens,
+                "finished": b.counters.finished,
+                "late_s": round(b.counters.late_s, 4),
+            }
+        return out
 
 
 STATE: web.AppKey[MockState] = web.AppKey("state", MockState)
@@ -288,6 +377,10 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         except ValueError as e:
             completed = True
             return _error(400, str(e), "invalid_request")
+        if state.batcher is not None and state.settings.role == "hybrid":
+            simulated = await _simulated(request, state.batcher, body, completion, faults, record)
+            completed = simulated is not None
+            return simulated if simulated is not None else web.Response()
         # Decode takes the prefill's KV when it starts generating: before answering when not
         # streaming, after the response head when streaming (as the engines do).
         migrating = state.settings.role == "decode" and (
@@ -402,6 +495,68 @@ async def _stream(
     await response.write_eof()
     record["sent_sha256"] = digest.hexdigest()
     return response
+
+
+async def _simulated(
+    request: web.Request,
+    batcher: ContinuousBatcher,
+    body: dict[str, Any],
+    completion: _Completion,
+    faults: Faults,
+    record: dict[str, Any],
+) -> web.StreamResponse | None:
+    """Serves the request through the simulated engine: it waits for the batch and the KV cache,
+    its first token comes once its uncached prompt is prefilled, then one token per step.
+    Returns None when a fault cut the stream short."""
+    prompt = render_prompt(body)
+    answer = "".join(completion.tokens)
+    hashes = block_hashes(prompt + answer, batcher.model.kv_block_tokens)
+    full_prompt_blocks = len(prompt.encode()) // (batcher.model.kv_block_tokens * TOKEN_BYTES)
+    tokens = len(completion.tokens)
+    job = batcher.submit(hashes[:full_prompt_blocks], hashes[full_prompt_blocks:], sim_tokens(prompt), tokens)
+    if isinstance(job.error, PromptTooLong):
+        return _error(400, str(job.error), "context_length_exceeded")
+    try:
+        response: web.StreamResponse | None = None
+        if body.get("stream"):
+            response = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+            await response.prepare(request)
+        digest = hashlib.sha256()
+        sent = 0
+        while True:
+            if response is None:
+                sent = job.produced
+            elif sent < job.produced:
+                cut = faults.drop_after
+                end = job.produced if cut is None else min(job.produced, cut)
+                if end > sent:
+                    events = b"".join(
+                        completion.token_event(completion.tokens[i], first=i == 0) for i in range(sent, end)
+                    )
+                    digest.update(events)
+                    await response.write(events)
+                    sent = end
+                if cut is not None and sent >= cut and (job.produced > sent or job.finished):
+                    _drop_connection(request)
+                    return None
+            if job.finished and sent >= job.produced:
+                break
+            await job.next_tokens()
+        completion.usage["prompt_tokens"] = job.prompt_tokens
+        completion.usage["total_tokens"] = job.prompt_tokens + tokens
+        completion.usage["prompt_tokens_details"] = {"cached_tokens": job.cached_tokens}  # type: ignore[assignment]
+        if response is None:
+            payload = json.dumps(completion.whole()).encode()
+            record["sent_sha256"] = hashlib.sha256(payload).hexdigest()
+            return web.Response(body=payload, content_type="application/json")
+        final = completion.final_events()
+        digest.update(final)
+        await response.write(final)
+        await response.write_eof()
+        record["sent_sha256"] = digest.hexdigest()
+        return response
+    finally:
+        batcher.cancel(job)
 
 
 def _preserve(state: MockState, completion: _Completion, body: dict[str, Any], chat: bool, faults: Faults) -> None:
@@ -600,6 +755,8 @@ async def _mock_reset(request: web.Request) -> web.Response:
     state.requests = state.completed = state.disconnected = 0
     state.peak_active = state.active
     state.records.clear()
+    if state.batcher is not None:
+        state.batcher.reset()
     return web.json_response(state.stats())
 
 
@@ -743,15 +900,24 @@ async def _mock_ledger(request: web.Request) -> web.Response:
 async def _mock_config(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await _json_body(request)
-    for name in ("engine_info_status", "models_status"):
+    for name in ("engine_info_status", "models_status", "metrics_status"):
         if name in body:
             setattr(state, name, int(body[name]))
+    if "metrics_body" in body:
+        if body["metrics_body"] not in METRICS_SHAPES:
+            return _error(400, f"metrics_body must be one of {', '.join(METRICS_SHAPES)}", "invalid_request")
+        state.metrics_body = body["metrics_body"]
     for knob in ("health_body", "models_body"):
         if knob in body:
             if body[knob] not in ANSWER_SHAPES:
                 return _error(400, f"{knob} must be one of {', '.join(ANSWER_SHAPES)}", "invalid_request")
             setattr(state, knob, body[knob])
-    config = {"engine_info_status": state.engine_info_status, "models_status": state.models_status}
+    config = {
+        "engine_info_status": state.engine_info_status,
+        "models_status": state.models_status,
+        "metrics_status": state.metrics_status,
+        "metrics_body": state.metrics_body,
+    }
     return web.json_response({**config, "health_body": state.health_body, "models_body": state.models_body})
 
 
@@ -759,10 +925,44 @@ async def _mock_config(request: web.Request) -> web.Response:
 ANSWER_SHAPES = ("json", "garbage", "huge")
 
 
+#: How a misbehaving engine may answer /metrics (see MockState.metrics_body), and the size of a
+#: `huge` answer.
+METRICS_SHAPES = ("prometheus", "foreign", "huge")
+METRICS_HUGE = 8 << 20
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.metrics_status != 200:
+        return _error(state.metrics_status, "/metrics failed (injected)", "mock_fault", "server_error")
+    if state.metrics_body == "foreign":
+        text = b"# TYPE process_open_fds gauge\nprocess_open_fds 12.0\n"
+    elif state.metrics_body == "huge":
+        text = b"# padding\n" * (METRICS_HUGE // 10)
+    else:
+        text = engine_metrics.render(state.settings.metrics_dialect, state.figures())
+    return web.Response(body=text, headers={"content-type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+def engine_model(settings: MockSettings) -> EngineModel:
+    """The simulated engine's time model, from the settings."""
+    return EngineModel(
+        kv_blocks=settings.kv_blocks,
+        kv_block_tokens=settings.kv_block_tokens,
+        max_batch=settings.max_batch,
+        max_step_tokens=settings.max_step_tokens,
+        prefill_ms_per_token=settings.prefill_ms_per_token,
+        decode_step_ms=settings.decode_step_ms,
+        decode_step_ms_per_seq=settings.decode_step_ms_per_seq,
+    )
+
+
 def build_app(settings: MockSettings) -> web.Application:
     app = web.Application(client_max_size=64 << 20)
     faults = parse_faults(settings.fault, settings.role) if settings.fault else NO_FAULTS
     app[STATE] = MockState(settings=settings, faults=faults, ledger=KvLedger(settings.block_size))
+    if settings.simulate:
+        app[STATE].batcher = ContinuousBatcher(engine_model(settings))
 
     async def chat(request: web.Request) -> web.StreamResponse:
         return await _inference(request, chat=True)
@@ -791,11 +991,15 @@ def build_app(settings: MockSettings) -> web.Application:
     app.router.add_get("/server_info", _server_info)
     app.router.add_get("/get_server_info", _server_info)
     app.router.add_post("/mock/config", _mock_config)
+    app.router.add_get("/metrics", _metrics)
 
     async def close_client(app: web.Application) -> None:
         client = app[STATE].client
         if client is not None:
             await client.close()
+        batcher = app[STATE].batcher
+        if batcher is not None:
+            await batcher.aclose()
 
     app.on_cleanup.append(close_client)
     return app

@@ -222,6 +222,7 @@ impl Relay {
         let events = sse::count_events(&data, &mut self.last_was_newline);
         self.report.events += events;
         if let Some(permit) = &self.permit {
+            permit.first_byte_seen();
             // Each event's gap to the one before: events that came together had none.
             let itl = &permit.node().counters().itl;
             if let Some(last) = self.last_chunk.replace(now) {

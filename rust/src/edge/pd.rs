@@ -388,6 +388,8 @@ type LegResult = Result<(Arc<Node>, UpstreamResponse, InFlightPermit)>;
 
 /// One leg of an SGLang request, running on its own task (aborted, its node's request
 /// cancelled, when dropped), or its answer once it has come.
+// Two legs per request, matched once each: boxing the answer would cost an allocation for nothing.
+#[allow(clippy::large_enum_variant)]
 enum Leg {
     Running(tokio::task::JoinHandle<LegResult>),
     Answered(Option<(Arc<Node>, UpstreamResponse, InFlightPermit)>),

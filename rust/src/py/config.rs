@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 
 use crate::engine::{EngineConfig, PolicyNames};
 use crate::forward::ForwardConfig;
-use crate::select::{PolicyConfig, PrefixConfig};
+use crate::select::{PolicyConfig, PrefixConfig, ScoreWeights};
 use crate::trace::{Sampler, TracingConfig};
 
 #[derive(FromPyObject)]
@@ -22,6 +22,12 @@ pub struct RouterConfig {
     pub prefix_max_blocks: usize,
     pub prefix_cache_entries: usize,
     pub prefix_balance_threshold: u64,
+    pub prefix_bytes_per_token: f64,
+    pub score_prefix_weight: f64,
+    pub score_queue_weight: f64,
+    pub score_kv_weight: f64,
+    pub score_load_weight: f64,
+    pub engine_metrics_max_age: f64,
     pub queue_size: usize,
     pub queue_timeout: f64,
     pub request_timeout: f64,
@@ -94,6 +100,17 @@ impl RouterConfig {
                     cache_entries: self.prefix_cache_entries,
                     balance_threshold: self.prefix_balance_threshold,
                 },
+                engine_max_age_ms: u64::try_from(
+                    seconds("engine_metrics_max_age", self.engine_metrics_max_age)?.as_millis(),
+                )
+                .unwrap_or(u64::MAX),
+                score: ScoreWeights {
+                    prefix: self.score_prefix_weight,
+                    queue: self.score_queue_weight,
+                    kv: self.score_kv_weight,
+                    load: self.score_load_weight,
+                },
+                prefix_bytes_per_token: self.prefix_bytes_per_token,
             },
             queue_size: self.queue_size,
             queue_timeout: seconds("queue_timeout", self.queue_timeout)?,

@@ -20,7 +20,9 @@ use super::shared::SharedTable;
 use super::tenants::{limited_to_pyerr, tenant_dict, TenantEntry, TenantTicket};
 use super::trace::{traced, Trace};
 use crate::admission::Class;
+use crate::circuit::now_ms;
 use crate::engine::{select_ctx, Admitted, Engine};
+use crate::engine_report::EngineFigures;
 use crate::error::{Error, Kind};
 use crate::exchange::{pump, Exchange, StreamTimeouts};
 use crate::forward::{ForwardRequest, ResponseBody, UpstreamResponse};
@@ -124,6 +126,36 @@ impl Router {
         Ok(())
     }
 
+    /// Records what a node's engine reported about itself (read from its `/metrics`); policies
+    /// use it until it is older than `engine_metrics_max_age`.
+    #[pyo3(signature = (url, running, waiting, kv_usage=None, prompt_tokens=None, cached_tokens=None, kv_capacity_tokens=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn record_engine_report(
+        &self,
+        url: &str,
+        running: u64,
+        waiting: u64,
+        kv_usage: Option<f64>,
+        prompt_tokens: Option<u64>,
+        cached_tokens: Option<u64>,
+        kv_capacity_tokens: Option<u64>,
+    ) -> PyResult<()> {
+        if kv_usage.is_some_and(|u| !u.is_finite()) {
+            return Err(PyValueError::new_err(format!("kv_usage must be a finite number, got {kv_usage:?}")));
+        }
+        let node = self.lookup(url)?;
+        let c = node.counters();
+        let figures = EngineFigures { running, waiting, kv_usage, prompt_tokens, cached_tokens, kv_capacity_tokens };
+        c.record_engine_report(&figures, now_ms());
+        Ok(())
+    }
+
+    /// Counts a failed reading of a node's engine metrics.
+    fn record_engine_failure(&self, url: &str) -> PyResult<()> {
+        self.lookup(url)?.counters().engine.record_failure();
+        Ok(())
+    }
+
     /// Sets (or with `None` lifts) a node's hard cap on requests in flight.
     fn set_max_concurrency(&self, url: &str, max_concurrency: Option<u32>) -> PyResult<()> {
         // Through the spec, so that later updates of the node (discovery) keep the cap.
@@ -143,8 +175,11 @@ impl Router {
     fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let set = self.engine.registry.load();
         let list = PyList::empty(py);
+        let max_age_ms = self.engine.config.policy.engine_max_age_ms;
         for node in set.nodes() {
-            list.append(node_stats(py, node)?)?;
+            let stats = node_stats(py, node)?;
+            stats.set_item("engine", engine_stats(py, node, max_age_ms)?)?;
+            list.append(stats)?;
         }
         Ok(list)
     }
@@ -603,6 +638,31 @@ fn node_stats<'py>(py: Python<'py>, node: &Arc<Node>) -> PyResult<Bound<'py, PyD
     }
     stats.set_item("histograms", histograms)?;
     Ok(stats)
+}
+
+/// What the node's engine last reported, as the status pages show it.
+fn engine_stats<'py>(py: Python<'py>, node: &Node, max_age_ms: u64) -> PyResult<Bound<'py, PyDict>> {
+    let now = now_ms();
+    let report = node.counters().engine.snapshot(now);
+    let out = PyDict::new(py);
+    let figures = report.figures.unwrap_or_default();
+    let known = report.figures.is_some();
+    out.set_item("running", known.then_some(figures.running))?;
+    out.set_item("waiting", known.then_some(figures.waiting))?;
+    out.set_item("kv_usage", figures.kv_usage)?;
+    out.set_item("prompt_tokens", figures.prompt_tokens)?;
+    out.set_item("cached_tokens", figures.cached_tokens)?;
+    out.set_item("kv_capacity_tokens", figures.kv_capacity_tokens)?;
+    #[allow(clippy::cast_precision_loss)]
+    out.set_item("age", report.age_ms.map(|ms| ms as f64 / 1e3))?;
+    let load = node.engine_load(max_age_ms, now);
+    out.set_item("fresh", load.is_some())?;
+    out.set_item("sent_since", load.map(|l| l.sent_since))?;
+    out.set_item("requests_estimate", load.map(|l| l.requests()))?;
+    out.set_item("restarts", report.restarts)?;
+    out.set_item("failures", report.failures)?;
+    out.set_item("failing", report.failing)?;
+    Ok(out)
 }
 
 /// A histogram as Python sees it: `bounds`, per-bucket `counts` (+Inf last), `sum`, `count`.

@@ -2,28 +2,36 @@
 //! permit are one step: a node raced to its cap is skipped and the policy picks again.
 
 mod consistent_hash;
+mod least_engine_load;
 mod least_requests;
+mod min_cache_usage;
 mod min_expected_latency;
 mod min_observed_latency;
 mod prefix;
+mod prefix_table;
 mod random;
 mod round_robin;
+mod scored;
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 pub use consistent_hash::ConsistentHash;
+pub use least_engine_load::LeastEngineLoad;
 pub use least_requests::LeastRequests;
+pub use min_cache_usage::MinCacheUsage;
 pub use min_expected_latency::MinExpectedLatency;
 pub use min_observed_latency::MinObservedLatency;
 pub use prefix::{Prefix, PrefixConfig};
+pub use prefix_table::{PrefixTable, PrefixTableConfig};
 pub use random::Random;
 pub use round_robin::RoundRobin;
+pub use scored::{ScoreWeights, Scored};
 
 use crate::admission::{Admission, Class};
 use crate::error::{Error, Kind, Result};
 use crate::node::{Node, NodeState, Role};
-use crate::permit::InFlightPermit;
+use crate::permit::{InFlightPermit, Prediction};
 use crate::registry::{NoCandidates, NodeSet};
 use crate::trace::{SpanKind, Traced};
 
@@ -49,8 +57,12 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     /// Index into `candidates` of the chosen node, among those for which
     /// `available(node)` holds; `None` when none is.
     fn pick(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Option<usize>;
-    /// Told which node took the request (policies that learn from traffic).
-    fn selected(&self, _node: &Arc<Node>, _ctx: &SelectCtx<'_>) {}
+    /// Told which node took the request (policies that learn from traffic). Returns what the
+    /// policy expects the node to prefill and to find in its cache (nothing, if it does not
+    /// predict), which the request's permit counts on the node.
+    fn selected(&self, _node: &Arc<Node>, _ctx: &SelectCtx<'_>) -> Prediction {
+        Prediction::default()
+    }
 }
 
 /// True when `node` may take a request now: healthy and below its cap.
@@ -108,11 +120,39 @@ pub struct PolicyConfig {
     /// below this factor times the average.
     pub hash_load_factor: f64,
     pub prefix: PrefixConfig,
+    /// Engine reports older than this (milliseconds) are not used.
+    pub engine_max_age_ms: u64,
+    /// `scored`: the weights of its terms (a policy spelled `scored:prefix=2,...` overrides them).
+    pub score: ScoreWeights,
+    /// Prompt bytes per engine token, to size a node's share of the prefix table from the KV
+    /// capacity its engine reports.
+    pub prefix_bytes_per_token: f64,
 }
 
-/// Builds a policy from its configured name.
+impl Default for PolicyConfig {
+    /// Test defaults only; the served values come from the settings.
+    fn default() -> Self {
+        Self {
+            hash_load_factor: 1.25,
+            prefix: PrefixConfig::default(),
+            engine_max_age_ms: 10_000,
+            score: ScoreWeights { prefix: 1.0, queue: 1.0, kv: 1.0, load: 0.0 },
+            prefix_bytes_per_token: 4.0,
+        }
+    }
+}
+
+/// Builds a policy from its configured name (`scored` may carry weights: `scored:prefix=2,kv=0`).
 pub fn policy_from_name(name: &str, config: &PolicyConfig) -> Result<Arc<dyn Policy>> {
-    Ok(match name {
+    let (base, params) = match name.split_once(':') {
+        Some((base, params)) => (base.trim(), Some(params)),
+        None => (name.trim(), None),
+    };
+    if params.is_some() && base != "scored" {
+        return Err(Error::new(Kind::Config, format!("routing policy {base:?} takes no parameters (in {name:?})")));
+    }
+    let max_age_ms = config.engine_max_age_ms;
+    Ok(match base {
         "round_robin" => Arc::new(RoundRobin::default()),
         "random" => Arc::new(Random),
         "least_requests" => Arc::new(LeastRequests),
@@ -121,6 +161,18 @@ pub fn policy_from_name(name: &str, config: &PolicyConfig) -> Result<Arc<dyn Pol
         "min_observed_latency_per_token" => Arc::new(MinObservedLatency { per_event: true }),
         "consistent_hash" => Arc::new(ConsistentHash { load_factor: config.hash_load_factor }),
         "prefix" => Arc::new(Prefix::new(config.prefix)),
+        "min_cache_usage" => Arc::new(MinCacheUsage { max_age_ms }),
+        "least_engine_load" => Arc::new(LeastEngineLoad { max_age_ms }),
+        "scored" => {
+            let weights = config.score.with_overrides(params.unwrap_or_default())?;
+            let table = PrefixTableConfig {
+                block_bytes: config.prefix.block_bytes,
+                max_blocks: config.prefix.max_blocks,
+                entries: config.prefix.cache_entries,
+                bytes_per_token: config.prefix_bytes_per_token,
+            };
+            Arc::new(Scored::new(weights, table, max_age_ms))
+        }
         other => {
             return Err(Error::new(
                 Kind::Config,
@@ -130,7 +182,7 @@ pub fn policy_from_name(name: &str, config: &PolicyConfig) -> Result<Arc<dyn Pol
     })
 }
 
-pub const POLICY_NAMES: [&str; 8] = [
+pub const POLICY_NAMES: [&str; 11] = [
     "round_robin",
     "random",
     "least_requests",
@@ -139,6 +191,9 @@ pub const POLICY_NAMES: [&str; 8] = [
     "min_observed_latency_per_token",
     "consistent_hash",
     "prefix",
+    "min_cache_usage",
+    "least_engine_load",
+    "scored",
 ];
 
 /// Selects a node for the request and takes its permit.
@@ -215,7 +270,7 @@ fn pick(
     for _ in 0..=candidates.len() {
         let Some(i) = policy.pick(candidates, ctx) else { break };
         if let Some(permit) = InFlightPermit::try_acquire(&candidates[i], admission) {
-            policy.selected(&candidates[i], ctx);
+            permit.set_prediction(policy.selected(&candidates[i], ctx));
             return (Ok(permit), candidates.len());
         }
     }
@@ -233,6 +288,8 @@ pub(crate) mod testing {
     use std::sync::atomic::Ordering;
 
     use super::*;
+    use crate::circuit::now_ms;
+    use crate::engine_report::EngineFigures;
     use crate::node::NodeSpec;
     use crate::registry::Registry;
 
@@ -247,6 +304,15 @@ pub(crate) mod testing {
 
     pub fn set_in_flight(node: &Node, n: u64) {
         node.counters().in_flight.store(n, Ordering::Relaxed);
+    }
+
+    pub fn figures(running: u64, waiting: u64, kv_usage: f64) -> EngineFigures {
+        EngineFigures { running, waiting, kv_usage: Some(kv_usage), ..EngineFigures::default() }
+    }
+
+    /// Records a fresh engine report for `node`, taken with its counters as they are now.
+    pub fn report(node: &Node, running: u64, waiting: u64, kv_usage: f64) {
+        node.counters().record_engine_report(&figures(running, waiting, kv_usage), now_ms());
     }
 
     /// How often each node is picked in `rounds` picks.
@@ -294,7 +360,7 @@ mod tests {
         nodes[0].counters().set_state(NodeState::Unhealthy);
         nodes[1].counters().set_state(NodeState::Draining);
         nodes[2].counters().set_state(NodeState::Sleeping);
-        let config = PolicyConfig { hash_load_factor: 1.25, prefix: PrefixConfig::default() };
+        let config = PolicyConfig::default();
         for name in POLICY_NAMES {
             let policy = policy_from_name(name, &config).unwrap();
             for _ in 0..50 {

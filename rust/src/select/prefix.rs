@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use super::{argmin_by, available_indices, stable_hash, Policy, SelectCtx};
 use crate::node::Node;
+use crate::permit::Prediction;
 
 #[derive(Debug, Clone, Copy)]
 pub struct PrefixConfig {
@@ -90,10 +91,10 @@ impl Policy for Prefix {
         argmin_by(candidates, |n| n.counters().in_flight() as f64)
     }
 
-    fn selected(&self, node: &Arc<Node>, ctx: &SelectCtx<'_>) {
+    fn selected(&self, node: &Arc<Node>, ctx: &SelectCtx<'_>) -> Prediction {
         let hashes = self.block_hashes(ctx);
         if hashes.is_empty() {
-            return;
+            return Prediction::default();
         }
         let half = (self.config.cache_entries / 2).max(1);
         let mut table = self.table.lock().unwrap_or_else(PoisonError::into_inner);
@@ -103,6 +104,7 @@ impl Policy for Prefix {
             }
             table.young.insert(h, node.generation());
         }
+        Prediction::default()
     }
 }
 

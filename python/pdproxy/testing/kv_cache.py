@@ -1,0 +1,98 @@
+"""A paged KV cache with prefix reuse and LRU eviction, as vLLM's block manager (and SGLang's
+radix cache, at block granularity) keep it.
+
+The cache has ``total`` blocks. A sequence holds one block per ``block_tokens`` of its prompt
+and answer. Full prompt blocks are named by the hash of the prefix they end (see
+``tokens.block_hashes``), so two sequences that share a prefix share its blocks. When no
+sequence holds a named block any more it stays cached, evictable, until its space is needed:
+the least recently released goes first, a sequence's deepest blocks before its first ones.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class PagedKvCache:
+    def __init__(self, total: int) -> None:
+        if total < 1:
+            raise ValueError(f"a KV cache needs at least one block, got {total}")
+        self.total = total
+        #: Named blocks held by running sequences, and by how many.
+        self._held: dict[bytes, int] = {}
+        #: Named blocks no sequence holds: reusable until evicted, least recently released first.
+        self._evictable: OrderedDict[bytes, None] = OrderedDict()
+        #: Unnamed blocks held by running sequences (partial blocks, room for the answer).
+        self._private = 0
+        #: Blocks evicted since the start.
+        self.evicted = 0
+
+    @property
+    def used(self) -> int:
+        """Blocks held by running sequences (what the engines report as KV-cache usage)."""
+        return len(self._held) + self._private
+
+    @property
+    def cached(self) -> int:
+        """Blocks kept for reuse that no sequence holds."""
+        return len(self._evictable)
+
+    def usage(self) -> float:
+        return self.used / self.total
+
+    def contains(self, block: bytes) -> bool:
+        return block in self._held or block in self._evictable
+
+    def cached_prefix(self, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of a prompt are in the cache now (nothing changes)."""
+        for n, block in enumerate(hashes):
+            if not self.contains(block):
+                return n
+        return len(hashes)
+
+    def allocate(self, hashes: Sequence[bytes], private: int) -> int | None:
+        """Takes a sequence's blocks: its named prompt blocks (reused where cached) and
+        ``private`` more. Returns how many leading blocks were already cached, or None (and
+        nothing changes) when they do not fit beside the blocks running sequences hold."""
+        matched = self.cached_prefix(hashes)
+        reused = sum(1 for block in hashes if block in self._evictable)
+        fresh = sum(1 for block in hashes if not self.contains(block))
+        room = self.total - self.used - reused
+        if fresh + private > room:
+            return None
+        for block in hashes:
+            if block in self._evictable:
+                del self._evictable[block]
+                self._held[block] = 1
+            else:
+                self._held[block] = self._held.get(block, 0) + 1
+        self._private += private
+        while self.used + len(self._evictable) > self.total:
+            self._evictable.popitem(last=False)
+            self.evicted += 1
+        return matched
+
+    def release(self, hashes: Sequence[bytes], private: int, completed: Sequence[bytes] = ()) -> None:
+        """Gives back a sequence's blocks. ``completed`` names the blocks its answer filled
+        (they were private until now): they stay cached too, so that the next turn of a
+        conversation finds its whole history."""
+        for block in reversed(completed):
+            if private == 0:
+                break
+            private -= 1
+            self._private -= 1
+            if not self.contains(block):
+                self._evictable[block] = None
+        self._private -= private
+        for block in reversed(hashes):
+            holders = self._held.get(block, 0) - 1
+            if holders > 0:
+                self._held[block] = holders
+            elif holders == 0:
+                del self._held[block]
+                self._evictable[block] = None
+
+    def clear(self) -> None:
+        """Drops every cached block (held ones stay)."""
+        self._evictable.clear()

@@ -1,0 +1,328 @@
+//! What a node's engine says about itself: requests running and waiting, KV-cache usage and
+//! capacity, prefix-cache counters. The control plane reads each engine's `/metrics` off the
+//! request path and records the figures here, next to the node's own counters; policies read
+//! them only while they are fresh, and count the requests pdproxy itself started and finished
+//! since the figures were taken.
+//!
+//! Plain atomics, no pointers: the report lives in `NodeCounters`, which a worker group keeps
+//! in shared memory. A reader may see fields of two successive reports mixed: each is a
+//! heuristic input, and the next report corrects it.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// One reading of an engine's metrics (what the scraper found; `None`: not exported).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineFigures {
+    pub running: u64,
+    pub waiting: u64,
+    /// Fraction of the KV cache held by running requests (0 to 1).
+    pub kv_usage: Option<f64>,
+    /// Cumulative prompt tokens looked up in the prefix cache, and those found there.
+    pub prompt_tokens: Option<u64>,
+    pub cached_tokens: Option<u64>,
+    /// Tokens the KV cache holds in all.
+    pub kv_capacity_tokens: Option<u64>,
+}
+
+/// The node's own counters when a reading is recorded, to tell what changed since.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CountsThen {
+    pub in_flight: u64,
+    pub requests: u64,
+    /// The node's `predicted_cached_bytes`.
+    pub predicted_cached: u64,
+}
+
+/// A node's last engine report, in shared-memory-safe atomics.
+#[derive(Debug, Default)]
+pub struct EngineReport {
+    /// Wall-clock milliseconds of the last good reading (0: never). Written last.
+    read_at_ms: AtomicU64,
+    running: AtomicU64,
+    waiting: AtomicU64,
+    /// f64 bits; NaN bits when not exported.
+    kv_usage: AtomicU64,
+    prompt_tokens: AtomicU64,
+    cached_tokens: AtomicU64,
+    kv_capacity_tokens: AtomicU64,
+    /// The node's in-flight count when the reading was recorded.
+    in_flight_then: AtomicU64,
+    /// The node's request count when the reading was recorded.
+    requests_then: AtomicU64,
+    /// The node's `predicted_cached_bytes` when the reading was recorded.
+    predicted_then: AtomicU64,
+    /// Times the engine's counters went back: it restarted with an empty cache.
+    restarts: AtomicU32,
+    failures: AtomicU64,
+    /// Consecutive failed readings since the last good one.
+    failing: AtomicU32,
+}
+
+/// The report as a policy uses it: fresh figures, with pdproxy's own traffic since.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EngineLoad {
+    pub running: u64,
+    pub waiting: u64,
+    pub kv_usage: Option<f64>,
+    pub kv_capacity_tokens: Option<u64>,
+    /// Requests pdproxy sent to the node since the reading.
+    pub sent_since: u64,
+    /// pdproxy's in-flight count on the node now, minus then.
+    pub in_flight_change: i64,
+}
+
+impl EngineLoad {
+    /// Requests the engine has now (running and waiting), as it reported them adjusted by
+    /// those pdproxy started and finished since.
+    pub fn requests(&self) -> f64 {
+        #[allow(clippy::cast_precision_loss)]
+        let reported = (self.running + self.waiting) as f64;
+        #[allow(clippy::cast_precision_loss)]
+        let change = self.in_flight_change as f64;
+        (reported + change).max(0.0)
+    }
+
+    /// Requests waiting for a place in the engine's batch now: none if none waited at the
+    /// reading (the batch had room), else those plus the ones pdproxy started since (each
+    /// waits too) minus those it finished (each freed a place).
+    pub fn waiting(&self) -> f64 {
+        #[allow(clippy::cast_precision_loss)]
+        let change = self.in_flight_change as f64;
+        #[allow(clippy::cast_precision_loss)]
+        let waiting = self.waiting as f64;
+        if self.waiting > 0 {
+            (waiting + change).max(0.0)
+        } else {
+            0.0
+        }
+    }
+
+    /// KV-cache usage now: as reported, plus the average share of a running request for
+    /// each request pdproxy added since (nothing known to add when none was running).
+    pub fn kv_usage_estimate(&self) -> Option<f64> {
+        let usage = self.kv_usage?;
+        if self.running == 0 || self.in_flight_change <= 0 {
+            return Some(usage);
+        }
+        #[allow(clippy::cast_precision_loss)]
+        let per_request = usage / self.running as f64;
+        #[allow(clippy::cast_precision_loss)]
+        Some((usage + per_request * self.in_flight_change as f64).min(1.0))
+    }
+}
+
+/// Everything recorded, for status pages (stale figures included).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct EngineReportSnapshot {
+    pub figures: Option<EngineFigures>,
+    /// Milliseconds since the last good reading.
+    pub age_ms: Option<u64>,
+    pub restarts: u32,
+    pub failures: u64,
+    pub failing: u32,
+}
+
+fn option_bits(value: Option<f64>) -> u64 {
+    value.unwrap_or(f64::NAN).to_bits()
+}
+
+fn from_bits(bits: u64) -> Option<f64> {
+    Some(f64::from_bits(bits)).filter(|v| !v.is_nan())
+}
+
+/// `u64::MAX` stands for "not exported".
+fn option_u64(value: Option<u64>) -> u64 {
+    value.unwrap_or(u64::MAX)
+}
+
+fn from_u64(raw: u64) -> Option<u64> {
+    Some(raw).filter(|&v| v != u64::MAX)
+}
+
+impl EngineReport {
+    /// Records a good reading taken now (`now_ms`, wall clock), with the node's own counters then.
+    pub fn record(&self, figures: &EngineFigures, then: CountsThen, now_ms: u64) {
+        let old_prompt = from_u64(self.prompt_tokens.load(Ordering::Relaxed));
+        if let (Some(old), Some(new)) = (old_prompt, figures.prompt_tokens) {
+            if new < old {
+                self.restarts.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        self.running.store(figures.running, Ordering::Relaxed);
+        self.waiting.store(figures.waiting, Ordering::Relaxed);
+        self.kv_usage.store(option_bits(figures.kv_usage.map(|u| u.clamp(0.0, 1.0))), Ordering::Relaxed);
+        self.prompt_tokens.store(option_u64(figures.prompt_tokens), Ordering::Relaxed);
+        self.cached_tokens.store(option_u64(figures.cached_tokens), Ordering::Relaxed);
+        self.kv_capacity_tokens.store(option_u64(figures.kv_capacity_tokens), Ordering::Relaxed);
+        self.in_flight_then.store(then.in_flight, Ordering::Relaxed);
+        self.requests_then.store(then.requests, Ordering::Relaxed);
+        self.predicted_then.store(then.predicted_cached, Ordering::Relaxed);
+        self.failing.store(0, Ordering::Relaxed);
+        self.read_at_ms.store(now_ms.max(1), Ordering::Release);
+    }
+
+    /// Counts a reading that failed (the figures already recorded age on).
+    pub fn record_failure(&self) {
+        self.failures.fetch_add(1, Ordering::Relaxed);
+        self.failing.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Times the engine restarted (its prefix cache then starts empty).
+    pub fn restarts(&self) -> u32 {
+        self.restarts.load(Ordering::Relaxed)
+    }
+
+    /// When the last good reading was taken (wall-clock ms, 0: never), the engine's
+    /// cumulative prefix-cache hits (tokens) then if it exports them, and the node's
+    /// `predicted_cached_bytes` then.
+    pub fn cached_tokens_read(&self) -> (u64, Option<u64>, u64) {
+        let read_at = self.read_at_ms.load(Ordering::Acquire);
+        let hits = from_u64(self.cached_tokens.load(Ordering::Relaxed)).filter(|_| read_at != 0);
+        (read_at, hits, self.predicted_then.load(Ordering::Relaxed))
+    }
+
+    /// The figures if read less than `max_age_ms` ago, with pdproxy's traffic since.
+    pub fn fresh(&self, max_age_ms: u64, now_ms: u64, in_flight: u64, requests: u64) -> Option<EngineLoad> {
+        let read_at = self.read_at_ms.load(Ordering::Acquire);
+        if read_at == 0 || now_ms.saturating_sub(read_at) > max_age_ms {
+            return None;
+        }
+        let in_flight_then = self.in_flight_then.load(Ordering::Relaxed);
+        #[allow(clippy::cast_possible_wrap)] // in-flight counts stay far below 2^63
+        let in_flight_change = in_flight as i64 - in_flight_then as i64;
+        Some(EngineLoad {
+            running: self.running.load(Ordering::Relaxed),
+            waiting: self.waiting.load(Ordering::Relaxed),
+            kv_usage: from_bits(self.kv_usage.load(Ordering::Relaxed)),
+            kv_capacity_tokens: from_u64(self.kv_capacity_tokens.load(Ordering::Relaxed)),
+            sent_since: requests.saturating_sub(self.requests_then.load(Ordering::Relaxed)),
+            in_flight_change,
+        })
+    }
+
+    pub fn snapshot(&self, now_ms: u64) -> EngineReportSnapshot {
+        let read_at = self.read_at_ms.load(Ordering::Acquire);
+        let figures = (read_at != 0).then(|| EngineFigures {
+            running: self.running.load(Ordering::Relaxed),
+            waiting: self.waiting.load(Ordering::Relaxed),
+            kv_usage: from_bits(self.kv_usage.load(Ordering::Relaxed)),
+            prompt_tokens: from_u64(self.prompt_tokens.load(Ordering::Relaxed)),
+            cached_tokens: from_u64(self.cached_tokens.load(Ordering::Relaxed)),
+            kv_capacity_tokens: from_u64(self.kv_capacity_tokens.load(Ordering::Relaxed)),
+        });
+        EngineReportSnapshot {
+            figures,
+            age_ms: (read_at != 0).then(|| now_ms.saturating_sub(read_at)),
+            restarts: self.restarts.load(Ordering::Relaxed),
+            failures: self.failures.load(Ordering::Relaxed),
+            failing: self.failing.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Back to new (a recycled shared slot).
+    pub(crate) fn reset(&self) {
+        for value in [
+            &self.read_at_ms,
+            &self.running,
+            &self.waiting,
+            &self.in_flight_then,
+            &self.requests_then,
+            &self.predicted_then,
+            &self.failures,
+        ] {
+            value.store(0, Ordering::Relaxed);
+        }
+        self.kv_usage.store(option_bits(None), Ordering::Relaxed);
+        for value in [&self.prompt_tokens, &self.cached_tokens, &self.kv_capacity_tokens] {
+            value.store(option_u64(None), Ordering::Relaxed);
+        }
+        self.restarts.store(0, Ordering::Relaxed);
+        self.failing.store(0, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn then(in_flight: u64, requests: u64) -> CountsThen {
+        CountsThen { in_flight, requests, predicted_cached: 0 }
+    }
+
+    fn figures(running: u64, waiting: u64, usage: f64, prompt: u64) -> EngineFigures {
+        EngineFigures {
+            running,
+            waiting,
+            kv_usage: Some(usage),
+            prompt_tokens: Some(prompt),
+            cached_tokens: Some(prompt / 2),
+            kv_capacity_tokens: Some(1 << 16),
+        }
+    }
+
+    #[test]
+    fn a_new_report_has_nothing_fresh() {
+        let report = EngineReport::default();
+        assert_eq!(report.fresh(10_000, 5_000, 0, 0), None);
+        assert_eq!(report.snapshot(5_000).figures, None);
+    }
+
+    #[test]
+    fn figures_expire_after_their_max_age() {
+        let report = EngineReport::default();
+        report.record(&figures(3, 1, 0.5, 100), then(2, 10), 1_000);
+        assert!(report.fresh(500, 1_400, 2, 10).is_some());
+        assert!(report.fresh(500, 1_600, 2, 10).is_none(), "stale figures are not used");
+        assert_eq!(report.snapshot(1_600).age_ms, Some(600), "but they are still shown, with their age");
+    }
+
+    #[test]
+    fn pdproxys_traffic_since_the_reading_counts() {
+        let report = EngineReport::default();
+        report.record(&figures(4, 2, 0.4, 100), then(3, 50), 1_000);
+        // Five more requests sent since, two of them (and one older) finished: in flight 3 -> 5.
+        let load = report.fresh(10_000, 1_100, 5, 55).unwrap();
+        assert_eq!((load.sent_since, load.in_flight_change), (5, 2));
+        assert!((load.requests() - 8.0).abs() < 1e-9);
+        // Each running request held 0.1 of the cache: two more hold about 0.2 more.
+        assert!((load.kv_usage_estimate().unwrap() - 0.6).abs() < 1e-9);
+        // Fewer in flight than then: the engine has fewer too, never below nothing.
+        assert!((report.fresh(10_000, 1_100, 0, 55).unwrap().requests() - 3.0).abs() < 1e-9);
+        report.record(&figures(0, 0, 0.0, 120), then(3, 55), 1_200);
+        assert!(report.fresh(10_000, 1_300, 0, 55).unwrap().requests().abs() < 1e-9);
+    }
+
+    #[test]
+    fn waiting_requests_follow_pdproxys_traffic_while_the_batch_is_full() {
+        let report = EngineReport::default();
+        report.record(&figures(10, 0, 0.5, 100), then(10, 10), 1_000);
+        // The batch had room: new requests are taken to join it.
+        assert!(report.fresh(10_000, 1_100, 30, 30).unwrap().waiting().abs() < 1e-9);
+        report.record(&figures(16, 4, 0.9, 200), then(20, 30), 2_000);
+        let load = report.fresh(10_000, 2_100, 23, 33).unwrap();
+        assert!((load.waiting() - 7.0).abs() < 1e-9, "4 waited, 3 more came");
+        assert!(report.fresh(10_000, 2_100, 12, 33).unwrap().waiting().abs() < 1e-9, "8 finished: none waits");
+    }
+
+    #[test]
+    fn counters_going_back_mean_a_restart() {
+        let report = EngineReport::default();
+        report.record(&figures(0, 0, 0.0, 100), then(0, 0), 1_000);
+        report.record(&figures(0, 0, 0.0, 150), then(0, 0), 2_000);
+        assert_eq!(report.restarts(), 0);
+        report.record(&figures(0, 0, 0.0, 10), then(0, 0), 3_000);
+        assert_eq!(report.restarts(), 1);
+    }
+
+    #[test]
+    fn failures_are_counted_and_a_good_reading_ends_a_run_of_them() {
+        let report = EngineReport::default();
+        report.record_failure();
+        report.record_failure();
+        assert_eq!((report.snapshot(0).failures, report.snapshot(0).failing), (2, 2));
+        report.record(&figures(0, 0, 0.0, 1), then(0, 0), 1_000);
+        assert_eq!((report.snapshot(0).failures, report.snapshot(0).failing), (2, 0));
+        report.reset();
+        assert_eq!(report.snapshot(0), EngineReportSnapshot::default());
+    }
+}

@@ -1,0 +1,380 @@
+//! Which nodes recently took which prompt prefixes, and so likely hold them in their KV
+//! caches. The table learns from the routes pdproxy chose and forgets as the engines do:
+//!
+//! - each node keeps at most as many blocks as its engine's KV cache holds, when the engine
+//!   reports its capacity (else an equal share of `entries`), least recently routed first and,
+//!   within one prompt, its deepest blocks first (an engine's LRU frees a finished sequence's
+//!   last blocks first, so its head outlives its tail);
+//! - where the engine reports its prefix-cache hits, the table checks its own predictions
+//!   against them (`predicted_cached_bytes`: what the policy expected the engine to find, for
+//!   the requests it has answered): when the engine found less in its cache than the table
+//!   expected, the table holds too much for that node (the engine evicted it), and the node's
+//!   share shrinks to what the hits bear out; it grows back while predictions hold;
+//! - a node whose engine restarted (its counters went back) forgets everything.
+//!
+//! The prompt is cut into blocks of `block_bytes` and each block's hash chains the previous
+//! one, so a hash names the whole prefix up to its block. Memory is bounded: about `entries`
+//! blocks in all, and at most `MAX_NODES` nodes.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use rustc_hash::FxHashMap;
+
+use super::{stable_hash, SelectCtx};
+use crate::node::Node;
+
+/// Nodes the table keeps blocks for; past it the least recently routed to is forgotten.
+const MAX_NODES: usize = 1024;
+/// Predicted hits (bytes) a check of a node's share waits for, so that one reading's noise
+/// does not move it.
+const CHECK_AFTER_BYTES: u64 = 64 << 10;
+/// Hits found over hits predicted below which a node's share shrinks, and above which it grows.
+const SHRINK_BELOW: f64 = 0.9;
+const GROW_ABOVE: f64 = 0.97;
+/// The smallest share a node is cut to (blocks).
+const MIN_SHARE: usize = 16;
+
+#[derive(Debug, Clone, Copy)]
+pub struct PrefixTableConfig {
+    pub block_bytes: usize,
+    /// Blocks of a prompt considered (its head).
+    pub max_blocks: usize,
+    /// Blocks remembered in all.
+    pub entries: usize,
+    /// Prompt bytes per engine token: converts an engine's reported KV capacity to blocks.
+    pub bytes_per_token: f64,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Holder {
+    generation: u64,
+    /// When the node last took a prompt with this block; an older copy of it in the node's
+    /// `order` is stale.
+    stamp: u64,
+}
+
+#[derive(Debug, Default)]
+struct NodeBlocks {
+    /// The node's blocks, least recently used first; entries whose stamp is not the holder's
+    /// current one are stale and skipped.
+    order: VecDeque<(u64, u64)>,
+    live: usize,
+    /// The engine's restart count when the blocks were learned.
+    restarts: u32,
+    last_used: u64,
+    /// What the engine's hits bear out (blocks); None until a check found too few hits.
+    share: Option<usize>,
+    /// At the engine's reading `checked_at`: its cumulative prefix-cache hits (tokens), and
+    /// the node's `predicted_cached_bytes`.
+    checked_at: u64,
+    checked_hits: Option<u64>,
+    checked_predicted: u64,
+}
+
+impl NodeBlocks {
+    /// Compares the hits predicted since the last check with those the engine found, once a
+    /// new reading is in and enough were predicted; moves the node's share accordingly.
+    fn check(&mut self, node: &Node, bytes_per_token: f64, ceiling: usize) {
+        let (read_at, hits, predicted_now) = node.counters().engine.cached_tokens_read();
+        if read_at == self.checked_at {
+            return;
+        }
+        let Some(hits) = hits else { return };
+        if let Some(before) = self.checked_hits {
+            let predicted = predicted_now.saturating_sub(self.checked_predicted);
+            if predicted < CHECK_AFTER_BYTES && hits >= before {
+                return; // wait for more predictions, from this reading on
+            }
+            #[allow(clippy::cast_precision_loss)]
+            let found = hits.saturating_sub(before) as f64 * bytes_per_token;
+            #[allow(clippy::cast_precision_loss)]
+            let ratio = found / (predicted.max(1)) as f64;
+            let current = self.share.unwrap_or(ceiling).min(ceiling);
+            #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            if ratio < SHRINK_BELOW {
+                let held = self.live.min(current) as f64;
+                self.share = Some(((held * ratio.max(0.5)) as usize).max(MIN_SHARE));
+            } else if ratio > GROW_ABOVE && self.share.is_some() {
+                let grown = (current as f64 * 1.1) as usize + 1;
+                self.share = (grown < ceiling).then_some(grown);
+            }
+        }
+        self.checked_at = read_at;
+        self.checked_hits = Some(hits);
+        self.checked_predicted = predicted_now;
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    holders: FxHashMap<u64, Vec<Holder>>,
+    nodes: FxHashMap<u64, NodeBlocks>,
+    clock: u64,
+}
+
+impl Inner {
+    fn holds(&self, hash: u64, generation: u64, stamp: Option<u64>) -> bool {
+        self.holders
+            .get(&hash)
+            .is_some_and(|hs| hs.iter().any(|h| h.generation == generation && stamp.is_none_or(|s| h.stamp == s)))
+    }
+
+    fn drop_block(&mut self, hash: u64, generation: u64) {
+        if let Some(hs) = self.holders.get_mut(&hash) {
+            hs.retain(|h| h.generation != generation);
+            if hs.is_empty() {
+                self.holders.remove(&hash);
+            }
+        }
+    }
+
+    fn forget(&mut self, generation: u64) {
+        if let Some(node) = self.nodes.remove(&generation) {
+            for (hash, stamp) in node.order {
+                if self.holds(hash, generation, Some(stamp)) {
+                    self.drop_block(hash, generation);
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct PrefixTable {
+    config: PrefixTableConfig,
+    inner: Mutex<Inner>,
+}
+
+impl PrefixTable {
+    pub fn new(config: PrefixTableConfig) -> Self {
+        Self { config, inner: Mutex::default() }
+    }
+
+    /// The chained hashes of the head of the request's prompt, one per full or last block.
+    pub fn block_hashes(&self, ctx: &SelectCtx<'_>) -> Vec<u64> {
+        let Some(prompt) = ctx.prompt else { return Vec::new() };
+        let mut hash = stable_hash(ctx.model.unwrap_or_default());
+        prompt
+            .chunks(self.config.block_bytes.max(1))
+            .take(self.config.max_blocks)
+            .map(|block| {
+                hash = stable_hash((hash, block));
+                hash
+            })
+            .collect()
+    }
+
+    /// Bytes of the prompt the table looks at (its head).
+    pub fn considered_bytes(&self, ctx: &SelectCtx<'_>) -> usize {
+        ctx.prompt.map_or(0, |p| p.len().min(self.config.block_bytes * self.config.max_blocks))
+    }
+
+    pub fn block_bytes(&self) -> usize {
+        self.config.block_bytes
+    }
+
+    /// For each candidate, how many leading blocks of `hashes` it holds.
+    pub fn matched(&self, hashes: &[u64], candidates: &[Arc<Node>]) -> Vec<usize> {
+        let mut out = vec![0; candidates.len()];
+        let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        for node in candidates {
+            let restarts = node.counters().engine.restarts();
+            if inner.nodes.get(&node.generation()).is_some_and(|n| n.restarts != restarts) {
+                inner.forget(node.generation());
+            }
+        }
+        let mut matching: Vec<usize> = (0..candidates.len()).collect();
+        for (depth, hash) in hashes.iter().enumerate() {
+            let Some(holders) = inner.holders.get(hash) else { break };
+            matching.retain(|&i| holders.iter().any(|h| h.generation == candidates[i].generation()));
+            if matching.is_empty() {
+                break;
+            }
+            for &i in &matching {
+                out[i] = depth + 1;
+            }
+        }
+        out
+    }
+
+    /// Records that `node` took a prompt with these blocks. `capacity_tokens`: what its
+    /// engine's KV cache holds, when it says.
+    pub fn learn(&self, node: &Node, hashes: &[u64], capacity_tokens: Option<u64>) {
+        if hashes.is_empty() {
+            return;
+        }
+        let generation = node.generation();
+        let restarts = node.counters().engine.restarts();
+        let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        if inner.nodes.get(&generation).is_some_and(|n| n.restarts != restarts) {
+            inner.forget(generation);
+        }
+        if !inner.nodes.contains_key(&generation) && inner.nodes.len() >= MAX_NODES {
+            let oldest = inner.nodes.iter().min_by_key(|(_, n)| n.last_used).map(|(g, _)| *g);
+            if let Some(oldest) = oldest {
+                inner.forget(oldest);
+            }
+        }
+        let share = self.config.entries / (inner.nodes.len() + usize::from(!inner.nodes.contains_key(&generation)));
+        let reported = capacity_tokens.map(|tokens| {
+            #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let blocks = (tokens as f64 * self.config.bytes_per_token / self.config.block_bytes.max(1) as f64) as usize;
+            blocks
+        });
+        let ceiling = reported.map_or(share, |blocks| blocks.min(share)).max(1);
+
+        let Inner { holders, nodes, clock } = &mut *inner;
+        let blocks = nodes.entry(generation).or_insert_with(|| NodeBlocks { restarts, ..NodeBlocks::default() });
+        blocks.check(node, self.config.bytes_per_token, ceiling);
+        let capacity = blocks.share.unwrap_or(ceiling).min(ceiling);
+        // Deepest first, so that the head of the prompt is the most recently used.
+        for &hash in hashes.iter().rev() {
+            *clock += 1;
+            let entry = holders.entry(hash).or_default();
+            if let Some(holder) = entry.iter_mut().find(|h| h.generation == generation) {
+                holder.stamp = *clock;
+            } else {
+                entry.push(Holder { generation, stamp: *clock });
+                blocks.live += 1;
+            }
+            blocks.order.push_back((hash, *clock));
+        }
+        blocks.last_used = *clock;
+        while blocks.live > capacity {
+            let Some((hash, stamp)) = blocks.order.pop_front() else { break };
+            let current = holders.get(&hash).and_then(|hs| hs.iter().position(|h| h.generation == generation));
+            let Some(at) = current else { continue };
+            let Some(hs) = holders.get_mut(&hash) else { continue };
+            if hs[at].stamp == stamp {
+                hs.swap_remove(at);
+                if hs.is_empty() {
+                    holders.remove(&hash);
+                }
+                blocks.live -= 1;
+            }
+        }
+        // Re-used blocks leave stale entries behind: drop them once they outnumber the live ones.
+        if blocks.order.len() > 2 * blocks.live + 64 {
+            blocks.order.retain(|&(hash, stamp)| {
+                holders.get(&hash).is_some_and(|hs| hs.iter().any(|h| h.generation == generation && h.stamp == stamp))
+            });
+        }
+    }
+
+    /// Blocks remembered for the node with this generation.
+    pub fn blocks_of(&self, generation: u64) -> usize {
+        let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        inner.nodes.get(&generation).map_or(0, |n| n.live)
+    }
+
+    /// Blocks remembered in all (each node's copy counted).
+    pub fn entries(&self) -> usize {
+        let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        inner.holders.values().map(Vec::len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::*;
+    use crate::engine_report::EngineFigures;
+
+    fn table(entries: usize) -> PrefixTable {
+        PrefixTable::new(PrefixTableConfig { block_bytes: 16, max_blocks: 64, entries, bytes_per_token: 4.0 })
+    }
+
+    fn hashes(table: &PrefixTable, prompt: &str) -> Vec<u64> {
+        table.block_hashes(&SelectCtx { model: Some("m"), prompt: Some(prompt.as_bytes()), ..SelectCtx::default() })
+    }
+
+    #[test]
+    fn matches_the_longest_prefix_each_node_took() {
+        let (_reg, nodes) = nodes(3);
+        let t = table(1000);
+        let system = "s".repeat(64); // four blocks
+        t.learn(&nodes[0], &hashes(&t, &format!("{system}{}", "a".repeat(32))), None);
+        t.learn(&nodes[1], &hashes(&t, &system[..32]), None);
+        let asked = hashes(&t, &format!("{system}{}", "a".repeat(48)));
+        assert_eq!(t.matched(&asked, &nodes), vec![6, 2, 0]);
+    }
+
+    #[test]
+    fn a_node_keeps_what_its_engine_can_hold_head_first() {
+        let (_reg, nodes) = nodes(1);
+        let t = table(1000);
+        // Ten blocks; a capacity of 20 tokens of 4 bytes is five blocks of 16 bytes.
+        let a = hashes(&t, &"a".repeat(160));
+        t.learn(&nodes[0], &a, Some(20));
+        assert_eq!(t.blocks_of(nodes[0].generation()), 5);
+        assert_eq!(t.matched(&a, &nodes), vec![5], "the head stays, the tail went first");
+        let b = hashes(&t, &"b".repeat(48));
+        t.learn(&nodes[0], &b, Some(20));
+        assert_eq!(t.matched(&b, &nodes), vec![3]);
+        assert_eq!(t.matched(&a, &nodes), vec![2], "the least recently routed prompt gives way");
+    }
+
+    #[test]
+    fn a_restarted_engine_forgets_everything() {
+        let (_reg, nodes) = nodes(2);
+        let t = table(1000);
+        let a = hashes(&t, &"a".repeat(64));
+        t.learn(&nodes[0], &a, None);
+        t.learn(&nodes[1], &a, None);
+        let counters = nodes[0].counters();
+        let reading = |prompt| EngineFigures { prompt_tokens: Some(prompt), ..EngineFigures::default() };
+        counters.record_engine_report(&reading(100), 1);
+        counters.record_engine_report(&reading(5), 2);
+        assert_eq!(t.matched(&a, &nodes), vec![0, 4]);
+        assert_eq!(t.blocks_of(nodes[0].generation()), 0);
+    }
+
+    #[test]
+    fn memory_stays_bounded_however_prompts_repeat() {
+        let (_reg, nodes) = nodes(4);
+        let t = table(200);
+        for i in 0..2000 {
+            let prompt = format!("{:>100}", i % 37);
+            t.learn(&nodes[i % 4], &hashes(&t, &prompt), None);
+        }
+        assert!(t.entries() <= 200, "{}", t.entries());
+        let inner = t.inner.lock().unwrap();
+        for node in inner.nodes.values() {
+            assert!(node.order.len() <= 2 * node.live + 64 + 7, "{}", node.order.len());
+        }
+    }
+
+    #[test]
+    fn a_node_whose_engine_finds_less_than_predicted_is_trimmed() {
+        let (_reg, nodes) = nodes(1);
+        let node = &nodes[0];
+        let t = table(1 << 16);
+        let reading = |hits| EngineFigures {
+            prompt_tokens: Some(1 << 30),
+            cached_tokens: Some(hits),
+            ..EngineFigures::default()
+        };
+        node.counters().record_engine_report(&reading(0), 1);
+        let prompts: Vec<Vec<u64>> =
+            (0..200).map(|i| hashes(&t, &format!("prompt {i:03} ").repeat(94)[..1024])).collect();
+        for prompt in &prompts {
+            t.learn(node, prompt, None); // no capacity reported: all 200 KiB kept
+        }
+        assert_eq!(t.blocks_of(node.generation()), 200 * 64);
+        // Requests the table expected to hit 128 KiB; the engine found 8192 tokens, 32 KiB.
+        let predicted = &node.counters().predicted_cached_bytes;
+        predicted.fetch_add(128 << 10, std::sync::atomic::Ordering::Relaxed);
+        node.counters().record_engine_report(&reading(8192), 2);
+        t.learn(node, &prompts[199], None);
+        assert_eq!(t.blocks_of(node.generation()), 100 * 64, "cut by half at most at once");
+        assert_eq!(t.matched(&prompts[0], &nodes), vec![0], "the oldest went");
+        // Predictions the engine bears out let the share grow back.
+        t.learn(node, &prompts[0], None);
+        predicted.fetch_add(128 << 10, std::sync::atomic::Ordering::Relaxed);
+        node.counters().record_engine_report(&reading(8192 + 32768), 3);
+        t.learn(node, &prompts[1], None);
+        t.learn(node, &prompts[2], None);
+        assert_eq!(t.blocks_of(node.generation()), 100 * 64 + 128, "{}", t.blocks_of(node.generation()));
+    }
+}
