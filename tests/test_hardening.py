@@ -322,8 +322,13 @@ async def test_an_event_larger_than_the_buffer_is_delivered(tmp_path: Path, http
         await response.write(b"data: [DONE]\n\n")
         return response
 
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
+    # Healthy, as a node must be: one that never answers its health check is taken out at once.
+    app.router.add_get("/health", health)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_port()
