@@ -34,7 +34,7 @@ import harness
 import peers
 from fleet_client import Outcome
 from fleet_client import run as play
-from fleet_workloads import PREFIX_HEAVY, WORKLOADS, EngineShape, Workload, ideal_capacity, stats
+from fleet_workloads import PREFIX_HEAVY, WORKLOADS, EngineShape, Workload, engine_options, ideal_capacity, stats
 
 MODEL = "fleet-model"
 ENGINES = 8
@@ -123,7 +123,7 @@ def fleet(shape: EngineShape, dialects: str) -> Iterator[Fleet]:
     first = harness.free_port_range(ENGINES + 1)
     oracle_port = first + ENGINES
     args = [sys.executable, str(HERE / "fleet_engines.py"), "--port", str(first), "--count", str(ENGINES)]
-    args += ["--oracle-port", str(oracle_port), "--model", MODEL, "--engine", json.dumps(shape.options())]
+    args += ["--oracle-port", str(oracle_port), "--model", MODEL, "--engine", json.dumps(engine_options(shape))]
     args += ["--dialects", dialects]
     oracle = f"http://127.0.0.1:{oracle_port}"
     # The oracle answers once every engine serves.
@@ -445,7 +445,7 @@ def main() -> None:
     markdown = head + markdown + ["#### Against the targets (80% load)", "", *verdicts(results), ""]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out = {
-        "shape": SHAPE.options(),
+        "shape": engine_options(SHAPE),
         "capacities": capacities,
         "args": vars(args),
         "results": results,

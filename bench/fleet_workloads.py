@@ -15,10 +15,12 @@ fleet (``ideal_capacity``), sets the arrival rates: a load of 80% arrives at 0.8
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
 
+from pdproxy.testing.batching import EngineModel
 from pdproxy.testing.generation import generate, prompt_text
 from pdproxy.testing.tokens import TOKEN_BYTES, block_hashes, count_tokens, render_prompt
 
@@ -40,32 +42,18 @@ def text(rng: random.Random, tokens: int) -> str:
     return " ".join(words)
 
 
-@dataclass(frozen=True)
-class EngineShape:
-    """The simulated engines' time model (``pdproxy mock-engine --simulate`` options)."""
+#: The simulated engines' time model is the mock engine's own (``--simulate`` options).
+EngineShape = EngineModel
 
-    kv_blocks: int
-    kv_block_tokens: int
-    max_batch: int
-    max_step_tokens: int
-    prefill_ms_per_token: float
-    decode_step_ms: float
-    decode_step_ms_per_seq: float
 
-    def options(self) -> dict[str, float | int]:
-        return {
-            "kv_blocks": self.kv_blocks,
-            "kv_block_tokens": self.kv_block_tokens,
-            "max_batch": self.max_batch,
-            "max_step_tokens": self.max_step_tokens,
-            "prefill_ms_per_token": self.prefill_ms_per_token,
-            "decode_step_ms": self.decode_step_ms,
-            "decode_step_ms_per_seq": self.decode_step_ms_per_seq,
-        }
+def engine_options(shape: EngineShape) -> dict[str, float | int]:
+    """``shape`` as the mock engine's ``--engine`` JSON takes it."""
+    return dataclasses.asdict(shape)
 
-    def decode_ms_per_token(self) -> float:
-        """A full batch's step, shared by its requests."""
-        return (self.decode_step_ms + self.decode_step_ms_per_seq * self.max_batch) / self.max_batch
+
+def decode_ms_per_token(shape: EngineShape) -> float:
+    """A full batch's step, shared by its requests."""
+    return (shape.decode_step_ms + shape.decode_step_ms_per_seq * shape.max_batch) / shape.max_batch
 
 
 @dataclass
@@ -199,7 +187,7 @@ def ideal_capacity(workload: Workload, shape: EngineShape, engines: int, seed: i
     batches, each request prefilling only what no request before it computed."""
     sample = workload.trace(rate=20.0, duration=60.0, seed=seed)
     uncached = ideal_uncached_tokens(sample, shape.kv_block_tokens)
-    per_request_ms = uncached * shape.prefill_ms_per_token + workload.max_tokens * shape.decode_ms_per_token()
+    per_request_ms = uncached * shape.prefill_ms_per_token + workload.max_tokens * decode_ms_per_token(shape)
     return engines * 1000 / per_request_ms
 
 

@@ -11,7 +11,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use super::{argmin_by, available_indices, stable_hash, Policy, SelectCtx};
+use super::prefix_table::prompt_block_hashes;
+use super::{argmin_by, available_indices, Policy, SelectCtx};
 use crate::node::Node;
 use crate::permit::Prediction;
 
@@ -48,16 +49,7 @@ impl Prefix {
     }
 
     fn block_hashes(&self, ctx: &SelectCtx<'_>) -> Vec<u64> {
-        let Some(prompt) = ctx.prompt else { return Vec::new() };
-        let mut hash = stable_hash(ctx.model.unwrap_or_default());
-        prompt
-            .chunks(self.config.block_bytes.max(1))
-            .take(self.config.max_blocks)
-            .map(|block| {
-                hash = stable_hash((hash, block));
-                hash
-            })
-            .collect()
+        prompt_block_hashes(ctx, self.config.block_bytes, self.config.max_blocks)
     }
 
     /// Entries in the table now (for tests and stats).

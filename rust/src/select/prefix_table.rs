@@ -24,6 +24,21 @@ use rustc_hash::FxHashMap;
 use super::{stable_hash, SelectCtx};
 use crate::node::Node;
 
+/// The chained hashes of the first `max_blocks` blocks of `block_bytes` of the request's prompt
+/// (the model's name seeds the chain): equal prompt heads give equal hashes, block by block.
+pub fn prompt_block_hashes(ctx: &SelectCtx<'_>, block_bytes: usize, max_blocks: usize) -> Vec<u64> {
+    let Some(prompt) = ctx.prompt else { return Vec::new() };
+    let mut hash = stable_hash(ctx.model.unwrap_or_default());
+    prompt
+        .chunks(block_bytes.max(1))
+        .take(max_blocks)
+        .map(|block| {
+            hash = stable_hash((hash, block));
+            hash
+        })
+        .collect()
+}
+
 /// Nodes the table keeps blocks for; past it the least recently routed to is forgotten.
 const MAX_NODES: usize = 1024;
 /// Predicted hits (bytes) a check of a node's share waits for, so that one reading's noise
@@ -153,16 +168,7 @@ impl PrefixTable {
 
     /// The chained hashes of the head of the request's prompt, one per full or last block.
     pub fn block_hashes(&self, ctx: &SelectCtx<'_>) -> Vec<u64> {
-        let Some(prompt) = ctx.prompt else { return Vec::new() };
-        let mut hash = stable_hash(ctx.model.unwrap_or_default());
-        prompt
-            .chunks(self.config.block_bytes.max(1))
-            .take(self.config.max_blocks)
-            .map(|block| {
-                hash = stable_hash((hash, block));
-                hash
-            })
-            .collect()
+        prompt_block_hashes(ctx, self.config.block_bytes, self.config.max_blocks)
     }
 
     /// Bytes of the prompt the table looks at (its head).
