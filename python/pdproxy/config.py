@@ -954,15 +954,21 @@ def _read_keys(path: str) -> list[str]:
     return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
 
 
-def load_toml(path: str | Path) -> dict[str, Any]:
-    """Reads a TOML settings file: top-level keys are field names (``nodes = [...]``)."""
+def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+    """The TOML file at ``path``; a file that cannot be read or parsed is one ``ConfigError``
+    naming ``what`` it is (``config file``, ``tenants file``)."""
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            return tomllib.load(f)
     except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+        raise ConfigError(f"cannot read the {what} {path}: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {path} is not valid TOML: {e}") from e
+        raise ConfigError(f"the {what} {path} is not valid TOML: {e}") from None
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Reads a TOML settings file: top-level keys are field names (``nodes = [...]``)."""
+    data = read_toml(path, "config file")
     unknown = sorted(set(data) - set(Settings.model_fields))
     if unknown:
         raise ConfigError(f"unknown setting(s) in {path}: {', '.join(unknown)}")

@@ -25,10 +25,10 @@ import asyncio
 import contextlib
 import logging
 import os
-import tomllib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .config import read_toml
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -42,13 +42,7 @@ _FIELDS = {"keys", "priority", "priority_limit", *_LIMITS}
 
 def load(path: str | Path) -> list[dict[str, Any]]:
     """The tenants of the file at ``path``, checked; raises ``ConfigError`` naming the problem."""
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"cannot read the tenants file {path}: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"the tenants file {path} is not valid TOML: {e}") from None
+    data = read_toml(path, "tenants file")
     extra = set(data) - {"tenants"}
     if extra:
         raise ConfigError(f"the tenants file {path} has unknown section(s): {', '.join(sorted(extra))}")
