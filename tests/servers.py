@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -178,3 +179,16 @@ async def ledger(http: Any, engine: Any) -> dict[str, Any]:
     """A mock engine's ledger of preserved KV sessions and PD calls (``/mock/ledger``)."""
     async with http.get(engine.url + "/mock/ledger") as r:
         return dict(await r.json())
+
+
+async def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "the condition") -> None:
+    """Waits until ``check()`` (awaited when it is a coroutine) is true, at most ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)

@@ -8,7 +8,7 @@ import asyncio
 import os
 import re
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from pdproxy.testing import FAULT_HEADER, MockEngine
-from servers import chat_body, free_port, pdproxy_serve
+from servers import chat_body, eventually, free_port, pdproxy_serve
 
 # Against both edges (see the `edge` fixture).
 pytestmark = pytest.mark.usefixtures("edge")
@@ -29,18 +29,6 @@ FAST_HEALTH = ("--health-interval", "0.2", "--health-fall", "2", "--health-rise"
 async def engine() -> AsyncIterator[MockEngine]:
     async with MockEngine(model="m") as engine:
         yield engine
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "the condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 async def add(http: aiohttp.ClientSession, proxy: str, url: str, **fields: Any) -> tuple[int, dict[str, Any]]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 
 from pdproxy.testing import MockEngine, MockSettings
-from servers import Process, chat_body, pdproxy_serve
+from servers import Process, chat_body, eventually, pdproxy_serve
 
 # Against both edges (see the `edge` fixture).
 pytestmark = pytest.mark.usefixtures("edge")
@@ -34,18 +34,6 @@ def proxy(tmp_path: Path, *args: str) -> Iterator[Process]:
 async def engine() -> AsyncIterator[MockEngine]:
     async with MockEngine(model="m") as engine:
         yield engine
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
 
 
 async def status(http: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None) -> dict[str, Any]:
