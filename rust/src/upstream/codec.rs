@@ -126,14 +126,11 @@ pub enum HeadError {
 /// Reads from the socket into the connection's buffer; `Ok(0)` at its end.
 pub fn poll_fill(connection: &mut Connection, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
     connection.buffer.reserve(READ_SIZE);
+    // `poll_read` (not `try_read`): tokio takes a short read to mean the socket is drained and
+    // waits for the next readiness, which saves a read that would only say "would block" after
+    // every burst from the node (one per event on a stream).
     match &mut connection.stream {
-        Stream::Plain(tcp) => loop {
-            std::task::ready!(tcp.poll_read_ready(cx))?;
-            match tcp.try_read_buf(&mut connection.buffer) {
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
-                result => return Poll::Ready(result),
-            }
-        },
+        Stream::Plain(tcp) => tokio_util::io::poll_read_buf(std::pin::Pin::new(tcp), cx, &mut connection.buffer),
         Stream::Tls(tls) => tokio_util::io::poll_read_buf(std::pin::Pin::new(tls.as_mut()), cx, &mut connection.buffer),
     }
 }
