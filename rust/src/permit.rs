@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::admission::Admission;
+use crate::circuit::now_ms;
 use crate::node::Node;
 
 /// How a request ended, as recorded in the node's counters.
@@ -52,8 +53,12 @@ pub struct InFlightPermit {
     started: Instant,
     outcome: Outcome,
     report: Report,
-    /// Prompt bytes counted in the node's `prefill_pending_bytes` until the first byte comes.
+    /// Prompt bytes counted in the node's `prefill_pending_bytes` until the first byte comes,
+    /// and their part of its `prefill_pending_byte_ms`.
     prefill_pending: AtomicU64,
+    prefill_byte_ms: AtomicU64,
+    /// When the prediction was made (Unix milliseconds).
+    prefill_since_ms: AtomicU64,
     /// Counted in the node's `unanswered` until the first byte comes.
     unanswered: AtomicBool,
     /// Prompt bytes the policy expected in the node's cache, added to its
@@ -82,6 +87,8 @@ impl InFlightPermit {
             outcome: Outcome::Cancelled,
             report: Report::default(),
             prefill_pending: AtomicU64::new(0),
+            prefill_byte_ms: AtomicU64::new(0),
+            prefill_since_ms: AtomicU64::new(0),
             unanswered: AtomicBool::new(true),
             predicted_cached: AtomicU64::new(0),
         })
@@ -100,6 +107,8 @@ impl InFlightPermit {
             outcome: Outcome::Cancelled,
             report: Report::default(),
             prefill_pending: AtomicU64::new(0),
+            prefill_byte_ms: AtomicU64::new(0),
+            prefill_since_ms: AtomicU64::new(0),
             unanswered: AtomicBool::new(true),
             predicted_cached: AtomicU64::new(0),
         }
@@ -134,14 +143,27 @@ impl InFlightPermit {
     /// (or the end), and `cached` bytes to be found in its cache.
     pub fn set_prediction(&self, prediction: Prediction) {
         if prediction.prefill > 0 {
-            self.node.counters().prefill_pending_bytes.fetch_add(prediction.prefill, Ordering::Relaxed);
+            let now = now_ms();
+            // Wrapping: the node's sum is only ever read as a difference (see `prefill_remaining_bytes`).
+            let byte_ms = prediction.prefill.wrapping_mul(now);
+            let counters = self.node.counters();
+            counters.prefill_pending_bytes.fetch_add(prediction.prefill, Ordering::Relaxed);
+            counters.prefill_pending_byte_ms.fetch_add(byte_ms, Ordering::Relaxed);
             self.prefill_pending.fetch_add(prediction.prefill, Ordering::Relaxed);
+            self.prefill_byte_ms.fetch_add(byte_ms, Ordering::Relaxed);
+            self.prefill_since_ms.store(now, Ordering::Relaxed);
         }
         self.predicted_cached.store(prediction.cached, Ordering::Relaxed);
     }
 
     /// The answer's first byte came: the node has prefilled the prompt (once; later calls do nothing).
     pub fn first_byte_seen(&self) {
+        self.settle_prefill(true);
+    }
+
+    /// Takes this request out of the node's unanswered and pending counts (once); `answered`:
+    /// its first byte came, so how long it was pending is worth learning.
+    fn settle_prefill(&self, answered: bool) {
         let counters = self.node.counters();
         if self.unanswered.swap(false, Ordering::Relaxed) {
             counters.unanswered.fetch_sub(1, Ordering::Relaxed);
@@ -149,6 +171,13 @@ impl InFlightPermit {
         let bytes = self.prefill_pending.swap(0, Ordering::Relaxed);
         if bytes > 0 {
             counters.prefill_pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
+            counters
+                .prefill_pending_byte_ms
+                .fetch_sub(self.prefill_byte_ms.swap(0, Ordering::Relaxed), Ordering::Relaxed);
+            if answered {
+                let since = self.prefill_since_ms.load(Ordering::Relaxed);
+                counters.record_prefill(bytes, now_ms().saturating_sub(since));
+            }
         }
         let cached = self.predicted_cached.swap(0, Ordering::Relaxed);
         if cached > 0 {
@@ -161,7 +190,7 @@ impl Drop for InFlightPermit {
     fn drop(&mut self) {
         // Unanswered, the request may never have reached the engine's cache: no prediction to check.
         self.predicted_cached.store(0, Ordering::Relaxed);
-        self.first_byte_seen();
+        self.settle_prefill(false);
         let counters = self.node.counters();
         if self.outcome != Outcome::Unused {
             counters.duration.observe(self.started.elapsed());

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! cost = prefix_weight * KiB of the prompt not in the node's cache (its own prefill there)
-//!      +                 KiB of prompts pdproxy sent there that have not had their first byte
+//!      +                 KiB of prompts pdproxy sent there still to prefill (see below)
 //!      + queue_weight  * requests waiting there for a place in the engine's batch
 //!      + kv_weight     * the engine's KV-cache usage (0 to 1)
 //!      + load_weight   * requests pdproxy has in flight there (decoding ones included)
@@ -16,7 +16,9 @@
 //!
 //! The prompt a node holds comes from the prefix table (what pdproxy routed there and the
 //! engine has not evicted since, see `prefix_table`); the prefill a request will cost is
-//! counted on the node from its selection to its first byte (`prefill_pending_bytes`). The
+//! counted on the node from its selection to its first byte (`prefill_pending_bytes`), worked
+//! off evenly over the time a prompt usually stays pending there (`prefill_remaining_bytes`):
+//! when every node is prefilling, the one that got its prompt longest ago is nearest to done. The
 //! engine's waiting requests and KV usage come from its fresh report adjusted by pdproxy's
 //! traffic since (see `EngineLoad::waiting`); without one, the requests pdproxy sent there
 //! that have not had their first byte (`unanswered`) stand in for the queue, and the KV term
@@ -119,9 +121,9 @@ impl Scored {
         let mut out = vec![None; candidates.len()];
         for i in available_indices(candidates) {
             let node = &candidates[i];
-            let pending = node.counters().prefill_pending_bytes.load(Ordering::Relaxed);
+            let pending_kib = node.counters().prefill_remaining_bytes(now) / 1024.0;
             #[allow(clippy::cast_precision_loss)]
-            let (own_kib, pending_kib) = (self.uncached(ctx, matched[i]) as f64 / 1024.0, pending as f64 / 1024.0);
+            let own_kib = self.uncached(ctx, matched[i]) as f64 / 1024.0;
             let load = node.engine_load(self.max_age_ms, now);
             let kv = load.and_then(|l| l.kv_usage_estimate()).unwrap_or(0.0);
             #[allow(clippy::cast_precision_loss)]
@@ -254,6 +256,21 @@ mod tests {
             nodes[i].counters().unanswered.fetch_add(1, Ordering::Relaxed);
         }
         assert_eq!(picks, [10, 10, 10]);
+    }
+
+    #[test]
+    fn when_every_node_is_prefilling_the_one_sent_its_prompt_longest_ago_is_chosen() {
+        let (_reg, nodes) = nodes(3);
+        let policy = scored(WEIGHTS);
+        let now = now_ms();
+        for (node, age_ms) in nodes.iter().zip([50, 400, 100]) {
+            let counters = node.counters();
+            counters.record_prefill(1024, 100); // about 10 bytes per ms
+            counters.prefill_pending_bytes.fetch_add(8 * 1024, Ordering::Relaxed);
+            counters.prefill_pending_byte_ms.fetch_add((8 * 1024u64).wrapping_mul(now - age_ms), Ordering::Relaxed);
+        }
+        let prompt = "c".repeat(1024);
+        assert_eq!(policy.pick(&nodes, &ctx(prompt.as_bytes())), Some(1));
     }
 
     #[test]
