@@ -8,7 +8,7 @@ from typing import ClassVar, TypedDict, final, type_check_only
 # rust/src/py/tenants.rs); their fields are declared once, in Python.
 from pdproxy.config import Settings
 from pdproxy.node_record import NodeRecord
-from pdproxy.tenants import TenantEntry
+from pdproxy.tenants import TenantEntry, TenantLimits
 
 __version__: str
 #: The routing policies the data plane knows, by name.
@@ -118,15 +118,6 @@ class RoutingFields(TypedDict):
     user: str | None
     session_id: str | None
     max_tokens: int | None
-
-@type_check_only
-class TenantLimits(TypedDict):
-    rpm: int | None
-    tpm: int | None
-    concurrency: int | None
-    daily_tokens: int | None
-    priority: int
-    priority_limit: int
 
 @type_check_only
 class TenantWindow(TypedDict):

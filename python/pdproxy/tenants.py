@@ -37,17 +37,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdproxy.tenants")
 
 
-class TenantEntry(TypedDict):
-    """One tenant of the file, as the data plane takes it (``set_tenants``, ``rust/src/py/tenants.rs``)."""
+class TenantLimits(TypedDict):
+    """A tenant's limits (None: no such limit) and priorities, as the file gives them."""
 
-    name: str
-    keys: list[str]
     rpm: int | None
     tpm: int | None
     concurrency: int | None
     daily_tokens: int | None
     priority: int
     priority_limit: int
+
+
+class TenantEntry(TenantLimits):
+    """One tenant of the file, as the data plane takes it (``set_tenants``, ``rust/src/py/tenants.rs``)."""
+
+    name: str
+    keys: list[str]
 
 
 #: What a tenant's table may hold.
