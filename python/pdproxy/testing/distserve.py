@@ -213,7 +213,8 @@ def check_decode_shape(body: JsonObject) -> list[str]:
     migration = body.get("migration_request")
     if not isinstance(migration, dict):
         return [*errors, "decode has no migration_request object"]
-    if isinstance(migration.get("protocol"), bool) or migration.get("protocol") not in PROTOCOLS:
+    protocol = migration.get("protocol")
+    if not isinstance(protocol, int) or isinstance(protocol, bool) or protocol not in PROTOCOLS:
         errors.append("migration_request.protocol is not one of LMDeploy's MigrationProtocol integers")
     for name, kind in (("remote_engine_id", str), ("remote_session_id", int), ("remote_token_id", int)):
         if not isinstance(migration.get(name), kind) or isinstance(migration.get(name), bool):
