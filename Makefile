@@ -12,8 +12,8 @@ install: ## build the extension (release) and install pdproxy with its test and 
 
 .PHONY: format
 format: ## format Python and Rust
-	ruff format python tests bench
-	ruff check --fix python tests bench
+	ruff format python tests bench scripts
+	ruff check --fix python tests bench scripts
 	cargo fmt --all
 
 .PHONY: build-dev
@@ -22,10 +22,11 @@ build-dev: ## quick (unoptimised) build of the extension into python/pdproxy, fo
 	cp target/quick/lib_pdproxy.so python/pdproxy/_pdproxy.abi3.so
 
 .PHONY: lint-python
-lint-python: ## ruff (check and format), mypy strict, and the stub against the built module (stubtest)
-	ruff check python tests bench
-	ruff format --check python tests bench
+lint-python: ## ruff (check, format), mypy strict, no Any in public signatures, stubtest (the stub against the built module)
+	ruff check python tests bench scripts
+	ruff format --check python tests bench scripts
 	$(PYTHON) -m mypy
+	$(PYTHON) scripts/check_public_any.py
 	cd /tmp && $(PYTHON) -m mypy.stubtest pdproxy._pdproxy --allowlist $(CURDIR)/.mypy-stubtest-allowlist
 
 .PHONY: lint-rust

@@ -1,17 +1,149 @@
 """Typed stubs of the data plane extension (Rust, built by maturin)."""
 
 import asyncio
-from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, final
+from collections.abc import Sequence
+from typing import ClassVar, TypedDict, final, type_check_only
 
-# The data plane reads these by attribute (rust/src/py/config.rs, rust/src/py/node.rs); their
-# fields are declared once, in Python.
+# The data plane reads these by attribute or key (rust/src/py/config.rs, rust/src/py/node.rs,
+# rust/src/py/tenants.rs); their fields are declared once, in Python.
 from pdproxy.config import Settings
 from pdproxy.node_record import NodeRecord
+from pdproxy.tenants import TenantEntry, TenantLimits
 
 __version__: str
 #: The routing policies the data plane knows, by name.
 POLICY_NAMES: tuple[str, ...]
+
+# The shapes of the data plane's answers (dicts built in rust/src/py/). They exist for the type
+# checker only: import them under `typing.TYPE_CHECKING`.
+
+@type_check_only
+class Histogram(TypedDict):
+    """A histogram: per-bucket `counts` (one more than `bounds`: +Inf last), `sum`, `count`."""
+
+    bounds: list[float]
+    counts: list[int]
+    sum: float
+    count: int
+
+@type_check_only
+class NodeHistograms(TypedDict):
+    """Seconds from admission to the end of the body, to the first byte, between chunks."""
+
+    duration: Histogram
+    ttft: Histogram
+    itl: Histogram
+
+@type_check_only
+class EngineReport(TypedDict):
+    """What a node's engine last reported about itself (None: never read, or not reported)."""
+
+    running: int | None
+    waiting: int | None
+    kv_usage: float | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    kv_capacity_tokens: int | None
+    #: Seconds since the last good reading.
+    age: float | None
+    #: Younger than `engine_metrics_max_age`: policies use it.
+    fresh: bool
+    #: Requests sent to the node since the reading (while fresh).
+    sent_since: int | None
+    requests_estimate: float | None
+    restarts: int
+    failures: int
+    #: Readings failed in a row.
+    failing: int
+
+@type_check_only
+class _NodeFields(TypedDict):
+    """What a node was registered with (rust/src/py/node.rs `record_dict`), and where it is reached."""
+
+    url: str
+    generation: int
+    role: str
+    #: The models it serves (its own `/v1/models` once discovered).
+    models: list[str]
+    #: The models it was registered with (None: ask the node).
+    declared_models: list[str] | None
+    speed: float | None
+    max_concurrency: int | None
+    has_api_key: bool
+    bootstrap_port: int | None
+    lease_ttl: float | None
+    labels: dict[str, str]
+    #: `HOST:PORT` it is connected to, when not resolved from the URL.
+    address: str | None
+
+@type_check_only
+class NodeInfo(_NodeFields):
+    """One node, as `Router.node(url)` answers: its record with the key, and its state."""
+
+    api_key: str | None
+    state: str
+    circuit: str
+    in_flight: int
+
+@type_check_only
+class NodeSnapshot(_NodeFields):
+    """One node in `Router.nodes()`: its record (never the key), state and counters."""
+
+    state: str
+    circuit: str
+    in_flight: int
+    requests: int
+    succeeded: int
+    failed: int
+    connect_failures: int
+    cancelled: int
+    events: int
+    #: Seconds (None until a request has succeeded).
+    mean_latency: float | None
+    recent_latency: float | None
+    recent_latencies: list[float]
+    recent_latency_per_token: float | None
+    mean_ttft: float | None
+    ttft_ewma: float | None
+    histograms: NodeHistograms
+    engine: EngineReport
+
+@type_check_only
+class RoutingFields(TypedDict):
+    """The fields of a request body that routing reads."""
+
+    model: str | None
+    stream: bool
+    n: int | None
+    user: str | None
+    session_id: str | None
+    max_tokens: int | None
+
+@type_check_only
+class TenantWindow(TypedDict):
+    """The current minute's window of one limit, as `x-ratelimit-*` tell it."""
+
+    limit: int
+    remaining: int
+    reset_seconds: float
+
+@type_check_only
+class TenantSnapshot(TypedDict):
+    """One tenant: its limits, its windows (None: no such limit), tokens today and counts."""
+
+    name: str
+    limits: TenantLimits
+    requests: TenantWindow | None
+    tokens: TenantWindow | None
+    tokens_today: int
+    in_flight: int
+    total_requests: int
+    errors: int
+    prompt_tokens: int
+    completion_tokens: int
+    estimated: int
+    #: Requests refused, by the limit they were over.
+    rejected: dict[str, int]
 
 @final
 class Router:
@@ -30,8 +162,8 @@ class Router:
     def queued(self) -> int:
         """Requests waiting for a node with room."""
 
-    def queue_wait(self) -> dict[str, Any]:
-        """How long queued requests waited: `bounds`, per-bucket `counts`, `sum`, `count`."""
+    def queue_wait(self) -> Histogram:
+        """How long queued requests waited, in seconds."""
 
     @property
     def retries(self) -> int:
@@ -68,10 +200,8 @@ class Router:
             InvalidNode: the URL is not a usable http URL, or the role or speed is invalid.
         """
 
-    def node(self, url: str) -> dict[str, Any]:
-        """One node: url, generation, role, models (served), declared_models (as registered),
-        speed, max_concurrency, has_api_key, api_key, bootstrap_port, lease_ttl, labels,
-        address, state, circuit, in_flight.
+    def node(self, url: str) -> NodeInfo:
+        """One node: its record (with the key), state, circuit and requests in flight.
 
         Raises:
             NodeNotFound: no node with this URL is registered.
@@ -97,16 +227,9 @@ class Router:
     def models(self) -> list[str]:
         """Models served by the registered nodes, deduplicated."""
 
-    def nodes(self) -> list[dict[str, Any]]:
-        """A snapshot of each node: url, generation, role, models, declared_models, speed,
-        has_api_key, bootstrap_port, lease_ttl, labels, address, state,
-        max_concurrency, in_flight, requests, succeeded, failed, connect_failures, cancelled,
-        events, mean_latency, recent_latency, recent_latencies, recent_latency_per_token,
-        mean_ttft, ttft_ewma (seconds, or None), circuit, histograms (duration, ttft, itl:
-        bounds, per-bucket counts with +Inf last, sum, count), and engine (what the node's engine
-        last reported: running, waiting, kv_usage, prompt_tokens, cached_tokens,
-        kv_capacity_tokens, age in seconds, fresh, sent_since, requests_estimate, restarts,
-        failures, failing)."""
+    def nodes(self) -> list[NodeSnapshot]:
+        """A snapshot of each node: its record (never the key), state, counters, latencies,
+        histograms, and what its engine last reported."""
 
     def record_engine_report(
         self,
@@ -151,7 +274,7 @@ class Router:
         """The canonical form of a node URL (scheme and host lower-cased, no trailing slash)."""
 
     @staticmethod
-    def inspect(body: bytes) -> dict[str, Any]:
+    def inspect(body: bytes) -> RoutingFields:
         """The routing fields of a body: model, stream, n, user, session_id, max_tokens."""
 
     @staticmethod
@@ -187,9 +310,8 @@ class Router:
         the queue too long. Cancelling it cancels the upstream request.
         """
 
-    def set_tenants(self, entries: Sequence[Mapping[str, Any]]) -> None:
-        """Replaces the tenants with the tenants file's entries (name, keys, rpm, tpm,
-        concurrency, daily_tokens, priority, priority_limit); a tenant kept by name keeps its
+    def set_tenants(self, entries: Sequence[TenantEntry]) -> None:
+        """Replaces the tenants with the tenants file's entries; a tenant kept by name keeps its
         window and counts."""
 
     @property
@@ -202,7 +324,7 @@ class Router:
     def admit_tenant(self, key: bytes | None, body: bytes, priority: int | None = None) -> TenantTicket:
         """Admits a request by its key's tenant; raises `RateLimited` or `QuotaExceeded`."""
 
-    def tenants(self) -> list[dict[str, Any]]:
+    def tenants(self) -> list[TenantSnapshot]:
         """Every tenant: limits, window, tokens today, requests in flight and counts."""
 
     def take_tenant_usage(self) -> list[tuple[str, int, int]]:

@@ -17,11 +17,33 @@ import logging.handlers
 import queue
 import sys
 import time
-from typing import Any
+from typing import TypedDict
 
-from .responses import Send
+from .asgi_types import HTTPScope, Send, SendMessage
 
 log = logging.getLogger("pdproxy.access")
+
+
+class AccessLine(TypedDict):
+    """One line of the access log, in its order (the Rust edge writes the same fields)."""
+
+    #: When the request arrived: UTC, ISO 8601 with milliseconds.
+    time: str
+    client: str | None
+    request_id: str
+    method: str
+    path: str
+    model: str | None
+    node: str | None
+    status: int | None
+    #: How it ended, and in which phase: ``completed``, ``client_cancel@ttfb``...
+    cause: str
+    bytes: int
+    events: int
+    #: Seconds to the first byte of the answer, and to its end.
+    ttfb: float | None
+    duration: float
+    trace_id: str | None
 
 
 class AccessLog:
@@ -39,10 +61,10 @@ class AccessLog:
     def stop(self) -> None:
         self._listener.stop()
 
-    def record(self, scope: dict[str, Any], request_id: bytes) -> Record:
+    def record(self, scope: HTTPScope, request_id: bytes) -> Record:
         return Record(self, scope, request_id)
 
-    def write(self, fields: dict[str, Any]) -> None:
+    def write(self, fields: AccessLine) -> None:
         if self.json:
             log.info(json.dumps(fields, separators=(",", ":")))
         else:
@@ -85,7 +107,7 @@ class Record:
         "trace_id",
     )
 
-    def __init__(self, access: AccessLog, scope: dict[str, Any], request_id: bytes) -> None:
+    def __init__(self, access: AccessLog, scope: HTTPScope, request_id: bytes) -> None:
         self.log = access
         self.scope = scope
         self.request_id = request_id
@@ -102,13 +124,13 @@ class Record:
         self.trace_id: str | None = None
 
     def wrap(self, send: Send) -> Send:
-        async def observed(message: dict[str, Any]) -> None:
+        async def observed(message: SendMessage) -> None:
             if message["type"] == "http.response.start":
                 self.status = message["status"]
                 for name, value in message.get("headers", ()):
                     if name == b"x-pdproxy-error":
                         self.proxy_error = value.decode("latin-1")
-            else:
+            elif message["type"] == "http.response.body":
                 chunk = message.get("body", b"")
                 if chunk:
                     if self.first_byte is None:
@@ -133,22 +155,22 @@ class Record:
             cause = "completed"
         client = self.scope.get("client")
         self.log.write(
-            {
-                "time": utc_timestamp(self.arrived),
-                "client": client[0] if client else None,
-                "request_id": self.request_id.decode("latin-1"),
-                "method": self.scope["method"],
-                "path": self.scope["path"],
-                "model": self.model,
-                "node": self.node,
-                "status": self.status,
-                "cause": cause,
-                "bytes": self.bytes,
-                "events": self.events,
-                "ttfb": None if self.first_byte is None else round(self.first_byte, 6),
-                "duration": round(time.monotonic() - self.started, 6),
-                "trace_id": self.trace_id,
-            }
+            AccessLine(
+                time=utc_timestamp(self.arrived),
+                client=client[0] if client else None,
+                request_id=self.request_id.decode("latin-1"),
+                method=self.scope["method"],
+                path=self.scope["path"],
+                model=self.model,
+                node=self.node,
+                status=self.status,
+                cause=cause,
+                bytes=self.bytes,
+                events=self.events,
+                ttfb=None if self.first_byte is None else round(self.first_byte, 6),
+                duration=round(time.monotonic() - self.started, 6),
+                trace_id=self.trace_id,
+            )
         )
 
 

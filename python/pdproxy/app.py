@@ -8,11 +8,12 @@ import logging
 import os
 import signal
 import sys
-from typing import Any
+from typing import TypedDict, cast
 
 from pydantic import BaseModel
 
 from . import dashboard, proxy
+from .asgi_types import Headers, HTTPReceive, HTTPScope, Receive, Scope, Send, SendMessage
 from .auth import Keys
 from .config import Settings
 from .cors import Cors, is_cors_path
@@ -20,7 +21,7 @@ from .errors import MethodNotAllowed, ModelNotFound, NotFound, PdproxyError
 from .metrics import CONTENT_TYPE, render
 from .nodes_api import ROUTES
 from .openapi import schema
-from .responses import JSON_HEADERS, Receive, Scope, Send, header, send_error, send_json
+from .responses import JSON_HEADERS, header, send_error, send_json
 from .router import Router
 from .supervisor import Supervisor
 from .tenants import usage as tenant_usage
@@ -79,8 +80,7 @@ class ProxyApp:
         await self.supervisor.stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        kind = scope["type"]
-        if kind == "http":
+        if scope["type"] == "http":
             origin = header(scope, b"origin") if self.cors.enabled else None
             if origin is not None and is_cors_path(scope["path"], INFERENCE_PATHS):
                 if scope["method"] == "OPTIONS" and header(scope, b"access-control-request-method") is not None:
@@ -88,13 +88,14 @@ class ProxyApp:
                     return
                 send = _adding(send, self.cors.response_headers(origin))
             try:
-                await self._http(scope, receive, send)
+                # An http scope's receive gives that request's messages only (the ASGI protocol).
+                await self._http(scope, cast(HTTPReceive, receive), send)
             except PdproxyError as e:
                 await send_error(send, e)
-        elif kind == "lifespan":
+        elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
 
-    async def _preflight(self, scope: Scope, origin: bytes, send: Send) -> None:
+    async def _preflight(self, scope: HTTPScope, origin: bytes, send: Send) -> None:
         """A browser asks whether it may send its request (CORS): 204 with what is allowed."""
         try:
             method = header(scope, b"access-control-request-method") or b""
@@ -105,7 +106,7 @@ class ProxyApp:
         await send({"type": "http.response.start", "status": 204, "headers": allowed})
         await send({"type": "http.response.body", "body": b""})
 
-    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _http(self, scope: HTTPScope, receive: HTTPReceive, send: Send) -> None:
         supervisor = self.supervisor
         if not supervisor.started:  # a server without lifespan support
             await self.startup()
@@ -174,7 +175,7 @@ class ProxyApp:
         else:
             raise NotFound(f"no route for {path}")
 
-    async def _forward(self, router: Router, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+    async def _forward(self, router: Router, scope: HTTPScope, receive: HTTPReceive, send: Send, path: str) -> None:
         await proxy.forward(
             router,
             self.settings.max_body_size,
@@ -203,12 +204,12 @@ class ProxyApp:
                 return
 
 
-def _adding(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
+def _adding(send: Send, headers: Headers) -> Send:
     """``send`` with ``headers`` added to the response's head."""
     if not headers:
         return send
 
-    async def sending(message: dict[str, Any]) -> None:
+    async def sending(message: SendMessage) -> None:
         if message["type"] == "http.response.start":
             message = {**message, "headers": [*message.get("headers", ()), *headers]}
         await send(message)
@@ -220,7 +221,7 @@ def _adding(send: Send, headers: list[tuple[bytes, bytes]]) -> Send:
 PEER_HEADER = b"x-pdproxy-peer"
 
 
-def _take_peer(scope: Scope, trusted: bool, https: bool) -> None:
+def _take_peer(scope: HTTPScope, trusted: bool, https: bool) -> None:
     """Removes the edge's peer header from the request; behind the edge (``trusted``: only the
     edge can reach this app's socket), its value becomes the ASGI client address, and the
     scheme the client used is the edge's (``https`` with ``--ssl``)."""
@@ -244,16 +245,32 @@ def _served_models(router: Router) -> list[str]:
     return seen
 
 
-def _card(model: str) -> dict[str, Any]:
-    return {"id": model, "object": "model", "created": 0, "owned_by": "pdproxy"}
+class ModelCard(TypedDict):
+    """OpenAI's ``Model``."""
+
+    id: str
+    object: str
+    created: int
+    owned_by: str
 
 
-def _model_list(router: Router) -> dict[str, Any]:
+class ModelList(TypedDict):
+    """OpenAI's ``GET /v1/models`` answer."""
+
+    object: str
+    data: list[ModelCard]
+
+
+def _card(model: str) -> ModelCard:
+    return ModelCard(id=model, object="model", created=0, owned_by="pdproxy")
+
+
+def _model_list(router: Router) -> ModelList:
     """The OpenAI ``ModelList`` of every model some healthy node serves."""
-    return {"object": "list", "data": [_card(m) for m in _served_models(router)]}
+    return ModelList(object="list", data=[_card(m) for m in _served_models(router)])
 
 
-def _model_card(router: Router, model: str) -> dict[str, Any]:
+def _model_card(router: Router, model: str) -> ModelCard:
     """OpenAI's ``GET /v1/models/{model}`` (a model id may hold slashes)."""
     if model not in _served_models(router):
         raise ModelNotFound(f"the model `{model}` does not exist")

@@ -6,10 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Coroutine
-from typing import Any
+from typing import TypeAlias
+
+#: Work for a task: a coroutine whose result nobody reads.
+Work: TypeAlias = Coroutine[object, None, None]
 
 
-def start(work: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+def start(work: Work, name: str) -> asyncio.Task[None]:
     return asyncio.get_running_loop().create_task(work, name=name)
 
 

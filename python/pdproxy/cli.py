@@ -16,7 +16,7 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import ClassVar, TypedDict, TypeVar
 
 import click
 from pydantic.fields import FieldInfo
@@ -24,10 +24,19 @@ from pydantic.fields import FieldInfo
 from . import __version__
 from .config import ENV_PREFIX, GROUPS, Settings, load_toml, setting_kind
 from .errors import ConfigError
+from .json_types import JsonObject, JsonValue, loads
 from .node_record import NodeAttributes, configured_nodes
 from .settings_checks import checked
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
+
+
+class _Shown(TypedDict):
+    """How an option shows in ``--help``."""
+
+    help: str
+    envvar: list[str] | None
+    show_envvar: bool
 
 
 @dataclass(frozen=True)
@@ -94,19 +103,14 @@ def settings_options(cls: type, envvar_prefix: str | None) -> Callable[[F], F]:
         for option in reversed(options_of(cls)):
             envvars = [f"{envvar_prefix}{option.name.upper()}"] if envvar_prefix else []
             envvars += option.env_aliases
-            common: dict[str, Any] = {"help": option.help, "envvar": envvars or None, "show_envvar": bool(envvars)}
+            flags, default = (*option.flags, option.name), option.default
+            shown = _Shown(help=option.help, envvar=envvars or None, show_envvar=bool(envvars))
             if option.kind is bool:
-                decorator = click.option(
-                    *option.flags, option.name, is_flag=True, default=option.default, show_default=True, **common
-                )
+                decorator = click.option(*flags, is_flag=True, default=default, show_default=True, **shown)
             elif option.kind is tuple:
-                decorator = click.option(
-                    *option.flags, option.name, multiple=True, type=str, default=option.default, **common
-                )
+                decorator = click.option(*flags, multiple=True, type=str, default=default, **shown)
             else:
-                decorator = click.option(
-                    *option.flags, option.name, type=option.kind, default=option.default, show_default=True, **common
-                )
+                decorator = click.option(*flags, type=option.kind, default=default, show_default=True, **shown)
             fn = decorator(fn)
         return fn
 
@@ -118,21 +122,20 @@ class SettingsCommand(click.Command):
     take several values after one flag as LMDeploy's (``--api-keys k1 k2``) as well as the flag
     repeated."""
 
-    def __init__(self, *args: Any, settings: type, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        options = options_of(settings)
-        self.sections = {option.name: option.section for option in options}
-        self.greedy = {flag for option in options if option.kind is tuple for flag in option.flags}
+    #: The settings whose options the command takes.
+    settings: ClassVar[type] = Settings
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, spread_values(args, self.greedy))
+        greedy = {flag for option in options_of(self.settings) if option.kind is tuple for flag in option.flags}
+        return super().parse_args(ctx, spread_values(args, greedy))
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        sections = {option.name: option.section for option in options_of(self.settings)}
         groups: dict[str, list[tuple[str, str]]] = {}
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
             if record is not None:
-                groups.setdefault(self.sections.get(param.name or "", ""), []).append(record)
+                groups.setdefault(sections.get(param.name or "", ""), []).append(record)
         for title in dict.fromkeys(("", *(group.title for group in GROUPS))):  # each title once, in order
             if groups.get(title):
                 with formatter.section(title or "Options"):
@@ -178,7 +181,7 @@ def main() -> None:
     """pdproxy: a proxy and router for fleets of OpenAI-compatible LLM inference servers."""
 
 
-@main.command(cls=SettingsCommand, settings=Settings)
+@main.command(cls=SettingsCommand)
 @click.option(
     "--config",
     type=click.Path(dir_okay=False),
@@ -191,7 +194,7 @@ def main() -> None:
 )
 @click.option("--print-config", is_flag=True, help="Print the effective settings as JSON and exit.")
 @settings_options(Settings, ENV_PREFIX)
-def serve(print_config: bool, **options: Any) -> None:
+def serve(print_config: bool, **options: object) -> None:
     """Serve the OpenAI API, routing each request to one of the nodes."""
     from .serve import serve as run
 
@@ -240,14 +243,14 @@ def _mock_settings_options(fn: F) -> F:
     show_default=True,
     help="Engines served by this one process, on ports PORT, PORT+1, ... (many nodes for little memory).",
 )
-def mock_engine(count: int, **options: Any) -> None:
+def mock_engine(count: int, **options: object) -> None:
     """Run a mock OpenAI-compatible inference engine (no GPU) for demos, tests and benchmarks."""
     import uvloop
 
     from .testing.mock_engine import MockEngine, MockSettings
 
     try:
-        settings = MockSettings(**options)
+        settings = MockSettings.of(options)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     ports = [settings.port + i if settings.port else 0 for i in range(count)]
@@ -274,8 +277,8 @@ def mock_engine(count: int, **options: Any) -> None:
         sys.exit(1)
 
 
-def _admin_call(url: str, path: str, key: str | None, payload: object = None) -> Any:
-    """One call to a running proxy's management API (blocking; this is a CLI)."""
+def _admin_call(url: str, path: str, key: str | None, payload: object = None) -> JsonObject:
+    """One call to a running proxy's management API (blocking; this is a CLI): its answer."""
     import urllib.error
     import urllib.request
 
@@ -288,7 +291,7 @@ def _admin_call(url: str, path: str, key: str | None, payload: object = None) ->
     )
     try:
         with urllib.request.urlopen(request, timeout=10) as response:
-            return json.loads(response.read())
+            answer = loads(response.read())
     except urllib.error.HTTPError as e:
         try:
             message = json.loads(e.read())["error"]["message"]
@@ -297,6 +300,9 @@ def _admin_call(url: str, path: str, key: str | None, payload: object = None) ->
         raise click.ClickException(f"{path}: {e.code} {message}") from None
     except urllib.error.URLError as e:
         raise click.ClickException(f"cannot reach {url}: {e.reason}") from None
+    if not isinstance(answer, dict):
+        raise click.ClickException(f"{path}: the proxy's answer is not a JSON object")
+    return answer
 
 
 _URL = click.option(
@@ -316,6 +322,11 @@ _KEY = click.option(
 )
 
 
+def _items(value: JsonValue) -> list[JsonValue]:
+    """A JSON list's items (none when it is not a list)."""
+    return value if isinstance(value, list) else []
+
+
 def _p50(latencies: list[float]) -> str:
     if not latencies:
         return "-"
@@ -323,20 +334,21 @@ def _p50(latencies: list[float]) -> str:
     return f"{ordered[len(ordered) // 2] * 1000:.0f} ms"
 
 
-def render_status(nodes: dict[str, dict[str, Any]]) -> str:
-    """The node table `pdproxy status` prints."""
+def render_status(nodes: JsonObject) -> str:
+    """The node table `pdproxy status` prints (``nodes``: ``/nodes/status``'s answer)."""
     header = ("NODE", "ROLE", "STATE", "CIRCUIT", "MODELS", "IN FLIGHT", "P50", "OK", "FAILED")
     rows = [header]
-    for url, n in sorted(nodes.items()):
+    for url, node in sorted(nodes.items()):
+        n = node if isinstance(node, dict) else {}
         rows.append(
             (
                 url,
                 str(n.get("role_name", n.get("role"))),
                 str(n.get("state", "?")),
                 str(n.get("circuit", "-")),
-                ",".join(n.get("models") or []) or "*",
+                ",".join(str(m) for m in _items(n.get("models"))) or "*",
                 str(n.get("unfinished", 0)),
-                _p50(n.get("latency") or []),
+                _p50([float(s) for s in _items(n.get("latency")) if isinstance(s, int | float)]),
                 str(n.get("succeeded", "-")),
                 str(n.get("failed", "-")),
             )
@@ -398,12 +410,17 @@ def node_attribute_options(fn: F) -> F:
     return fn
 
 
+def _repeated(value: object) -> tuple[str, ...]:
+    """The values of an option that repeats (click gives them as a tuple)."""
+    return tuple(str(v) for v in value) if isinstance(value, tuple) else ()
+
+
 @nodes.command("add")
 @click.argument("node_url")
 @_URL
 @_KEY
 @node_attribute_options
-def nodes_add(node_url: str, url: str, key: str | None, **attributes: Any) -> None:
+def nodes_add(node_url: str, url: str, key: str | None, **attributes: object) -> None:
     """Register NODE_URL with the proxy (what it does not say, the node's record leaves at its
     default; without --model the proxy asks the node)."""
     payload: dict[str, object] = {"url": node_url}
@@ -411,12 +428,14 @@ def nodes_add(node_url: str, url: str, key: str | None, **attributes: Any) -> No
         value = attributes[f"node_{name}"]
         shape = _attribute_shape(info)
         if shape is dict:
-            pairs = [item.partition("=") for item in value]
+            pairs = [item.partition("=") for item in _repeated(value)]
             if any(not sep for _, sep, _ in pairs):
                 raise click.BadParameter("must read KEY=VALUE", param_hint=f"--{name.removesuffix('s')}")
             value = {k: v for k, _, v in pairs}
+        elif shape is list:
+            value = list(_repeated(value))
         if value:
-            payload[name] = list(value) if shape is list else value
+            payload[name] = value
         elif value is not None and shape not in (list, dict):
             payload[name] = value  # a zero or an empty text is still what was asked
     answer = _admin_call(url, "/nodes/add", key, payload)

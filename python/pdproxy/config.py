@@ -15,11 +15,12 @@ This module depends on nothing else in pdproxy but its error class. Checks that 
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, ClassVar, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -37,7 +38,7 @@ from pydantic_core import PydanticCustomError
 
 from .errors import ConfigError
 
-__all__ = ["ENV_PREFIX", "GROUPS", "LOG_LEVELS", "Settings", "default", "load_toml", "setting_kind"]
+__all__ = ["ENV_PREFIX", "GROUPS", "LOG_LEVELS", "Settings", "defaults", "load_toml", "setting_kind"]
 
 ENV_PREFIX = "PDPROXY_"
 #: Settings that hold key material: never printed or logged.
@@ -63,6 +64,8 @@ ROUTING_TITLE = "Routing, limits and timeouts"
 #: The error type of a refusal whose message already names the setting.
 REFUSED = "setting"
 
+Default = TypeVar("Default")
+
 
 def _refuse(message: str, **context: object) -> PydanticCustomError:
     """A refusal whose ``message`` (``str.format``-ed with ``context``) names the setting."""
@@ -70,18 +73,21 @@ def _refuse(message: str, **context: object) -> PydanticCustomError:
 
 
 def _setting(
-    default: object,
+    default: Default,
     help: str,
     *,
     flag: str | None = None,
     aliases: tuple[str, ...] = (),
     env_aliases: tuple[str, ...] = (),
-) -> Any:
+) -> Default:
     """A setting's default, help text and CLI spelling (``aliases``: LMDeploy's spellings, so
     existing launch scripts keep working; ``env_aliases``: environment variables read after
-    ``PDPROXY_<NAME>``, such as LMDeploy's)."""
+    ``PDPROXY_<NAME>``, such as LMDeploy's). Typed as its default (pydantic's ``Field`` is
+    typed ``Any`` for the same reason: pydantic reads the field from it), so that mypy checks
+    each default against its setting's type."""
     extra = {"flag": flag, "aliases": list(aliases), "env_aliases": list(env_aliases)}
-    return Field(default, description=help, json_schema_extra=extra)  # type: ignore[arg-type]
+    field: Default = Field(default, description=help, json_schema_extra=extra)  # type: ignore[arg-type]
+    return field
 
 
 # Value types whose checks name the setting (``info.field_name``).
@@ -885,20 +891,21 @@ class Settings(
 ):
     """Configuration of a pdproxy server or embedded router: every group's settings."""
 
-    def __init__(self, **values: Any) -> None:
+    def __init__(self, **values: object) -> None:
         try:
-            super().__init__(**values)
+            # Values of any type: checking them is pydantic's job here, and a refusal is a ConfigError.
+            super().__init__(**values)  # type: ignore[arg-type]
         except ValidationError as e:
             raise ConfigError(settings_message(e)) from None
 
-    def replace(self, **changes: Any) -> Settings:
+    def replace(self, **changes: object) -> Settings:
         """A copy with some fields changed (validated again)."""
         return type(self)(**{**self.model_dump(), **changes})
 
     def to_json(self) -> str:
         return self.model_dump_json()
 
-    def redacted(self) -> dict[str, Any]:
+    def redacted(self) -> dict[str, object]:
         """The settings with key material hidden, for printing and logs (nodes' keys too:
         ``settings_checks.redacted``)."""
         out = self.model_dump(mode="json")
@@ -923,9 +930,10 @@ class Settings(
         return next(group for group in GROUPS if name in group.model_fields)
 
 
-def default(name: str) -> Any:
-    """The default of setting ``name`` (for code that also runs outside ``pdproxy serve``)."""
-    return Settings.model_fields[name].default
+@functools.cache
+def defaults() -> Settings:
+    """Every setting at its default (for code that also runs outside ``pdproxy serve``)."""
+    return Settings()
 
 
 def settings_message(error: ValidationError) -> str:
@@ -954,7 +962,7 @@ def _read_keys(path: str) -> list[str]:
     return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
 
 
-def read_toml(path: str | Path, what: str) -> dict[str, Any]:
+def read_toml(path: str | Path, what: str) -> dict[str, object]:
     """The TOML file at ``path``; a file that cannot be read or parsed is one ``ConfigError``
     naming ``what`` it is (``config file``, ``tenants file``)."""
     try:
@@ -966,7 +974,7 @@ def read_toml(path: str | Path, what: str) -> dict[str, Any]:
         raise ConfigError(f"the {what} {path} is not valid TOML: {e}") from None
 
 
-def load_toml(path: str | Path) -> dict[str, Any]:
+def load_toml(path: str | Path) -> dict[str, object]:
     """Reads a TOML settings file: top-level keys are field names (``nodes = [...]``)."""
     data = read_toml(path, "config file")
     unknown = sorted(set(data) - set(Settings.model_fields))

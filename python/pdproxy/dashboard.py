@@ -6,23 +6,36 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
+    from .pd import PdStatus
     from .supervisor import Supervisor
 
 #: The page, shipped next to this module.
 PAGE = (Path(__file__).parent / "dashboard.html").read_bytes()
 
 
-def data(app: Supervisor) -> dict[str, Any]:
+class DashboardData(TypedDict):
+    """What the page shows, read each second."""
+
+    time: float
+    #: As ``/nodes/status`` shows them.
+    nodes: dict[str, dict[str, object]]
+    queued: int
+    in_flight: int
+    draining: bool
+    pd: PdStatus | None
+
+
+def data(app: Supervisor) -> DashboardData:
     fleet = app.fleet
     pd = fleet.pd.status() if fleet is not None and fleet.pd is not None else None
-    return {
-        "time": time.time(),
-        "nodes": fleet.status() if fleet is not None else {},
-        "queued": app.router.queued if app.router is not None else 0,
-        "in_flight": app.in_flight,
-        "draining": app.draining,
-        "pd": pd,
-    }
+    return DashboardData(
+        time=time.time(),
+        nodes=fleet.status() if fleet is not None else {},
+        queued=app.router.queued if app.router is not None else 0,
+        in_flight=app.in_flight,
+        draining=app.draining,
+        pd=pd,
+    )

@@ -18,7 +18,6 @@ import signal
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import uvloop
 from granian.constants import HTTPModes, Interfaces
@@ -53,13 +52,13 @@ def threads(settings: Settings) -> int:
     return settings.edge_threads or os.cpu_count() or 1
 
 
-def serve(settings: Settings, listener: _pdproxy.EdgeListener, logging_config: dict[str, Any]) -> int:
+def serve(settings: Settings, listener: _pdproxy.EdgeListener, logging_config: dict[str, object]) -> int:
     """Serves until drained; returns the exit status."""
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(_supervise(settings, listener, logging_config))
 
 
-async def _supervise(settings: Settings, listener: _pdproxy.EdgeListener, logging_config: dict[str, Any]) -> int:
+async def _supervise(settings: Settings, listener: _pdproxy.EdgeListener, logging_config: dict[str, object]) -> int:
     app = ProxyApp(settings, tune_gc=True, behind_edge=True)
     workdir = Path(tempfile.mkdtemp(prefix="pdproxy-"))  # mode 0700: the control plane is private
     socket_path = workdir / "control.sock"

@@ -15,17 +15,19 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import aiohttp
 
 from . import background, state_file
+from .background import Work
 from .config import Settings
 from .engine_scraper import EngineScraper
 from .errors import ConfigError, InvalidNode, NodeNotFound, RegistryUnavailable, TerminateFailed
 from .group import Group
-from .health import HealthChecker
+from .health import HealthChecker, HealthSummary
+from .json_types import JsonValue
 from .membership import Entry, Membership
 from .node_record import NodeRecord, configured_nodes
 from .pd import PdAdapter
@@ -33,6 +35,9 @@ from .pd.lmdeploy import DistServe
 from .router import Router
 from .tls import node_session
 from .urls import check_node_url, parse_networks
+
+if TYPE_CHECKING:
+    from ._pdproxy import NodeInfo
 
 log = logging.getLogger("pdproxy.fleet")
 
@@ -238,42 +243,41 @@ class Fleet:
         return normalized
 
     def api_key_of(self, url: str) -> str | None:
-        key = self._attribute_of(url, "api_key")
-        return key if isinstance(key, str) else None
+        node = self._node(url)
+        return None if node is None else node["api_key"]
 
     def bootstrap_port_of(self, url: str) -> int | None:
-        port = self._attribute_of(url, "bootstrap_port")
-        return port if isinstance(port, int) else None
+        node = self._node(url)
+        return None if node is None else node["bootstrap_port"]
 
-    def _attribute_of(self, url: str, name: str) -> object:
-        """One attribute of the registered node ``url`` (``None`` when it is not registered)."""
+    def _node(self, url: str) -> NodeInfo | None:
+        """The registered node ``url`` (``None`` when it is not registered)."""
         try:
-            return self.router.node(url)[name]
+            return self.router.node(url)
         except NodeNotFound:
             return None
 
     def lookup(self, url: str) -> str:
         """The normalised URL of a registered node. Raises ``NodeNotFound``."""
-        return str(self.router.node(url)["url"])
+        return self.router.node(url)["url"]
 
     def state_of(self, url: str) -> str | None:
-        try:
-            return str(self.router.node(url)["state"])
-        except NodeNotFound:
-            return None
+        node = self._node(url)
+        return None if node is None else node["state"]
 
-    def status(self) -> dict[str, dict[str, Any]]:
+    def status(self) -> dict[str, dict[str, object]]:
         """Every node, keyed by URL: LMDeploy's keys (role as its integer, models, unfinished,
-        latency, speed) and pdproxy's."""
-        out: dict[str, dict[str, Any]] = {}
+        latency, speed) and pdproxy's (the record's fields shown, health, counts, lease, engine)."""
+        out: dict[str, dict[str, object]] = {}
         now = time.monotonic()
         health = self.health_summaries()
         for node in self.router.nodes():
             url = node["url"]
             expires = self.leases.get(url)
             lease = None if expires is None else {"ttl": node["lease_ttl"], "expires_in": round(expires - now, 3)}
+            record: Mapping[str, object] = node  # read by field name, whichever fields a record has
             out[url] = {
-                **{name: node[name] for name in NodeRecord.shown_fields()},
+                **{name: record[name] for name in NodeRecord.shown_fields()},
                 "role": ROLE_NUMBERS[node["role"]],
                 "models": node["models"],
                 "unfinished": node["in_flight"],
@@ -307,13 +311,14 @@ class Fleet:
                 out[url]["preserved_sessions"] = sum(1 for e in self.pd.ledger.entries.values() if e.prefill == url)
         return out
 
-    def health_summaries(self) -> dict[str, dict[str, Any]]:
+    def health_summaries(self) -> dict[str, HealthSummary | JsonValue]:
         """What the health checks know of each node: this process's, or in a worker group the
         leader's (as it last published them, `publish_health`)."""
         if self.health.running:
             return {url: h.summary() for url, h in self.health.nodes.items()}
         if self.group is not None:
-            return {e["url"]: e["health"] for e in state_file.load(str(self.group.health_path)) if "health" in e}
+            saved = state_file.load(str(self.group.health_path))
+            return {str(e["url"]): e["health"] for e in saved if "health" in e}
         return {}
 
     def publish_health(self) -> None:
@@ -331,7 +336,7 @@ class Fleet:
 
         self._background(remove(), f"pdproxy-remove {url}")
 
-    def _background(self, work: Coroutine[Any, Any, None], name: str) -> None:
+    def _background(self, work: Work, name: str) -> None:
         """Runs ``work`` until it ends or the fleet closes."""
         task = background.start(work, name)
         self._chores.add(task)

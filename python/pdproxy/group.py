@@ -23,11 +23,11 @@ import shutil
 import tempfile
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, TypedDict
 
 from . import _pdproxy
 
-__all__ = ["GROUP_ENV", "Group", "prepared"]
+__all__ = ["GROUP_ENV", "Group", "GroupSummary", "prepared"]
 
 log = logging.getLogger("pdproxy.group")
 
@@ -60,6 +60,28 @@ def prepared(workers: int) -> Iterator[Path | None]:
         yield directory
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+class SlotUse(TypedDict):
+    """Node slots of the shared table: bound to a node, retired (waiting for reuse), all."""
+
+    bound: int
+    retired: int
+    total: int
+
+
+class GroupSummary(TypedDict):
+    """This worker's view of its group (``/debug/state``, ``/metrics``)."""
+
+    #: This worker's index in the table, and its process.
+    worker: int
+    pid: int
+    leader: bool
+    #: Permits this worker holds now.
+    held: int
+    #: The pids of the attached workers.
+    workers: list[int]
+    slots: SlotUse
 
 
 class Group:
@@ -112,16 +134,16 @@ class Group:
             self._leader_lock.close()
             self._leader_lock = None
 
-    def summary(self) -> dict[str, object]:
+    def summary(self) -> GroupSummary:
         bound, retired = self.table.slots_in_use()
-        return {
-            "worker": self.index,
-            "pid": self.pid,
-            "leader": self.leader,
-            "held": self.table.held(self.index),
-            "workers": [pid for _, pid in self.table.workers()],
-            "slots": {"bound": bound, "retired": retired, "total": self.table.SLOTS},
-        }
+        return GroupSummary(
+            worker=self.index,
+            pid=self.pid,
+            leader=self.leader,
+            held=self.table.held(self.index),
+            workers=[pid for _, pid in self.table.workers()],
+            slots=SlotUse(bound=bound, retired=retired, total=self.table.SLOTS),
+        )
 
     async def run(
         self,

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypedDict
 
 import aiohttp
 
@@ -31,6 +32,16 @@ log = logging.getLogger("pdproxy.health")
 
 #: States the checker sets; `draining` belongs to the operator and leases, so it is left alone.
 CHECKED_STATES = frozenset({"healthy", "unhealthy", "sleeping", "initializing"})
+
+
+class HealthSummary(TypedDict):
+    """A node's health as ``/nodes/status`` shows it."""
+
+    state: str
+    consecutive_failures: int
+    last_error: str | None
+    #: Seconds since its last check.
+    last_check_age: float | None
 
 
 @dataclass
@@ -47,13 +58,13 @@ class NodeHealth:
     #: It has answered a check once: from then on `fall` and `rise` apply.
     answered: bool = False
 
-    def summary(self) -> dict[str, object]:
-        return {
-            "state": self.state,
-            "consecutive_failures": self.failures,
-            "last_error": self.last_error,
-            "last_check_age": None if self.last_check is None else round(time.monotonic() - self.last_check, 3),
-        }
+    def summary(self) -> HealthSummary:
+        return HealthSummary(
+            state=self.state,
+            consecutive_failures=self.failures,
+            last_error=self.last_error,
+            last_check_age=None if self.last_check is None else round(time.monotonic() - self.last_check, 3),
+        )
 
 
 class HealthChecker:

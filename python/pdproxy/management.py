@@ -5,7 +5,7 @@ generated from them. Management only: nothing here runs per inference request.""
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
@@ -15,6 +15,7 @@ from .node_record import INVALID_NODE, NodeAttributes, NodeRecord, validation_fi
 __all__ = [
     "AddNodeAnswer",
     "AddNodeBody",
+    "FreedSession",
     "GcAnswer",
     "GcBody",
     "NodeStatus",
@@ -113,8 +114,14 @@ class TerminateAllAnswer(BaseModel):
     failed: list[str]
 
 
+class FreedSession(BaseModel):
+    prefill: str = Field(description="The prefill node that held it")
+    session_id: int
+    state: str = Field(description="freed, or lost when the node could not be reached")
+
+
 class GcAnswer(BaseModel):
-    freed: list[dict[str, Any]] = Field(description="The preserved sessions freed")
+    freed: list[FreedSession] = Field(description="The preserved sessions freed")
 
 
 def parse_body(model: type[Body], payload: object) -> Body:

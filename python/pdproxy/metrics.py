@@ -5,29 +5,43 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Literal
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from . import __version__
+from .pd.lmdeploy import DistServe
 
 if TYPE_CHECKING:
+    from ._pdproxy import Histogram, NodeSnapshot, TenantSnapshot
+    from .group import GroupSummary
+    from .pd.lmdeploy import DistServeStatus
     from .supervisor import Supervisor
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 STATES = ("healthy", "unhealthy", "draining", "sleeping", "initializing")
+#: How a request sent to a node ended (the node's counts of each).
+OUTCOMES: tuple[Literal["succeeded", "failed", "cancelled"], ...] = ("succeeded", "failed", "cancelled")
+#: A tenant's windows, by what they count.
+WINDOWS: tuple[Literal["requests", "tokens"], ...] = ("requests", "tokens")
+#: The shared table's node slots, by use.
+SLOT_USES: tuple[Literal["bound", "retired", "total"], ...] = ("bound", "retired", "total")
+#: How preserved prefill sessions ended.
+SESSION_ENDS: tuple[Literal["consumed", "freed", "free_failures"], ...] = ("consumed", "freed", "free_failures")
 
 
-def _histogram(name: str, help: str, nodes: list[dict[str, Any]], key: str) -> HistogramMetricFamily:
+def _histogram(
+    name: str, help: str, nodes: list[NodeSnapshot], key: Literal["duration", "ttft", "itl"]
+) -> HistogramMetricFamily:
     family = HistogramMetricFamily(name, help, labels=["node", "role"])
     for node in nodes:
         _add_histogram(family, [node["url"], node["role"]], node["histograms"][key])
     return family
 
 
-def _add_histogram(family: HistogramMetricFamily, labels: list[str], h: dict[str, Any]) -> None:
+def _add_histogram(family: HistogramMetricFamily, labels: list[str], h: Histogram) -> None:
     """One series from the data plane's snapshot (per-bucket counts, +Inf last)."""
     cumulative, buckets = 0, []
     for bound, count in zip([*h["bounds"], float("inf")], h["counts"], strict=True):
@@ -62,7 +76,7 @@ class PdproxyCollector(Collector):
             "pdproxy_node_circuit_open", "1 when the node's circuit is open or half-open", labels=["node"]
         )
         for n in nodes:
-            for outcome in ("succeeded", "failed", "cancelled"):
+            for outcome in OUTCOMES:
                 requests.add_metric([n["url"], n["role"], outcome], n[outcome])
             connect.add_metric([n["url"]], n["connect_failures"])
             events.add_metric([n["url"]], n["events"])
@@ -101,7 +115,7 @@ class PdproxyCollector(Collector):
             yield age
 
         pd = fleet.pd if fleet is not None else None
-        if pd is not None and pd.protocol == "lmdeploy":
+        if isinstance(pd, DistServe):
             yield from _pd_metrics(pd.status())
         if self.app.group is not None:
             yield from _group_metrics(self.app.group.summary())
@@ -110,7 +124,7 @@ class PdproxyCollector(Collector):
             yield from _tenant_metrics(tenants)
 
 
-def _tenant_metrics(tenants: list[dict[str, Any]]) -> Iterator[Metric]:
+def _tenant_metrics(tenants: list[TenantSnapshot]) -> Iterator[Metric]:
     """Per tenant (the tenants file bounds the label's values)."""
     requests = CounterMetricFamily("pdproxy_tenant_requests", "Requests admitted, by tenant", labels=["tenant"])
     errors = CounterMetricFamily("pdproxy_tenant_errors", "Admitted requests that failed", labels=["tenant"])
@@ -135,13 +149,14 @@ def _tenant_metrics(tenants: list[dict[str, Any]]) -> Iterator[Metric]:
             rejected.add_metric([name, limit], count)
         in_flight.add_metric([name], t["in_flight"])
         today.add_metric([name], t["tokens_today"])
-        for kind in ("requests", "tokens"):
-            if t[kind] is not None:
-                remaining.add_metric([name, kind], t[kind]["remaining"])
+        for kind in WINDOWS:
+            window = t[kind]
+            if window is not None:
+                remaining.add_metric([name, kind], window["remaining"])
     yield from (requests, errors, tokens, rejected, in_flight, today, remaining)
 
 
-def _engine_metrics(nodes: list[dict[str, Any]]) -> Iterator[Metric]:
+def _engine_metrics(nodes: list[NodeSnapshot]) -> Iterator[Metric]:
     """What each node's engine last reported (its /metrics, read by pdproxy)."""
     labels = ["node"]
     running = GaugeMetricFamily("pdproxy_engine_running", "Requests the node's engine reports running", labels=labels)
@@ -165,11 +180,12 @@ def _engine_metrics(nodes: list[dict[str, Any]]) -> Iterator[Metric]:
         e, url = n["engine"], [n["url"]]
         failures.add_metric(url, e["failures"])
         restarts.add_metric(url, e["restarts"])
-        if e["age"] is None:
-            continue
-        age.add_metric(url, e["age"])
-        running.add_metric(url, e["running"])
-        waiting.add_metric(url, e["waiting"])
+        reported, running_now, waiting_now = e["age"], e["running"], e["waiting"]
+        if reported is None or running_now is None or waiting_now is None:
+            continue  # never read (the three are known together)
+        age.add_metric(url, reported)
+        running.add_metric(url, running_now)
+        waiting.add_metric(url, waiting_now)
         if e["kv_usage"] is not None:
             kv.add_metric(url, e["kv_usage"])
         if e["prompt_tokens"] and e["cached_tokens"] is not None:
@@ -177,7 +193,7 @@ def _engine_metrics(nodes: list[dict[str, Any]]) -> Iterator[Metric]:
     yield from (running, waiting, kv, hit, age, failures, restarts)
 
 
-def _group_metrics(summary: dict[str, Any]) -> Iterator[Metric]:
+def _group_metrics(summary: GroupSummary) -> Iterator[Metric]:
     """A worker group: node series above are the group's; these say which worker answered."""
     worker = GaugeMetricFamily(
         "pdproxy_group_worker",
@@ -188,12 +204,12 @@ def _group_metrics(summary: dict[str, Any]) -> Iterator[Metric]:
     workers = GaugeMetricFamily("pdproxy_group_workers", "Worker processes attached to the group")
     workers.add_metric([], len(summary["workers"]))
     slots = GaugeMetricFamily("pdproxy_group_node_slots", "Node slots of the shared table, by use", labels=["use"])
-    for use in ("bound", "retired", "total"):
+    for use in SLOT_USES:
         slots.add_metric([use], summary["slots"][use])
     yield from (worker, workers, slots)
 
 
-def _pd_metrics(status: dict[str, Any]) -> Iterator[Metric]:
+def _pd_metrics(status: DistServeStatus) -> Iterator[Metric]:
     links = GaugeMetricFamily("pdproxy_pd_links", "Prefill-decode links by state", labels=["state"])
     handshake = GaugeMetricFamily(
         "pdproxy_pd_handshake_seconds", "Duration of each link's last handshake", labels=["prefill", "decode"]
@@ -209,7 +225,7 @@ def _pd_metrics(status: dict[str, Any]) -> Iterator[Metric]:
     preserved = GaugeMetricFamily("pdproxy_pd_preserved_sessions", "Prefill sessions held until decode takes them")
     preserved.add_metric([], ledger["preserved"])
     ended = CounterMetricFamily("pdproxy_pd_sessions", "Preserved prefill sessions, by how they ended", labels=["end"])
-    for end in ("consumed", "freed", "free_failures"):
+    for end in SESSION_ENDS:
         ended.add_metric([end], ledger[end])
     yield from (links, handshake, preserved, ended)
 

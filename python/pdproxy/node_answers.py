@@ -3,12 +3,10 @@ never more than a bound, so a broken or hostile node cannot make the proxy hold 
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 import aiohttp
 
 from .errors import AnswerTooLarge
+from .json_types import JsonValue, loads
 
 #: Largest answer read from a node's control endpoints.
 ANSWER_LIMIT = 1 << 20
@@ -25,10 +23,10 @@ async def read_limited(response: aiohttp.ClientResponse, limit: int = ANSWER_LIM
     return body
 
 
-async def read_json(response: aiohttp.ClientResponse, limit: int = ANSWER_LIMIT) -> Any:
+async def read_json(response: aiohttp.ClientResponse, limit: int = ANSWER_LIMIT) -> JsonValue:
     """The answer as JSON (``None`` when it is not JSON); raises ``AnswerTooLarge``."""
     body = await read_limited(response, limit)
     try:
-        return json.loads(body.decode("utf-8", errors="replace")) if body.strip() else None
+        return loads(body.decode("utf-8", errors="replace")) if body.strip() else None
     except ValueError:
         return None

@@ -21,6 +21,7 @@ from pydantic_core import PydanticCustomError
 from . import _pdproxy
 from .config import Settings
 from .errors import ConfigError, InvalidNode
+from .json_types import JsonObject
 
 __all__ = ["NodeAttributes", "NodeRecord", "configured_nodes", "validation_field", "validation_message"]
 
@@ -164,7 +165,7 @@ class NodeRecord(NodeAttributes):
         """``text`` with the node's API key hidden."""
         return self.model_copy(update={"api_key": "<hidden>"}).text() if self.api_key else self.text()
 
-    def saved(self) -> dict[str, object]:
+    def saved(self) -> JsonObject:
         """The record as the state file and a shared registry keep it."""
         return self.model_dump()
 

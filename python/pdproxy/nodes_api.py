@@ -11,16 +11,19 @@ import asyncio
 import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import NotRequired, TypedDict
 from urllib.parse import parse_qs
 
 from pydantic import BaseModel
 
+from .asgi_types import HTTPReceive, HTTPScope
 from .errors import DistServeOff, PdproxyError
 from .fleet import Fleet
+from .group import GroupSummary
 from .management import (
     AddNodeAnswer,
     AddNodeBody,
+    FreedSession,
     GcAnswer,
     GcBody,
     NodesStatus,
@@ -32,15 +35,15 @@ from .management import (
     UrlBody,
     parse_body,
 )
-from .pd import PdAdapter
+from .pd import PdAdapter, PdStatus
 from .pd.lmdeploy import DistServe
-from .responses import Receive, Scope, read_json
+from .responses import read_json
 
 #: Management request bodies are small.
 BODY_LIMIT = 64 << 10
 
 #: A handler's answer: its status and a model (or, for routes without a fixed shape, JSON data).
-Handler = Callable[[Fleet, Scope, Receive], Awaitable[tuple[int, object]]]
+Handler = Callable[[Fleet, HTTPScope, HTTPReceive], Awaitable[tuple[int, object]]]
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,7 @@ class Route:
     responses: dict[int, str] = field(default_factory=dict)
 
 
-async def _url_body(scope: Scope, receive: Receive) -> str:
+async def _url_body(scope: HTTPScope, receive: HTTPReceive) -> str:
     payload = await read_json(scope, receive, BODY_LIMIT)
     # LMDeploy's documentation once used `?node_url=`; accept it too.
     query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
@@ -65,28 +68,30 @@ async def _url_body(scope: Scope, receive: Receive) -> str:
     return parse_body(UrlBody, payload).url
 
 
-async def add(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
+async def add(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     body = parse_body(AddNodeBody, await read_json(scope, receive, BODY_LIMIT))
     url, created = await fleet.add(body.record())
     status = fleet.status().get(url)
-    return 200, AddNodeAnswer(url=url, created=created, status=None if status is None else NodeStatus(**status))
+    return 200, AddNodeAnswer(
+        url=url, created=created, status=None if status is None else NodeStatus.model_validate(status)
+    )
 
 
-async def remove(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
+async def remove(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     url = await fleet.remove(await _url_body(scope, receive))
     return 200, RemoveAnswer(url=url, removed=True)
 
 
-async def status(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
+async def status(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     return 200, fleet.status()
 
 
-async def terminate(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
+async def terminate(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     url = await fleet.terminate(await _url_body(scope, receive))
     return 200, TerminateAnswer(url=url, terminated=True)
 
 
-async def terminate_all(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
+async def terminate_all(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     results: dict[str, TerminateResult] = {}
     for url in [n["url"] for n in fleet.router.nodes()]:
         try:
@@ -111,19 +116,40 @@ def _lmdeploy(fleet: Fleet) -> DistServe:
     return pd
 
 
-async def connection_warmup(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
+async def connection_warmup(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     return 200, await _lmdeploy(fleet).warmup()
 
 
-async def distserve_gc(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
+async def distserve_gc(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     payload = await read_json(scope, receive, BODY_LIMIT)
     body = parse_body(GcBody, payload if isinstance(payload, dict) else {})
     freed = await _lmdeploy(fleet).ledger.gc(body.older_than)
-    return 200, GcAnswer(freed=freed)
+    return 200, GcAnswer(freed=[FreedSession(prefill=e.prefill, session_id=e.session_id, state=e.state) for e in freed])
 
 
-async def distserve_status(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
+async def distserve_status(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     return 200, _pd(fleet).status()
+
+
+class NodeCounts(TypedDict):
+    in_flight: int
+    circuit: str
+    state: str
+
+
+class DebugState(TypedDict):
+    """``GET /debug/state``: counts that must return to zero and resources that must not grow
+    (``pd``, ``group`` and ``requests_here`` only with a PD flow, or a worker group)."""
+
+    nodes: dict[str, NodeCounts]
+    queued: int
+    policies: dict[str, str]
+    asyncio_tasks: int
+    open_fds: int | None
+    pd: NotRequired[PdStatus]
+    group: NotRequired[GroupSummary]
+    #: This worker's own requests (the node counts are the group's).
+    requests_here: NotRequired[int]
 
 
 def _open_fds() -> int | None:
@@ -133,19 +159,19 @@ def _open_fds() -> int | None:
         return None
 
 
-async def debug_state(fleet: Fleet, scope: Scope, receive: Receive) -> tuple[int, object]:
+async def debug_state(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     """What the fault tests check after every scenario: counts that must return to zero and
     resources that must not grow."""
-    state: dict[str, Any] = {
-        "nodes": {
-            n["url"]: {"in_flight": n["in_flight"], "circuit": n["circuit"], "state": n["state"]}
+    state = DebugState(
+        nodes={
+            n["url"]: NodeCounts(in_flight=n["in_flight"], circuit=n["circuit"], state=n["state"])
             for n in fleet.router.nodes()
         },
-        "queued": fleet.router.queued,
-        "policies": fleet.router.policies,
-        "asyncio_tasks": len(asyncio.all_tasks()),
-        "open_fds": _open_fds(),
-    }
+        queued=fleet.router.queued,
+        policies=fleet.router.policies,
+        asyncio_tasks=len(asyncio.all_tasks()),
+        open_fds=_open_fds(),
+    )
     if fleet.pd is not None:
         state["pd"] = fleet.pd.status()
     if fleet.group is not None:

@@ -4,8 +4,6 @@ drift from what the proxy does."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from pydantic import BaseModel
 
 from . import __version__
@@ -47,17 +45,20 @@ PROXY_ROUTES: tuple[tuple[str, str, str, dict[int, str]], ...] = (
 )
 
 
-def _responses(statuses: dict[int, str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def _responses(statuses: dict[int, str], answer: dict[str, str] | None = None) -> dict[str, object]:
+    """The responses of an operation: errors in the error body, a 200 in ``answer`` (its schema)."""
+    out: dict[str, object] = {}
     for code, text in statuses.items():
-        entry: dict[str, Any] = {"description": text}
+        entry: dict[str, object] = {"description": text}
         if code >= 400:
             entry["content"] = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
+        elif code == 200 and answer is not None:
+            entry["content"] = {"application/json": {"schema": answer}}
         out[str(code)] = entry
     return out
 
 
-def _model_schema(model: type[BaseModel], components: dict[str, Any]) -> dict[str, Any]:
+def _model_schema(model: type[BaseModel], components: dict[str, object]) -> dict[str, str]:
     """A reference to ``model``'s JSON schema, which (with the models it uses) joins ``components``."""
     generated = model.model_json_schema(ref_template="#/components/schemas/{model}")
     components.update(generated.pop("$defs", {}))
@@ -65,23 +66,23 @@ def _model_schema(model: type[BaseModel], components: dict[str, Any]) -> dict[st
     return {"$ref": f"#/components/schemas/{model.__name__}"}
 
 
-def schema() -> dict[str, Any]:
-    paths: dict[str, dict[str, Any]] = {}
-    components: dict[str, Any] = {"Error": _ERROR}
+def schema() -> dict[str, object]:
+    """The OpenAPI document."""
+    paths: dict[str, dict[str, object]] = {}
+    components: dict[str, object] = {"Error": _ERROR}
     for method, path, summary, statuses in PROXY_ROUTES:
         paths.setdefault(path, {})[method.lower()] = {"summary": summary, "responses": _responses(statuses)}
     for route in ROUTES:
-        operation: dict[str, Any] = {
+        statuses = {**route.responses, 401: "Missing or wrong admin key"}
+        body = None if route.body is None else _model_schema(route.body, components)
+        answer = None if route.answer is None else _model_schema(route.answer, components)
+        operation: dict[str, object] = {
             "summary": route.summary,
             "tags": ["nodes"],
-            "responses": _responses({**route.responses, 401: "Missing or wrong admin key"}),
+            "responses": _responses(statuses, answer),
         }
-        if route.body is not None:
-            body = _model_schema(route.body, components)
+        if body is not None:
             operation["requestBody"] = {"required": True, "content": {"application/json": {"schema": body}}}
-        if route.answer is not None:
-            answer = _model_schema(route.answer, components)
-            operation["responses"]["200"]["content"] = {"application/json": {"schema": answer}}
         paths.setdefault(route.path, {})[route.method.lower()] = operation
     return {
         "openapi": "3.1.0",

@@ -10,10 +10,11 @@ import asyncio
 import json
 import uuid
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from ._pdproxy import Response, TenantTicket, Trace
 from .access import AccessLog, Record
+from .asgi_types import HTTPReceive, HTTPScope, Send, SendMessage
 from .auth import bearer
 from .errors import (
     ClientGone,
@@ -27,7 +28,7 @@ from .errors import (
 )
 from .pd import PdAdapter
 from .pd.relay import PdRequest, with_echo
-from .responses import Receive, Scope, Send, check_media_type, read_body, send_error
+from .responses import check_media_type, read_body, send_error
 from .router import Router
 from .tracing import current_trace_id, trace_id_of
 
@@ -46,7 +47,7 @@ class ClientWatch:
 
     __slots__ = ("_on_disconnect", "_receive", "_task", "_timer", "gone")
 
-    def __init__(self, receive: Receive, delay: float) -> None:
+    def __init__(self, receive: HTTPReceive, delay: float) -> None:
         self.gone = False
         self._on_disconnect: Callable[[], object] | None = None
         self._receive = receive
@@ -90,7 +91,7 @@ class ClientHeaders(NamedTuple):
         return self.via is not None and instance.encode() in (i.strip() for i in self.via.split(b","))
 
 
-def upstream_headers(scope: Scope) -> ClientHeaders:
+def upstream_headers(scope: HTTPScope) -> ClientHeaders:
     """The client's headers plus the proxy's: ``x-request-id`` (the client's, or a new one)
     and ``X-Forwarded-For/Host/Proto``; with the few the handler reads, in one pass. The data
     plane drops hop-by-hop headers and the client's key (``authorization``, ``x-api-key``)."""
@@ -142,7 +143,7 @@ def _integer(value: bytes) -> int | None:
         return None
 
 
-def _raw_path(scope: Scope) -> str:
+def _raw_path(scope: HTTPScope) -> str:
     raw = scope.get("raw_path")
     return raw.decode("latin-1") if raw else str(scope["path"])
 
@@ -169,8 +170,8 @@ def _is_event_stream(headers: list[tuple[bytes, bytes]]) -> bool:
 async def forward(
     router: Router,
     max_body_size: int,
-    scope: Scope,
-    receive: Receive,
+    scope: HTTPScope,
+    receive: HTTPReceive,
     send: Send,
     *,
     body_timeout: float,
@@ -222,7 +223,7 @@ async def forward(
 def _counted(ticket: TenantTicket, send: Send) -> Send:
     """Counts an error answer in the tenant's errors."""
 
-    async def observed(message: dict[str, Any]) -> None:
+    async def observed(message: SendMessage) -> None:
         if message["type"] == "http.response.start" and message["status"] >= 500:
             ticket.fail()
         await send(message)
@@ -233,7 +234,7 @@ def _counted(ticket: TenantTicket, send: Send) -> Send:
 def _traced_send(trace: Trace, send: Send) -> Send:
     """Notes the answer's status on the request's root span."""
 
-    async def observed(message: dict[str, Any]) -> None:
+    async def observed(message: SendMessage) -> None:
         if message["type"] == "http.response.start":
             trace.annotate({"http.response.status_code": str(message["status"])})
             if message["status"] >= 500:
@@ -246,8 +247,8 @@ def _traced_send(trace: Trace, send: Send) -> Send:
 async def _serve(
     router: Router,
     max_body_size: int,
-    scope: Scope,
-    receive: Receive,
+    scope: HTTPScope,
+    receive: HTTPReceive,
     send: Send,
     require_model: bool,
     pd: PdAdapter | None,
@@ -302,8 +303,8 @@ async def _serve(
 
 async def _forward_admitted(
     router: Router,
-    scope: Scope,
-    receive: Receive,
+    scope: HTTPScope,
+    receive: HTTPReceive,
     send: Send,
     pd: PdAdapter | None,
     body: bytes,
@@ -366,7 +367,7 @@ async def _disaggregated(
     path: str,
     body: bytes,
     headers: list[tuple[bytes, bytes]],
-    receive: Receive,
+    receive: HTTPReceive,
     send: Send,
     echo: list[tuple[bytes, bytes]],
     trace: Trace | None,

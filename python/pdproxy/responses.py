@@ -4,9 +4,8 @@ each, so every endpoint answers the same way."""
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable
-from typing import Any
 
+from .asgi_types import Headers, HTTPReceive, HTTPScope, Send
 from .errors import (
     ClientGone,
     InvalidRequest,
@@ -14,34 +13,30 @@ from .errors import (
     RequestTooLarge,
     UnsupportedMediaType,
 )
-
-Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+from .json_types import JsonValue, loads
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
-async def send_json(send: Send, status: int, payload: object, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_json(send: Send, status: int, payload: object, headers: Headers | None = None) -> None:
     await send({"type": "http.response.start", "status": status, "headers": headers or JSON_HEADERS})
     await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
 
 
-async def send_error(send: Send, error: PdproxyError, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+async def send_error(send: Send, error: PdproxyError, extra: Headers | None = None) -> None:
     headers = error.headers() + (extra or [])
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": error.body()})
 
 
-def header(scope: Scope, name: bytes) -> bytes | None:
+def header(scope: HTTPScope, name: bytes) -> bytes | None:
     for key, value in scope["headers"]:
         if key == name:
             return bytes(value)
     return None
 
 
-def require_json(scope: Scope) -> None:
+def require_json(scope: HTTPScope) -> None:
     """Refuses a body declared as something other than JSON (no declaration is accepted)."""
     check_media_type(header(scope, b"content-type"))
 
@@ -54,7 +49,7 @@ def check_media_type(content_type: bytes | None) -> None:
         raise UnsupportedMediaType(f"the request body must be JSON, not {media.decode('latin-1')}")
 
 
-async def read_body(receive: Receive, limit: int, declared: bytes | None) -> bytes:
+async def read_body(receive: HTTPReceive, limit: int, declared: bytes | None) -> bytes:
     """The whole request body, refused past ``limit`` bytes (``declared``: its content-length
     header) while it is read."""
     if declared is not None:
@@ -86,12 +81,12 @@ async def read_body(receive: Receive, limit: int, declared: bytes | None) -> byt
     return b"".join(parts)
 
 
-async def read_json(scope: Scope, receive: Receive, limit: int) -> Any:
+async def read_json(scope: HTTPScope, receive: HTTPReceive, limit: int) -> JsonValue:
     require_json(scope)
     body = await read_body(receive, limit, header(scope, b"content-length"))
     if not body.strip():
         return None
     try:
-        return json.loads(body)
+        return loads(body)
     except ValueError as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None

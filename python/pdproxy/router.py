@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from . import _pdproxy
 from .config import Settings
@@ -23,11 +23,35 @@ from .errors import NoNodeAvailable
 from .node_record import NodeRecord, configured_nodes
 from .settings_checks import checked
 
-__all__ = ["Router"]
+if TYPE_CHECKING:
+    from ._pdproxy import Histogram, NodeInfo, NodeSnapshot, RoutingFields
+
+__all__ = ["NodeSummary", "Router", "RouterStats"]
 
 Headers = Sequence[tuple[bytes, bytes]]
-#: The fields of a node in ``Router.summary()``.
-SUMMARY_FIELDS = ("url", "role", "state", "models", "in_flight", "requests", "succeeded", "failed", "mean_latency")
+
+
+class NodeSummary(TypedDict):
+    """A node as a person reads it first (``Router.summary()``)."""
+
+    url: str
+    role: str
+    state: str
+    models: list[str]
+    in_flight: int
+    requests: int
+    succeeded: int
+    failed: int
+    #: Seconds (None until a request has succeeded).
+    mean_latency: float | None
+
+
+class RouterStats(TypedDict):
+    """Nodes, queue and policies in one snapshot (``Router.stats()``)."""
+
+    nodes: list[NodeSnapshot]
+    queued: int
+    policies: dict[str, str]
 
 
 class Router:
@@ -45,7 +69,7 @@ class Router:
         *,
         settings: Settings | None = None,
         group: tuple[_pdproxy.SharedTable, int] | None = None,
-        **overrides: Any,
+        **overrides: object,
     ) -> None:
         base = settings or Settings()
         self.settings = checked(base.replace(**overrides) if overrides else base)
@@ -106,7 +130,7 @@ class Router:
         """Requests waiting for a node with room."""
         return self._core.queued
 
-    def queue_wait(self) -> dict[str, Any]:
+    def queue_wait(self) -> Histogram:
         """How long queued requests waited (a histogram: ``bounds`` in seconds, per-bucket
         ``counts`` with +Inf last, ``sum``, ``count``)."""
         return self._core.queue_wait()
@@ -147,7 +171,7 @@ class Router:
             self._discovery.forget(url)
         return url
 
-    def node(self, url: str) -> dict[str, Any]:
+    def node(self, url: str) -> NodeInfo:
         """One node: its record (``api_key`` included, ``declared_models`` as registered,
         ``models`` as it serves them), ``state``, ``circuit`` and ``in_flight``. Raises
         ``NodeNotFound``."""
@@ -184,18 +208,30 @@ class Router:
         """Sets (or with ``None`` lifts) a node's hard cap on requests in flight."""
         self._core.set_max_concurrency(url, max_concurrency)
 
-    def nodes(self) -> list[dict[str, Any]]:
+    def nodes(self) -> list[NodeSnapshot]:
         """One snapshot of every node: url, role, models, state, in_flight, counts, latencies."""
         return self._core.nodes()
 
-    def summary(self) -> list[dict[str, Any]]:
-        """Per node, what a person reads first: url, role, state, models, in_flight, requests,
-        succeeded, failed, mean_latency (``nodes()`` has everything, histograms included)."""
-        return [{name: node[name] for name in SUMMARY_FIELDS} for node in self._core.nodes()]
+    def summary(self) -> list[NodeSummary]:
+        """Per node, what a person reads first (``nodes()`` has everything, histograms included)."""
+        return [
+            NodeSummary(
+                url=node["url"],
+                role=node["role"],
+                state=node["state"],
+                models=node["models"],
+                in_flight=node["in_flight"],
+                requests=node["requests"],
+                succeeded=node["succeeded"],
+                failed=node["failed"],
+                mean_latency=node["mean_latency"],
+            )
+            for node in self._core.nodes()
+        ]
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> RouterStats:
         """Nodes, queue and policies in one snapshot."""
-        return {"nodes": self._core.nodes(), "queued": self._core.queued, "policies": self.policies}
+        return RouterStats(nodes=self._core.nodes(), queued=self._core.queued, policies=self.policies)
 
     def models(self) -> list[str]:
         """The models served by the registered nodes, deduplicated."""
@@ -206,13 +242,14 @@ class Router:
         return self._core.select(model, role, affinity)
 
     @staticmethod
-    def inspect(body: bytes) -> dict[str, Any]:
+    def inspect(body: bytes) -> RoutingFields:
         """The routing fields of a request body (model, stream, n, user, session_id, max_tokens)."""
         return _pdproxy.Router.inspect(body)
 
     @staticmethod
-    def patch(body: bytes, set: Mapping[str, Any] | None = None, remove: Sequence[str] = ()) -> bytes:
-        """A copy of ``body`` with top-level members set or removed; the rest keeps its bytes."""
+    def patch(body: bytes, set: Mapping[str, object] | None = None, remove: Sequence[str] = ()) -> bytes:
+        """A copy of ``body`` with top-level members set (to values ``json.dumps`` encodes) or
+        removed; the rest keeps its bytes."""
         members = [(key, json.dumps(value)) for key, value in (set or {}).items()]
         return _pdproxy.Router.patch(body, members, list(remove))
 

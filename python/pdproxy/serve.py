@@ -73,16 +73,11 @@ def serve(settings: Settings) -> int:
             # A worker that dies is replaced; the group's leader hands back the permits it held.
             respawn_failed_workers=True,
             respawn_interval=RESPAWN_INTERVAL,
-            **_granian_tls(settings),
+            # HTTPS with the same certificate as the Rust edge would serve (``--ssl``).
+            ssl_cert=Path(settings.ssl_certfile) if settings.ssl else None,
+            ssl_key=Path(settings.ssl_keyfile) if settings.ssl else None,
         ).serve()
     return 0
-
-
-def _granian_tls(settings: Settings) -> dict[str, Any]:
-    """granian serves HTTPS with the same certificate as the Rust edge would (``--ssl``)."""
-    if not settings.ssl:
-        return {}
-    return {"ssl_cert": Path(settings.ssl_certfile), "ssl_key": Path(settings.ssl_keyfile)}
 
 
 def _warn_if_open(settings: Settings) -> None:
@@ -110,8 +105,9 @@ def _refuse_taken_port(settings: Settings) -> None:
             raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror}") from None
 
 
-def _logging_config(level: str, behind_edge: bool = False) -> dict[str, Any]:
+def _logging_config(level: str, behind_edge: bool = False) -> dict[str, object]:
     """granian's logging setup plus pdproxy's logger, so both print the same way."""
+    # granian's `dictConfig` document: nested dicts its own code leaves untyped.
     config: dict[str, Any] = copy.deepcopy(LOGGING_CONFIG)
     # pdproxy's own handler, so lines logged while serving a traced request carry its trace id.
     config["filters"] = {**config.get("filters", {}), "trace_id": {"()": TraceIdFilter}}

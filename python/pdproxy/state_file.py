@@ -8,15 +8,17 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+
+from .json_types import JsonObject, loads
 
 log = logging.getLogger("pdproxy.state")
 
 VERSION = 1
 
 
-def save(path: str, nodes: list[dict[str, Any]]) -> None:
+def save(path: str, nodes: Sequence[Mapping[str, object]]) -> None:
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
@@ -32,11 +34,11 @@ def save(path: str, nodes: list[dict[str, Any]]) -> None:
         raise
 
 
-def load(path: str) -> list[dict[str, Any]]:
+def load(path: str) -> list[JsonObject]:
     """The saved nodes; none when the file does not exist. A damaged file is reported and
     ignored rather than keeping the proxy from starting."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = loads(Path(path).read_text())
     except FileNotFoundError:
         return []
     except (OSError, ValueError) as e:

@@ -26,7 +26,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 from .config import read_toml
 from .errors import ConfigError
@@ -36,11 +36,30 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdproxy.tenants")
 
-_LIMITS = ("rpm", "tpm", "concurrency", "daily_tokens")
-_FIELDS = {"keys", "priority", "priority_limit", *_LIMITS}
+
+class TenantLimits(TypedDict):
+    """A tenant's limits (None: no such limit) and priorities, as the file gives them."""
+
+    rpm: int | None
+    tpm: int | None
+    concurrency: int | None
+    daily_tokens: int | None
+    priority: int
+    priority_limit: int
 
 
-def load(path: str | Path) -> list[dict[str, Any]]:
+class TenantEntry(TenantLimits):
+    """One tenant of the file, as the data plane takes it (``set_tenants``, ``rust/src/py/tenants.rs``)."""
+
+    name: str
+    keys: list[str]
+
+
+#: What a tenant's table may hold.
+_FIELDS = frozenset(TenantEntry.__annotations__) - {"name"}
+
+
+def load(path: str | Path) -> list[TenantEntry]:
     """The tenants of the file at ``path``, checked; raises ``ConfigError`` naming the problem."""
     data = read_toml(path, "tenants file")
     extra = set(data) - {"tenants"}
@@ -49,7 +68,7 @@ def load(path: str | Path) -> list[dict[str, Any]]:
     tenants = data.get("tenants", {})
     if not isinstance(tenants, dict):
         raise ConfigError(f"the tenants file {path}: [tenants.NAME] tables are expected")
-    entries: list[dict[str, Any]] = []
+    entries: list[TenantEntry] = []
     seen: dict[str, str] = {}
     for name, table in tenants.items():
         where = f"tenant {name!r} in {path}"
@@ -65,19 +84,34 @@ def load(path: str | Path) -> list[dict[str, Any]]:
             if key in seen:
                 raise ConfigError(f"{where} repeats a key of tenant {seen[key]!r}")
             seen[key] = name
-        entry: dict[str, Any] = {"name": name, "keys": keys}
-        for limit in _LIMITS:
-            value = table.get(limit)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ConfigError(f"{where}: {limit} must be a positive integer, got {value!r}")
-            entry[limit] = value
-        for field in ("priority", "priority_limit"):
-            value = table.get(field, entry.get("priority", 0))
-            if not isinstance(value, int) or isinstance(value, bool) or not -(2**31) <= value < 2**31:
-                raise ConfigError(f"{where}: {field} must be an integer, got {value!r}")
-            entry[field] = value
-        entries.append(entry)
+        priority = _priority(table, "priority", 0, where)
+        entries.append(
+            TenantEntry(
+                name=name,
+                keys=keys,
+                rpm=_limit(table, "rpm", where),
+                tpm=_limit(table, "tpm", where),
+                concurrency=_limit(table, "concurrency", where),
+                daily_tokens=_limit(table, "daily_tokens", where),
+                priority=priority,
+                priority_limit=_priority(table, "priority_limit", priority, where),
+            )
+        )
     return entries
+
+
+def _limit(table: dict[str, object], name: str, where: str) -> int | None:
+    value = table.get(name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise ConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def _priority(table: dict[str, object], name: str, default: int, where: str) -> int:
+    value = table.get(name, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not -(2**31) <= value < 2**31:
+        raise ConfigError(f"{where}: {name} must be an integer, got {value!r}")
+    return value
 
 
 class TenantsFile:
@@ -214,6 +248,6 @@ class UsageSync:
                 self.router.core.absorb_tenant_usage(name, grown_requests, grown_tokens)
 
 
-def usage(router: Router) -> dict[str, Any]:
-    """``GET /usage``: every tenant's limits, current window, budget and counts."""
-    return {"tenants": {t.pop("name"): t for t in router.core.tenants()}}
+def usage(router: Router) -> dict[str, dict[str, dict[str, object]]]:
+    """``GET /usage``: every tenant's limits, current window, budget and counts, by name."""
+    return {"tenants": {t["name"]: {k: v for k, v in t.items() if k != "name"} for t in router.core.tenants()}}

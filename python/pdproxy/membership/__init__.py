@@ -8,16 +8,27 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TypeAlias, TypedDict, Unpack
 from urllib.parse import urlsplit
 
 from pdproxy.errors import ConfigError, RegistryUnavailable
+from pdproxy.json_types import JsonObject
 
-__all__ = ["Entry", "Membership", "OnChange", "RegistryUnavailable", "check_url", "from_url"]
+__all__ = ["Entry", "Membership", "OnChange", "RegistryOptions", "RegistryUnavailable", "check_url", "from_url"]
 
-#: One node registration: a JSON-able dict with at least "url" (str); may have "lease_ttl" (seconds or None).
-Entry = dict[str, Any]
-OnChange = Callable[[list[Entry]], Awaitable[None]]
+#: One node registration (a saved ``NodeRecord``): at least "url" (str); may have "lease_ttl"
+#: (seconds or None).
+Entry: TypeAlias = JsonObject
+OnChange: TypeAlias = Callable[[list[Entry]], Awaitable[None]]
+
+
+class RegistryOptions(TypedDict, total=False):
+    """How a shared registry is used (the ``registry_*`` settings; each has its default)."""
+
+    namespace: str
+    reconcile_interval: float
+    timeout: float
+    max_backoff: float
 
 
 class Membership(abc.ABC):
@@ -63,7 +74,7 @@ def check_url(url: str) -> None:
         raise ConfigError(f"--registry {url!r} needs the redis package: pip install 'pdproxy[redis]' ({e})") from None
 
 
-def from_url(url: str, **options: Any) -> Membership:
+def from_url(url: str, **options: Unpack[RegistryOptions]) -> Membership:
     """The backend for a ``--registry`` URL; ``options`` go to its constructor."""
     check_url(url)
     try:

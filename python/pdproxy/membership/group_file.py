@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from pdproxy import _pdproxy, background, state_file
 from pdproxy.membership import Entry, Membership, OnChange
@@ -47,13 +46,14 @@ class GroupFileMembership(Membership):
         await background.stop(self._task)
 
     async def put(self, entry: Entry) -> None:
-        ttl = entry.get("lease_ttl")
-        stored = {**entry, "lease_deadline": time.time() + ttl if ttl is not None else None}
+        url, ttl = str(entry["url"]), entry.get("lease_ttl")
+        deadline = time.time() + ttl if isinstance(ttl, int | float) else None
+        stored: Entry = {**entry, "lease_deadline": deadline}
         with self._locked():
             entries = self._read()
-            if entries.get(entry["url"]) == stored:
+            if entries.get(url) == stored:
                 return  # the same registration again (each worker adds the configured nodes)
-            entries[entry["url"]] = stored
+            entries[url] = stored
             self._write(entries)
 
     async def delete(self, url: str) -> None:
@@ -67,7 +67,8 @@ class GroupFileMembership(Membership):
         out = []
         for stored in self._read().values():
             entry = dict(stored)
-            deadline = entry.pop("lease_deadline", None)
+            deadline = _deadline(entry)
+            entry.pop("lease_deadline", None)
             if deadline is not None and deadline <= now:
                 continue
             entry["lease_remaining"] = None if deadline is None else deadline - now
@@ -79,9 +80,7 @@ class GroupFileMembership(Membership):
         now = time.time()
         with self._locked():
             entries = self._read()
-            gone = [
-                url for url, e in entries.items() if e.get("lease_deadline") is not None and e["lease_deadline"] <= now
-            ]
+            gone = [url for url, e in entries.items() if (deadline := _deadline(e)) is not None and deadline <= now]
             for url in gone:
                 del entries[url]
             if gone:
@@ -112,9 +111,15 @@ class GroupFileMembership(Membership):
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def _read(self) -> dict[str, dict[str, Any]]:
-        return {e["url"]: e for e in state_file.load(str(self._path))}
+    def _read(self) -> dict[str, Entry]:
+        return {str(e["url"]): e for e in state_file.load(str(self._path))}
 
-    def _write(self, entries: dict[str, dict[str, Any]]) -> None:
+    def _write(self, entries: dict[str, Entry]) -> None:
         state_file.save(str(self._path), list(entries.values()))
         self._table.bump_epoch()
+
+
+def _deadline(entry: Entry) -> float | None:
+    """When a stored entry's lease runs out (``time.time()`` seconds), if it has a lease."""
+    deadline = entry.get("lease_deadline")
+    return deadline if isinstance(deadline, int | float) else None

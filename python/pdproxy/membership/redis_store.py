@@ -52,7 +52,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from pdproxy.config import default
+from pdproxy.config import defaults
 from pdproxy.errors import ConfigError, InvalidRequest, RegistryUnavailable
 from pdproxy.membership import Entry, Membership, OnChange
 
@@ -120,10 +120,10 @@ class RedisMembership(Membership):
         self,
         url: str,
         *,
-        namespace: str = default("registry_namespace"),
-        reconcile_interval: float = default("registry_reconcile_interval"),
-        timeout: float = default("registry_timeout"),
-        max_backoff: float = default("registry_max_backoff"),
+        namespace: str = defaults().registry_namespace,
+        reconcile_interval: float = defaults().registry_reconcile_interval,
+        timeout: float = defaults().registry_timeout,
+        max_backoff: float = defaults().registry_max_backoff,
     ) -> None:
         for name, value in (
             ("reconcile_interval", reconcile_interval),
@@ -188,7 +188,8 @@ class RedisMembership(Membership):
         if not isinstance(url, str) or not url:
             raise InvalidRequest("a node registration needs a url")
         ttl = entry.get("lease_ttl")
-        if ttl is not None and (_lease_ttl(entry) is None or not 0 < ttl <= _MAX_LEASE):
+        lease = _lease_ttl(entry)
+        if ttl is not None and (lease is None or not 0 < lease <= _MAX_LEASE):
             raise InvalidRequest(f"lease_ttl must be a number of seconds above 0 and up to a year, not {ttl!r}")
         stored = {k: v for k, v in entry.items() if k != "lease_remaining"}  # computed, never stored
         try:
@@ -198,10 +199,10 @@ class RedisMembership(Membership):
 
         def write(pipe: Pipeline) -> None:
             pipe.hset(self._nodes, url, raw)
-            if ttl is None:
+            if lease is None:
                 pipe.delete(self._lease_key(url))
             else:
-                pipe.set(self._lease_key(url), "1", px=max(1, round(ttl * 1000)))
+                pipe.set(self._lease_key(url), "1", px=max(1, round(lease * 1000)))
             pipe.publish(self._channel, url)
 
         await self._write(f"register {url}", write)
@@ -332,9 +333,8 @@ class RedisMembership(Membership):
                 await self._reseed(self._known)
                 instance, rows = await self._read(claim=True)
             self._instance = instance
-        for row in rows.values():
+        for url, row in rows.items():
             if row.expired:
-                url = row.entry["url"]
                 await self._expire(keys=[self._nodes, self._lease_key(url)], args=[url, row.raw, self._channel])
         live = {url: row for url, row in rows.items() if not row.expired}
         self._known = live

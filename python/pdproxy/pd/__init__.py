@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from pdproxy.config import Settings
 from pdproxy.router import Router
@@ -18,7 +18,14 @@ from .relay import PdRequest
 if TYPE_CHECKING:
     from pdproxy.fleet import Fleet
 
-__all__ = ["PdAdapter", "make_adapter"]
+    from .lmdeploy import DistServeStatus
+    from .sglang import SglangStatus
+    from .vllm import VllmStatus
+
+__all__ = ["PdAdapter", "PdStatus", "make_adapter"]
+
+#: What a flow shows of itself (``/distserve/status``, ``/debug/state``, the dashboard).
+PdStatus: TypeAlias = "DistServeStatus | VllmStatus | SglangStatus"
 
 
 class PdAdapter(Protocol):
@@ -39,8 +46,8 @@ class PdAdapter(Protocol):
     def node_removed(self, url: str) -> None:
         """A node left the fleet: what the flow keeps of it goes."""
 
-    def status(self) -> dict[str, Any]:
-        """What ``/distserve/status`` and ``/debug/state`` show of it (JSON)."""
+    def status(self) -> PdStatus:
+        """What ``/distserve/status`` and ``/debug/state`` show of it."""
 
     async def handle(self, request: PdRequest) -> None:
         """Serves one request: its prefill on a prefill node, its decode on a decode node."""

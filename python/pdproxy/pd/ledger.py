@@ -20,7 +20,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import aiohttp
 
@@ -42,6 +42,17 @@ class Preserved:
     state: str = "preserved"  # preserved -> consumed | freeing -> freed | lost (| preserved again)
     #: The prefill node's key when the session was preserved: still known once the node is removed.
     api_key: str | None = field(default=None, repr=False)
+
+
+class LedgerStatus(TypedDict):
+    """The ledger in ``/distserve/status``: sessions held now, the oldest one's age (seconds),
+    and how the others ended."""
+
+    preserved: int
+    oldest_age: float | None
+    consumed: int
+    freed: int
+    free_failures: int
 
 
 class SessionLedger:
@@ -171,22 +182,23 @@ class SessionLedger:
         leaving = [e for e in self.entries.values() if e.prefill == url and e.state == "preserved"]
         await asyncio.gather(*(self.free(e, "its prefill node was removed", keep_if_unreachable=True) for e in leaving))
 
-    async def gc(self, older_than: float = 0.0) -> list[dict[str, Any]]:
-        """Frees every entry older than ``older_than`` seconds; reports what it freed."""
+    async def gc(self, older_than: float = 0.0) -> list[Preserved]:
+        """Frees every entry older than ``older_than`` seconds; returns them, each in the state
+        it ended in (``freed`` or ``lost``)."""
         now = time.monotonic()
         stale = [e for e in self.entries.values() if now - e.created >= older_than and e.state == "preserved"]
         await asyncio.gather(*(self.free(e, "gc") for e in stale))
-        return [{"prefill": e.prefill, "session_id": e.session_id, "state": e.state} for e in stale]
+        return stale
 
-    def status(self) -> dict[str, Any]:
+    def status(self) -> LedgerStatus:
         now = time.monotonic()
-        return {
-            "preserved": len(self.entries),
-            "oldest_age": max((now - e.created for e in self.entries.values()), default=None),
-            "consumed": self.consumed,
-            "freed": self.freed,
-            "free_failures": self.free_failures,
-        }
+        return LedgerStatus(
+            preserved=len(self.entries),
+            oldest_age=max((now - e.created for e in self.entries.values()), default=None),
+            consumed=self.consumed,
+            freed=self.freed,
+            free_failures=self.free_failures,
+        )
 
     async def _sweep(self) -> None:
         while True:

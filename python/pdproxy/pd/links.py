@@ -22,14 +22,15 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import aiohttp
 
 from pdproxy.errors import HandshakeError, LinkFailed
+from pdproxy.json_types import JsonObject, JsonValue, loads
 from pdproxy.tls import node_session
 
 log = logging.getLogger("pdproxy.pd")
@@ -38,6 +39,41 @@ STATUS_SUCCESS = 1
 #: LMDeploy's integer enums (MigrationProtocol, RDMALinkType), as its proxy sends them.
 PROTOCOLS = {"TCP": 1, "RDMA": 2, "NVLINK": 3}
 LINK_TYPES = {"IB": 1, "RoCE": 2}
+
+
+class RdmaConfig(TypedDict):
+    """LMDeploy's ``DistServeRDMAConfig``."""
+
+    with_gdr: bool
+    link_type: int
+
+
+class TransportFields(TypedDict):
+    """The transport fields of LMDeploy's ``p2p_initialize`` body (its enums as integers)."""
+
+    protocol: int
+    tcp_config: None
+    rdma_config: RdmaConfig
+    nvlink_config: None
+
+
+class LinkSummary(TypedDict):
+    """One prefill-decode link, as ``/distserve/status`` shows it."""
+
+    prefill: str
+    decode: str
+    #: connecting, connected or failed.
+    state: str
+    last_error: str | None
+    handshake_seconds: float | None
+    attempts: int
+
+
+class WarmupAnswer(TypedDict):
+    """``POST /distserve/connection_warmup``: every pair's link, and how many are connected."""
+
+    links: list[LinkSummary]
+    connected: int
 
 
 @dataclass(frozen=True)
@@ -53,15 +89,15 @@ class Transport:
     def protocol_number(self) -> int:
         return PROTOCOLS[self.protocol]
 
-    def init_fields(self) -> dict[str, Any]:
+    def init_fields(self) -> TransportFields:
         """What ``p2p_initialize`` carries besides the engines: LMDeploy's proxy always sends its
         RDMA settings (for NVLINK too) and no TCP or NVLink settings."""
-        return {
-            "protocol": self.protocol_number,
-            "tcp_config": None,
-            "rdma_config": {"with_gdr": self.with_gdr, "link_type": LINK_TYPES[self.link_type]},
-            "nvlink_config": None,
-        }
+        return TransportFields(
+            protocol=self.protocol_number,
+            tcp_config=None,
+            rdma_config=RdmaConfig(with_gdr=self.with_gdr, link_type=LINK_TYPES[self.link_type]),
+            nvlink_config=None,
+        )
 
 
 @dataclass
@@ -74,22 +110,22 @@ class Link:
     attempts: int = 0
     task: asyncio.Task[None] | None = field(default=None, repr=False)
 
-    def summary(self) -> dict[str, Any]:
-        return {
-            "prefill": self.prefill,
-            "decode": self.decode,
-            "state": self.state,
-            "last_error": self.last_error,
-            "handshake_seconds": self.handshake_seconds,
-            "attempts": self.attempts,
-        }
+    def summary(self) -> LinkSummary:
+        return LinkSummary(
+            prefill=self.prefill,
+            decode=self.decode,
+            state=self.state,
+            last_error=self.last_error,
+            handshake_seconds=self.handshake_seconds,
+            attempts=self.attempts,
+        )
 
 
-def parse_engine_info(payload: Any) -> dict[str, Any]:
+def parse_engine_info(payload: JsonValue) -> JsonObject:
     """LMDeploy double-encodes engine_info (a JSON string holding JSON); accept that and a
     plain object."""
     if isinstance(payload, str):
-        payload = json.loads(payload)
+        payload = loads(payload)
     if not isinstance(payload, dict) or "tp_size" not in payload:
         raise ValueError("engine_info is not an object with tp_size")
     return payload
@@ -154,7 +190,7 @@ class LinkPool:
         if link.state != "connected":
             raise LinkFailed(f"the prefill and decode nodes could not be connected: {link.last_error}")
 
-    async def warmup(self, prefills: Iterable[str], decodes: Iterable[str], concurrency: int) -> dict[str, Any]:
+    async def warmup(self, prefills: Iterable[str], decodes: Iterable[str], concurrency: int) -> WarmupAnswer:
         limit = asyncio.Semaphore(concurrency)
         pairs = [(p, d) for p in prefills for d in decodes]
 
@@ -165,7 +201,7 @@ class LinkPool:
 
         await asyncio.gather(*(one(p, d) for p, d in pairs))
         states = [self.links[pair].summary() for pair in pairs if pair in self.links]
-        return {"links": states, "connected": sum(1 for s in states if s["state"] == "connected")}
+        return WarmupAnswer(links=states, connected=sum(1 for s in states if s["state"] == "connected"))
 
     async def drop(self, url: str, api_key: str | None = None) -> None:
         """Forgets every link of ``url`` and drops them on both nodes (best effort); ``api_key``
@@ -186,7 +222,7 @@ class LinkPool:
             if isinstance(outcome, Exception):
                 log.info("p2p_drop_connect failed: %s", outcome)
 
-    def status(self) -> list[dict[str, Any]]:
+    def status(self) -> list[LinkSummary]:
         return [link.summary() for link in self.links.values()]
 
     async def _connect(self, link: Link) -> None:
@@ -262,9 +298,7 @@ class LinkPool:
             if answer.get("status") != STATUS_SUCCESS:
                 raise HandshakeError(f"p2p_connect on {local} answered status {answer.get('status')}")
 
-    def _init_body(
-        self, local: str, local_info: dict[str, Any], remote: str, remote_info: dict[str, Any]
-    ) -> dict[str, Any]:
+    def _init_body(self, local: str, local_info: JsonObject, remote: str, remote_info: JsonObject) -> dict[str, object]:
         return {
             "local_engine_id": local,
             "local_engine_config": local_info,
@@ -278,20 +312,23 @@ class LinkPool:
         key = self._api_key_of(url) or api_key
         return {"authorization": f"Bearer {key}"} if key else {}
 
-    async def _get(self, url: str, endpoint: str) -> Any:
+    async def _get(self, url: str, endpoint: str) -> JsonValue:
         assert self._session is not None
         async with self._session.get(f"{url}/distserve/{endpoint}", headers=self._headers(url)) as r:
             if r.status != 200:
                 raise HandshakeError(f"{endpoint} on {url} answered {r.status}")
-            return await r.json(content_type=None)
+            answer: JsonValue = await r.json(content_type=None)
+        return answer
 
-    async def _post(self, url: str, endpoint: str, body: dict[str, Any], api_key: str | None = None) -> dict[str, Any]:
+    async def _post(
+        self, url: str, endpoint: str, body: Mapping[str, object], api_key: str | None = None
+    ) -> JsonObject:
         assert self._session is not None
         headers = self._headers(url, api_key)
         async with self._session.post(f"{url}/distserve/{endpoint}", json=body, headers=headers) as r:
             if r.status != 200:
                 raise HandshakeError(f"{endpoint} on {url} answered {r.status}")
-            answer = await r.json(content_type=None)
+            answer: JsonValue = await r.json(content_type=None)
         if not isinstance(answer, dict):
             raise HandshakeError(f"{endpoint} on {url} did not answer an object")
         return answer

@@ -12,20 +12,21 @@ status, and frees the preserved session unless decode has consumed it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
+from pdproxy.background import Work
 from pdproxy.config import Settings
 from pdproxy.errors import InvalidPrefillAnswer, InvalidRequest
 from pdproxy.group import alive
+from pdproxy.json_types import JsonValue, loads
 from pdproxy.router import Router
 from pdproxy.tracing import end_on_answer, leg
 
-from .ledger import Preserved, SessionLedger
-from .links import LinkPool, Transport
+from .ledger import LedgerStatus, Preserved, SessionLedger
+from .links import LinkPool, LinkSummary, Transport, WarmupAnswer
 from .relay import ApiKeyOf, PdRequest, read_all, relay, send_raw
 
 log = logging.getLogger("pdproxy.pd")
@@ -34,7 +35,25 @@ PD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 DUMMY_PREFILL = "dummy:dummy"
 
 
-def session_handle(answer: Any) -> tuple[int, list[int], int]:
+class DistServeStatus(TypedDict):
+    """``/distserve/status`` with LMDeploy's flow: its links, and the ledger of preserved sessions."""
+
+    links: list[LinkSummary]
+    ledger: LedgerStatus
+
+
+class MigrationRequest(TypedDict):
+    """LMDeploy's ``MigrationRequest``: where the decode node reads the prefill's KV."""
+
+    protocol: int
+    remote_engine_id: str
+    remote_session_id: int
+    remote_token_id: int
+    remote_block_ids: list[int]
+    is_dummy_prefill: bool
+
+
+def session_handle(answer: JsonValue) -> tuple[int, list[int], int]:
     """(session id, block ids, token id) from a prefill answer: ``cache_session_id`` when
     present, else an ``id`` that is a non-negative integer (LMDeploy's contract has changed
     between versions; anything else is refused rather than guessed)."""
@@ -46,13 +65,20 @@ def session_handle(answer: Any) -> tuple[int, list[int], int]:
         session = int(raw) if isinstance(raw, str) and raw.isdigit() else None
     if session is None:
         raise InvalidPrefillAnswer("the prefill node's answer names no session (cache_session_id or an integer id)")
-    blocks = answer.get("cache_block_ids") or []
-    tokens = answer.get("remote_token_ids") or []
-    if not (isinstance(blocks, list) and all(isinstance(b, int) for b in blocks)):
-        raise InvalidPrefillAnswer("cache_block_ids is not a list of integers")
-    if not (isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)):
-        raise InvalidPrefillAnswer("remote_token_ids is not a list of integers")
+    blocks = _integers(answer.get("cache_block_ids"), "cache_block_ids")
+    tokens = _integers(answer.get("remote_token_ids"), "remote_token_ids")
     return session, blocks, tokens[-1] if tokens else 0
+
+
+def _integers(value: JsonValue, name: str) -> list[int]:
+    """A list of integers from a prefill answer (absent or empty: none)."""
+    items = value or []
+    if not isinstance(items, list):
+        raise InvalidPrefillAnswer(f"{name} is not a list of integers")
+    integers = [i for i in items if isinstance(i, int)]
+    if len(integers) != len(items):
+        raise InvalidPrefillAnswer(f"{name} is not a list of integers")
+    return integers
 
 
 class DistServe:
@@ -110,7 +136,7 @@ class DistServe:
         self._spawn(self.ledger.release_prefill(url))
         self._spawn(self.links.drop(url, self._api_key_of(url)))
 
-    def _spawn(self, work: Any) -> None:
+    def _spawn(self, work: Work) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._frees.add(task)
         task.add_done_callback(self._frees.discard)
@@ -120,14 +146,14 @@ class DistServe:
         if entry is not None and entry.state == "preserved":
             self._spawn(self.ledger.free(entry, reason))
 
-    async def warmup(self) -> dict[str, Any]:
+    async def warmup(self) -> WarmupAnswer:
         nodes = [n for n in self.router.nodes() if n["state"] == "healthy"]
         prefills = [n["url"] for n in nodes if n["role"] == "prefill"]
         decodes = [n["url"] for n in nodes if n["role"] == "decode"]
         return await self.links.warmup(prefills, decodes, self.settings.pd_warmup_concurrency)
 
-    def status(self) -> dict[str, Any]:
-        return {"links": self.links.status(), "ledger": self.ledger.status()}
+    def status(self) -> DistServeStatus:
+        return DistServeStatus(links=self.links.status(), ledger=self.ledger.status())
 
     async def handle(self, request: PdRequest) -> None:
         """One disaggregated request, prefill to decode to client."""
@@ -160,7 +186,7 @@ class DistServe:
                     await send_raw(send, answer, raw, echo)
                     return
                 try:
-                    session, blocks, token = session_handle(json.loads(raw))
+                    session, blocks, token = session_handle(loads(raw))
                 except ValueError:
                     raise InvalidPrefillAnswer("the prefill node's answer is not JSON") from None
                 entry = self.ledger.add(prefill, session, decode)
@@ -182,7 +208,7 @@ class DistServe:
 
 
 def _prefill_body(body: bytes, chat: bool) -> bytes:
-    changes: dict[str, Any] = {"max_tokens": 1, "stream": False, "with_cache": True, "preserve_cache": True}
+    changes: dict[str, int | bool] = {"max_tokens": 1, "stream": False, "with_cache": True, "preserve_cache": True}
     if chat:
         changes["max_completion_tokens"] = 1
     return Router.patch(body, changes, remove=["stream_options"])
@@ -190,15 +216,15 @@ def _prefill_body(body: bytes, chat: bool) -> bytes:
 
 def _migration(
     transport: Transport, prefill: str, session: int, blocks: list[int], token: int, dummy: bool = False
-) -> dict[str, Any]:
-    return {
-        "protocol": transport.protocol_number,
-        "remote_engine_id": prefill,
-        "remote_session_id": session,
-        "remote_token_id": token,
-        "remote_block_ids": blocks,
-        "is_dummy_prefill": dummy,
-    }
+) -> MigrationRequest:
+    return MigrationRequest(
+        protocol=transport.protocol_number,
+        remote_engine_id=prefill,
+        remote_session_id=session,
+        remote_token_id=token,
+        remote_block_ids=blocks,
+        is_dummy_prefill=dummy,
+    )
 
 
 def _consume_exception(task: asyncio.Future[None]) -> None:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from pdproxy._pdproxy import Response, TenantTicket, Trace
-from pdproxy.responses import Send
+from pdproxy.asgi_types import Send
 
 #: A node's API key by its URL (the fleet's ``api_key_of``).
 ApiKeyOf = Callable[[str], str | None]
@@ -48,7 +47,7 @@ def with_echo(headers: list[tuple[bytes, bytes]], echo: list[tuple[bytes, bytes]
 
 
 async def relay(
-    response: Response, send: Send, echo: list[tuple[bytes, bytes]], on_first: Callable[[], Any] | None = None
+    response: Response, send: Send, echo: list[tuple[bytes, bytes]], on_first: Callable[[], object] | None = None
 ) -> None:
     """Streams a node's answer back. ``on_first`` runs once the answer proved to be under way:
     its first streamed batch, or a whole successful non-stream answer."""

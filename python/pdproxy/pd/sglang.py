@@ -13,7 +13,7 @@ import json
 import logging
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import TypedDict
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -35,9 +35,9 @@ PD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
 
 def batch_size(body: bytes) -> int | None:
     """Items in a batched request (an array prompt or text, or chat with n > 1); None if single."""
-    info = Router.inspect(body)
-    if (info["n"] or 1) > 1:
-        return int(info["n"])
+    n = Router.inspect(body)["n"] or 1
+    if n > 1:
+        return n
     for key in ("prompt", "text", "input_ids"):
         raw = CoreRouter.member(body, key)
         if raw is not None and raw.lstrip().startswith("["):
@@ -46,6 +46,14 @@ def batch_size(body: bytes) -> int | None:
             if items and not all(isinstance(i, int) for i in items):
                 return len(items)
     return None
+
+
+class SglangStatus(TypedDict):
+    protocol: str
+    #: Prefill nodes' bootstrap ports learnt from their ``/server_info`` (None: it named none).
+    bootstrap_ports: dict[str, int | None]
+    #: Prefill answers still being read after their decode started.
+    draining_prefills: int
 
 
 class SglangPD:
@@ -73,8 +81,8 @@ class SglangPD:
     def node_removed(self, url: str) -> None:
         self._ports.pop(url, None)
 
-    def status(self) -> dict[str, Any]:
-        return {"protocol": self.protocol, "bootstrap_ports": self._ports, "draining_prefills": len(self._drains)}
+    def status(self) -> SglangStatus:
+        return SglangStatus(protocol=self.protocol, bootstrap_ports=self._ports, draining_prefills=len(self._drains))
 
     async def bootstrap_port(self, url: str) -> int | None:
         """The prefill node's bootstrap port: declared at registration, else from its
@@ -106,7 +114,9 @@ class SglangPD:
         host = (urlsplit(prefill).hostname or "").strip("[]")
         port = await self.bootstrap_port(prefill)
         items = batch_size(body)
-        rooms: Any = random.getrandbits(63) if items is None else [random.getrandbits(63) for _ in range(items)]
+        rooms: int | list[int] = (
+            random.getrandbits(63) if items is None else [random.getrandbits(63) for _ in range(items)]
+        )
         fields = {
             "bootstrap_host": host if items is None else [host] * items,
             "bootstrap_port": port if items is None else [port] * items,

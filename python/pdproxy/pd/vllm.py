@@ -8,7 +8,7 @@ decode's read notifies the prefill, or the prefill's lease runs out): no ledger 
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TypedDict
 
 from pdproxy._pdproxy import Router as CoreRouter
 from pdproxy.config import Settings
@@ -41,6 +41,10 @@ def prefill_body(body: bytes) -> bytes:
     return CoreRouter.patch(body, changes, ["stream_options", "min_tokens", "min_completion_tokens"])
 
 
+class VllmStatus(TypedDict):
+    protocol: str
+
+
 class VllmPD:
     protocol = "vllm"
     paths = PD_PATHS
@@ -58,8 +62,8 @@ class VllmPD:
     def node_removed(self, url: str) -> None:
         pass  # nothing held by the proxy
 
-    def status(self) -> dict[str, Any]:
-        return {"protocol": self.protocol}
+    def status(self) -> VllmStatus:
+        return VllmStatus(protocol=self.protocol)
 
     async def handle(self, request: PdRequest) -> None:
         path, body, headers, send, echo = request.path, request.body, request.headers, request.send, request.echo

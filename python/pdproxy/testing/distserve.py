@@ -17,7 +17,9 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
+
+from pdproxy.json_types import JsonObject, JsonValue
 
 #: LMDeploy's integer enums (they start at 1): MigrationProtocol, RDMALinkType, the status.
 PROTOCOLS = {1: "TCP", 2: "RDMA", 3: "NVLINK"}
@@ -25,6 +27,34 @@ LINK_TYPES = {1: "IB", 2: "RoCE"}
 STATUS_SUCCESS = 1
 #: Formats of the prefill answer's handle, as LMDeploy versions produced it.
 ID_FORMATS = ("legacy", "cache_session_id", "chat", "completions")
+
+
+class LedgerReport(TypedDict):
+    """What ``/mock/ledger`` tells of the sessions: those still held, who freed the others, and
+    everything that went wrong."""
+
+    live: list[int]
+    #: By session id (as text, a JSON key): ``proxy`` or ``decode``.
+    freed: dict[str, str | None]
+    double_frees: list[int]
+    unknown_frees: list[int]
+    migration_errors: list[str]
+    shape_errors: list[str]
+
+
+class RdmaSettings(TypedDict):
+    with_gdr: bool
+    #: RDMALinkType by name: IB or RoCE.
+    link_type: str
+
+
+class Transport(TypedDict):
+    """The transport a ``p2p_initialize`` asked for, by name."""
+
+    #: TCP, RDMA or NVLINK.
+    protocol: str
+    rdma: RdmaSettings | None
+    nvlink: JsonValue
 
 
 @dataclass
@@ -64,7 +94,7 @@ class KvLedger:
         else:
             session.state, session.freed_by = "freed", by
 
-    def migrate(self, session_id: int, blocks: list[int], token_id: int, by: str) -> str | None:
+    def migrate(self, session_id: int, blocks: list[JsonValue], token_id: int, by: str) -> str | None:
         """Decode reads the session and frees it; returns what was wrong, if anything."""
         session = self.sessions.get(session_id)
         if session is None:
@@ -81,7 +111,7 @@ class KvLedger:
         self.migration_errors.append(error)
         return error
 
-    def read(self, session_id: int, blocks: list[int], by: str) -> str | None:
+    def read(self, session_id: int, blocks: list[JsonValue], by: str) -> str | None:
         """A vLLM decode reads the KV (no token check: vLLM recomputes nothing from it) and
         notifies the prefill, which frees it."""
         session = self.sessions.get(session_id)
@@ -95,15 +125,15 @@ class KvLedger:
         self.migration_errors.append(error)
         return error
 
-    def report(self) -> dict[str, Any]:
-        return {
-            "live": [s.id for s in self.sessions.values() if s.state == "preserved"],
-            "freed": {str(s.id): s.freed_by for s in self.sessions.values() if s.state == "freed"},
-            "double_frees": self.double_frees,
-            "unknown_frees": self.unknown_frees,
-            "migration_errors": self.migration_errors,
-            "shape_errors": self.shape_errors,
-        }
+    def report(self) -> LedgerReport:
+        return LedgerReport(
+            live=[s.id for s in self.sessions.values() if s.state == "preserved"],
+            freed={str(s.id): s.freed_by for s in self.sessions.values() if s.state == "freed"},
+            double_frees=self.double_frees,
+            unknown_frees=self.unknown_frees,
+            migration_errors=self.migration_errors,
+            shape_errors=self.shape_errors,
+        )
 
 
 @dataclass
@@ -113,7 +143,7 @@ class Links:
     initialized: set[str] = field(default_factory=set)
     connected: set[str] = field(default_factory=set)
     #: Per peer, the transport its p2p_initialize asked for: protocol and RDMA settings, by name.
-    transport: dict[str, dict[str, Any]] = field(default_factory=dict)
+    transport: dict[str, Transport] = field(default_factory=dict)
     #: (operation, peer, monotonic time): engines in one process can be ordered together.
     log: list[tuple[str, str, float]] = field(default_factory=list)
 
@@ -136,28 +166,33 @@ def engine_info(tp_size: int, block_size: int) -> str:
     return json.dumps(json.dumps(info))
 
 
-def check_transport(body: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+def check_transport(body: JsonObject) -> tuple[Transport | None, str | None]:
     """The transport of a ``p2p_initialize`` as LMDeploy's ``DistServeInitRequest`` validates it
     (its enums as integers, ``rdma_config`` an object of ``with_gdr`` and ``link_type`` or null);
     ``(transport by name, None)`` or ``(None, what is wrong)``."""
     protocol = body.get("protocol")
-    if isinstance(protocol, bool) or protocol not in PROTOCOLS:
+    if not isinstance(protocol, int) or isinstance(protocol, bool) or protocol not in PROTOCOLS:
         return None, f"protocol {protocol!r} is not one of LMDeploy's MigrationProtocol values {sorted(PROTOCOLS)}"
     rdma = body.get("rdma_config")
-    transport: dict[str, Any] = {"protocol": PROTOCOLS[protocol], "rdma": None, "nvlink": body.get("nvlink_config")}
+    transport = Transport(protocol=PROTOCOLS[protocol], rdma=None, nvlink=body.get("nvlink_config"))
     if rdma is not None:
         if not isinstance(rdma, dict) or set(rdma) - {"with_gdr", "link_type"}:
             return None, f"rdma_config {rdma!r} is not a DistServeRDMAConfig"
         with_gdr, link_type = rdma.get("with_gdr", True), rdma.get("link_type", 2)
-        if not isinstance(with_gdr, bool) or isinstance(link_type, bool) or link_type not in LINK_TYPES:
+        if (
+            not isinstance(with_gdr, bool)
+            or not isinstance(link_type, int)
+            or isinstance(link_type, bool)
+            or link_type not in LINK_TYPES
+        ):
             return None, f"rdma_config {rdma!r}: with_gdr must be a boolean, link_type one of {sorted(LINK_TYPES)}"
-        transport["rdma"] = {"with_gdr": with_gdr, "link_type": LINK_TYPES[link_type]}
+        transport["rdma"] = RdmaSettings(with_gdr=with_gdr, link_type=LINK_TYPES[link_type])
     if PROTOCOLS[protocol] == "RDMA" and transport["rdma"] is None:
         return None, "an RDMA link needs rdma_config"
     return transport, None
 
 
-def check_prefill_shape(body: dict[str, Any], chat: bool) -> list[str]:
+def check_prefill_shape(body: JsonObject, chat: bool) -> list[str]:
     """What a proxy got wrong in a prefill request, per LMDeploy's flow."""
     errors = []
     if body.get("max_tokens") != 1:
@@ -171,14 +206,15 @@ def check_prefill_shape(body: dict[str, Any], chat: bool) -> list[str]:
     return errors
 
 
-def check_decode_shape(body: dict[str, Any]) -> list[str]:
+def check_decode_shape(body: JsonObject) -> list[str]:
     errors = []
     if "with_cache" in body or "preserve_cache" in body:
         errors.append("decode carries with_cache/preserve_cache")
     migration = body.get("migration_request")
     if not isinstance(migration, dict):
         return [*errors, "decode has no migration_request object"]
-    if isinstance(migration.get("protocol"), bool) or migration.get("protocol") not in PROTOCOLS:
+    protocol = migration.get("protocol")
+    if not isinstance(protocol, int) or isinstance(protocol, bool) or protocol not in PROTOCOLS:
         errors.append("migration_request.protocol is not one of LMDeploy's MigrationProtocol integers")
     for name, kind in (("remote_engine_id", str), ("remote_session_id", int), ("remote_token_id", int)):
         if not isinstance(migration.get(name), kind) or isinstance(migration.get(name), bool):
@@ -188,7 +224,7 @@ def check_decode_shape(body: dict[str, Any]) -> list[str]:
     return errors
 
 
-def prefill_id(id_format: str, session: Session, body: dict[str, Any], chat: bool, default: str) -> dict[str, Any]:
+def prefill_id(id_format: str, session: Session, body: JsonObject, chat: bool, default: str) -> dict[str, str | int]:
     """The handle fields of a prefill answer in the chosen LMDeploy version's format."""
     if id_format == "legacy":
         return {"id": str(session.id)}

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import random
-from typing import Any
+
+from pdproxy.json_types import JsonObject, JsonValue
 
 _WORDS = tuple(
     "the quick brown fox jumps over a lazy dog while seven bright stars watch from far away and every "
@@ -17,21 +18,37 @@ _WORDS = tuple(
 NATURAL_LENGTH = (8, 32)
 
 
-def prompt_text(body: dict[str, Any]) -> str:
+def prompt_text(body: JsonObject) -> str:
     """The prompt of a chat or completions request as one string."""
     if "messages" in body:
         parts = []
-        for message in body["messages"]:
+        for message in _items(body["messages"]):
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, str):
                 parts.append(content)
             elif isinstance(content, list):
-                parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
+                parts.extend(content_texts(content))
         return "\n".join(parts)
+    return completion_prompt(body)
+
+
+def completion_prompt(body: JsonObject) -> str:
+    """A completions request's ``prompt`` as one string: several prompts (texts, or token ids
+    separated by spaces) one per line."""
     prompt = body.get("prompt", "")
     if isinstance(prompt, list):
-        return "\n".join(p if isinstance(p, str) else " ".join(map(str, p)) for p in prompt)
+        return "\n".join(" ".join(map(str, p)) if isinstance(p, list) else str(p) for p in prompt)
     return str(prompt)
+
+
+def content_texts(content: list[JsonValue]) -> list[str]:
+    """The texts of a message's content parts (OpenAI's ``[{"type": "text", "text": ...}]``)."""
+    texts = (part.get("text", "") for part in content if isinstance(part, dict))
+    return [text for text in texts if isinstance(text, str)]
+
+
+def _items(value: JsonValue) -> list[JsonValue]:
+    return value if isinstance(value, list) else []
 
 
 def token_id(token: str) -> int:

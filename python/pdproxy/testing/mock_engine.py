@@ -17,12 +17,14 @@ import itertools
 import json
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import NoReturn, NotRequired, TypedDict
 
 import aiohttp
 from aiohttp import web
+
+from pdproxy.json_types import JsonObject, JsonValue, loads
 
 from . import distserve, engine_metrics
 from .batching import ContinuousBatcher, EngineModel, PromptTooLong
@@ -102,6 +104,10 @@ class MockSettings:
     ssl_keyfile: str = field(default="", metadata={"help": "Serve HTTPS with this private key (PEM)."})
 
     def __post_init__(self) -> None:
+        for setting in dataclasses.fields(self):
+            value = getattr(self, setting.name)
+            if not _of_kind(value, str(setting.type)):
+                raise ValueError(f"{setting.name} must be of type {setting.type}, got {value!r}")
         if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
             raise ValueError("ssl_certfile and ssl_keyfile go together")
         if self.role not in ROLES:
@@ -118,6 +124,73 @@ class MockSettings:
             raise ValueError(f"id_format must be one of {', '.join(ID_FORMATS)}, got {self.id_format!r}")
         parse_faults(self.fault)  # fail at startup, not per request
 
+    @classmethod
+    def of(cls, values: Mapping[str, object], base: MockSettings | None = None) -> MockSettings:
+        """Settings with ``values`` (by field name) over ``base``'s, or the defaults; raises
+        ``ValueError`` for a value of the wrong type."""
+        # Of any type: __post_init__ checks each against its field's.
+        return dataclasses.replace(base or cls(), **values)  # type: ignore[arg-type]
+
+
+def _of_kind(value: object, kind: str) -> bool:
+    """Whether ``value`` is of a settings field's type (an int is a float too, a bool is not a number)."""
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, {"str": str, "int": int, "float": int | float}[kind])
+
+
+class MockRecord(TypedDict):
+    """A received inference request, as ``/mock/requests`` tells it."""
+
+    path: str
+    #: Names lower-cased.
+    headers: dict[str, str]
+    #: The body as parsed (None: not JSON).
+    body: JsonValue
+    #: Of every byte of the response body, once it was sent in full.
+    sent_sha256: str | None
+
+
+class SimulationStats(TypedDict):
+    """The simulated engine (``--simulate``): its batch, KV cache and counts."""
+
+    running: int
+    waiting: int
+    kv_usage: float
+    kv_cached_blocks: int
+    kv_evicted_blocks: int
+    prompt_tokens: int
+    cached_tokens: int
+    generation_tokens: int
+    finished: int
+    #: Seconds its steps ran late (a machine too busy to keep the simulated time).
+    late_s: float
+
+
+class MockStats(TypedDict):
+    """``/mock/stats``: what the engine has seen."""
+
+    model: str
+    role: str
+    health: str
+    requests: int
+    completed: int
+    disconnected: int
+    active: int
+    peak_active: int
+    simulation: NotRequired[SimulationStats]
+
+
+class Usage(TypedDict):
+    """OpenAI's ``usage`` of an answer."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: NotRequired[dict[str, int]]
+
 
 @dataclass
 class MockState:
@@ -132,7 +205,7 @@ class MockState:
     active: int = 0
     #: The most generation requests ever served at once (what a proxy's cap must bound).
     peak_active: int = 0
-    records: collections.deque[dict[str, Any]] = field(default_factory=lambda: collections.deque(maxlen=RECORD_LIMIT))
+    records: collections.deque[MockRecord] = field(default_factory=lambda: collections.deque(maxlen=RECORD_LIMIT))
     ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     terminated: asyncio.Event = field(default_factory=asyncio.Event)
     ledger: KvLedger = field(default_factory=lambda: KvLedger(64))
@@ -187,31 +260,31 @@ class MockState:
             last_hit_rate=b.counters.last_hit_rate,
         )
 
-    def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "model": self.settings.model,
-            "role": self.settings.role,
-            "health": self.health,
-            "requests": self.requests,
-            "completed": self.completed,
-            "disconnected": self.disconnected,
-            "active": self.active,
-            "peak_active": self.peak_active,
-        }
+    def stats(self) -> MockStats:
+        out = MockStats(
+            model=self.settings.model,
+            role=self.settings.role,
+            health=self.health,
+            requests=self.requests,
+            completed=self.completed,
+            disconnected=self.disconnected,
+            active=self.active,
+            peak_active=self.peak_active,
+        )
         if self.batcher is not None:
             b = self.batcher
-            out["simulation"] = {
-                "running": len(b.running),
-                "waiting": len(b.waiting),
-                "kv_usage": b.cache.usage(),
-                "kv_cached_blocks": b.cache.cached,
-                "kv_evicted_blocks": b.cache.evicted,
-                "prompt_tokens": b.counters.prompt_tokens,
-                "cached_tokens": b.counters.cached_tokens,
-                "generation_tokens": b.counters.generation_tokens,
-                "finished": b.counters.finished,
-                "late_s": round(b.counters.late_s, 4),
-            }
+            out["simulation"] = SimulationStats(
+                running=len(b.running),
+                waiting=len(b.waiting),
+                kv_usage=b.cache.usage(),
+                kv_cached_blocks=b.cache.cached,
+                kv_evicted_blocks=b.cache.evicted,
+                prompt_tokens=b.counters.prompt_tokens,
+                cached_tokens=b.counters.cached_tokens,
+                generation_tokens=b.counters.generation_tokens,
+                finished=b.counters.finished,
+                late_s=round(b.counters.late_s, 4),
+            )
         return out
 
 
@@ -223,7 +296,7 @@ def _error(status: int, message: str, code: str, type: str = "invalid_request_er
     return web.json_response(body, status=status)
 
 
-def _sse(obj: dict[str, Any] | str) -> bytes:
+def _sse(obj: Mapping[str, object] | str) -> bytes:
     data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
     return b"data: " + data.encode() + b"\n\n"
 
@@ -231,28 +304,28 @@ def _sse(obj: dict[str, Any] | str) -> bytes:
 class _Completion:
     """One request being answered: its shape (chat or text) and the pieces of every chunk."""
 
-    def __init__(self, state: MockState, body: dict[str, Any], chat: bool, forced_tokens: int | None = None) -> None:
+    def __init__(self, state: MockState, body: JsonObject, chat: bool, forced_tokens: int | None = None) -> None:
         self.chat = chat
         self.model = body.get("model") or state.settings.model
         self.created = int(time.time())
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{next(state.ids)}"
-        max_tokens = body.get("max_completion_tokens") if chat else None
-        if max_tokens is None:
-            max_tokens = body.get("max_tokens")
+        asked = body.get("max_completion_tokens") if chat else None
+        if asked is None:
+            asked = body.get("max_tokens")
         prompt = prompt_text(body)
-        if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 0):
+        if asked is not None and (not isinstance(asked, int) or asked < 0):
             raise ValueError("max_tokens must be a non-negative integer")
-        if forced_tokens is not None:  # a prefill engine makes one token whatever was asked
-            max_tokens = forced_tokens
+        # A prefill engine makes one token whatever was asked.
+        max_tokens = forced_tokens if forced_tokens is not None else asked
         self.tokens, self.finish_reason = generate(prompt, max_tokens, ignore_eos=bool(body.get("ignore_eos")))
         self.prompt_tokens = count_tokens(prompt)
-        self.usage: dict[str, int] = {
-            "prompt_tokens": count_tokens(prompt),
-            "completion_tokens": len(self.tokens),
-            "total_tokens": count_tokens(prompt) + len(self.tokens),
-        }
-        #: A preserved prefill session's handle fields (DistServe), merged into the answer.
-        self.handle: dict[str, Any] | None = None
+        self.usage = Usage(
+            prompt_tokens=count_tokens(prompt),
+            completion_tokens=len(self.tokens),
+            total_tokens=count_tokens(prompt) + len(self.tokens),
+        )
+        #: A preserved prefill session's handle fields (DistServe, vLLM), merged into the answer.
+        self.handle: dict[str, object] | None = None
         options = body.get("stream_options")
         self.include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -276,7 +349,7 @@ class _Completion:
         out = self._prefix + f'{empty},"logprobs":null,"finish_reason":"{self.finish_reason}"}}]}}\n\n'.encode()
         if self.include_usage:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
-            usage: dict[str, Any] = {
+            usage: dict[str, object] = {
                 "id": self.id,
                 "object": obj,
                 "created": self.created,
@@ -287,14 +360,14 @@ class _Completion:
             out += _sse(usage)
         return out + b"data: [DONE]\n\n"
 
-    def whole(self) -> dict[str, Any]:
+    def whole(self) -> dict[str, object]:
         text = "".join(self.tokens)
         if self.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+            choice: dict[str, object] = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text}
         choice.update(logprobs=None, finish_reason=self.finish_reason)
-        whole = {
+        whole: dict[str, object] = {
             "id": self.id,
             "object": "chat.completion" if self.chat else "text_completion",
             "created": self.created,
@@ -322,15 +395,15 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
     state.requests += 1
     raw = await request.read()
     try:
-        body = json.loads(raw)
+        body = loads(raw)
     except ValueError:
         body = None
-    record: dict[str, Any] = {
-        "path": request.path,
-        "headers": {name.lower(): value for name, value in request.headers.items()},
-        "body": body,
-        "sent_sha256": None,  # of every byte of the response body, once it was sent in full
-    }
+    record = MockRecord(
+        path=request.path,
+        headers={name.lower(): value for name, value in request.headers.items()},
+        body=body,
+        sent_sha256=None,
+    )
     state.records.append(record)
     if not isinstance(body, dict):
         return _error(400, "request body must be a JSON object", "invalid_request")
@@ -368,7 +441,10 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
             had_max_completion = b'"max_completion_tokens"' in raw
             state.ledger.shape_errors.extend(check_vllm_prefill_shape(body, had_max_completion))
         if state.settings.role == "prefill" and "bootstrap_room" in body:
-            rooms = body["bootstrap_room"] if isinstance(body["bootstrap_room"], list) else [body["bootstrap_room"]]
+            rooms = _rooms(body)
+            if rooms is None:
+                completed = True
+                return _error(400, "bootstrap_room must be an integer or a list of integers", "invalid_request")
             if not await state.rendezvous.prefill(rooms, state.settings.bootstrap_timeout_ms / 1000):
                 completed = True
                 return _error(500, "no decode joined the bootstrap room in time", "bootstrap_timeout", "server_error")
@@ -459,7 +535,7 @@ async def _stream(
     ttft: float,
     delay: float,
     faults: Faults,
-    record: dict[str, Any],
+    record: MockRecord,
     migrate: Callable[[], Awaitable[web.Response | None]] | None = None,
 ) -> web.StreamResponse | None:
     """Streams the answer; returns None when a fault (or a refused migration) cut it short."""
@@ -500,10 +576,10 @@ async def _stream(
 async def _simulated(
     request: web.Request,
     batcher: ContinuousBatcher,
-    body: dict[str, Any],
+    body: JsonObject,
     completion: _Completion,
     faults: Faults,
-    record: dict[str, Any],
+    record: MockRecord,
 ) -> web.StreamResponse | None:
     """Serves the request through the simulated engine: it waits for the batch and the KV cache,
     its first token comes once its uncached prompt is prefilled, then one token per step.
@@ -544,7 +620,7 @@ async def _simulated(
             await job.next_tokens()
         completion.usage["prompt_tokens"] = job.prompt_tokens
         completion.usage["total_tokens"] = job.prompt_tokens + tokens
-        completion.usage["prompt_tokens_details"] = {"cached_tokens": job.cached_tokens}  # type: ignore[assignment]
+        completion.usage["prompt_tokens_details"] = {"cached_tokens": job.cached_tokens}
         if response is None:
             payload = json.dumps(completion.whole()).encode()
             record["sent_sha256"] = hashlib.sha256(payload).hexdigest()
@@ -559,7 +635,7 @@ async def _simulated(
         batcher.cancel(job)
 
 
-def _preserve(state: MockState, completion: _Completion, body: dict[str, Any], chat: bool, faults: Faults) -> None:
+def _preserve(state: MockState, completion: _Completion, body: JsonObject, chat: bool, faults: Faults) -> None:
     session = state.ledger.preserve(completion.prompt_tokens, token_id(completion.tokens[0]))
     handle = {} if faults.no_id else distserve.prefill_id(state.settings.id_format, session, body, chat, completion.id)
     completion.handle = {**handle, "cache_block_ids": session.blocks, "remote_token_ids": [session.token_id]}
@@ -589,7 +665,7 @@ def _vllm_params(state: MockState, completion: _Completion, request: web.Request
 
 
 async def _start_decode(
-    state: MockState, body: dict[str, Any], completion: _Completion, request: web.Request
+    state: MockState, body: JsonObject, completion: _Completion, request: web.Request
 ) -> web.Response | None:
     """A decode's first step in each protocol: LMDeploy migration, vLLM KV read, SGLang room."""
     if "migration_request" in body:
@@ -611,7 +687,7 @@ async def _start_decode(
 
 
 async def _read_peer_kv(
-    state: MockState, url: str, read: dict[str, Any], failure: str, code: str
+    state: MockState, url: str, read: Mapping[str, object], failure: str, code: str
 ) -> web.Response | None:
     """Reads a prefill engine's KV blocks as the real transfer would: None once read, else the
     engine's 500 (recorded in the ledger as a migration error)."""
@@ -627,16 +703,18 @@ async def _read_peer_kv(
     return None
 
 
-async def _sglang_join(state: MockState, body: dict[str, Any], request: web.Request) -> web.Response | None:
+async def _sglang_join(state: MockState, body: JsonObject, request: web.Request) -> web.Response | None:
     """Joins every room of the request at the prefill's bootstrap address, all at once (the
     prefill transfers once all its rooms are joined)."""
-    rooms = body["bootstrap_room"] if isinstance(body["bootstrap_room"], list) else [body["bootstrap_room"]]
+    rooms = _rooms(body)
+    if rooms is None:
+        return _error(400, "bootstrap_room must be an integer or a list of integers", "invalid_request")
     hosts = body.get("bootstrap_host")
     ports = body.get("bootstrap_port")
     client = state.client
     assert client is not None
 
-    async def join(i: int, room: Any) -> bool:
+    async def join(i: int, room: int) -> bool:
         host = hosts[i] if isinstance(hosts, list) else hosts
         port = ports[i] if isinstance(ports, list) else ports
         if port is None:  # SGLang: the decode assumes its own bootstrap port
@@ -654,7 +732,15 @@ async def _sglang_join(state: MockState, body: dict[str, Any], request: web.Requ
     return None
 
 
-async def _migrate(state: MockState, body: dict[str, Any], completion: _Completion) -> web.Response | None:
+def _rooms(body: JsonObject) -> list[int] | None:
+    """SGLang's ``bootstrap_room``: one room, or one per item of a batch (None: not rooms)."""
+    given = body["bootstrap_room"]
+    rooms = given if isinstance(given, list) else [given]
+    numbers = [room for room in rooms if isinstance(room, int) and not isinstance(room, bool)]
+    return numbers if len(numbers) == len(rooms) else None
+
+
+async def _migrate(state: MockState, body: JsonObject, completion: _Completion) -> web.Response | None:
     """Decode's side of a migration: check the request, read the prefill session (and free it,
     as the real engine's ZMQ message does), and check that the first token is prefill's."""
     errors = distserve.check_decode_shape(body)
@@ -664,12 +750,15 @@ async def _migrate(state: MockState, body: dict[str, Any], completion: _Completi
         return _error(400, "; ".join(errors) or "bad migration_request", "invalid_request")
     if migration.get("is_dummy_prefill"):
         return None
-    peer = migration["remote_engine_id"]
+    peer, protocol = migration["remote_engine_id"], migration["protocol"]
+    # check_decode_shape refuses anything else.
+    assert isinstance(peer, str)
+    assert isinstance(protocol, int)
     if peer not in state.links.connected:
         state.ledger.migration_errors.append(f"no p2p connection to {peer}")
         return _error(500, f"no p2p connection to {peer}", "migration_failed", "server_error")
-    if distserve.PROTOCOLS[migration["protocol"]] != state.links.transport[peer]["protocol"]:
-        error = f"migration over {distserve.PROTOCOLS[migration['protocol']]}, but the link to {peer} is not"
+    if distserve.PROTOCOLS[protocol] != state.links.transport[peer]["protocol"]:
+        error = f"migration over {distserve.PROTOCOLS[protocol]}, but the link to {peer} is not"
         state.ledger.migration_errors.append(error)
         return _error(500, error, "migration_failed", "server_error")
     if state.client is None:
@@ -714,7 +803,9 @@ async def _health(request: web.Request) -> web.StreamResponse:
 HUGE_ANSWER = 64 << 20
 
 
-async def _misbehaving(request: web.Request, how: str, payload: dict[str, Any], status: int) -> web.StreamResponse:
+async def _misbehaving(
+    request: web.Request, how: str, payload: Mapping[str, object], status: int
+) -> web.StreamResponse:
     """A JSON answer, or a misbehaving node's version of it (see MockState.health_body)."""
     if how == "garbage":
         return web.Response(body=b"\xff\xfe\xfd not utf-8 \x80", status=status, content_type="application/json")
@@ -781,12 +872,23 @@ async def _engine_info(request: web.Request) -> web.Response:
     return web.Response(text=body, content_type="application/json")
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
+async def _json_body(request: web.Request) -> JsonObject:
     try:
-        body = await request.json()
+        body: JsonValue = await request.json()
     except ValueError:
         body = None
     return body if isinstance(body, dict) else {}
+
+
+def _integer(body: JsonObject, name: str) -> int:
+    """An integer a mock engine sent another (-1 when it is missing or not a number)."""
+    value = body.get(name, -1)
+    return int(value) if isinstance(value, int | float | str) else -1
+
+
+def _list(body: JsonObject, name: str) -> list[JsonValue]:
+    value = body.get(name)
+    return value if isinstance(value, list) else []
 
 
 async def _p2p_initialize(request: web.Request) -> web.Response:
@@ -850,7 +952,7 @@ async def _mock_migrate(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await _json_body(request)
     error = state.ledger.migrate(
-        int(body.get("session_id", -1)), list(body.get("block_ids", [])), int(body.get("token_id", -1)), "decode"
+        _integer(body, "session_id"), _list(body, "block_ids"), _integer(body, "token_id"), "decode"
     )
     return web.json_response({"error": error})
 
@@ -860,14 +962,14 @@ async def _mock_vllm_read(request: web.Request) -> web.Response:
     body = await _json_body(request)
     raw_id = str(body.get("remote_request_id", ""))
     session_id = int(raw_id.removeprefix("vllm-")) if raw_id.removeprefix("vllm-").isdigit() else -1
-    error = state.ledger.read(session_id, list(body.get("block_ids", [])), "decode")
+    error = state.ledger.read(session_id, _list(body, "block_ids"), "decode")
     return web.json_response({"error": error})
 
 
 async def _mock_sglang_join(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await _json_body(request)
-    ok = await state.rendezvous.join(int(body.get("room", -1)), state.settings.bootstrap_timeout_ms / 1000)
+    ok = await state.rendezvous.join(_integer(body, "room"), state.settings.bootstrap_timeout_ms / 1000)
     return web.json_response({"ok": ok})
 
 
@@ -902,11 +1004,12 @@ async def _mock_config(request: web.Request) -> web.Response:
     body = await _json_body(request)
     for name in ("engine_info_status", "models_status", "metrics_status"):
         if name in body:
-            setattr(state, name, int(body[name]))
+            setattr(state, name, _integer(body, name))
     if "metrics_body" in body:
-        if body["metrics_body"] not in METRICS_SHAPES:
+        shape = body["metrics_body"]
+        if not isinstance(shape, str) or shape not in METRICS_SHAPES:
             return _error(400, f"metrics_body must be one of {', '.join(METRICS_SHAPES)}", "invalid_request")
-        state.metrics_body = body["metrics_body"]
+        state.metrics_body = shape
     for knob in ("health_body", "models_body"):
         if knob in body:
             if body[knob] not in ANSWER_SHAPES:
@@ -1012,9 +1115,9 @@ class MockEngine:
         ...  # engine.url is http://127.0.0.1:<port>
     """
 
-    def __init__(self, settings: MockSettings | None = None, **overrides: Any) -> None:
+    def __init__(self, settings: MockSettings | None = None, **overrides: object) -> None:
         base = settings or MockSettings(port=0)
-        self.settings = dataclasses.replace(base, **overrides) if overrides else base
+        self.settings = MockSettings.of(overrides, base) if overrides else base
         self.app = build_app(self.settings)
         self._runner: web.AppRunner | None = None
         self.port = self.settings.port

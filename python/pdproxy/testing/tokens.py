@@ -9,31 +9,32 @@ more, so a conversation's next turn shares every full KV block of the previous o
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+
+from pdproxy.json_types import JsonObject
+
+from .generation import completion_prompt, content_texts
 
 #: Bytes of text per token.
 TOKEN_BYTES = 4
 
 
-def render_prompt(body: dict[str, Any]) -> str:
+def render_prompt(body: JsonObject) -> str:
     """The text the engine computes KV for: chat messages through a template (each message as
     ``<|role|>content<|end|>``, then the assistant's turn opened), or the completions prompt.
     The answer to a chat request extends its prompt, and the next turn's prompt (the answer
     then ``<|end|>`` and the new message) extends the answer."""
     if "messages" in body:
         parts = []
-        for message in body["messages"]:
+        messages = body["messages"]
+        for message in messages if isinstance(messages, list) else []:
             if not isinstance(message, dict):
                 continue
             content = message.get("content")
             if isinstance(content, list):
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+                content = "".join(content_texts(content))
             parts.append(f"<|{message.get('role', 'user')}|>{content if isinstance(content, str) else ''}<|end|>")
         return "".join(parts) + "<|assistant|>"
-    prompt = body.get("prompt", "")
-    if isinstance(prompt, list):
-        return "\n".join(p if isinstance(p, str) else " ".join(map(str, p)) for p in prompt)
-    return str(prompt)
+    return completion_prompt(body)
 
 
 def count_tokens(text: str) -> int:

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypedDict
+
+from pdproxy.json_types import JsonObject, JsonValue
 
 #: Fields a decode needs to take vLLM's remote path.
 VLLM_REQUIRED = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
 
 
-def check_vllm_prefill_shape(body: dict[str, Any], raw_had_max_completion: bool) -> list[str]:
+def check_vllm_prefill_shape(body: JsonObject, raw_had_max_completion: bool) -> list[str]:
     errors = []
     params = body.get("kv_transfer_params")
     if not (isinstance(params, dict) and params.get("do_remote_decode") is True):
@@ -37,7 +39,7 @@ def check_vllm_prefill_shape(body: dict[str, Any], raw_had_max_completion: bool)
     return errors
 
 
-def vllm_remote_path(params: Any) -> bool:
+def vllm_remote_path(params: JsonValue) -> bool:
     """True when a decode takes the remote path (as vLLM's scheduler decides)."""
     return (
         isinstance(params, dict)
@@ -45,6 +47,15 @@ def vllm_remote_path(params: Any) -> bool:
         and bool(params.get("remote_block_ids"))
         and all(params.get(name) is not None for name in VLLM_REQUIRED)
     )
+
+
+class RendezvousReport(TypedDict):
+    """SGLang's rooms in ``/mock/ledger``: those still open, those a proxy used twice, and counts."""
+
+    open_rooms: list[int]
+    reused_rooms: list[int]
+    transferred: int
+    timeouts: int
 
 
 @dataclass
@@ -98,10 +109,10 @@ class Rendezvous:
                 self.rooms.pop(room, None)
         return True
 
-    def report(self) -> dict[str, Any]:
-        return {
-            "open_rooms": sorted(self.rooms),
-            "reused_rooms": self.reused,
-            "transferred": self.transferred,
-            "timeouts": self.timeouts,
-        }
+    def report(self) -> RendezvousReport:
+        return RendezvousReport(
+            open_rooms=sorted(self.rooms),
+            reused_rooms=self.reused,
+            transferred=self.transferred,
+            timeouts=self.timeouts,
+        )
