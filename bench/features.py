@@ -1,5 +1,6 @@
-"""What tenant limits and tracing cost on the hot path: S1 (non-stream requests) and S2
-(streamed events) through the Rust edge, plain and with each feature on, side by side.
+"""What tenant limits, tracing and the routing policy cost on the hot path: S1 (non-stream
+requests) and S2 (streamed events) through the Rust edge, plain (the default policy, `scored`)
+and with each feature on, or with `round_robin` (the policy of S1-S4 in bench/run.py), side by side.
 
     python bench/features.py                 # 10 s per run, median of 3
     python bench/features.py --duration 5 --repeat 1
@@ -69,6 +70,7 @@ def variants(workdir: Path, sink: str) -> dict[str, tuple[tuple[str, ...], tuple
     tracing = ("--otlp-endpoint", sink, "--trace-sampler", "always_on")
     return {
         "plain": ((), ()),
+        "round_robin": (("--policy", "round_robin"), ()),
         "tenants": (limits, key),
         "tracing": (tracing, ()),
         "tenants+tracing": ((*limits, *tracing), key),

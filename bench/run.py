@@ -41,6 +41,9 @@ import peers
 MODEL = "bench-model"
 #: pdproxy as measured: each target name, and the edge it serves with.
 PDPROXY_TARGETS = {"pdproxy": "rust", "pdproxy-granian": "granian"}
+#: pdproxy's policy in S1-S4: the routers' (peers.SGLANG_POLICY, nginx's upstream), so the tables
+#: compare proxies and not policies (what `scored`, the default, costs: bench/features.py).
+SCENARIO_POLICY = peers.SGLANG_POLICY
 CHAT = "/v1/chat/completions"
 RESULTS = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent / "README.md"
@@ -344,7 +347,8 @@ def run_scenario(s: Scenario, duration: float, others: list[peers.Peer], repeat:
         floor = up.enter_context(harness.floor(urls))
         targets["floor"] = ([floor.url + CHAT], {"proxy": floor.proc.pid, **mocks})
         for name, edge in PDPROXY_TARGETS.items():
-            proxy = up.enter_context(harness.pdproxy(urls, MODEL, ("--edge", edge)))
+            extra = ("--edge", edge, "--policy", SCENARIO_POLICY)
+            proxy = up.enter_context(harness.pdproxy(urls, MODEL, extra))
             targets[name] = ([proxy.url + CHAT], {"proxy": proxy.proc.pid, **mocks})
         for peer in others:
             try:
