@@ -42,6 +42,9 @@ pub struct EngineReport {
     waiting: AtomicU64,
     /// f64 bits; NaN bits when not exported.
     kv_usage: AtomicU64,
+    /// The KV-cache share of one running request, from the last reading that had any (f64 bits;
+    /// NaN: none yet): what a request sent to an engine that read idle is taken to add.
+    kv_per_request: AtomicU64,
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
     kv_capacity_tokens: AtomicU64,
@@ -65,6 +68,8 @@ pub struct EngineLoad {
     pub waiting: u64,
     pub kv_usage: Option<f64>,
     pub kv_capacity_tokens: Option<u64>,
+    /// The KV-cache share of one running request, as last seen.
+    pub kv_per_request: Option<f64>,
     /// Requests pdproxy sent to the node since the reading.
     pub sent_since: u64,
     /// pdproxy's in-flight count on the node now, minus then.
@@ -97,15 +102,17 @@ impl EngineLoad {
         }
     }
 
-    /// KV-cache usage now: as reported, plus the average share of a running request for
-    /// each request pdproxy added since (nothing known to add when none was running).
+    /// KV-cache usage now: as reported, plus the share of a running request for each request
+    /// pdproxy added since (the share seen last time the engine ran any, when it read idle:
+    /// else every request would go to the engines that happened to be idle at the reading).
     pub fn kv_usage_estimate(&self) -> Option<f64> {
         let usage = self.kv_usage?;
-        if self.running == 0 || self.in_flight_change <= 0 {
+        if self.in_flight_change <= 0 {
             return Some(usage);
         }
         #[allow(clippy::cast_precision_loss)]
-        let per_request = usage / self.running as f64;
+        let per_request = if self.running > 0 { Some(usage / self.running as f64) } else { self.kv_per_request };
+        let Some(per_request) = per_request else { return Some(usage) };
         #[allow(clippy::cast_precision_loss)]
         Some((usage + per_request * self.in_flight_change as f64).min(1.0))
     }
@@ -151,6 +158,11 @@ impl EngineReport {
         self.running.store(figures.running, Ordering::Relaxed);
         self.waiting.store(figures.waiting, Ordering::Relaxed);
         self.kv_usage.store(option_bits(figures.kv_usage.map(|u| u.clamp(0.0, 1.0))), Ordering::Relaxed);
+        if let Some(usage) = figures.kv_usage.filter(|_| figures.running > 0) {
+            #[allow(clippy::cast_precision_loss)]
+            let share = usage.clamp(0.0, 1.0) / figures.running as f64;
+            self.kv_per_request.store(share.to_bits(), Ordering::Relaxed);
+        }
         self.prompt_tokens.store(option_u64(figures.prompt_tokens), Ordering::Relaxed);
         self.cached_tokens.store(option_u64(figures.cached_tokens), Ordering::Relaxed);
         self.kv_capacity_tokens.store(option_u64(figures.kv_capacity_tokens), Ordering::Relaxed);
@@ -195,6 +207,7 @@ impl EngineReport {
             waiting: self.waiting.load(Ordering::Relaxed),
             kv_usage: from_bits(self.kv_usage.load(Ordering::Relaxed)),
             kv_capacity_tokens: from_u64(self.kv_capacity_tokens.load(Ordering::Relaxed)),
+            kv_per_request: from_bits(self.kv_per_request.load(Ordering::Relaxed)),
             sent_since: requests.saturating_sub(self.requests_then.load(Ordering::Relaxed)),
             in_flight_change,
         })
@@ -233,6 +246,7 @@ impl EngineReport {
             value.store(0, Ordering::Relaxed);
         }
         self.kv_usage.store(option_bits(None), Ordering::Relaxed);
+        self.kv_per_request.store(option_bits(None), Ordering::Relaxed);
         for value in [&self.prompt_tokens, &self.cached_tokens, &self.kv_capacity_tokens] {
             value.store(option_u64(None), Ordering::Relaxed);
         }
@@ -265,6 +279,17 @@ mod tests {
         let report = EngineReport::default();
         assert_eq!(report.fresh(10_000, 5_000, 0, 0), None);
         assert_eq!(report.snapshot(5_000).figures, None);
+    }
+
+    #[test]
+    fn requests_sent_to_an_engine_that_read_idle_count_at_the_share_seen_before() {
+        let report = EngineReport::default();
+        report.record(&figures(4, 0, 0.2, 100), then(4, 4), 1_000);
+        report.record(&figures(0, 0, 0.0, 200), then(0, 8), 2_000);
+        // Three sent since it read idle: each holds what one of the four held before.
+        let load = report.fresh(10_000, 2_100, 3, 11).unwrap();
+        assert!((load.kv_usage_estimate().unwrap() - 0.15).abs() < 1e-9);
+        assert!((report.fresh(10_000, 2_100, 0, 11).unwrap().kv_usage_estimate().unwrap()).abs() < 1e-9);
     }
 
     #[test]

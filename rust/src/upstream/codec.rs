@@ -16,8 +16,11 @@ use crate::headers::{is_hop_by_hop_name, listed_in_connection, stays_on_client_h
 use crate::loops::VIA;
 use crate::trace::TRACEPARENT;
 
-/// Bytes asked of the socket per read.
-pub const READ_SIZE: usize = 16 * 1024;
+/// Bytes asked of the socket per read at first, and at most: a read that fills what was asked
+/// doubles the next one (a large body), one that fills less than half goes back to the first
+/// size (events of a stream are small, and hundreds of streams each keep a buffer).
+pub const READ_SIZE: usize = 4 * 1024;
+const MAX_READ_SIZE: usize = 64 * 1024;
 /// Largest response head accepted, and most headers in it.
 const MAX_HEAD: usize = 64 * 1024;
 const MAX_HEADERS: usize = 128;
@@ -125,14 +128,25 @@ pub enum HeadError {
 
 /// Reads from the socket into the connection's buffer; `Ok(0)` at its end.
 pub fn poll_fill(connection: &mut Connection, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
-    connection.buffer.reserve(READ_SIZE);
+    connection.buffer.reserve(connection.read_size);
+    let asked = connection.buffer.capacity() - connection.buffer.len();
     // `poll_read` (not `try_read`): tokio takes a short read to mean the socket is drained and
     // waits for the next readiness, which saves a read that would only say "would block" after
     // every burst from the node (one per event on a stream).
-    match &mut connection.stream {
+    let read = match &mut connection.stream {
         Stream::Plain(tcp) => tokio_util::io::poll_read_buf(std::pin::Pin::new(tcp), cx, &mut connection.buffer),
         Stream::Tls(tls) => tokio_util::io::poll_read_buf(std::pin::Pin::new(tls.as_mut()), cx, &mut connection.buffer),
+    };
+    if let Poll::Ready(Ok(n)) = read {
+        connection.read_size = if n >= asked {
+            (connection.read_size * 2).min(MAX_READ_SIZE)
+        } else if n < connection.read_size / 2 {
+            READ_SIZE
+        } else {
+            connection.read_size
+        };
     }
+    read
 }
 
 /// Reads the answer's head (skipping interim 1xx answers), leaving the body's first bytes in

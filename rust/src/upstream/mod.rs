@@ -172,7 +172,7 @@ impl Client {
                 }
             }
         };
-        Ok(Connection { stream, buffer: BytesMut::with_capacity(codec::READ_SIZE) })
+        Ok(Connection { stream, buffer: BytesMut::with_capacity(codec::READ_SIZE), read_size: codec::READ_SIZE })
     }
 
     fn tls_connector(&self) -> Result<TlsConnector> {

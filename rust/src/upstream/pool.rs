@@ -18,6 +18,8 @@ use tokio_rustls::client::TlsStream;
 pub struct Connection {
     pub stream: Stream,
     pub buffer: BytesMut,
+    /// Bytes the next read asks for (see `codec::poll_fill`).
+    pub read_size: usize,
 }
 
 /// A connection's socket: plain TCP (`http://` nodes) or TLS over it (`https://` nodes).
