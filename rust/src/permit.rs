@@ -54,10 +54,9 @@ pub struct InFlightPermit {
     outcome: Outcome,
     report: Report,
     /// Prompt bytes counted in the node's `prefill_pending_bytes` until the first byte comes,
-    /// and their part of its `prefill_pending_byte_ms`.
+    /// and when they were (Unix milliseconds): their part of its `prefill_pending_byte_ms` is
+    /// the product of the two.
     prefill_pending: AtomicU64,
-    prefill_byte_ms: AtomicU64,
-    /// When the prediction was made (Unix milliseconds).
     prefill_since_ms: AtomicU64,
     /// Counted in the node's `unanswered` until the first byte comes.
     unanswered: AtomicBool,
@@ -87,7 +86,6 @@ impl InFlightPermit {
             outcome: Outcome::Cancelled,
             report: Report::default(),
             prefill_pending: AtomicU64::new(0),
-            prefill_byte_ms: AtomicU64::new(0),
             prefill_since_ms: AtomicU64::new(0),
             unanswered: AtomicBool::new(true),
             predicted_cached: AtomicU64::new(0),
@@ -107,7 +105,6 @@ impl InFlightPermit {
             outcome: Outcome::Cancelled,
             report: Report::default(),
             prefill_pending: AtomicU64::new(0),
-            prefill_byte_ms: AtomicU64::new(0),
             prefill_since_ms: AtomicU64::new(0),
             unanswered: AtomicBool::new(true),
             predicted_cached: AtomicU64::new(0),
@@ -140,18 +137,18 @@ impl InFlightPermit {
 
     /// Records what the policy expects of the node for this request: `prefill` bytes of prompt
     /// to compute, counted in its `prefill_pending_bytes` until the first byte of the answer
-    /// (or the end), and `cached` bytes to be found in its cache.
+    /// (or the end), and `cached` bytes to be found in its cache. Once per permit (the one
+    /// selection that took it).
     pub fn set_prediction(&self, prediction: Prediction) {
         if prediction.prefill > 0 {
             let now = now_ms();
-            // Wrapping: the node's sum is only ever read as a difference (see `prefill_remaining_bytes`).
-            let byte_ms = prediction.prefill.wrapping_mul(now);
             let counters = self.node.counters();
             counters.prefill_pending_bytes.fetch_add(prediction.prefill, Ordering::Relaxed);
-            counters.prefill_pending_byte_ms.fetch_add(byte_ms, Ordering::Relaxed);
-            self.prefill_pending.fetch_add(prediction.prefill, Ordering::Relaxed);
-            self.prefill_byte_ms.fetch_add(byte_ms, Ordering::Relaxed);
+            // Wrapping: the node's sum is only ever read as a difference (see `prefill_remaining_bytes`).
+            counters.prefill_pending_byte_ms.fetch_add(prediction.prefill.wrapping_mul(now), Ordering::Relaxed);
             self.prefill_since_ms.store(now, Ordering::Relaxed);
+            let before = self.prefill_pending.swap(prediction.prefill, Ordering::Relaxed);
+            debug_assert_eq!(before, 0, "one prediction per permit");
         }
         self.predicted_cached.store(prediction.cached, Ordering::Relaxed);
     }
@@ -170,12 +167,10 @@ impl InFlightPermit {
         }
         let bytes = self.prefill_pending.swap(0, Ordering::Relaxed);
         if bytes > 0 {
+            let since = self.prefill_since_ms.load(Ordering::Relaxed);
             counters.prefill_pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
-            counters
-                .prefill_pending_byte_ms
-                .fetch_sub(self.prefill_byte_ms.swap(0, Ordering::Relaxed), Ordering::Relaxed);
+            counters.prefill_pending_byte_ms.fetch_sub(bytes.wrapping_mul(since), Ordering::Relaxed);
             if answered {
-                let since = self.prefill_since_ms.load(Ordering::Relaxed);
                 counters.record_prefill(bytes, now_ms().saturating_sub(since));
             }
         }

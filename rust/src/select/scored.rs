@@ -291,6 +291,9 @@ mod tests {
         let node = Arc::clone(second.node());
         drop(second);
         assert_eq!(node.counters().prefill_pending_bytes.load(Ordering::Relaxed), 0, "and at the end at the latest");
+        for node in [first.node(), &node] {
+            assert_eq!(node.counters().prefill_pending_byte_ms.load(Ordering::Relaxed), 0, "their send times too");
+        }
         assert_eq!(nodes.len(), 2);
     }
 }
