@@ -144,7 +144,12 @@ def test_a_replica_starts_while_redis_is_down(tmp_path: Path) -> None:
         assert _nodes(replica) == {}  # the registry is the membership: nothing until it is reachable
         redis.start()
         try:
-            wait_until(lambda: engine.url in _nodes(replica), 20, "the configured node registered")
+            # Registered first, then asked for its models (it gets no traffic until they are known).
+            wait_until(
+                lambda: _nodes(replica).get(engine.url, {}).get("models") == ["alpha"],
+                20,
+                "the configured node registered and its models discovered",
+            )
             assert _chat(replica, "alpha")[0] == 200
         finally:
             redis.stop()
