@@ -89,6 +89,8 @@ class Conversation:
 @dataclass
 class Trace:
     workload: str
+    #: Seconds over which the conversations arrive.
+    duration: float
     conversations: list[Conversation] = field(default_factory=list)
 
     @property
@@ -108,7 +110,7 @@ class Workload:
         """Conversations arriving over ``duration`` seconds so that requests come at ``rate``
         per second."""
         rng = random.Random(f"{self.name}:{seed}")
-        trace = Trace(self.name)
+        trace = Trace(self.name, duration)
         start = 0.0
         while True:
             start += rng.expovariate(rate / self.turns)

@@ -22,7 +22,9 @@
 //! engine's waiting requests and KV usage come from its fresh report adjusted by pdproxy's
 //! traffic since (see `EngineLoad::waiting`); without one, the requests pdproxy sent there
 //! that have not had their first byte (`unanswered`) stand in for the queue, and the KV term
-//! is left out. Ties go at random.
+//! is left out. Nodes within a tenth of the lowest cost count as equally ready and take turns
+//! (the one sent the fewest requests, then at random): round robin's even spacing of each
+//! node's arrivals is worth more to the first token than a few hundredths of KV usage.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -35,6 +37,10 @@ use crate::node::Node;
 use crate::permit::Prediction;
 
 /// The weights of the three terms.
+/// Costs this close to the lowest count as equal (a tenth of a KiB of prefill, or of the
+/// whole KV cache).
+const TIE_TOLERANCE: f64 = 0.1;
+
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ScoreWeights {
     pub prefix: f64,
@@ -144,15 +150,21 @@ impl Policy for Scored {
 
     fn pick(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Option<usize> {
         self.note_capacities(candidates);
-        let mut best = f64::INFINITY;
-        let mut chosen = None;
-        let mut ties = 0u32;
         let all = self.costs(candidates, ctx);
+        let best = all.iter().flatten().copied().fold(f64::INFINITY, f64::min);
+        // Of the nodes within a hair of the best, the one sent the fewest requests: nodes
+        // equally ready take turns, so each one's arrivals are spaced as round robin's are.
+        let mut chosen = None;
+        let mut fewest = u64::MAX;
+        let mut ties = 0u32;
         for (i, cost) in all.into_iter().enumerate() {
-            let Some(cost) = cost else { continue };
-            if cost < best {
-                (best, chosen, ties) = (cost, Some(i), 1);
-            } else if cost.total_cmp(&best).is_eq() {
+            if cost.is_none_or(|c| c > best + TIE_TOLERANCE) {
+                continue;
+            }
+            let sent = candidates[i].counters().requests.load(Ordering::Relaxed);
+            if sent < fewest {
+                (fewest, chosen, ties) = (sent, Some(i), 1);
+            } else if sent == fewest {
                 ties += 1;
                 if fastrand::u32(0..ties) == 0 {
                     chosen = Some(i);
@@ -224,9 +236,9 @@ mod tests {
     #[test]
     fn engine_reports_count_and_weights_are_configurable() {
         let (_reg, nodes) = nodes(2);
-        report(&nodes[0], 6, 2, 0.9);
+        report(&nodes[0], 6, 2, 0.6);
         report(&nodes[1], 7, 0, 0.1);
-        // Two waiting and 0.9 of the cache, against none waiting and 0.1.
+        // Two waiting and 0.6 of the cache, against none waiting and 0.1.
         assert_eq!(scored(WEIGHTS).pick(&nodes, &ctx(b"x")), Some(1));
         let kv_blind = WEIGHTS.with_overrides("kv=0, queue=1").unwrap();
         assert!(kv_blind.kv.abs() < f64::EPSILON);
@@ -243,6 +255,27 @@ mod tests {
         for bad in ["prefix", "prefix=-1", "speed=2", "kv=x", "queue=inf"] {
             assert!(WEIGHTS.with_overrides(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn nodes_equally_ready_take_turns() {
+        let (_reg, nodes) = nodes(4);
+        for (i, node) in nodes.iter().enumerate() {
+            // Nodes 0-2 within a hair of each other; node 3 a request behind, never sent any.
+            report(node, 4, u64::from(i == 3), 0.30 + 0.01 * f64::from(u8::try_from(i).unwrap()));
+        }
+        nodes[0].counters().requests.fetch_add(5, Ordering::Relaxed);
+        let policy = scored(WEIGHTS);
+        let mut order = Vec::new();
+        for _ in 0..6 {
+            let i = policy.pick(&nodes, &ctx(b"x")).unwrap();
+            nodes[i].counters().requests.fetch_add(1, Ordering::Relaxed);
+            order.push(i);
+        }
+        // The ready ones that were sent the fewest, in turn; never the one with a queue.
+        let count = |n: usize| order.iter().filter(|&&i| i == n).count();
+        assert_eq!([count(0), count(1), count(2), count(3)], [0, 3, 3, 0], "{order:?}");
+        assert!(order.chunks(2).all(|round| round[0] != round[1]), "{order:?}");
     }
 
     #[test]
