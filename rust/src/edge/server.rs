@@ -233,17 +233,21 @@ async fn route(
     }
     if request.method() == Method::POST {
         let origin = cors.and(request.headers().get(ORIGIN).cloned());
+        // Boxed: hyper keeps room for this future beside every open connection, streaming or
+        // idle; the state of serving a request (10 KiB of it) need only live while it is served.
         let mut response = match state.route(request.uri().path()) {
-            Route::Hybrid { require_model } => hybrid::serve(worker, peer, request, id, had_id, require_model).await,
-            Route::Disaggregated(protocol) => pd::serve(worker, peer, request, id, had_id, protocol).await,
-            Route::ControlPlane => return state.control.forward(peer.address, request, &id).await,
+            Route::Hybrid { require_model } => {
+                Box::pin(hybrid::serve(worker, peer, request, id, had_id, require_model)).await
+            }
+            Route::Disaggregated(protocol) => Box::pin(pd::serve(worker, peer, request, id, had_id, protocol)).await,
+            Route::ControlPlane => return Box::pin(state.control.forward(peer.address, request, &id)).await,
         };
         if let (Some(cors), Some(origin)) = (cors, origin) {
             cors.decorate(&mut response, &origin);
         }
         return response;
     }
-    state.control.forward(peer.address, request, &id).await
+    Box::pin(state.control.forward(peer.address, request, &id)).await
 }
 
 /// The edge's shutdown, as a connection waits for it: its waker is registered once, then each
