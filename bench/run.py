@@ -8,7 +8,8 @@ one table per scenario, with ratios measured in the same run.
     python bench/run.py --repeat 1           # one run per target instead of the median of three
 
 Targets: `direct` (the load generator talks to the mock engines itself: the physical limit),
-`pdproxy` (`pdproxy serve`: the Rust edge), `pdproxy-granian` (`pdproxy serve --edge granian`:
+`pdproxy` (`pdproxy serve --edge-threads 1`: the Rust edge, see `PDPROXY_TARGETS`; in S1-S4 also
+`pdproxy-default-threads`, one edge thread per core), `pdproxy-granian` (`pdproxy serve --edge granian`:
 the Python app under granian, one worker, as before the edge) and the peers: `lmdeploy-proxy` (LMDeploy's
 `lmdeploy serve proxy`), `sglang-router` and `vllm-router` (Rust routers), each installed on first
 use into its own virtual environment under bench/.peers, and `nginx` (Debian's package); and
@@ -39,8 +40,13 @@ import harness
 import peers
 
 MODEL = "bench-model"
-#: pdproxy as measured: each target name, and the edge it serves with.
-PDPROXY_TARGETS = {"pdproxy": "rust", "pdproxy-granian": "granian"}
+#: pdproxy as measured: each target name, and how it serves. The Rust edge runs one thread: on
+#: two cores shared with the load generator and the engines, a second edge thread (the default,
+#: one per core, for a proxy with a machine to itself) only adds context switches; S1-S4 show
+#: the default too (`pdproxy-default-threads`).
+PDPROXY_TARGETS = {"pdproxy": ("--edge", "rust", "--edge-threads", "1"), "pdproxy-granian": ("--edge", "granian")}
+#: Measured in S1-S4 beside the targets above.
+DEFAULT_THREADS = {"pdproxy-default-threads": ("--edge", "rust")}
 #: pdproxy's policy in S1-S4: the routers' (peers.SGLANG_POLICY, nginx's upstream), so the tables
 #: compare proxies and not policies (what `scored`, the default, costs: bench/features.py).
 SCENARIO_POLICY = peers.SGLANG_POLICY
@@ -238,7 +244,7 @@ def run_pd(duration: float, repeat: int, others: list[peers.Peer]) -> dict[str, 
     harness.say(f"{PD_TITLE}: pdproxy, one hybrid engine")
     with (
         harness.mock_engines(1, MODEL, delay) as (engine,),
-        harness.pdproxy([engine.url], MODEL) as proxy,
+        harness.pdproxy([engine.url], MODEL, PDPROXY_TARGETS["pdproxy"]) as proxy,
     ):
         watch = {"proxy": proxy.proc.pid, "mock": engine.proc.pid}
         results["pdproxy hybrid"] = run_load([proxy.url + CHAT], body, connections, duration, watch)
@@ -266,7 +272,7 @@ def _pd_proxy(
 ) -> AbstractContextManager[harness.Service]:
     if not isinstance(speaker, str):
         return speaker.start_pd(prefill, decode, MODEL)
-    extra = ("--edge", PDPROXY_TARGETS[speaker], "--serving-strategy", "DistServe", "--pd-protocol", protocol)
+    extra = (*PDPROXY_TARGETS[speaker], "--serving-strategy", "DistServe", "--pd-protocol", protocol)
     return harness.pdproxy([], MODEL, extra, {prefill: "prefill", decode: "decode"})
 
 
@@ -279,8 +285,8 @@ def run_management(duration: float) -> dict[str, dict[str, list[float]]]:
     connection, for about ``duration`` seconds per path and target."""
     results: dict[str, dict[str, list[float]]] = {}
     with harness.mock_engines(2, MODEL) as engines:
-        for name, edge in PDPROXY_TARGETS.items():
-            with harness.pdproxy([e.url for e in engines], MODEL, ("--edge", edge)) as proxy:
+        for name, how in PDPROXY_TARGETS.items():
+            with harness.pdproxy([e.url for e in engines], MODEL, how) as proxy:
                 harness.say(f"{MANAGEMENT_TITLE}: {name}")
                 results[name] = {p: harness.sequential_latency(proxy.url, p, duration) for p in MANAGEMENT_PATHS}
     return results
@@ -346,9 +352,8 @@ def run_scenario(s: Scenario, duration: float, others: list[peers.Peer], repeat:
         targets: dict[str, tuple[list[str], dict[str, int]]] = {"direct": ([u + CHAT for u in urls], mocks)}
         floor = up.enter_context(harness.floor(urls))
         targets["floor"] = ([floor.url + CHAT], {"proxy": floor.proc.pid, **mocks})
-        for name, edge in PDPROXY_TARGETS.items():
-            extra = ("--edge", edge, "--policy", SCENARIO_POLICY)
-            proxy = up.enter_context(harness.pdproxy(urls, MODEL, extra))
+        for name, how in {**PDPROXY_TARGETS, **DEFAULT_THREADS}.items():
+            proxy = up.enter_context(harness.pdproxy(urls, MODEL, (*how, "--policy", SCENARIO_POLICY)))
             targets[name] = ([proxy.url + CHAT], {"proxy": proxy.proc.pid, **mocks})
         for peer in others:
             try:
