@@ -152,19 +152,21 @@ impl Policy for Scored {
         self.note_capacities(candidates);
         let all = self.costs(candidates, ctx);
         let best = all.iter().flatten().copied().fold(f64::INFINITY, f64::min);
-        // Of the nodes within a hair of the best, the one sent the fewest requests: nodes
-        // equally ready take turns, so each one's arrivals are spaced as round robin's are.
+        // Of the nodes within a hair of the best, the one with the fewest requests in flight,
+        // then the one sent the fewest: nodes equally ready share the decoding evenly and take
+        // turns, so each one's arrivals are spaced as round robin's are.
         let mut chosen = None;
-        let mut fewest = u64::MAX;
+        let mut fewest = (u64::MAX, u64::MAX);
         let mut ties = 0u32;
         for (i, cost) in all.into_iter().enumerate() {
             if cost.is_none_or(|c| c > best + TIE_TOLERANCE) {
                 continue;
             }
-            let sent = candidates[i].counters().requests.load(Ordering::Relaxed);
-            if sent < fewest {
-                (fewest, chosen, ties) = (sent, Some(i), 1);
-            } else if sent == fewest {
+            let counters = candidates[i].counters();
+            let key = (counters.in_flight(), counters.requests.load(Ordering::Relaxed));
+            if key < fewest {
+                (fewest, chosen, ties) = (key, Some(i), 1);
+            } else if key == fewest {
                 ties += 1;
                 if fastrand::u32(0..ties) == 0 {
                     chosen = Some(i);
