@@ -22,9 +22,10 @@
 //! engine's waiting requests and KV usage come from its fresh report adjusted by pdproxy's
 //! traffic since (see `EngineLoad::waiting`); without one, the requests pdproxy sent there
 //! that have not had their first byte (`unanswered`) stand in for the queue, and the KV term
-//! is left out. Nodes within a tenth of the lowest cost count as equally ready and take turns
-//! (the one sent the fewest requests, then at random): round robin's even spacing of each
-//! node's arrivals is worth more to the first token than a few hundredths of KV usage.
+//! is left out. Nodes within a tenth of the lowest cost count as equally ready: the one with
+//! the fewest requests in flight, then the one sent the fewest, then one at random. They share
+//! the decoding evenly and take turns, and round robin's even spacing of each node's arrivals
+//! is worth more to the first token than a few hundredths of KV usage.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -36,11 +37,11 @@ use crate::error::{Error, Kind, Result};
 use crate::node::Node;
 use crate::permit::Prediction;
 
-/// The weights of the three terms.
 /// Costs this close to the lowest count as equal (a tenth of a KiB of prefill, or of the
 /// whole KV cache).
 const TIE_TOLERANCE: f64 = 0.1;
 
+/// The weights of the three terms.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ScoreWeights {
     pub prefix: f64,
@@ -278,6 +279,10 @@ mod tests {
         let count = |n: usize| order.iter().filter(|&&i| i == n).count();
         assert_eq!([count(0), count(1), count(2), count(3)], [0, 3, 3, 0], "{order:?}");
         assert!(order.chunks(2).all(|round| round[0] != round[1]), "{order:?}");
+        // Requests in flight come first: node 0, sent the most, but the only one not busy.
+        nodes[1].counters().in_flight.fetch_add(1, Ordering::Relaxed);
+        nodes[2].counters().in_flight.fetch_add(1, Ordering::Relaxed);
+        assert_eq!(policy.pick(&nodes, &ctx(b"x")), Some(0));
     }
 
     #[test]
