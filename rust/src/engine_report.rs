@@ -68,7 +68,8 @@ pub struct EngineLoad {
     pub waiting: u64,
     pub kv_usage: Option<f64>,
     pub kv_capacity_tokens: Option<u64>,
-    /// The KV-cache share of one running request, as last seen.
+    /// The KV-cache share of one running request: this reading's, or the last reading's that
+    /// had any running.
     pub kv_per_request: Option<f64>,
     /// Requests pdproxy sent to the node since the reading.
     pub sent_since: u64,
@@ -103,16 +104,13 @@ impl EngineLoad {
     }
 
     /// KV-cache usage now: as reported, plus the share of a running request for each request
-    /// pdproxy added since (the share seen last time the engine ran any, when it read idle:
-    /// else every request would go to the engines that happened to be idle at the reading).
+    /// pdproxy added since (`kv_per_request`: this reading's share, or the last one seen when
+    /// it read idle; else every request would go to the engines that happened to be idle then).
     pub fn kv_usage_estimate(&self) -> Option<f64> {
         let usage = self.kv_usage?;
-        if self.in_flight_change <= 0 {
+        let Some(per_request) = self.kv_per_request.filter(|_| self.in_flight_change > 0) else {
             return Some(usage);
-        }
-        #[allow(clippy::cast_precision_loss)]
-        let per_request = if self.running > 0 { Some(usage / self.running as f64) } else { self.kv_per_request };
-        let Some(per_request) = per_request else { return Some(usage) };
+        };
         #[allow(clippy::cast_precision_loss)]
         Some((usage + per_request * self.in_flight_change as f64).min(1.0))
     }
