@@ -12,9 +12,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from pdproxy.testing import mock_engine_command
 
@@ -23,6 +24,7 @@ LOADGEN = ROOT / "target" / "release" / "pdproxy-loadgen"
 FLOOR = ROOT / "target" / "release" / "pdproxy-floor"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
+K = TypeVar("K", bound=Hashable)
 
 
 def say(message: str) -> None:
@@ -249,29 +251,49 @@ def run_load(
 ) -> LoadResult:
     """Runs the load generator (``headers``: ``NAME:VALUE`` on every request); measures CPU and
     RSS of the ``watch`` processes (name -> pid) over the measurement window."""
-    args = [
-        str(LOADGEN),
-        "--connections",
-        str(connections),
-        "--duration",
-        str(duration),
-        "--warmup",
-        str(warmup),
-        "--body",
-        json.dumps(body),
-    ]
-    for url in urls:
-        args += ["--url", url]
+    args = ["--connections", str(connections)]
     for header in headers:
         args += ["--header", header]
+    out, cpu, rss = _loadgen(urls, body, args, duration, warmup, watch)
+    return LoadResult(out, cpu, rss)
+
+
+def run_interleaved(
+    targets: dict[str, tuple[str, dict[str, int]]], body: dict, duration: float, turn: float, warmup: float = 1.0
+) -> dict[str, LoadResult]:
+    """One client sends requests one at a time, back to back, to each target in turn for ``turn``
+    seconds (targets: name -> (URL, the processes to watch, name -> pid)): every target is
+    measured over the same stretch of time, so a shared machine's drift falls on all of them
+    alike. CPU is each process's over the whole window."""
+    urls = [url for url, _ in targets.values()]
+    watch = {(name, role): pid for name, (_, pids) in targets.items() for role, pid in pids.items()}
+    out, cpu, rss = _loadgen(urls, body, ["--interleave", str(turn * 1000)], duration, warmup, watch)
+    return {
+        name: LoadResult(
+            load,
+            {role: cpu[(name, role)] for role in pids},
+            {role: rss[(name, role)] for role in pids},
+        )
+        for (name, (_, pids)), load in zip(targets.items(), out["interleaved"], strict=True)
+    }
+
+
+def _loadgen(
+    urls: list[str], body: dict, extra: list[str], duration: float, warmup: float, watch: dict[K, int]
+) -> tuple[dict, dict[K, float], dict[K, int]]:
+    """The load generator's JSON output, and the CPU seconds and RSS of each watched process over
+    the measurement window."""
+    args = [str(LOADGEN), "--duration", str(duration), "--warmup", str(warmup), "--body", json.dumps(body), *extra]
+    for url in urls:
+        args += ["--url", url]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE)
     time.sleep(warmup)
-    before = {name: cpu_seconds(pid) for name, pid in watch.items()}
+    before = {key: cpu_seconds(pid) for key, pid in watch.items()}
     time.sleep(duration * 0.9)
-    rss = {name: rss_bytes(pid) for name, pid in watch.items()}
+    rss = {key: rss_bytes(pid) for key, pid in watch.items()}
     time.sleep(duration * 0.1)
-    after = {name: cpu_seconds(pid) for name, pid in watch.items()}
+    after = {key: cpu_seconds(pid) for key, pid in watch.items()}
     out, _ = proc.communicate(timeout=duration + 120)
     if proc.returncode != 0:
         raise RuntimeError(f"load generator failed with {proc.returncode}")
-    return LoadResult(json.loads(out), {n: after[n] - before[n] for n in watch}, rss)
+    return json.loads(out), {key: after[key] - before[key] for key in watch}, rss

@@ -4,6 +4,11 @@
 //! request back to back for `--duration` seconds (after `--warmup`). Responses are read as
 //! they arrive; server-sent events are counted and timestamped on arrival, which wrk cannot
 //! do. Prints one JSON object of results.
+//!
+//! With `--interleave MS`, one client sends requests one at a time, back to back, to each `--url`
+//! in turn for MS milliseconds (each URL on its own keep-alive connection), and prints the results
+//! per URL: targets measured over the same stretch of time, so that a shared machine's drift falls
+//! on all of them alike.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -25,10 +30,12 @@ struct Args {
     duration: Duration,
     warmup: Duration,
     threads: usize,
+    /// `--interleave`: how long each URL has the client before the next one's turn.
+    interleave: Option<Duration>,
 }
 
 const USAGE: &str = "usage: pdproxy-loadgen --url URL [--url URL]... [--body JSON] [--header NAME:VALUE]... \
-[--connections N] [--duration SECONDS] [--warmup SECONDS] [--threads N]";
+[--connections N] [--duration SECONDS] [--warmup SECONDS] [--threads N] [--interleave MS]";
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
@@ -39,6 +46,7 @@ fn parse_args() -> Result<Args, String> {
         duration: Duration::from_secs(10),
         warmup: Duration::from_secs(1),
         threads: 1,
+        interleave: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -56,6 +64,10 @@ fn parse_args() -> Result<Args, String> {
             "--duration" => args.duration = secs(value()?)?,
             "--warmup" => args.warmup = secs(value()?)?,
             "--threads" => args.threads = value()?.parse().map_err(|e| format!("{e}"))?,
+            "--interleave" => {
+                let ms = value()?.parse::<f64>().map_err(|e| format!("{e}"))?;
+                args.interleave = Some(Duration::from_secs_f64(ms / 1000.0));
+            }
             "-h" | "--help" => return Err(USAGE.to_owned()),
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
@@ -124,24 +136,34 @@ impl EventCounter {
     }
 }
 
-async fn run_connection(args: Arc<Args>, index: usize, measure_from: Instant, end: Instant) -> Samples {
-    let url = &args.urls[index % args.urls.len()];
-    let mut samples = Samples::default();
-    let mut sender = None;
-    while Instant::now() < end {
-        if sender.is_none() {
-            sender = connect(url).await;
-            if sender.is_none() {
+/// One keep-alive connection to one URL, opened again when it breaks.
+struct Client {
+    url: hyper::Uri,
+    sender: Option<http1::SendRequest<Full<Bytes>>>,
+}
+
+impl Client {
+    fn new(url: &hyper::Uri) -> Self {
+        Self { url: url.clone(), sender: None }
+    }
+
+    /// Sends one request and reads the whole response, adding what it measured to `samples` when
+    /// it started at or after `measure_from` (and, for its latency, ended by `end`).
+    async fn exchange(&mut self, args: &Args, measure_from: Instant, end: Instant, samples: &mut Samples) {
+        if self.sender.is_none() {
+            self.sender = connect(&self.url).await;
+            if self.sender.is_none() {
                 samples.errors += 1;
                 tokio::time::sleep(Duration::from_millis(10)).await;
-                continue;
+                return;
             }
         }
-        let Some(s) = sender.as_mut() else { continue };
+        let Some(s) = self.sender.as_mut() else { return };
         if s.ready().await.is_err() {
-            sender = None;
-            continue;
+            self.sender = None;
+            return;
         }
+        let url = &self.url;
         // Origin-form request target, as clients send to servers (not proxies).
         let mut request = Request::post(url.path_and_query().map_or("/", |p| p.as_str()))
             .header("host", url.authority().map_or("localhost", |a| a.as_str()))
@@ -154,8 +176,8 @@ async fn run_connection(args: Arc<Args>, index: usize, measure_from: Instant, en
         let measured = t0 >= measure_from;
         let Ok(response) = s.send_request(request).await else {
             samples.errors += u64::from(measured);
-            sender = None;
-            continue;
+            self.sender = None;
+            return;
         };
         let ok = response.status().is_success();
         let mut body = response.into_body();
@@ -188,13 +210,40 @@ async fn run_connection(args: Arc<Args>, index: usize, measure_from: Instant, en
             }
         }
         if broken {
-            sender = None;
+            self.sender = None;
         }
         if measured && Instant::now() <= end {
             if ok && !broken {
                 samples.latency_us.push(micros(t0.elapsed()));
             } else {
                 samples.errors += 1;
+            }
+        }
+    }
+}
+
+async fn run_connection(args: Arc<Args>, index: usize, measure_from: Instant, end: Instant) -> Samples {
+    let mut client = Client::new(&args.urls[index % args.urls.len()]);
+    let mut samples = Samples::default();
+    while Instant::now() < end {
+        client.exchange(&args, measure_from, end, &mut samples).await;
+    }
+    samples
+}
+
+/// `--interleave`: requests one at a time, to each URL in turn for a `turn`; samples per URL.
+async fn run_interleaved(args: Arc<Args>, turn: Duration, measure_from: Instant, end: Instant) -> Vec<Samples> {
+    let mut clients: Vec<Client> = args.urls.iter().map(Client::new).collect();
+    let mut samples: Vec<Samples> = clients.iter().map(|_| Samples::default()).collect();
+    while Instant::now() < end {
+        for (client, samples) in clients.iter_mut().zip(&mut samples) {
+            let turn_ends = Instant::now() + turn;
+            loop {
+                client.exchange(&args, measure_from, end, samples).await;
+                let now = Instant::now();
+                if now >= turn_ends || now >= end {
+                    break;
+                }
             }
         }
     }
@@ -216,6 +265,35 @@ fn percentiles(mut v: Vec<u32>) -> serde_json::Value {
     serde_json::json!({"p50": at(0.5), "p90": at(0.9), "p99": at(0.99), "max": at(1.0), "mean": mean})
 }
 
+impl Samples {
+    fn add(&mut self, other: Samples) {
+        self.latency_us.extend(other.latency_us);
+        self.ttft_us.extend(other.ttft_us);
+        self.gap_us.extend(other.gap_us);
+        self.events += other.events;
+        self.errors += other.errors;
+        self.bytes += other.bytes;
+    }
+
+    #[allow(clippy::cast_precision_loss)]
+    fn report(self, connections: usize, duration: Duration) -> serde_json::Value {
+        let secs = duration.as_secs_f64();
+        serde_json::json!({
+            "connections": connections,
+            "duration_s": secs,
+            "requests": self.latency_us.len(),
+            "errors": self.errors,
+            "rps": self.latency_us.len() as f64 / secs,
+            "events": self.events,
+            "events_per_s": self.events as f64 / secs,
+            "bytes": self.bytes,
+            "latency_ms": percentiles(self.latency_us),
+            "ttft_ms": percentiles(self.ttft_us),
+            "gap_ms": percentiles(self.gap_us),
+        })
+    }
+}
+
 fn main() -> ExitCode {
     let args = match parse_args() {
         Ok(a) => Arc::new(a),
@@ -229,39 +307,24 @@ fn main() -> ExitCode {
         .enable_all()
         .build()
         .expect("tokio runtime");
-    let all = runtime.block_on(async {
+    let result = runtime.block_on(async {
         let start = Instant::now();
         let measure_from = start + args.warmup;
         let end = measure_from + args.duration;
+        if let Some(turn) = args.interleave {
+            let per_url = tokio::spawn(run_interleaved(Arc::clone(&args), turn, measure_from, end));
+            let per_url = per_url.await.expect("interleaved client");
+            let reports: Vec<_> = per_url.into_iter().map(|s| s.report(1, args.duration)).collect();
+            return serde_json::json!({ "interleaved": reports });
+        }
         let tasks: Vec<_> = (0..args.connections)
             .map(|i| tokio::spawn(run_connection(Arc::clone(&args), i, measure_from, end)))
             .collect();
         let mut all = Samples::default();
         for task in tasks {
-            let s = task.await.expect("connection task");
-            all.latency_us.extend(s.latency_us);
-            all.ttft_us.extend(s.ttft_us);
-            all.gap_us.extend(s.gap_us);
-            all.events += s.events;
-            all.errors += s.errors;
-            all.bytes += s.bytes;
+            all.add(task.await.expect("connection task"));
         }
-        all
-    });
-    let secs = args.duration.as_secs_f64();
-    #[allow(clippy::cast_precision_loss)]
-    let result = serde_json::json!({
-        "connections": args.connections,
-        "duration_s": secs,
-        "requests": all.latency_us.len(),
-        "errors": all.errors,
-        "rps": all.latency_us.len() as f64 / secs,
-        "events": all.events,
-        "events_per_s": all.events as f64 / secs,
-        "bytes": all.bytes,
-        "latency_ms": percentiles(all.latency_us),
-        "ttft_ms": percentiles(all.ttft_us),
-        "gap_ms": percentiles(all.gap_us),
+        all.report(args.connections, args.duration)
     });
     println!("{result}");
     ExitCode::SUCCESS
