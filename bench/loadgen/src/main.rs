@@ -79,7 +79,7 @@ fn parse_args() -> Result<Args, String> {
 }
 
 /// What one connection measured inside the measurement window.
-#[derive(Default)]
+#[derive(Default, Debug)]
 struct Samples {
     latency_us: Vec<u32>,
     ttft_us: Vec<u32>,
@@ -332,7 +332,64 @@ fn main() -> ExitCode {
 
 #[cfg(test)]
 mod tests {
-    use super::EventCounter;
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    use bytes::Bytes;
+    use http_body_util::Full;
+    use hyper::server::conn::http1;
+    use hyper::service::service_fn;
+    use hyper_util::rt::TokioIo;
+    use tokio::net::TcpListener;
+
+    use super::{run_interleaved, Args, EventCounter};
+
+    /// A server answering every request with `{}`, logging its `name` for each one it serves.
+    async fn server(name: usize, log: Arc<Mutex<Vec<usize>>>) -> hyper::Uri {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let address = listener.local_addr().expect("address");
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                let log = Arc::clone(&log);
+                let service = service_fn(move |_request| {
+                    log.lock().expect("log").push(name);
+                    async { Ok::<_, std::convert::Infallible>(hyper::Response::new(Full::new(Bytes::from("{}")))) }
+                });
+                tokio::spawn(http1::Builder::new().serve_connection(TokioIo::new(stream), service));
+            }
+        });
+        format!("http://{address}/v1/chat/completions").parse().expect("uri")
+    }
+
+    #[tokio::test]
+    async fn interleaved_targets_take_turns() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let urls = vec![server(0, Arc::clone(&log)).await, server(1, Arc::clone(&log)).await];
+        let args = Arc::new(Args {
+            urls,
+            body: Bytes::from("{}"),
+            headers: Vec::new(),
+            connections: 1,
+            duration: Duration::from_millis(300),
+            warmup: Duration::ZERO,
+            threads: 1,
+            interleave: Some(Duration::from_millis(30)),
+        });
+        let start = Instant::now();
+        let samples = run_interleaved(Arc::clone(&args), Duration::from_millis(30), start, start + args.duration).await;
+        let served = log.lock().expect("log").clone();
+        // Each target answered, and each measured request is one a target served.
+        for (target, s) in samples.iter().enumerate() {
+            let count = served.iter().filter(|&&t| t == target).count();
+            assert!(!s.latency_us.is_empty(), "target {target} measured nothing");
+            assert!(s.latency_us.len() <= count && count <= s.latency_us.len() + 1, "{count} served, {s:?}");
+            assert_eq!(s.errors, 0);
+        }
+        // Turns, not alternation: runs of requests to one target, then to the other.
+        let switches = served.windows(2).filter(|w| w[0] != w[1]).count();
+        assert!(switches >= 4, "{switches} switches in {} requests", served.len());
+        assert!(served.len() > 4 * (switches + 1), "{} requests in {} turns", served.len(), switches + 1);
+    }
 
     fn count(chunks: &[&[u8]]) -> u64 {
         let mut counter = EventCounter::default();
