@@ -14,8 +14,8 @@ the Python app under granian, one worker, as before the edge) and the peers: `lm
 `lmdeploy serve proxy`), `sglang-router` and `vllm-router` (Rust routers), each installed on first
 use into its own virtual environment under bench/.peers, and `nginx` (Debian's package); and
 `floor`, hyper passing requests through (bench/loadgen/src/bin/floor.rs), for calibration. In S1-S4
-every target is up at once and their runs take turns, ``--repeat`` rounds (PD: back to back); a
-table row is the median run.
+every target is up at once and their runs take turns, ``--repeat`` rounds (PD: back to back; S4:
+the targets take turns of 250 ms within each run); a table row is the median run.
 """
 
 from __future__ import annotations
