@@ -2,8 +2,12 @@
 //! per request). Checks in the control plane's order, one parse of the body, admission with
 //! its permit, forwarding with retries, and the node's answer streamed straight back.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Instant;
+
+use futures_util::future::Either;
+use futures_util::FutureExt;
 
 use http::header::{HeaderValue, CONNECTION, CONTENT_TYPE};
 use http::request::Parts;
@@ -229,15 +233,19 @@ pub async fn serve(
 }
 
 /// Runs `work` within the request's time limit, if it has one.
-pub async fn within<T>(
+///
+/// Combinators rather than an `async fn`: an `async fn` keeps its argument `work` beside the
+/// timeout it moves `work` into, twice the size of the work (2.7 KiB more for every request in
+/// flight, copied whenever the request's future moves).
+pub fn within<T>(
     deadline: Option<tokio::time::Instant>,
-    work: impl std::future::Future<Output = Result<T, Error>>,
-) -> Result<T, Error> {
+    work: impl Future<Output = Result<T, Error>>,
+) -> impl Future<Output = Result<T, Error>> {
     match deadline {
-        Some(deadline) => tokio::time::timeout_at(deadline, work)
-            .await
-            .unwrap_or_else(|_| Err(Error::new(Kind::Timeout, "the request took longer than its time limit"))),
-        None => work.await,
+        Some(deadline) => Either::Left(tokio::time::timeout_at(deadline, work).map(|limited| {
+            limited.unwrap_or_else(|_| Err(Error::new(Kind::Timeout, "the request took longer than its time limit")))
+        })),
+        None => Either::Right(work),
     }
 }
 
