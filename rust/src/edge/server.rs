@@ -234,7 +234,7 @@ async fn route(
     if request.method() == Method::POST {
         let origin = cors.and(request.headers().get(ORIGIN).cloned());
         // Boxed: hyper keeps room for this future beside every open connection, streaming or
-        // idle; the state of serving a request (10 KiB of it) need only live while it is served.
+        // idle; the state of serving a request (3 KiB of it) need only live while it is served.
         let mut response = match state.route(request.uri().path()) {
             Route::Hybrid { require_model } => {
                 Box::pin(hybrid::serve(worker, peer, request, id, had_id, require_model)).await
