@@ -154,6 +154,31 @@ async def test_a_stalled_body_ends_with_the_idle_timeout(
         await eventually(lambda: _idle(http, proxy.url))
 
 
+async def test_the_request_timeout_bounds_the_whole_request(
+    tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
+) -> None:
+    with pdproxy_serve(tmp_path, "--node", engine.url, "--request-timeout", "0.5") as proxy:
+        await eventually(lambda: _routes(http, proxy.url))
+        timeout = aiohttp.ClientTimeout(total=20)
+        url = proxy.url + "/v1/chat/completions"
+        # A node that never answers: the limit ends the wait for its head.
+        async with http.post(url, json=chat_body("m"), headers={FAULT_HEADER: "hang"}, timeout=timeout) as r:
+            assert r.status == 504
+            assert r.headers["x-pdproxy-error"] == "upstream_timeout"
+            assert "time limit" in (await r.json())["error"]["message"]
+        # A stream slower than the limit: what came in time is delivered, then the error event.
+        slow = {FAULT_HEADER: "token_delay_ms=100"}
+        body = chat_body("m", stream=True, max_tokens=50)
+        async with http.post(url, json=body, headers=slow, timeout=timeout) as r:
+            assert r.status == 200
+            text = (await r.read()).decode()
+        events = [line for line in text.splitlines() if line.startswith("data: ")]
+        assert 1 <= len(events) < 50, text
+        assert "time limit" in events[-1], events[-1]
+        await eventually(lambda: engine.state.active == 0, what="the node to see both requests end")
+        await eventually(lambda: _idle(http, proxy.url))
+
+
 # 4. Keyless management must not be open to any web page.
 
 
