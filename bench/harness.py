@@ -184,16 +184,19 @@ def pdproxy(
     extra: tuple[str, ...] = (),
     roles: dict[str, str] | None = None,
     key: str | None = None,
+    build: str | None = None,
 ) -> Iterator[Service]:
     """`pdproxy serve` routing to ``nodes``; with ``roles`` (url -> role) the nodes are
     registered through /nodes/add as LMDeploy engines do, instead of --node. ``key``: the
-    inference key its model list needs."""
+    inference key its model list needs. ``build``: a directory holding another build of the
+    `pdproxy` package, served instead of the installed one."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     args = [sys.executable, "-m", "pdproxy", "serve", "--port", str(port), "--log-level", "warning", *extra]
     for node in nodes if roles is None else []:
         args += ["--node", node]
-    with service("pdproxy", args, url + "/health", url) as svc:
+    env = {**os.environ, "PYTHONPATH": build} if build else None
+    with service("pdproxy", args, url + "/health", url, env=env) as svc:
         for node, role in (roles or {}).items():
             registration = {"url": node, "status": {"models": [model], "role": ROLE_NUMBERS[role]}}
             request = urllib.request.Request(

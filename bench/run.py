@@ -6,6 +6,7 @@ one table per scenario, with ratios measured in the same run.
     python bench/run.py --write-readme       # also refresh the results in bench/README.md
     python bench/run.py --peers none         # only direct and pdproxy
     python bench/run.py --repeat 1           # one run per target instead of the median of three
+    python bench/run.py S1 --baseline DIR    # beside another build of pdproxy (DIR/pdproxy/...)
 
 Targets: `direct` (the load generator talks to the mock engines itself: the physical limit),
 `pdproxy` (`pdproxy serve --edge-threads 1`: the Rust edge, see `PDPROXY_TARGETS`; in S1-S4 also
@@ -352,7 +353,9 @@ SCENARIOS = {
 }
 
 
-def run_scenario(s: Scenario, duration: float, others: list[peers.Peer], repeat: int) -> dict[str, harness.LoadResult]:
+def run_scenario(
+    s: Scenario, duration: float, others: list[peers.Peer], repeat: int, baseline: str | None = None
+) -> dict[str, harness.LoadResult]:
     """Every target of the scenario, its runs taking turns: all targets are up at once and each
     round runs each of them once, so that a burst of noise on a shared machine falls on every
     target alike rather than on the one whose runs happened to be under way."""
@@ -368,6 +371,10 @@ def run_scenario(s: Scenario, duration: float, others: list[peers.Peer], repeat:
         for name, how in {**PDPROXY_TARGETS, **DEFAULT_THREADS}.items():
             proxy = up.enter_context(harness.pdproxy(urls, MODEL, (*how, "--policy", SCENARIO_POLICY)))
             targets[name] = ([proxy.url + CHAT], {"proxy": proxy.proc.pid, **mocks})
+        if baseline:
+            how = (*PDPROXY_TARGETS["pdproxy"], "--policy", SCENARIO_POLICY)
+            proxy = up.enter_context(harness.pdproxy(urls, MODEL, how, build=baseline))
+            targets["pdproxy-baseline"] = ([proxy.url + CHAT], {"proxy": proxy.proc.pid, **mocks})
         for peer in others:
             try:
                 proxy = up.enter_context(peer.start(urls, MODEL))
@@ -439,6 +446,12 @@ def main() -> None:
         help=f"peer proxies to run beside pdproxy, comma-separated: {', '.join(peers.PEERS)}, or none "
         "(default: %(default)s); installed into bench/.peers on first use",
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="a directory holding another build of pdproxy as DIR/pdproxy (say, a copy of the installed "
+        "package made before a change): in S1-S4 it runs beside pdproxy, with its flags, as pdproxy-baseline",
+    )
     args = parser.parse_args()
     chosen = args.scenarios or [*SCENARIOS, "PD", "management", "mock"]
     if args.repeat < 1:
@@ -471,7 +484,7 @@ def main() -> None:
             median = by_rps(args.repeat)
         else:
             scenario = SCENARIOS[name]
-            results = run_scenario(scenario, args.duration, others, args.repeat)
+            results = run_scenario(scenario, args.duration, others, args.repeat, args.baseline)
             title, rows, median = scenario.title, scenario.render(results), scenario.median(args.repeat)
         if median.describe(results):
             rows = [*rows, "", median.describe(results)]
