@@ -5,6 +5,7 @@ malformed input. Each of these failed before its fix."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import socket
@@ -138,29 +139,35 @@ async def _idle(http: aiohttp.ClientSession, url: str) -> bool:
 # 3. A stalled upstream body must not hang the client.
 
 
+@contextlib.asynccontextmanager
+async def _serving(tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession, *flags: str) -> AsyncIterator[str]:
+    """`pdproxy serve` in front of `engine` with `flags`, once it routes; its URL."""
+    with pdproxy_serve(tmp_path, "--node", engine.url, *flags) as proxy:
+        await eventually(lambda: _routes(http, proxy.url))
+        yield proxy.url
+
+
 async def test_a_stalled_body_ends_with_the_idle_timeout(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
 ) -> None:
-    with pdproxy_serve(tmp_path, "--node", engine.url, "--stream-idle-timeout", "1") as proxy:
-        await eventually(lambda: _routes(http, proxy.url))
+    async with _serving(tmp_path, engine, http, "--stream-idle-timeout", "1") as proxy:
         timeout = aiohttp.ClientTimeout(total=20)
         headers = {FAULT_HEADER: "stall_body"}
         async with http.post(
-            proxy.url + "/v1/chat/completions", json=chat_body("m"), headers=headers, timeout=timeout
+            proxy + "/v1/chat/completions", json=chat_body("m"), headers=headers, timeout=timeout
         ) as r:
             assert r.status == 504
             assert r.headers["x-pdproxy-error"] == "upstream_timeout"
         await eventually(lambda: engine.state.active == 0, what="the node to see its request end")
-        await eventually(lambda: _idle(http, proxy.url))
+        await eventually(lambda: _idle(http, proxy))
 
 
 async def test_the_request_timeout_bounds_the_whole_request(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
 ) -> None:
-    with pdproxy_serve(tmp_path, "--node", engine.url, "--request-timeout", "0.5") as proxy:
-        await eventually(lambda: _routes(http, proxy.url))
+    async with _serving(tmp_path, engine, http, "--request-timeout", "0.5") as proxy:
         timeout = aiohttp.ClientTimeout(total=20)
-        url = proxy.url + "/v1/chat/completions"
+        url = proxy + "/v1/chat/completions"
         # A node that never answers: the limit ends the wait for its head.
         async with http.post(url, json=chat_body("m"), headers={FAULT_HEADER: "hang"}, timeout=timeout) as r:
             assert r.status == 504
@@ -176,7 +183,7 @@ async def test_the_request_timeout_bounds_the_whole_request(
         assert 1 <= len(events) < 50, text
         assert "time limit" in events[-1], events[-1]
         await eventually(lambda: engine.state.active == 0, what="the node to see both requests end")
-        await eventually(lambda: _idle(http, proxy.url))
+        await eventually(lambda: _idle(http, proxy))
 
 
 # 4. Keyless management must not be open to any web page.
