@@ -42,8 +42,8 @@ test: ## the Python suite: pytest against real processes (arguments: PYTEST_ARGS
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
 .PHONY: test-rust
-test-rust: ## the data plane's cargo tests (no Python)
-	cargo test --quiet
+test-rust: ## the cargo tests (no Python): the data plane's, and the load generator's
+	cargo test --quiet --workspace
 
 .PHONY: fresh-test
 fresh-test: ## the README's test command on a fresh clone: system packages, pip install ".[test]", pytest, cargo test

@@ -5,7 +5,7 @@
 #     redis-server (the replicas' tests start their own on free ports);
 #   - pdproxy with its test extras (pip install ".[test]": builds the Rust extension, release);
 #   - `make test` (pytest; arguments are passed on), then `make test-rust` (cargo test: the data
-#     plane without Python).
+#     plane without Python, and the benchmarks' load generator).
 # Prerequisites it checks: Python >= 3.11 ($PYTHON, else python3) and cargo (Rust >= 1.85).
 set -euo pipefail
 cd "$(dirname "$0")/.."
