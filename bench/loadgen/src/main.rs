@@ -231,8 +231,9 @@ async fn run_connection(args: Arc<Args>, index: usize, measure_from: Instant, en
     samples
 }
 
-/// `--interleave`: requests one at a time, to each URL in turn for a `turn`; samples per URL.
-async fn run_interleaved(args: Arc<Args>, turn: Duration, measure_from: Instant, end: Instant) -> Vec<Samples> {
+/// `--interleave`: requests one at a time, to each URL in turn for its turn; samples per URL.
+async fn run_interleaved(args: Arc<Args>, measure_from: Instant, end: Instant) -> Vec<Samples> {
+    let turn = args.interleave.unwrap_or_default();
     let mut clients: Vec<Client> = args.urls.iter().map(Client::new).collect();
     let mut samples: Vec<Samples> = clients.iter().map(|_| Samples::default()).collect();
     while Instant::now() < end {
@@ -311,8 +312,8 @@ fn main() -> ExitCode {
         let start = Instant::now();
         let measure_from = start + args.warmup;
         let end = measure_from + args.duration;
-        if let Some(turn) = args.interleave {
-            let per_url = tokio::spawn(run_interleaved(Arc::clone(&args), turn, measure_from, end));
+        if args.interleave.is_some() {
+            let per_url = tokio::spawn(run_interleaved(Arc::clone(&args), measure_from, end));
             let per_url = per_url.await.expect("interleaved client");
             let reports: Vec<_> = per_url.into_iter().map(|s| s.report(1, args.duration)).collect();
             return serde_json::json!({ "interleaved": reports });
@@ -376,7 +377,7 @@ mod tests {
             interleave: Some(Duration::from_millis(30)),
         });
         let start = Instant::now();
-        let samples = run_interleaved(Arc::clone(&args), Duration::from_millis(30), start, start + args.duration).await;
+        let samples = run_interleaved(Arc::clone(&args), start, start + args.duration).await;
         let served = log.lock().expect("log").clone();
         // Each target answered, and each measured request is one a target served.
         for (target, s) in samples.iter().enumerate() {
