@@ -71,7 +71,10 @@ fn invalid(e: &serde_json::Error) -> Error {
 /// Reads the routing fields of a JSON object body. Other fields are skipped unparsed.
 pub fn inspect(body: &[u8]) -> Result<RequestInfo<'_>> {
     require_object(body)?;
-    let fields: Fields<'_> = serde_json::from_slice(body).map_err(|e| invalid(&e))?;
+    // UTF-8 checked once for the whole body: parsing bytes would check each string again.
+    let text = std::str::from_utf8(body)
+        .map_err(|e| Error::new(Kind::InvalidRequest, format!("request body is not valid UTF-8: {e}")))?;
+    let fields: Fields<'_> = serde_json::from_str(text).map_err(|e| invalid(&e))?;
     let session_id = match fields.session_id {
         None => None,
         Some(raw) => {
@@ -207,6 +210,7 @@ mod tests {
             br#"{"stream":"yes"}"#,
             br#"{"model":"m""#,
             br#"{"n":-1}"#,
+            b"{\"model\":\"\xff\"}",
         ] {
             let err = inspect(body).unwrap_err();
             assert_eq!(err.kind(), Kind::InvalidRequest, "{:?}", String::from_utf8_lossy(body));

@@ -90,7 +90,8 @@ impl Client {
         let method = &request.method;
         let request = encode_request(path, target.authority, request, hop);
         loop {
-            let (mut connection, reused) = match self.pool.checkout(target.origin) {
+            let (idle, returner) = self.pool.checkout(target.origin);
+            let (mut connection, reused) = match idle {
                 Some(connection) => (connection, true),
                 // Boxed: connecting (DNS, TCP, TLS) is rare with pooled connections, and inline
                 // its state would make every request's future 1.5 KiB larger.
@@ -109,7 +110,7 @@ impl Client {
                         codec::Framing::Length(length) => Some(length),
                         _ => None,
                     };
-                    let body = Body::new(connection, head.framing, head.reusable, self.pool.returner(target.origin));
+                    let body = Body::new(connection, head.framing, head.reusable, returner);
                     return Ok(Answer { status: head.status, headers: head.headers, content_length, body });
                 }
                 Err(HeadError::Closed) if reused => {}

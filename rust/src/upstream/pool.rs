@@ -1,7 +1,6 @@
 //! Idle keep-alive connections, per node address: the most recently used first, none kept
 //! longer than the idle timeout (which should stay below the nodes' own keep-alive).
 
-use std::collections::HashMap;
 use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -9,6 +8,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::BytesMut;
+use rustc_hash::FxHashMap;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
@@ -76,9 +76,17 @@ struct Idle {
     since: Instant,
 }
 
+/// One origin's idle connections, and its name shared with the returners of its connections,
+/// so that taking a connection and giving it back allocate nothing.
+#[derive(Debug)]
+struct Idles {
+    origin: Arc<str>,
+    list: Vec<Idle>,
+}
+
 #[derive(Debug)]
 struct Shared {
-    idle: Mutex<HashMap<String, Vec<Idle>>>,
+    idle: Mutex<FxHashMap<Arc<str>, Idles>>,
     max_per_host: usize,
     idle_timeout: Duration,
 }
@@ -91,31 +99,35 @@ impl Pool {
         Self(Arc::new(Shared { idle: Mutex::default(), max_per_host, idle_timeout }))
     }
 
-    /// An idle connection to `host` that is still open, if any.
-    pub fn checkout(&self, host: &str) -> Option<Connection> {
+    /// An idle connection to `host` that is still open, if any, and where the connection the
+    /// request ends up on goes back once its answer has been read.
+    pub fn checkout(&self, host: &str) -> (Option<Connection>, Returner) {
         let mut idle = self.0.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        let list = idle.get_mut(host)?;
-        while let Some(Idle { connection, since }) = list.pop() {
+        let idles = match idle.get_mut(host) {
+            Some(idles) => idles,
+            None => {
+                let origin: Arc<str> = Arc::from(host);
+                idle.entry(Arc::clone(&origin)).or_insert(Idles { origin, list: Vec::new() })
+            }
+        };
+        let returner = Returner { pool: self.clone(), host: Arc::clone(&idles.origin) };
+        while let Some(Idle { connection, since }) = idles.list.pop() {
             if since.elapsed() < self.0.idle_timeout && still_open(&connection.stream) {
-                return Some(connection);
+                return (Some(connection), returner);
             }
         }
-        None
+        (None, returner)
     }
 
-    /// Where a body gives its connection back once it has been read to its end.
-    pub fn returner(&self, host: &str) -> Returner {
-        Returner { pool: self.clone(), host: host.to_owned() }
-    }
-
-    fn put(&self, host: String, connection: Connection) {
+    fn put(&self, host: &Arc<str>, connection: Connection) {
         if !connection.buffer.is_empty() {
             return; // the node sent more than its answer: not safe to reuse
         }
         let mut idle = self.0.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        let list = idle.entry(host).or_default();
-        if list.len() < self.0.max_per_host {
-            list.push(Idle { connection, since: Instant::now() });
+        // Its entry was made at checkout.
+        let Some(idles) = idle.get_mut(&**host) else { return };
+        if idles.list.len() < self.0.max_per_host {
+            idles.list.push(Idle { connection, since: Instant::now() });
         }
     }
 }
@@ -124,12 +136,12 @@ impl Pool {
 #[derive(Debug)]
 pub struct Returner {
     pool: Pool,
-    host: String,
+    host: Arc<str>,
 }
 
 impl Returner {
     pub fn give_back(self, connection: Connection) {
-        self.pool.put(self.host, connection);
+        self.pool.put(&self.host, connection);
     }
 }
 
