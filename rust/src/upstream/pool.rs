@@ -103,12 +103,11 @@ impl Pool {
     /// request ends up on goes back once its answer has been read.
     pub fn checkout(&self, host: &str) -> (Option<Connection>, Returner) {
         let mut idle = self.0.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        let idles = match idle.get_mut(host) {
-            Some(idles) => idles,
-            None => {
-                let origin: Arc<str> = Arc::from(host);
-                idle.entry(Arc::clone(&origin)).or_insert(Idles { origin, list: Vec::new() })
-            }
+        let idles = if let Some(idles) = idle.get_mut(host) {
+            idles
+        } else {
+            let origin: Arc<str> = Arc::from(host);
+            idle.entry(Arc::clone(&origin)).or_insert(Idles { origin, list: Vec::new() })
         };
         let returner = Returner { pool: self.clone(), host: Arc::clone(&idles.origin) };
         while let Some(Idle { connection, since }) = idles.list.pop() {
