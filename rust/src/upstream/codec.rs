@@ -3,7 +3,7 @@
 //! the node closes).
 
 use std::future::poll_fn;
-use std::io::{self, Write as _};
+use std::io;
 use std::task::{Context, Poll};
 
 use bytes::{Buf, Bytes, BytesMut};
@@ -75,8 +75,9 @@ pub fn encode_request(path: &str, authority: &str, request: &ForwardRequest, hop
     out.extend_from_slice(via.as_bytes());
     out.extend_from_slice(b"\r\n");
     if !body.is_empty() || !matches!(*method, Method::GET | Method::HEAD) {
-        // Formatted straight into the buffer: `to_string` would allocate for every request.
-        let _ = write!(out, "content-length: {}\r\n", body.len());
+        out.extend_from_slice(b"content-length: ");
+        out.extend_from_slice(itoa::Buffer::new().format(body.len()).as_bytes());
+        out.extend_from_slice(b"\r\n");
     }
     out.extend_from_slice(b"\r\n");
     out.extend_from_slice(body);
