@@ -3,6 +3,7 @@ tenant limits and tracing on: a count that a busy machine does not disturb, unli
 
     python bench/instructions.py                  # 3000 non-stream requests per variant
     python bench/instructions.py --stream -n 1000
+    python bench/instructions.py --only round_robin --baseline DIR   # beside another build
 
 One mock engine, `pdproxy serve --edge-threads 1` under callgrind with instrumentation switched
 on only while the measured requests run (after 200 warm-up requests), one keep-alive client.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -42,7 +44,17 @@ def requests(port: int, body: bytes, count: int, key: str | None) -> None:
     connection.close()
 
 
-def measure(engine: str, extra: tuple[str, ...], key: str | None, body: bytes, count: int, workdir: Path) -> float:
+def measure(
+    engine: str,
+    extra: tuple[str, ...],
+    key: str | None,
+    body: bytes,
+    count: int,
+    workdir: Path,
+    build: str | None = None,
+) -> float:
+    """Instructions per request of every thread of the proxy; ``build``: a directory holding
+    another build of the `pdproxy` package, measured instead of the installed one."""
     port = harness.free_port()
     out = workdir / f"callgrind-{port}.out"
     command = [
@@ -65,7 +77,8 @@ def measure(engine: str, extra: tuple[str, ...], key: str | None, body: bytes, c
         *extra,
     ]
     with open(workdir / f"proxy-{port}.log", "w") as log:
-        proxy = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        env = {**os.environ, "PYTHONPATH": build} if build else None
+        proxy = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -95,6 +108,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--requests", type=int, default=3000)
     parser.add_argument("--stream", action="store_true", help="streamed answers (64 events) instead of whole ones")
+    parser.add_argument("--only", help="the variants to measure, comma-separated (default: all)")
+    parser.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also measure another build of the package (DIR/pdproxy/..., e.g. `pip install --target DIR` of "
+        "an earlier commit), each variant's row beside the installed build's",
+    )
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         parser.error("valgrind is not installed (Debian: apt-get install valgrind)")
@@ -105,11 +125,22 @@ def main() -> None:
         otlp_sink() as sink,
         harness.mock_engines(1, MODEL) as (engine,),
     ):
+        every = variants(Path(tmp), sink)
+        wanted = args.only.split(",") if args.only else list(every)
+        if unknown := [name for name in wanted if name not in every]:
+            parser.error(f"unknown variants {unknown}; known: {', '.join(every)}")
+        builds = {"": None, " (baseline)": args.baseline} if args.baseline else {"": None}
         measured: dict[str, float] = {}
-        for name, (extra, headers) in variants(Path(tmp), sink).items():
-            harness.say(f"{name}: {args.requests} requests under callgrind")
-            measured[name] = measure(engine.url, extra, KEY if headers else None, body, args.requests, Path(tmp))
-            rows.append(f"| {name} | {measured[name]:.0f} | {measured[name] / measured['plain']:.2f}x |")
+        for name in wanted:
+            extra, headers = every[name]
+            for suffix, build in builds.items():
+                harness.say(f"{name}{suffix}: {args.requests} requests under callgrind")
+                count = measure(engine.url, extra, KEY if headers else None, body, args.requests, Path(tmp), build)
+                measured[name + suffix] = count
+        reference = measured.get("plain", next(iter(measured.values())))
+        for name, count in measured.items():
+            rows.append(f"| {name} | {count:.0f} | {count / reference:.2f}x |")
+    rows[0] = rows[0].replace("vs plain", "vs plain" if "plain" in measured else f"vs {next(iter(measured))}")
     print("\n".join(rows))
 
 
