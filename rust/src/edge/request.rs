@@ -36,11 +36,13 @@ pub fn request_id(headers: &HeaderMap) -> (HeaderValue, bool) {
 pub fn check_media_type(headers: &HeaderMap) -> Result<(), String> {
     let Some(value) = headers.get(CONTENT_TYPE) else { return Ok(()) };
     let raw = value.as_bytes();
-    let media = raw.split(|&b| b == b';').next().unwrap_or_default().trim_ascii().to_ascii_lowercase();
-    if media == b"application/json" || media.ends_with(b"+json") {
+    let media = raw.split(|&b| b == b';').next().unwrap_or_default().trim_ascii();
+    // Compared without a lowered copy: this runs for every request.
+    let json_suffix = media.len() >= 5 && media[media.len() - 5..].eq_ignore_ascii_case(b"+json");
+    if media.eq_ignore_ascii_case(b"application/json") || json_suffix {
         Ok(())
     } else {
-        Err(media.iter().map(|&b| char::from(b)).collect())
+        Err(media.iter().map(|&b| char::from(b.to_ascii_lowercase())).collect())
     }
 }
 
@@ -201,8 +203,14 @@ mod tests {
         assert!(check_media_type(&h).is_ok());
         h.insert(CONTENT_TYPE, HeaderValue::from_static("application/vnd.x+json"));
         assert!(check_media_type(&h).is_ok());
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/VND.X+JSON"));
+        assert!(check_media_type(&h).is_ok());
         h.insert(CONTENT_TYPE, HeaderValue::from_static("text/plain"));
         assert_eq!(check_media_type(&h), Err("text/plain".to_owned()));
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("Text/Plain; charset=utf-8"));
+        assert_eq!(check_media_type(&h), Err("text/plain".to_owned()));
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("json"));
+        assert_eq!(check_media_type(&h), Err("json".to_owned()));
     }
 
     #[test]
