@@ -24,6 +24,8 @@ const MAX_READ_SIZE: usize = 64 * 1024;
 /// Largest response head accepted, and most headers in it.
 const MAX_HEAD: usize = 64 * 1024;
 const MAX_HEADERS: usize = 128;
+/// Headers in a head read without a heap allocation.
+const USUAL_HEADERS: usize = 16;
 
 /// What this proxy adds to a request for one node.
 #[derive(Debug, Clone, Copy)]
@@ -190,18 +192,29 @@ fn parse_head(buffer: &mut BytesMut, method: &Method) -> Result<Option<Head>, He
         };
     let status = response.code.and_then(|c| StatusCode::from_u16(c).ok()).ok_or(HeadError::Invalid("bad status"))?;
     let http11 = response.version == Some(1);
-    // Where each name and value lies in the buffer, to slice them once the head is taken out.
+    // Where each name and value lies in the buffer, to slice them once the head is taken out;
+    // on the stack for a usual head (a heap list is one more allocation for every answer).
     let base = buffer.as_ptr() as usize;
-    let spans: Vec<(usize, usize, usize, usize)> = response
-        .headers
-        .iter()
-        .map(|h| (h.name.as_ptr() as usize - base, h.name.len(), h.value.as_ptr() as usize - base, h.value.len()))
-        .collect();
+    let span = |h: &httparse::Header<'_>| {
+        (h.name.as_ptr() as usize - base, h.name.len(), h.value.as_ptr() as usize - base, h.value.len())
+    };
+    let mut usual = [(0usize, 0usize, 0usize, 0usize); USUAL_HEADERS];
+    let many: Vec<(usize, usize, usize, usize)>;
+    let spans = if response.headers.len() <= USUAL_HEADERS {
+        for (slot, h) in usual.iter_mut().zip(response.headers.iter()) {
+            *slot = span(h);
+        }
+        &usual[..response.headers.len()]
+    } else {
+        many = response.headers.iter().map(span).collect();
+        &many[..]
+    };
     let raw = buffer.split_to(used).freeze();
     let mut headers = HeaderMap::with_capacity(spans.len());
     // The node's hop (connection, framing) is read from here, not passed on.
     let mut hop = HeaderMap::new();
-    for &(name_at, name_len, value_at, value_len) in &spans {
+    let mut content_length = None;
+    for &(name_at, name_len, value_at, value_len) in spans {
         let name = HeaderName::from_bytes(&raw[name_at..name_at + name_len])
             .map_err(|_| HeadError::Invalid("bad header name"))?;
         let value = HeaderValue::from_maybe_shared(raw.slice(value_at..value_at + value_len))
@@ -209,11 +222,17 @@ fn parse_head(buffer: &mut BytesMut, method: &Method) -> Result<Option<Head>, He
         if is_hop_by_hop_name(&name) {
             hop.append(name, value);
         } else {
+            if content_length.is_none() && name == CONTENT_LENGTH {
+                content_length = Some(value.clone());
+            }
             headers.append(name, value);
         }
     }
     for listed in listed_in_connection(&hop) {
         if let Ok(name) = HeaderName::from_bytes(&listed) {
+            if name == CONTENT_LENGTH {
+                content_length = None;
+            }
             headers.remove(name);
         }
     }
@@ -231,7 +250,7 @@ fn parse_head(buffer: &mut BytesMut, method: &Method) -> Result<Option<Head>, He
         Framing::Done
     } else if chunked {
         Framing::Chunked(Chunk::Size)
-    } else if let Some(length) = headers.get(CONTENT_LENGTH) {
+    } else if let Some(length) = content_length {
         let length =
             length.to_str().ok().and_then(|l| l.trim().parse().ok()).ok_or(HeadError::Invalid("bad content-length"))?;
         Framing::Length(length)
@@ -418,6 +437,18 @@ mod tests {
         let head = parse(b"HTTP/1.1 204 No Content\r\nconnection: close\r\n\r\n").unwrap().unwrap();
         assert_eq!((head.framing, head.reusable), (Framing::Done, false));
         assert!(parse(b"HTTP/1.1 200 OK\r\ncontent-length: x\r\n\r\n").is_err());
+        // A length the node's hop lists as its own is not the body's framing.
+        let head = parse(b"HTTP/1.1 200 OK\r\nconnection: content-length\r\ncontent-length: 2\r\n\r\n").unwrap();
+        assert_eq!(head.unwrap().framing, Framing::Close);
+        // More headers than a head usually has: every one is kept, each with its own value.
+        let mut many = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n".to_vec();
+        for i in 0..USUAL_HEADERS * 2 {
+            many.extend_from_slice(format!("x-h{i}: v{i}\r\n").as_bytes());
+        }
+        many.extend_from_slice(b"\r\n");
+        let head = parse(&many).unwrap().unwrap();
+        assert_eq!((head.framing, head.headers.len()), (Framing::Length(0), USUAL_HEADERS * 2 + 1));
+        assert_eq!(head.headers["x-h31"], "v31");
     }
 
     fn request(
