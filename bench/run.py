@@ -250,34 +250,45 @@ def pd_median(times: int) -> Median:
 def run_pd(duration: float, repeat: int, others: list[peers.Peer]) -> dict[str, harness.LoadResult]:
     """The same load through pdproxy with one hybrid engine (the baseline), then disaggregated
     between a prefill and a decode engine in each PD protocol, through pdproxy and through the
-    peers that speak that protocol: what disaggregation adds to the first token, and at what cost."""
+    peers that speak that protocol: what disaggregation adds to the first token, and at what cost.
+
+    Every setup is up at once, each with engines of its own (so no one inherits another's KV
+    state), and each round runs each setup once, as in S1-S4: a slow spell of a shared machine
+    falls on every setup alike rather than on the one whose runs happened to be under way."""
     body, connections, delay = chat(True, 32), 256, 10.0
-    run_load = pd_median(repeat)
-    results: dict[str, harness.LoadResult] = {}
-    harness.say(f"{PD_TITLE}: pdproxy, one hybrid engine")
-    with (
-        harness.mock_engines(1, MODEL, delay) as (engine,),
-        harness.pdproxy([engine.url], MODEL, PDPROXY_TARGETS["pdproxy"]) as proxy,
-    ):
-        watch = {"proxy": proxy.proc.pid, "mock": engine.proc.pid}
-        results["pdproxy hybrid"] = run_load([proxy.url + CHAT], body, connections, duration, watch)
-    for protocol in PD_PROTOCOLS:
-        # A pdproxy edge's name, or a peer; fresh engines for each, so no one inherits KV state.
-        speakers: list[str | peers.Peer] = [*PDPROXY_TARGETS, *(p for p in others if p.pd_protocol == protocol)]
-        for speaker in speakers:
-            name = f"{speaker if isinstance(speaker, str) else speaker.name} {protocol}"
-            harness.say(f"{PD_TITLE}: {name}")
-            with harness.mock_engines(2, MODEL, delay, roles=["prefill", "decode"]) as (prefill, decode):
-                engines = {"prefill": prefill.proc.pid, "decode": decode.proc.pid}
-                try:
-                    with _pd_proxy(speaker, protocol, prefill.url, decode.url) as proxy:
-                        watch = {"proxy": proxy.proc.pid, **engines}
-                        results[name] = run_load([proxy.url + CHAT], body, connections, duration, watch)
-                except Exception as e:
-                    if isinstance(speaker, str):
-                        raise
-                    harness.say(f"PD: leaving out {name}: {e}")
-    return results
+    median = pd_median(repeat)
+    with contextlib.ExitStack() as up:
+        # name -> (the URL the load goes to, the processes whose CPU counts)
+        setups: dict[str, tuple[str, dict[str, int]]] = {}
+        harness.say(f"{PD_TITLE}: starting pdproxy with one hybrid engine")
+        (engine,) = up.enter_context(harness.mock_engines(1, MODEL, delay))
+        proxy = up.enter_context(harness.pdproxy([engine.url], MODEL, PDPROXY_TARGETS["pdproxy"]))
+        setups["pdproxy hybrid"] = (proxy.url + CHAT, {"proxy": proxy.proc.pid, "mock": engine.proc.pid})
+        for protocol in PD_PROTOCOLS:
+            speakers: list[str | peers.Peer] = [*PDPROXY_TARGETS, *(p for p in others if p.pd_protocol == protocol)]
+            for speaker in speakers:
+                name = f"{speaker if isinstance(speaker, str) else speaker.name} {protocol}"
+                harness.say(f"{PD_TITLE}: starting {name} with a prefill and a decode engine")
+                with contextlib.ExitStack() as setup:
+                    prefill, decode = setup.enter_context(
+                        harness.mock_engines(2, MODEL, delay, roles=["prefill", "decode"])
+                    )
+                    try:
+                        proxy = setup.enter_context(_pd_proxy(speaker, protocol, prefill.url, decode.url))
+                    except Exception as e:
+                        if isinstance(speaker, str):
+                            raise
+                        harness.say(f"PD: leaving out {name}: {e}")
+                        continue
+                    watch = {"proxy": proxy.proc.pid, "prefill": prefill.proc.pid, "decode": decode.proc.pid}
+                    setups[name] = (proxy.url + CHAT, watch)
+                    up.enter_context(setup.pop_all())
+        runs: dict[str, list[harness.LoadResult]] = {name: [] for name in setups}
+        for round_ in range(repeat):
+            for name, (url, watch) in setups.items():
+                harness.say(f"{PD_TITLE}: {name}, run {round_ + 1} of {repeat}")
+                runs[name].append(harness.run_load([url], body, connections, duration, watch))
+        return {name: median.pick(r) for name, r in runs.items()}
 
 
 def _pd_proxy(
