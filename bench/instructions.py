@@ -4,6 +4,7 @@ tenant limits and tracing on: a count that a busy machine does not disturb, unli
     python bench/instructions.py                  # 3000 non-stream requests per variant
     python bench/instructions.py --stream -n 1000
     python bench/instructions.py --only round_robin --baseline DIR   # beside another build
+    python bench/instructions.py --only round_robin --floor          # and the floor proxy
 
 One mock engine, `pdproxy serve --edge-threads 1` under callgrind with instrumentation switched
 on only while the measured requests run (after 200 warm-up requests), one keep-alive client.
@@ -52,33 +53,22 @@ def measure(
     count: int,
     workdir: Path,
     build: str | None = None,
+    floor: bool = False,
 ) -> float:
     """Instructions per request of every thread of the proxy; ``build``: a directory holding
-    another build of the `pdproxy` package, measured instead of the installed one."""
+    another build of the `pdproxy` package, measured instead of the installed one; ``floor``:
+    the floor proxy (hyper passing requests through, one thread) instead of pdproxy."""
     port = harness.free_port()
     out = workdir / f"callgrind-{port}.out"
-    command = [
-        "valgrind",
-        "--tool=callgrind",
-        f"--callgrind-out-file={out}",
-        "--instr-atstart=no",
-        sys.executable,
-        "-m",
-        "pdproxy",
-        "serve",
-        "--port",
-        str(port),
-        "--node",
-        engine,
-        "--log-level",
-        "warning",
-        "--edge-threads",
-        "1",
-        *extra,
-    ]
+    valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--instr-atstart=no"]
+    if floor:
+        upstream = engine.removeprefix("http://")
+        served = [str(harness.FLOOR), "--port", str(port), "--upstream", upstream, "--threads", "1"]
+    else:
+        served = pdproxy_command(port, engine, extra)
     with open(workdir / f"proxy-{port}.log", "w") as log:
         env = {**os.environ, "PYTHONPATH": build} if build else None
-        proxy = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        proxy = subprocess.Popen([*valgrind, *served], stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -104,6 +94,24 @@ def measure(
     return total / count
 
 
+def pdproxy_command(port: int, engine: str, extra: tuple[str, ...]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "pdproxy",
+        "serve",
+        "--port",
+        str(port),
+        "--node",
+        engine,
+        "--log-level",
+        "warning",
+        "--edge-threads",
+        "1",
+        *extra,
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", "--requests", type=int, default=3000)
@@ -114,6 +122,9 @@ def main() -> None:
         metavar="DIR",
         help="also measure another build of the package (DIR/pdproxy/..., e.g. `pip install --target DIR` of "
         "an earlier commit), each variant's row beside the installed build's",
+    )
+    parser.add_argument(
+        "--floor", action="store_true", help="also measure the floor proxy (bench/loadgen/src/bin/floor.rs)"
     )
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
@@ -137,6 +148,10 @@ def main() -> None:
                 harness.say(f"{name}{suffix}: {args.requests} requests under callgrind")
                 count = measure(engine.url, extra, KEY if headers else None, body, args.requests, Path(tmp), build)
                 measured[name + suffix] = count
+        if args.floor:
+            harness.build_loadgen()
+            harness.say(f"floor: {args.requests} requests under callgrind")
+            measured["floor"] = measure(engine.url, (), None, body, args.requests, Path(tmp), floor=True)
         reference = measured.get("plain", next(iter(measured.values())))
         for name, count in measured.items():
             rows.append(f"| {name} | {count:.0f} | {count / reference:.2f}x |")
