@@ -26,6 +26,8 @@ const MAX_HEAD: usize = 64 * 1024;
 const MAX_HEADERS: usize = 128;
 /// Headers in a head read without a heap allocation.
 const USUAL_HEADERS: usize = 16;
+/// Where a header lies in a head's bytes: its name's offset and length, its value's.
+type Span = (usize, usize, usize, usize);
 
 /// What this proxy adds to a request for one node.
 #[derive(Debug, Clone, Copy)]
@@ -195,11 +197,11 @@ fn parse_head(buffer: &mut BytesMut, method: &Method) -> Result<Option<Head>, He
     // Where each name and value lies in the buffer, to slice them once the head is taken out;
     // on the stack for a usual head (a heap list is one more allocation for every answer).
     let base = buffer.as_ptr() as usize;
-    let span = |h: &httparse::Header<'_>| {
+    let span = |h: &httparse::Header<'_>| -> Span {
         (h.name.as_ptr() as usize - base, h.name.len(), h.value.as_ptr() as usize - base, h.value.len())
     };
-    let mut usual = [(0usize, 0usize, 0usize, 0usize); USUAL_HEADERS];
-    let many: Vec<(usize, usize, usize, usize)>;
+    let mut usual: [Span; USUAL_HEADERS] = [(0, 0, 0, 0); USUAL_HEADERS];
+    let many: Vec<Span>;
     let spans = if response.headers.len() <= USUAL_HEADERS {
         for (slot, h) in usual.iter_mut().zip(response.headers.iter()) {
             *slot = span(h);
