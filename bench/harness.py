@@ -177,6 +177,12 @@ def floor(nodes: list[str]) -> Iterator[Service]:
         yield svc
 
 
+def build_env(build: str | None) -> dict[str, str] | None:
+    """The environment that makes `python -m pdproxy` run the build of the package held in the
+    directory ``build`` (DIR/pdproxy/...) instead of the installed one; ``None``: as it is."""
+    return {**os.environ, "PYTHONPATH": build} if build else None
+
+
 @contextlib.contextmanager
 def pdproxy(
     nodes: list[str],
@@ -195,8 +201,7 @@ def pdproxy(
     args = [sys.executable, "-m", "pdproxy", "serve", "--port", str(port), "--log-level", "warning", *extra]
     for node in nodes if roles is None else []:
         args += ["--node", node]
-    env = {**os.environ, "PYTHONPATH": build} if build else None
-    with service("pdproxy", args, url + "/health", url, env=env) as svc:
+    with service("pdproxy", args, url + "/health", url, env=build_env(build)) as svc:
         for node, role in (roles or {}).items():
             registration = {"url": node, "status": {"models": [model], "role": ROLE_NUMBERS[role]}}
             request = urllib.request.Request(

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -67,8 +66,9 @@ def measure(
     else:
         served = pdproxy_command(port, engine, extra)
     with open(workdir / f"proxy-{port}.log", "w") as log:
-        env = {**os.environ, "PYTHONPATH": build} if build else None
-        proxy = subprocess.Popen([*valgrind, *served], stdout=log, stderr=subprocess.STDOUT, env=env)
+        proxy = subprocess.Popen(
+            [*valgrind, *served], stdout=log, stderr=subprocess.STDOUT, env=harness.build_env(build)
+        )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -130,7 +130,6 @@ def main() -> None:
     if shutil.which("valgrind") is None:
         parser.error("valgrind is not installed (Debian: apt-get install valgrind)")
     body = json.dumps(chat(args.stream, 62 if args.stream else 16)).encode()
-    rows = ["| variant | instructions per request | vs plain |", "|---|---|---|"]
     with (
         tempfile.TemporaryDirectory() as tmp,
         otlp_sink() as sink,
@@ -152,10 +151,10 @@ def main() -> None:
             harness.build_loadgen()
             harness.say(f"floor: {args.requests} requests under callgrind")
             measured["floor"] = measure(engine.url, (), None, body, args.requests, Path(tmp), floor=True)
-        reference = measured.get("plain", next(iter(measured.values())))
-        for name, count in measured.items():
-            rows.append(f"| {name} | {count:.0f} | {count / reference:.2f}x |")
-    rows[0] = rows[0].replace("vs plain", "vs plain" if "plain" in measured else f"vs {next(iter(measured))}")
+    reference = "plain" if "plain" in measured else next(iter(measured))
+    rows = [f"| variant | instructions per request | vs {reference} |", "|---|---|---|"]
+    for name, count in measured.items():
+        rows.append(f"| {name} | {count:.0f} | {count / measured[reference]:.2f}x |")
     print("\n".join(rows))
 
 

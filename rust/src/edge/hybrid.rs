@@ -217,7 +217,7 @@ pub async fn serve(
     let request = &checked.request;
     let ctx = SelectCtx { trace: notes.traced(), class, ..select_ctx(Role::Hybrid, &request.headers, &info) };
     let started = Instant::now();
-    let deadline = state.engine.config.request_timeout.map(|t| tokio::time::Instant::from_std(started) + t);
+    let deadline = state.engine.config.deadline(started);
     let held = HeldPermit::default();
     let sent = within(deadline, async {
         let permit = state.engine.permit(&ctx).await?;

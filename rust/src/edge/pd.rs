@@ -61,7 +61,7 @@ pub async fn serve(
         Err(refusal) => return *refusal,
     };
     let started = Instant::now();
-    let deadline = state.engine.config.request_timeout.map(|t| tokio::time::Instant::from_std(started) + t);
+    let deadline = state.engine.config.deadline(started);
     let request = &checked.request;
     let flow = Flow { worker, request, headers: &request.headers, info: &info, trace: notes.trace.as_ref(), class };
     let answered = match protocol {

@@ -51,6 +51,13 @@ pub struct EngineConfig {
     pub tracing: Option<TracingConfig>,
 }
 
+impl EngineConfig {
+    /// When a request that started at `started` runs out of time, if requests have a limit.
+    pub fn deadline(&self, started: std::time::Instant) -> Option<tokio::time::Instant> {
+        self.request_timeout.map(|limit| tokio::time::Instant::from_std(started) + limit)
+    }
+}
+
 #[derive(Debug)]
 pub struct Engine {
     pub registry: Registry,

@@ -511,7 +511,7 @@ struct Job {
 impl Job {
     async fn run(self, mut reply: Reply, shutdown: CancellationToken) {
         let exchange = Arc::clone(&self.exchange);
-        let deadline = self.engine.config.request_timeout.map(|t| tokio::time::Instant::now() + t);
+        let deadline = self.engine.config.deadline(std::time::Instant::now());
         let out_of_time = async {
             match deadline {
                 Some(deadline) => tokio::time::sleep_until(deadline).await,
