@@ -14,9 +14,9 @@ Targets: `direct` (the load generator talks to the mock engines itself: the phys
 the Python app under granian, one worker, as before the edge) and the peers: `lmdeploy-proxy` (LMDeploy's
 `lmdeploy serve proxy`), `sglang-router` and `vllm-router` (Rust routers), each installed on first
 use into its own virtual environment under bench/.peers, and `nginx` (Debian's package); and
-`floor`, hyper passing requests through (bench/loadgen/src/bin/floor.rs), for calibration. In S1-S4
-every target is up at once and their runs take turns, ``--repeat`` rounds (PD: back to back; S4:
-the targets take turns of 250 ms within each run); a table row is the median run.
+`floor`, hyper passing requests through (bench/loadgen/src/bin/floor.rs), for calibration. Every
+target (PD: every setup) is up at once and their runs take turns, ``--repeat`` rounds (S4: the
+targets take turns of 250 ms within each run); a table row is the median run.
 """
 
 from __future__ import annotations
