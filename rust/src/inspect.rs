@@ -35,13 +35,13 @@ impl RequestInfo<'_> {
 
 #[derive(Deserialize)]
 struct Fields<'a> {
-    #[serde(borrow, default)]
+    #[serde(borrow, default, deserialize_with = "borrowed_str")]
     model: Option<Cow<'a, str>>,
     #[serde(default)]
     stream: Option<bool>,
     #[serde(default)]
     n: Option<u64>,
-    #[serde(borrow, default)]
+    #[serde(borrow, default, deserialize_with = "borrowed_str")]
     user: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     session_id: Option<&'a RawValue>,
@@ -53,6 +53,37 @@ struct Fields<'a> {
     prompt: Option<&'a RawValue>,
     #[serde(default)]
     priority: Option<i32>,
+}
+
+/// An optional string that borrows from the body unless it has escapes. serde's `borrow` reaches
+/// a `Cow` only when it is not inside an `Option`: there it copied every model name.
+fn borrowed_str<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Cow<'de, str>>, D::Error> {
+    struct OptionalStr;
+    impl<'de> Visitor<'de> for OptionalStr {
+        type Value = Option<Cow<'de, str>>;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a string or null")
+        }
+        fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
+            Ok(Some(Cow::Borrowed(v)))
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            Ok(Some(Cow::Owned(v.to_owned())))
+        }
+        fn visit_string<E: de::Error>(self, v: String) -> Result<Self::Value, E> {
+            Ok(Some(Cow::Owned(v)))
+        }
+        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_some<D: Deserializer<'de>>(self, deserializer: D) -> Result<Self::Value, D::Error> {
+            deserializer.deserialize_str(self)
+        }
+    }
+    deserializer.deserialize_option(OptionalStr)
 }
 
 fn require_object(body: &[u8]) -> Result<()> {
@@ -198,6 +229,14 @@ mod tests {
     #[test]
     fn escaped_model_name_is_decoded() {
         assert_eq!(inspect(br#"{"model":"a\/b"}"#).unwrap().model.as_deref(), Some("a/b"));
+    }
+
+    #[test]
+    fn plain_names_are_borrowed_from_the_body() {
+        let info = inspect(br#"{"model":"m1","user":"u"}"#).unwrap();
+        assert!(matches!(info.model, Some(Cow::Borrowed("m1"))), "{:?}", info.model);
+        assert!(matches!(info.user, Some(Cow::Borrowed("u"))), "{:?}", info.user);
+        assert!(matches!(inspect(br#"{"model":"a\/b"}"#).unwrap().model, Some(Cow::Owned(_))));
     }
 
     #[test]
