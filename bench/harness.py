@@ -166,11 +166,13 @@ ROLE_NUMBERS = {"hybrid": 1, "prefill": 2, "decode": 3}
 
 
 @contextlib.contextmanager
-def floor(nodes: list[str]) -> Iterator[Service]:
-    """The floor proxy (bench/loadgen/src/bin/floor.rs): hyper passing requests through, nothing else."""
+def floor(nodes: list[str], per_request: bool = False) -> Iterator[Service]:
+    """The floor proxy (bench/loadgen/src/bin/floor.rs): hyper passing requests through, nothing
+    else; each client connection paired with one node's connection, or (``per_request``) each
+    request sent to the next node."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    args = [str(FLOOR), "--port", str(port)]
+    args = [str(FLOOR), "--port", str(port), *(["--per-request"] if per_request else [])]
     for node in nodes:
         args += ["--upstream", node.removeprefix("http://")]
     with service("floor", args, url + "/health", url) as svc:

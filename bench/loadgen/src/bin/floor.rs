@@ -3,7 +3,11 @@
 //! through as it is. No parsing, no selection, no accounting, no timeouts: what any proxy built
 //! on the same stack pays at least.
 //!
-//! usage: pdproxy-floor --port PORT --upstream HOST:PORT [--upstream HOST:PORT]... [--threads N]
+//! With `--per-request`, each request goes to the next upstream instead (round robin per
+//! request, as the routers in the benchmarks route), on an idle keep-alive connection from a pool
+//! of each upstream's, or a new one.
+//!
+//! usage: pdproxy-floor --port PORT --upstream HOST:PORT [--upstream HOST:PORT]... [--threads N] [--per-request]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -17,14 +21,49 @@ use hyper_util::rt::TokioIo;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Mutex;
 
-type Upstream = Arc<Mutex<client::SendRequest<Incoming>>>;
+type Sender = client::SendRequest<Incoming>;
+type Upstream = Arc<Mutex<Sender>>;
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-async fn connect(address: &str) -> std::io::Result<Upstream> {
+async fn open(address: &str) -> std::io::Result<Sender> {
     let stream = TcpStream::connect(address).await?;
     stream.set_nodelay(true)?;
     let (sender, connection) = client::handshake(TokioIo::new(stream)).await.map_err(std::io::Error::other)?;
     tokio::spawn(connection);
-    Ok(Arc::new(Mutex::new(sender)))
+    Ok(sender)
+}
+
+async fn connect(address: &str) -> std::io::Result<Upstream> {
+    Ok(Arc::new(Mutex::new(open(address).await?)))
+}
+
+/// Each upstream's idle connections (`--per-request`).
+struct Pools {
+    upstreams: Vec<String>,
+    idle: Vec<std::sync::Mutex<Vec<Sender>>>,
+    next: AtomicUsize,
+}
+
+impl Pools {
+    /// An idle connection to upstream `i` (the most recently used first), if any is ready.
+    fn take(&self, i: usize) -> Option<Sender> {
+        let mut idle = self.idle[i].lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let at = idle.iter().rposition(Sender::is_ready)?;
+        Some(idle.swap_remove(at))
+    }
+}
+
+async fn pass_per_request(pools: Arc<Pools>, request: Request<Incoming>) -> Result<Response<Incoming>, BoxError> {
+    let i = pools.next.fetch_add(1, Ordering::Relaxed) % pools.upstreams.len();
+    let mut sender = match pools.take(i) {
+        Some(sender) => sender,
+        None => open(&pools.upstreams[i]).await?,
+    };
+    sender.ready().await?;
+    let response = sender.send_request(request).await;
+    // Back once the head is in: it is ready again when the body has been read.
+    pools.idle[i].lock().unwrap_or_else(std::sync::PoisonError::into_inner).push(sender);
+    Ok(response?)
 }
 
 async fn pass(upstream: Upstream, request: Request<Incoming>) -> Result<Response<Incoming>, hyper::Error> {
@@ -38,8 +77,13 @@ fn main() -> std::io::Result<()> {
     let mut port = 0u16;
     let mut upstreams = Vec::new();
     let mut threads = std::thread::available_parallelism().map_or(1, usize::from);
+    let mut per_request = false;
     let mut args = std::env::args().skip(1);
     while let Some(flag) = args.next() {
+        if flag == "--per-request" {
+            per_request = true;
+            continue;
+        }
         let value = args.next().unwrap_or_default();
         match flag.as_str() {
             "--port" => port = value.parse().map_err(std::io::Error::other)?,
@@ -51,6 +95,11 @@ fn main() -> std::io::Result<()> {
     if upstreams.is_empty() {
         return Err(std::io::Error::other("at least one --upstream HOST:PORT"));
     }
+    let pools = Arc::new(Pools {
+        idle: upstreams.iter().map(|_| std::sync::Mutex::default()).collect(),
+        upstreams: upstreams.clone(),
+        next: AtomicUsize::new(0),
+    });
     let upstreams = Arc::new(upstreams);
     let next = Arc::new(AtomicUsize::new(0));
     tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build()?.block_on(async move {
@@ -58,6 +107,14 @@ fn main() -> std::io::Result<()> {
         loop {
             let (stream, _) = listener.accept().await?;
             stream.set_nodelay(true)?;
+            if per_request {
+                let pools = Arc::clone(&pools);
+                tokio::spawn(async move {
+                    let service = service_fn(move |request| pass_per_request(Arc::clone(&pools), request));
+                    let _ = server::Builder::new().serve_connection(TokioIo::new(stream), service).await;
+                });
+                continue;
+            }
             let address = upstreams[next.fetch_add(1, Ordering::Relaxed) % upstreams.len()].clone();
             tokio::spawn(async move {
                 let Ok(upstream) = connect(&address).await else { return };
