@@ -37,7 +37,7 @@ async fn connect(address: &str) -> std::io::Result<Upstream> {
     Ok(Arc::new(Mutex::new(open(address).await?)))
 }
 
-/// Each upstream's idle connections (`--per-request`).
+/// The upstreams, the next one's turn, and (`--per-request`) each one's idle connections.
 struct Pools {
     upstreams: Vec<String>,
     idle: Vec<std::sync::Mutex<Vec<Sender>>>,
@@ -97,11 +97,9 @@ fn main() -> std::io::Result<()> {
     }
     let pools = Arc::new(Pools {
         idle: upstreams.iter().map(|_| std::sync::Mutex::default()).collect(),
-        upstreams: upstreams.clone(),
+        upstreams,
         next: AtomicUsize::new(0),
     });
-    let upstreams = Arc::new(upstreams);
-    let next = Arc::new(AtomicUsize::new(0));
     tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build()?.block_on(async move {
         let listener = TcpListener::bind(("127.0.0.1", port)).await?;
         loop {
@@ -115,7 +113,7 @@ fn main() -> std::io::Result<()> {
                 });
                 continue;
             }
-            let address = upstreams[next.fetch_add(1, Ordering::Relaxed) % upstreams.len()].clone();
+            let address = pools.upstreams[pools.next.fetch_add(1, Ordering::Relaxed) % pools.upstreams.len()].clone();
             tokio::spawn(async move {
                 let Ok(upstream) = connect(&address).await else { return };
                 let service = service_fn(move |request| pass(upstream.clone(), request));
