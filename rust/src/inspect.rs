@@ -56,7 +56,8 @@ struct Fields<'a> {
 }
 
 /// An optional string that borrows from the body unless it has escapes. serde's `borrow` reaches
-/// a `Cow` only when it is not inside an `Option`: there it copied every model name.
+/// a `Cow` only as a field of its own (not inside an `Option`, not parsed alone): there it copied
+/// every model name.
 fn borrowed_str<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Cow<'de, str>>, D::Error> {
     struct OptionalStr;
     impl<'de> Visitor<'de> for OptionalStr {
@@ -111,7 +112,7 @@ pub fn inspect(body: &[u8]) -> Result<RequestInfo<'_>> {
         Some(raw) => {
             let text = raw.get();
             if text.starts_with('"') {
-                Some(serde_json::from_str::<Cow<'_, str>>(text).map_err(|e| invalid(&e))?)
+                borrowed_str(&mut serde_json::Deserializer::from_str(text)).map_err(|e| invalid(&e))?
             } else if text.parse::<i64>().is_ok() {
                 Some(Cow::Borrowed(text))
             } else if text == "null" {
@@ -237,6 +238,10 @@ mod tests {
         assert!(matches!(info.model, Some(Cow::Borrowed("m1"))), "{:?}", info.model);
         assert!(matches!(info.user, Some(Cow::Borrowed("u"))), "{:?}", info.user);
         assert!(matches!(inspect(br#"{"model":"a\/b"}"#).unwrap().model, Some(Cow::Owned(_))));
+        let info = inspect(br#"{"session_id":"s-1"}"#).unwrap();
+        assert!(matches!(info.session_id, Some(Cow::Borrowed("s-1"))), "{:?}", info.session_id);
+        let info = inspect(br#"{"session_id":"s\u002d1"}"#).unwrap();
+        assert_eq!(info.session_id.as_deref(), Some("s-1"), "escapes decoded");
     }
 
     #[test]
