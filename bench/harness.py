@@ -7,6 +7,7 @@ import http.client
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +26,15 @@ FLOOR = ROOT / "target" / "release" / "pdproxy-floor"
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 K = TypeVar("K", bound=Hashable)
+
+
+def _exit_on_sigterm(signum: int, _frame: object) -> None:
+    sys.exit(128 + signum)
+
+
+# A benchmark ended with `kill PID` unwinds like Ctrl-C, so every `with` block here ends the
+# engines, proxies and load generators it started instead of leaving them running.
+signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
 def say(message: str) -> None:
