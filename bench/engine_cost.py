@@ -1,10 +1,12 @@
-"""What a proxy costs the engines behind it, apart from its own CPU: S1's load (non-stream chat,
-64 connections, two mock engines) sent directly, directly with the five headers pdproxy adds for
-a node (`x-request-id`, `X-Forwarded-For/Host/Proto`, `x-pdproxy-via`), through the floor proxy
-as bench/run.py runs it (each client connection paired with one node's connection), through the
-floor proxy routing each request to the next node (as pdproxy and the routers do in S1-S4), and
-through pdproxy; the runs take turns. The measure is the engines' CPU per request: they are
-Python servers, as LMDeploy's, vLLM's and SGLang's api_servers are.
+"""What a proxy costs the engines behind it, apart from its own CPU: S1's load (non-stream chat, 64
+connections, two mock engines) sent directly, directly with the five headers pdproxy adds for a node
+(`x-request-id`, `X-Forwarded-For/Host/Proto`, `x-pdproxy-via`), through the floor proxy as
+bench/run.py runs it (each client connection paired with one node's connection), through the floor
+proxy routing each request to the next node (as pdproxy and the routers do in S1-S4), the same with
+pdproxy's headers sent by the client (a pass-through that hands the engines what pdproxy hands them:
+the most req/s pdproxy could reach), and through pdproxy; the runs take turns. The measure is the
+engines' CPU per request: they are Python servers, as LMDeploy's, vLLM's and SGLang's api_servers
+are.
 
     python bench/engine_cost.py                 # 3 s per run, median of 9
     python bench/engine_cost.py --duration 5 --repeat 5
@@ -53,6 +55,11 @@ def main() -> None:
             "direct, with pdproxy's headers": ([u + CHAT for u in urls], ADDED, None),
             "floor, connections paired": ([pinned.url + CHAT], (), pinned.proc.pid),
             "floor, each request to the next node": ([per_request.url + CHAT], (), per_request.proc.pid),
+            "floor, each request to the next node, pdproxy's headers": (
+                [per_request.url + CHAT],
+                ADDED,
+                per_request.proc.pid,
+            ),
             "pdproxy": ([pdproxy.url + CHAT], (), pdproxy.proc.pid),
         }
         runs: dict[str, list[tuple[float, float, float]]] = {name: [] for name in targets}
