@@ -4,9 +4,9 @@ connections, two mock engines) sent directly, directly with the five headers pdp
 bench/run.py runs it (each client connection paired with one node's connection), through the floor
 proxy routing each request to the next node (as pdproxy and the routers do in S1-S4), the same with
 pdproxy's headers sent by the client (a pass-through that hands the engines what pdproxy hands them:
-the most req/s pdproxy could reach), and through pdproxy; the runs take turns. The measure is the
-engines' CPU per request: they are Python servers, as LMDeploy's, vLLM's and SGLang's api_servers
-are.
+about the most req/s pdproxy could reach), and through pdproxy; the runs take turns. The measure is
+the engines' CPU per request: they are Python servers, as LMDeploy's, vLLM's and SGLang's
+api_servers are.
 
     python bench/engine_cost.py                 # 3 s per run, median of 9
     python bench/engine_cost.py --duration 5 --repeat 5
