@@ -90,9 +90,10 @@ def run_process(
     env: dict[str, str] | None = None,
     ready: Callable[[], bool] | None = None,
     tls: ssl.SSLContext | None = None,
+    preexec: Callable[[], object] | None = None,
 ) -> Iterator[Process]:
     """Starts ``pdproxy <args>`` and yields once ``url + ready_path`` answers 200 (over HTTPS
-    verified with ``tls`` when given)."""
+    verified with ``tls`` when given). ``preexec`` runs in the child before it starts (its limits)."""
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pdproxy", *args],
@@ -100,6 +101,7 @@ def run_process(
             stderr=subprocess.STDOUT,
             text=True,
             env={**os.environ, **(env or {})},
+            preexec_fn=preexec,
         )
     process = Process(proc, url, log_path)
 
@@ -141,6 +143,7 @@ def pdproxy_serve(
     env: dict[str, str] | None = None,
     ready: Callable[[str], bool] | None = None,
     tls: ssl.SSLContext | None = None,
+    preexec: Callable[[], object] | None = None,
 ) -> Iterator[Process]:
     """`pdproxy serve ARGS` on a free port (HTTPS, verified with ``tls``, when given)."""
     port = free_port()
@@ -154,6 +157,7 @@ def pdproxy_serve(
         env=env,
         ready=(lambda: ready(url)) if ready else None,
         tls=tls,
+        preexec=preexec,
     ) as process:
         yield process
 

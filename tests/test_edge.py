@@ -129,7 +129,7 @@ async def edge_with(control_socket: Path, stale_after: float, **settings: object
         router = pdproxy.Router(settings=config)
         router.add_node(engine.url, ["m"], verify=False)
         listener = _pdproxy.EdgeListener("127.0.0.1", 0, 128)
-        edge = _pdproxy.Edge(router.core, listener, config, 1, str(control_socket), stale_after)
+        edge = _pdproxy.Edge(router.core, listener, config, 1, 256, str(control_socket), stale_after)
         try:
             yield f"http://127.0.0.1:{listener.port}", edge
         finally:
@@ -178,7 +178,7 @@ async def test_the_edge_counts_in_the_global_gate_with_the_control_plane(http: a
             router = pdproxy.Router(settings=config)
             router.add_node(engine.url, ["m"], verify=False)
             listener = _pdproxy.EdgeListener("127.0.0.1", 0, 128)
-            edge = _pdproxy.Edge(router.core, listener, config, 1, str(Path(workdir) / "x.sock"), 10.0)
+            edge = _pdproxy.Edge(router.core, listener, config, 1, 256, str(Path(workdir) / "x.sock"), 10.0)
             url = f"http://127.0.0.1:{listener.port}"
             try:
                 slow = asyncio.ensure_future(http.post(url + "/v1/chat/completions", json=chat_body("m")))

@@ -174,7 +174,15 @@ async def test_stats_record_latency_events_and_ttft(engine: MockEngine) -> None:
 def test_inspect_and_patch() -> None:
     raw = b'{"model":"m","stream":true,"session_id":7,"messages":[],"max_tokens":9}'
     info = pdproxy.Router.inspect(raw)
-    assert info == {"model": "m", "stream": True, "n": None, "user": None, "session_id": "7", "max_tokens": 9}
+    assert info == {
+        "model": "m",
+        "stream": True,
+        "n": None,
+        "best_of": None,
+        "user": None,
+        "session_id": "7",
+        "max_tokens": 9,
+    }
     patched = pdproxy.Router.patch(raw, {"max_tokens": 1, "stream": False, "with_cache": True}, remove=["session_id"])
     assert patched == b'{"model":"m","stream":false,"messages":[],"max_tokens":1,"with_cache":true}'
     with pytest.raises(pdproxy.InvalidRequest):

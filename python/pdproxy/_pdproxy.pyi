@@ -115,6 +115,7 @@ class RoutingFields(TypedDict):
     model: str | None
     stream: bool
     n: int | None
+    best_of: int | None
     user: str | None
     session_id: str | None
     max_tokens: int | None
@@ -273,9 +274,13 @@ class Router:
     def normalize_url(url: str) -> str:
         """The canonical form of a node URL (scheme and host lower-cased, no trailing slash)."""
 
+    def check_asks(self, body: bytes) -> None:
+        """Raises `InvalidRequest` (naming the field) for a body whose `n` or `best_of` is past
+        `max_n`; `forward` checks it too."""
+
     @staticmethod
     def inspect(body: bytes) -> RoutingFields:
-        """The routing fields of a body: model, stream, n, user, session_id, max_tokens."""
+        """The routing fields of a body: model, stream, n, best_of, user, session_id, max_tokens."""
 
     @staticmethod
     def member(body: bytes, key: str) -> str | None:
@@ -492,10 +497,12 @@ class Edge:
         listener: EdgeListener,
         settings: Settings,
         threads: int,
+        max_connections: int,
         control_socket: str,
         control_stale_after: float,
     ) -> Edge:
-        """Serves `listener` on `threads` threads, each with its own event loop."""
+        """Serves `listener` on `threads` threads, each with its own event loop, at most
+        `max_connections` client connections at once (more are answered 503 and closed)."""
     def heartbeat(self) -> None:
         """Tells the edge the control plane's loop is alive."""
 

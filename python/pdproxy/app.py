@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from typing import TypedDict, cast
+from urllib.parse import unquote
 
 from pydantic import BaseModel
 
@@ -114,7 +115,7 @@ class ProxyApp:
         assert router is not None
         assert fleet is not None
         _take_peer(scope, trusted=self.behind_edge, https=self.settings.ssl)
-        path, method = scope["path"], scope["method"]
+        path, method = proxy.path_as_sent(scope), scope["method"]
         if method == "POST" and (path in INFERENCE_PATHS or path.startswith("/v1/")):
             self.keys.check_inference(scope["headers"])
             router.enter_request()  # Draining, or ProxyOverloaded at the global cap
@@ -150,7 +151,7 @@ class ProxyApp:
             await send_json(send, 200, _model_list(router))
         elif path.startswith("/v1/models/"):
             self.keys.check_inference(scope["headers"])
-            await send_json(send, 200, _model_card(router, path.removeprefix("/v1/models/")))
+            await send_json(send, 200, _model_card(router, unquote(path.removeprefix("/v1/models/"))))
         elif path == "/health":
             await send_json(send, 200, {"status": "healthy"})
         elif path == "/ready":

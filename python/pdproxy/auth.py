@@ -98,15 +98,16 @@ class Keys:
 
     def _check_same_site(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
         """Refuses a keyless management request that another site may have sent: one a browser
-        marks cross-site (``Sec-Fetch-Site``), one from a foreign ``Origin``, or one whose ``Host``
-        is a name the proxy does not go by (DNS rebinding)."""
+        marks cross-site (``Sec-Fetch-Site``), one from a foreign or opaque (``null``) ``Origin``,
+        or one whose ``Host`` is a name the proxy does not go by (DNS rebinding)."""
         found = {name: value.decode("latin-1") for name, value in headers if name in _SITE_HEADERS}
         host = found.get(b"host", "").strip().lower()
         fetch_site = found.get(b"sec-fetch-site", "").strip().lower()
         if fetch_site and fetch_site not in ("same-origin", "none"):
             raise Forbidden(f"{_WHY} (this request came from another site: Sec-Fetch-Site {fetch_site})")
         origin = found.get(b"origin", "").strip()
-        if origin and origin != "null" and urlsplit(origin).netloc.lower() != host:
+        # `null` is what a sandboxed frame, a local file or a redirected page sends: some page.
+        if origin and (origin == "null" or urlsplit(origin).netloc.lower() != host):
             raise Forbidden(f"{_WHY} (this request came from {origin})")
         name = urlsplit(f"http://{host}").hostname or ""
         if name and not _is_address(name) and name not in self.names:

@@ -181,6 +181,25 @@ def main() -> None:
     """pdproxy: a proxy and router for fleets of OpenAI-compatible LLM inference servers."""
 
 
+def _keys_on_the_command_line(context: click.Context, settings: Settings) -> list[tuple[str, str]]:
+    """The flags given on the command line that carry key material, each with where to give it instead."""
+    given = {
+        name
+        for name in ("api_keys", "admin_keys", "otlp_headers", "nodes")
+        if context.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+    }
+    found = [
+        (f"--{name.replace('_', '-')}", f"--{name.replace('_', '-')}-file or PDPROXY_{name.upper()}")
+        for name in ("api_keys", "admin_keys")
+        if name in given
+    ]
+    if "otlp_headers" in given:
+        found.append(("--otlp-header", "OTEL_EXPORTER_OTLP_HEADERS or PDPROXY_OTLP_HEADERS"))
+    if "nodes" in given and any("api_key=" in node for node in settings.nodes):
+        found.append(("--node ...,api_key=", "a --config file (mode 0600) or PDPROXY_NODES"))
+    return found
+
+
 @main.command(cls=SettingsCommand)
 @click.option(
     "--config",
@@ -206,15 +225,12 @@ def serve(print_config: bool, **options: object) -> None:
     except ConfigError as e:
         click.echo(f"pdproxy: {e}", err=True)  # one line, before anything is served
         sys.exit(2)
-    context = click.get_current_context()
-    for name in ("api_keys", "admin_keys"):
-        if context.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
-            flag = "--" + name.replace("_", "-")
-            click.echo(
-                f"pdproxy: warning: keys given with {flag} on the command line are visible to every user of this "
-                f"machine (ps); use {flag}-file or the environment (PDPROXY_{name.upper()}) instead",
-                err=True,
-            )
+    for flag, instead in _keys_on_the_command_line(click.get_current_context(), settings):
+        click.echo(
+            f"pdproxy: warning: keys given with {flag} on the command line are visible to every user of this "
+            f"machine (ps); use {instead} instead",
+            err=True,
+        )
     if print_config:
         shown = settings.redacted()
         shown["nodes"] = [record.redacted() for record in configured_nodes(settings)]  # their keys hidden

@@ -413,6 +413,27 @@ class LimitsSettings(SettingsGroup):
         8 << 20,
         "Largest request body accepted, in bytes (checked while it is read).",
     )
+    max_n: AtLeastOne = _setting(
+        128,
+        (
+            "Largest n (and best_of) a request may ask for; more is refused with 400 (OpenAI's own ceiling;"
+            " SGLang's disaggregation sends one bootstrap entry per choice)."
+        ),
+    )
+    max_connections: NotNegative = _setting(
+        0,
+        (
+            "Client connections the Rust edge keeps open at once; past it a new one is answered 503 and closed "
+            "at accept (0: half the open-file limit, less 64, which pdproxy raises to its hard limit at start)."
+        ),
+    )
+    answer_buffer_limit: AtLeastOne = _setting(
+        16 << 20,
+        (
+            "Largest node answer the proxy reads whole (a prefill's answer, an error body), in bytes; past it the"
+            " request fails with 502 and the node's connection is dropped."
+        ),
+    )
     prefetch_limit: NotNegative = _setting(
         1 << 20,
         "Non-streaming responses up to this many bytes are read whole before forwarding.",
@@ -449,8 +470,11 @@ class TimeoutSettings(SettingsGroup):
         "Seconds from sending a request to a node until its response head (covers long prefills).",
     )
     pool_idle_timeout: Seconds = _setting(
-        60.0,
-        "Seconds an idle keep-alive connection to a node is kept.",
+        4.0,
+        (
+            "Seconds an idle keep-alive connection to a node is kept: below the nodes' own keep-alive (uvicorn's"
+            " 5 s, which vLLM, SGLang and LMDeploy serve with), so a node never closes one as it is reused."
+        ),
     )
     request_timeout: NotNegativeSeconds = _setting(
         0.0,
@@ -459,6 +483,13 @@ class TimeoutSettings(SettingsGroup):
     stream_idle_timeout: Seconds = _setting(
         120.0,
         "Seconds a streaming response may stay silent before it is cut off.",
+    )
+    answer_timeout: Seconds = _setting(
+        60.0,
+        (
+            "Seconds from a node's answer head to the end of its body, for answers that are not event streams and"
+            " for every answer read whole (a node that drips one is cut off: 502)."
+        ),
     )
     body_timeout: Seconds = _setting(
         30.0,

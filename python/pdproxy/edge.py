@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import resource
 import shutil
 import signal
 import tempfile
@@ -52,6 +53,35 @@ def threads(settings: Settings) -> int:
     return settings.edge_threads or os.cpu_count() or 1
 
 
+#: Descriptors kept aside from the client connections' share: logs, sockets of the control plane.
+RESERVED_FILES = 64
+#: The soft limit a hard limit of "unlimited" is raised to (the kernel caps it at nr_open).
+UNLIMITED_FILES = 1 << 20
+
+
+def raise_open_file_limit() -> int:
+    """Raises the soft limit on open files to the hard one, as servers do (nginx's
+    ``worker_rlimit_nofile``): the usual soft limit of 1,024 is a few hundred streams, each of
+    which holds a client's and a node's connection. Returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = UNLIMITED_FILES if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        with contextlib.suppress(ValueError, OSError):  # a limit this process may not raise stays
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def max_connections(settings: Settings) -> int:
+    """The cap on client connections: the setting, or half the open-file limit less a reserve,
+    so that every client connection may hold a connection to its node as well."""
+    if settings.max_connections:
+        return settings.max_connections
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if limit == resource.RLIM_INFINITY:
+        limit = UNLIMITED_FILES
+    return max((limit - RESERVED_FILES) // 2, 1)
+
+
 def serve(settings: Settings, listener: _pdproxy.EdgeListener, logging_config: dict[str, object]) -> int:
     """Serves until drained; returns the exit status."""
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -81,7 +111,13 @@ async def _supervise(settings: Settings, listener: _pdproxy.EdgeListener, loggin
         await _until_listening(socket_path, control_task)
         assert app.supervisor.router is not None
         edge = _pdproxy.Edge(
-            app.supervisor.router.core, listener, settings, threads(settings), str(socket_path), CONTROL_STALE_AFTER
+            app.supervisor.router.core,
+            listener,
+            settings,
+            threads(settings),
+            max_connections(settings),
+            str(socket_path),
+            CONTROL_STALE_AFTER,
         )
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -26,7 +26,8 @@
         ├── UpstreamConnectError(ConnectionError)  503 upstream_connect_failed: never reached a node
         ├── UpstreamTimeout(TimeoutError)          504 upstream_timeout
         ├── TerminateFailed                502 terminate_failed: a node did not confirm /terminate
-        ├── InvalidPrefillAnswer           502 upstream_invalid_response: a prefill answer PD cannot use
+        ├── InvalidAnswer                  502 upstream_invalid_response: a node's answer the proxy cannot use
+        │   └── InvalidPrefillAnswer       a prefill answer PD cannot use
         ├── PrefillFailed                  502 prefill_failed: SGLang's prefill leg failed
         └── LinkFailed                     502 pd_link_failed: prefill and decode could not be linked
 
@@ -53,6 +54,7 @@ __all__ = [
     "Draining",
     "Forbidden",
     "HandshakeError",
+    "InvalidAnswer",
     "InvalidNode",
     "InvalidPrefillAnswer",
     "InvalidRequest",
@@ -364,10 +366,15 @@ class TerminateFailed(UpstreamError):
     code = "terminate_failed"
 
 
-class InvalidPrefillAnswer(UpstreamError):
-    """The prefill node answered with something the protocol cannot use."""
+class InvalidAnswer(UpstreamError):
+    """The node's answer cannot be used: malformed or ambiguous framing, or larger or slower than
+    the proxy reads whole."""
 
     code = "upstream_invalid_response"
+
+
+class InvalidPrefillAnswer(InvalidAnswer):
+    """The prefill node answered with something the protocol cannot use."""
 
 
 class PrefillFailed(UpstreamError):

@@ -17,6 +17,10 @@ JsonObject: TypeAlias = "dict[str, JsonValue]"
 
 
 def loads(text: str | bytes) -> JsonValue:
-    """``json.loads``, typed: raises ``ValueError`` for text that is not JSON."""
-    value: JsonValue = json.loads(text)
+    """``json.loads``, typed: raises ``ValueError`` for text that is not JSON, or that nests
+    deeper than the parser goes."""
+    try:
+        value: JsonValue = json.loads(text)
+    except RecursionError:
+        raise ValueError("the JSON nests too deeply") from None
     return value

@@ -143,7 +143,9 @@ def _integer(value: bytes) -> int | None:
         return None
 
 
-def _raw_path(scope: HTTPScope) -> str:
+def path_as_sent(scope: HTTPScope) -> str:
+    """The request's path as the client sent it, percent-encoding and all (without the query):
+    what routes it, so that a path which decodes into an inference route is not served as one."""
     raw = scope.get("raw_path")
     return raw.decode("latin-1") if raw else str(scope["path"])
 
@@ -271,7 +273,7 @@ async def _serve(
                 body = await read_body(receive, max_body_size, client_headers.content_length)
         except TimeoutError:
             raise RequestTimeout(f"the request body did not arrive within {body_timeout:g}s") from None
-        if require_model and not plain_path(_raw_path(scope)):
+        if require_model and not plain_path(path_as_sent(scope)):
             raise InvalidRequest("the path may not contain dot-segments or encoded separators")
         model = Router.inspect(body)["model"] if require_model or record is not None or trace is not None else None
         if record is not None:
@@ -320,11 +322,11 @@ async def _forward_admitted(
         echo.extend(ticket.headers)
         send = _counted(ticket, send)
     # The path as the client sent it (not decoded), as the edge forwards it.
-    path = _raw_path(scope)
+    path = path_as_sent(scope)
     if scope.get("query_string"):
         path = f"{path}?{scope['query_string'].decode('latin-1')}"
     if pd is not None and scope["path"] in pd.paths:
-        return await _disaggregated(pd, path, body, headers, receive, send, echo, trace, ticket)
+        return await _disaggregated(router, pd, path, body, headers, receive, send, echo, trace, ticket)
 
     watch = ClientWatch(receive, DISCONNECT_WATCH_DELAY)
     response: Response | None = None
@@ -363,6 +365,7 @@ async def _forward_admitted(
 
 
 async def _disaggregated(
+    router: Router,
     pd: PdAdapter,
     path: str,
     body: bytes,
@@ -375,6 +378,11 @@ async def _disaggregated(
 ) -> bool:
     """Runs the prefill-decode flow as one task that a client disconnect cancels at any stage.
     Returns whether the client went away."""
+    try:
+        router.core.check_asks(body)  # before a flow builds anything on the body's numbers
+    except PdproxyError as e:
+        await send_error(send, e, echo)
+        return False
     watch = ClientWatch(receive, DISCONNECT_WATCH_DELAY)
     flow = asyncio.ensure_future(pd.handle(PdRequest(path, body, headers, send, echo, trace, ticket)))
     watch.on_disconnect(flow.cancel)

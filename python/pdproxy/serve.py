@@ -39,6 +39,7 @@ def serve(settings: Settings) -> int:
     """Serves until drained (SIGTERM, Ctrl-C or ``POST /drain``); returns the exit status."""
     tls.check_files(settings)  # before anything listens
     _warn_if_open(settings)
+    edge.raise_open_file_limit()
     if settings.edge == "rust":
         listener = edge.bind(settings)  # first: a taken port fails before anything starts
         with _demo_engines(settings) as demo_nodes:

@@ -21,10 +21,15 @@ def _node_context(ca_file: str) -> ssl.SSLContext:
     return ssl.create_default_context(cafile=ca_file or None)
 
 
+#: Seconds the control plane keeps an idle connection to a node: below the nodes' own keep-alive
+#: (uvicorn's 5 s), and soon gone when the node is removed.
+IDLE_CONNECTION_SECONDS = 3.0
+
+
 def node_session(ca_file: str, timeout: float) -> aiohttp.ClientSession:
     """A session for calls to nodes (inside a running loop): ``https://`` nodes are verified
     against ``ca_file``, or the system's roots when it is empty."""
-    connector = aiohttp.TCPConnector(ssl=_node_context(ca_file))
+    connector = aiohttp.TCPConnector(ssl=_node_context(ca_file), keepalive_timeout=IDLE_CONNECTION_SECONDS)
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout))
 
 

@@ -25,8 +25,14 @@ pub enum Kind {
     Connect,
     /// The node did not answer in time.
     Timeout,
-    /// The node accepted the request, then failed (reset, malformed response).
+    /// The node accepted the request, then failed (reset, broke off its answer).
     Upstream,
+    /// The node's answer cannot be used: its framing is malformed or ambiguous, or it is larger
+    /// or slower than the proxy reads whole.
+    InvalidAnswer,
+    /// The proxy itself ran out of something (file descriptors, memory): nobody's fault but
+    /// its own, never counted against a node.
+    Resources,
     /// The response body was cancelled by the caller.
     Cancelled,
     /// The proxy's own setup failed (the shared table of a worker group).
@@ -38,6 +44,8 @@ pub struct Error {
     message: String,
     source: Option<BoxError>,
     retry_after: Option<u32>,
+    /// The request's field at fault, when one is (the error body's `param`).
+    param: Option<&'static str>,
     /// The node the error happened at, for whoever debugs it (never shown to a client).
     node: Option<String>,
 }
@@ -45,12 +53,12 @@ pub struct Error {
 impl Error {
     #[cold]
     pub(crate) fn new(kind: Kind, message: impl Into<String>) -> Self {
-        Self { kind, message: message.into(), source: None, retry_after: None, node: None }
+        Self { kind, message: message.into(), source: None, retry_after: None, param: None, node: None }
     }
 
     #[cold]
     pub(crate) fn with_source(kind: Kind, message: impl Into<String>, source: impl Into<BoxError>) -> Self {
-        Self { kind, message: message.into(), source: Some(source.into()), retry_after: None, node: None }
+        Self { kind, message: message.into(), source: Some(source.into()), retry_after: None, param: None, node: None }
     }
 
     /// Seconds after which a retry may succeed, for errors that say so (`Retry-After`).
@@ -62,6 +70,17 @@ impl Error {
 
     pub fn retry_after(&self) -> Option<u32> {
         self.retry_after
+    }
+
+    /// The error is about the request's field `name`.
+    #[must_use]
+    pub fn with_param(mut self, name: &'static str) -> Self {
+        self.param = Some(name);
+        self
+    }
+
+    pub fn param(&self) -> Option<&'static str> {
+        self.param
     }
 
     /// The error happened at the node `url`.
@@ -96,6 +115,9 @@ impl fmt::Debug for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut d = f.debug_struct("Error");
         d.field("kind", &self.kind).field("message", &self.message).field("retry_after", &self.retry_after);
+        if let Some(param) = self.param {
+            d.field("param", &param);
+        }
         if let Some(node) = &self.node {
             d.field("node", node);
         }

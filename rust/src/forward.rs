@@ -1,17 +1,24 @@
 //! Forwarding a request to a node: its key, the time to its answer's head, and the answer's
 //! body read whole (small answers) or left to stream.
 
+use std::future::Future as _;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE};
+use bytes::{Bytes, BytesMut};
+use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE};
 use http::{Method, StatusCode};
+use http_body::{Frame, SizeHint};
 use http_body_util::combinators::BoxBody;
 use http_body_util::BodyExt;
 
 use crate::error::{BoxError, Error, Kind, Result};
 use crate::node::Node;
 use crate::permit::Outcome;
+use crate::registry::Registry;
+use crate::retry::RetryBudget;
 use crate::sse;
 use crate::upstream::{Client, ClientConfig, Hop};
 
@@ -36,6 +43,11 @@ pub struct ForwardConfig {
     pub node_ca_file: Option<std::path::PathBuf>,
     /// Silence on a node connection before TCP keep-alive probes start.
     pub tcp_keepalive: Duration,
+    /// Most bytes of an answer the proxy reads whole (a prefill's answer, an error body).
+    pub answer_buffer_limit: usize,
+    /// Longest time from an answer's head to the end of its body, for answers that are not
+    /// event streams (a node that drips one is cut off), and for every answer read whole.
+    pub answer_timeout: Duration,
 }
 
 /// A request to forward, as the client sent it plus the proxy's own headers.
@@ -94,16 +106,18 @@ pub struct StreamBody {
 /// Sends requests to nodes. Cheap to clone: clones share one pool of connections.
 #[derive(Debug, Clone)]
 pub struct Forwarder {
-    client: std::sync::Arc<Client>,
+    client: Arc<Client>,
     config: ForwardConfig,
     /// The proxy's id, added to every request's `x-pdproxy-via` (see `loops`).
     via: HeaderValue,
+    /// What a request sent again on a new connection spends (see `Client::send`).
+    budget: Arc<RetryBudget>,
 }
 
 impl Forwarder {
     /// Builds the client for the proxy `instance`. Needs no runtime; connections belong to the
     /// runtime that opens them.
-    pub fn new(config: ForwardConfig, instance: &str) -> Self {
+    pub fn new(config: ForwardConfig, instance: &str, budget: Arc<RetryBudget>) -> Self {
         let client = Client::new(ClientConfig {
             connect_timeout: config.connect_timeout,
             idle_timeout: config.pool_idle_timeout,
@@ -114,11 +128,31 @@ impl Forwarder {
             tcp_keepalive: config.tcp_keepalive,
         });
         let via = HeaderValue::from_str(instance).unwrap_or_else(|_| HeaderValue::from_static("pdproxy"));
-        Self { client: std::sync::Arc::new(client), config, via }
+        Self { client: Arc::new(client), config, via, budget }
     }
 
     pub fn config(&self) -> &ForwardConfig {
         &self.config
+    }
+
+    /// Closes idle connections past their timeout, and those to nodes `registry` no longer has.
+    pub fn sweep(&self, registry: &Registry) {
+        let nodes = registry.load();
+        let origins: rustc_hash::FxHashSet<&str> = nodes.nodes().iter().map(|n| n.target().origin).collect();
+        self.client.sweep(&|origin| origins.contains(origin));
+    }
+
+    /// How often the pool is swept: every second, or more often with a shorter idle timeout.
+    pub fn sweep_interval(&self) -> Duration {
+        SWEEP_INTERVAL.min(self.config.pool_idle_timeout)
+    }
+
+    /// Sweeps the pool forever. Runs on the event loop that uses the pool (an edge thread's).
+    pub async fn keep_swept(&self, registry: &Registry) -> std::convert::Infallible {
+        loop {
+            tokio::time::sleep(self.sweep_interval()).await;
+            self.sweep(registry);
+        }
     }
 
     /// Sends `request` to `node` (with the attempt's `traceparent`, when traced) and returns
@@ -149,50 +183,186 @@ impl Forwarder {
             None => None,
         };
         let hop = Hop { authorization: key.as_ref(), via: &self.via, traceparent };
-        let sent = self.client.send(node.target(), &path, request, &hop);
+        let sent = self.client.send(node.target(), &path, request, &hop, &self.budget);
         let answer = match tokio::time::timeout(self.config.first_byte_timeout, sent).await {
             Ok(answer) => answer?,
             Err(_) => return Err(Error::new(Kind::Timeout, "the node did not answer in time")),
         };
         let headers = answer.headers;
         let event_stream = headers.get(CONTENT_TYPE).is_some_and(|ct| sse::is_event_stream(ct.as_bytes()));
+        if event_stream {
+            let body = ResponseBody::Streaming(StreamBody { body: answer.body.boxed(), event_stream });
+            return Ok(UpstreamResponse { status: answer.status, headers, body });
+        }
+        // Not an event stream: its whole body is due soon after its head.
+        let mut body = Timed::new(answer.body, self.config.answer_timeout);
         let small = answer.content_length.is_some_and(|len| len <= self.config.prefetch_limit as u64);
-        let body = if prefetch && !event_stream && small {
-            ResponseBody::Complete(read_whole(answer.body, self.config.stream_idle_timeout).await?)
+        let idle = self.config.stream_idle_timeout;
+        let body = if prefetch && small {
+            // A small body is due whole within one idle span of its head.
+            let whole = tokio::time::timeout(idle, read_all(body, self.config.prefetch_limit));
+            ResponseBody::Complete(whole.await.map_err(|_| went_quiet(idle))??)
         } else {
-            ResponseBody::Streaming(StreamBody { body: answer.body.boxed(), event_stream })
+            // Its first piece now: a body that fails at once is a 502, not a head with nothing after.
+            let first = tokio::time::timeout(idle, read_frame(&mut body)).await.map_err(|_| went_quiet(idle))?;
+            match first? {
+                None => ResponseBody::Complete(Bytes::new()),
+                Some(first) => ResponseBody::Streaming(StreamBody {
+                    body: Prepended { first: Some(first), rest: body }.boxed(),
+                    event_stream,
+                }),
+            }
         };
         Ok(UpstreamResponse { status: answer.status, headers, body })
     }
 }
 
-/// A small body read whole; every read is bounded by `idle` (a node that announces a length,
-/// sends part of it and stalls must not hold the request forever).
-async fn read_whole(
-    mut body: impl http_body::Body<Data = Bytes, Error = BoxError> + Unpin,
-    idle: Duration,
-) -> Result<Bytes> {
-    let mut first: Option<Bytes> = None;
-    let mut joined: Option<bytes::BytesMut> = None;
+fn went_quiet(idle: Duration) -> Error {
+    Error::new(Kind::Timeout, format!("the node sent nothing for {}s", idle.as_secs_f64()))
+}
+
+/// How often idle connections to nodes are looked over.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The next data of `body`; its errors as the node's failure.
+async fn read_frame(
+    body: &mut (impl http_body::Body<Data = Bytes, Error = BoxError> + Unpin),
+) -> Result<Option<Bytes>> {
     loop {
-        match tokio::time::timeout(idle, body.frame()).await {
-            Err(_) => return Err(Error::new(Kind::Timeout, "the node sent nothing for too long")),
-            Ok(None) => return Ok(joined.map(bytes::BytesMut::freeze).or(first).unwrap_or_default()),
-            Ok(Some(Err(e))) => return Err(Error::with_source(Kind::Upstream, "the node broke off the response", e)),
-            Ok(Some(Ok(frame))) => {
-                let Ok(data) = frame.into_data() else { continue };
-                match (&first, &mut joined) {
-                    (None, _) => first = Some(data),
-                    (Some(head), None) => {
-                        let mut all = bytes::BytesMut::with_capacity(head.len() + data.len());
-                        all.extend_from_slice(head);
-                        all.extend_from_slice(&data);
-                        joined = Some(all);
-                    }
-                    (Some(_), Some(all)) => all.extend_from_slice(&data),
+        match body.frame().await {
+            None => return Ok(None),
+            Some(Err(e)) => return Err(node_failure(e)),
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    return Ok(Some(data));
                 }
             }
         }
+    }
+}
+
+/// A body's error as the request's: the proxy's own verdict on the answer (too large, too slow)
+/// as it is, anything else as the node breaking off.
+fn node_failure(e: BoxError) -> Error {
+    match e.downcast::<Error>() {
+        Ok(own) if own.kind() == Kind::InvalidAnswer => *own,
+        Ok(own) => Error::with_source(Kind::Upstream, "the node broke off the response", own),
+        Err(other) => Error::with_source(Kind::Upstream, "the node broke off the response", other),
+    }
+}
+
+/// A body read whole, refused past `limit` bytes.
+pub async fn read_all(
+    mut body: impl http_body::Body<Data = Bytes, Error = BoxError> + Unpin,
+    limit: usize,
+) -> Result<Bytes> {
+    let mut first: Option<Bytes> = None;
+    let mut joined: Option<BytesMut> = None;
+    let mut size = 0usize;
+    while let Some(data) = read_frame(&mut body).await? {
+        size += data.len();
+        if size > limit {
+            return Err(too_large(limit));
+        }
+        match (&first, &mut joined) {
+            (None, _) => first = Some(data),
+            (Some(head), None) => {
+                let mut all = BytesMut::with_capacity(size.max(head.len() * 2));
+                all.extend_from_slice(head);
+                all.extend_from_slice(&data);
+                joined = Some(all);
+            }
+            (Some(_), Some(all)) => all.extend_from_slice(&data),
+        }
+    }
+    Ok(joined.map(BytesMut::freeze).or(first).unwrap_or_default())
+}
+
+impl Forwarder {
+    /// A node's answer body read whole, within the answer limits: `answer_buffer_limit` bytes
+    /// and `answer_timeout` from now. Past either, the body (and its connection) is dropped.
+    pub async fn read_answer(&self, body: UpstreamBody) -> Result<Bytes> {
+        read_all(Timed::new(body, self.config.answer_timeout), self.config.answer_buffer_limit).await
+    }
+}
+
+fn too_large(limit: usize) -> Error {
+    Error::new(Kind::InvalidAnswer, format!("the node's answer is larger than the {limit} bytes the proxy reads whole"))
+}
+
+/// A body that fails once its time is up: `answer_timeout` from the first time it has to wait
+/// (a body that came whole with its head costs no timer).
+struct Timed<B> {
+    body: B,
+    deadline: Option<Pin<Box<tokio::time::Sleep>>>,
+    limit: Duration,
+}
+
+impl<B> Timed<B> {
+    fn new(body: B, limit: Duration) -> Self {
+        Self { body, deadline: None, limit }
+    }
+}
+
+impl<B: http_body::Body<Data = Bytes, Error = BoxError> + Unpin> http_body::Body for Timed<B> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Poll::Ready(frame) = Pin::new(&mut self.body).poll_frame(cx) {
+            return Poll::Ready(frame);
+        }
+        let limit = self.limit;
+        let deadline = self.deadline.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        match deadline.as_mut().poll(cx) {
+            Poll::Ready(()) => {
+                let message = format!("the node's answer did not end within {}s", limit.as_secs_f64());
+                Poll::Ready(Some(Err(Box::new(Error::new(Kind::InvalidAnswer, message)))))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// A body whose first piece was read already.
+struct Prepended<B> {
+    first: Option<Bytes>,
+    rest: B,
+}
+
+impl<B: http_body::Body<Data = Bytes, Error = BoxError> + Unpin> http_body::Body for Prepended<B> {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match self.first.take() {
+            Some(first) => Poll::Ready(Some(Ok(Frame::data(first)))),
+            None => Pin::new(&mut self.rest).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.first.is_none() && self.rest.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        let mut hint = self.rest.size_hint();
+        if let Some(first) = &self.first {
+            let extra = first.len() as u64;
+            hint.set_lower(hint.lower() + extra);
+            if let Some(upper) = hint.upper() {
+                hint.set_upper(upper + extra);
+            }
+        }
+        hint
     }
 }
 
@@ -201,8 +371,4 @@ async fn read_whole(
 /// stay near the limit however slowly a client reads.
 pub fn socket_buffer(stream_buffer_limit: usize) -> usize {
     (stream_buffer_limit / 4).max(16 << 10)
-}
-
-pub fn content_length(headers: &HeaderMap) -> Option<usize> {
-    headers.get(CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
 }

@@ -28,10 +28,16 @@ pub fn is_hop_by_hop_name(name: &HeaderName) -> bool {
 }
 
 /// Whether a client's request header stays on the client's hop: hop-by-hop headers, `host` and
-/// `content-length` (the proxy sets them for the node's hop) and the client's key,
-/// `authorization` or Anthropic's `x-api-key` (the proxy's key is not the node's key).
+/// `content-length` (the proxy sets them for the node's hop), the client's key, `authorization`
+/// or Anthropic's `x-api-key` (the proxy's key is not the node's key), and the client's own
+/// claims of where it came from, `forwarded` and `x-real-ip` (the proxy says it in
+/// `x-forwarded-for`, which it extends with the address it saw).
 pub fn stays_on_client_hop(name: &HeaderName) -> bool {
-    is_hop_by_hop_name(name) || matches!(name.as_str(), "host" | "content-length" | "authorization" | "x-api-key")
+    is_hop_by_hop_name(name)
+        || matches!(
+            name.as_str(),
+            "host" | "content-length" | "authorization" | "x-api-key" | "forwarded" | "x-real-ip"
+        )
 }
 
 /// The header names a request's `Connection` header lists (only computed when it has one).
@@ -83,12 +89,21 @@ mod tests {
     #[test]
     fn which_headers_stay_on_the_clients_hop() {
         let stays = |n: &str| stays_on_client_hop(&HeaderName::from_bytes(n.as_bytes()).unwrap());
-        for name in
-            ["Host", "content-length", "Connection", "TE", "transfer-encoding", "authorization", "x-api-key", "upgrade"]
-        {
+        for name in [
+            "Host",
+            "content-length",
+            "Connection",
+            "TE",
+            "transfer-encoding",
+            "authorization",
+            "x-api-key",
+            "upgrade",
+            "Forwarded",
+            "x-real-ip",
+        ] {
             assert!(stays(name), "{name}");
         }
-        for name in ["content-type", "x-request-id", "accept", "x-teapot"] {
+        for name in ["content-type", "x-request-id", "accept", "x-teapot", "x-forwarded-for"] {
             assert!(!stays(name), "{name}");
         }
         let map = header_map(&raw(&[("bad header", "x"), ("x-a", "1")]));

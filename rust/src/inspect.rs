@@ -16,6 +16,7 @@ pub struct RequestInfo<'a> {
     pub model: Option<Cow<'a, str>>,
     pub stream: bool,
     pub n: Option<u64>,
+    pub best_of: Option<u64>,
     pub user: Option<Cow<'a, str>>,
     /// `session_id`, as LMDeploy accepts it (a string or an integer).
     pub session_id: Option<Cow<'a, str>>,
@@ -41,6 +42,8 @@ struct Fields<'a> {
     stream: Option<bool>,
     #[serde(default)]
     n: Option<u64>,
+    #[serde(default)]
+    best_of: Option<u64>,
     #[serde(borrow, default, deserialize_with = "borrowed_str")]
     user: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
@@ -126,6 +129,7 @@ pub fn inspect(body: &[u8]) -> Result<RequestInfo<'_>> {
         model: fields.model,
         stream: fields.stream.unwrap_or(false),
         n: fields.n,
+        best_of: fields.best_of,
         user: fields.user,
         session_id,
         max_tokens: fields.max_tokens,

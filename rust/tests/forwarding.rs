@@ -11,6 +11,7 @@ use _pdproxy::forward::{ForwardConfig, ForwardRequest, Forwarder, ResponseBody, 
 use _pdproxy::node::{Node, NodeSpec};
 use _pdproxy::permit::Outcome;
 use _pdproxy::registry::Registry;
+use _pdproxy::retry::RetryBudget;
 use http::Method;
 
 fn forwarder(first_byte_timeout: Duration) -> Forwarder {
@@ -26,8 +27,11 @@ fn forwarder(first_byte_timeout: Duration) -> Forwarder {
             stream_stall_timeout: Duration::from_secs(5),
             node_ca_file: None,
             tcp_keepalive: Duration::from_secs(60),
+            answer_buffer_limit: 1 << 20,
+            answer_timeout: Duration::from_secs(5),
         },
         "pdproxy-test",
+        Arc::new(RetryBudget::new(0.2, 10)),
     )
 }
 

@@ -159,8 +159,11 @@ async fn queued_requests_are_all_served_within_the_cap() {
             stream_stall_timeout: Duration::from_secs(1),
             node_ca_file: None,
             tcp_keepalive: Duration::from_secs(60),
+            answer_buffer_limit: 1 << 20,
+            answer_timeout: Duration::from_secs(1),
         },
         max_requests: 0,
+        max_n: 128,
         tracing: None,
     };
     let engine = Arc::new(Engine::new(config, Registry::new()).unwrap());

@@ -180,7 +180,7 @@ class DistServe:
                 )
                 end_on_answer(span, pending)
                 answer = await pending
-                raw = await read_all(answer)
+                raw = await read_all(answer, self.settings)
                 if answer.status != 200:
                     # The prefill node's own error, status and body unchanged.
                     await send_raw(send, answer, raw, echo)
@@ -200,7 +200,13 @@ class DistServe:
             end_on_answer(span, pending)
             response = await pending
             try:
-                await relay(response, send, echo, on_first=(lambda: self.ledger.consume(entry)) if entry else None)
+                await relay(
+                    response,
+                    send,
+                    echo,
+                    self.settings,
+                    on_first=(lambda: self.ledger.consume(entry)) if entry else None,
+                )
             finally:
                 response.close()
         finally:

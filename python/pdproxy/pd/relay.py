@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdproxy._pdproxy import Response, TenantTicket, Trace
 from pdproxy.asgi_types import Send
+from pdproxy.config import Settings
+from pdproxy.errors import InvalidAnswer
 
 #: A node's API key by its URL (the fleet's ``api_key_of``).
 ApiKeyOf = Callable[[str], str | None]
@@ -28,8 +31,28 @@ class PdRequest:
     tenant: TenantTicket | None = None
 
 
-async def read_all(response: Response) -> bytes:
-    return response.body if response.body is not None else b"".join([c async for c in response])
+async def read_all(response: Response, settings: Settings) -> bytes:
+    """A node's whole answer, within ``answer_buffer_limit`` bytes and ``answer_timeout`` seconds;
+    past either the answer is dropped (its connection closed) and the request fails with 502."""
+    if response.body is not None:
+        return response.body
+    limit = settings.answer_buffer_limit
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async with asyncio.timeout(settings.answer_timeout):
+            async for chunk in response:
+                size += len(chunk)
+                if size > limit:
+                    raise InvalidAnswer(f"the node's answer is larger than the {limit} bytes the proxy reads whole")
+                chunks.append(chunk)
+    except TimeoutError:
+        response.close()
+        raise InvalidAnswer(f"the node's answer did not end within {settings.answer_timeout:g}s") from None
+    except BaseException:
+        response.close()
+        raise
+    return b"".join(chunks)
 
 
 async def send_raw(send: Send, response: Response, raw: bytes, echo: list[tuple[bytes, bytes]]) -> None:
@@ -47,12 +70,17 @@ def with_echo(headers: list[tuple[bytes, bytes]], echo: list[tuple[bytes, bytes]
 
 
 async def relay(
-    response: Response, send: Send, echo: list[tuple[bytes, bytes]], on_first: Callable[[], object] | None = None
+    response: Response,
+    send: Send,
+    echo: list[tuple[bytes, bytes]],
+    settings: Settings,
+    on_first: Callable[[], object] | None = None,
 ) -> None:
-    """Streams a node's answer back. ``on_first`` runs once the answer proved to be under way:
-    its first streamed batch, or a whole successful non-stream answer."""
+    """Streams a node's answer back (its error answer read whole, within the answer limits).
+    ``on_first`` runs once the answer proved to be under way: its first streamed batch, or a
+    whole successful non-stream answer."""
     if response.status != 200:
-        await send_raw(send, response, await read_all(response), echo)
+        await send_raw(send, response, await read_all(response, settings), echo)
         return
     headers = with_echo(response.headers, echo)
     await send({"type": "http.response.start", "status": response.status, "headers": headers})

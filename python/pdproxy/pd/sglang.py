@@ -144,7 +144,7 @@ class SglangPD:
             return
         self._drain(prefill_leg)
         try:
-            await relay(answer, send, echo)
+            await relay(answer, send, echo, self.settings)
         finally:
             answer.close()
 
@@ -160,7 +160,7 @@ class SglangPD:
                 if error is not None:
                     raise PrefillFailed(f"the prefill node failed: {error}") from error
                 failed = prefill_leg.result()
-                raw = await read_all(failed)
+                raw = await read_all(failed, self.settings)
                 if 400 <= failed.status < 500:
                     return failed, raw
                 raise PrefillFailed(f"the prefill node answered {failed.status}")
@@ -178,7 +178,7 @@ class SglangPD:
         async def drain() -> None:
             try:
                 response = await prefill_leg
-                await read_all(response)
+                await read_all(response, self.settings)
                 if response.status != 200:
                     log.warning("prefill leg answered %d after decode started", response.status)
                 response.close()

@@ -76,7 +76,7 @@ class VllmPD:
         )
         end_on_answer(span, pending)
         answer = await pending
-        raw = await read_all(answer)
+        raw = await read_all(answer, self.settings)
         if answer.status != 200:
             await send_raw(send, answer, raw, echo)  # the prefill's error; decode never runs
             return
@@ -91,6 +91,6 @@ class VllmPD:
         end_on_answer(span, pending)
         response = await pending
         try:
-            await relay(response, send, echo)
+            await relay(response, send, echo, self.settings)
         finally:
             response.close()

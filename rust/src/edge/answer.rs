@@ -34,6 +34,8 @@ pub const REQUEST_TOO_LARGE: Fault = fault(413, "invalid_request_error", "reques
 pub const UNSUPPORTED_MEDIA_TYPE: Fault = fault(415, "invalid_request_error", "unsupported_media_type", None);
 pub const INTERNAL: Fault = fault(500, "internal_error", "internal_error", None);
 pub const UPSTREAM_INVALID_RESPONSE: Fault = fault(502, "upstream_error", "upstream_invalid_response", None);
+/// Past `--max-connections`: answered at accept, before the request is read.
+pub const TOO_MANY_CONNECTIONS: Fault = fault(503, "service_unavailable", "overloaded", Some(1));
 pub const PREFILL_FAILED: Fault = fault(502, "upstream_error", "prefill_failed", None);
 pub const DRAINING: Fault = fault(503, "service_unavailable", "draining", Some(1));
 pub const PROXY_OVERLOADED: Fault = fault(503, "service_unavailable", "overloaded", Some(1));
@@ -55,6 +57,8 @@ pub fn fault_of(error: &Error) -> Fault {
         Kind::Connect => fault(503, "upstream_error", "upstream_connect_failed", Some(1)),
         Kind::Timeout => fault(504, "upstream_error", "upstream_timeout", None),
         Kind::Upstream | Kind::Cancelled => fault(502, "upstream_error", "upstream_error", None),
+        Kind::InvalidAnswer => UPSTREAM_INVALID_RESPONSE,
+        Kind::Resources => PROXY_OVERLOADED,
         Kind::Config => fault(500, "internal_error", "invalid_config", None),
     }
 }
@@ -92,19 +96,35 @@ pub fn json_string(out: &mut String, text: &str) {
     out.push('"');
 }
 
-/// `{"error": {"message": ..., "type": ..., "param": null, "code": ...}}`, spaced as
+/// `{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`, spaced as
 /// `json.dumps` spaces it.
-pub fn error_body(message: &str, fault: Fault) -> String {
+pub fn error_body(message: &str, fault: Fault, param: Option<&str>) -> String {
     let mut out = String::with_capacity(96 + message.len());
     out.push_str("{\"error\": {\"message\": ");
     json_string(&mut out, message);
-    let _ = write!(out, ", \"type\": \"{}\", \"param\": null, \"code\": \"{}\"}}}}", fault.kind, fault.code);
+    let _ = write!(out, ", \"type\": \"{}\", \"param\": ", fault.kind);
+    match param {
+        Some(name) => json_string(&mut out, name),
+        None => out.push_str("null"),
+    }
+    let _ = write!(out, ", \"code\": \"{}\"}}}}", fault.code);
     out
 }
 
 /// The error answer, with `x-request-id` echoed.
 pub fn error(fault: Fault, message: &str, retry_after: Option<u32>, request_id: &HeaderValue) -> Response<EdgeBody> {
-    let mut response = Response::new(EdgeBody::full(Bytes::from(error_body(message, fault))));
+    error_about(fault, message, retry_after, None, request_id)
+}
+
+/// The error answer about the request's field `param`.
+pub fn error_about(
+    fault: Fault,
+    message: &str,
+    retry_after: Option<u32>,
+    param: Option<&str>,
+    request_id: &HeaderValue,
+) -> Response<EdgeBody> {
+    let mut response = Response::new(EdgeBody::full(Bytes::from(error_body(message, fault, param))));
     *response.status_mut() = StatusCode::from_u16(fault.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let headers = response.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -124,7 +144,7 @@ pub fn error(fault: Fault, message: &str, retry_after: Option<u32>, request_id: 
 
 /// The answer to a data-plane error.
 pub fn from_error(error: &Error, request_id: &HeaderValue) -> Response<EdgeBody> {
-    self::error(fault_of(error), error.message(), error.retry_after(), request_id)
+    error_about(fault_of(error), error.message(), error.retry_after(), error.param(), request_id)
 }
 
 /// The last event of a stream that failed after its head was sent: `OpenAI` clients raise on a
@@ -132,7 +152,7 @@ pub fn from_error(error: &Error, request_id: &HeaderValue) -> Response<EdgeBody>
 pub fn stream_error_event(message: &str, fault: Fault) -> Bytes {
     let mut out = String::with_capacity(128 + message.len());
     out.push_str("data: ");
-    out.push_str(&error_body(message, fault));
+    out.push_str(&error_body(message, fault, None));
     out.push_str("\n\n");
     Bytes::from(out)
 }
@@ -144,8 +164,12 @@ mod tests {
     #[test]
     fn bodies_are_spelled_as_python_spells_them() {
         assert_eq!(
-            error_body("the model `m\u{e9}` does not exist\n", fault_of(&Error::new(Kind::ModelNotFound, ""))),
+            error_body("the model `m\u{e9}` does not exist\n", fault_of(&Error::new(Kind::ModelNotFound, "")), None),
             r#"{"error": {"message": "the model `m\u00e9` does not exist\n", "type": "invalid_request_error", "param": null, "code": "model_not_found"}}"#
+        );
+        assert_eq!(
+            error_body("n is too large", INVALID_REQUEST, Some("n")),
+            r#"{"error": {"message": "n is too large", "type": "invalid_request_error", "param": "n", "code": "invalid_request"}}"#
         );
         let mut s = String::new();
         json_string(&mut s, "\u{7f}\u{1F600}\"\u{1}");

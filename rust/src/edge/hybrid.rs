@@ -54,15 +54,26 @@ pub fn refuse(
     retry_after: Option<u32>,
     id: &HeaderValue,
 ) -> Response<EdgeBody> {
+    refuse_about(notes, fault, message, retry_after, None, id)
+}
+
+fn refuse_about(
+    notes: &mut Notes,
+    fault: Fault,
+    message: &str,
+    retry_after: Option<u32>,
+    param: Option<&str>,
+    id: &HeaderValue,
+) -> Response<EdgeBody> {
     notes.refused(fault, message);
-    let mut response = answer::error(fault, message, retry_after, id);
+    let mut response = answer::error_about(fault, message, retry_after, param, id);
     notes.decorate(response.headers_mut());
     response
 }
 
 /// A data-plane error as the answer, noted.
 pub fn refuse_error(notes: &mut Notes, error: &Error, id: &HeaderValue) -> Response<EdgeBody> {
-    refuse(notes, answer::fault_of(error), error.message(), error.retry_after(), id)
+    refuse_about(notes, answer::fault_of(error), error.message(), error.retry_after(), error.param(), id)
 }
 
 /// The checks every fast-path request passes before its body is parsed: key, gate, media
@@ -171,6 +182,7 @@ pub fn admit_tenant(
 
 /// The body's routing fields; a pass-through path (`require_model`) needs a model.
 pub fn parse<'a>(
+    state: &EdgeState,
     checked: &'a Checked,
     require_model: bool,
     id: &HeaderValue,
@@ -183,6 +195,7 @@ pub fn parse<'a>(
     }
     let info = inspect(&checked.request.body).map_err(|e| Box::new(refuse_error(notes, &e, id)))?;
     notes.model(info.model.as_deref());
+    state.engine.check_asks(&info).map_err(|e| Box::new(refuse_error(notes, &e, id)))?;
     if require_model && info.model.is_none() {
         let message = format!("no route for {path} without a model in the body");
         return Err(Box::new(refuse(notes, answer::NOT_FOUND, &message, None, id)));
@@ -206,7 +219,7 @@ pub async fn serve(
         Ok(checked) => checked,
         Err(refusal) => return *refusal,
     };
-    let info = match parse(&checked, require_model, &id, &mut notes) {
+    let info = match parse(state, &checked, require_model, &id, &mut notes) {
         Ok(info) => info,
         Err(refusal) => return *refusal,
     };

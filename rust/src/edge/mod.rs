@@ -95,6 +95,8 @@ pub struct EdgeConfig {
     pub cors: Option<cors::Cors>,
     /// HTTPS (`--ssl`): the certificate clients get; `None`: plain HTTP.
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Client connections open at once; past it a new one is answered 503 at accept and closed.
+    pub max_connections: usize,
 }
 
 /// Where a request goes.

@@ -8,10 +8,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::header::{HeaderValue, CONTENT_LENGTH};
 use http::{HeaderMap, Method, Response, StatusCode};
-use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use serde_json::value::RawValue;
 
@@ -26,7 +25,7 @@ use super::PdProtocol;
 use crate::admission::Class;
 use crate::engine::{select_ctx, Engine, HeldPermit, PermitHolder};
 use crate::error::{Error, Kind, Result};
-use crate::forward::{ForwardRequest, Forwarder, ResponseBody, UpstreamBody, UpstreamResponse};
+use crate::forward::{ForwardRequest, Forwarder, ResponseBody, UpstreamResponse};
 use crate::inspect::{member, patch, RequestInfo};
 use crate::node::{Node, Role};
 use crate::permit::InFlightPermit;
@@ -52,7 +51,7 @@ pub async fn serve(
         Ok(checked) => checked,
         Err(refusal) => return *refusal,
     };
-    let info = match parse(&checked, false, &id, &mut notes) {
+    let info = match parse(state, &checked, false, &id, &mut notes) {
         Ok(info) => info,
         Err(refusal) => return *refusal,
     };
@@ -194,7 +193,7 @@ impl Flow<'_> {
         let held = HeldPermit::default();
         let prefilled = async {
             let (_, answer) = engine.send(forwarder, prefill.take(), &prefill_request, &ctx, true, true, &held).await?;
-            whole(answer, &held, engine).await
+            whole(answer, &held, forwarder).await
         }
         .await;
         end_leg(self.trace, leg, prefilled.as_ref().map(|(status, _, _)| *status));
@@ -217,7 +216,7 @@ impl Flow<'_> {
         let decoded = engine.send(forwarder, decode.take(), &decode_request, &ctx, true, true, &held).await;
         end_leg(self.trace, leg, decoded.as_ref().map(|(_, response)| response.status));
         let (node, response) = decoded?;
-        relay_or_raw(node, response, held, engine).await
+        relay_or_raw(node, response, held, forwarder).await
     }
 
     /// SGLang: one body with the prefill node's bootstrap address and a fresh room, sent to
@@ -280,7 +279,7 @@ impl Flow<'_> {
                     let status = answer.status;
                     let held = HeldPermit::default();
                     held.hold(permit);
-                    return Ok(match whole(answer, &held, &engine).await {
+                    return Ok(match whole(answer, &held, forwarder).await {
                         Ok((status, headers, body)) if status.is_client_error() => {
                             Answer::Raw { status, headers, body }
                         }
@@ -297,10 +296,10 @@ impl Flow<'_> {
         let held = HeldPermit::default();
         held.hold(permit);
         if response.status == StatusCode::OK {
-            tokio::spawn(prefill_leg.drain(Arc::clone(&engine)));
+            tokio::spawn(prefill_leg.drain(forwarder.clone()));
         }
         // Otherwise the prefill leg is dropped here: cancelled.
-        relay_or_raw(node, response, held, &engine).await
+        relay_or_raw(node, response, held, forwarder).await
     }
 
     /// The prefill node's bootstrap port: declared at registration, else from its
@@ -333,54 +332,36 @@ async fn relay_or_raw(
     node: Arc<Node>,
     response: UpstreamResponse,
     held: HeldPermit,
-    engine: &Engine,
+    forwarder: &Forwarder,
 ) -> Result<Answer> {
     if response.status == StatusCode::OK {
         return Ok(Answer::Relay { node, response, held });
     }
-    let (status, headers, body) = whole(response, &held, engine).await?;
+    let (status, headers, body) = whole(response, &held, forwarder).await?;
     Ok(Answer::Raw { status, headers, body })
 }
 
-/// A node's whole answer; the permit held for it is released with its outcome.
+/// A node's whole answer, read within the answer limits (size and time: past them the node's
+/// connection is dropped); the permit held for it is released with its outcome.
 async fn whole(
     response: UpstreamResponse,
     held: &HeldPermit,
-    engine: &Engine,
+    forwarder: &Forwarder,
 ) -> Result<(StatusCode, HeaderMap, Bytes)> {
     let outcome = response.outcome();
     let UpstreamResponse { status, headers, body } = response;
     let body = match body {
         ResponseBody::Complete(bytes) => bytes,
-        ResponseBody::Streaming(stream) => {
-            match collect(stream.body, engine.config.forward.stream_idle_timeout).await {
-                Ok(bytes) => bytes,
-                Err(e) => {
-                    held.release(crate::permit::Outcome::Failed);
-                    return Err(e);
-                }
+        ResponseBody::Streaming(stream) => match forwarder.read_answer(stream.body).await {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                held.release(crate::permit::Outcome::Failed);
+                return Err(e);
             }
-        }
+        },
     };
     held.release(outcome);
     Ok((status, headers, body))
-}
-
-/// Reads a body to its end, each read bounded by `idle`.
-async fn collect(mut body: UpstreamBody, idle: Duration) -> Result<Bytes> {
-    let mut out = BytesMut::new();
-    loop {
-        match tokio::time::timeout(idle, body.frame()).await {
-            Err(_) => return Err(Error::new(Kind::Timeout, "the node sent nothing for too long")),
-            Ok(None) => return Ok(out.freeze()),
-            Ok(Some(Err(e))) => return Err(Error::with_source(Kind::Upstream, "the node broke off the response", e)),
-            Ok(Some(Ok(frame))) => {
-                if let Ok(data) = frame.into_data() {
-                    out.extend_from_slice(&data);
-                }
-            }
-        }
-    }
 }
 
 /// What a leg ends with: the node, its answer, and its permit.
@@ -427,11 +408,11 @@ impl Leg {
 
     /// Reads the prefill's answer to its end: it carries nothing the client needs, but left
     /// unread it would hold the node.
-    async fn drain(mut self, engine: Arc<Engine>) {
+    async fn drain(mut self, forwarder: Forwarder) {
         if let Ok((_, response, permit)) = flatten(self.running().await) {
             let held = HeldPermit::default();
             held.hold(permit);
-            let _ = whole(response, &held, &engine).await;
+            let _ = whole(response, &held, &forwarder).await;
         }
     }
 }
@@ -513,7 +494,7 @@ async fn probe_bootstrap_port(forwarder: &Forwarder, node: &Node, timeout: Durat
         }
         let body = match response.body {
             ResponseBody::Complete(bytes) => bytes,
-            ResponseBody::Streaming(stream) => match collect(stream.body, timeout).await {
+            ResponseBody::Streaming(stream) => match forwarder.read_answer(stream.body).await {
                 Ok(bytes) => bytes,
                 Err(_) => continue,
             },

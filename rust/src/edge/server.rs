@@ -81,11 +81,8 @@ pub fn inboxes(threads: usize) -> (Inboxes, Vec<ThreadStart>) {
 pub fn run_thread(state: &Arc<EdgeState>, start: ThreadStart, acceptor: Option<(std::net::TcpListener, Inboxes)>) {
     let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
     runtime.block_on(async {
-        let worker = Arc::new(Worker {
-            state: Arc::clone(state),
-            forwarder: Forwarder::new(state.engine.config.forward.clone(), state.engine.instance()),
-            open: start.open,
-        });
+        let worker =
+            Arc::new(Worker { state: Arc::clone(state), forwarder: state.engine.new_forwarder(), open: start.open });
         let accepting = async {
             if let Some((listener, inboxes)) = acceptor {
                 if let Ok(listener) = TcpListener::from_std(listener) {
@@ -96,6 +93,7 @@ pub fn run_thread(state: &Arc<EdgeState>, start: ThreadStart, acceptor: Option<(
         tokio::select! {
             ((), ()) = async { tokio::join!(accepting, serve_inbox(&worker, start.inbox)) } => {}
             never = pacemaker() => match never {},
+            never = worker.forwarder.keep_swept(&state.engine.registry) => match never {},
         }
         // Each connection closes within CLOSE_GRACE of the shutdown; wait a little longer.
         let deadline = tokio::time::Instant::now() + CLOSE_GRACE * 2;
@@ -124,6 +122,14 @@ async fn accept(state: &EdgeState, listener: TcpListener, inboxes: Inboxes) {
             accepted = listener.accept() => accepted,
         };
         match accepted.and_then(|(stream, peer)| Ok((stream.into_std()?, peer))) {
+            // Refused here, at once: a flood must not take the descriptors that requests
+            // already admitted need for their nodes.
+            Ok((stream, _))
+                if inboxes.open.iter().map(|o| o.load(Ordering::Relaxed)).sum::<usize>()
+                    >= state.config.max_connections =>
+            {
+                refuse_connection(stream, state.config.max_connections);
+            }
             Ok(connection) => {
                 let least_busy = (0..inboxes.open.len())
                     .min_by_key(|&i| inboxes.open[i].load(Ordering::Relaxed))
@@ -139,6 +145,24 @@ async fn accept(state: &EdgeState, listener: TcpListener, inboxes: Inboxes) {
         }
     }
     // Dropping the senders ends every thread's inbox.
+}
+
+/// Answers a connection past the cap with a 503 and closes it. The client's first bytes, if
+/// already there, are read first, so that the close does not reset the answer away.
+fn refuse_connection(mut stream: std::net::TcpStream, cap: usize) {
+    use std::io::{Read as _, Write as _};
+    let mut scratch = [0u8; 4096];
+    let _ = stream.read(&mut scratch);
+    let message = format!("the proxy has its limit of {cap} client connections open");
+    let body = answer::error_body(&message, answer::TOO_MANY_CONNECTIONS, None);
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nx-pdproxy-error: {}\r\n\
+         retry-after: 1\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        answer::TOO_MANY_CONNECTIONS.code,
+        body.len()
+    );
+    let _ = stream.write_all(format!("{head}{body}").as_bytes());
+    let _ = stream.shutdown(std::net::Shutdown::Write);
 }
 
 /// Serves the connections handed to this thread until the acceptor stops.

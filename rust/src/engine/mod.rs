@@ -47,6 +47,8 @@ pub struct EngineConfig {
     pub forward: ForwardConfig,
     /// Inference requests served at once by the proxy (0: no cap).
     pub max_requests: usize,
+    /// The largest `n` (and `best_of`) a request may ask for.
+    pub max_n: u64,
     /// Where spans go; `None`: requests are not traced.
     pub tracing: Option<TracingConfig>,
 }
@@ -63,7 +65,7 @@ pub struct Engine {
     pub registry: Registry,
     policies: PolicySet,
     pub admission: Arc<Admission>,
-    pub retry_budget: RetryBudget,
+    pub retry_budget: Arc<RetryBudget>,
     pub forwarder: Forwarder,
     pub gate: Arc<Gate>,
     pub config: EngineConfig,
@@ -126,12 +128,13 @@ impl Engine {
         let policies = PolicySet::build(&config.policies, &config.policy)?;
         let group_poll = registry.in_a_group().then_some(GROUP_POLL);
         let instance = crate::loops::new_instance_id();
+        let retry_budget = Arc::new(RetryBudget::new(config.retry_budget_ratio, config.retry_budget_floor));
         Ok(Self {
             registry,
             policies,
             admission: Arc::new(Admission::new(config.queue_size)),
-            retry_budget: RetryBudget::new(config.retry_budget_ratio, config.retry_budget_floor),
-            forwarder: Forwarder::new(config.forward.clone(), &instance),
+            forwarder: Forwarder::new(config.forward.clone(), &instance, Arc::clone(&retry_budget)),
+            retry_budget,
             gate: Arc::new(Gate::new(config.max_requests)),
             tracer: config.tracing.clone().map(Tracer::start),
             tenants: Tenants::default(),
@@ -146,8 +149,30 @@ impl Engine {
         &self.instance
     }
 
+    /// A forwarder with a pool of its own (an edge thread's), sharing the engine's retry budget.
+    pub fn new_forwarder(&self) -> Forwarder {
+        Forwarder::new(self.config.forward.clone(), &self.instance, Arc::clone(&self.retry_budget))
+    }
+
     pub fn policies(&self) -> &PolicySet {
         &self.policies
+    }
+
+    /// Refuses a request whose numbers would size the proxy's own work past its settings:
+    /// `n` and `best_of` past `max_n` (SGLang's disaggregation sends one bootstrap entry per
+    /// choice). Other numbers (`max_tokens`, `logprobs`) size nothing in the proxy.
+    pub fn check_asks(&self, info: &RequestInfo<'_>) -> Result<()> {
+        let max = self.config.max_n;
+        for (field, asked) in [("n", info.n), ("best_of", info.best_of)] {
+            if let Some(asked) = asked.filter(|&asked| asked > max) {
+                return Err(Error::new(
+                    Kind::InvalidRequest,
+                    format!("{field} must be at most {max} (max_n), got {asked}"),
+                )
+                .with_param(field));
+            }
+        }
+        Ok(())
     }
 
     /// Adds a node, or updates a registered one.
@@ -320,7 +345,8 @@ impl Engine {
                     if e.is_connect() {
                         node.counters().connect_failures.fetch_add(1, Ordering::Relaxed);
                     }
-                    holder.release(Outcome::Failed);
+                    // The proxy's own shortage says nothing of the node: recorded nowhere.
+                    holder.release(if e.kind() == Kind::Resources { Outcome::Unused } else { Outcome::Failed });
                     Ok(e)
                 }
             };

@@ -46,7 +46,10 @@ pub struct RouterConfig {
     pub stream_buffer_limit: usize,
     pub stream_stall_timeout: f64,
     pub node_tcp_keepalive: f64,
+    pub answer_buffer_limit: usize,
+    pub answer_timeout: f64,
     pub max_requests: usize,
+    pub max_n: u64,
     pub node_ca_file: String,
     pub otlp_endpoint: String,
     /// `NAME=VALUE` pairs.
@@ -80,6 +83,8 @@ impl RouterConfig {
             stream_stall_timeout: seconds("stream_stall_timeout", self.stream_stall_timeout)?,
             node_ca_file: (!self.node_ca_file.is_empty()).then(|| self.node_ca_file.clone().into()),
             tcp_keepalive: seconds("node_tcp_keepalive", self.node_tcp_keepalive)?,
+            answer_buffer_limit: self.answer_buffer_limit.max(1),
+            answer_timeout: seconds("answer_timeout", self.answer_timeout)?,
         })
     }
 
@@ -124,6 +129,7 @@ impl RouterConfig {
             circuit_cooldown: seconds("circuit_cooldown", self.circuit_cooldown)?,
             forward: self.forward_config()?,
             max_requests: self.max_requests,
+            max_n: self.max_n,
             tracing: self.tracing_config()?,
         })
     }

@@ -64,15 +64,17 @@ pub struct Edge {
 
 #[pymethods]
 impl Edge {
-    /// Starts serving `listener` on `threads` threads: inference requests with `router`'s
-    /// engine, everything else through the control plane at `control_socket`, which counts as
-    /// stuck after `control_stale_after` seconds without a `heartbeat`.
+    /// Starts serving `listener` on `threads` threads, at most `max_connections` client
+    /// connections at once: inference requests with `router`'s engine, everything else through
+    /// the control plane at `control_socket`, which counts as stuck after `control_stale_after`
+    /// seconds without a `heartbeat`.
     #[new]
     fn new(
         router: PyRef<'_, Router>,
         listener: PyRef<'_, EdgeListener>,
         settings: EdgeSettings,
         threads: usize,
+        max_connections: usize,
         control_socket: PathBuf,
         control_stale_after: f64,
     ) -> PyResult<Self> {
@@ -112,6 +114,7 @@ impl Edge {
                 .then(|| tls::server_config(&settings.ssl_certfile, &settings.ssl_keyfile))
                 .transpose()
                 .map_err(|e| to_pyerr(&e))?,
+            max_connections: max_connections.max(1),
         };
         let inner = edge::Edge::start(router.engine.clone(), &listener, config, threads).map_err(|e| to_pyerr(&e))?;
         Ok(Self { inner })

@@ -17,6 +17,7 @@ pyo3::import_exception!(pdproxy.errors, NoNodeAvailable);
 pyo3::import_exception!(pdproxy.errors, ModelNotFound);
 pyo3::import_exception!(pdproxy.errors, Overloaded);
 pyo3::import_exception!(pdproxy.errors, UpstreamError);
+pyo3::import_exception!(pdproxy.errors, InvalidAnswer);
 pyo3::import_exception!(pdproxy.errors, UpstreamConnectError);
 pyo3::import_exception!(pdproxy.errors, UpstreamTimeout);
 pyo3::import_exception!(pdproxy.errors, Draining);
@@ -29,7 +30,7 @@ pub fn to_pyerr(err: &Error) -> PyErr {
         (Some(node), None) => Some(format!("node {node}")),
         (None, cause) => cause.map(ToString::to_string),
     };
-    let args = (err.message().to_owned(), detail, err.retry_after());
+    let args = (err.message().to_owned(), detail, err.retry_after(), err.param());
     match err.kind() {
         Kind::InvalidRequest => InvalidRequest::new_err(args),
         Kind::InvalidNode => InvalidNode::new_err(args),
@@ -40,6 +41,8 @@ pub fn to_pyerr(err: &Error) -> PyErr {
         Kind::Connect => UpstreamConnectError::new_err(args),
         Kind::Timeout => UpstreamTimeout::new_err(args),
         Kind::Upstream | Kind::Cancelled => UpstreamError::new_err(args),
+        Kind::InvalidAnswer => InvalidAnswer::new_err(args),
+        Kind::Resources => ProxyOverloaded::new_err(args),
         Kind::Config => ConfigError::new_err(args),
     }
 }

@@ -65,8 +65,10 @@ impl Router {
             Some((table, worker)) => Registry::in_group(Arc::clone(&table.inner), worker),
             None => Registry::new(),
         };
-        let engine = Engine::new(engine_config, registry).map_err(|e| to_pyerr(&e))?;
-        Ok(Self { engine: Arc::new(engine), runtime, shutdown: CancellationToken::new(), bridge: OnceLock::new() })
+        let engine = Arc::new(Engine::new(engine_config, registry).map_err(|e| to_pyerr(&e))?);
+        let shutdown = CancellationToken::new();
+        runtime.spawn(keep_swept(Arc::downgrade(&engine), shutdown.clone()));
+        Ok(Self { engine, runtime, shutdown, bridge: OnceLock::new() })
     }
 
     /// This proxy's id, as the requests it sends carry it in `x-pdproxy-via`.
@@ -256,8 +258,16 @@ impl Router {
         Ok(NodeUrl::parse(url).map_err(|e| to_pyerr(&e))?.normalized)
     }
 
-    /// The routing fields of a request body: `model`, `stream`, `n`, `user`, `session_id`,
-    /// `max_tokens`.
+    /// Refuses (`InvalidRequest`, naming the field) a body whose numbers would size the proxy's
+    /// own work past its settings: `n` and `best_of` past `max_n`. `forward` checks it too; a
+    /// flow that builds on the body first checks it before.
+    fn check_asks(&self, body: &[u8]) -> PyResult<()> {
+        let info = inspect(body).map_err(|e| to_pyerr(&e))?;
+        self.engine.check_asks(&info).map_err(|e| to_pyerr(&e))
+    }
+
+    /// The routing fields of a request body: `model`, `stream`, `n`, `best_of`, `user`,
+    /// `session_id`, `max_tokens`.
     #[staticmethod]
     fn inspect<'py>(py: Python<'py>, body: &[u8]) -> PyResult<Bound<'py, PyDict>> {
         let info = inspect(body).map_err(|e| to_pyerr(&e))?;
@@ -265,6 +275,7 @@ impl Router {
         out.set_item("model", info.model.as_deref())?;
         out.set_item("stream", info.stream)?;
         out.set_item("n", info.n)?;
+        out.set_item("best_of", info.best_of)?;
         out.set_item("user", info.user.as_deref())?;
         out.set_item("session_id", info.session_id.as_deref())?;
         out.set_item("max_tokens", info.max_tokens)?;
@@ -322,6 +333,7 @@ impl Router {
         let body = Bytes::copy_from_slice(body);
         let headers = header_map(&headers);
         let info = inspect(&body).map_err(|e| to_pyerr(&e))?;
+        self.engine.check_asks(&info).map_err(|e| to_pyerr(&e))?;
         let place = trace.map(|t| t.place());
         let class = tenant.as_ref().map_or(Class { priority: info.priority.unwrap_or(0), tenant: 0 }, |t| t.class);
         // A prefill's answer is not the client's: only the other legs count tokens.
@@ -587,6 +599,19 @@ impl Job {
             let timeouts = StreamTimeouts { idle: config.stream_idle_timeout, stall: config.stream_stall_timeout };
             pump(&exchange, stream, started, timeouts, outcome, &mut observe).await;
         }
+    }
+}
+
+/// Sweeps the engine's pool of node connections until the router closes or is gone.
+async fn keep_swept(engine: std::sync::Weak<Engine>, shutdown: CancellationToken) {
+    loop {
+        let Some(every) = engine.upgrade().map(|e| e.forwarder.sweep_interval()) else { return };
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep(every) => {}
+        }
+        let Some(engine) = engine.upgrade() else { return };
+        engine.forwarder.sweep(&engine.registry);
     }
 }
 

@@ -110,6 +110,8 @@ pub enum Chunk {
     DataEnd,
     /// After the last chunk: trailer lines up to an empty one.
     Trailers,
+    /// The framing broke after data that was still delivered: the next decode fails.
+    Broken(&'static str),
 }
 
 /// A response head.
@@ -160,7 +162,7 @@ pub async fn read_head(connection: &mut Connection, method: &Method) -> Result<H
     loop {
         if !connection.buffer.is_empty() {
             if let Some(head) = parse_head(&mut connection.buffer, method)? {
-                if head.status.is_informational() && head.status != StatusCode::SWITCHING_PROTOCOLS {
+                if head.status.is_informational() {
                     continue;
                 }
                 return Ok(head);
@@ -192,7 +194,14 @@ fn parse_head(buffer: &mut BytesMut, method: &Method) -> Result<Option<Head>, He
             Ok(httparse::Status::Partial) => return Ok(None),
             Err(_) => return Err(HeadError::Invalid("the response head does not parse")),
         };
-    let status = response.code.and_then(|c| StatusCode::from_u16(c).ok()).ok_or(HeadError::Invalid("bad status"))?;
+    let status = response
+        .code
+        .filter(|c| (100..=599).contains(c))
+        .and_then(|c| StatusCode::from_u16(c).ok())
+        .ok_or(HeadError::Invalid("the answer's status is not an HTTP status"))?;
+    if status == StatusCode::SWITCHING_PROTOCOLS {
+        return Err(HeadError::Invalid("the node switched protocols unasked"));
+    }
     let http11 = response.version == Some(1);
     // Where each name and value lies in the buffer, to slice them once the head is taken out;
     // on the stack for a usual head (a heap list is one more allocation for every answer).
@@ -215,7 +224,7 @@ fn parse_head(buffer: &mut BytesMut, method: &Method) -> Result<Option<Head>, He
     let mut headers = HeaderMap::with_capacity(spans.len());
     // The node's hop (connection, framing) is read from here, not passed on.
     let mut hop = HeaderMap::new();
-    let mut content_length = None;
+    let mut length = Length::Absent;
     for &(name_at, name_len, value_at, value_len) in spans {
         let name = HeaderName::from_bytes(&raw[name_at..name_at + name_len])
             .map_err(|_| HeadError::Invalid("bad header name"))?;
@@ -224,8 +233,8 @@ fn parse_head(buffer: &mut BytesMut, method: &Method) -> Result<Option<Head>, He
         if is_hop_by_hop_name(&name) {
             hop.append(name, value);
         } else {
-            if content_length.is_none() && name == CONTENT_LENGTH {
-                content_length = Some(value.clone());
+            if name == CONTENT_LENGTH {
+                length = length.and(value.as_bytes())?;
             }
             headers.append(name, value);
         }
@@ -233,7 +242,7 @@ fn parse_head(buffer: &mut BytesMut, method: &Method) -> Result<Option<Head>, He
     for listed in listed_in_connection(&hop) {
         if let Ok(name) = HeaderName::from_bytes(&listed) {
             if name == CONTENT_LENGTH {
-                content_length = None;
+                length = Length::Absent;
             }
             headers.remove(name);
         }
@@ -245,22 +254,59 @@ fn parse_head(buffer: &mut BytesMut, method: &Method) -> Result<Option<Head>, He
         || status.is_informational()
         || status == StatusCode::NO_CONTENT
         || status == StatusCode::NOT_MODIFIED;
-    let chunked = hop.get_all(TRANSFER_ENCODING).iter().next_back().is_some_and(|v| {
-        v.as_bytes().rsplit(|&b| b == b',').next().is_some_and(|c| c.trim_ascii().eq_ignore_ascii_case(b"chunked"))
-    });
-    let framing = if no_body {
-        Framing::Done
-    } else if chunked {
-        Framing::Chunked(Chunk::Size)
-    } else if let Some(length) = content_length {
-        let length =
-            length.to_str().ok().and_then(|l| l.trim().parse().ok()).ok_or(HeadError::Invalid("bad content-length"))?;
-        Framing::Length(length)
-    } else {
-        reusable = false;
-        Framing::Close
+    let chunked = is_chunked(&hop)?;
+    let framing = match (no_body, chunked, length) {
+        (true, _, _) => Framing::Done,
+        // RFC 9112 section 6.3: a message with both may be an attempt at response splitting.
+        (false, true, Length::Is(_)) => {
+            return Err(HeadError::Invalid("the answer has both transfer-encoding and content-length"))
+        }
+        (false, true, _) => Framing::Chunked(Chunk::Size),
+        (false, false, Length::Is(length)) => Framing::Length(length),
+        (false, false, Length::Absent) => {
+            reusable = false;
+            Framing::Close
+        }
     };
     Ok(Some(Head { status, headers, framing, reusable }))
+}
+
+/// A head's `content-length`, read strictly: digits only, and every value the same.
+#[derive(Debug, Clone, Copy)]
+enum Length {
+    Absent,
+    Is(u64),
+}
+
+impl Length {
+    /// This length with one more `content-length` value (itself a list, perhaps).
+    fn and(self, value: &[u8]) -> Result<Self, HeadError> {
+        let mut known = self;
+        for item in value.split(|&b| b == b',') {
+            let digits = item.trim_ascii();
+            let parsed = (!digits.is_empty() && digits.len() <= 19 && digits.iter().all(u8::is_ascii_digit))
+                .then(|| digits.iter().fold(0u64, |n, &d| n * 10 + u64::from(d - b'0')))
+                .ok_or(HeadError::Invalid("bad content-length"))?;
+            known = match known {
+                Length::Is(earlier) if earlier != parsed => {
+                    return Err(HeadError::Invalid("the answer has conflicting content-lengths"))
+                }
+                _ => Length::Is(parsed),
+            };
+        }
+        Ok(known)
+    }
+}
+
+/// Whether the answer's transfer coding is chunked; any other coding, or chunked more than
+/// once, is refused (the proxy would pass on a body whose coding it dropped).
+fn is_chunked(hop: &HeaderMap) -> Result<bool, HeadError> {
+    let mut codings = hop.get_all(TRANSFER_ENCODING).iter().flat_map(|v| v.as_bytes().split(|&b| b == b','));
+    match (codings.next(), codings.next()) {
+        (None, _) => Ok(false),
+        (Some(only), None) if only.trim_ascii().eq_ignore_ascii_case(b"chunked") => Ok(true),
+        _ => Err(HeadError::Invalid("the answer's transfer coding is not plain chunked")),
+    }
 }
 
 fn has_token(value: &[u8], token: &[u8]) -> bool {
@@ -327,8 +373,19 @@ impl Chunks {
     }
 }
 
-/// Decodes every whole piece of a chunked body in `buffer`; true at the end of the body.
+/// Decodes every whole piece of a chunked body in `buffer`; true at the end of the body. The data
+/// decoded before a broken piece is delivered first; the error comes with the next decode.
 fn decode_chunks(buffer: &mut BytesMut, state: &mut Chunk, out: &mut Chunks) -> Result<bool, &'static str> {
+    match decode_pieces(buffer, state, out) {
+        Err(why) if out.first.is_some() => {
+            *state = Chunk::Broken(why);
+            Ok(false)
+        }
+        decoded => decoded,
+    }
+}
+
+fn decode_pieces(buffer: &mut BytesMut, state: &mut Chunk, out: &mut Chunks) -> Result<bool, &'static str> {
     loop {
         match *state {
             Chunk::Size => {
@@ -365,6 +422,7 @@ fn decode_chunks(buffer: &mut BytesMut, state: &mut Chunk, out: &mut Chunks) -> 
                     return Ok(true);
                 }
             }
+            Chunk::Broken(why) => return Err(why),
         }
     }
 }
@@ -451,6 +509,39 @@ mod tests {
         let head = parse(&many).unwrap().unwrap();
         assert_eq!((head.framing, head.headers.len()), (Framing::Length(0), USUAL_HEADERS * 2 + 1));
         assert_eq!(head.headers["x-h31"], "v31");
+    }
+
+    #[test]
+    fn ambiguous_framing_is_refused() {
+        let parse = |raw: &[u8]| parse_head(&mut BytesMut::from(raw), &Method::POST);
+        for bad in [
+            &b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 3\r\n\r\n"[..],
+            b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 3\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ncontent-length: 5, 3\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ncontent-length: +5\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ncontent-length: 99999999999999999999\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n",
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
+            b"HTTP/1.1 999 Odd\r\ncontent-length: 0\r\n\r\n",
+            b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\n\r\n",
+        ] {
+            assert!(parse(bad).is_err(), "{}", String::from_utf8_lossy(bad));
+        }
+        // What a strict reading still takes: a repeated equal length, and chunked in any case.
+        let head = parse(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 5, 5\r\n\r\n").unwrap();
+        assert_eq!(head.unwrap().framing, Framing::Length(5));
+        let head = parse(b"HTTP/1.1 200 OK\r\ntransfer-encoding: Chunked\r\n\r\n").unwrap();
+        assert_eq!(head.unwrap().framing, Framing::Chunked(Chunk::Size));
+    }
+
+    #[test]
+    fn data_before_a_broken_chunk_is_delivered_first() {
+        let mut buffer = BytesMut::from(&b"5\r\nhello\r\nzz\r\n"[..]);
+        let mut framing = Framing::Chunked(Chunk::Size);
+        let d = decode(&mut buffer, &mut framing).unwrap();
+        assert_eq!((d.data.as_deref(), d.done), (Some(&b"hello"[..]), false));
+        assert!(decode(&mut buffer, &mut framing).is_err(), "then the error");
     }
 
     fn request(

@@ -10,21 +10,26 @@ mod pool;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::BytesMut;
 use http::{HeaderMap, StatusCode};
-use tokio::io::AsyncWriteExt;
+use tokio::io::AsyncWrite;
 use tokio::net::TcpSocket;
 use tokio_rustls::TlsConnector;
 
 pub use body::Body;
 pub use codec::Hop;
-use codec::{encode_request, read_head, HeadError};
+use codec::{encode_request, poll_fill, read_head, Head, HeadError};
 use pool::{Connection, Pool, Stream};
 
 use crate::error::{Error, Kind, Result};
 use crate::forward::ForwardRequest;
+use crate::retry::RetryBudget;
+
+/// How long a node that stopped reading a request gets to show the answer it sent before.
+const EARLY_ANSWER_WAIT: Duration = Duration::from_secs(1);
 
 /// Client settings; values come from the control plane's settings.
 #[derive(Debug, Clone)]
@@ -77,57 +82,67 @@ impl Client {
         Self { config, pool, tls: OnceLock::new() }
     }
 
-    /// Sends one request to `target` and reads the answer's head. A pooled connection the node
-    /// had closed meanwhile (its keep-alive ran out just as the request went) is replaced by a
-    /// new one: the node never saw that request.
+    /// Sends one request to `target` and reads the answer's head. A request goes on another
+    /// connection only when it provably never reached the node: a pooled connection the node
+    /// had already closed or reset fails the write itself. Then it is sent once more, on a new
+    /// connection, if the retry `budget` allows it. A pooled connection that closes
+    /// once the request was written may have run it: that is an error, never a resend.
     pub async fn send(
         &self,
         target: Target<'_>,
         path: &str,
         request: &ForwardRequest,
         hop: &Hop<'_>,
+        budget: &RetryBudget,
     ) -> Result<Answer> {
         let method = &request.method;
         let request = encode_request(path, target.authority, request, hop);
+        let mut fresh_only = false;
         loop {
             let (idle, returner) = self.pool.checkout(target.origin);
-            let (mut connection, reused) = match idle {
+            let (mut connection, reused) = match idle.filter(|_| !fresh_only) {
                 Some(connection) => (connection, true),
                 // Boxed: connecting (DNS, TCP, TLS) is rare with pooled connections, and inline
                 // its state would make every request's future 1.5 KiB larger.
                 None => (Box::pin(self.connect(target)).await?, false),
             };
-            if let Err(e) = connection.stream.write_all(&request).await {
-                if reused {
-                    continue;
+            let early = match write_request(&mut connection, &request).await {
+                Written::Whole => false,
+                Written::Answering => true,
+                Written::Failed(e) => {
+                    // The node may have answered before it stopped reading (a 413 for a body too
+                    // large for it): that answer is the client's.
+                    if let Ok(Ok(head)) =
+                        tokio::time::timeout(EARLY_ANSWER_WAIT, read_head(&mut connection, method)).await
+                    {
+                        return Ok(answer(connection, head, false, returner));
+                    }
+                    if reused && !fresh_only && budget.spend() {
+                        fresh_only = true;
+                        continue;
+                    }
+                    return Err(Error::with_source(Kind::Connect, "could not send the request to the node", e));
                 }
-                // The request did not reach the node whole: it never ran.
-                return Err(Error::with_source(Kind::Connect, "could not send the request to the node", e));
-            }
-            match read_head(&mut connection, method).await {
-                Ok(head) => {
-                    let content_length = match head.framing {
-                        codec::Framing::Length(length) => Some(length),
-                        _ => None,
-                    };
-                    let body = Body::new(connection, head.framing, head.reusable, returner);
-                    return Ok(Answer { status: head.status, headers: head.headers, content_length, body });
-                }
-                Err(HeadError::Closed) if reused => {}
-                Err(HeadError::Closed) => {
-                    return Err(Error::new(Kind::Upstream, "the node closed the connection before answering"));
-                }
+            };
+            return match read_head(&mut connection, method).await {
+                // A node that answered before taking the whole request leaves the connection
+                // in no state for another one.
+                Ok(head) => Ok(answer(connection, head, !early, returner)),
+                Err(HeadError::Closed) => Err(Error::new(
+                    Kind::Upstream,
+                    if reused {
+                        "the node closed a pooled connection without answering (the request may have run)"
+                    } else {
+                        "the node closed the connection before answering"
+                    },
+                )),
                 Err(HeadError::Io(e)) => {
-                    return Err(Error::with_source(
-                        Kind::Upstream,
-                        "the node broke off the connection before answering",
-                        e,
-                    ));
+                    Err(Error::with_source(Kind::Upstream, "the node broke off the connection before answering", e))
                 }
                 Err(HeadError::Invalid(why)) => {
-                    return Err(Error::new(Kind::Upstream, format!("the node's answer is not valid HTTP: {why}")));
+                    Err(Error::new(Kind::InvalidAnswer, format!("the node's answer is not valid HTTP: {why}")))
                 }
-            }
+            };
         }
     }
 
@@ -155,6 +170,9 @@ impl Client {
         let connected = tokio::time::timeout_at(deadline, connecting).await;
         let tcp = match connected {
             Ok(Ok(stream)) => stream,
+            Ok(Err(e)) if is_local_shortage(&e) => {
+                return Err(Error::with_source(Kind::Resources, "the proxy has no socket to spare for the node", e))
+            }
             Ok(Err(e)) => return Err(Error::with_source(Kind::Connect, "could not connect to the node", e)),
             Err(_) => return Err(Error::new(Kind::Connect, "could not connect to the node in time")),
         };
@@ -178,6 +196,11 @@ impl Client {
         Ok(Connection { stream, buffer: BytesMut::with_capacity(codec::READ_SIZE), read_size: codec::READ_SIZE })
     }
 
+    /// Closes idle connections past their timeout, or to origins `keep` refuses (removed nodes).
+    pub fn sweep(&self, keep: &dyn Fn(&str) -> bool) {
+        self.pool.sweep(keep);
+    }
+
     fn tls_connector(&self) -> Result<TlsConnector> {
         let built = self
             .tls
@@ -187,4 +210,57 @@ impl Client {
             Err(why) => Err(Error::new(Kind::Connect, format!("cannot verify https nodes: {why}"))),
         }
     }
+}
+
+/// The answer of `head`, its body still on `connection`.
+fn answer(connection: Connection, head: Head, reusable: bool, returner: pool::Returner) -> Answer {
+    let content_length = match head.framing {
+        codec::Framing::Length(length) => Some(length),
+        _ => None,
+    };
+    let body = Body::new(connection, head.framing, head.reusable && reusable, returner);
+    Answer { status: head.status, headers: head.headers, content_length, body }
+}
+
+/// How writing a request went.
+enum Written {
+    Whole,
+    /// The node began to answer before it took the whole request.
+    Answering,
+    Failed(std::io::Error),
+}
+
+/// Writes the request; while the node is not taking more of it, watches for its answer.
+async fn write_request(connection: &mut Connection, request: &[u8]) -> Written {
+    let mut sent = 0;
+    std::future::poll_fn(|cx| loop {
+        if sent == request.len() {
+            return match std::pin::Pin::new(&mut connection.stream).poll_flush(cx) {
+                Poll::Ready(Ok(())) => Poll::Ready(Written::Whole),
+                Poll::Ready(Err(e)) => Poll::Ready(Written::Failed(e)),
+                Poll::Pending => Poll::Pending,
+            };
+        }
+        match std::pin::Pin::new(&mut connection.stream).poll_write(cx, &request[sent..]) {
+            Poll::Ready(Ok(0)) => return Poll::Ready(Written::Failed(std::io::ErrorKind::WriteZero.into())),
+            Poll::Ready(Ok(n)) => sent += n,
+            Poll::Ready(Err(e)) => return Poll::Ready(Written::Failed(e)),
+            // Only when the node stops reading (a large body): the usual request goes in one write.
+            Poll::Pending => {
+                return match poll_fill(connection, cx) {
+                    Poll::Ready(Ok(0)) => Poll::Ready(Written::Failed(std::io::ErrorKind::UnexpectedEof.into())),
+                    Poll::Ready(Ok(_)) => Poll::Ready(Written::Answering),
+                    Poll::Ready(Err(e)) => Poll::Ready(Written::Failed(e)),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    })
+    .await
+}
+
+/// Whether a failed connect was the proxy's own shortage (descriptors, buffers, local ports),
+/// which says nothing of the node.
+fn is_local_shortage(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM | libc::EADDRNOTAVAIL))
 }

@@ -118,6 +118,19 @@ impl Pool {
         (None, returner)
     }
 
+    /// Closes the idle connections past the idle timeout or no longer open, and every one to
+    /// an origin `keep` refuses (a removed node), whose entry goes too.
+    pub fn sweep(&self, keep: &dyn Fn(&str) -> bool) {
+        let mut idle = self.0.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        idle.retain(|origin, idles| {
+            if !keep(origin) {
+                return false;
+            }
+            idles.list.retain(|i| i.since.elapsed() < self.0.idle_timeout && still_open(&i.connection.stream));
+            true
+        });
+    }
+
     fn put(&self, host: &Arc<str>, connection: Connection) {
         if !connection.buffer.is_empty() {
             return; // the node sent more than its answer: not safe to reuse
