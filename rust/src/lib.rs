@@ -14,6 +14,7 @@ pub mod headers;
 pub mod histogram;
 pub mod inspect;
 pub mod loops;
+pub mod memory;
 pub mod node;
 pub mod permit;
 pub mod registry;

@@ -89,9 +89,13 @@ pub async fn read_body(
     limit: usize,
     deadline: Duration,
 ) -> Result<Bytes, BodyError> {
-    if declared_length(headers).is_some_and(|n| n > limit as u64) {
+    let declared = declared_length(headers);
+    if declared.is_some_and(|n| n > limit as u64) {
         return Err(BodyError::TooLarge(Some(body)));
     }
+    // A declared length is the buffer's size at once: growing it by doubling would leave a
+    // trail of freed buffers behind a large body, which the allocator cannot always give back.
+    let declared = declared.and_then(|n| usize::try_from(n).ok()).unwrap_or(0);
     let read = async move {
         let mut first: Option<Bytes> = None;
         let mut joined: Option<BytesMut> = None;
@@ -106,7 +110,7 @@ pub async fn read_body(
             match (&mut first, &mut joined) {
                 (None, _) => first = Some(data),
                 (Some(head), None) => {
-                    let mut all = BytesMut::with_capacity(size.max(head.len() * 2));
+                    let mut all = BytesMut::with_capacity(declared.max(size).max(head.len() * 2));
                     all.extend_from_slice(head);
                     all.extend_from_slice(&data);
                     joined = Some(all);

@@ -29,6 +29,7 @@ use crate::forward::{ForwardRequest, ResponseBody, UpstreamResponse};
 use crate::headers::header_map;
 use crate::histogram::HistogramSnapshot;
 use crate::inspect::{inspect, patch};
+use crate::memory;
 use crate::node::{Node, NodeState, NodeUrl, Role};
 use crate::permit::Outcome;
 use crate::registry::Registry;
@@ -603,7 +604,9 @@ impl Job {
 }
 
 /// Sweeps the engine's pool of node connections until the router closes or is gone.
+/// Every few sweeps, it also hands the allocator's free pages back to the system.
 async fn keep_swept(engine: std::sync::Weak<Engine>, shutdown: CancellationToken) {
+    let mut sweeps = 0u32;
     loop {
         let Some(every) = engine.upgrade().map(|e| e.forwarder.sweep_interval()) else { return };
         tokio::select! {
@@ -612,6 +615,10 @@ async fn keep_swept(engine: std::sync::Weak<Engine>, shutdown: CancellationToken
         }
         let Some(engine) = engine.upgrade() else { return };
         engine.forwarder.sweep(&engine.registry);
+        sweeps = sweeps.wrapping_add(1);
+        if sweeps % memory::COLLECT_EVERY_SWEEPS == 0 {
+            memory::return_free_pages();
+        }
     }
 }
 

@@ -40,13 +40,18 @@ pub struct Hop<'a> {
     pub traceparent: Option<&'a HeaderValue>,
 }
 
-/// The request line, headers and body, in one buffer (one write). The client's headers go
-/// without those of its own hop and those the proxy replaces (`extra`, the hop's); then the
-/// proxy's, and the hop's.
+/// Bodies up to this size are copied behind the head, so that the usual request is one write;
+/// a larger one is written after it as it is (`body_after_head`), never copied.
+pub const INLINE_BODY: usize = 64 * 1024;
+
+/// The request line and headers, and the body when it is small, in one buffer. The client's
+/// headers go without those of its own hop and those the proxy replaces (`extra`, the hop's);
+/// then the proxy's, and the hop's.
 pub fn encode_request(path: &str, authority: &str, request: &ForwardRequest, hop: &Hop<'_>) -> Vec<u8> {
     let ForwardRequest { method, headers, extra, body, .. } = request;
     let Hop { authorization, via, traceparent } = *hop;
-    let mut out = Vec::with_capacity(256 + headers.len() * 48 + body.len());
+    let inline = if body.len() <= INLINE_BODY { body.len() } else { 0 };
+    let mut out = Vec::with_capacity(256 + headers.len() * 48 + inline);
     out.extend_from_slice(method.as_str().as_bytes());
     out.push(b' ');
     out.extend_from_slice(path.as_bytes());
@@ -84,8 +89,17 @@ pub fn encode_request(path: &str, authority: &str, request: &ForwardRequest, hop
         out.extend_from_slice(b"\r\n");
     }
     out.extend_from_slice(b"\r\n");
-    out.extend_from_slice(body);
+    out.extend_from_slice(&body[..inline]);
     out
+}
+
+/// What goes after `encode_request`'s buffer: a body too large to copy into it.
+pub fn body_after_head(request: &ForwardRequest) -> &[u8] {
+    if request.body.len() > INLINE_BODY {
+        &request.body
+    } else {
+        &[]
+    }
 }
 
 /// How the body of an answer ends.
