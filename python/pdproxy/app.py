@@ -153,7 +153,9 @@ class ProxyApp:
             self.keys.check_inference(scope["headers"])
             await send_json(send, 200, _model_card(router, unquote(path.removeprefix("/v1/models/"))))
         elif path == "/health":
-            await send_json(send, 200, {"status": "healthy"})
+            # Alive, whatever the node sources say: they keep their nodes while they cannot look.
+            sources = {"discovery": fleet.sources_status()} if fleet.sources else {}
+            await send_json(send, 200, {"status": "healthy", **sources})
         elif path == "/ready":
             ready, answer = supervisor.readiness()
             await send_json(send, 200 if ready else 503, answer)

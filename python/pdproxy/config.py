@@ -265,6 +265,80 @@ class RegistrySettings(SettingsGroup):
         return value
 
 
+class DiscoverySettings(SettingsGroup):
+    """Nodes found where fleets run: Kubernetes pods by label selector, DNS names."""
+
+    title: ClassVar[str] = "Finding nodes (Kubernetes, DNS)"
+
+    k8s_selector: str = _setting(
+        "",
+        (
+            "Route to the Kubernetes pods this label selector matches (e.g. app=vllm): a pod is a node while it "
+            "is Running, Ready, not terminating and has an IP. Empty: no Kubernetes discovery."
+        ),
+    )
+    k8s_prefill_selector: str = _setting(
+        "",
+        "DistServe: pods this selector matches are prefill nodes (Kubernetes discovery without --k8s-selector too).",
+    )
+    k8s_decode_selector: str = _setting(
+        "",
+        "DistServe: pods this selector matches are decode nodes.",
+    )
+    k8s_namespace: str = _setting(
+        "",
+        "Namespace to watch. Empty: the proxy's own in a cluster, else the kubeconfig context's, else default.",
+    )
+    k8s_port: str = _setting(
+        "",
+        (
+            "The pods' port: a number, or the name of a container port. Empty: the pdproxy.io/port annotation, "
+            "else the container port named http, else the pod's only container port."
+        ),
+    )
+    k8s_kubeconfig: str = _setting(
+        "",
+        "Kubeconfig file, to run outside the cluster. Empty: in-cluster config, else $KUBECONFIG or ~/.kube/config.",
+    )
+    k8s_context: str = _setting(
+        "",
+        "Kubeconfig context to use. Empty: its current context.",
+    )
+    k8s_relist_interval: Seconds = _setting(
+        60.0,
+        "Seconds between two full lists of the pods, which repair anything a watch missed.",
+    )
+    k8s_timeout: Seconds = _setting(
+        10.0,
+        "Seconds a call to the Kubernetes API may take (a list, the start of a watch).",
+    )
+    k8s_max_backoff: Seconds = _setting(
+        30.0,
+        "Longest wait between two attempts to reach the Kubernetes API again.",
+    )
+    node_dns: Several = _setting(
+        (),
+        (
+            "Nodes behind a DNS name, re-resolved every --dns-interval: NAME:PORT for its A/AAAA records (a "
+            "headless Service, a round-robin name), or srv:NAME for its SRV records (ports included); then "
+            "optional ,key=value node attributes as --node takes them, e.g. prefill.vllm.svc:8000,role=prefill. "
+            "Repeat for several."
+        ),
+    )
+    dns_interval: Seconds = _setting(
+        5.0,
+        "Seconds between two resolutions of each --node-dns name.",
+    )
+    dns_timeout: Seconds = _setting(
+        2.0,
+        "Seconds a resolution may take before it counts as failed (the last answer is kept).",
+    )
+    dns_server: str = _setting(
+        "",
+        "DNS server to ask (HOST or HOST:PORT). Empty: the system's, from /etc/resolv.conf.",
+    )
+
+
 class RoutingSettings(SettingsGroup):
     """Which node serves a request, and what happens when one fails."""
 
@@ -896,6 +970,7 @@ class ObservabilitySettings(SettingsGroup):
 #: The groups, in the order `pdproxy serve --help` shows them.
 GROUPS: tuple[type[SettingsGroup], ...] = (
     ServerSettings,
+    DiscoverySettings,
     RegistrySettings,
     RoutingSettings,
     LimitsSettings,
@@ -917,6 +992,7 @@ class Settings(
     TimeoutSettings,
     LimitsSettings,
     RoutingSettings,
+    DiscoverySettings,
     RegistrySettings,
     ServerSettings,
 ):

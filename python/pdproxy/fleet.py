@@ -30,6 +30,7 @@ from .health import HealthChecker, HealthSummary
 from .json_types import JsonValue
 from .membership import Entry, Membership
 from .node_record import NodeRecord, configured_nodes
+from .node_sources import FoundBy, NodeSource, sources_for
 from .pd import PdAdapter
 from .pd.lmdeploy import DistServe
 from .router import Router
@@ -56,6 +57,10 @@ class Fleet:
         self.membership = membership
         #: When each leased node's lease runs out (monotonic seconds).
         self.leases: dict[str, float] = {}
+        #: The nodes a node source found (Kubernetes, DNS), by URL: the source and where it
+        #: found the node. They live in this process only: not saved, not shared, and removed
+        #: by their source alone. A node added by hand is never one of them.
+        self.found: dict[str, FoundBy] = {}
         self._allowed = parse_networks(settings.allow_node_cidrs)
         self.health = HealthChecker(
             router,
@@ -86,6 +91,8 @@ class Fleet:
         #: Called with a node's URL once it is removed (links and sessions to clean up).
         self.on_removed: list[Callable[[str], None]] = []
         self._chores: set[asyncio.Task[None]] = set()
+        #: Where nodes are found by themselves (Kubernetes, DNS); started with the fleet.
+        self.sources: list[NodeSource] = []
 
     async def start(self, check_health: bool = True) -> None:
         """Loads the saved and configured nodes and starts the background work; health checks
@@ -110,6 +117,9 @@ class Fleet:
                 self._background(self._register_when_available(record), f"pdproxy-register {record.url}")
             except InvalidNode as e:
                 log.error("node %s not added: %s", record.url, e)
+        self.sources = sources_for(self.settings)
+        for source in self.sources:
+            await source.start(self.put_found, self.drop_found)
         # The models of nodes that declared none, before serving (they get no traffic until known).
         await self.router.discover()
         if self.membership is None:
@@ -124,6 +134,8 @@ class Fleet:
             await self.engines.start()
 
     async def aclose(self) -> None:
+        for source in self.sources:
+            await source.aclose()
         await background.stop(self._lease_task)
         for task in list(self._chores):
             await background.stop(task)
@@ -136,9 +148,11 @@ class Fleet:
 
     async def add(self, record: NodeRecord, discover: bool = True) -> tuple[str, bool]:
         """Adds a node, or updates (and renews the lease of) a registered one. Returns its URL
-        and whether it is new; a node without models is asked for them first (``discover``)."""
+        and whether it is new; a node without models is asked for them first (``discover``).
+        A node a source found becomes one added by hand."""
         address = await self._checked_address(record.url)
         created = self.state_of(record.url) is None
+        self.found.pop(record.url, None)
         if self.membership is not None:
             await self.membership.put(record.saved())
         expires = time.monotonic() + record.lease_ttl if record.lease_ttl is not None else None
@@ -173,6 +187,7 @@ class Fleet:
             hook(normalized)
         self.router.remove_node(normalized)
         self.leases.pop(normalized, None)
+        self.found.pop(normalized, None)
         self.health.forget(normalized)
         log.info("node %s removed", normalized)
         return normalized
@@ -189,10 +204,11 @@ class Fleet:
                 continue
             expires = time.monotonic() + remaining if isinstance(remaining, int | float) else None
             wanted[record.url] = (record, expires)
-        for url in [n["url"] for n in self.router.nodes() if n["url"] not in wanted]:
+        for url in [n["url"] for n in self.router.nodes() if n["url"] not in wanted and n["url"] not in self.found]:
             with contextlib.suppress(NodeNotFound):
                 self._remove_here(url)
         for url, (record, expires) in wanted.items():
+            self.found.pop(url, None)  # registered by hand somewhere: the membership's now
             if self._record_of(url) == record:
                 if expires is not None:
                     self.leases[url] = expires
@@ -212,6 +228,39 @@ class Fleet:
             return NodeRecord.of_node(self.router.node(url))
         except NodeNotFound:
             return None
+
+    async def put_found(self, record: NodeRecord, found_by: FoundBy) -> bool:
+        """Adds or updates a node a source found; returns whether it did. A node registered
+        another way (by hand, or by another source) stays as it is."""
+        owner = self.found.get(record.url)
+        if self.state_of(record.url) is not None and (owner is None or owner.source != found_by.source):
+            return False
+        try:
+            address = await self._checked_address(record.url)
+        except InvalidNode as e:
+            log.error("%s: node %s not added: %s", found_by.describe(), record.url, e)
+            return False
+        # The node may have been registered by hand while its address was checked.
+        if self.state_of(record.url) is not None and record.url not in self.found:
+            return False
+        self.found[record.url] = found_by
+        if self._record_of(record.url) != record:
+            self._add_here(record, address, None)  # without models: discovery asks it at once
+        return True
+
+    def drop_found(self, url: str, source: str) -> bool:
+        """Removes a node ``source`` found (and no one has registered since); returns whether it did."""
+        owner = self.found.get(url)
+        if owner is None or owner.source != source:
+            return False
+        with contextlib.suppress(NodeNotFound):
+            self._remove_here(url)
+        self.found.pop(url, None)
+        return True
+
+    def found_by(self, source: str) -> set[str]:
+        """The URLs of the nodes ``source`` found."""
+        return {url for url, owner in self.found.items() if owner.source == source}
 
     async def remove(self, url: str) -> str:
         """Removes a node everywhere. Raises ``NodeNotFound``."""
@@ -303,6 +352,7 @@ class Fleet:
                     "last_error": self.engines.errors.get(url),
                 },
                 "address": node["address"],
+                "found_by": found.shown() if (found := self.found.get(url)) is not None else None,
             }
             if isinstance(self.pd, DistServe):
                 out[url]["links"] = [
@@ -310,6 +360,10 @@ class Fleet:
                 ]
                 out[url]["preserved_sessions"] = sum(1 for e in self.pd.ledger.entries.values() if e.prefill == url)
         return out
+
+    def sources_status(self) -> dict[str, JsonValue]:
+        """How each node source fares: whether it reaches where it looks, since when not, why."""
+        return {source.name: source.state.shown(source.node_count()) for source in self.sources}
 
     def health_summaries(self) -> dict[str, HealthSummary | JsonValue]:
         """What the health checks know of each node: this process's, or in a worker group the
@@ -359,7 +413,7 @@ class Fleet:
         # In a worker group only the leader writes it.
         if self.settings.state_file and (self.group is None or self.group.leader):
             try:
-                records = [self._record_of(n["url"]) for n in self.router.nodes()]
+                records = [self._record_of(n["url"]) for n in self.router.nodes() if n["url"] not in self.found]
                 state_file.save(self.settings.state_file, [r.saved() for r in records if r is not None])
             except OSError as e:
                 log.error("state file %s not written: %s", self.settings.state_file, e)

@@ -17,6 +17,7 @@ from .pd.lmdeploy import DistServe
 if TYPE_CHECKING:
     from ._pdproxy import Histogram, NodeSnapshot, TenantSnapshot
     from .group import GroupSummary
+    from .node_sources import NodeSource
     from .pd.lmdeploy import DistServeStatus
     from .supervisor import Supervisor
 
@@ -114,6 +115,9 @@ class PdproxyCollector(Collector):
             age.add_metric([], time.monotonic() - fleet.health.last_round)
             yield age
 
+        if fleet is not None and fleet.sources:
+            yield from _source_metrics(fleet.sources)
+
         pd = fleet.pd if fleet is not None else None
         if isinstance(pd, DistServe):
             yield from _pd_metrics(pd.status())
@@ -122,6 +126,34 @@ class PdproxyCollector(Collector):
         tenants = router.core.tenants()
         if tenants:
             yield from _tenant_metrics(tenants)
+
+
+def _source_metrics(sources: list[NodeSource]) -> Iterator[Metric]:
+    """Per node source (kubernetes, dns): whether it reaches where it looks, and what it did."""
+    labels = ["source"]
+    up = GaugeMetricFamily(
+        "pdproxy_discovery_up", "1 while a node source reaches where it looks (its nodes stay anyway)", labels=labels
+    )
+    nodes = GaugeMetricFamily("pdproxy_discovery_nodes", "Nodes a source found and keeps", labels=labels)
+    synced = GaugeMetricFamily(
+        "pdproxy_discovery_sync_age_seconds", "Seconds since a source last read the whole truth", labels=labels
+    )
+    restarts = CounterMetricFamily(
+        "pdproxy_discovery_restarts", "Full reads started over, by reason", labels=[*labels, "reason"]
+    )
+    events = CounterMetricFamily("pdproxy_discovery_events", "Watch events applied, by type", labels=[*labels, "type"])
+    now = time.monotonic()
+    for source in sources:
+        state = source.state
+        up.add_metric([source.name], 1.0 if state.up else 0.0)
+        nodes.add_metric([source.name], source.node_count())
+        if state.synced_at is not None:
+            synced.add_metric([source.name], now - state.synced_at)
+        for reason, count in state.restarts.items():
+            restarts.add_metric([source.name, reason], count)
+        for kind, count in state.events.items():
+            events.add_metric([source.name, kind], count)
+    yield from (up, nodes, synced, restarts, events)
 
 
 def _tenant_metrics(tenants: list[TenantSnapshot]) -> Iterator[Metric]:

@@ -25,6 +25,7 @@ from .app import MAIN_PID_ENV, SETTINGS_ENV
 from .config import Settings
 from .errors import ConfigError
 from .node_record import configured_nodes
+from .node_sources.selectors import SELECTORS
 from .tracing import TraceIdFilter
 
 #: Mock engines started by --demo: how many, and how long to wait for them.
@@ -131,6 +132,8 @@ class _NoEmbedNotice:
 def _print_banner(settings: Settings, how: str) -> None:
     base = f"{'https' if settings.ssl else 'http'}://{settings.host}:{settings.port}"
     nodes = [record.url for record in configured_nodes(settings)]  # never a node's key
+    selectors = (getattr(settings, name) for name, _ in SELECTORS)
+    nodes += [f"pods {selector!r}" for selector in selectors if selector] + [f"dns {n}" for n in settings.node_dns]
     if not nodes:
         print("pdproxy: no nodes yet; pass --node URL (or --demo to try it with mock engines)", file=sys.stderr)
     print(f"pdproxy: serving on {base} ({how}) -> {', '.join(nodes) or 'no nodes'}", file=sys.stderr)

@@ -13,6 +13,7 @@ from .errors import ConfigError
 from .group import MAX_WORKERS
 from .membership import check_url as check_registry_url
 from .node_record import configured_nodes
+from .node_sources import check as check_node_sources
 from .tenants import load as load_tenants
 from .tracing import otel_settings
 
@@ -32,6 +33,7 @@ def checked(settings: Settings) -> Settings:
     if settings.tenants_file:
         load_tenants(settings.tenants_file)  # a bad file stops the start, naming its problem
     configured_nodes(settings)  # each node parses
+    check_node_sources(settings)  # selectors, names, the Kubernetes configuration
     filled = otel_settings(settings, os.environ)
     return settings.replace(**filled) if filled else settings
 
