@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -435,3 +436,55 @@ def test_settings_that_cannot_work_stop_the_start_with_one_line(
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
     assert message in lines[0], result.stderr
+
+
+async def test_a_thousand_pods_with_churn_end_as_the_cluster_is(
+    tmp_path: Path, api: FakeKubeApi, http: aiohttp.ClientSession
+) -> None:
+    rng = random.Random(7)
+
+    def ip(index: int, generation: int) -> str:
+        return f"127.{1 + generation}.{index // 250}.{1 + index % 250}"
+
+    def add(index: int, generation: int = 0) -> None:
+        api.add_pod(
+            NS,
+            f"p{index}",
+            ip=ip(index, generation),
+            phase="Running",
+            ready=True,
+            labels={"app": "vllm"},
+            annotations={"pdproxy.io/models": "m"},
+            ports=[{"name": "http", "containerPort": 9}],
+        )
+
+    for index in range(1000):
+        add(index)
+    config = kubeconfig(tmp_path / "kubeconfig", api)
+    flags = ("--k8s-selector", "app=vllm", "--k8s-kubeconfig", str(config), "--health-interval", "60")
+    with pdproxy_serve(tmp_path, *flags) as proxy:
+        await eventually(lambda: count_is(http, proxy, 1000), timeout=30, what="1,000 nodes")
+        generations = dict.fromkeys(range(1000), 0)
+        for _ in range(300):
+            index = rng.randrange(1000)
+            roll = rng.random()
+            if roll < 0.4:
+                api.update_pod(NS, f"p{index}", ready=rng.random() < 0.5)
+            elif roll < 0.7:
+                api.update_pod(NS, f"p{index}", annotations={"pdproxy.io/models": "m", "pdproxy.io/speed": "2"})
+            else:
+                api.delete_pod(NS, f"p{index}")
+                generations[index] += 1
+                add(index, generations[index])
+            await asyncio.sleep(0.005)
+        expected = set()
+        for pod in api.pods(NS):
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"]["conditions"])
+            if ready:
+                expected.add(f"http://{pod['status']['podIP']}:9")
+        await eventually(lambda: nodes_are(http, proxy, expected), timeout=10, what="the cluster's pods, exactly")
+
+
+async def count_is(http: aiohttp.ClientSession, proxy: Any, count: int) -> bool:
+    async with http.get(proxy.url + "/health") as r:
+        return bool((await r.json())["discovery"]["kubernetes"]["nodes"] == count)
