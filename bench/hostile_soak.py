@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness
 from pdproxy.testing.raw_node import RawNode, answer_early, endless_answer, read_and_drop
+from soak import MODEL, chat_request
 
-MODEL = "soak-model"
 #: Idle connections a hostile client holds open on the Hybrid proxy.
 IDLE_CONNECTIONS = 2000
 #: The body a hostile client sends to the node that refuses large ones.
@@ -93,13 +93,8 @@ def complete(status: int, raw: bytes, stream: bool) -> bool:
 
 
 async def normal(http: aiohttp.ClientSession, proxy: str, rng: random.Random, counts: collections.Counter[str]) -> None:
-    stream = rng.random() < 0.6
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": f"soak {rng.random()}"}],
-        "max_tokens": rng.randint(4, 24),
-        "stream": stream,
-    }
+    body = chat_request(rng)
+    stream = bool(body["stream"])
     try:
         async with asyncio.timeout(30), http.post(proxy + "/v1/chat/completions", json=body) as r:
             raw = await r.read()

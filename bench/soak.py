@@ -70,14 +70,19 @@ def classify(status: int, raw: bytes, stream: bool) -> str:
     return f"error:{status}:{code}"
 
 
-async def one(http: aiohttp.ClientSession, url: str, rng: random.Random, counts: collections.Counter[str]) -> None:
-    stream = rng.random() < 0.6
-    body = {
-        "model": MODEL,
+def chat_request(rng: random.Random, model: str = MODEL) -> dict[str, object]:
+    """A soak's chat request: a new prompt, a few tokens, streamed six times in ten."""
+    return {
+        "model": model,
         "messages": [{"role": "user", "content": f"soak {rng.random()}"}],
         "max_tokens": rng.randint(4, 24),
-        "stream": stream,
+        "stream": rng.random() < 0.6,
     }
+
+
+async def one(http: aiohttp.ClientSession, url: str, rng: random.Random, counts: collections.Counter[str]) -> None:
+    body = chat_request(rng)
+    stream = bool(body["stream"])
     headers = {}
     if rng.random() < 0.25:
         fault = rng.choice(FAULTS)

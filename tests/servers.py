@@ -185,6 +185,21 @@ async def ledger(http: Any, engine: Any) -> dict[str, Any]:
         return dict(await r.json())
 
 
+async def raw_post(url: str, path: str, body: bytes) -> bytes:
+    """The whole answer to ``POST path`` written byte for byte (no client normalises the path)."""
+    host, port = url.rsplit("/", 1)[-1].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n".encode()
+        + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
+        + body
+    )
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    return answer
+
+
 async def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "the condition") -> None:
     """Waits until ``check()`` (awaited when it is a coroutine) is true, at most ``timeout`` seconds."""
     deadline = asyncio.get_running_loop().time() + timeout

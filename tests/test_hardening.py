@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from pdproxy.testing import FAULT_HEADER, MockEngine
-from servers import chat_body, eventually, free_port, pdproxy_serve
+from servers import chat_body, eventually, free_port, pdproxy_serve, raw_post
 
 # Against both edges (see the `edge` fixture).
 pytestmark = pytest.mark.usefixtures("edge")
@@ -277,16 +277,7 @@ async def test_pass_through_refuses_dot_segments_and_encoded_separators(
 ) -> None:
     with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
         await eventually(lambda: _routes(http, proxy.url))
-        reader, writer = await asyncio.open_connection("127.0.0.1", int(proxy.url.rsplit(":", 1)[1]))
-        body = b'{"model": "m"}'
-        writer.write(
-            f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n".encode()
-            + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
-            + body
-        )
-        await writer.drain()
-        answer = await asyncio.wait_for(reader.read(), 10)
-        writer.close()
+        answer = await raw_post(proxy.url, path, b'{"model": "m"}')
         assert answer.startswith(b"HTTP/1.1 400"), answer[:300]
         async with http.get(engine.url + "/mock/requests") as r:
             assert not [rec for rec in await r.json() if "profile" in rec["path"]], "the node got nothing"

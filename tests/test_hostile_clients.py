@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from pdproxy.testing import MockEngine
-from servers import chat_body, eventually, pdproxy_serve, register
+from servers import chat_body, eventually, pdproxy_serve, raw_post, register
 
 # Against both edges (see the `edge` fixture).
 pytestmark = pytest.mark.usefixtures("edge")
@@ -209,18 +209,8 @@ async def test_an_encoded_inference_path_is_not_served(
 ) -> None:
     with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
         await eventually(lambda: serves_m(http, proxy.url))
-        port = int(proxy.url.rsplit(":", 1)[1])
         for path in ("/v1%2Fchat%2Fcompletions", "/v1%2fcompletions", "/%761/chat/completions"):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            body = json.dumps(chat_body("m")).encode()
-            writer.write(
-                f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n".encode()
-                + f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode()
-                + body
-            )
-            await writer.drain()
-            answer = await asyncio.wait_for(reader.read(), 10)
-            writer.close()
+            answer = await raw_post(proxy.url, path, json.dumps(chat_body("m")).encode())
             assert answer.startswith(b"HTTP/1.1 404"), (path, answer[:300])
         assert await requests_seen(http, engine) == []
 
