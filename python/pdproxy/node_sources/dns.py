@@ -115,7 +115,10 @@ class DnsSource:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            await self.resolve_all()
+            try:
+                await self.resolve_all()
+            except Exception:  # a bug must not end discovery: said, then the next round
+                log.exception("dns: resolving the names failed")
 
     async def resolve_all(self) -> None:
         answers = await asyncio.gather(*(self._resolve(entry) for entry in self.names))

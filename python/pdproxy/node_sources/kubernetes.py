@@ -77,38 +77,48 @@ class PodWatcher:
     async def run(self) -> None:
         backoff = MIN_BACKOFF
         while True:
-            try:
-                listed = await self.api.list_pods(self.namespace, self.selection.selector)
-            except KubeApiError as e:
-                self._failed(e)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, self.max_backoff)
-                continue
-            self.replace(listed.pods)
-            self.state.reached()
-            self.state.synced()
-            self.version = listed.resource_version
             started = time.monotonic()
             try:
-                await self._watch_until(started + self.relist_interval)
-                self.state.restarted("period")
+                at_once = await self._list_and_watch()
+            except Exception:  # a bug must not end discovery: said, then a new list
+                log.exception("kubernetes: the pod watch failed; listing the pods again")
+                self.state.restarted("error")
+                at_once = False
+            elapsed = time.monotonic() - started
+            if at_once or elapsed >= HEALTHY_WATCH:
                 backoff = MIN_BACKOFF
+            if at_once and elapsed >= MIN_BACKOFF:  # a server that forgets at once still waits
                 continue
-            except KubeApiError as e:
-                if e.gone:
-                    # The watch's place is gone from the server's history: a new list, at once.
-                    log.info("kubernetes: %s; listing the pods again", e.message)
-                    self.state.restarted("gone")
-                    continue
-                if e.status is None:  # broken off: the server restarted, a balancer cut it
-                    log.info("kubernetes: %s; listing the pods again", e.message)
-                    self.state.restarted("broken")
-                else:
-                    self._failed(e)
-            if time.monotonic() - started >= HEALTHY_WATCH:
-                backoff = MIN_BACKOFF
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.max_backoff)
+
+    async def _list_and_watch(self) -> bool:
+        """One list and its watch until the relist period ends; returns whether the next list
+        is due at once (the period ended, or the server forgot the watch's place)."""
+        try:
+            listed = await self.api.list_pods(self.namespace, self.selection.selector)
+        except KubeApiError as e:
+            self._failed(e)
+            return False
+        self.replace(listed.pods)
+        self.state.reached()
+        self.state.synced()
+        self.version = listed.resource_version
+        try:
+            await self._watch_until(time.monotonic() + self.relist_interval)
+        except KubeApiError as e:
+            if e.gone:
+                log.info("kubernetes: %s; listing the pods again", e.message)
+                self.state.restarted("gone")
+                return True
+            if e.status is None:  # broken off: the server restarted, a balancer cut it
+                log.info("kubernetes: %s; listing the pods again", e.message)
+                self.state.restarted("broken")
+            else:
+                self._failed(e)
+            return False
+        self.state.restarted("period")
+        return True
 
     def _failed(self, error: KubeApiError) -> None:
         """The API server refused or could not be reached: said once per cause, the nodes kept."""
@@ -227,7 +237,10 @@ class KubernetesSource:
             while self._changed:
                 key = next(iter(self._changed))
                 del self._changed[key]
-                await self._apply(key)
+                try:
+                    await self._apply(key)
+                except Exception:  # one pod that cannot be applied must not stop the others
+                    log.exception("kubernetes: pod %s could not be applied", key)
 
     async def _apply(self, key: str) -> None:
         assert self.found is not None
