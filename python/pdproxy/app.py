@@ -20,6 +20,7 @@ from .config import Settings
 from .cors import Cors, is_cors_path
 from .errors import MethodNotAllowed, ModelNotFound, NotFound, PdproxyError
 from .metrics import CONTENT_TYPE, render
+from .metrics_listener import MetricsListener
 from .nodes_api import ROUTES
 from .openapi import schema
 from .responses import JSON_HEADERS, header, send_error, send_json
@@ -70,14 +71,20 @@ class ProxyApp:
             settings.allow_origins, settings.allow_credentials, settings.allow_methods, settings.allow_headers
         )
         self._admin = {(route.method, route.path): route for route in ROUTES}
+        self._metrics_listener: MetricsListener | None = None
         self._admin_paths = {route.path for route in ROUTES}
 
     async def startup(self) -> None:
         await self.supervisor.start()
         assert self.supervisor.router is not None
         self.keys.tenants = self.supervisor.router.core
+        if self.settings.metrics_port:
+            self._metrics_listener = MetricsListener(self, self.settings)
+            await self._metrics_listener.start()
 
     async def shutdown(self) -> None:
+        if self._metrics_listener is not None:
+            await self._metrics_listener.aclose()
         await self.supervisor.stop()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

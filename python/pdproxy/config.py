@@ -892,8 +892,21 @@ class TenantSettings(SettingsGroup):
 class ObservabilitySettings(SettingsGroup):
     """Access log and tracing."""
 
-    title: ClassVar[str] = "Access log and tracing (OpenTelemetry, OTLP/HTTP)"
+    title: ClassVar[str] = "Metrics, access log and tracing (OpenTelemetry, OTLP/HTTP)"
 
+    metrics_port: NotNegative = _setting(
+        0,
+        (
+            "Also serve /metrics on this port, for scrapers kept apart from the traffic (the same key rules as "
+            "on the serving port). 0: only on the serving port."
+        ),
+        aliases=("--prometheus-port",),
+    )
+    metrics_host: str = _setting(
+        "",
+        "Address the --metrics-port listener binds. Empty: --host.",
+        aliases=("--prometheus-host",),
+    )
     access_log: bool = _setting(
         False,
         "Write one line per inference request to stdout.",

@@ -43,6 +43,7 @@ def serve(settings: Settings) -> int:
     edge.raise_open_file_limit()
     if settings.edge == "rust":
         listener = edge.bind(settings)  # first: a taken port fails before anything starts
+        _refuse_taken_port(settings, serving=False)
         with _demo_engines(settings) as demo_nodes:
             if demo_nodes:
                 settings = settings.replace(nodes=(*settings.nodes, *demo_nodes))
@@ -95,16 +96,25 @@ def _warn_if_open(settings: Settings) -> None:
     )
 
 
-def _refuse_taken_port(settings: Settings) -> None:
+def _refuse_taken_port(settings: Settings, serving: bool = True) -> None:
     """granian shares its port with any other listener that asks (SO_REUSEPORT), so a second
-    proxy would quietly take half the traffic: a port that is taken is refused here instead."""
-    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    proxy would quietly take half the traffic: a port that is taken is refused here instead (the
+    metrics port's too, whose listener shares it among a group's workers; ``serving``: the
+    serving port as well, which the Rust edge binds itself)."""
+    if serving:
+        _refuse_taken(settings.host, settings.port, "")
+    if settings.metrics_port:
+        _refuse_taken(settings.metrics_host or settings.host, settings.metrics_port, "--metrics-port: ")
+
+
+def _refuse_taken(host: str, port: int, flag: str) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind((settings.host, settings.port))
+            probe.bind((host, port))
         except OSError as e:
-            raise ConfigError(f"cannot listen on {settings.host}:{settings.port}: {e.strerror}") from None
+            raise ConfigError(f"{flag}cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 def _logging_config(level: str, behind_edge: bool = False) -> dict[str, object]:

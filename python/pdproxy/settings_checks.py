@@ -28,6 +28,8 @@ def checked(settings: Settings) -> Settings:
     if settings.edge == "rust" and settings.workers != 1:
         raise ConfigError("--workers is for --edge granian; the Rust edge uses every core in one process")
     _check_policies(settings)
+    if settings.metrics_port and settings.metrics_port == settings.port:
+        raise ConfigError(f"--metrics-port {settings.port} is the serving port, where /metrics is served anyway")
     if settings.registry:
         check_registry_url(settings.registry)
     if settings.tenants_file:
