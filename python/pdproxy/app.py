@@ -23,7 +23,9 @@ from .metrics import CONTENT_TYPE, render
 from .metrics_listener import MetricsListener
 from .nodes_api import ROUTES
 from .openapi import schema
-from .responses import JSON_HEADERS, header, send_error, send_json
+from .peer_routes import readiness as peer_readiness
+from .responses import JSON_HEADERS, header, send_error, send_json, send_text
+from .route_table import PlainText
 from .router import Router
 from .supervisor import Supervisor
 from .tenants import usage as tenant_usage
@@ -143,6 +145,9 @@ class ProxyApp:
             else:
                 self.keys.check_admin(scope["headers"])
             status, answer = await route.handler(fleet, scope, receive)
+            if isinstance(answer, PlainText):
+                await send_text(send, status, answer.text)
+                return
             await send_json(send, status, answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer)
             return
         if path in self._admin_paths or path in INFERENCE_PATHS:
@@ -166,6 +171,10 @@ class ProxyApp:
         elif path == "/ready":
             ready, answer = supervisor.readiness()
             await send_json(send, 200 if ready else 503, answer)
+        elif path == "/liveness":  # the SGLang gateway's and vllm-router's probes
+            await send_text(send, 200, "OK")
+        elif path == "/readiness":
+            await send_json(send, *peer_readiness(fleet))
         elif path == "/dashboard":  # a static page: its data is what the keys guard
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/html")]})
             await send({"type": "http.response.body", "body": dashboard.PAGE})

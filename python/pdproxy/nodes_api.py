@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import NotRequired, TypedDict
 from urllib.parse import parse_qs
-
-from pydantic import BaseModel
 
 from .asgi_types import HTTPReceive, HTTPScope
 from .errors import DistServeOff, PdproxyError
@@ -37,26 +33,12 @@ from .management import (
 )
 from .pd import PdAdapter, PdStatus
 from .pd.lmdeploy import DistServe
+from .peer_routes import PEER_ROUTES
 from .responses import read_json
+from .route_table import Route
 
 #: Management request bodies are small.
 BODY_LIMIT = 64 << 10
-
-#: A handler's answer: its status and a model (or, for routes without a fixed shape, JSON data).
-Handler = Callable[[Fleet, HTTPScope, HTTPReceive], Awaitable[tuple[int, object]]]
-
-
-@dataclass(frozen=True)
-class Route:
-    method: str
-    path: str
-    handler: Handler
-    summary: str
-    #: The request body's model (``/openapi.json`` shows its schema), if the route takes one.
-    body: type[BaseModel] | None = None
-    #: The 200 answer's model, if it has a fixed shape.
-    answer: type[BaseModel] | None = None
-    responses: dict[int, str] = field(default_factory=dict)
 
 
 async def _url_body(scope: HTTPScope, receive: HTTPReceive) -> str:
@@ -256,4 +238,5 @@ ROUTES: tuple[Route, ...] = (
         None,
         {200: "Links and ledger", 404: "DistServe is off"},
     ),
+    *PEER_ROUTES,
 )

@@ -23,6 +23,12 @@ async def send_json(send: Send, status: int, payload: object, headers: Headers |
     await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
 
 
+async def send_text(send: Send, status: int, text: str) -> None:
+    headers = [(b"content-type", b"text/plain; charset=utf-8")]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": text.encode()})
+
+
 async def send_error(send: Send, error: PdproxyError, extra: Headers | None = None) -> None:
     headers = error.headers() + (extra or [])
     await send({"type": "http.response.start", "status": error.status, "headers": headers})

@@ -180,6 +180,8 @@ class MockStats(TypedDict):
     disconnected: int
     active: int
     peak_active: int
+    #: ``POST /flush_cache`` calls answered.
+    flushes: int
     simulation: NotRequired[SimulationStats]
 
 
@@ -229,6 +231,7 @@ class MockState:
     client: aiohttp.ClientSession | None = None
     #: The serving-engine simulation (``--simulate``).
     batcher: ContinuousBatcher | None = None
+    flushes: int = 0
 
     def figures(self) -> EngineFigures:
         """What the engine reports on /metrics now."""
@@ -270,6 +273,7 @@ class MockState:
             disconnected=self.disconnected,
             active=self.active,
             peak_active=self.peak_active,
+            flushes=self.flushes,
         )
         if self.batcher is not None:
             b = self.batcher
@@ -837,6 +841,15 @@ async def _mock_stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[STATE].stats())
 
 
+async def _flush_cache(request: web.Request) -> web.Response:
+    """SGLang's ``POST /flush_cache``: the prefix cache emptied (blocks in use stay)."""
+    state = request.app[STATE]
+    state.flushes += 1
+    if state.batcher is not None:
+        state.batcher.cache.clear()
+    return web.Response(text="Cache flushed.\n")
+
+
 async def _mock_requests(request: web.Request) -> web.Response:
     return web.json_response(list(request.app[STATE].records))
 
@@ -1079,6 +1092,7 @@ def build_app(settings: MockSettings) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/terminate", _terminate)
     app.router.add_get("/mock/stats", _mock_stats)
+    app.router.add_post("/flush_cache", _flush_cache)
     app.router.add_get("/mock/requests", _mock_requests)
     app.router.add_post("/mock/reset", _mock_reset)
     app.router.add_post("/mock/health", _mock_health)
