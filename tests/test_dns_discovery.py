@@ -165,3 +165,16 @@ def test_an_entry_that_cannot_work_stops_the_start_with_one_line(entry: str, mes
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
     assert message in lines[0], result.stderr
+
+
+async def test_a_found_node_that_left_the_table_comes_back_with_the_next_resolution(
+    tmp_path: Path, zone: tuple[Zone, int], http: aiohttp.ClientSession
+) -> None:
+    records, port = zone
+    async with MockEngine(model="m") as engine:
+        records.set("one.fleet.test", "A", [A("127.0.0.1")])
+        with pdproxy_serve(tmp_path, *dns_flags(port, f"one.fleet.test:{engine.port}")) as proxy:
+            await eventually(lambda: nodes_are(http, proxy, {engine.url}), what="the node")
+            async with http.post(proxy.url + "/nodes/remove", json={"url": engine.url}) as r:
+                assert r.status == 200
+            await eventually(lambda: nodes_are(http, proxy, {engine.url}), timeout=3, what="the node back")

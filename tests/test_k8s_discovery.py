@@ -488,3 +488,17 @@ async def test_a_thousand_pods_with_churn_end_as_the_cluster_is(
 async def count_is(http: aiohttp.ClientSession, proxy: Any, count: int) -> bool:
     async with http.get(proxy.url + "/health") as r:
         return bool((await r.json())["discovery"]["kubernetes"]["nodes"] == count)
+
+
+async def test_a_found_node_that_left_the_table_comes_back_with_the_next_list(
+    api: FakeKubeApi, engines: list[MockEngine], proxy: Any, http: aiohttp.ClientSession
+) -> None:
+    a = engines[0]
+    engine_pod(api, "a", a)
+    await eventually(lambda: nodes_are(http, proxy, {a.url}), what="the node")
+    async with http.post(proxy.url + "/nodes/remove", json={"url": a.url}) as r:
+        assert r.status == 200
+    assert await nodes(http, proxy) == set()
+    # The pod is still Ready: the cluster, not the table, says what the fleet is (3 s period).
+    await eventually(lambda: nodes_are(http, proxy, {a.url}), timeout=5, what="the node back")
+    assert (await status(http, proxy))[a.url]["found_by"]["source"] == "kubernetes"

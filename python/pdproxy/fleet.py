@@ -119,7 +119,7 @@ class Fleet:
                 log.error("node %s not added: %s", record.url, e)
         self.sources = sources_for(self.settings)
         for source in self.sources:
-            await source.start(self.put_found, self.drop_found)
+            await source.start(self.put_found, self.drop_found, self.owns_found)
         # The models of nodes that declared none, before serving (they get no traffic until known).
         await self.router.discover()
         if self.membership is None:
@@ -258,9 +258,10 @@ class Fleet:
         self.found.pop(url, None)
         return True
 
-    def found_by(self, source: str) -> set[str]:
-        """The URLs of the nodes ``source`` found."""
-        return {url for url, owner in self.found.items() if owner.source == source}
+    def owns_found(self, url: str, source: str) -> bool:
+        """Whether the node ``url`` is in this process as one ``source`` found."""
+        owner = self.found.get(url)
+        return owner is not None and owner.source == source
 
     async def remove(self, url: str) -> str:
         """Removes a node everywhere. Raises ``NodeNotFound``."""

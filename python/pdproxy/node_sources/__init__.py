@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from pdproxy.config import Settings
 from pdproxy.errors import ConfigError
-from pdproxy.node_sources.found import Drop, FoundBy, Put, SourceState
+from pdproxy.node_sources.found import Drop, FoundBy, Owns, Put, SourceState
 from pdproxy.node_sources.selectors import SELECTORS
 
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ class NodeSource(Protocol):
     name: str
     state: SourceState
 
-    async def start(self, put: Put, drop: Drop) -> None: ...
+    async def start(self, put: Put, drop: Drop, owns: Owns) -> None: ...
 
     async def aclose(self) -> None: ...
 

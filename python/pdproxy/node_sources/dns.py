@@ -28,7 +28,7 @@ from pdproxy import background
 from pdproxy.config import Settings
 from pdproxy.errors import ConfigError
 from pdproxy.node_record import NodeRecord
-from pdproxy.node_sources.found import Drop, FoundNodes, Put, SourceState
+from pdproxy.node_sources.found import Drop, FoundNodes, Owns, Put, SourceState
 
 __all__ = ["DnsName", "DnsSource", "check", "parse_dns_name"]
 
@@ -101,8 +101,8 @@ class DnsSource:
         #: The names whose last resolution failed (logged once per outage).
         self._failing: set[str] = set()
 
-    async def start(self, put: Put, drop: Drop) -> None:
-        self.found = FoundNodes(SOURCE, put, drop)
+    async def start(self, put: Put, drop: Drop, owns: Owns) -> None:
+        self.found = FoundNodes(SOURCE, put, drop, owns)
         await self.resolve_all()  # the first answer before serving
         self._task = background.start(self._run(), "pdproxy-dns")
 

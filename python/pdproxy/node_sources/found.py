@@ -81,17 +81,20 @@ class SourceState:
 Put = Callable[[NodeRecord, FoundBy], Awaitable[bool]]
 #: Removes a found node (``Fleet.drop_found``): its URL and the source's name.
 Drop = Callable[[str, str], bool]
+#: Whether the fleet still has a node as the source's (``Fleet.owns_found``): URL, source.
+Owns = Callable[[str, str], bool]
 
 
 class FoundNodes:
     """A source's nodes, by what it found them as (a pod, a name's address), as last put in the
     fleet. Two of them may share a URL (an IP handed to a new pod at once): the node goes when
-    the last of them does."""
+    the last of them does. Level-triggered: setting a key again puts back a node the fleet lost."""
 
-    def __init__(self, source: str, put: Put, drop: Drop) -> None:
+    def __init__(self, source: str, put: Put, drop: Drop, owns: Owns) -> None:
         self.source = source
         self._put = put
         self._drop = drop
+        self._owns = owns
         self.applied: dict[str, NodeRecord] = {}
 
     def __len__(self) -> int:
@@ -100,7 +103,9 @@ class FoundNodes:
     async def set(self, key: str, record: NodeRecord | None, where: str) -> None:
         """Makes ``key``'s node ``record`` (None: it has none now)."""
         before = self.applied.pop(key, None)
-        if before == record:
+        # Unchanged, unless its node left the fleet meanwhile (health checks, a hand removal):
+        # what the source sees is put back.
+        if before == record and (record is None or self._owns(record.url, self.source)):
             if before is not None:
                 self.applied[key] = before
             return

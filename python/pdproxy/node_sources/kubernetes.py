@@ -23,7 +23,7 @@ from pdproxy import background
 from pdproxy.config import Settings
 from pdproxy.json_types import JsonObject
 from pdproxy.node_record import NodeRecord
-from pdproxy.node_sources.found import Drop, FoundNodes, Put, SourceState
+from pdproxy.node_sources.found import Drop, FoundNodes, Owns, Put, SourceState
 from pdproxy.node_sources.kube_api import KubeApi, KubeApiError, load_config
 from pdproxy.node_sources.pods import PodNode, pod_key, pod_node
 from pdproxy.node_sources.selectors import SELECTORS, check_selector
@@ -147,6 +147,8 @@ class PodWatcher:
             self._drop(key)
         for pod in pods:
             self._put(pod)
+        for key in listed:  # each pod checked against the fleet again, changed or not
+            self.on_change(key)
 
     def _put(self, pod: JsonObject) -> None:
         key = pod_key(pod)
@@ -191,8 +193,8 @@ class KubernetesSource:
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
-    async def start(self, put: Put, drop: Drop) -> None:
-        self.found = FoundNodes(SOURCE, put, drop)
+    async def start(self, put: Put, drop: Drop, owns: Owns) -> None:
+        self.found = FoundNodes(SOURCE, put, drop, owns)
         self.watchers = [
             PodWatcher(
                 self.api,
