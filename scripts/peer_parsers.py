@@ -4,7 +4,7 @@
 Run it with the python of a virtual environment that has the peer's package
 installed (one venv per peer; nothing of pdproxy is imported)::
 
-    /work/peer-venvs/smg/bin/python scripts/peer_parsers.py --router smg
+    bench/.peers/smg-venv/bin/python scripts/peer_parsers.py --router smg   # scripts/peer_venvs.sh makes it
     .../bin/python scripts/peer_parsers.py --router smg --parse -- --policy cache_aware
     .../bin/python scripts/peer_parsers.py --router smg --examples
 
