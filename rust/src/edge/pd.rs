@@ -494,10 +494,13 @@ async fn probe_bootstrap_port(forwarder: &Forwarder, node: &Node, timeout: Durat
         }
         let body = match response.body {
             ResponseBody::Complete(bytes) => bytes,
-            ResponseBody::Streaming(stream) => match forwarder.read_answer(stream.body).await {
-                Ok(bytes) => bytes,
-                Err(_) => continue,
-            },
+            // The whole probe, body included, within its timeout (not the answers' minute).
+            ResponseBody::Streaming(stream) => {
+                match tokio::time::timeout(timeout, forwarder.read_answer(stream.body)).await {
+                    Ok(Ok(bytes)) => bytes,
+                    _ => continue,
+                }
+            }
         };
         let port =
             serde_json::from_slice::<serde_json::Value>(&body).ok()?.get("disaggregation_bootstrap_port")?.as_u64();
