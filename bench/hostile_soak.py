@@ -29,10 +29,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import json
 import random
-import socket
 import sys
 import time
 import urllib.request
@@ -44,6 +42,7 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness
+from pdproxy.testing.hostile_clients import idle_connections
 from pdproxy.testing.raw_node import RawNode, answer_early, endless_answer, read_and_drop
 from soak import MODEL, chat_request
 
@@ -115,17 +114,6 @@ async def hostile(http: aiohttp.ClientSession, proxy: str, kind: str, counts: co
     except (TimeoutError, aiohttp.ClientError) as e:
         outcome = f"unexpected-{type(e).__name__}"
     counts[f"hostile:{kind}:{outcome}"] += 1
-
-
-def idle_connections(port: int, count: int) -> list[socket.socket]:
-    opened = []
-    for _ in range(count):
-        s = socket.socket()
-        s.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            s.connect(("127.0.0.1", port))
-        opened.append(s)
-    return opened
 
 
 async def soak(hybrid: str, pd: str, duration: float, concurrency: int, seed: int) -> collections.Counter[str]:

@@ -6,10 +6,8 @@ of these failed before its fix."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import resource
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +16,7 @@ import aiohttp
 import pytest
 
 from pdproxy.testing import MockEngine
+from pdproxy.testing.hostile_clients import idle_connections
 from servers import chat_body, eventually, pdproxy_serve, raw_post, register
 
 # Against both edges (see the `edge` fixture).
@@ -82,17 +81,6 @@ async def test_n_in_sglang_disaggregation_is_refused_before_anything_grows(
 # 4. Running out of descriptors is the proxy's problem, never a node's.
 
 
-def _open_idle(port: int, count: int) -> list[socket.socket]:
-    idle = []
-    for _ in range(count):
-        s = socket.socket()
-        s.setblocking(False)
-        with contextlib.suppress(BlockingIOError):
-            s.connect(("127.0.0.1", port))
-        idle.append(s)
-    return idle
-
-
 def _open_file_limit(pid: int) -> int:
     """The soft limit on open files of process ``pid``."""
     limits = Path(f"/proc/{pid}/limits").read_text().splitlines()
@@ -110,7 +98,7 @@ async def test_the_soft_descriptor_limit_is_raised_to_the_hard_one(
     with pdproxy_serve(tmp_path, "--node", engine.url, preexec=_with_nofile(1024, hard)) as proxy:
         await eventually(lambda: serves_m(http, proxy.url))
         assert _open_file_limit(proxy.proc.pid) == hard
-        idle = _open_idle(int(proxy.url.rsplit(":", 1)[1]), 1100)
+        idle = idle_connections(int(proxy.url.rsplit(":", 1)[1]), 1100)
         try:
             await asyncio.sleep(0.5)
             # A new client, its connection after the 1,100 others, and its request a new node connection.
@@ -137,7 +125,7 @@ async def test_a_flood_of_connections_is_refused_at_accept_and_opens_no_circuit(
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as kept:
             async with kept.post(proxy.url + CHAT, json=chat_body("m")) as r:
                 assert r.status == 200
-            idle = _open_idle(int(proxy.url.rsplit(":", 1)[1]), 400)
+            idle = idle_connections(int(proxy.url.rsplit(":", 1)[1]), 400)
             try:
                 await asyncio.sleep(0.5)
                 for _ in range(5):
@@ -167,7 +155,7 @@ async def test_running_out_of_descriptors_is_not_a_node_failure(
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as kept:
             async with kept.post(proxy.url + CHAT, json=chat_body("m")) as r:
                 assert r.status == 200
-            idle = _open_idle(int(proxy.url.rsplit(":", 1)[1]), 400)
+            idle = idle_connections(int(proxy.url.rsplit(":", 1)[1]), 400)
             try:
                 await asyncio.sleep(1.0)
                 for _ in range(4):
