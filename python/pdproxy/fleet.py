@@ -232,8 +232,7 @@ class Fleet:
     async def put_found(self, record: NodeRecord, found_by: FoundBy) -> bool:
         """Adds or updates a node a source found; returns whether it did. A node registered
         another way (by hand, or by another source) stays as it is."""
-        owner = self.found.get(record.url)
-        if self.state_of(record.url) is not None and (owner is None or owner.source != found_by.source):
+        if self.state_of(record.url) is not None and not self.owns_found(record.url, found_by.source):
             return False
         try:
             address = await self._checked_address(record.url)
@@ -250,12 +249,11 @@ class Fleet:
 
     def drop_found(self, url: str, source: str) -> bool:
         """Removes a node ``source`` found (and no one has registered since); returns whether it did."""
-        owner = self.found.get(url)
-        if owner is None or owner.source != source:
+        if not self.owns_found(url, source):
             return False
         with contextlib.suppress(NodeNotFound):
             self._remove_here(url)
-        self.found.pop(url, None)
+        self.found.pop(url, None)  # also when the node had left the table already
         return True
 
     def owns_found(self, url: str, source: str) -> bool:
