@@ -85,7 +85,10 @@ async def test_tenants_share_a_full_node_evenly_whatever_they_send(tmp_path: Pat
         start = time.monotonic()
         until = start + 6.0
         big, small = await asyncio.gather(
-            clients(http, proxy.url, "k-big", 20, until), clients(http, proxy.url, "k-small", 2, until)
+            # Each tenant keeps more requests queued than the node serves in a client's round trip,
+            # so a slow client machine cannot leave a tenant without a request waiting.
+            clients(http, proxy.url, "k-big", 40, until),
+            clients(http, proxy.url, "k-small", 4, until),
         )
         # The first second settles the queue; count what the node served after it.
         big_served = sum(1 for t in big if t > start + 1)

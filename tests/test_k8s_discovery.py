@@ -245,6 +245,7 @@ async def test_a_watch_from_a_forgotten_version_gets_410_and_lists_again(tmp_pat
         await kube.aclose()
 
 
+@pytest.mark.timeout(180)  # the outage itself lasts a minute
 async def test_the_api_server_gone_for_a_minute_loses_no_node_and_no_request(
     api: FakeKubeApi, engines: list[MockEngine], proxy: Any, http: aiohttp.ClientSession
 ) -> None:
