@@ -22,7 +22,9 @@ Modes:
 ``--examples`` pull the example command lines out of the package's own text
                (the README in the dist-info METADATA, the launcher's
                ``--help`` description, help strings and docstrings) and parse
-               each one as ``--parse`` does.
+               each one as ``--parse`` does.  For a peer laid in from its
+               repository (no wheel: lmdeploy-router), the docs its source
+               record lists take the README's place.
 
 Only the standard library and the peer package are used.  The parser is
 captured, not rebuilt: the router's ``parse_router_args`` is called with
@@ -50,6 +52,7 @@ import platform
 import re
 import shlex
 import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -138,9 +141,12 @@ ROUTERS: dict[str, dict[str, Any]] = {
             (r"vllm-router\b", "python launcher (console script)"),
         ],
     },
-    # Not on PyPI as of this writing (pip finds no distribution); laid out as
-    # lmdeploy/router/py_src/lmdeploy_router in InternLM/lmdeploy.  Kept so
-    # the same script works once a wheel is built or published.
+    # Not on PyPI as of this writing (pip finds no distribution): the package is
+    # lmdeploy/router/py_src/lmdeploy_router in InternLM/lmdeploy, laid into a
+    # venv from that source with a hand-written dist-info whose ``source_record``
+    # file names the repository, the commit of each file and the docs to read
+    # examples from (tests/fixtures/peer_parsers/README.md says how).  A real
+    # wheel, once there is one, has no such file and is read like the others.
     "lmdeploy-router": {
         "dist": "lmdeploy-router",
         "package": "lmdeploy_router",
@@ -148,15 +154,25 @@ ROUTERS: dict[str, dict[str, Any]] = {
         "args_module": "lmdeploy_router.router_args",
         "cli": None,
         "prog": "lmdeploy-router",
+        "source_record": "source.json",
         "entry_points_to_parser": [
-            "lmdeploy-router ARGS (lmdeploy_router.launch_router:main -> parse_router_args(sys.argv[1:]))",
+            "lmdeploy-router ARGS"
+            " (console script lmdeploy_router.launch_router:main -> parse_router_args(sys.argv[1:]))",
+            "python -m lmdeploy_router.launch_router ARGS",
         ],
-        "prefixed_variant": "RouterArgs.add_cli_args(parser, use_router_prefix=True, exclude_host_port=True)",
+        "prefixed_variant": (
+            "RouterArgs.add_cli_args(parser, use_router_prefix=True, exclude_host_port=True)"
+            " (no entry point of this package calls it)"
+        ),
         "heads": [
             (r"python3? -m lmdeploy_router\.launch_router\b", "python launcher"),
             (r"\./target/release/lmdeploy-router\b", "rust binary"),
-            (r"cargo run --release --", "rust binary (cargo run)"),
-            (r"lmdeploy-router\b", "python launcher (console script)"),
+            # their docs: export LMDEPLOY_ROUTER_BIN="${CARGO_TARGET_DIR}/release/lmdeploy-router"
+            (r'(?:setsid )?"?\$\{LMDEPLOY_ROUTER_BIN\}"?', "rust binary (LMDEPLOY_ROUTER_BIN, the release build)"),
+            (r"cargo run --release --bin lmdeploy-router --(?=\s|$)", "rust binary (cargo run)"),
+            (r"cargo run --release --(?=\s|$)", "rust binary (cargo run)"),
+            (r"lmdeploy-router-bin(?![\w-])", "rust binary (lmdeploy-router-bin, shipped in the wheel)"),
+            (r"lmdeploy-router(?![\w-])", "python launcher (console script)"),
         ],
     },
 }
@@ -460,6 +476,20 @@ class Peer:
         self.launch = importlib.import_module(self.spec["launch"])
         self.args_module = importlib.import_module(self.spec["args_module"])
         self.RouterArgs = self.args_module.RouterArgs
+        # A peer laid in from its repository rather than installed from a wheel:
+        # the dist-info's record says where each file came from, and the package
+        # sits at record["path"] under a copy of the repository's tree.
+        self.source: dict[str, Any] | None = None
+        self.source_root: str | None = None
+        record = self.spec.get("source_record")
+        text = self.dist.read_text(record) if record else None
+        if text:
+            self.source = json.loads(text)
+            package_dir = os.path.dirname(importlib.import_module(self.spec["package"]).__file__ or "")
+            suffix = "/" + self.source["path"].strip("/")
+            if not package_dir.endswith(suffix):
+                raise PeerMissing(f"{self.spec['package']} is at {package_dir}, not under {self.source['path']}")
+            self.source_root = package_dir[: -len(suffix)]
 
     @property
     def version(self) -> str:
@@ -468,10 +498,20 @@ class Peer:
     def site_relative(self, path: str | None) -> str | None:
         if not path:
             return path
+        if self.source_root and path.startswith(self.source_root + "/"):
+            return path[len(self.source_root) + 1 :]  # the path in the peer's repository
         for base in sys.path:
             if base and path.startswith(base.rstrip("/") + "/"):
                 return path[len(base.rstrip("/")) + 1 :]
         return path
+
+    def docs(self) -> Iterator[tuple[str, str]]:
+        """(path in the repository, text) of each doc the source record lists."""
+        if self.source is None or self.source_root is None:
+            return
+        for path in self.source.get("docs", {}):
+            with open(os.path.join(self.source_root, path), encoding="utf-8") as f:
+                yield path, f.read()
 
     def build_launch_parser(self) -> argparse.ArgumentParser:
         with program_name(self.spec["prog"]):
@@ -585,7 +625,12 @@ def config_fields(peer: Peer, launch_parser: argparse.ArgumentParser) -> dict[st
             default = jsonable(f.default_factory())
         else:
             default = "<required>"
-        annotation = f.type if isinstance(f.type, str) else _type_name(f.type) or repr(f.type)
+        if isinstance(f.type, str):
+            annotation = f.type
+        elif isinstance(f.type, (types.GenericAlias, types.UnionType)):
+            annotation = repr(f.type)  # list[str], str | None: as written (smg's are strings already)
+        else:
+            annotation = _type_name(f.type) or repr(f.type)
         fields.append({"name": f.name, "type": annotation, "default": default})
     dests = {a.dest for a in launch_parser._actions if a.option_strings and a.dest != "help"}
     names = {f["name"] for f in fields}
@@ -631,6 +676,15 @@ def dump(peer: Peer) -> dict[str, Any]:
         "parser": describe_parser(launch_parser, unordered_choices=tuple(peer.spec.get("unordered_choices", ()))),
         "config_object": config_fields(peer, launch_parser),
     }
+    if peer.source is not None:
+        out["source"] = {
+            **peer.source,
+            "note": (
+                "not a distribution from a package index: the package's files were laid into the venv"
+                " from this repository at these commits, with a dist-info written by hand (its version"
+                " from version.py, its console script from pyproject.toml)"
+            ),
+        }
     cli_parser = peer.build_cli_parser()
     if cli_parser is not None:
         out["cli"] = {
@@ -658,13 +712,22 @@ def dump(peer: Peer) -> dict[str, Any]:
 # --------------------------------------------------------------------------
 
 _CONT = re.compile(r"\s*\\\s*(#.*)?$")
+#: A word where the shell takes over from the program: a redirection, a pipe, a list or background
+#: operator (their docs start the router as ``... > router.log 2>&1 < /dev/null &``).
+_SHELL_OPERATOR = re.compile(r"\d*(?:>>?|<)(?:&\d+)?|&&?|\|\|?|;")
 
 
 def _text_sources(peer: Peer, launch_parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, bool]]:
     """(source label, text, only_fenced_code) for each piece of package text."""
-    meta = peer.dist.read_text("METADATA") or ""
-    dist_info = f"{peer.dist.metadata['Name'].replace('-', '_')}-{peer.version}.dist-info/METADATA"
-    yield f"{dist_info} (README)", meta, True
+    if peer.source is not None:
+        # laid in from the repository: its docs, by their paths there (the
+        # hand-written METADATA carries no README)
+        for path, text in peer.docs():
+            yield path, text, True
+    else:
+        meta = peer.dist.read_text("METADATA") or ""
+        dist_info = f"{peer.dist.metadata['Name'].replace('-', '_')}-{peer.version}.dist-info/METADATA"
+        yield f"{dist_info} (README)", meta, True
     launch_file = peer.site_relative(peer.launch.__file__)
     if launch_parser.description:
         yield f"{launch_file}: parse_router_args description (--help text)", launch_parser.description, False
@@ -764,11 +827,17 @@ def extract_examples(peer: Peer) -> list[dict[str, Any]]:
             argv = shlex.split(command, comments=True)
         except ValueError:
             return
+        tail = next((i for i, w in enumerate(argv) if _SHELL_OPERATOR.fullmatch(w)), None)
+        if tail is not None:
+            notes = [*notes, f"the shell's {' '.join(argv[tail:])!r} after the command is not the router's: dropped"]
+            argv = argv[:tail]
         rest = argv[len(launcher_words) :]
         if not rest or any(re.fullmatch(r"\[.*\]|ARGS|\.\.\.|…", w) for w in rest):
             return  # a usage placeholder, not an example
         if rest in (["--version"], ["-V"], ["--version-verbose"]):
             return  # answered before (Python CLI) or outside (Rust binary) the router parser
+        if rest in (["--help"], ["-h"]):
+            return  # argparse prints the usage and exits: no configuration to record
         key = tuple(argv)
         if key in by_argv:
             by_argv[key].setdefault("also_found_in", []).append(source)

@@ -4,6 +4,8 @@
 #     apt-get): Debian's chromium and chromium-driver (the dashboard's browser test) and
 #     redis-server (the replicas' tests start their own on free ports);
 #   - pdproxy with its test extras (pip install ".[test]": builds the Rust extension, release);
+#   - the peer routers' packages, one virtual environment each (scripts/peer_venvs.sh), whose
+#     parsers the command-line takeover is checked against;
 #   - `make test` (pytest; arguments are passed on), then `make test-rust` (cargo test: the data
 #     plane without Python, and the benchmarks' load generator).
 # Prerequisites it checks: Python >= 3.11 ($PYTHON, else python3) and cargo (Rust >= 1.85).
@@ -36,6 +38,8 @@ fi
 
 "$PYTHON" -m pip install --quiet ".[test]" \
   || fail "pip could not install pdproxy; inside a virtual environment it can: $PYTHON -m venv .venv && . .venv/bin/activate"
+# The peer routers' own parsers, from PyPI, which the command-line takeover is tested against.
+PYTHON="$PYTHON" scripts/peer_venvs.sh
 # The Makefile's targets: the one place the test commands are written.
 make --no-print-directory test PYTHON="$PYTHON" PYTEST_ARGS="$*"
 make --no-print-directory test-rust

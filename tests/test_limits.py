@@ -125,7 +125,8 @@ async def test_unhealthy_draining_and_sleeping_nodes_take_nothing(engine: MockEn
             router.set_node_state("http://127.0.0.1:1", "healthy")
 
 
-async def test_session_affinity_sticks_to_one_node(engine: MockEngine) -> None:
+@pytest.mark.parametrize("header", [b"x-session-id", b"x-smg-routing-key", b"x-user-id"])
+async def test_session_affinity_sticks_to_one_node(engine: MockEngine, header: bytes) -> None:
     async with MockEngine(model="m") as other, pdproxy.Router(policy="consistent_hash") as router:
         router.add_node(engine.url, ["m"])
         router.add_node(other.url, ["m"])
@@ -133,7 +134,7 @@ async def test_session_affinity_sticks_to_one_node(engine: MockEngine) -> None:
             served = set()
             for _ in range(5):
                 response = await router.forward(
-                    "/v1/chat/completions", body(), headers=[(b"x-session-id", key.encode())]
+                    "/v1/chat/completions", body(), headers=[(header, key.encode())]
                 )
                 served.add(response.node)
                 await drain(response)

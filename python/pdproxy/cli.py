@@ -175,10 +175,45 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
     ctx.default_map = {**(ctx.default_map or {}), **values}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+class _Main(click.Group):
+    """`pdproxy`: its commands, and a peer router's command line given to it whole
+    (``pdproxy --worker-urls ...``), which the hidden ``takeover`` command reads."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0].startswith("--") and args[0] not in ("--help", "--version"):
+            args = ["takeover", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(__version__, prog_name="pdproxy")
 def main() -> None:
-    """pdproxy: a proxy and router for fleets of OpenAI-compatible LLM inference servers."""
+    """pdproxy: a proxy and router for fleets of OpenAI-compatible LLM inference servers.
+
+    The command lines of sglang-router, smg (smg launch), vllm-router and lmdeploy-router also
+    start it, program name changed: pdproxy --worker-urls ... (see pdproxy --as-router NAME --help).
+    """
+
+
+_PEER_LINE = {"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []}
+
+
+@main.command("takeover", hidden=True, context_settings=_PEER_LINE)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def takeover(args: tuple[str, ...]) -> None:
+    """A peer router's command line, program name changed."""
+    from .peers.command import take_over
+
+    take_over(list(args), None)
+
+
+@main.command("launch", context_settings=_PEER_LINE)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def launch(args: tuple[str, ...]) -> None:
+    """An `smg launch` command line, program name changed: pdproxy launch --worker-urls ..."""
+    from .peers.command import take_over
+
+    take_over(list(args), "smg")
 
 
 def _keys_on_the_command_line(context: click.Context, settings: Settings) -> list[tuple[str, str]]:

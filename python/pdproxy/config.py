@@ -42,7 +42,7 @@ __all__ = ["ENV_PREFIX", "GROUPS", "LOG_LEVELS", "Settings", "defaults", "load_t
 
 ENV_PREFIX = "PDPROXY_"
 #: Settings that hold key material: never printed or logged.
-SECRET_FIELDS = ("api_keys", "admin_keys", "otlp_headers")
+SECRET_FIELDS = ("api_keys", "admin_keys", "otlp_headers", "node_api_key")
 
 #: Log levels by every name LMDeploy's `--log-level` takes, as pdproxy (and granian) name them.
 LOG_LEVELS = {
@@ -815,6 +815,13 @@ class SecuritySettings(SettingsGroup):
         "",
         "CA certificates (PEM) that https:// nodes are verified against (empty: the system's roots).",
     )
+    node_api_key: str = _setting(
+        "",
+        (
+            "Key sent as `Authorization: Bearer` to every node that has none of its own (--node without api_key=,"
+            " nodes found in Kubernetes or DNS, added by /add_worker or /nodes/add); the peers' --api-key."
+        ),
+    )
     allow_origins: Several = _setting(
         ("*",),
         (
@@ -1030,7 +1037,8 @@ class Settings(
         ``settings_checks.redacted``)."""
         out = self.model_dump(mode="json")
         for name in SECRET_FIELDS:
-            out[name] = ["<hidden>"] * len(out[name])
+            value = out[name]
+            out[name] = ["<hidden>"] * len(value) if isinstance(value, list) else "<hidden>" if value else ""
         return out
 
     @classmethod

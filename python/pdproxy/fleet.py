@@ -150,6 +150,7 @@ class Fleet:
         """Adds a node, or updates (and renews the lease of) a registered one. Returns its URL
         and whether it is new; a node without models is asked for them first (``discover``).
         A node a source found becomes one added by hand."""
+        record = self._keyed(record)
         address = await self._checked_address(record.url)
         created = self.state_of(record.url) is None
         self.found.pop(record.url, None)
@@ -222,6 +223,12 @@ class Fleet:
         self.router.refresh_bindings()
         self._save()
 
+    def _keyed(self, record: NodeRecord) -> NodeRecord:
+        """``record`` with the key every node without its own is sent (``--node-api-key``)."""
+        if record.api_key is None and self.settings.node_api_key:
+            return record.model_copy(update={"api_key": self.settings.node_api_key})
+        return record
+
     def _record_of(self, url: str) -> NodeRecord | None:
         """The record of the registered node ``url`` (what it declared), if any."""
         try:
@@ -232,6 +239,7 @@ class Fleet:
     async def put_found(self, record: NodeRecord, found_by: FoundBy) -> bool:
         """Adds or updates a node a source found; returns whether it did. A node registered
         another way (by hand, or by another source) stays as it is."""
+        record = self._keyed(record)
         if self.state_of(record.url) is not None and not self.owns_found(record.url, found_by.source):
             return False
         try:

@@ -375,13 +375,14 @@ impl Engine {
     }
 }
 
-/// The affinity key of a request: the `x-session-id` or `x-user-id` header, else the body's
-/// `session_id` or `user`.
+/// The affinity key of a request: the `x-smg-routing-key` (the SGLang gateway's), `x-session-id`
+/// or `x-user-id` header, else the body's `session_id` or `user`.
 pub fn affinity<'a>(headers: &'a HeaderMap, info: &'a RequestInfo<'_>) -> Option<&'a str> {
+    static ROUTING_KEY: http::HeaderName = http::HeaderName::from_static("x-smg-routing-key");
     static SESSION: http::HeaderName = http::HeaderName::from_static("x-session-id");
     static USER: http::HeaderName = http::HeaderName::from_static("x-user-id");
     let header = |name: &http::HeaderName| headers.get(name).and_then(|v| v.to_str().ok());
-    header(&SESSION).or_else(|| header(&USER)).or(info.body_affinity())
+    header(&ROUTING_KEY).or_else(|| header(&SESSION)).or_else(|| header(&USER)).or(info.body_affinity())
 }
 
 /// Ends the admission span (when traced).
