@@ -133,9 +133,7 @@ async def test_session_affinity_sticks_to_one_node(engine: MockEngine, header: b
         for key in ("alice", "bob", "carol"):
             served = set()
             for _ in range(5):
-                response = await router.forward(
-                    "/v1/chat/completions", body(), headers=[(header, key.encode())]
-                )
+                response = await router.forward("/v1/chat/completions", body(), headers=[(header, key.encode())])
                 served.add(response.node)
                 await drain(response)
             assert len(served) == 1, key

@@ -444,8 +444,10 @@ def _startable(router: str) -> list[dict[str, Any]]:
     [
         pytest.param(
             r,
-            # Work in progress (issue 28): known to fail, not yet diagnosed; say so until it passes.
-            marks=pytest.mark.xfail(reason="issue 28 in progress: starting the documented lines fails, undiagnosed"),
+            # Work in progress (issue 28): a Kubernetes line without a cluster makes pdproxy exit 2.
+            marks=pytest.mark.xfail(
+                reason="issue 28: the Kubernetes doc lines exit 2 without a cluster; SMG documents 4 whole lines"
+            ),
         )
         for r in ROUTERS
     ],
