@@ -253,6 +253,9 @@ async def test_the_api_server_gone_for_a_minute_loses_no_node_and_no_request(
     engine_pod(api, "a", a)
     engine_pod(api, "b", b)
     await eventually(lambda: nodes_are(http, proxy, {a.url, b.url}), what="two nodes")
+    # Found is not yet routable: a node serves once its first check has read its models.
+    await eventually(lambda: routable(http, proxy, a.url), what="a's models")
+    await eventually(lambda: routable(http, proxy, b.url), what="b's models")
     await api.go_down()
     failures = []
     deadline = time.monotonic() + 60
