@@ -126,3 +126,48 @@ async def test_readiness_without_a_healthy_worker_is_503(tmp_path: Path, http: a
             assert r.status == 503
             body = await r.json()
         assert body == {"status": "not_ready", "reason": "no healthy workers available", "total_workers": 0}
+
+
+async def test_health_generate_asks_a_healthy_node_to_generate(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    # SGLang's engine answers its own /health_generate; vLLM's has none and gets one token.
+    async with MockEngine(model="m", metrics_dialect="sglang") as sglang, MockEngine(model="m") as vllm:
+        for engine, generated in ((sglang, 0), (vllm, 1)):
+            with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+                await eventually(lambda: ready(http, proxy.url), what="a healthy node")
+                async with http.get(proxy.url + "/health_generate") as r:
+                    assert r.status == 200, await r.text()
+                    assert (await r.json())["status"] == "ok"
+                async with http.get(engine.url + "/mock/requests") as r:
+                    completions = [c for c in await r.json() if c["path"] == "/v1/completions"]
+                assert len(completions) == generated
+                if completions:
+                    assert completions[0]["body"]["max_tokens"] == 1
+
+
+async def test_health_generate_is_503_when_no_node_can_generate(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    with pdproxy_serve(tmp_path) as proxy:
+        async with http.get(proxy.url + "/health_generate") as r:
+            assert r.status == 503
+            assert "no healthy node" in (await r.json())["error"]["message"]
+    async with MockEngine(model="m", fault="status=500") as broken:
+        with pdproxy_serve(tmp_path, "--node", broken.url) as proxy:
+            await eventually(lambda: ready(http, proxy.url), what="the node healthy (its /health is fine)")
+            async with http.get(proxy.url + "/health_generate") as r:
+                assert r.status == 503
+                error = (await r.json())["error"]
+            assert "1 tried" in error["message"]
+            assert broken.url not in error["message"], "an open probe names no node address"
+
+
+async def test_finish_session_is_answered_as_vllm_router_does(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    with pdproxy_serve(tmp_path) as proxy:
+        async with http.post(proxy.url + "/finish_session", params={"session_id": "chat-7"}) as r:
+            assert r.status == 200
+            assert (await r.json())["session_id"] == "chat-7"
+        async with http.post(proxy.url + "/finish_session", json={"session_id": "chat-8"}) as r:
+            assert (r.status, (await r.json())["session_id"]) == (200, "chat-8")
+        async with http.post(proxy.url + "/finish_session") as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "session_id"
+        async with http.post(proxy.url + "/finish_session", json={"session_id": 7}) as r:
+            assert r.status == 400

@@ -23,9 +23,10 @@ from .metrics import CONTENT_TYPE, render
 from .metrics_listener import MetricsListener
 from .nodes_api import ROUTES
 from .openapi import schema
+from .peer_routes import health_generate as peer_health_generate
 from .peer_routes import readiness as peer_readiness
 from .responses import JSON_HEADERS, header, send_error, send_json, send_text
-from .route_table import PlainText
+from .route_table import PlainText, WithHeaders, template_of, templates
 from .router import Router
 from .supervisor import Supervisor
 from .tenants import usage as tenant_usage
@@ -75,6 +76,8 @@ class ProxyApp:
         self._admin = {(route.method, route.path): route for route in ROUTES}
         self._metrics_listener: MetricsListener | None = None
         self._admin_paths = {route.path for route in ROUTES}
+        #: The routes with a parameter in their path (`/workers/{worker_id}`), by prefix.
+        self._templates = templates(ROUTES)
 
     async def startup(self) -> None:
         await self.supervisor.start()
@@ -138,7 +141,8 @@ class ProxyApp:
             supervisor.drain()
             await send_json(send, 202, {"status": "draining", "in_flight": supervisor.in_flight})
             return
-        route = self._admin.get((method, path))
+        route_path = template_of(path, self._templates)
+        route = self._admin.get((method, route_path))
         if route is not None:
             if route.path == "/nodes/add":
                 self.keys.check_registration(scope["headers"], (scope.get("client") or (None,))[0])
@@ -148,10 +152,15 @@ class ProxyApp:
             if isinstance(answer, PlainText):
                 await send_text(send, status, answer.text)
                 return
-            await send_json(send, status, answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer)
+            headers = JSON_HEADERS
+            if isinstance(answer, WithHeaders):
+                headers = [*JSON_HEADERS, *((name.encode(), value.encode()) for name, value in answer.headers)]
+                answer = answer.answer
+            payload = answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer
+            await send_json(send, status, payload, headers)
             return
-        if path in self._admin_paths or path in INFERENCE_PATHS:
-            raise MethodNotAllowed(f"{method} is not allowed on {path}")
+        if route_path in self._admin_paths or path in INFERENCE_PATHS:
+            raise MethodNotAllowed(f"{method} is not allowed on {route_path}")
         if (method, path) == ("HEAD", "/health"):  # load balancers' liveness probes
             await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
             await send({"type": "http.response.body", "body": b""})
@@ -175,6 +184,8 @@ class ProxyApp:
             await send_text(send, 200, "OK")
         elif path == "/readiness":
             await send_json(send, *peer_readiness(fleet))
+        elif path == "/health_generate":  # the peers' probe: can a healthy node generate
+            await send_json(send, *await peer_health_generate(fleet))
         elif path == "/dashboard":  # a static page: its data is what the keys guard
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/html")]})
             await send({"type": "http.response.body", "body": dashboard.PAGE})

@@ -36,6 +36,7 @@ from .pd.lmdeploy import DistServe
 from .peer_routes import PEER_ROUTES
 from .responses import read_json
 from .route_table import Route
+from .workers_api import WORKERS_ROUTES
 
 #: Management request bodies are small.
 BODY_LIMIT = 64 << 10
@@ -239,4 +240,5 @@ ROUTES: tuple[Route, ...] = (
         {200: "Links and ledger", 404: "DistServe is off"},
     ),
     *PEER_ROUTES,
+    *WORKERS_ROUTES,
 )

@@ -88,8 +88,13 @@ async def read_body(receive: HTTPReceive, limit: int, declared: bytes | None) ->
 
 
 async def read_json(scope: HTTPScope, receive: HTTPReceive, limit: int) -> JsonValue:
+    return parse_json(scope, await read_body(receive, limit, header(scope, b"content-length")))
+
+
+def parse_json(scope: HTTPScope, body: bytes) -> JsonValue:
+    """``body`` read as the JSON its content type must declare (or leave undeclared); ``None``
+    when it is empty."""
     require_json(scope)
-    body = await read_body(receive, limit, header(scope, b"content-length"))
     if not body.strip():
         return None
     try:

@@ -2,9 +2,10 @@
 
 It serves ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions`` (streaming and not,
 with ``usage``, ``finish_reason`` and ``data: [DONE]``), ``/health`` and ``/terminate`` as
-LMDeploy does, and a few ``/mock/*`` endpoints that let tests observe and steer it: what it
-received, how many streams the client abandoned, its health state. Output is deterministic
-(see ``generation``) and faults are injectable per process or per request (see ``faults``).
+LMDeploy does (and ``/health_generate`` when it plays SGLang), and a few ``/mock/*`` endpoints
+that let tests observe and steer it: what it received, how many streams the client abandoned,
+its health state. Output is deterministic (see ``generation``) and faults are injectable per
+process or per request (see ``faults``).
 """
 
 from __future__ import annotations
@@ -803,6 +804,18 @@ async def _health(request: web.Request) -> web.StreamResponse:
     return await _misbehaving(request, state.health_body, payload, status)
 
 
+async def _health_generate(request: web.Request) -> web.Response:
+    """SGLang's ``GET /health_generate``: 200 (no body) when the engine can generate, 503 when it
+    cannot; a process-wide injected status is what its generation answers."""
+    state = request.app[STATE]
+    if state.health != "healthy":
+        return _error(503, f"the engine is {state.health}", "engine_unavailable", "service_unavailable")
+    if state.faults.status is not None:
+        status = state.faults.status
+        return _error(status, f"injected fault: status {status}", "mock_fault", "server_error")
+    return web.Response()
+
+
 #: The size of a `huge` answer (a misbehaving node's).
 HUGE_ANSWER = 64 << 20
 
@@ -1090,6 +1103,8 @@ def build_app(settings: MockSettings) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/health", _health)
+    if settings.metrics_dialect == "sglang":  # vLLM and LMDeploy have no such route
+        app.router.add_get("/health_generate", _health_generate)
     app.router.add_get("/terminate", _terminate)
     app.router.add_get("/mock/stats", _mock_stats)
     app.router.add_post("/flush_cache", _flush_cache)
