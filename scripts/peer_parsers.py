@@ -53,7 +53,8 @@ import re
 import shlex
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 JSON = Any  # what json.dump takes
@@ -717,8 +718,17 @@ _CONT = re.compile(r"\s*\\\s*(#.*)?$")
 _SHELL_OPERATOR = re.compile(r"\d*(?:>>?|<)(?:&\d+)?|&&?|\|\|?|;")
 
 
-def _text_sources(peer: Peer, launch_parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, bool]]:
-    """(source label, text, only_fenced_code) for each piece of package text."""
+def _text_sources(
+    peer: Peer, launch_parser: argparse.ArgumentParser, repo_docs: Sequence[tuple[str, Path]] = ()
+) -> Iterator[tuple[str, str, bool]]:
+    """(source label, text, only_fenced_code) for each piece of package text, then each file of
+    ``repo_docs`` (label, path): the router's repository documents lines its package does not."""
+    yield from _package_sources(peer, launch_parser)
+    for label, path in repo_docs:
+        yield label, path.read_text(), path.suffix == ".md"
+
+
+def _package_sources(peer: Peer, launch_parser: argparse.ArgumentParser) -> Iterator[tuple[str, str, bool]]:
     if peer.source is not None:
         # laid in from the repository: its docs, by their paths there (the
         # hand-written METADATA carries no README)
@@ -801,7 +811,7 @@ def _changed(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in after.items() if k not in before or before[k] != v}
 
 
-def extract_examples(peer: Peer) -> list[dict[str, Any]]:
+def extract_examples(peer: Peer, repo_docs: Sequence[tuple[str, Path]] = ()) -> list[dict[str, Any]]:
     launch_parser = peer.build_launch_parser()
     heads = [(re.compile(r"^\s*" + pattern), kind) for pattern, kind in peer.spec["heads"]]
     found: list[dict[str, Any]] = []
@@ -867,7 +877,7 @@ def extract_examples(peer: Peer) -> list[dict[str, Any]]:
         by_argv[key] = entry
         found.append(entry)
 
-    for source, text, fenced_only in _text_sources(peer, launch_parser):
+    for source, text, fenced_only in _text_sources(peer, launch_parser, repo_docs):
         if fenced_only:
             for start, block in _fenced_blocks(text):
                 for number, command, notes in _commands(block, start):
@@ -906,7 +916,21 @@ def main(argv: list[str] | None = None) -> int:
         help="parse the words after --parse (a leading -- is dropped) with the router's own parser; must come last",
     )
     mode.add_argument("--examples", action="store_true", help="extract and parse the package's example command lines")
+    parser.add_argument(
+        "--repo-doc",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="with --examples: a file of the router's repository to take lines from too (a README, the Rust "
+        "binary's main.rs), labelled LABEL (repo@commit:path); .md files give their fenced code only",
+    )
     args = parser.parse_args(argv)
+    repo_docs = []
+    for item in args.repo_doc:
+        label, _, path = item.partition("=")
+        if not path:
+            parser.error(f"--repo-doc takes LABEL=PATH, got {item!r}")
+        repo_docs.append((label, Path(path)))
 
     try:
         peer = Peer(args.router)
@@ -921,7 +945,7 @@ def main(argv: list[str] | None = None) -> int:
         emit(result)
         return 0 if result.get("ok") else 1
     if args.examples:
-        emit(extract_examples(peer))
+        emit(extract_examples(peer, repo_docs))
         return 0
     emit(dump(peer))
     return 0

@@ -29,19 +29,8 @@ CHAT = "/v1/chat/completions"
 ONE_SECOND = 1.0
 
 
-def kubeconfig(path: Path, api: FakeKubeApi, *, token_file: Path | None = None, namespace: str = NS) -> Path:
-    """A kubeconfig for the fake (JSON is YAML too)."""
-    user: dict[str, str] = {"tokenFile": str(token_file)} if token_file else {"token": api.token}
-    config = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
-        "users": [{"name": "pdproxy", "user": user}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "pdproxy", "namespace": namespace}}],
-        "current-context": "fake",
-    }
-    path.write_text(json.dumps(config))
-    return path
+def kubeconfig(path: Path, api: FakeKubeApi, *, token_file: Path | None = None) -> Path:
+    return api.write_kubeconfig(path, namespace=NS, token_file=token_file)
 
 
 def engine_pod(api: FakeKubeApi, name: str, engine: MockEngine, *, ready: bool = True, **extra: Any) -> None:

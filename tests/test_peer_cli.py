@@ -9,21 +9,27 @@ recorded from its source in the lmdeploy repository."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.util
 import json
 import os
 import re
+import ssl
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme
 
 from pdproxy.peers import ROUTERS, Plan, Refused, read, table, whose
 from pdproxy.peers.flags import Flag
 from pdproxy.peers.rules import rule_of
+from pdproxy.testing.fake_kube import FakeKubeApi
 from servers import free_port, get_json, run_process
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +37,8 @@ FIXTURES = ROOT / "tests" / "fixtures" / "peer_parsers"
 PEERS = ROOT / "bench" / ".peers"
 #: The routers whose parsers install from PyPI (scripts/peer_venvs.sh).
 ON_PYPI = ("sglang-router", "smg", "vllm-router")
+#: The source label of a line taken from the router's repository (owner/name@commit:path).
+FROM_REPOSITORY = re.compile(r"[\w.-]+/[\w.-]+@[0-9a-f]{40}:")
 
 
 def examples(router: str) -> list[dict[str, Any]]:
@@ -95,10 +103,17 @@ def test_the_installed_parsers_are_the_dumped_ones(router: str) -> None:
     version = live["distribution"]["version"]
     recorded = json.loads((FIXTURES / f"{router}-{version}.json").read_text())
     assert live["parser"] == recorded["parser"]
+    recorded_examples = json.loads((FIXTURES / f"{router}-examples.json").read_text())
+    packaged = [e for e in recorded_examples if not FROM_REPOSITORY.match(e["source"])]
     live_examples = _run_dump(router, "--examples")
-    assert [e["parsed"] for e in live_examples] == [
-        e["parsed"] for e in json.loads((FIXTURES / f"{router}-examples.json").read_text())
-    ], "their parser reads their documented lines as recorded"
+    assert [e["parsed"] for e in live_examples] == [e["parsed"] for e in packaged], (
+        "their parser reads the lines of their package's docs as recorded"
+    )
+    # Lines from their repository's docs (not in the package): their argv read again.
+    for entry in recorded_examples:
+        if FROM_REPOSITORY.match(entry["source"]):
+            live = _run_dump(router, "--parse", "--", *peer_words(entry))
+            assert live["config"] == entry["parsed"]["config"], entry["source"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,7 +354,10 @@ def _discovery(config: dict[str, Any], plan: Plan) -> None:
 
 #: Each dest a documented line may give: how pdproxy's plan must agree with their config.
 AGREES: dict[str, Check] = {
-    "worker_urls": lambda c, p: _expect(_workers(p, "hybrid") == [(u, None) for u in c["worker_urls"]]),
+    # A comma-joined value (in lmdeploy-router's docs) is its URLs, which its parser keeps as one.
+    "worker_urls": lambda c, p: _expect(
+        _workers(p, "hybrid") == [(u, None) for joined in c["worker_urls"] for u in joined.split(",")]
+    ),
     # (URL, bootstrap port) pairs, or URLs alone (lmdeploy-router's --prefill takes no port).
     "prefill": lambda c, p: _expect(
         _workers(p, "prefill") == [(u, None) if isinstance(u, str) else tuple(u) for u in c["prefill_urls"]]
@@ -439,47 +457,85 @@ def _startable(router: str) -> list[dict[str, Any]]:
     return [e for e in examples(router) if e["launcher"] and not _refused(router, e)]
 
 
-@pytest.mark.parametrize(
-    "router",
-    [
-        pytest.param(
-            r,
-            # Work in progress (issue 28): a Kubernetes line without a cluster makes pdproxy exit 2.
-            marks=pytest.mark.xfail(
-                reason="issue 28: the Kubernetes doc lines exit 2 without a cluster; SMG documents 4 whole lines"
-            ),
-        )
-        for r in ROUTERS
-    ],
-)
-def test_five_documented_lines_of_each_router_start_pdproxy(tmp_path: Path, router: str) -> None:
+@contextlib.contextmanager
+def fake_cluster(tmp_path: Path) -> Iterator[Path]:
+    """A fake Kubernetes API server (pdproxy.testing.fake_kube) on a loop of its own thread, for
+    the documented lines that discover their workers in a cluster; yields its kubeconfig."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    api = FakeKubeApi()
+    asyncio.run_coroutine_threadsafe(api.come_up(), loop).result(timeout=10)
+    try:
+        yield api.write_kubeconfig(tmp_path / "kubeconfig")
+    finally:
+        asyncio.run_coroutine_threadsafe(api.go_down(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_five_documented_lines_of_each_router_start_pdproxy(
+    tmp_path: Path, router: str, certificates: dict[str, Path]
+) -> None:
     lines = _startable(router)
-    assert len(lines) >= 5, f"{router}: {len(lines)} documented lines pdproxy takes"
     seen: set[tuple[str, ...]] = set()
     started = 0
-    for entry in lines:
-        words = peer_words(entry)
-        if tuple(words) in seen:  # the same line for the Rust binary and the Python launcher
-            continue
-        seen.add(tuple(words))
-        _start(tmp_path, router, entry)
-        started += 1
-    assert started >= 5, f"{router}: {started} distinct documented lines"
+    with fake_cluster(tmp_path) as config:
+        for entry in lines:
+            words = peer_words(entry)
+            if tuple(words) in seen:  # the same line for the Rust binary and the Python launcher
+                continue
+            seen.add(tuple(words))
+            _start(tmp_path, router, entry, config, certificates)
+            started += 1
+    assert started >= 5, f"{router}: {started} distinct documented lines pdproxy takes"
 
 
-def _start(tmp_path: Path, router: str, entry: dict[str, Any]) -> None:
-    words = peer_words(entry)
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Files for the documented lines' placeholder paths (/path/to/server.crt): a throwaway CA,
+    and a server certificate for 127.0.0.1 that it signed."""
+    where = tmp_path_factory.mktemp("certs")
+    authority = trustme.CA()
+    server = authority.issue_cert("127.0.0.1")
+    files = {"ca": where / "ca.pem", "crt": where / "server.crt", "key": where / "server.key"}
+    authority.cert_pem.write_to_path(str(files["ca"]))
+    server.cert_chain_pems[0].write_to_path(str(files["crt"]))
+    server.private_key_pem.write_to_path(str(files["key"]))
+    return files
+
+
+def _with_files(words: list[str], certificates: dict[str, Path]) -> list[str]:
+    """The line with its certificate paths (placeholders here) replaced by real files."""
+    out = []
+    for word in words:
+        name = Path(word).name
+        if word.startswith("/") and name.endswith((".crt", ".key", ".pem")):
+            kind = "key" if name.endswith(".key") else "ca" if name.startswith("ca") else "crt"
+            word = str(certificates[kind])
+        out.append(word)
+    return out
+
+
+def _start(tmp_path: Path, router: str, entry: dict[str, Any], kubeconfig: Path, certificates: dict[str, Path]) -> None:
+    words = _with_files(peer_words(entry), certificates)
     program = ["launch"] if router == "smg" else []
     if router != "smg" and whose(words) != router:
         program = ["--as-router", router]  # a line another router's parser reads as well
     port, metrics = free_port(), free_port()
     # The documented line, then where this test serves it (the last of a repeated flag wins).
     args = [*program, *words, "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(metrics)]
-    url = f"http://127.0.0.1:{port}"
-    env = {"PDPROXY_EDGE": os.environ.get("PDPROXY_EDGE", "rust"), "KUBECONFIG": str(tmp_path / "none")}
-    with run_process(args, url, "/liveness", str(tmp_path / f"{router}-{port}.log"), env=env) as proxy:
-        plan = read(words, router)
-        status = get_json(url + "/nodes/status")
+    plan = read(words, router)
+    tls = None
+    if plan.settings.get("ssl"):
+        tls = ssl.create_default_context(cafile=str(certificates["ca"]))
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    env = {"PDPROXY_EDGE": os.environ.get("PDPROXY_EDGE", "rust"), "KUBECONFIG": str(kubeconfig)}
+    log_path = str(tmp_path / f"{router}-{port}.log")
+    with run_process(args, url, "/liveness", log_path, env=env, tls=tls) as proxy:
+        status = get_json(url + "/nodes/status", context=tls)
         log = proxy.log()
         for worker in plan.workers:
             if worker.url.rstrip("/") in status:
@@ -489,11 +545,15 @@ def _start(tmp_path: Path, router: str, entry: dict[str, Any]) -> None:
             else:
                 # A documented host that does not resolve here (worker1, prefill1): tried, not added.
                 assert f"node {worker.url} not added" in log, (worker, log[-2000:])
-        assert "# TYPE" in _text(f"http://127.0.0.1:{metrics}/metrics"), "the metrics listener serves /metrics"
+        metrics_url = f"{'https' if tls else 'http'}://127.0.0.1:{metrics}/metrics"
+        assert "# TYPE" in _text(metrics_url, tls), "the metrics listener serves /metrics"
+        if "k8s_selector" in plan.settings:
+            discovery = get_json(url + "/health", context=tls)["discovery"]
+            assert "kubernetes" in discovery, discovery
 
 
-def _text(url: str) -> str:
+def _text(url: str, tls: ssl.SSLContext | None = None) -> str:
     import urllib.request
 
-    with urllib.request.urlopen(url, timeout=5) as response:
+    with urllib.request.urlopen(url, timeout=5, context=tls) as response:
         return str(response.read().decode())

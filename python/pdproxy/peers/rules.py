@@ -120,7 +120,16 @@ _POLICY_SAYS = "its pdproxy policy: " + "; ".join(
 
 
 def _urls(plan: Plan, flag: str, value: object) -> None:
-    for url in (str(item) for item in _items(value)):
+    for item in (str(item) for item in _items(value)):
+        # lmdeploy-router's docs write `--worker-urls A,B`, which its parser keeps as one URL.
+        urls = [url.strip() for url in item.split(",") if url.strip()]
+        if len(urls) > 1:
+            plan.note(flag, f"{item!r} is read as {len(urls)} URLs (its parser keeps it as one, which no worker has)")
+        _hybrids(plan, flag, urls)
+
+
+def _hybrids(plan: Plan, flag: str, urls: list[str]) -> None:
+    for url in urls:
         scheme = url.partition("://")[0].lower() if "://" in url else ""
         if scheme not in ("", "http", "https"):
             raise Refused(

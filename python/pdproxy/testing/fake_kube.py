@@ -31,6 +31,7 @@ import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, TypeVar
 
 from aiohttp import web
@@ -623,6 +624,21 @@ class FakeKubeApi:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def write_kubeconfig(self, path: Path, *, namespace: str = "default", token_file: Path | None = None) -> Path:
+        """Writes a kubeconfig for this server at ``path`` (JSON, which is YAML too): its URL, its
+        token (or ``token_file``, to rotate it) and ``namespace`` as the context's."""
+        user: dict[str, str] = {"tokenFile": str(token_file)} if token_file else {"token": self.token}
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+            "users": [{"name": "pdproxy", "user": user}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "pdproxy", "namespace": namespace}}],
+            "current-context": "fake",
+        }
+        path.write_text(json.dumps(config))
+        return path
 
     @property
     def resource_version(self) -> str:
