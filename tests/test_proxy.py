@@ -11,8 +11,8 @@ import uuid
 import aiohttp
 import pytest
 
-from pdproxy.testing import FAULT_HEADER
-from servers import Process, chat_body, get_json, pdproxy_serve, wait_until
+from pdproxy.testing import FAULT_HEADER, MockEngine
+from servers import Process, chat_body, eventually, get_json, pdproxy_serve, wait_until
 
 # Against both edges (see the `edge` fixture).
 pytestmark = pytest.mark.usefixtures("edge")
@@ -259,3 +259,32 @@ async def test_cors_with_named_origins_and_credentials(
         ) as r:
             assert r.status == 200
             assert "access-control-allow-origin" not in r.headers, "the browser keeps the answer from that page"
+
+
+async def test_model_cards_keep_what_the_engines_say(tmp_path: pathlib.Path, http: aiohttp.ClientSession) -> None:
+    # vLLM's card carries max_model_len, root and parent; through pdproxy a client still reads them,
+    # and where two nodes disagree it reads the limit that holds on both.
+    async with MockEngine(model="m", max_model_len=2048) as a, MockEngine(model="m", max_model_len=8192) as b:
+        with pdproxy_serve(tmp_path, "--node", a.url) as proxy:
+            await eventually(lambda: models_listed(http, proxy.url, {"m"}), what="the node's model")
+            async with http.get(a.url + "/v1/models") as r:
+                direct = (await r.json())["data"][0]
+            async with http.get(proxy.url + "/v1/models") as r:
+                assert (await r.json())["data"] == [direct], "one node: its card as it gave it"
+            async with http.post(proxy.url + "/nodes/add", json={"url": b.url}) as r:
+                assert r.status == 200
+            await eventually(lambda: healthy_nodes(http, proxy.url, 2), what="the second node healthy")
+            async with http.get(proxy.url + "/v1/models/m") as r:
+                card = await r.json()
+    assert card["max_model_len"] == 2048, "the smaller context: a request that fits it fits either node"
+    assert (card["id"], card["root"], card["parent"], card["owned_by"]) == ("m", "m", None, "pdproxy-mock")
+
+
+async def models_listed(http: aiohttp.ClientSession, url: str, wanted: set[str]) -> bool:
+    async with http.get(url + "/v1/models") as r:
+        return {m["id"] for m in (await r.json())["data"]} == wanted
+
+
+async def healthy_nodes(http: aiohttp.ClientSession, url: str, count: int) -> bool:
+    async with http.get(url + "/nodes/status") as r:
+        return sum(n["state"] == "healthy" for n in (await r.json()).values()) == count

@@ -19,6 +19,7 @@ from .auth import Keys
 from .config import Settings
 from .cors import Cors, is_cors_path
 from .errors import MethodNotAllowed, ModelNotFound, NotFound, PdproxyError
+from .json_types import JsonObject
 from .metrics import CONTENT_TYPE, render
 from .metrics_listener import MetricsListener
 from .nodes_api import ROUTES
@@ -275,36 +276,23 @@ def _served_models(router: Router) -> list[str]:
     return seen
 
 
-class ModelCard(TypedDict):
-    """OpenAI's ``Model``."""
-
-    id: str
-    object: str
-    created: int
-    owned_by: str
-
-
 class ModelList(TypedDict):
-    """OpenAI's ``GET /v1/models`` answer."""
+    """OpenAI's ``GET /v1/models`` answer: each model's card as ``Router.model_card`` merges it."""
 
     object: str
-    data: list[ModelCard]
-
-
-def _card(model: str) -> ModelCard:
-    return ModelCard(id=model, object="model", created=0, owned_by="pdproxy")
+    data: list[JsonObject]
 
 
 def _model_list(router: Router) -> ModelList:
     """The OpenAI ``ModelList`` of every model some healthy node serves."""
-    return ModelList(object="list", data=[_card(m) for m in _served_models(router)])
+    return ModelList(object="list", data=[router.model_card(m) for m in _served_models(router)])
 
 
-def _model_card(router: Router, model: str) -> ModelCard:
+def _model_card(router: Router, model: str) -> JsonObject:
     """OpenAI's ``GET /v1/models/{model}`` (a model id may hold slashes)."""
     if model not in _served_models(router):
         raise ModelNotFound(f"the model `{model}` does not exist")
-    return _card(model)
+    return router.model_card(model)
 
 
 def create_app(settings: Settings | None = None) -> ProxyApp:

@@ -19,6 +19,7 @@ import aiohttp
 
 from . import background
 from .errors import NodeNotFound
+from .json_types import JsonObject
 from .node_answers import read_json
 from .tls import node_session
 
@@ -43,6 +44,8 @@ class ModelDiscovery:
         self._ca_file = ca_file
         self._interval = interval
         self._pending: dict[str, _Pending] = {}
+        #: What each node's /v1/models said about each of its models (its card), by node URL.
+        self._cards: dict[str, dict[str, JsonObject]] = {}
         self._wake = asyncio.Event()
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
@@ -55,6 +58,11 @@ class ModelDiscovery:
 
     def forget(self, url: str) -> None:
         self._pending.pop(url, None)
+        self._cards.pop(url, None)
+
+    def card(self, url: str, model: str) -> JsonObject | None:
+        """The card of ``model`` in the node's last ``/v1/models`` answer, if it gave one."""
+        return self._cards.get(url, {}).get(model)
 
     @property
     def pending(self) -> frozenset[str]:
@@ -135,10 +143,18 @@ class ModelDiscovery:
                 log.info("node %s: model discovery failed (%s); will retry", url, status)
             return
         del self._pending[url]
+        self._cards[url] = _cards(payload)
         if declared is not None and sorted(declared) != sorted(models):
             log.warning("node %s declared models %s but serves %s; using what it serves", url, declared, models)
         self._core.set_models(url, models)
         log.info("node %s serves %s", url, ", ".join(models) or "no models")
+
+
+def _cards(payload: object) -> dict[str, JsonObject]:
+    """The model cards of a ``/v1/models`` answer, by model id."""
+    data = payload.get("data") if isinstance(payload, dict) else None
+    cards = [card for card in data if isinstance(card, dict)] if isinstance(data, list) else []
+    return {card["id"]: card for card in cards if isinstance(card.get("id"), str)}
 
 
 def _model_ids(payload: object) -> list[str] | None:

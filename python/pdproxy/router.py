@@ -20,6 +20,8 @@ from . import _pdproxy
 from .config import Settings
 from .discovery import ModelDiscovery
 from .errors import NoNodeAvailable
+from .json_types import JsonObject
+from .model_cards import merged_card
 from .node_record import NodeRecord, configured_nodes
 from .settings_checks import checked
 
@@ -236,6 +238,13 @@ class Router:
     def models(self) -> list[str]:
         """The models served by the registered nodes, deduplicated."""
         return self._core.models()
+
+    def model_card(self, model: str) -> JsonObject:
+        """OpenAI's ``Model`` for ``model``, with what the healthy nodes serving it said about it
+        in their ``/v1/models`` (``max_model_len`` and the rest), merged (see ``model_cards``)."""
+        serving = (n["url"] for n in self._core.nodes() if n["state"] == "healthy" and model in n["models"])
+        cards = (self._discovery.card(url, model) for url in serving)
+        return merged_card(model, (card for card in cards if card is not None))
 
     def select(self, model: str | None = None, *, role: str = "hybrid", affinity: str | None = None) -> str:
         """The URL of the node the policy would choose now (nothing is sent or counted)."""

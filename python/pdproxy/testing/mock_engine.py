@@ -52,6 +52,9 @@ class MockSettings:
     host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on."})
     port: int = field(default=8001, metadata={"help": "Port to listen on (0: any free port)."})
     model: str = field(default="mock-model", metadata={"help": "Model name served."})
+    max_model_len: int = field(
+        default=4096, metadata={"help": "The context length its /v1/models card reports, as vLLM's does."}
+    )
     role: str = field(default="hybrid", metadata={"help": "Engine role: hybrid, prefill or decode."})
     ttft_ms: float = field(default=0.0, metadata={"help": "Milliseconds before the first token."})
     token_delay_ms: float = field(default=0.0, metadata={"help": "Milliseconds between tokens."})
@@ -792,7 +795,15 @@ async def _models(request: web.Request) -> web.StreamResponse:
     if state.models_status != 200:
         return _error(state.models_status, "/v1/models failed (injected)", "mock_fault", "server_error")
     model = state.settings.model
-    card = {"id": model, "object": "model", "created": 0, "owned_by": "pdproxy-mock", "root": model, "parent": None}
+    card = {
+        "id": model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "pdproxy-mock",
+        "root": model,
+        "parent": None,
+        "max_model_len": state.settings.max_model_len,
+    }
     return await _misbehaving(request, request.app[STATE].models_body, {"object": "list", "data": [card]}, 200)
 
 
