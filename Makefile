@@ -41,6 +41,11 @@ lint: lint-python lint-rust ## every linter
 test: ## the Python suite: pytest against real processes (arguments: PYTEST_ARGS=...)
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
+.PHONY: test-real
+test-real: ## the real-engine tier: real vLLM servers on this machine's CPUs (scripts/real_engine.sh sets them up)
+	PYTHON=$(PYTHON) scripts/real_engine.sh
+	$(PYTHON) -m pytest tests/real -m real_engine --timeout 1200 $(PYTEST_ARGS)
+
 .PHONY: test-rust
 test-rust: ## the cargo tests (no Python): the data plane's, and the load generator's
 	cargo test --quiet --workspace

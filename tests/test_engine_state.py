@@ -159,6 +159,51 @@ async def test_engine_figures_are_read_in_each_engines_dialect(
                 assert f'pdproxy_engine_waiting{{node="{e.url}"}} 1.0' in text
 
 
+async def test_an_engine_put_to_sleep_gets_no_traffic_until_it_wakes(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    # vLLM's sleep mode: /health still answers 200, only /metrics says the engine is asleep.
+    async with engine() as sleeper, engine() as other:
+        with serve(tmp_path, [sleeper, other], "--policy", "round_robin") as proxy:
+
+            async def state_is(wanted: str) -> bool:
+                async with http.get(proxy.url + "/nodes/status") as r:
+                    return bool((await r.json())[sleeper.url]["state"] == wanted)
+
+            await poll("both nodes healthy", lambda: state_is("healthy"))
+            async with http.post(sleeper.url + "/sleep", params={"level": "1"}) as r:
+                assert r.status == 200
+            await poll("the sleeping engine out of routing", lambda: state_is("sleeping"))
+            async with http.get(sleeper.url + "/mock/stats") as r:
+                before = (await r.json())["requests"]
+            for _ in range(6):
+                async with http.post(proxy.url + "/v1/chat/completions", json=body("hello")) as r:
+                    assert r.status == 200
+            async with http.get(sleeper.url + "/mock/stats") as r:
+                assert (await r.json())["requests"] == before, "no request reached the sleeping engine"
+            await asyncio.sleep(1.0)  # health checks keep answering 200 meanwhile: it stays out
+            assert await state_is("sleeping")
+            async with http.post(sleeper.url + "/wake_up") as r:
+                assert r.status == 200
+            await poll("the woken engine back in routing", lambda: state_is("healthy"))
+
+
+def test_vllms_sleep_state_is_read() -> None:
+    awake = "\n".join(
+        [
+            'vllm:num_requests_running{engine="0",model_name="m"} 0.0',
+            'vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="awake"} 1.0',
+            'vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="weights_offloaded"} 0.0',
+        ]
+    )
+    reading = parse(awake)
+    assert reading is not None
+    assert not reading.asleep
+    asleep = parse(awake.replace('"awake"} 1.0', '"awake"} 0.0'))
+    assert asleep is not None
+    assert asleep.asleep
+
+
 async def test_failing_readings_are_counted_shown_and_their_figures_expire(
     tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:

@@ -32,6 +32,28 @@ def families(text: str) -> dict[str, list]:  # type: ignore[type-arg]
     return {f.name: f.samples for f in text_string_to_metric_families(text)}
 
 
+async def test_a_nodes_client_errors_are_neither_its_successes_nor_its_failures(
+    tmp_path: Path, http: aiohttp.ClientSession
+) -> None:
+    async with MockEngine(model="m") as engine:
+        with pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m") as proxy:
+            while not await serves(http, proxy.url, "m"):
+                await asyncio.sleep(0.05)
+            for fault, stream in (("", False), ("status=400", False), ("status=422", True), ("status=429", False)):
+                headers = {FAULT_HEADER: fault} if fault else {}
+                body = chat_body("m", stream=stream)
+                async with http.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                    await r.read()
+            node = get_json(proxy.url + "/nodes/status")[engine.url]
+            assert (node["succeeded"], node["client_errors"], node["failed"]) == (1, 2, 1), "a 429 is the node's"
+            assert node["circuit"] == "closed"
+            assert len(node["latency"]) == 1, "a quick refusal does not flatter its latency"
+            async with http.get(proxy.url + "/metrics") as r:
+                metrics = families(await r.text())
+            by_outcome = {s.labels["outcome"]: s.value for s in metrics["pdproxy_requests"]}
+            assert by_outcome == {"succeeded": 1, "failed": 1, "client_errors": 2, "cancelled": 0}
+
+
 async def test_metrics_parse_and_count(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     async with MockEngine(model="m") as engine:
         with pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m") as proxy:

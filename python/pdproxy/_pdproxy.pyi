@@ -95,6 +95,8 @@ class NodeSnapshot(_NodeFields):
     requests: int
     succeeded: int
     failed: int
+    #: Refused by the node as the client's error (4xx but 429): neither succeeded nor failed.
+    client_errors: int
     connect_failures: int
     cancelled: int
     events: int

@@ -15,6 +15,8 @@ prompt tokens  vllm:prefix_cache_queries_total  sglang:prompt_tokens_total      
 cached tokens  vllm:prefix_cache_hits_total     sglang:cached_tokens_total          lmdeploy:cached_tokens_total
 KV capacity    vllm:cache_config_info labels    sglang:max_total_num_tokens         (not exported)
                block_size x num_gpu_blocks
+asleep         vllm:engine_sleep_state          (not exported)                      (its /health says sleeping)
+               {sleep_state="awake"} == 0
 =============  ===============================  ==================================  ====================================
 
 An engine with several schedulers (data parallel ranks, one series each) is one node: counts and
@@ -55,6 +57,8 @@ _NAMES: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 _VLLM_CACHE_CONFIG = "vllm:cache_config_info"
+#: vLLM's sleep mode: per engine, 1 in the series of its state (awake, weights_offloaded, discard_all).
+_VLLM_SLEEP_STATE = "vllm:engine_sleep_state"
 _PREFIXES = tuple(f"{dialect}_" for dialect in _NAMES)
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -70,6 +74,8 @@ class EngineReading:
     prompt_tokens: int | None
     cached_tokens: int | None
     kv_capacity_tokens: int | None
+    #: The engine says it is asleep (vLLM's sleep mode): it answers /health but cannot serve.
+    asleep: bool = False
 
 
 def _canonical(name: str) -> str:
@@ -83,7 +89,7 @@ def _canonical(name: str) -> str:
 def _samples(text: str) -> dict[str, list[tuple[str, float]]]:
     """Every sample of the families pdproxy reads: name -> [(labels text, value)]."""
     wanted = {name for names in _NAMES.values() for group in names.values() for name in group}
-    wanted.add(_VLLM_CACHE_CONFIG)
+    wanted.update((_VLLM_CACHE_CONFIG, _VLLM_SLEEP_STATE))
     out: dict[str, list[tuple[str, float]]] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
@@ -125,6 +131,11 @@ def _vllm_capacity(samples: list[tuple[str, float]]) -> int | None:
     return total or None
 
 
+def _vllm_asleep(samples: list[tuple[str, float]]) -> bool:
+    """Whether an engine's ``awake`` series is 0 (with data parallel ranks: any of them)."""
+    return any(dict(_LABEL.findall(labels)).get("sleep_state") == "awake" and not value for labels, value in samples)
+
+
 def parse(text: str) -> EngineReading | None:
     """The figures in an engine's ``/metrics`` text; None when it has none of them."""
     samples = _samples(text)
@@ -154,5 +165,6 @@ def parse(text: str) -> EngineReading | None:
             prompt_tokens=total("prompt_tokens"),
             cached_tokens=total("cached_tokens"),
             kv_capacity_tokens=capacity,
+            asleep=dialect == "vllm" and _vllm_asleep(samples.get(_VLLM_SLEEP_STATE, [])),
         )
     return None

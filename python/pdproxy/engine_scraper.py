@@ -35,6 +35,7 @@ class EngineScraper:
         concurrency: int,
         max_bytes: int,
         api_key_of: Callable[[str], str | None],
+        on_sleep: Callable[[str, bool], None] = lambda url, asleep: None,
         ca_file: str = "",
     ) -> None:
         self._router = router
@@ -48,6 +49,9 @@ class EngineScraper:
         self.errors: dict[str, str] = {}
         #: The dialect each node's engine speaks, as last read.
         self.dialects: dict[str, str] = {}
+        #: The nodes whose engine said, at its last reading, that it is asleep.
+        self.asleep: set[str] = set()
+        self._on_sleep = on_sleep
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -72,6 +76,7 @@ class EngineScraper:
         for known in (self.errors, self.dialects):
             for url in set(known) - set(urls):
                 del known[url]
+        self.asleep &= set(urls)
 
     async def _run(self) -> None:
         while True:
@@ -99,6 +104,9 @@ class EngineScraper:
             return  # removed meanwhile
         self.errors.pop(url, None)
         self.dialects[url] = reading.dialect
+        if reading.asleep != (url in self.asleep):
+            (self.asleep.add if reading.asleep else self.asleep.discard)(url)
+            self._on_sleep(url, reading.asleep)
 
     async def _fetch(self, url: str) -> EngineReading:
         assert self._session is not None

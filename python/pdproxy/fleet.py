@@ -80,6 +80,7 @@ class Fleet:
             concurrency=settings.engine_metrics_concurrency,
             max_bytes=settings.engine_metrics_max_bytes,
             api_key_of=self.api_key_of,
+            on_sleep=self.health.engine_asleep,
             ca_file=settings.node_ca_file,
         )
         self._session: aiohttp.ClientSession | None = None
@@ -348,6 +349,7 @@ class Fleet:
                 "requests": node["requests"],
                 "succeeded": node["succeeded"],
                 "failed": node["failed"],
+                "client_errors": node["client_errors"],
                 "cancelled": node["cancelled"],
                 "mean_latency": node["mean_latency"],
                 "mean_ttft": node["mean_ttft"],

@@ -4,6 +4,8 @@ Every node's ``/health`` is probed concurrently each ``interval`` seconds with a
 answer follows LMDeploy's shape: 200 ``{"status": "healthy"}`` serves; ``sleeping`` is kept
 but not routed to; ``initializing`` is not routed to yet; 503 or ``unhealthy``, an error or
 a timeout is a failure (an empty 200, as older LMDeploy versions send, is healthy).
+An engine whose ``/metrics`` says it is asleep (vLLM's sleep mode, whose ``/health`` still
+answers 200) is ``sleeping`` too, from that reading until one says it is awake (``engine_asleep``).
 ``fall`` consecutive failures take a node out of routing and ``rise`` successes bring it
 back; requests that could not connect to a node count as failures too. A node that has not
 answered a check yet gets no such benefit of the doubt: its first failure takes it out (an
@@ -57,6 +59,8 @@ class NodeHealth:
     connect_failures_seen: int = 0
     #: It has answered a check once: from then on `fall` and `rise` apply.
     answered: bool = False
+    #: What its last good /health answer said (healthy or sleeping).
+    reported: str | None = None
 
     def summary(self) -> HealthSummary:
         return HealthSummary(
@@ -89,6 +93,8 @@ class HealthChecker:
         self._remove_after = remove_after
         self._on_remove = on_remove
         self.nodes: dict[str, NodeHealth] = {}
+        #: The nodes whose engine's metrics say it is asleep (see ``engine_asleep``).
+        self._asleep: set[str] = set()
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
         #: When the last round of checks ended (monotonic), for the staleness alarm.
@@ -107,6 +113,19 @@ class HealthChecker:
 
     def forget(self, url: str) -> None:
         self.nodes.pop(url, None)
+        self._asleep.discard(url)
+
+    def engine_asleep(self, url: str, asleep: bool) -> None:
+        """What the node's engine metrics say of its sleep: a healthy node that is asleep is
+        ``sleeping`` at once (no traffic), and back to ``healthy`` once awake."""
+        (self._asleep.add if asleep else self._asleep.discard)(url)
+        health = self.nodes.get(url)
+        if health is None:
+            return
+        if asleep and health.state == "healthy":
+            self._set(url, health, "sleeping")
+        elif not asleep and health.state == "sleeping" and health.reported == "healthy":
+            self._set(url, health, "healthy")
 
     async def start(self) -> None:
         self._session = node_session(self._ca_file, self._timeout)
@@ -173,6 +192,9 @@ class HealthChecker:
             return  # removed meanwhile
         health.last_check = time.monotonic()
         if engine_state in ("healthy", "sleeping"):
+            health.reported = engine_state
+            if url in self._asleep:
+                engine_state = "sleeping"  # its /health cannot tell, its metrics did
             health.failures = 0
             health.successes += 1
             health.last_error = None

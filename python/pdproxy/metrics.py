@@ -24,7 +24,12 @@ if TYPE_CHECKING:
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 STATES = ("healthy", "unhealthy", "draining", "sleeping", "initializing")
 #: How a request sent to a node ended (the node's counts of each).
-OUTCOMES: tuple[Literal["succeeded", "failed", "cancelled"], ...] = ("succeeded", "failed", "cancelled")
+OUTCOMES: tuple[Literal["succeeded", "failed", "client_errors", "cancelled"], ...] = (
+    "succeeded",
+    "failed",
+    "client_errors",
+    "cancelled",
+)
 #: A tenant's windows, by what they count.
 WINDOWS: tuple[Literal["requests", "tokens"], ...] = ("requests", "tokens")
 #: The shared table's node slots, by use.

@@ -75,12 +75,14 @@ pub struct UpstreamResponse {
 
 impl UpstreamResponse {
     /// How the request counts for the node once its body has ended: a gateway error (502,
-    /// 503, 504) is the node's failure; another 5xx counts as failed without touching its
-    /// circuit (a client can provoke a 500 with a bad request).
+    /// 503, 504) is the node's failure; another 5xx, or a 429 (the engine is full), counts as
+    /// failed without touching its circuit (a client can provoke a 500 with a bad request); any
+    /// other 4xx is the client's error, apart from both.
     pub fn outcome(&self) -> Outcome {
         match self.status.as_u16() {
             502..=504 => Outcome::Failed,
-            500..=599 => Outcome::Errored,
+            429 | 500..=599 => Outcome::Errored,
+            400..=499 => Outcome::Rejected,
             _ => Outcome::Succeeded,
         }
     }

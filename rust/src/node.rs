@@ -116,6 +116,8 @@ pub struct NodeCounters {
     pub requests: AtomicU64,
     pub succeeded: AtomicU64,
     pub failed: AtomicU64,
+    /// Requests the node refused as the client's error (4xx but 429).
+    pub client_errors: AtomicU64,
     /// Requests that never reached the node (connect refused or timed out): passive health.
     pub connect_failures: AtomicU64,
     pub cancelled: AtomicU64,
@@ -166,6 +168,7 @@ pub struct CountersSnapshot {
     pub requests: u64,
     pub succeeded: u64,
     pub failed: u64,
+    pub client_errors: u64,
     pub connect_failures: u64,
     pub cancelled: u64,
     pub latency_us_sum: u64,
@@ -193,6 +196,7 @@ impl NodeCounters {
             requests: self.requests.load(Ordering::Relaxed),
             succeeded: self.succeeded.load(Ordering::Relaxed),
             failed: self.failed.load(Ordering::Relaxed),
+            client_errors: self.client_errors.load(Ordering::Relaxed),
             connect_failures: self.connect_failures.load(Ordering::Relaxed),
             cancelled: self.cancelled.load(Ordering::Relaxed),
             latency_us_sum: self.latency_us_sum.load(Ordering::Relaxed),
@@ -214,6 +218,7 @@ impl NodeCounters {
             &self.requests,
             &self.succeeded,
             &self.failed,
+            &self.client_errors,
             &self.connect_failures,
             &self.cancelled,
             &self.latency_us_sum,

@@ -19,6 +19,9 @@ pub enum Outcome {
     /// The node answered with another server error (a 500 a client's request can provoke):
     /// counted as failed, but it says nothing of the node's health, so its circuit ignores it.
     Errored,
+    /// The node refused the request as the client's error (a 4xx other than 429): neither its
+    /// success (a quick refusal would flatter its latency) nor its failure.
+    Rejected,
     /// The caller gave up first (client disconnect, body dropped unread).
     Cancelled,
     /// Selected but never sent (a dry-run selection): recorded nowhere.
@@ -202,6 +205,10 @@ impl Drop for InFlightPermit {
             }
             Outcome::Errored => {
                 counters.failed.fetch_add(1, Ordering::Relaxed);
+                counters.circuit.abandon();
+            }
+            Outcome::Rejected => {
+                counters.client_errors.fetch_add(1, Ordering::Relaxed);
                 counters.circuit.abandon();
             }
             Outcome::Cancelled => {

@@ -52,6 +52,8 @@ class EngineFigures:
     generation_tokens: int
     #: The last prefill batch's cache hit rate (SGLang's gauge).
     last_hit_rate: float
+    #: Put to sleep (vLLM's POST /sleep): its sleep-state gauge says so.
+    asleep: bool = False
 
 
 def _gauge(name: str, doc: str, labels: dict[str, str], value: float) -> GaugeMetricFamily:
@@ -96,6 +98,14 @@ def _vllm(f: EngineFigures) -> Iterator[Metric]:
         "engine": "0",
     }
     yield _gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", config, 1)
+    sleep = GaugeMetricFamily(
+        "vllm:engine_sleep_state",
+        "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine is awake.",
+        labels=[*labels, "sleep_state"],
+    )
+    for state, value in (("awake", not f.asleep), ("weights_offloaded", f.asleep), ("discard_all", False)):
+        sleep.add_metric([*labels.values(), state], float(value))
+    yield sleep
 
 
 def _sglang(f: EngineFigures) -> Iterator[Metric]:

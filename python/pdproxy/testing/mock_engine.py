@@ -205,6 +205,8 @@ class MockState:
     settings: MockSettings
     faults: Faults
     health: str = "healthy"
+    #: vLLM's sleep mode (POST /sleep, /wake_up): /health still answers 200, /metrics says so.
+    asleep: bool = False
     requests: int = 0
     completed: int = 0
     disconnected: int = 0
@@ -253,6 +255,7 @@ class MockState:
                 cached_tokens=0,
                 generation_tokens=0,
                 last_hit_rate=0.0,
+                asleep=self.asleep,
             )
         return EngineFigures(
             model=s.model,
@@ -265,6 +268,7 @@ class MockState:
             cached_tokens=b.counters.cached_tokens,
             generation_tokens=b.counters.generation_tokens,
             last_hit_rate=b.counters.last_hit_rate,
+            asleep=self.asleep,
         )
 
     def stats(self) -> MockStats:
@@ -815,6 +819,21 @@ async def _health(request: web.Request) -> web.StreamResponse:
     return await _misbehaving(request, state.health_body, payload, status)
 
 
+async def _sleep(request: web.Request) -> web.Response:
+    """vLLM's ``POST /sleep?level=N`` (its dev mode): asleep until ``POST /wake_up``."""
+    request.app[STATE].asleep = True
+    return web.json_response({"status": "sleeping", "level": int(request.query.get("level", "1"))})
+
+
+async def _wake_up(request: web.Request) -> web.Response:
+    request.app[STATE].asleep = False
+    return web.json_response({"status": "awake", "tags": None})
+
+
+async def _is_sleeping(request: web.Request) -> web.Response:
+    return web.json_response({"is_sleeping": request.app[STATE].asleep})
+
+
 async def _health_generate(request: web.Request) -> web.Response:
     """SGLang's ``GET /health_generate``: 200 (no body) when the engine can generate, 503 when it
     cannot; a process-wide injected status is what its generation answers."""
@@ -1116,6 +1135,10 @@ def build_app(settings: MockSettings) -> web.Application:
     app.router.add_get("/health", _health)
     if settings.metrics_dialect == "sglang":  # vLLM and LMDeploy have no such route
         app.router.add_get("/health_generate", _health_generate)
+    if settings.metrics_dialect == "vllm":  # its sleep mode (dev mode routes)
+        app.router.add_post("/sleep", _sleep)
+        app.router.add_post("/wake_up", _wake_up)
+        app.router.add_get("/is_sleeping", _is_sleeping)
     app.router.add_get("/terminate", _terminate)
     app.router.add_get("/mock/stats", _mock_stats)
     app.router.add_post("/flush_cache", _flush_cache)

@@ -645,6 +645,7 @@ fn node_stats<'py>(py: Python<'py>, node: &Arc<Node>) -> PyResult<Bound<'py, PyD
     stats.set_item("requests", c.requests)?;
     stats.set_item("succeeded", c.succeeded)?;
     stats.set_item("failed", c.failed)?;
+    stats.set_item("client_errors", c.client_errors)?;
     stats.set_item("connect_failures", c.connect_failures)?;
     stats.set_item("cancelled", c.cancelled)?;
     stats.set_item("events", c.events)?;
