@@ -25,7 +25,13 @@ MODEL = "m"
 
 def engine(dialect: str = "vllm", **overrides: Any) -> MockEngine:
     """A simulated engine: 2 requests at once, slow decode steps (a long answer keeps it busy)."""
-    options: dict[str, Any] = {"max_batch": 2, "kv_blocks": 256, "kv_block_tokens": 16, "decode_step_ms": 40.0}
+    options: dict[str, Any] = {
+        "max_batch": 2,
+        "kv_blocks": 256,
+        "kv_block_tokens": 16,
+        "decode_step_ms": 40.0,
+        "prompt_tokens_details": True,
+    }
     return MockEngine(model=MODEL, simulate=True, metrics_dialect=dialect, **{**options, **overrides})
 
 

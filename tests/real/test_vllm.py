@@ -5,6 +5,7 @@ server answers directly; what pdproxy reads of the engines against the engines' 
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -14,7 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from conftest import BLOCK_TOKENS, MAX_MODEL_LEN, MODEL, VllmServer
+from conftest import BLOCK_TOKENS, MAX_MODEL_LEN, MODEL, VllmServer, metric
+from engine_shapes import RECORD, Fetch, record_of, shape
 from servers import Process, eventually, pdproxy_serve
 
 CHAT = "/v1/chat/completions"
@@ -49,20 +51,6 @@ async def ready(http: aiohttp.ClientSession, proxy: Process) -> Process:
     return proxy
 
 
-def metric(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples of ``name`` whose labels include ``labels``."""
-    total, found = 0.0, False
-    for line in text.splitlines():
-        match = re.match(r"([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)
-        if not match or match.group(1) != name:
-            continue
-        given = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
-        if all(given.get(k) == v for k, v in labels.items()):
-            total, found = total + float(match.group(3)), True
-    assert found, f"{name}{labels or ''} is not in the engine's /metrics"
-    return total
-
-
 def chat(content: str = "hello world", **extra: Any) -> dict[str, Any]:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8, **extra}
 
@@ -90,15 +78,6 @@ async def test_the_model_card_is_the_engines(
 
 # --------------------------------------------------------------------------------------------
 # Inference: the same shapes as direct
-
-
-def shape(value: Any) -> Any:
-    """A JSON value's structure: its keys (recursively) and value types, not its values."""
-    if isinstance(value, dict):
-        return {k: shape(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [shape(v) for v in value[:1]]
-    return type(value).__name__
 
 
 COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
@@ -298,3 +277,24 @@ async def test_prefix_aware_routing_finds_more_of_the_cache_than_round_robin(
             after_hits, after_queries = await prefix_hits(vllm_pair)
         rates[policy] = (after_hits - hits) / (after_queries - queries)
     assert rates["prefix"] > rates["round_robin"], rates
+
+
+# --------------------------------------------------------------------------------------------
+# The record the mock is held to
+
+
+def fetcher(http: aiohttp.ClientSession, base: str) -> Fetch:
+    async def fetch(method: str, path: str, body: dict[str, Any] | None) -> tuple[int, str]:
+        async with http.request(method, base + path, json=body) as r:
+            return r.status, await r.text()
+
+    return fetch
+
+
+async def test_vllm_answers_as_recorded(http: aiohttp.ClientSession, vllm_pair: list[VllmServer]) -> None:
+    """The record of vLLM's answers (tests/fixtures/vllm-*.json), which the mock's vLLM dialect is
+    tested against, is what this vLLM answers. RECORD_VLLM=1 writes it anew."""
+    live = await record_of(fetcher(http, vllm_pair[0].url), MODEL)
+    if os.environ.get("RECORD_VLLM"):
+        RECORD.write_text(json.dumps(live, indent=1, sort_keys=True) + "\n")
+    assert live == json.loads(RECORD.read_text()), f"vLLM answers otherwise than {RECORD.name} says"

@@ -3,12 +3,14 @@
 The names, label sets and types are the real engines' (all three export through
 prometheus_client, as this does, so the text is what they serve):
 
-- vLLM (``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger``): labels ``model_name``,
-  ``engine``; gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-  ``vllm:kv_cache_usage_perc`` (and its deprecated twin ``vllm:gpu_cache_usage_perc``);
+- vLLM 0.32 (``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger``; checked against a real
+  server's, recorded in ``tests/fixtures/vllm-0.32.0.json``): labels ``model_name``, ``engine``;
+  gauges ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+  ``vllm:kv_cache_usage_perc`` (0.32 no longer exports ``vllm:gpu_cache_usage_perc``);
   counters ``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits`` (in tokens),
   ``vllm:prompt_tokens``, ``vllm:generation_tokens``; the info gauge ``vllm:cache_config_info``
-  whose labels carry ``block_size`` and ``num_gpu_blocks``.
+  with the labels of its CacheConfig (``block_size``, ``num_gpu_blocks``,
+  ``kv_cache_size_tokens`` among 37); ``vllm:engine_sleep_state``.
 - SGLang (``python/sglang/srt/metrics/collector.py``): scheduler gauges labelled
   ``model_name``, ``engine_type``, ``tp_rank``, ``pp_rank``: ``sglang:num_running_reqs``,
   ``sglang:num_queue_reqs``, ``sglang:token_usage``, ``sglang:num_used_tokens``,
@@ -68,16 +70,53 @@ def _counter(name: str, doc: str, labels: dict[str, str], value: float) -> Count
     return family
 
 
+#: vLLM 0.32's `vllm:cache_config_info` labels (its CacheConfig, as a CPU server reports it),
+#: with plain values; the figures' block size and count go over them.
+VLLM_CACHE_CONFIG = {
+    "_block_size_resolved": "True",
+    "block_size": "128",
+    "cache_dtype": "auto",
+    "cache_hit_alignment_tokens": "None",
+    "effective_attention_block_size": "None",
+    "enable_mamba_shared_prefix_checkpoint": "False",
+    "enable_prefix_caching": "True",
+    "engine": "0",
+    "gpu_memory_utilization": "0.9",
+    "hash_block_size": "None",
+    "is_attention_free": "False",
+    "kv_cache_dtype_skip_layers": "[]",
+    "kv_cache_layout": "None",
+    "kv_cache_max_concurrency": "None",
+    "kv_cache_memory_bytes": "None",
+    "kv_cache_size_tokens": "0",
+    "kv_offloading_backend": "native",
+    "kv_offloading_size": "None",
+    "kv_sharing_fast_prefill": "False",
+    "mamba_block_size": "None",
+    "mamba_cache_dtype": "auto",
+    "mamba_cache_mode": "none",
+    "mamba_page_size_padded": "None",
+    "mamba_ssm_cache_dtype": "auto",
+    "num_cpu_blocks": "None",
+    "num_gpu_blocks": "0",
+    "num_gpu_blocks_override": "None",
+    "prefix_cache_retention_interval": "None",
+    "prefix_caching_hash_algo": "sha256",
+    "prefix_match_unit": "None",
+    "replayssm_buffer_len": "None",
+    "skip_page_size_padded": "False",
+    "sliding_window": "None",
+    "swa_bounded_replay": "False",
+    "use_kda_recoverssm": "False",
+    "use_replayssm": "False",
+    "user_specified_block_size": "False",
+}
+
+
 def _vllm(f: EngineFigures) -> Iterator[Metric]:
     labels = {"model_name": f.model, "engine": "0"}
     yield _gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels, f.running)
     yield _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels, f.waiting)
-    yield _gauge(
-        "vllm:gpu_cache_usage_perc",
-        "GPU KV-cache usage. 1 means 100 percent usage.DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
-        labels,
-        f.kv_usage,
-    )
     yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels, f.kv_usage)
     yield _counter(
         "vllm:prefix_cache_queries",
@@ -90,13 +129,8 @@ def _vllm(f: EngineFigures) -> Iterator[Metric]:
     )
     yield _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, f.prompt_tokens)
     yield _counter("vllm:generation_tokens", "Number of generation tokens processed.", labels, f.generation_tokens)
-    config = {
-        "block_size": str(f.kv_block_tokens),
-        "cache_dtype": "auto",
-        "enable_prefix_caching": "True",
-        "num_gpu_blocks": str(f.kv_blocks),
-        "engine": "0",
-    }
+    config = {**VLLM_CACHE_CONFIG, "block_size": str(f.kv_block_tokens), "num_gpu_blocks": str(f.kv_blocks)}
+    config["kv_cache_size_tokens"] = str(f.kv_blocks * f.kv_block_tokens)
     yield _gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", config, 1)
     sleep = GaugeMetricFamily(
         "vllm:engine_sleep_state",

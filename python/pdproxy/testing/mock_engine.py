@@ -27,7 +27,7 @@ from aiohttp import web
 
 from pdproxy.json_types import JsonObject, JsonValue, loads
 
-from . import distserve, engine_metrics
+from . import distserve, engine_metrics, vllm_fields
 from .batching import ContinuousBatcher, EngineModel, PromptTooLong
 from .distserve import ID_FORMATS, KvLedger, Links
 from .engine_metrics import DIALECTS, EngineFigures
@@ -53,7 +53,12 @@ class MockSettings:
     port: int = field(default=8001, metadata={"help": "Port to listen on (0: any free port)."})
     model: str = field(default="mock-model", metadata={"help": "Model name served."})
     max_model_len: int = field(
-        default=4096, metadata={"help": "The context length its /v1/models card reports, as vLLM's does."}
+        default=4096,
+        metadata={"help": "The context length its /v1/models card reports (playing vLLM, also the most it takes)."},
+    )
+    prompt_tokens_details: bool = field(
+        default=False,
+        metadata={"help": "Playing vLLM: usage.prompt_tokens_details, as vLLM's --enable-prompt-tokens-details."},
     )
     role: str = field(default="hybrid", metadata={"help": "Engine role: hybrid, prefill or decode."})
     ttft_ms: float = field(default=0.0, metadata={"help": "Milliseconds before the first token."})
@@ -77,7 +82,9 @@ class MockSettings:
     )
     metrics_dialect: str = field(
         default="lmdeploy",
-        metadata={"help": "Whose /metrics names and labels to serve: lmdeploy, vllm or sglang."},
+        metadata={
+            "help": "The engine it plays: lmdeploy, vllm or sglang (its /metrics; as vllm, its answers too)."
+        },
     )
     simulate: bool = field(
         default=False,
@@ -318,6 +325,11 @@ class _Completion:
 
     def __init__(self, state: MockState, body: JsonObject, chat: bool, forced_tokens: int | None = None) -> None:
         self.chat = chat
+        #: Playing vLLM: its answers' extra fields, and finish_reason on the last token's chunk.
+        self.vllm = state.settings.metrics_dialect == "vllm"
+        #: Whether usage says how many prompt tokens were cached (vLLM only when asked to).
+        self.details = not self.vllm or state.settings.prompt_tokens_details
+        self._finished = False
         self.model = body.get("model") or state.settings.model
         self.created = int(time.time())
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{next(state.ids)}"
@@ -327,6 +339,8 @@ class _Completion:
         prompt = prompt_text(body)
         if asked is not None and (not isinstance(asked, int) or asked < 0):
             raise ValueError("max_tokens must be a non-negative integer")
+        #: What the request asked for (vLLM refuses more than the context holds).
+        self.asked = asked
         # A prefill engine makes one token whatever was asked.
         max_tokens = forced_tokens if forced_tokens is not None else asked
         self.tokens, self.finish_reason = generate(prompt, max_tokens, ignore_eos=bool(body.get("ignore_eos")))
@@ -347,8 +361,10 @@ class _Completion:
             f'"model":{json.dumps(self.model)},"choices":[{{"index":0,'
         ).encode()
 
-    def token_event(self, token: str, first: bool) -> bytes:
+    def token_event(self, token: str, first: bool, last: bool = False) -> bytes:
         text = json.dumps(token)
+        if self.vllm:
+            return self._vllm_token_event(text, first, last)
         if self.chat:
             role = '"role":"assistant",' if first else ""
             delta = f'"delta":{{{role}"content":{text}}},"logprobs":null,"finish_reason":null}}]}}\n\n'
@@ -356,9 +372,27 @@ class _Completion:
             delta = f'"text":{text},"logprobs":null,"finish_reason":null}}]}}\n\n'
         return self._prefix + delta.encode()
 
+    def _vllm_token_event(self, text: str, first: bool, last: bool) -> bytes:
+        """vLLM's chunks: a chat stream opens with the role and empty content; the last token's
+        chunk carries the finish reason (no empty chunk after it)."""
+        out = b""
+        finish = f'"{self.finish_reason}"' if last else "null"
+        self._finished = last
+        if self.chat:
+            if first:
+                role = '"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+                out = self._prefix + f"{role}{vllm_fields.ROLE_CHUNK_TOP}}}\n\n".encode()
+            extra = vllm_fields.CHAT_LAST if last else vllm_fields.CHAT_TOKEN
+            delta = f'"delta":{{"content":{text}}},"logprobs":null,"finish_reason":{finish}{extra}}}]}}\n\n'
+        else:
+            delta = f'"text":{text},"logprobs":null,"finish_reason":{finish}{vllm_fields.TEXT_TOKEN}}}]}}\n\n'
+        return out + self._prefix + delta.encode()
+
     def final_events(self) -> bytes:
         empty = '"delta":{}' if self.chat else '"text":""'
-        out = self._prefix + f'{empty},"logprobs":null,"finish_reason":"{self.finish_reason}"}}]}}\n\n'.encode()
+        out = b""
+        if not self._finished:
+            out = self._prefix + f'{empty},"logprobs":null,"finish_reason":"{self.finish_reason}"}}]}}\n\n'.encode()
         if self.include_usage:
             obj = "chat.completion.chunk" if self.chat else "text_completion"
             usage: dict[str, object] = {
@@ -369,6 +403,8 @@ class _Completion:
                 "choices": [],
                 "usage": self.usage,
             }
+            if self.vllm:
+                usage["system_fingerprint"] = vllm_fields.FINGERPRINT
             out += _sse(usage)
         return out + b"data: [DONE]\n\n"
 
@@ -387,9 +423,36 @@ class _Completion:
             "choices": [choice],
             "usage": self.usage,
         }
+        if self.vllm:
+            self._vllm_whole(whole, choice)
         if self.handle is not None:
             whole.update(self.handle)
         return whole
+
+    def _vllm_whole(self, whole: dict[str, object], choice: dict[str, object]) -> None:
+        whole.update(vllm_fields.ANSWER)
+        whole["usage"] = {"prompt_tokens_details": None, **self.usage, **vllm_fields.USAGE}
+        if self.chat:
+            whole.update(vllm_fields.CHAT_ANSWER)
+            choice.update(vllm_fields.CHAT_CHOICE)
+            message = choice["message"]
+            assert isinstance(message, dict)
+            message.update(vllm_fields.MESSAGE)
+        else:
+            choice.update(vllm_fields.COMPLETION_CHOICE)
+
+
+def _vllm_too_long(state: MockState, completion: _Completion) -> web.Response | None:
+    """vLLM's 400 for a request its context cannot hold (prompt and max_tokens)."""
+    limit = state.settings.max_model_len
+    asked = completion.asked if isinstance(completion.asked, int) else 0
+    if not completion.vllm or completion.prompt_tokens + asked <= limit:
+        return None
+    message = (
+        f"This model's maximum context length is {limit} tokens. However, you requested {asked} output tokens "
+        f"and your prompt contains {completion.prompt_tokens} input tokens."
+    )
+    return web.json_response(vllm_fields.error(400, message, "max_tokens"), status=400)
 
 
 async def _sleep_ms(ms: float | None) -> None:
@@ -465,6 +528,10 @@ async def _inference(request: web.Request, chat: bool) -> web.StreamResponse:
         except ValueError as e:
             completed = True
             return _error(400, str(e), "invalid_request")
+        too_long = _vllm_too_long(state, completion)
+        if too_long is not None:
+            completed = True
+            return too_long
         if state.batcher is not None and state.settings.role == "hybrid":
             simulated = await _simulated(request, state.batcher, body, completion, faults, record)
             completed = simulated is not None
@@ -575,7 +642,7 @@ async def _stream(
             return None
         if i:
             await _sleep_ms(delay)
-        await write(completion.token_event(token, first=i == 0))
+        await write(completion.token_event(token, first=i == 0, last=i == len(completion.tokens) - 1))
     if faults.drop_after == len(completion.tokens):
         _drop_connection(request)
         return None
@@ -619,7 +686,8 @@ async def _simulated(
                 end = job.produced if cut is None else min(job.produced, cut)
                 if end > sent:
                     events = b"".join(
-                        completion.token_event(completion.tokens[i], first=i == 0) for i in range(sent, end)
+                        completion.token_event(completion.tokens[i], first=i == 0, last=i == tokens - 1)
+                        for i in range(sent, end)
                     )
                     digest.update(events)
                     await response.write(events)
@@ -632,7 +700,8 @@ async def _simulated(
             await job.next_tokens()
         completion.usage["prompt_tokens"] = job.prompt_tokens
         completion.usage["total_tokens"] = job.prompt_tokens + tokens
-        completion.usage["prompt_tokens_details"] = {"cached_tokens": job.cached_tokens}
+        if completion.details:
+            completion.usage["prompt_tokens_details"] = {"cached_tokens": job.cached_tokens}
         if response is None:
             payload = json.dumps(completion.whole()).encode()
             record["sent_sha256"] = hashlib.sha256(payload).hexdigest()
@@ -807,6 +876,7 @@ async def _models(request: web.Request) -> web.StreamResponse:
         "root": model,
         "parent": None,
         "max_model_len": state.settings.max_model_len,
+        "permission": [vllm_fields.permission(model, 0)],
     }
     return await _misbehaving(request, request.app[STATE].models_body, {"object": "list", "data": [card]}, 200)
 
