@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -182,3 +183,33 @@ async def test_sglang_a_failed_leg_cancels_the_other(
 
         # The other leg is cancelled, not left waiting out its bootstrap timeout.
         await eventually(other_gave_up, timeout=2.0)
+
+
+async def test_vllm_decode_nodes_report_the_kv_they_received(tmp_path: Path, http: aiohttp.ClientSession) -> None:
+    # vLLM counts a decode node's KV read over its connector apart from its prefix-cache hits
+    # (`vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`): pdproxy shows it.
+    async with (
+        MockEngine(model="m", role="prefill", metrics_dialect="vllm") as prefill,
+        MockEngine(model="m", role="decode", metrics_dialect="vllm") as decode,
+    ):
+        flags = ("--serving-strategy", "DistServe", "--pd-protocol", "vllm", "--engine-metrics-interval", "0.2")
+        with pdproxy_serve(tmp_path, *flags) as proxy:
+            await register(http, proxy.url, prefill, 2)
+            await register(http, proxy.url, decode, 3)
+            async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m", max_tokens=4)) as r:
+                assert r.status == 200
+            async with http.get(decode.url + "/metrics") as r:
+                text = await r.text()
+            sent = re.search(r'vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"\} (\S+)', text)
+            assert sent is not None
+            assert float(sent.group(1)) > 0
+
+            async def reported() -> bool:
+                async with http.get(proxy.url + "/nodes/status") as r:
+                    engine = (await r.json())[decode.url]["engine"]
+                return bool(engine["transferred_tokens"] == int(float(sent.group(1))))
+
+            await eventually(reported)
+            async with http.get(proxy.url + "/metrics") as r:
+                exposed = await r.text()
+            assert f'pdproxy_engine_transferred_tokens{{node="{decode.url}"}} {float(sent.group(1))}' in exposed

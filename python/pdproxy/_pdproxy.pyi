@@ -44,6 +44,8 @@ class EngineReport(TypedDict):
     prompt_tokens: int | None
     cached_tokens: int | None
     kv_capacity_tokens: int | None
+    #: Prompt tokens whose KV came over a KV connector (a decode node's), apart from cache hits.
+    transferred_tokens: int | None
     #: Seconds since the last good reading.
     age: float | None
     #: Younger than `engine_metrics_max_age`: policies use it.
@@ -243,11 +245,13 @@ class Router:
         prompt_tokens: int | None = None,
         cached_tokens: int | None = None,
         kv_capacity_tokens: int | None = None,
+        transferred_tokens: int | None = None,
     ) -> None:
         """Records what a node's engine reported about itself (read from its `/metrics`): requests
         running and waiting, KV-cache usage (0 to 1), cumulative prompt and prefix-cached tokens,
-        KV capacity in tokens. Policies use it until it is older than `engine_metrics_max_age`,
-        counting the requests sent and finished since.
+        KV capacity in tokens, cumulative prompt tokens whose KV another engine sent. Policies
+        use it until it is older than `engine_metrics_max_age`, counting the requests sent and
+        finished since.
 
         Raises:
             NodeNotFound: no node with that URL is registered.

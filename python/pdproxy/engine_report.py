@@ -15,6 +15,8 @@ prompt tokens  vllm:prefix_cache_queries_total  sglang:prompt_tokens_total      
 cached tokens  vllm:prefix_cache_hits_total     sglang:cached_tokens_total          lmdeploy:cached_tokens_total
 KV capacity    vllm:cache_config_info labels    sglang:max_total_num_tokens         (not exported)
                block_size x num_gpu_blocks
+transferred    vllm:prompt_tokens_by_source     (not exported)                      (not exported)
+               {source="external_kv_transfer"}
 asleep         vllm:engine_sleep_state          (not exported)                      (its /health says sleeping)
                {sleep_state="awake"} == 0
 =============  ===============================  ==================================  ====================================
@@ -59,6 +61,8 @@ _NAMES: dict[str, dict[str, tuple[str, ...]]] = {
 _VLLM_CACHE_CONFIG = "vllm:cache_config_info"
 #: vLLM's sleep mode: per engine, 1 in the series of its state (awake, weights_offloaded, discard_all).
 _VLLM_SLEEP_STATE = "vllm:engine_sleep_state"
+#: Prompt tokens by where their KV came from; a decode node's KV connector is `external_kv_transfer`.
+_VLLM_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 _PREFIXES = tuple(f"{dialect}_" for dialect in _NAMES)
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -74,6 +78,8 @@ class EngineReading:
     prompt_tokens: int | None
     cached_tokens: int | None
     kv_capacity_tokens: int | None
+    #: Prompt tokens whose KV another engine sent (a decode node's connector), not cache hits.
+    transferred_tokens: int | None = None
     #: The engine says it is asleep (vLLM's sleep mode): it answers /health but cannot serve.
     asleep: bool = False
 
@@ -89,7 +95,7 @@ def _canonical(name: str) -> str:
 def _samples(text: str) -> dict[str, list[tuple[str, float]]]:
     """Every sample of the families pdproxy reads: name -> [(labels text, value)]."""
     wanted = {name for names in _NAMES.values() for group in names.values() for name in group}
-    wanted.update((_VLLM_CACHE_CONFIG, _VLLM_SLEEP_STATE))
+    wanted.update((_VLLM_CACHE_CONFIG, _VLLM_SLEEP_STATE, _VLLM_BY_SOURCE))
     out: dict[str, list[tuple[str, float]]] = {}
     for line in text.splitlines():
         if not line or line[0] == "#":
@@ -131,6 +137,13 @@ def _vllm_capacity(samples: list[tuple[str, float]]) -> int | None:
     return total or None
 
 
+def _vllm_transferred(samples: list[tuple[str, float]] | None) -> int | None:
+    if samples is None:
+        return None
+    external = [v for labels, v in samples if dict(_LABEL.findall(labels)).get("source") == "external_kv_transfer"]
+    return int(sum(external))
+
+
 def _vllm_asleep(samples: list[tuple[str, float]]) -> bool:
     """Whether an engine's ``awake`` series is 0 (with data parallel ranks: any of them)."""
     return any(dict(_LABEL.findall(labels)).get("sleep_state") == "awake" and not value for labels, value in samples)
@@ -165,6 +178,7 @@ def parse(text: str) -> EngineReading | None:
             prompt_tokens=total("prompt_tokens"),
             cached_tokens=total("cached_tokens"),
             kv_capacity_tokens=capacity,
+            transferred_tokens=_vllm_transferred(samples.get(_VLLM_BY_SOURCE)) if dialect == "vllm" else None,
             asleep=dialect == "vllm" and _vllm_asleep(samples.get(_VLLM_SLEEP_STATE, [])),
         )
     return None

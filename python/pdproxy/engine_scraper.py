@@ -99,6 +99,7 @@ class EngineScraper:
                 reading.prompt_tokens,
                 reading.cached_tokens,
                 reading.kv_capacity_tokens,
+                reading.transferred_tokens,
             )
         except NodeNotFound:
             return  # removed meanwhile

@@ -206,6 +206,11 @@ def _engine_metrics(nodes: list[NodeSnapshot]) -> Iterator[Metric]:
         "Prompt tokens the node's engine found in its prefix cache, over all it looked up",
         labels=labels,
     )
+    transferred = GaugeMetricFamily(
+        "pdproxy_engine_transferred_tokens",
+        "Prompt tokens whose KV the node's engine received from another (a decode node's connector), as it last said",
+        labels=labels,
+    )
     age = GaugeMetricFamily("pdproxy_engine_report_age_seconds", "Age of the engine's last report", labels=labels)
     failures = CounterMetricFamily(
         "pdproxy_engine_report_failures", "Readings of the engine's /metrics that failed", labels=labels
@@ -227,7 +232,9 @@ def _engine_metrics(nodes: list[NodeSnapshot]) -> Iterator[Metric]:
             kv.add_metric(url, e["kv_usage"])
         if e["prompt_tokens"] and e["cached_tokens"] is not None:
             hit.add_metric(url, e["cached_tokens"] / e["prompt_tokens"])
-    yield from (running, waiting, kv, hit, age, failures, restarts)
+        if e["transferred_tokens"] is not None:
+            transferred.add_metric(url, e["transferred_tokens"])
+    yield from (running, waiting, kv, hit, transferred, age, failures, restarts)
 
 
 def _group_metrics(summary: GroupSummary) -> Iterator[Metric]:

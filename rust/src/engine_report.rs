@@ -22,6 +22,9 @@ pub struct EngineFigures {
     pub cached_tokens: Option<u64>,
     /// Tokens the KV cache holds in all.
     pub kv_capacity_tokens: Option<u64>,
+    /// Cumulative prompt tokens whose KV came from another engine (a decode node's KV
+    /// connector: vLLM counts them apart from its prefix-cache hits).
+    pub transferred_tokens: Option<u64>,
 }
 
 /// The node's own counters when a reading is recorded, to tell what changed since.
@@ -48,6 +51,7 @@ pub struct EngineReport {
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
     kv_capacity_tokens: AtomicU64,
+    transferred_tokens: AtomicU64,
     /// The node's in-flight count when the reading was recorded.
     in_flight_then: AtomicU64,
     /// The node's request count when the reading was recorded.
@@ -164,6 +168,7 @@ impl EngineReport {
         self.prompt_tokens.store(option_u64(figures.prompt_tokens), Ordering::Relaxed);
         self.cached_tokens.store(option_u64(figures.cached_tokens), Ordering::Relaxed);
         self.kv_capacity_tokens.store(option_u64(figures.kv_capacity_tokens), Ordering::Relaxed);
+        self.transferred_tokens.store(option_u64(figures.transferred_tokens), Ordering::Relaxed);
         self.in_flight_then.store(then.in_flight, Ordering::Relaxed);
         self.requests_then.store(then.requests, Ordering::Relaxed);
         self.predicted_then.store(then.predicted_cached, Ordering::Relaxed);
@@ -220,6 +225,7 @@ impl EngineReport {
             prompt_tokens: from_u64(self.prompt_tokens.load(Ordering::Relaxed)),
             cached_tokens: from_u64(self.cached_tokens.load(Ordering::Relaxed)),
             kv_capacity_tokens: from_u64(self.kv_capacity_tokens.load(Ordering::Relaxed)),
+            transferred_tokens: from_u64(self.transferred_tokens.load(Ordering::Relaxed)),
         });
         EngineReportSnapshot {
             figures,
@@ -245,7 +251,7 @@ impl EngineReport {
         }
         self.kv_usage.store(option_bits(None), Ordering::Relaxed);
         self.kv_per_request.store(option_bits(None), Ordering::Relaxed);
-        for value in [&self.prompt_tokens, &self.cached_tokens, &self.kv_capacity_tokens] {
+        for value in [&self.prompt_tokens, &self.cached_tokens, &self.kv_capacity_tokens, &self.transferred_tokens] {
             value.store(option_u64(None), Ordering::Relaxed);
         }
         self.restarts.store(0, Ordering::Relaxed);
@@ -269,6 +275,7 @@ mod tests {
             prompt_tokens: Some(prompt),
             cached_tokens: Some(prompt / 2),
             kv_capacity_tokens: Some(1 << 16),
+            transferred_tokens: None,
         }
     }
 

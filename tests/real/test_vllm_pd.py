@@ -94,6 +94,14 @@ async def test_the_kv_cache_moves_from_prefill_to_decode(
     moved = counter(decode, "vllm:prompt_tokens_by_source_total", source=EXTERNAL) - received
     assert moved >= BLOCK_TOKENS, f"the decode server received {moved:.0f} prompt tokens over NIXL"
     assert counter(prefill, "vllm:request_success_total") == prefilled + 1, "the prefill leg ran there"
+    total = counter(decode, "vllm:prompt_tokens_by_source_total", source=EXTERNAL)
+
+    async def reported() -> bool:
+        async with http.get(ready.url + "/nodes/status") as r:
+            engine = (await r.json())[decode.url]["engine"]
+        return bool(engine["transferred_tokens"] == total)
+
+    await eventually(reported, timeout=10, what="pdproxy's reading of the KV the decode server received")
 
 
 async def test_a_failing_prefill_leg_answers_its_error_and_spares_the_decode(

@@ -56,6 +56,8 @@ class EngineFigures:
     last_hit_rate: float
     #: Put to sleep (vLLM's POST /sleep): its sleep-state gauge says so.
     asleep: bool = False
+    #: Prompt tokens whose KV a prefill engine sent (a vLLM decode node's NIXL reads).
+    transferred_tokens: int = 0
 
 
 def _gauge(name: str, doc: str, labels: dict[str, str], value: float) -> GaugeMetricFamily:
@@ -128,6 +130,19 @@ def _vllm(f: EngineFigures) -> Iterator[Metric]:
         "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels, f.cached_tokens
     )
     yield _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, f.prompt_tokens)
+    by_source = CounterMetricFamily(
+        "vllm:prompt_tokens_by_source",
+        "Number of prompt tokens by source.",
+        labels=[*labels, "source"],
+    )
+    computed = max(0, f.prompt_tokens - f.cached_tokens - f.transferred_tokens)
+    for source, tokens in (
+        ("local_compute", computed),
+        ("local_cache_hit", f.cached_tokens),
+        ("external_kv_transfer", f.transferred_tokens),
+    ):
+        by_source.add_metric([*labels.values(), source], tokens)
+    yield by_source
     yield _counter("vllm:generation_tokens", "Number of generation tokens processed.", labels, f.generation_tokens)
     config = {**VLLM_CACHE_CONFIG, "block_size": str(f.kv_block_tokens), "num_gpu_blocks": str(f.kv_blocks)}
     config["kv_cache_size_tokens"] = str(f.kv_blocks * f.kv_block_tokens)

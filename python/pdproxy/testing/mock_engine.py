@@ -82,9 +82,7 @@ class MockSettings:
     )
     metrics_dialect: str = field(
         default="lmdeploy",
-        metadata={
-            "help": "The engine it plays: lmdeploy, vllm or sglang (its /metrics; as vllm, its answers too)."
-        },
+        metadata={"help": "The engine it plays: lmdeploy, vllm or sglang (its /metrics; as vllm, its answers too)."},
     )
     simulate: bool = field(
         default=False,
@@ -227,6 +225,8 @@ class MockState:
     rendezvous: Rendezvous = field(default_factory=Rendezvous)
     #: vLLM decodes that read the prefill's KV; decode requests that computed the prompt themselves.
     vllm_remote: int = 0
+    #: The prompt tokens of those reads, which its /metrics counts as `external_kv_transfer`.
+    transferred_tokens: int = 0
     local_prefills: int = 0
     links: Links = field(default_factory=Links)
     #: Process-wide switches set through /mock/config (calls that carry no request header).
@@ -263,6 +263,7 @@ class MockState:
                 generation_tokens=0,
                 last_hit_rate=0.0,
                 asleep=self.asleep,
+                transferred_tokens=self.transferred_tokens,
             )
         return EngineFigures(
             model=s.model,
@@ -276,6 +277,7 @@ class MockState:
             generation_tokens=b.counters.generation_tokens,
             last_hit_rate=b.counters.last_hit_rate,
             asleep=self.asleep,
+            transferred_tokens=self.transferred_tokens,
         )
 
     def stats(self) -> MockStats:
@@ -764,6 +766,7 @@ async def _start_decode(
     failed = await _read_peer_kv(state, url, read, "KV load failed", "kv_load_failed")
     if failed is None:
         state.vllm_remote += 1
+        state.transferred_tokens += completion.prompt_tokens
     return failed
 
 

@@ -131,7 +131,7 @@ impl Router {
 
     /// Records what a node's engine reported about itself (read from its `/metrics`); policies
     /// use it until it is older than `engine_metrics_max_age`.
-    #[pyo3(signature = (url, running, waiting, kv_usage=None, prompt_tokens=None, cached_tokens=None, kv_capacity_tokens=None))]
+    #[pyo3(signature = (url, running, waiting, kv_usage=None, prompt_tokens=None, cached_tokens=None, kv_capacity_tokens=None, transferred_tokens=None))]
     #[allow(clippy::too_many_arguments)]
     fn record_engine_report(
         &self,
@@ -142,13 +142,22 @@ impl Router {
         prompt_tokens: Option<u64>,
         cached_tokens: Option<u64>,
         kv_capacity_tokens: Option<u64>,
+        transferred_tokens: Option<u64>,
     ) -> PyResult<()> {
         if kv_usage.is_some_and(|u| !u.is_finite()) {
             return Err(PyValueError::new_err(format!("kv_usage must be a finite number, got {kv_usage:?}")));
         }
         let node = self.lookup(url)?;
         let c = node.counters();
-        let figures = EngineFigures { running, waiting, kv_usage, prompt_tokens, cached_tokens, kv_capacity_tokens };
+        let figures = EngineFigures {
+            running,
+            waiting,
+            kv_usage,
+            prompt_tokens,
+            cached_tokens,
+            kv_capacity_tokens,
+            transferred_tokens,
+        };
         c.record_engine_report(&figures, now_ms());
         Ok(())
     }
@@ -686,6 +695,7 @@ fn engine_stats<'py>(py: Python<'py>, node: &Node, max_age_ms: u64) -> PyResult<
     out.set_item("prompt_tokens", figures.prompt_tokens)?;
     out.set_item("cached_tokens", figures.cached_tokens)?;
     out.set_item("kv_capacity_tokens", figures.kv_capacity_tokens)?;
+    out.set_item("transferred_tokens", figures.transferred_tokens)?;
     #[allow(clippy::cast_precision_loss)]
     out.set_item("age", report.age_ms.map(|ms| ms as f64 / 1e3))?;
     let load = node.engine_load(max_age_ms, now);
