@@ -70,8 +70,10 @@ def _family_names(sample: str) -> list[str]:
 
 def requests(model: str) -> dict[str, tuple[str, dict[str, Any]]]:
     """The requests whose answers are recorded, by name: (path, body)."""
-    chat = {"model": model, "messages": [{"role": "user", "content": "hello world"}], "max_tokens": 8}
-    completion = {"model": model, "prompt": "hello world", "max_tokens": 8}
+    # Eight tokens whatever the model samples (random weights may end an answer at once).
+    fixed = {"max_tokens": 8, "ignore_eos": True}
+    chat = {"model": model, "messages": [{"role": "user", "content": "hello world"}], **fixed}
+    completion = {"model": model, "prompt": "hello world", **fixed}
     usage = {"stream": True, "stream_options": {"include_usage": True}}
     return {
         "chat": ("/v1/chat/completions", chat),

@@ -6,9 +6,10 @@ marker). The servers start once per module and are shared by its tests."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from pdproxy.testing.vllm_server import BLOCK_TOKENS, MAX_MODEL_LEN, MODEL, VllmServer, metric, wait_ready
@@ -33,6 +34,13 @@ def start_vllm(log_dir: Path, core: int, *extra: str, env: dict[str, str] | None
         return _start_vllm(ENGINE_DIR, log_dir, core, *extra, env=env)
     except FileNotFoundError as e:
         pytest.fail(f"{e} (make test-real does)")
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    """A client that waits as long as a CPU-bound engine may take (the suite's waits 30 s)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        yield session
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import json
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,6 @@ def proxy(vllm_pair: list[VllmServer], tmp_path_factory: pytest.TempPathFactory)
         yield process
 
 
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        yield session
-
-
 async def both_serve(http: aiohttp.ClientSession, proxy: Process) -> bool:
     async with http.get(proxy.url + "/nodes/status") as r:
         nodes = await r.json()
@@ -52,7 +46,14 @@ async def ready(http: aiohttp.ClientSession, proxy: Process) -> Process:
 
 
 def chat(content: str = "hello world", **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8, **extra}
+    # Eight tokens whatever the random weights sample: the shapes of two answers then compare.
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 8,
+        "ignore_eos": True,
+        **extra,
+    }
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,7 +81,7 @@ async def test_the_model_card_is_the_engines(
 # Inference: the same shapes as direct
 
 
-COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 8}
+COMPLETION = {"model": MODEL, "prompt": "hello", "max_tokens": 8, "ignore_eos": True}
 
 
 @pytest.mark.parametrize(("path", "body"), [(CHAT, chat()), (COMPLETIONS, COMPLETION)])
@@ -185,6 +186,14 @@ async def test_the_engine_state_pdproxy_reads_is_the_engines_metrics(
     assert engine["kv_capacity_tokens"] == int(labels["block_size"]) * int(labels["num_gpu_blocks"])
 
 
+@pytest.mark.xfail(
+    strict=False,
+    reason=(
+        "issue 31, found by this tier: through pdproxy (Rust edge), after about ten requests on one proxy, "
+        "a client that leaves a vLLM stream no longer stops the engine's generation (it runs to max_tokens); "
+        "direct to vLLM it always stops. Being fixed; until then this fails about one run in four"
+    ),
+)
 async def test_a_client_that_leaves_stops_the_generation_in_the_engine(
     http: aiohttp.ClientSession, ready: Process, vllm_pair: list[VllmServer]
 ) -> None:

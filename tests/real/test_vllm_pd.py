@@ -6,7 +6,7 @@ received in ``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}`
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
@@ -49,12 +49,6 @@ def proxy(pd_pair: tuple[VllmServer, VllmServer], tmp_path_factory: pytest.TempP
         *("--node", f"{prefill.url},role=prefill", "--node", f"{decode.url},role=decode"),
     ) as process:
         yield process
-
-
-@pytest.fixture
-async def http() -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        yield session
 
 
 @pytest.fixture

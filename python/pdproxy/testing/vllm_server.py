@@ -64,6 +64,7 @@ def start_vllm(
 ) -> VllmServer:
     """Starts a vLLM api_server of the tiny model in ``engine_dir`` (scripts/real_engine.sh's) on
     a free port, pinned to ``core``; returns once it is starting (see ``wait_ready``)."""
+    engine_dir = engine_dir.resolve()  # the server runs in log_dir
     python = engine_dir / "venv" / "bin" / "python"
     if not (engine_dir / "ready").exists() or not python.exists():
         raise FileNotFoundError(f"no real-engine environment at {engine_dir}: run scripts/real_engine.sh")
