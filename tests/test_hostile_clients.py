@@ -38,7 +38,7 @@ async def requests_seen(http: aiohttp.ClientSession, engine: MockEngine) -> list
 
 async def serves_m(http: aiohttp.ClientSession, proxy: str) -> bool:
     async with http.get(proxy + "/v1/models") as r:
-        return "m" in {m["id"] for m in (await r.json())["data"]}
+        return r.status == 200 and "m" in {m["id"] for m in (await r.json())["data"]}
 
 
 # 1. Client numbers that size the proxy's work are bounded.

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("edge")
 async def serves(http: aiohttp.ClientSession, url: str, model: str) -> bool:
     """The proxy knows the node's models (discovered from its /v1/models)."""
     async with http.get(url + "/v1/models") as r:
-        return model in {m["id"] for m in (await r.json())["data"]}
+        return r.status == 200 and model in {m["id"] for m in (await r.json())["data"]}
 
 
 def families(text: str) -> dict[str, list]:  # type: ignore[type-arg]

@@ -54,7 +54,7 @@ async def test_add_list_loads_and_remove_workers(
 
 async def serves(http: aiohttp.ClientSession, url: str) -> bool:
     async with http.get(url + "/v1/models") as r:
-        return "m" in {m["id"] for m in (await r.json())["data"]}
+        return r.status == 200 and "m" in {m["id"] for m in (await r.json())["data"]}
 
 
 async def test_bad_worker_calls_get_clear_errors(

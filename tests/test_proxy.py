@@ -282,7 +282,7 @@ async def test_model_cards_keep_what_the_engines_say(tmp_path: pathlib.Path, htt
 
 async def models_listed(http: aiohttp.ClientSession, url: str, wanted: set[str]) -> bool:
     async with http.get(url + "/v1/models") as r:
-        return {m["id"] for m in (await r.json())["data"]} == wanted
+        return r.status == 200 and {m["id"] for m in (await r.json())["data"]} == wanted
 
 
 async def healthy_nodes(http: aiohttp.ClientSession, url: str, count: int) -> bool:
