@@ -116,7 +116,7 @@ async def test_a_failing_prefill_leg_answers_its_error_and_spares_the_decode(
 async def test_a_client_leaving_during_decode_stops_both_servers(
     http: aiohttp.ClientSession, ready: Process, pd_pair: tuple[VllmServer, VllmServer]
 ) -> None:
-    prefill, decode = pd_pair
+    prefill = pd_pair[0]
     body = long_chat("leaves", max_tokens=1500, ignore_eos=True, stream=True)
     async with http.post(ready.url + CHAT, json=body) as r:
         assert r.status == 200
