@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from pdproxy.ports import free_port
 from pdproxy.testing import mock_engine_command
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,12 +45,6 @@ def say(message: str) -> None:
 def build_loadgen() -> None:
     say("building the load generator and the floor proxy (cargo build --release -p pdproxy-loadgen)")
     subprocess.run(["cargo", "build", "--release", "-q", "-p", "pdproxy-loadgen"], cwd=ROOT, check=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def free_port_range(count: int) -> int:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -18,18 +17,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pdproxy.ports import free_port
+
 #: Upper bound for a process to become ready; polled, never slept through.
 READY_TIMEOUT = 30.0
 
 #: The edge `pdproxy_serve` starts unless its arguments name one; the `edge` fixture sets it, so
 #: that suites using it run against both edges.
 EDGE = "rust"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get_json(url: str, timeout: float = 5.0, context: ssl.SSLContext | None = None) -> Any:

@@ -49,8 +49,7 @@ class EngineScraper:
         self.errors: dict[str, str] = {}
         #: The dialect each node's engine speaks, as last read.
         self.dialects: dict[str, str] = {}
-        #: The nodes whose engine said, at its last reading, that it is asleep.
-        self.asleep: set[str] = set()
+        #: Told each reading's word on the engine's sleep (the health checker keeps it).
         self._on_sleep = on_sleep
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
@@ -76,7 +75,6 @@ class EngineScraper:
         for known in (self.errors, self.dialects):
             for url in set(known) - set(urls):
                 del known[url]
-        self.asleep &= set(urls)
 
     async def _run(self) -> None:
         while True:
@@ -105,9 +103,7 @@ class EngineScraper:
             return  # removed meanwhile
         self.errors.pop(url, None)
         self.dialects[url] = reading.dialect
-        if reading.asleep != (url in self.asleep):
-            (self.asleep.add if reading.asleep else self.asleep.discard)(url)
-            self._on_sleep(url, reading.asleep)
+        self._on_sleep(url, reading.asleep)
 
     async def _fetch(self, url: str) -> EngineReading:
         assert self._session is not None

@@ -92,6 +92,8 @@ class PdproxyError(Exception):
     type: str = "internal_error"
     #: Seconds a client should wait before retrying, when retrying may help.
     retry_after: int | None = None
+    #: The field an error of this kind is about when it names none itself.
+    default_param: str | None = None
 
     def __init__(
         self, message: str = "", detail: str | None = None, retry_after: int | None = None, param: str | None = None
@@ -100,7 +102,7 @@ class PdproxyError(Exception):
         self.message = message
         self.detail = detail
         #: The request's field that is wrong, when one is (the error body's ``param``).
-        self.param = param
+        self.param = param if param is not None else self.default_param
         if retry_after is not None:
             self.retry_after = retry_after
 
@@ -169,6 +171,7 @@ class InvalidNode(PdproxyError, ValueError):
     status = 400
     code = "invalid_node"
     type = "invalid_request_error"
+    default_param = "url"
 
 
 class NodeNotFound(PdproxyError, KeyError):

@@ -116,8 +116,8 @@ class HealthChecker:
         self._asleep.discard(url)
 
     def engine_asleep(self, url: str, asleep: bool) -> None:
-        """What the node's engine metrics say of its sleep: a healthy node that is asleep is
-        ``sleeping`` at once (no traffic), and back to ``healthy`` once awake."""
+        """What the node's engine metrics say of its sleep, at each reading: a healthy node that
+        is asleep is ``sleeping`` at once (no traffic), and back to ``healthy`` once awake."""
         (self._asleep.add if asleep else self._asleep.discard)(url)
         health = self.nodes.get(url)
         if health is None:

@@ -197,11 +197,7 @@ def _shape(model: type[BaseModel], name: str) -> type | None:
 
 def validation_field(error: ValidationError) -> str | None:
     """The field the first problem of ``error`` is in (``status.models``), if it is in one."""
-    first = error.errors()[0]
-    where = ".".join(str(part) for part in first["loc"])
-    if not where and first["type"] == INVALID_NODE:  # the whole record's check: of its URL
-        return "url"
-    return where or None
+    return ".".join(str(part) for part in error.errors()[0]["loc"]) or None
 
 
 def validation_message(error: ValidationError) -> str:

@@ -26,6 +26,7 @@ from .config import Settings
 from .errors import ConfigError
 from .node_record import configured_nodes
 from .node_sources.selectors import SELECTORS
+from .ports import free_port
 from .tracing import TraceIdFilter
 
 #: Mock engines started by --demo: how many, and how long to wait for them.
@@ -157,13 +158,6 @@ def _print_banner(settings: Settings, how: str) -> None:
         )
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline: float) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -187,7 +181,7 @@ def _demo_engines(settings: Settings) -> Iterator[list[str]]:
     urls: list[str] = []
     try:
         for _ in range(DEMO_ENGINES):
-            port = _free_port("127.0.0.1")
+            port = free_port()
             url = f"http://127.0.0.1:{port}"
             print(f"pdproxy: starting demo mock engine {url} (model {settings.demo_model})", file=sys.stderr)
             cmd = mock_engine_command(port, settings.demo_model, "--token-delay-ms", str(DEMO_TOKEN_DELAY_MS))

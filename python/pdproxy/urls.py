@@ -94,25 +94,25 @@ async def check_node_url(url: str, allowed: tuple[Network, ...], own_port: int |
     parts = urlsplit(url)
     host = parts.hostname
     if not host:
-        raise InvalidNode(f"node {raw}: the URL has no host", param="url")
+        raise InvalidNode(f"node {raw}: the URL has no host")
     if any(len(label) > 63 for label in host.split(".")) or len(host) > 253:
-        raise InvalidNode(f"node {raw}: the host is not a valid name (labels of at most 63 characters)", param="url")
+        raise InvalidNode(f"node {raw}: the host is not a valid name (labels of at most 63 characters)")
     try:
         port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
     except ValueError:
-        raise InvalidNode(f"node {raw}: the port is not a number between 0 and 65535", param="url") from None
+        raise InvalidNode(f"node {raw}: the port is not a number between 0 and 65535") from None
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:
-        raise InvalidNode(f"node {raw}: its host does not resolve ({e.strerror or e})", param="url") from None
+        raise InvalidNode(f"node {raw}: its host does not resolve ({e.strerror or e})") from None
     addresses = [ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos]
     for address in addresses:
         reason = _refusal(address, allowed)
         if reason is not None:
-            raise InvalidNode(f"node {raw}: {host} resolves to {address}, {reason}", param="url")
+            raise InvalidNode(f"node {raw}: {host} resolves to {address}, {reason}")
         if own_port is not None and port == own_port and is_local(address):
-            raise InvalidNode(f"node {raw}: that is this proxy itself", param="url")
+            raise InvalidNode(f"node {raw}: that is this proxy itself")
     if not addresses:
-        raise InvalidNode(f"node {raw}: its host does not resolve", param="url")
+        raise InvalidNode(f"node {raw}: its host does not resolve")
     first = addresses[0]
     return f"[{first}]:{port}" if isinstance(first, ipaddress.IPv6Address) else f"{first}:{port}"

@@ -9,13 +9,14 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from pdproxy.ports import free_port
 
 __all__ = ["BLOCK_TOKENS", "MAX_MODEL_LEN", "MODEL", "VllmServer", "metric", "start_vllm", "wait_ready"]
 
@@ -53,12 +54,6 @@ class VllmServer:
                 self.proc.wait(timeout=10)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_vllm(
     engine_dir: Path, log_dir: Path, core: int, *extra: str, env: dict[str, str] | None = None
 ) -> VllmServer:
@@ -68,7 +63,7 @@ def start_vllm(
     python = engine_dir / "venv" / "bin" / "python"
     if not (engine_dir / "ready").exists() or not python.exists():
         raise FileNotFoundError(f"no real-engine environment at {engine_dir}: run scripts/real_engine.sh")
-    port = _free_port()
+    port = free_port()
     log_path = log_dir / f"vllm-{port}.log"
     command = [
         str(python),
