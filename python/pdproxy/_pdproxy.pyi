@@ -1,8 +1,9 @@
 """Typed stubs of the data plane extension (Rust, built by maturin)."""
 
 import asyncio
-from collections.abc import Sequence
-from typing import ClassVar, TypedDict, final, type_check_only
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import ClassVar, Literal, Protocol, TypeAlias, TypedDict, final, type_check_only
 
 # The data plane reads these by attribute or key (rust/src/py/config.rs, rust/src/py/node.rs,
 # rust/src/py/tenants.rs); their fields are declared once, in Python.
@@ -321,6 +322,11 @@ class Router:
         the queue too long. Cancelling it cancels the upstream request.
         """
 
+    def start_distserve(self, settings: DistServeSettings, connect: LinkConnect) -> DistServeCore:
+        """Starts LMDeploy DistServe's flow: its requests read their links and keep their
+        sessions in the returned core; ``connect(prefill, decode, done)`` is asked, on this
+        loop, for a pair that is not connected."""
+
     def set_tenants(self, entries: Sequence[TenantEntry]) -> None:
         """Replaces the tenants with the tenants file's entries; a tenant kept by name keeps its
         window and counts."""
@@ -353,6 +359,66 @@ class Router:
         ones are refused; the router leaves its event loop when it is dropped."""
 
 @final
+@type_check_only
+class DistServeSettings(Protocol):
+    """What ``start_distserve`` reads (by attribute)."""
+
+    @property
+    def migration_protocol(self) -> int: ...
+    @property
+    def dummy_prefill(self) -> bool: ...
+    @property
+    def free_timeout(self) -> float: ...
+    @property
+    def free_attempts(self) -> int: ...
+    @property
+    def journal(self) -> Path | None: ...
+
+#: The control plane's link maker: connects a pair, then calls ``done`` (None: connected).
+LinkConnect: TypeAlias = Callable[[str, str, LinkDone], None]
+
+@final
+class LinkDone:
+    """The answer to one link request."""
+
+    def __call__(self, error: str | None = None) -> None:
+        """``None``: connected; else why the pair could not be connected."""
+
+@final
+class DistServeCore:
+    """LMDeploy DistServe's data-plane state: the links requests read, and the ledger of
+    preserved prefill sessions."""
+
+    def add(self, prefill: str, session_id: int, decode: str | None = None, api_key: str | None = None) -> int:
+        """Records a session preserved on ``prefill`` for ``decode``; its id. A prefill node no
+        longer registered is reached with ``api_key`` to free it."""
+
+    def consume(self, id: int) -> None:
+        """Decode took session ``id`` over (nothing when it already ended)."""
+
+    def free(self, id: int, keep_if_unreachable: bool = False) -> asyncio.Future[FreeState]:
+        """Frees session ``id`` on its prefill node, once whatever the number of callers; raises
+        ``KeyError`` when it is not preserved any more."""
+
+    def preserved(self, older_than: float = 0.0, prefill: str | None = None) -> list[tuple[int, str, int]]:
+        """The sessions still preserved, older than ``older_than`` seconds and on ``prefill`` when
+        given: (id, prefill node, session id) each."""
+
+    def counts(self) -> tuple[int, float | None, int, int, int]:
+        """(held now, the oldest one's age in seconds, consumed, freed, could not be freed)."""
+
+    def take_last_failure(self) -> str | None:
+        """Why the last session that could not be freed was not, once."""
+
+    def forget_links(self, url: str) -> None:
+        """The links of ``url`` were dropped: requests ask for them again."""
+
+    def stop(self) -> None:
+        """Ends the flow: requests no longer find it."""
+
+#: How a free ended (``preserved``: the node could not be reached and the session is kept).
+FreeState: TypeAlias = Literal["freed", "lost", "consumed", "preserved", "freeing"]
+
 class TenantTicket:
     """A request's admission: its queue class and, with a tenant, the tenant's pass (settled
     when the request ends)."""

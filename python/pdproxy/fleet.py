@@ -367,7 +367,7 @@ class Fleet:
                 out[url]["links"] = [
                     link for link in self.pd.links.status() if url in (link["prefill"], link["decode"])
                 ]
-                out[url]["preserved_sessions"] = sum(1 for e in self.pd.ledger.entries.values() if e.prefill == url)
+                out[url]["preserved_sessions"] = self.pd.ledger.held_on(url)
         return out
 
     def sources_status(self) -> dict[str, JsonValue]:

@@ -37,6 +37,8 @@ pub enum Kind {
     Cancelled,
     /// The proxy's own setup failed (the shared table of a worker group).
     Config,
+    /// LMDeploy DistServe: the prefill and decode nodes could not be linked.
+    LinkFailed,
 }
 
 pub struct Error {

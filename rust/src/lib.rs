@@ -3,6 +3,7 @@
 
 pub mod admission;
 pub mod circuit;
+pub mod distserve;
 pub mod doorbell;
 pub mod edge;
 pub mod engine;

@@ -516,6 +516,13 @@ impl Node {
         }
     }
 
+    /// A node outside the table, to reach once more (a removed node that still holds something
+    /// of the proxy's, such as a preserved session).
+    pub fn detached(url: &str, api_key: Option<String>) -> Result<Self> {
+        let spec = NodeSpec { api_key, ..NodeSpec::default() };
+        Ok(Self::new(&NodeUrl::parse(url)?, 0, spec, Counters::default()))
+    }
+
     /// The normalised base URL, e.g. `http://127.0.0.1:8001`.
     pub fn url(&self) -> &str {
         &self.url

@@ -1,5 +1,9 @@
 """LMDeploy's DistServe flow, done right.
 
+The Rust edge serves its requests in the data plane (``rust/src/edge/pd.rs``): this module
+starts that side (``DistServeCore``: the links it reads, the sessions it keeps), makes the links
+it asks for, and serves the flow itself for the Python edge (``--edge granian``).
+
 For ``/v1/chat/completions`` and ``/v1/completions``: the prefill request (the client's body
 with ``max_tokens=1``, ``stream=false``, ``with_cache`` and ``preserve_cache``, patched in the
 data plane) goes to a prefill node, while the decode node is chosen and its link to that prefill
@@ -14,18 +18,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
-from pdproxy.background import Work
+from pdproxy._pdproxy import LinkDone
 from pdproxy.config import Settings
-from pdproxy.errors import InvalidPrefillAnswer, InvalidRequest
+from pdproxy.errors import InvalidPrefillAnswer, InvalidRequest, LinkFailed
 from pdproxy.group import alive
 from pdproxy.json_types import JsonValue, loads
 from pdproxy.router import Router
 from pdproxy.tracing import end_on_answer, leg
 
-from .ledger import LedgerStatus, Preserved, SessionLedger
+from .ledger import LedgerStatus, SessionLedger
 from .links import LinkPool, LinkSummary, Transport, WarmupAnswer
 from .relay import ApiKeyOf, PdRequest, read_all, relay, send_raw
 
@@ -98,25 +104,37 @@ class DistServe:
             group_dir=group_dir,
             ca_file=settings.node_ca_file,
         )
-        self.ledger = SessionLedger(
-            ttl=settings.pd_session_ttl,
-            free_timeout=settings.pd_free_timeout,
-            free_attempts=settings.pd_free_attempts,
-            api_key_of=api_key_of,
-            journal=group_dir / "ledger" / str(os.getpid()) if group_dir is not None else None,
-            ca_file=settings.node_ca_file,
-        )
         self._group_dir = group_dir
         self._api_key_of = api_key_of
         #: Frees in progress, kept so that a cancelled request cannot cut them short.
-        self._frees: set[asyncio.Task[None]] = set()
+        self._frees: set[asyncio.Task[object]] = set()
+        journal = group_dir / "ledger" / str(os.getpid()) if group_dir is not None else None
+        #: The flow's data-plane side: the requests' links and sessions.
+        self.core = router.core.start_distserve(
+            CoreSettings(
+                migration_protocol=self.links.transport.protocol_number,
+                dummy_prefill=settings.dummy_prefill,
+                free_timeout=settings.pd_free_timeout,
+                free_attempts=settings.pd_free_attempts,
+                journal=journal,
+            ),
+            self._link_for_data_plane,
+        )
+        self.ledger = SessionLedger(self.core, ttl=settings.pd_session_ttl, api_key_of=api_key_of, journal=journal)
 
     async def start(self) -> None:
         await self.links.start()
         await self.ledger.start()
 
+    def _link_for_data_plane(self, prefill: str, decode: str, done: LinkDone) -> None:
+        """A request in the data plane found its pair unconnected: connect it (sharing a
+        handshake in flight) and tell it how that went."""
+        task = asyncio.ensure_future(self.links.ensure(prefill, decode))
+        task.add_done_callback(lambda ended: done(_link_failure(ended)))
+
     async def aclose(self) -> None:
         await asyncio.gather(*self._frees, return_exceptions=True)
+        self.core.stop()
         await self.ledger.aclose()
         await self.links.aclose()
 
@@ -133,17 +151,18 @@ class DistServe:
     def node_removed(self, url: str) -> None:
         """Drops the node's links on both sides and, if it was a prefill node, frees the
         sessions preserved on it (those it cannot free now are left to the TTL sweep)."""
+        self.core.forget_links(url)
         self._spawn(self.ledger.release_prefill(url))
         self._spawn(self.links.drop(url, self._api_key_of(url)))
 
-    def _spawn(self, work: Work) -> None:
+    def _spawn(self, work: Coroutine[object, None, object]) -> None:
         task = asyncio.get_running_loop().create_task(work)
         self._frees.add(task)
         task.add_done_callback(self._frees.discard)
 
-    def release(self, entry: Preserved | None, reason: str) -> None:
+    def release(self, entry: int | None, reason: str) -> None:
         """Frees ``entry`` unless decode consumed it; never interrupted by cancellation."""
-        if entry is not None and entry.state == "preserved":
+        if entry is not None:
             self._spawn(self.ledger.free(entry, reason))
 
     async def warmup(self) -> WarmupAnswer:
@@ -165,7 +184,7 @@ class DistServe:
             raise InvalidRequest("n > 1 is not supported with DistServe")
         model = info["model"]
         decode = self.router.select(model, role="decode")
-        entry: Preserved | None = None
+        entry: int | None = None
         try:
             if self.settings.dummy_prefill:
                 migration = _migration(self.links.transport, DUMMY_PREFILL, 0, [], 0, dummy=True)
@@ -205,12 +224,35 @@ class DistServe:
                     send,
                     echo,
                     self.settings,
-                    on_first=(lambda: self.ledger.consume(entry)) if entry else None,
+                    on_first=(lambda: self.ledger.consume(entry)) if entry is not None else None,
                 )
             finally:
                 response.close()
         finally:
             self.release(entry, "request ended before decode took the session")
+
+
+@dataclass(frozen=True, slots=True)
+class CoreSettings:
+    """What the data plane's side of the flow is started with."""
+
+    migration_protocol: int
+    dummy_prefill: bool
+    free_timeout: float
+    free_attempts: int
+    journal: Path | None
+
+
+def _link_failure(task: asyncio.Future[None]) -> str | None:
+    """Why a link task did not connect its pair (``None``: it did)."""
+    if task.cancelled():
+        return "the prefill-decode link was dropped (a node was removed)"
+    error = task.exception()
+    if error is None:
+        return None
+    if isinstance(error, LinkFailed):
+        return error.message
+    return f"the prefill and decode nodes could not be connected: {error}"
 
 
 def _prefill_body(body: bytes, chat: bool) -> bytes:

@@ -60,6 +60,7 @@ pub fn fault_of(error: &Error) -> Fault {
         Kind::InvalidAnswer => UPSTREAM_INVALID_RESPONSE,
         Kind::Resources => PROXY_OVERLOADED,
         Kind::Config => fault(500, "internal_error", "invalid_config", None),
+        Kind::LinkFailed => fault(502, "upstream_error", "pd_link_failed", None),
     }
 }
 

@@ -16,6 +16,7 @@ use super::answer::{self, Fault};
 use super::control::ControlBody;
 use super::notes::Notes;
 use super::Stop;
+use crate::distserve::Preserved;
 use crate::engine::GatePass;
 use crate::error::{BoxError, Error, Kind};
 use crate::forward::UpstreamBody;
@@ -97,6 +98,8 @@ pub struct Relay {
     finished: bool,
     notes: Notes,
     _pass: Option<GatePass>,
+    /// A DistServe session, consumed by the first data (freed if the relay ends before).
+    session: Option<Preserved>,
 }
 
 /// What a relay needs beyond the node's body.
@@ -111,6 +114,7 @@ pub struct RelayParts {
     pub started: Instant,
     pub notes: Notes,
     pub pass: Option<GatePass>,
+    pub session: Option<Preserved>,
 }
 
 impl Relay {
@@ -135,6 +139,7 @@ impl Relay {
             finished: false,
             notes: parts.notes,
             _pass: parts.pass,
+            session: parts.session,
         }
     }
 
@@ -219,6 +224,9 @@ impl Relay {
     fn arrived(&mut self, data: Bytes) -> Bytes {
         let now = Instant::now();
         self.report.first_byte.get_or_insert_with(|| now - self.started);
+        if let Some(session) = self.session.take() {
+            session.consume();
+        }
         let events = sse::count_events(&data, &mut self.last_was_newline);
         self.report.events += events;
         if let Some(permit) = &self.permit {

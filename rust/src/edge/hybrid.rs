@@ -23,6 +23,7 @@ use super::request::{
 use super::server::Worker;
 use super::EdgeState;
 use crate::admission::Class;
+use crate::distserve::Preserved;
 use crate::engine::{select_ctx, GatePass, HeldPermit, PermitHolder, Refusal};
 use crate::error::{Error, Kind};
 use crate::forward::{ForwardRequest, ResponseBody, UpstreamResponse};
@@ -242,7 +243,7 @@ pub async fn serve(
         Err(e) => return refuse_error(&mut notes, &e, &id),
     };
     drop(info);
-    respond(state, &node, response, &held, &id, Some(checked.pass), notes, started, deadline)
+    respond(state, &node, response, &held, &id, Some(checked.pass), notes, started, deadline, None)
 }
 
 /// Runs `work` within the request's time limit, if it has one.
@@ -263,7 +264,8 @@ pub fn within<T>(
 }
 
 /// The client's answer from the node's: its status and headers (the request id echoed), and
-/// its body, whole or relayed with the permit held until it ends.
+/// its body, whole or relayed with the permit held until it ends. A DistServe `session` is
+/// consumed once the answer is under way (its first data, or a whole successful answer).
 #[allow(clippy::too_many_arguments)]
 pub fn respond(
     state: &EdgeState,
@@ -275,6 +277,7 @@ pub fn respond(
     mut notes: Notes,
     started: Instant,
     deadline: Option<tokio::time::Instant>,
+    session: Option<Preserved>,
 ) -> Response<EdgeBody> {
     let outcome = response.outcome();
     let UpstreamResponse { status, headers: mut answer_headers, body } = response;
@@ -285,6 +288,9 @@ pub fn respond(
     notes.decorate(&mut answer_headers);
     let body = match body {
         ResponseBody::Complete(bytes) => {
+            if let Some(session) = session.filter(|_| status.is_success()) {
+                session.consume();
+            }
             held.release(outcome);
             notes.sent(&bytes, 0);
             notes.completed();
@@ -306,6 +312,7 @@ pub fn respond(
                 started,
                 notes,
                 pass,
+                session,
             };
             EdgeBody::Relay(Box::new(Relay::new(stream.body, parts)))
         }

@@ -49,7 +49,8 @@ pub const INFERENCE_PATHS: [&str; 7] = [
 /// The prefill/decode protocol of a DistServe deployment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PdProtocol {
-    /// LMDeploy's DistServe: served by the control plane (link pool, session ledger).
+    /// LMDeploy's DistServe: prefill preserving its KV, decode migrating it (the control plane
+    /// makes the links and sweeps the session ledger).
     Lmdeploy,
     Vllm,
     Sglang,
@@ -128,10 +129,7 @@ impl EdgeState {
             return Route::ControlPlane;
         }
         match self.config.disaggregation {
-            Some(protocol) if protocol.paths().contains(&path) => match protocol {
-                PdProtocol::Lmdeploy => Route::ControlPlane,
-                _ => Route::Disaggregated(protocol),
-            },
+            Some(protocol) if protocol.paths().contains(&path) => Route::Disaggregated(protocol),
             _ => Route::Hybrid { require_model: !known },
         }
     }

@@ -23,6 +23,7 @@ use super::request::X_REQUEST_ID;
 use super::server::Worker;
 use super::PdProtocol;
 use crate::admission::Class;
+use crate::distserve::{Preserved, SessionHandle};
 use crate::engine::{select_ctx, Engine, HeldPermit, PermitHolder};
 use crate::error::{Error, Kind, Result};
 use crate::forward::{ForwardRequest, Forwarder, ResponseBody, UpstreamResponse};
@@ -64,13 +65,14 @@ pub async fn serve(
     let request = &checked.request;
     let flow = Flow { worker, request, headers: &request.headers, info: &info, trace: notes.trace.as_ref(), class };
     let answered = match protocol {
+        PdProtocol::Lmdeploy => within(deadline, flow.lmdeploy()).await,
         PdProtocol::Vllm => within(deadline, flow.vllm()).await,
-        _ => within(deadline, flow.sglang()).await,
+        PdProtocol::Sglang => within(deadline, flow.sglang()).await,
     };
     drop(info);
     match answered {
-        Ok(Answer::Relay { node, response, held }) => {
-            respond(state, &node, response, &held, &id, Some(checked.pass), notes, started, deadline)
+        Ok(Answer::Relay { node, response, held, session }) => {
+            respond(state, &node, response, &held, &id, Some(checked.pass), notes, started, deadline, session)
         }
         Ok(Answer::Raw { status, headers, body }) => raw(status, headers, body, &id, &mut notes),
         Ok(Answer::Refused { fault, message }) => refuse(&mut notes, fault, &message, None, &id),
@@ -85,6 +87,8 @@ enum Answer {
         node: Arc<Node>,
         response: UpstreamResponse,
         held: HeldPermit,
+        /// LMDeploy: the prefill's session, which the decode consumes.
+        session: Option<Preserved>,
     },
     /// A node's whole answer, status and body unchanged (typically its error).
     Raw {
@@ -123,6 +127,10 @@ fn raw(
 struct Reserved(Option<InFlightPermit>);
 
 impl Reserved {
+    fn node(&self) -> &Arc<Node> {
+        self.0.as_ref().expect("reserved").node()
+    }
+
     fn take(mut self) -> InFlightPermit {
         self.0.take().expect("a reserved permit is taken once")
     }
@@ -217,6 +225,88 @@ impl Flow<'_> {
         end_leg(self.trace, leg, decoded.as_ref().map(|(_, response)| response.status));
         let (node, response) = decoded?;
         relay_or_raw(node, response, held, forwarder).await
+    }
+
+    /// LMDeploy: the prefill (one token, its KV cache preserved) while the pair's link is made
+    /// ready, then the decode with the session's `migration_request`; both nodes pinned, since
+    /// the link is theirs. The session is consumed by the decode's first data and freed on the
+    /// prefill node on any other ending.
+    async fn lmdeploy(&self) -> Result<Answer> {
+        if self.info.n.unwrap_or(1) > 1 {
+            let message = "n > 1 is not supported with DistServe".to_owned();
+            return Ok(Answer::Refused { fault: INVALID_REQUEST, message });
+        }
+        let engine = &self.worker.state.engine;
+        let forwarder = &self.worker.forwarder;
+        let Some(distserve) = engine.distserve.load_full() else {
+            return Err(Error::new(Kind::NoHealthyNode, "DistServe is not serving yet"));
+        };
+        if distserve.config.dummy_prefill {
+            let decode = Reserved(Some(engine.permit(&self.ctx(Role::Decode, None)).await?));
+            return self.lmdeploy_decode(decode, &distserve.dummy_migration(), None).await;
+        }
+        let (decode, prefill) = self.pair().await?;
+        let prefill_node = Arc::clone(prefill.node());
+        let decode_url = decode.node().url().to_owned();
+        let chat = self.request.path_and_query.starts_with("/v1/chat/");
+        let mut changes =
+            vec![("max_tokens", "1"), ("stream", "false"), ("with_cache", "true"), ("preserve_cache", "true")];
+        if chat {
+            changes.push(("max_completion_tokens", "1"));
+        }
+        let body = patch(&self.request.body, &changes, &["stream_options"])?;
+        let prefill_request = ForwardRequest { body: Bytes::from(body), ..self.request.clone() };
+        // The link is made ready while the prefill runs, so the decode never waits for a handshake.
+        let link = distserve.link(prefill_node.url(), &decode_url);
+        tokio::pin!(link);
+        let mut linked = None;
+        let leg = self.open_leg(Role::Prefill);
+        let ctx = self.ctx(Role::Prefill, leg.as_ref());
+        let held = HeldPermit::default();
+        let prefill_work = async {
+            let (_, answer) =
+                engine.send(forwarder, prefill.take(), &prefill_request, &ctx, false, true, &held).await?;
+            whole(answer, &held, forwarder).await
+        };
+        tokio::pin!(prefill_work);
+        let prefilled = loop {
+            tokio::select! {
+                done = &mut link, if linked.is_none() => linked = Some(done),
+                prefilled = &mut prefill_work => break prefilled,
+            }
+        };
+        end_leg(self.trace, leg, prefilled.as_ref().map(|(status, _, _)| *status));
+        let (status, headers, raw) = prefilled?;
+        if status != StatusCode::OK {
+            return Ok(Answer::Raw { status, headers, body: raw }); // the prefill's error; decode never runs
+        }
+        let handle = SessionHandle::from_answer(&raw)?;
+        let session = distserve.sessions.add(Arc::clone(&prefill_node), handle.session_id, Some(&decode_url));
+        let session = Preserved::new(&distserve.sessions, session, forwarder.clone());
+        match linked {
+            Some(done) => done?,
+            None => link.await?,
+        }
+        let migration = distserve.migration(prefill_node.url(), &handle);
+        self.lmdeploy_decode(decode, &migration, Some(session)).await
+    }
+
+    /// LMDeploy's decode leg: the client's body with `migration_request`, on the reserved node.
+    async fn lmdeploy_decode(&self, decode: Reserved, migration: &str, session: Option<Preserved>) -> Result<Answer> {
+        let engine = &self.worker.state.engine;
+        let forwarder = &self.worker.forwarder;
+        let body = patch(&self.request.body, &[("migration_request", migration)], &[])?;
+        let decode_request = ForwardRequest { body: Bytes::from(body), ..self.request.clone() };
+        let leg = self.open_leg(Role::Decode);
+        let ctx = self.ctx(Role::Decode, leg.as_ref());
+        let held = HeldPermit::default();
+        let decoded = engine.send(forwarder, decode.take(), &decode_request, &ctx, false, true, &held).await;
+        end_leg(self.trace, leg, decoded.as_ref().map(|(_, response)| response.status));
+        let (node, response) = decoded?;
+        match relay_or_raw(node, response, held, forwarder).await? {
+            Answer::Relay { node, response, held, .. } => Ok(Answer::Relay { node, response, held, session }),
+            other => Ok(other), // the session, unconsumed, is freed as it drops here
+        }
     }
 
     /// SGLang: one body with the prefill node's bootstrap address and a fresh room, sent to
@@ -335,7 +425,7 @@ async fn relay_or_raw(
     forwarder: &Forwarder,
 ) -> Result<Answer> {
     if response.status == StatusCode::OK {
-        return Ok(Answer::Relay { node, response, held });
+        return Ok(Answer::Relay { node, response, held, session: None });
     }
     let (status, headers, body) = whole(response, &held, forwarder).await?;
     Ok(Answer::Raw { status, headers, body })

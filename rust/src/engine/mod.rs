@@ -12,9 +12,11 @@ use std::time::{Duration, Instant};
 pub use gate::{Gate, GatePass, Refusal};
 pub use policies::{PolicyNames, PolicySet};
 
+use arc_swap::ArcSwapOption;
 use http::HeaderMap;
 
 use crate::admission::{Admission, Class, Ticket};
+use crate::distserve::DistServe;
 use crate::error::{Error, Kind, Result};
 use crate::forward::{ForwardConfig, ForwardRequest, Forwarder, UpstreamResponse};
 use crate::inspect::RequestInfo;
@@ -77,6 +79,8 @@ pub struct Engine {
     pub tracer: Option<Arc<Tracer>>,
     /// Who requests count for, and their limits (empty: nobody's).
     pub tenants: Tenants,
+    /// LMDeploy DistServe's links and sessions, once the control plane has started its flow.
+    pub distserve: ArcSwapOption<DistServe>,
 }
 
 /// A permit taken at once, or a place in the queue.
@@ -138,6 +142,7 @@ impl Engine {
             gate: Arc::new(Gate::new(config.max_requests)),
             tracer: config.tracing.clone().map(Tracer::start),
             tenants: Tenants::default(),
+            distserve: ArcSwapOption::empty(),
             config,
             group_poll,
             instance,

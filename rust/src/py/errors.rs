@@ -22,6 +22,7 @@ pyo3::import_exception!(pdproxy.errors, UpstreamConnectError);
 pyo3::import_exception!(pdproxy.errors, UpstreamTimeout);
 pyo3::import_exception!(pdproxy.errors, Draining);
 pyo3::import_exception!(pdproxy.errors, ProxyOverloaded);
+pyo3::import_exception!(pdproxy.errors, LinkFailed);
 
 /// The most specific Python exception for a data-plane error.
 pub fn to_pyerr(err: &Error) -> PyErr {
@@ -44,6 +45,7 @@ pub fn to_pyerr(err: &Error) -> PyErr {
         Kind::InvalidAnswer => InvalidAnswer::new_err(args),
         Kind::Resources => ProxyOverloaded::new_err(args),
         Kind::Config => ConfigError::new_err(args),
+        Kind::LinkFailed => LinkFailed::new_err(args),
     }
 }
 

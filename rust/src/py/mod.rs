@@ -2,6 +2,7 @@
 
 mod bridge;
 mod config;
+mod distserve;
 mod edge;
 mod errors;
 mod node;
@@ -26,5 +27,7 @@ fn _pdproxy(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<edge::Edge>()?;
     m.add_class::<trace::Trace>()?;
     m.add_class::<tenants::TenantTicket>()?;
+    m.add_class::<distserve::DistServeCore>()?;
+    m.add_class::<distserve::LinkDone>()?;
     Ok(())
 }

@@ -13,6 +13,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::bridge::{resolve, LoopBridge};
 use super::config::RouterConfig;
+use super::distserve::{DistServeCore, DistServeSettings};
 use super::errors::to_pyerr;
 use super::node::{record_dict, NodeRecord};
 use super::response::{Head, Response};
@@ -381,6 +382,19 @@ impl Router {
         exchange.set_task(task.abort_handle());
         future.call_method1(pyo3::intern!(py, "add_done_callback"), (AbortOnCancel(exchange),))?;
         Ok(future)
+    }
+
+    /// Starts LMDeploy DistServe's flow: its requests read their links and keep their sessions
+    /// in the returned core; `connect(prefill, decode, done)` is asked, on this loop, for a
+    /// pair that is not connected.
+    fn start_distserve(
+        &self,
+        py: Python<'_>,
+        settings: DistServeSettings,
+        connect: Py<PyAny>,
+    ) -> PyResult<DistServeCore> {
+        let bridge = self.bridge(py)?;
+        DistServeCore::start(py, &self.engine, self.runtime, bridge, settings, connect)
     }
 
     /// Replaces the tenants with the tenants file's entries (a tenant kept by name keeps its
