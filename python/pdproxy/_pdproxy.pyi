@@ -393,6 +393,9 @@ class DistServeCore:
         """Records a session preserved on ``prefill`` for ``decode``; its id. A prefill node no
         longer registered is reached with ``api_key`` to free it."""
 
+    def describe(self, id: int) -> str | None:
+        """Session ``id`` as a log names it, while it is held."""
+
     def consume(self, id: int) -> None:
         """Decode took session ``id`` over (nothing when it already ended)."""
 

@@ -81,12 +81,15 @@ class SessionLedger:
         """Frees the session on its prefill node, once, whatever the number of callers; when the
         node cannot be reached it is given up (``lost``), or with ``keep_if_unreachable`` kept,
         for the TTL sweep to try again."""
+        what = self._core.describe(entry)
         try:
             outcome = await self._core.free(entry, keep_if_unreachable)
         except KeyError:
             return "consumed"  # it ended meanwhile
-        if outcome == "preserved":
-            log.warning("a prefill session was not freed yet (%s): the sweep tries again after %g s", reason, self._ttl)
+        if outcome == "freed":
+            log.info("freed %s (%s)", what, reason)
+        elif outcome == "preserved":
+            log.warning("%s not freed yet (%s): the sweep tries again after %g s", what, reason, self._ttl)
         else:
             self._log_failure(reason)
         return outcome

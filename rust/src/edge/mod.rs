@@ -11,6 +11,7 @@ mod hybrid;
 mod keys;
 mod notes;
 mod pd;
+mod pipeline;
 mod request;
 mod server;
 
@@ -30,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 use self::access::{AccessLog, Format, Record};
 use self::control::ControlPlane;
 use self::keys::Keys;
+pub use self::pipeline::Strategy;
 use crate::engine::Engine;
 use crate::error::{Error, Kind, Result};
 use crate::tenants::Tenant;
@@ -103,8 +105,8 @@ pub struct EdgeConfig {
 /// Where a request goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Route {
-    Hybrid { require_model: bool },
-    Disaggregated(PdProtocol),
+    /// Through the pipeline, its nodes chosen by the strategy.
+    Inference(Strategy),
     ControlPlane,
 }
 
@@ -129,8 +131,8 @@ impl EdgeState {
             return Route::ControlPlane;
         }
         match self.config.disaggregation {
-            Some(protocol) if protocol.paths().contains(&path) => Route::Disaggregated(protocol),
-            _ => Route::Hybrid { require_model: !known },
+            Some(protocol) if protocol.paths().contains(&path) => Route::Inference(Strategy::Disaggregated(protocol)),
+            _ => Route::Inference(Strategy::Hybrid { require_model: !known }),
         }
     }
 

@@ -1,30 +1,22 @@
-//! Prefill/decode disaggregation in the edge, for the two protocols whose flow is nothing but
-//! two forwards: vLLM's (prefill with `kv_transfer_params`, then decode with the prefill's
-//! params) and SGLang's (both legs at once, meeting in a bootstrap room). The pair of nodes is
-//! chosen and both permits taken before anything is sent: decode first, then prefill, always in
-//! that order, so two requests never hold one each while waiting for the other.
+//! Prefill/decode disaggregation: the pipeline's strategies for the three protocols. LMDeploy's
+//! (prefill preserving the KV cache, decode migrating it by the session's handle, over a link
+//! the control plane made), vLLM's (prefill with `kv_transfer_params`, then decode with the
+//! prefill's params) and SGLang's (both legs at once, meeting in a bootstrap room). The pair of
+//! nodes is chosen and both permits taken before anything is sent: decode first, then prefill,
+//! always in that order, so two requests never hold one each while waiting for the other.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{HeaderValue, CONTENT_LENGTH};
-use http::{HeaderMap, Method, Response, StatusCode};
-use hyper::body::Incoming;
+use http::{HeaderMap, Method, StatusCode};
 use serde_json::value::RawValue;
 
 use super::answer::{self, INVALID_REQUEST, PREFILL_FAILED, UPSTREAM_INVALID_RESPONSE};
-use super::body::EdgeBody;
-use super::hybrid::{admit_tenant, check, parse, refuse, refuse_error, respond, within};
-use super::notes::Notes;
-use super::request::Peer;
-use super::request::X_REQUEST_ID;
-use super::server::Worker;
-use super::PdProtocol;
-use crate::admission::Class;
+use super::pipeline::{leg_name, Answer, Dispatch, Refusal, Refused};
 use crate::distserve::{Preserved, SessionHandle};
-use crate::engine::{select_ctx, Engine, HeldPermit, PermitHolder};
+use crate::engine::{Engine, HeldPermit, PermitHolder};
 use crate::error::{Error, Kind, Result};
 use crate::forward::{ForwardRequest, Forwarder, ResponseBody, UpstreamResponse};
 use crate::inspect::{member, patch, RequestInfo};
@@ -35,93 +27,6 @@ use crate::trace::{OpenSpan, SpanKind, Trace};
 
 /// What the vLLM prefill leg asks for: keep the KV cache for a remote reader.
 const VLLM_PREFILL_PARAMS: &str = r#"{"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}"#;
-
-/// Serves one request through a prefill and a decode node.
-pub async fn serve(
-    worker: &Worker,
-    peer: &Peer,
-    request: hyper::Request<Incoming>,
-    id: HeaderValue,
-    had_id: bool,
-    protocol: PdProtocol,
-) -> Response<EdgeBody> {
-    let state = &worker.state;
-    let (parts, body) = request.into_parts();
-    let mut notes = Notes::begin(state, &id, &parts, peer.address);
-    let checked = match check(state, peer, parts, body, &id, had_id, &mut notes).await {
-        Ok(checked) => checked,
-        Err(refusal) => return *refusal,
-    };
-    let info = match parse(state, &checked, false, &id, &mut notes) {
-        Ok(info) => info,
-        Err(refusal) => return *refusal,
-    };
-    let class = match admit_tenant(&checked, &info, &mut notes, &id) {
-        Ok(class) => class,
-        Err(refusal) => return *refusal,
-    };
-    let started = Instant::now();
-    let deadline = state.engine.config.deadline(started);
-    let request = &checked.request;
-    let flow = Flow { worker, request, headers: &request.headers, info: &info, trace: notes.trace.as_ref(), class };
-    let answered = match protocol {
-        PdProtocol::Lmdeploy => within(deadline, flow.lmdeploy()).await,
-        PdProtocol::Vllm => within(deadline, flow.vllm()).await,
-        PdProtocol::Sglang => within(deadline, flow.sglang()).await,
-    };
-    drop(info);
-    match answered {
-        Ok(Answer::Relay { node, response, held, session }) => {
-            respond(state, &node, response, &held, &id, Some(checked.pass), notes, started, deadline, session)
-        }
-        Ok(Answer::Raw { status, headers, body }) => raw(status, headers, body, &id, &mut notes),
-        Ok(Answer::Refused { fault, message }) => refuse(&mut notes, fault, &message, None, &id),
-        Err(e) => refuse_error(&mut notes, &e, &id),
-    }
-}
-
-/// How a disaggregated request is answered.
-enum Answer {
-    /// The decode node's successful head: its body is relayed.
-    Relay {
-        node: Arc<Node>,
-        response: UpstreamResponse,
-        held: HeldPermit,
-        /// LMDeploy: the prefill's session, which the decode consumes.
-        session: Option<Preserved>,
-    },
-    /// A node's whole answer, status and body unchanged (typically its error).
-    Raw {
-        status: StatusCode,
-        headers: HeaderMap,
-        body: Bytes,
-    },
-    Refused {
-        fault: answer::Fault,
-        message: String,
-    },
-}
-
-/// A node's whole answer, as the client gets it: the node's status, headers and body, the
-/// request id echoed.
-fn raw(
-    status: StatusCode,
-    mut headers: HeaderMap,
-    body: Bytes,
-    id: &HeaderValue,
-    notes: &mut Notes,
-) -> Response<EdgeBody> {
-    headers.remove(CONTENT_LENGTH);
-    headers.insert(X_REQUEST_ID.clone(), id.clone());
-    notes.answered(None, status.as_u16());
-    notes.decorate(&mut headers);
-    notes.sent(&body, 0);
-    notes.completed();
-    let mut response = Response::new(EdgeBody::full(body));
-    *response.status_mut() = status;
-    *response.headers_mut() = headers;
-    response
-}
 
 /// A permit taken for a leg not sent yet: given back uncounted if the request ends first.
 struct Reserved(Option<InFlightPermit>);
@@ -144,31 +49,7 @@ impl Drop for Reserved {
     }
 }
 
-struct Flow<'a> {
-    worker: &'a Worker,
-    request: &'a ForwardRequest,
-    headers: &'a HeaderMap,
-    info: &'a RequestInfo<'a>,
-    trace: Option<&'a Arc<Trace>>,
-    class: Class,
-}
-
-impl Flow<'_> {
-    /// Selection for `role`, its spans under `span` (the leg's, else the request's).
-    fn ctx(&self, role: Role, span: Option<&OpenSpan>) -> SelectCtx<'_> {
-        let traced = self.trace.map(|t| t.traced());
-        let trace = match span {
-            Some(span) => traced.map(|t| t.under(span)),
-            None => traced,
-        };
-        SelectCtx { trace, class: self.class, ..select_ctx(role, self.headers, self.info) }
-    }
-
-    /// A leg's span, when traced.
-    fn open_leg(&self, role: Role) -> Option<OpenSpan> {
-        self.trace.map(|t| t.traced().open(leg_name(role), SpanKind::Internal))
-    }
-
+impl Dispatch<'_> {
     /// The decode node's permit, then the prefill node's.
     async fn pair(&self) -> Result<(Reserved, Reserved)> {
         let engine = &self.worker.state.engine;
@@ -179,12 +60,9 @@ impl Flow<'_> {
 
     /// vLLM: the prefill first (`max_tokens=1`, its KV kept for the decode), then the decode
     /// with the prefill's `kv_transfer_params`, byte for byte. Both legs carry one request id.
-    async fn vllm(&self) -> Result<Answer> {
+    pub(super) async fn vllm(&self) -> Result<Answer, Refused> {
         if self.info.n.unwrap_or(1) > 1 {
-            return Ok(Answer::Refused {
-                fault: INVALID_REQUEST,
-                message: "n > 1 is not supported with disaggregated prefill".to_owned(),
-            });
+            return Err(Refusal::new(INVALID_REQUEST, "n > 1 is not supported with disaggregated prefill"));
         }
         let engine = &self.worker.state.engine;
         let forwarder = &self.worker.forwarder;
@@ -210,8 +88,7 @@ impl Flow<'_> {
             return Ok(Answer::Raw { status, headers, body: raw }); // the prefill's error; decode never runs
         }
         let Ok(params) = member(&raw, "kv_transfer_params") else {
-            let message = "the prefill node's answer is not a JSON object".to_owned();
-            return Ok(Answer::Refused { fault: UPSTREAM_INVALID_RESPONSE, message });
+            return Err(Refusal::new(UPSTREAM_INVALID_RESPONSE, "the prefill node's answer is not a JSON object"));
         };
         let decode_body = match params {
             None | Some("null") => self.request.body.clone(),
@@ -224,22 +101,21 @@ impl Flow<'_> {
         let decoded = engine.send(forwarder, decode.take(), &decode_request, &ctx, true, true, &held).await;
         end_leg(self.trace, leg, decoded.as_ref().map(|(_, response)| response.status));
         let (node, response) = decoded?;
-        relay_or_raw(node, response, held, forwarder).await
+        Ok(relay_or_raw(node, response, held, forwarder).await?)
     }
 
     /// LMDeploy: the prefill (one token, its KV cache preserved) while the pair's link is made
     /// ready, then the decode with the session's `migration_request`; both nodes pinned, since
     /// the link is theirs. The session is consumed by the decode's first data and freed on the
     /// prefill node on any other ending.
-    async fn lmdeploy(&self) -> Result<Answer> {
+    pub(super) async fn lmdeploy(&self) -> Result<Answer, Refused> {
         if self.info.n.unwrap_or(1) > 1 {
-            let message = "n > 1 is not supported with DistServe".to_owned();
-            return Ok(Answer::Refused { fault: INVALID_REQUEST, message });
+            return Err(Refusal::new(INVALID_REQUEST, "n > 1 is not supported with DistServe"));
         }
         let engine = &self.worker.state.engine;
         let forwarder = &self.worker.forwarder;
         let Some(distserve) = engine.distserve.load_full() else {
-            return Err(Error::new(Kind::NoHealthyNode, "DistServe is not serving yet"));
+            return Err(Error::new(Kind::NoHealthyNode, "DistServe is not serving yet").into());
         };
         if distserve.config.dummy_prefill {
             let decode = Reserved(Some(engine.permit(&self.ctx(Role::Decode, None)).await?));
@@ -292,7 +168,12 @@ impl Flow<'_> {
     }
 
     /// LMDeploy's decode leg: the client's body with `migration_request`, on the reserved node.
-    async fn lmdeploy_decode(&self, decode: Reserved, migration: &str, session: Option<Preserved>) -> Result<Answer> {
+    async fn lmdeploy_decode(
+        &self,
+        decode: Reserved,
+        migration: &str,
+        session: Option<Preserved>,
+    ) -> Result<Answer, Refused> {
         let engine = &self.worker.state.engine;
         let forwarder = &self.worker.forwarder;
         let body = patch(&self.request.body, &[("migration_request", migration)], &[])?;
@@ -305,14 +186,14 @@ impl Flow<'_> {
         let (node, response) = decoded?;
         match relay_or_raw(node, response, held, forwarder).await? {
             Answer::Relay { node, response, held, .. } => Ok(Answer::Relay { node, response, held, session }),
-            other => Ok(other), // the session, unconsumed, is freed as it drops here
+            raw @ Answer::Raw { .. } => Ok(raw), // the session, unconsumed, is freed as it drops here
         }
     }
 
     /// SGLang: one body with the prefill node's bootstrap address and a fresh room, sent to
     /// both nodes at once (the prefill waits for the decode to join its room). The decode's
     /// answer is relayed, the prefill's read to its end; a leg that fails first cancels the other.
-    async fn sglang(&self) -> Result<Answer> {
+    pub(super) async fn sglang(&self) -> Result<Answer, Refused> {
         let engine = Arc::clone(&self.worker.state.engine);
         let forwarder = &self.worker.forwarder;
         let (decode, prefill) = self.pair().await?;
@@ -362,19 +243,18 @@ impl Flow<'_> {
             Ok(prefilled) => match flatten(prefilled) {
                 // The decode leg is dropped on return: cancelled.
                 Err(e) => {
-                    let message = format!("the prefill node failed: {}", e.message());
-                    return Ok(Answer::Refused { fault: PREFILL_FAILED, message });
+                    return Err(Refusal::new(PREFILL_FAILED, format!("the prefill node failed: {}", e.message())));
                 }
                 Ok((_, answer, permit)) if answer.status != StatusCode::OK => {
                     let status = answer.status;
                     let held = HeldPermit::default();
                     held.hold(permit);
-                    return Ok(match whole(answer, &held, forwarder).await {
+                    return match whole(answer, &held, forwarder).await {
                         Ok((status, headers, body)) if status.is_client_error() => {
-                            Answer::Raw { status, headers, body }
+                            Ok(Answer::Raw { status, headers, body })
                         }
-                        _ => prefill_failed(status),
-                    });
+                        _ => Err(prefill_failed(status)),
+                    };
                 }
                 Ok(answered) => {
                     prefill_leg = Leg::Answered(Some(answered));
@@ -389,7 +269,7 @@ impl Flow<'_> {
             tokio::spawn(prefill_leg.drain(forwarder.clone()));
         }
         // Otherwise the prefill leg is dropped here: cancelled.
-        relay_or_raw(node, response, held, forwarder).await
+        Ok(relay_or_raw(node, response, held, forwarder).await?)
     }
 
     /// The prefill node's bootstrap port: declared at registration, else from its
@@ -413,8 +293,9 @@ impl Flow<'_> {
     }
 }
 
-fn prefill_failed(status: StatusCode) -> Answer {
-    Answer::Refused { fault: PREFILL_FAILED, message: format!("the prefill node answered {}", status.as_u16()) }
+#[allow(clippy::unnecessary_box_returns)] // a refusal travels boxed, as `Refused`
+fn prefill_failed(status: StatusCode) -> Refused {
+    Refusal::new(PREFILL_FAILED, format!("the prefill node answered {}", status.as_u16()))
 }
 
 /// The decode node's answer: relayed when it succeeded, whole otherwise.
@@ -512,14 +393,6 @@ impl Drop for Leg {
         if let Leg::Running(handle) = self {
             handle.abort();
         }
-    }
-}
-
-fn leg_name(role: Role) -> &'static str {
-    if role == Role::Prefill {
-        "pdproxy.prefill"
-    } else {
-        "pdproxy.decode"
     }
 }
 

@@ -30,7 +30,7 @@ use super::answer;
 use super::body::EdgeBody;
 use super::cors::Cors;
 use super::request::{request_id, Peer};
-use super::{hybrid, pd, EdgeState, Route, Stop};
+use super::{pipeline, EdgeState, Route, Stop};
 use crate::forward::Forwarder;
 
 /// How long open connections get to finish once the edge shuts down.
@@ -260,10 +260,7 @@ async fn route(
         // Boxed: hyper keeps room for this future beside every open connection, streaming or
         // idle; the state of serving a request (3 KiB of it) need only live while it is served.
         let mut response = match state.route(request.uri().path()) {
-            Route::Hybrid { require_model } => {
-                Box::pin(hybrid::serve(worker, peer, request, id, had_id, require_model)).await
-            }
-            Route::Disaggregated(protocol) => Box::pin(pd::serve(worker, peer, request, id, had_id, protocol)).await,
+            Route::Inference(strategy) => Box::pin(pipeline::serve(worker, peer, request, id, had_id, strategy)).await,
             Route::ControlPlane => return Box::pin(state.control.forward(peer.address, request, &id)).await,
         };
         if let (Some(cors), Some(origin)) = (cors, origin) {

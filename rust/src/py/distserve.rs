@@ -77,6 +77,12 @@ impl DistServeCore {
         Ok(self.inner.sessions.add(node, session_id, decode).id)
     }
 
+    /// Session `id` as a log names it, while it is held.
+    fn describe(&self, id: u64) -> Option<String> {
+        let session = self.inner.sessions.get(id)?;
+        Some(format!("prefill session {} on {}", session.session_id, session.prefill.url()))
+    }
+
     /// Decode took session `id` over (nothing when it already ended).
     fn consume(&self, id: u64) {
         if let Some(session) = self.inner.sessions.get(id) {
