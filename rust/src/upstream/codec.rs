@@ -441,11 +441,16 @@ fn decode_pieces(buffer: &mut BytesMut, state: &mut Chunk, out: &mut Chunks) -> 
     }
 }
 
-/// Where the first CRLF is; an over-long line is an error.
+/// Longest chunk-size or trailer line accepted.
+const MAX_CHUNK_LINE: usize = 4096;
+
+/// Where the first CRLF is; an over-long line is an error, however it arrived (in one read or
+/// in several).
 fn find_crlf(buffer: &[u8]) -> Result<Option<usize>, &'static str> {
     match memchr::memmem::find(buffer, b"\r\n") {
+        Some(end) if end > MAX_CHUNK_LINE => Err("a chunk line is too long"),
         Some(end) => Ok(Some(end)),
-        None if buffer.len() > 4096 => Err("a chunk line is too long"),
+        None if buffer.len() > MAX_CHUNK_LINE => Err("a chunk line is too long"),
         None => Ok(None),
     }
 }
@@ -456,6 +461,9 @@ fn parse_hex(digits: &[u8]) -> Option<u64> {
     }
     digits.iter().try_fold(0u64, |n, &d| Some(n * 16 + u64::from(char::from(d).to_digit(16)?)))
 }
+
+#[cfg(test)]
+mod properties;
 
 #[cfg(test)]
 mod tests {
