@@ -3,7 +3,7 @@
 import asyncio
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import ClassVar, Literal, Protocol, TypeAlias, TypedDict, final, type_check_only
+from typing import ClassVar, Literal, Protocol, TypedDict, final, type_check_only
 
 # The data plane reads these by attribute or key (rust/src/py/config.rs, rust/src/py/node.rs,
 # rust/src/py/tenants.rs); their fields are declared once, in Python.
@@ -14,6 +14,17 @@ from pdproxy.tenants import TenantEntry, TenantLimits
 __version__: str
 #: The routing policies the data plane knows, by name.
 POLICY_NAMES: tuple[str, ...]
+#: Every error the proxy answers with, by its exception class's name: (status, type, code,
+#: default Retry-After); ``pdproxy.errors`` reads its classes' answers from here.
+ERRORS: dict[str, tuple[int, str, str, int | None]]
+#: Inference endpoints, routed by the body's model.
+INFERENCE_PATHS: tuple[str, ...]
+#: The paths each prefill/decode protocol sends through a prefill and a decode node.
+PD_PATHS: dict[str, list[str]]
+
+def pd_prefill_body(protocol: str, path: str, body: bytes) -> bytes:
+    """The prefill leg's body for ``protocol`` (``lmdeploy``, ``vllm``; ``sglang`` shares one
+    body between its legs), from the client's ``body`` sent to ``path``."""
 
 # The shapes of the data plane's answers (dicts built in rust/src/py/). They exist for the type
 # checker only: import them under `typing.TYPE_CHECKING`.
@@ -322,7 +333,9 @@ class Router:
         the queue too long. Cancelling it cancels the upstream request.
         """
 
-    def start_distserve(self, settings: DistServeSettings, connect: LinkConnect) -> DistServeCore:
+    def start_distserve(
+        self, settings: DistServeSettings, connect: Callable[[str, str, LinkDone], None]
+    ) -> DistServeCore:
         """Starts LMDeploy DistServe's flow: its requests read their links and keep their
         sessions in the returned core; ``connect(prefill, decode, done)`` is asked, on this
         loop, for a pair that is not connected."""
@@ -358,7 +371,6 @@ class Router:
         """Stops serving: requests in flight end now (their readers get an error) and new
         ones are refused; the router leaves its event loop when it is dropped."""
 
-@final
 @type_check_only
 class DistServeSettings(Protocol):
     """What ``start_distserve`` reads (by attribute)."""
@@ -373,9 +385,6 @@ class DistServeSettings(Protocol):
     def free_attempts(self) -> int: ...
     @property
     def journal(self) -> Path | None: ...
-
-#: The control plane's link maker: connects a pair, then calls ``done`` (None: connected).
-LinkConnect: TypeAlias = Callable[[str, str, LinkDone], None]
 
 @final
 class LinkDone:
@@ -399,7 +408,9 @@ class DistServeCore:
     def consume(self, id: int) -> None:
         """Decode took session ``id`` over (nothing when it already ended)."""
 
-    def free(self, id: int, keep_if_unreachable: bool = False) -> asyncio.Future[FreeState]:
+    def free(
+        self, id: int, keep_if_unreachable: bool = False
+    ) -> asyncio.Future[Literal["freed", "lost", "consumed", "preserved"]]:
         """Frees session ``id`` on its prefill node, once whatever the number of callers; raises
         ``KeyError`` when it is not preserved any more."""
 
@@ -419,9 +430,7 @@ class DistServeCore:
     def stop(self) -> None:
         """Ends the flow: requests no longer find it."""
 
-#: How a free ended (``preserved``: the node could not be reached and the session is kept).
-FreeState: TypeAlias = Literal["freed", "lost", "consumed", "preserved", "freeing"]
-
+@final
 class TenantTicket:
     """A request's admission: its queue class and, with a tenant, the tenant's pass (settled
     when the request ends)."""

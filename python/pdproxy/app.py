@@ -13,7 +13,7 @@ from urllib.parse import unquote
 
 from pydantic import BaseModel
 
-from . import dashboard, proxy
+from . import _pdproxy, dashboard, proxy
 from .asgi_types import Headers, HTTPReceive, HTTPScope, Receive, Scope, Send, SendMessage
 from .auth import Keys
 from .config import Settings
@@ -42,17 +42,7 @@ MAIN_PID_ENV = "_PDPROXY_SERVE_PID"
 
 #: Inference endpoints routed by the body's model; other POSTs under /v1/ are passed through
 #: too when their body names a model.
-INFERENCE_PATHS = frozenset(
-    {
-        "/v1/chat/completions",
-        "/v1/completions",
-        "/v1/embeddings",
-        "/v1/responses",
-        "/v1/messages",
-        "/generate",
-        "/pooling",
-    }
-)
+INFERENCE_PATHS = frozenset(_pdproxy.INFERENCE_PATHS)
 
 
 class ProxyApp:

@@ -45,6 +45,8 @@ from __future__ import annotations
 
 import json
 
+from pdproxy._pdproxy import ERRORS
+
 __all__ = [
     "AnswerTooLarge",
     "ClientGone",
@@ -84,16 +86,29 @@ __all__ = [
 ]
 
 
-class PdproxyError(Exception):
-    """Base class of every pdproxy error."""
+def _answers_as_declared(cls: type[PdproxyError]) -> None:
+    """Gives ``cls`` its answer from the error table, when the table names it."""
+    entry = ERRORS.get(cls.__name__)
+    if entry is not None:
+        cls.status, cls.type, cls.code, cls.retry_after = entry
 
-    status: int = 500
-    code: str = "internal_error"
-    type: str = "internal_error"
+
+class PdproxyError(Exception):
+    """Base class of every pdproxy error. A class named in the data plane's error table
+    (``_pdproxy.ERRORS``) answers with its status, type, code and ``Retry-After``; any other
+    answers as its base does."""
+
+    status: int
+    code: str
+    type: str
     #: Seconds a client should wait before retrying, when retrying may help.
-    retry_after: int | None = None
+    retry_after: int | None
     #: The field an error of this kind is about when it names none itself.
     default_param: str | None = None
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        _answers_as_declared(cls)
 
     def __init__(
         self, message: str = "", detail: str | None = None, retry_after: int | None = None, param: str | None = None
@@ -125,41 +140,27 @@ class PdproxyError(Exception):
         return headers
 
 
+_answers_as_declared(PdproxyError)
+
+
 class ConfigError(PdproxyError, ValueError):
     """A setting has a value pdproxy cannot use."""
-
-    code = "invalid_config"
 
 
 class InvalidRequest(PdproxyError, ValueError):
     """The client's request cannot be routed: bad JSON, wrong field types."""
 
-    status = 400
-    code = "invalid_request"
-    type = "invalid_request_error"
-
 
 class RequestTooLarge(InvalidRequest):
     """The request body exceeds the configured limit."""
-
-    status = 413
-    code = "request_too_large"
 
 
 class RequestTimeout(InvalidRequest):
     """The client did not send its request body in time."""
 
-    status = 408
-    code = "request_timeout"
-
 
 class Draining(PdproxyError):
     """The proxy is shutting down and takes no new requests; another replica may."""
-
-    status = 503
-    code = "draining"
-    type = "service_unavailable"
-    retry_after: int | None = 1
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [*super().headers(), (b"connection", b"close")]
@@ -168,18 +169,11 @@ class Draining(PdproxyError):
 class InvalidNode(PdproxyError, ValueError):
     """A node URL that cannot be used (not http, no host)."""
 
-    status = 400
-    code = "invalid_node"
-    type = "invalid_request_error"
     default_param = "url"
 
 
 class NodeNotFound(PdproxyError, KeyError):
     """No node with that URL is registered."""
-
-    status = 404
-    code = "node_not_found"
-    type = "invalid_request_error"
 
     def __str__(self) -> str:  # KeyError would quote the message
         return self.message
@@ -188,38 +182,19 @@ class NodeNotFound(PdproxyError, KeyError):
 class NoNodeAvailable(PdproxyError):
     """No node can take the request now; nothing was executed, so retrying is safe."""
 
-    status = 503
-    code = "no_healthy_node"
-    type = "service_unavailable"
-    retry_after: int | None = 1
-
 
 class ModelNotFound(NoNodeAvailable):
     """No registered node serves the requested model."""
-
-    status = 404
-    code = "model_not_found"
-    type = "invalid_request_error"
-    retry_after: int | None = None
 
 
 class Overloaded(PdproxyError):
     """Every node that could serve the request is at its limit and the wait queue is full
     (or the wait timed out). ``retry_after`` comes from the observed completion rate."""
 
-    status = 429
-    code = "overloaded"
-    type = "rate_limit_error"
-    retry_after: int | None = 1
-
 
 class RateLimited(PdproxyError):
     """A tenant is over one of its limits: ``limit`` is requests, tokens or concurrency (per
     minute, or at once); its answer carries the tenant's ``x-ratelimit-*`` headers."""
-
-    status = 429
-    code = "rate_limit_exceeded"
-    type = "requests"
 
     def __init__(
         self,
@@ -232,7 +207,7 @@ class RateLimited(PdproxyError):
         super().__init__(message, detail, retry_after)
         self.limit = limit
         if limit == "tokens":
-            self.type = "tokens"
+            self.type = ERRORS["TokensRateLimited"][1]
         self.rate_headers = rate_headers or []
 
     def headers(self) -> list[tuple[bytes, bytes]]:
@@ -242,48 +217,25 @@ class RateLimited(PdproxyError):
 class QuotaExceeded(RateLimited):
     """A tenant's daily token budget is spent (until midnight UTC)."""
 
-    code = "insufficient_quota"
-    type = "insufficient_quota"
-
 
 class ProxyOverloaded(PdproxyError):
     """The proxy itself serves as many requests as it may (its global cap)."""
-
-    status = 503
-    code = "overloaded"
-    type = "service_unavailable"
-    retry_after: int | None = 1
 
 
 class LoopDetected(PdproxyError):
     """The request came back to this proxy (a node is this proxy, or routes back to it)."""
 
-    status = 508
-    code = "loop_detected"
-    type = "server_error"
-
 
 class UpstreamError(PdproxyError):
     """The node failed after it received the request; it may have done work."""
-
-    status = 502
-    code = "upstream_error"
-    type = "upstream_error"
 
 
 class UpstreamConnectError(UpstreamError, ConnectionError):
     """The node could not be reached: the request never ran, retrying is safe."""
 
-    status = 503
-    code = "upstream_connect_failed"
-    retry_after: int | None = 1
-
 
 class UpstreamTimeout(UpstreamError, TimeoutError):
     """The node did not answer in time."""
-
-    status = 504
-    code = "upstream_timeout"
 
 
 def error_body(message: str, *, type: str, code: str, param: str | None = None) -> bytes:
@@ -298,41 +250,21 @@ class ClientGone(Exception):
 class UnsupportedMediaType(PdproxyError):
     """The request body is not JSON."""
 
-    status = 415
-    code = "unsupported_media_type"
-    type = "invalid_request_error"
-
 
 class NotFound(PdproxyError):
     """No such route."""
-
-    status = 404
-    code = "not_found"
-    type = "invalid_request_error"
 
 
 class MethodNotAllowed(PdproxyError):
     """The route exists, not with this method."""
 
-    status = 405
-    code = "method_not_allowed"
-    type = "invalid_request_error"
-
 
 class CorsRefused(PdproxyError):
     """A preflight for an origin, method or header the settings do not allow."""
 
-    status = 400
-    code = "cors_refused"
-    type = "invalid_request_error"
-
 
 class Unauthorized(PdproxyError):
     """No key, or a wrong one."""
-
-    status = 401
-    code = "unauthorized"
-    type = "authentication_error"
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [*super().headers(), (b"www-authenticate", b"Bearer")]
@@ -341,39 +273,22 @@ class Unauthorized(PdproxyError):
 class Forbidden(PdproxyError):
     """A valid inference key used on the management API."""
 
-    status = 403
-    code = "forbidden"
-    type = "permission_error"
-
 
 class RegistryUnavailable(PdproxyError):
     """The shared registry cannot be reached, so a node cannot be added or removed now."""
-
-    status = 503
-    code = "registry_unavailable"
-    type = "service_unavailable"
-    retry_after: int | None = 1
 
 
 class DistServeOff(PdproxyError):
     """A DistServe management route on a proxy that does not serve with it (or not its protocol)."""
 
-    status = 404
-    code = "distserve_off"
-    type = "invalid_request_error"
-
 
 class TerminateFailed(UpstreamError):
     """The node did not confirm its termination (it was removed all the same)."""
-
-    code = "terminate_failed"
 
 
 class InvalidAnswer(UpstreamError):
     """The node's answer cannot be used: malformed or ambiguous framing, or larger or slower than
     the proxy reads whole."""
-
-    code = "upstream_invalid_response"
 
 
 class InvalidPrefillAnswer(InvalidAnswer):
@@ -383,14 +298,9 @@ class InvalidPrefillAnswer(InvalidAnswer):
 class PrefillFailed(UpstreamError):
     """The prefill leg failed (its 5xx or a transport error): the request was not served."""
 
-    code = "prefill_failed"
-
 
 class LinkFailed(UpstreamError):
     """The prefill and decode nodes could not be connected."""
-
-    status = 502
-    code = "pd_link_failed"
 
 
 class HandshakeError(Exception):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from . import __version__
+from . import __version__, _pdproxy
 from .nodes_api import ROUTES
 
 _ERROR = {
@@ -26,13 +26,10 @@ _ERROR = {
 
 #: Endpoints served outside the management table: (method, path, summary, statuses).
 PROXY_ROUTES: tuple[tuple[str, str, str, dict[int, str]], ...] = (
-    ("POST", "/v1/chat/completions", "Chat completion, routed by model", {200: "The node's answer"}),
-    ("POST", "/v1/completions", "Completion, routed by model", {200: "The node's answer"}),
-    ("POST", "/v1/embeddings", "Embeddings, routed by model", {200: "The node's answer"}),
-    ("POST", "/v1/responses", "Responses API, routed by model", {200: "The node's answer"}),
-    ("POST", "/v1/messages", "Anthropic-style messages, routed by model", {200: "The node's answer"}),
-    ("POST", "/generate", "Native generate, routed by model", {200: "The node's answer"}),
-    ("POST", "/pooling", "Pooling, routed by model", {200: "The node's answer"}),
+    *(
+        ("POST", path, "Inference, routed by the body's model", {200: "The node's answer"})
+        for path in _pdproxy.INFERENCE_PATHS
+    ),
     ("GET", "/v1/models", "Models served by healthy nodes (OpenAI ModelList)", {200: "Model list"}),
     ("GET", "/health", "The proxy is alive", {200: "Alive"}),
     ("GET", "/ready", "The proxy can route: at least one healthy node", {200: "Ready", 503: "No routable node"}),

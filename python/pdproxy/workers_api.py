@@ -127,10 +127,6 @@ class WorkerUpdate(BaseModel):
 class WorkerExists(PdproxyError):
     """``POST /workers`` for a URL already registered: the gateway's 409 (PUT or PATCH change one)."""
 
-    status = 409
-    code = "worker_already_exists"
-    type = "invalid_request_error"
-
 
 class ModelCardAnswer(TypedDict):
     id: str

@@ -17,17 +17,18 @@ import contextlib
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple, TypedDict
+from typing import Literal, NamedTuple, TypedDict
 
 from pdproxy import background
 from pdproxy._pdproxy import DistServeCore
 
 from .relay import ApiKeyOf
 
-if TYPE_CHECKING:
-    from pdproxy._pdproxy import FreeState
-
 log = logging.getLogger("pdproxy.pd")
+
+
+#: How a free ended (``preserved``: the node could not be reached and the session is kept).
+FreeState = Literal["freed", "lost", "consumed", "preserved"]
 
 
 class Swept(NamedTuple):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
+from pdproxy import _pdproxy
 from pdproxy._pdproxy import LinkDone
 from pdproxy.config import Settings
 from pdproxy.errors import InvalidPrefillAnswer, InvalidRequest, LinkFailed
@@ -37,7 +38,7 @@ from .relay import ApiKeyOf, PdRequest, read_all, relay, send_raw
 
 log = logging.getLogger("pdproxy.pd")
 
-PD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+PD_PATHS = frozenset(_pdproxy.PD_PATHS["lmdeploy"])
 DUMMY_PREFILL = "dummy:dummy"
 
 
@@ -178,7 +179,6 @@ class DistServe:
         """One disaggregated request, prefill to decode to client."""
         path, body, headers, send, echo = request.path, request.body, request.headers, request.send, request.echo
         trace, tenant = request.trace, request.tenant
-        chat = path.startswith("/v1/chat/")
         info = Router.inspect(body)
         if (info["n"] or 1) > 1:
             raise InvalidRequest("n > 1 is not supported with DistServe")
@@ -195,7 +195,13 @@ class DistServe:
                 link.add_done_callback(_consume_exception)
                 span = leg(trace, "pdproxy.prefill")
                 pending = self.router.forward(
-                    path, _prefill_body(body, chat), headers, role="prefill", node=prefill, trace=span, tenant=tenant
+                    path,
+                    _pdproxy.pd_prefill_body("lmdeploy", path, body),
+                    headers,
+                    role="prefill",
+                    node=prefill,
+                    trace=span,
+                    tenant=tenant,
                 )
                 end_on_answer(span, pending)
                 answer = await pending
@@ -253,13 +259,6 @@ def _link_failure(task: asyncio.Future[None]) -> str | None:
     if isinstance(error, LinkFailed):
         return error.message
     return f"the prefill and decode nodes could not be connected: {error}"
-
-
-def _prefill_body(body: bytes, chat: bool) -> bytes:
-    changes: dict[str, int | bool] = {"max_tokens": 1, "stream": False, "with_cache": True, "preserve_cache": True}
-    if chat:
-        changes["max_completion_tokens"] = 1
-    return Router.patch(body, changes, remove=["stream_options"])
 
 
 def _migration(

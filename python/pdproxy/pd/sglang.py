@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from pdproxy import _pdproxy
 from pdproxy._pdproxy import Response
 from pdproxy._pdproxy import Router as CoreRouter
 from pdproxy.config import Settings
@@ -30,7 +31,7 @@ from .relay import PdRequest, read_all, relay, send_raw
 
 log = logging.getLogger("pdproxy.pd")
 
-PD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/generate"})
+PD_PATHS = frozenset(_pdproxy.PD_PATHS["sglang"])
 
 
 def batch_size(body: bytes) -> int | None:

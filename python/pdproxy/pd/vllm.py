@@ -7,9 +7,9 @@ decode's read notifies the prefill, or the prefill's lease runs out): no ledger 
 
 from __future__ import annotations
 
-import json
 from typing import TypedDict
 
+from pdproxy import _pdproxy
 from pdproxy._pdproxy import Router as CoreRouter
 from pdproxy.config import Settings
 from pdproxy.errors import InvalidPrefillAnswer, InvalidRequest
@@ -18,27 +18,7 @@ from pdproxy.tracing import end_on_answer, leg
 
 from .relay import ApiKeyOf, PdRequest, read_all, relay, send_raw
 
-PD_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-
-#: What the prefill leg asks for: keep the KV for a remote reader.
-PREFILL_PARAMS = json.dumps(
-    {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
-)
-
-
-def prefill_body(body: bytes) -> bytes:
-    changes = [("kv_transfer_params", PREFILL_PARAMS), ("stream", "false"), ("max_tokens", "1")]
-    if CoreRouter.member(body, "max_completion_tokens") is not None:
-        changes.append(("max_completion_tokens", "1"))
-    # Not supported on the prefill leg, or meaningless for one token.
-    return CoreRouter.patch(body, changes, ["stream_options", "min_tokens", "min_completion_tokens"])
+PD_PATHS = frozenset(_pdproxy.PD_PATHS["vllm"])
 
 
 class VllmStatus(TypedDict):
@@ -72,7 +52,12 @@ class VllmPD:
             raise InvalidRequest("n > 1 is not supported with disaggregated prefill")
         span = leg(trace, "pdproxy.prefill")
         pending = self.router.forward(
-            path, prefill_body(body), headers, role="prefill", trace=span or trace, tenant=tenant
+            path,
+            _pdproxy.pd_prefill_body("vllm", path, body),
+            headers,
+            role="prefill",
+            trace=span or trace,
+            tenant=tenant,
         )
         end_on_answer(span, pending)
         answer = await pending

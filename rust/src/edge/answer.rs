@@ -26,41 +26,99 @@ const fn fault(status: u16, kind: &'static str, code: &'static str, retry_after:
     Fault { status, kind, code, retry_after }
 }
 
-pub const INVALID_REQUEST: Fault = fault(400, "invalid_request_error", "invalid_request", None);
-pub const UNAUTHORIZED: Fault = fault(401, "authentication_error", "unauthorized", None);
-pub const NOT_FOUND: Fault = fault(404, "invalid_request_error", "not_found", None);
-pub const REQUEST_TIMEOUT: Fault = fault(408, "invalid_request_error", "request_timeout", None);
-pub const REQUEST_TOO_LARGE: Fault = fault(413, "invalid_request_error", "request_too_large", None);
-pub const UNSUPPORTED_MEDIA_TYPE: Fault = fault(415, "invalid_request_error", "unsupported_media_type", None);
 pub const INTERNAL: Fault = fault(500, "internal_error", "internal_error", None);
-pub const UPSTREAM_INVALID_RESPONSE: Fault = fault(502, "upstream_error", "upstream_invalid_response", None);
-/// Past `--max-connections`: answered at accept, before the request is read.
-pub const TOO_MANY_CONNECTIONS: Fault = fault(503, "service_unavailable", "overloaded", Some(1));
-pub const PREFILL_FAILED: Fault = fault(502, "upstream_error", "prefill_failed", None);
+pub const INVALID_CONFIG: Fault = fault(500, "internal_error", "invalid_config", None);
+pub const INVALID_REQUEST: Fault = fault(400, "invalid_request_error", "invalid_request", None);
+pub const REQUEST_TOO_LARGE: Fault = fault(413, "invalid_request_error", "request_too_large", None);
+pub const REQUEST_TIMEOUT: Fault = fault(408, "invalid_request_error", "request_timeout", None);
+pub const UNSUPPORTED_MEDIA_TYPE: Fault = fault(415, "invalid_request_error", "unsupported_media_type", None);
+pub const NOT_FOUND: Fault = fault(404, "invalid_request_error", "not_found", None);
+pub const METHOD_NOT_ALLOWED: Fault = fault(405, "invalid_request_error", "method_not_allowed", None);
+pub const CORS_REFUSED: Fault = fault(400, "invalid_request_error", "cors_refused", None);
+pub const UNAUTHORIZED: Fault = fault(401, "authentication_error", "unauthorized", None);
+pub const FORBIDDEN: Fault = fault(403, "permission_error", "forbidden", None);
 pub const DRAINING: Fault = fault(503, "service_unavailable", "draining", Some(1));
-pub const PROXY_OVERLOADED: Fault = fault(503, "service_unavailable", "overloaded", Some(1));
-pub const LOOP_DETECTED: Fault = fault(508, "server_error", "loop_detected", None);
+pub const INVALID_NODE: Fault = fault(400, "invalid_request_error", "invalid_node", None);
+pub const NODE_NOT_FOUND: Fault = fault(404, "invalid_request_error", "node_not_found", None);
+pub const REGISTRY_UNAVAILABLE: Fault = fault(503, "service_unavailable", "registry_unavailable", None);
+/// The SGLang gateway's `POST /workers` for a URL already registered.
+pub const WORKER_EXISTS: Fault = fault(409, "invalid_request_error", "worker_already_exists", None);
+pub const DISTSERVE_OFF: Fault = fault(404, "invalid_request_error", "distserve_off", None);
+pub const NO_HEALTHY_NODE: Fault = fault(503, "service_unavailable", "no_healthy_node", Some(1));
+pub const MODEL_NOT_FOUND: Fault = fault(404, "invalid_request_error", "model_not_found", None);
+pub const OVERLOADED: Fault = fault(429, "rate_limit_error", "overloaded", Some(1));
 pub const OVER_REQUEST_RATE: Fault = fault(429, "requests", "rate_limit_exceeded", None);
 pub const OVER_TOKEN_RATE: Fault = fault(429, "tokens", "rate_limit_exceeded", None);
 pub const OVER_BUDGET: Fault = fault(429, "insufficient_quota", "insufficient_quota", None);
+pub const PROXY_OVERLOADED: Fault = fault(503, "service_unavailable", "overloaded", Some(1));
+pub const LOOP_DETECTED: Fault = fault(508, "server_error", "loop_detected", None);
+pub const UPSTREAM_ERROR: Fault = fault(502, "upstream_error", "upstream_error", None);
+pub const UPSTREAM_CONNECT_FAILED: Fault = fault(503, "upstream_error", "upstream_connect_failed", Some(1));
+pub const UPSTREAM_TIMEOUT: Fault = fault(504, "upstream_error", "upstream_timeout", None);
+pub const TERMINATE_FAILED: Fault = fault(502, "upstream_error", "terminate_failed", None);
+pub const UPSTREAM_INVALID_RESPONSE: Fault = fault(502, "upstream_error", "upstream_invalid_response", None);
+pub const PREFILL_FAILED: Fault = fault(502, "upstream_error", "prefill_failed", None);
+pub const PD_LINK_FAILED: Fault = fault(502, "upstream_error", "pd_link_failed", None);
+/// Past `--max-connections`: answered at accept, before the request is read.
+pub const TOO_MANY_CONNECTIONS: Fault = fault(503, "service_unavailable", "overloaded", Some(1));
 pub const CONTROL_PLANE_UNAVAILABLE: Fault = fault(503, "service_unavailable", "control_plane_unavailable", Some(1));
 
-/// The answer to a data-plane error (the same mapping as `py/errors.rs` and `errors.py`).
+/// Every error the proxy answers with, by the name of the exception class the control plane
+/// raises it as (`pdproxy/errors.py` reads each class's status, type and code from here). The
+/// last two the edge alone answers with.
+pub const ERRORS: [(&str, Fault); 34] = [
+    ("PdproxyError", INTERNAL),
+    ("ConfigError", INVALID_CONFIG),
+    ("InvalidRequest", INVALID_REQUEST),
+    ("RequestTooLarge", REQUEST_TOO_LARGE),
+    ("RequestTimeout", REQUEST_TIMEOUT),
+    ("UnsupportedMediaType", UNSUPPORTED_MEDIA_TYPE),
+    ("NotFound", NOT_FOUND),
+    ("MethodNotAllowed", METHOD_NOT_ALLOWED),
+    ("CorsRefused", CORS_REFUSED),
+    ("Unauthorized", UNAUTHORIZED),
+    ("Forbidden", FORBIDDEN),
+    ("Draining", DRAINING),
+    ("InvalidNode", INVALID_NODE),
+    ("NodeNotFound", NODE_NOT_FOUND),
+    ("RegistryUnavailable", REGISTRY_UNAVAILABLE),
+    ("DistServeOff", DISTSERVE_OFF),
+    ("WorkerExists", WORKER_EXISTS),
+    ("NoNodeAvailable", NO_HEALTHY_NODE),
+    ("ModelNotFound", MODEL_NOT_FOUND),
+    ("Overloaded", OVERLOADED),
+    ("RateLimited", OVER_REQUEST_RATE),
+    ("TokensRateLimited", OVER_TOKEN_RATE),
+    ("QuotaExceeded", OVER_BUDGET),
+    ("ProxyOverloaded", PROXY_OVERLOADED),
+    ("LoopDetected", LOOP_DETECTED),
+    ("UpstreamError", UPSTREAM_ERROR),
+    ("UpstreamConnectError", UPSTREAM_CONNECT_FAILED),
+    ("UpstreamTimeout", UPSTREAM_TIMEOUT),
+    ("TerminateFailed", TERMINATE_FAILED),
+    ("InvalidAnswer", UPSTREAM_INVALID_RESPONSE),
+    ("PrefillFailed", PREFILL_FAILED),
+    ("LinkFailed", PD_LINK_FAILED),
+    ("TooManyConnections", TOO_MANY_CONNECTIONS),
+    ("ControlPlaneUnavailable", CONTROL_PLANE_UNAVAILABLE),
+];
+
+/// The answer to a data-plane error (`py/errors.rs` raises the same as exception classes).
 pub fn fault_of(error: &Error) -> Fault {
     match error.kind() {
         Kind::InvalidRequest => INVALID_REQUEST,
-        Kind::InvalidNode => fault(400, "invalid_request_error", "invalid_node", None),
-        Kind::NodeNotFound => fault(404, "invalid_request_error", "node_not_found", None),
-        Kind::ModelNotFound => fault(404, "invalid_request_error", "model_not_found", None),
-        Kind::NoNodes | Kind::NoHealthyNode => fault(503, "service_unavailable", "no_healthy_node", Some(1)),
-        Kind::Overloaded => fault(429, "rate_limit_error", "overloaded", Some(1)),
-        Kind::Connect => fault(503, "upstream_error", "upstream_connect_failed", Some(1)),
-        Kind::Timeout => fault(504, "upstream_error", "upstream_timeout", None),
-        Kind::Upstream | Kind::Cancelled => fault(502, "upstream_error", "upstream_error", None),
+        Kind::InvalidNode => INVALID_NODE,
+        Kind::NodeNotFound => NODE_NOT_FOUND,
+        Kind::ModelNotFound => MODEL_NOT_FOUND,
+        Kind::NoNodes | Kind::NoHealthyNode => NO_HEALTHY_NODE,
+        Kind::Overloaded => OVERLOADED,
+        Kind::Connect => UPSTREAM_CONNECT_FAILED,
+        Kind::Timeout => UPSTREAM_TIMEOUT,
+        Kind::Upstream | Kind::Cancelled => UPSTREAM_ERROR,
         Kind::InvalidAnswer => UPSTREAM_INVALID_RESPONSE,
         Kind::Resources => PROXY_OVERLOADED,
-        Kind::Config => fault(500, "internal_error", "invalid_config", None),
-        Kind::LinkFailed => fault(502, "upstream_error", "pd_link_failed", None),
+        Kind::Config => INVALID_CONFIG,
+        Kind::LinkFailed => PD_LINK_FAILED,
     }
 }
 

@@ -31,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 use self::access::{AccessLog, Format, Record};
 use self::control::ControlPlane;
 use self::keys::Keys;
+pub use self::pd::prefill_body;
 pub use self::pipeline::Strategy;
 use crate::engine::Engine;
 use crate::error::{Error, Kind, Result};
@@ -60,16 +61,24 @@ pub enum PdProtocol {
 
 impl PdProtocol {
     pub fn parse(raw: &str) -> Result<Self> {
-        match raw {
-            "lmdeploy" => Ok(Self::Lmdeploy),
-            "vllm" => Ok(Self::Vllm),
-            "sglang" => Ok(Self::Sglang),
-            other => Err(Error::new(Kind::Config, format!("unknown pd_protocol {other:?}"))),
+        Self::ALL
+            .into_iter()
+            .find(|protocol| protocol.name() == raw)
+            .ok_or_else(|| Error::new(Kind::Config, format!("unknown pd_protocol {raw:?}")))
+    }
+
+    pub const ALL: [Self; 3] = [Self::Lmdeploy, Self::Vllm, Self::Sglang];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Lmdeploy => "lmdeploy",
+            Self::Vllm => "vllm",
+            Self::Sglang => "sglang",
         }
     }
 
     /// The paths that go through prefill and decode nodes.
-    fn paths(self) -> &'static [&'static str] {
+    pub fn paths(self) -> &'static [&'static str] {
         match self {
             Self::Lmdeploy | Self::Vllm => &["/v1/chat/completions", "/v1/completions"],
             Self::Sglang => &["/v1/chat/completions", "/v1/completions", "/generate"],

@@ -15,6 +15,7 @@ use serde_json::value::RawValue;
 
 use super::answer::{self, INVALID_REQUEST, PREFILL_FAILED, UPSTREAM_INVALID_RESPONSE};
 use super::pipeline::{leg_name, Answer, Dispatch, Refusal, Refused};
+use super::PdProtocol;
 use crate::distserve::{Preserved, SessionHandle};
 use crate::engine::{Engine, HeldPermit, PermitHolder};
 use crate::error::{Error, Kind, Result};
@@ -27,6 +28,32 @@ use crate::trace::{OpenSpan, SpanKind, Trace};
 
 /// What the vLLM prefill leg asks for: keep the KV cache for a remote reader.
 const VLLM_PREFILL_PARAMS: &str = r#"{"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}"#;
+
+/// The prefill leg's body: the client's, asking for one token. LMDeploy's also keeps the KV
+/// cache for the decode's migration (`with_cache`, `preserve_cache`); vLLM's asks for it to be
+/// kept for a remote reader (`kv_transfer_params`). SGLang's legs share one body.
+pub fn prefill_body(protocol: PdProtocol, path: &str, body: &[u8]) -> Result<Vec<u8>> {
+    match protocol {
+        PdProtocol::Lmdeploy => {
+            let mut changes =
+                vec![("max_tokens", "1"), ("stream", "false"), ("with_cache", "true"), ("preserve_cache", "true")];
+            if path.starts_with("/v1/chat/") {
+                changes.push(("max_completion_tokens", "1"));
+            }
+            patch(body, &changes, &["stream_options"])
+        }
+        PdProtocol::Vllm => {
+            let mut changes =
+                vec![("kv_transfer_params", VLLM_PREFILL_PARAMS), ("stream", "false"), ("max_tokens", "1")];
+            if member(body, "max_completion_tokens")?.is_some() {
+                changes.push(("max_completion_tokens", "1"));
+            }
+            // Not supported on the prefill leg, or meaningless for one token.
+            patch(body, &changes, &["stream_options", "min_tokens", "min_completion_tokens"])
+        }
+        PdProtocol::Sglang => Ok(body.to_vec()),
+    }
+}
 
 /// A permit taken for a leg not sent yet: given back uncounted if the request ends first.
 struct Reserved(Option<InFlightPermit>);
@@ -67,12 +94,7 @@ impl Dispatch<'_> {
         let engine = &self.worker.state.engine;
         let forwarder = &self.worker.forwarder;
         let (decode, prefill) = self.pair().await?;
-        let mut changes = vec![("kv_transfer_params", VLLM_PREFILL_PARAMS), ("stream", "false"), ("max_tokens", "1")];
-        if member(&self.request.body, "max_completion_tokens")?.is_some() {
-            changes.push(("max_completion_tokens", "1"));
-        }
-        // Not supported on the prefill leg, or meaningless for one token.
-        let body = patch(&self.request.body, &changes, &["stream_options", "min_tokens", "min_completion_tokens"])?;
+        let body = prefill_body(PdProtocol::Vllm, &self.request.path_and_query, &self.request.body)?;
         let prefill_request = ForwardRequest { body: Bytes::from(body), ..self.request.clone() };
         let leg = self.open_leg(Role::Prefill);
         let ctx = self.ctx(Role::Prefill, leg.as_ref());
@@ -124,13 +146,7 @@ impl Dispatch<'_> {
         let (decode, prefill) = self.pair().await?;
         let prefill_node = Arc::clone(prefill.node());
         let decode_url = decode.node().url().to_owned();
-        let chat = self.request.path_and_query.starts_with("/v1/chat/");
-        let mut changes =
-            vec![("max_tokens", "1"), ("stream", "false"), ("with_cache", "true"), ("preserve_cache", "true")];
-        if chat {
-            changes.push(("max_completion_tokens", "1"));
-        }
-        let body = patch(&self.request.body, &changes, &["stream_options"])?;
+        let body = prefill_body(PdProtocol::Lmdeploy, &self.request.path_and_query, &self.request.body)?;
         let prefill_request = ForwardRequest { body: Bytes::from(body), ..self.request.clone() };
         // The link is made ready while the prefill runs, so the decode never waits for a handshake.
         let link = distserve.link(prefill_node.url(), &decode_url);

@@ -2,6 +2,7 @@
 
 mod bridge;
 mod config;
+mod contracts;
 mod distserve;
 mod edge;
 mod errors;
@@ -19,6 +20,7 @@ fn _pdproxy(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     // The one list of routing policies; the settings check names against it before serving.
     m.add("POLICY_NAMES", pyo3::types::PyTuple::new(m.py(), crate::select::POLICY_NAMES)?)?;
+    contracts::add(m)?;
     m.add_class::<router::Router>()?;
     m.add_class::<response::Response>()?;
     m.add_class::<bridge::LoopBridge>()?;

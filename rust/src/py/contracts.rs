@@ -1,0 +1,33 @@
+//! The contracts both planes keep, declared once in the data plane and read by the control
+//! plane: the error table, the inference and disaggregation paths, and the prefill leg's body.
+
+use std::collections::HashMap;
+
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use super::errors::to_pyerr;
+use crate::edge::answer::ERRORS;
+use crate::edge::{prefill_body, PdProtocol, INFERENCE_PATHS};
+
+/// One error answer: (status, `OpenAI` type, code, default `Retry-After`).
+type ErrorEntry = (u16, &'static str, &'static str, Option<u32>);
+
+pub fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let errors: HashMap<&str, ErrorEntry> =
+        ERRORS.iter().map(|(name, f)| (*name, (f.status, f.kind, f.code, f.retry_after))).collect();
+    m.add("ERRORS", errors)?;
+    m.add("INFERENCE_PATHS", pyo3::types::PyTuple::new(m.py(), INFERENCE_PATHS)?)?;
+    let pd_paths: HashMap<&str, Vec<&str>> = PdProtocol::ALL.iter().map(|p| (p.name(), p.paths().to_vec())).collect();
+    m.add("PD_PATHS", pd_paths)?;
+    m.add_function(wrap_pyfunction!(pd_prefill_body, m)?)?;
+    Ok(())
+}
+
+/// The prefill leg's body for `protocol`, from the client's `body` sent to `path`.
+#[pyfunction]
+fn pd_prefill_body<'py>(py: Python<'py>, protocol: &str, path: &str, body: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+    let protocol = PdProtocol::parse(protocol).map_err(|e| to_pyerr(&e))?;
+    let patched = prefill_body(protocol, path, body).map_err(|e| to_pyerr(&e))?;
+    Ok(PyBytes::new(py, &patched))
+}

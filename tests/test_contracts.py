@@ -1,0 +1,96 @@
+"""The contracts both planes keep are declared once, in the data plane, and the control plane
+reads them from there: the error table, the inference and prefill/decode paths, the prefill
+leg's body. Nothing in Python restates them."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+import pdproxy
+from pdproxy import _pdproxy, app, errors, workers_api
+from pdproxy.pd import lmdeploy, sglang, vllm
+
+#: Entries only the edge answers with (no exception class raises them), and the second type of
+#: a tenant's rate limit (``RateLimited`` answers with it when the limit is tokens).
+EDGE_ONLY = {"TooManyConnections", "ControlPlaneUnavailable", "TokensRateLimited"}
+ANSWER_FIELDS = {"status", "code", "type", "retry_after"}
+
+
+def error_classes() -> dict[str, type[errors.PdproxyError]]:
+    found: dict[str, type[errors.PdproxyError]] = {}
+    pending: list[type[errors.PdproxyError]] = [errors.PdproxyError]
+    while pending:
+        cls = pending.pop()
+        found[cls.__name__] = cls
+        pending.extend(cls.__subclasses__())
+    return found
+
+
+def test_every_error_class_answers_as_the_data_plane_declares() -> None:
+    classes = error_classes()
+    for name, (status, kind, code, retry_after) in _pdproxy.ERRORS.items():
+        if name in EDGE_ONLY:
+            assert name not in classes
+            continue
+        cls = classes[name]
+        assert (cls.status, cls.type, cls.code, cls.retry_after) == (status, kind, code, retry_after), name
+        body = json.loads(cls("m").body())["error"]
+        assert (body["type"], body["code"]) == (kind, code)
+    # A class the table does not name answers as its base does.
+    assert errors.InvalidPrefillAnswer.code == _pdproxy.ERRORS["InvalidAnswer"][2]
+    assert set(_pdproxy.ERRORS) - EDGE_ONLY <= set(classes)
+
+
+@pytest.mark.parametrize("module", [errors, workers_api])
+def test_no_error_class_restates_its_answer(module: object) -> None:
+    tree = ast.parse(inspect.getsource(module))  # type: ignore[arg-type]
+    for cls in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):
+        for statement in cls.body:
+            targets = statement.targets if isinstance(statement, ast.Assign) else []
+            if isinstance(statement, ast.AnnAssign) and statement.value is not None:
+                targets = [statement.target]
+            named = {t.id for t in targets if isinstance(t, ast.Name)}
+            assert not named & ANSWER_FIELDS, f"{cls.name} sets {named & ANSWER_FIELDS} itself"
+
+
+def test_paths_are_the_data_planes() -> None:
+    assert frozenset(_pdproxy.INFERENCE_PATHS) == app.INFERENCE_PATHS
+    for adapter, protocol in ((lmdeploy.DistServe, "lmdeploy"), (vllm.VllmPD, "vllm"), (sglang.SglangPD, "sglang")):
+        assert adapter.paths == frozenset(_pdproxy.PD_PATHS[protocol]), protocol
+        assert adapter.protocol == protocol
+
+
+def test_no_python_module_lists_the_paths_itself() -> None:
+    package = Path(pdproxy.__file__).parent
+    for path in [*package.glob("*.py"), *package.glob("pd/*.py")]:
+        source = path.read_text()
+        assert '"/v1/completions"' not in source, path.name
+
+
+@pytest.mark.parametrize(
+    ("protocol", "path", "expected"),
+    [
+        (
+            "lmdeploy",
+            "/v1/chat/completions",
+            {"max_tokens": 1, "stream": False, "with_cache": True, "preserve_cache": True, "max_completion_tokens": 1},
+        ),
+        ("lmdeploy", "/v1/completions", {"max_tokens": 1, "stream": False, "with_cache": True, "preserve_cache": True}),
+        ("vllm", "/v1/completions", {"max_tokens": 1, "stream": False}),
+    ],
+)
+def test_prefill_bodies(protocol: str, path: str, expected: dict[str, object]) -> None:
+    client = {"model": "m", "prompt": "hi", "stream": True, "stream_options": {"include_usage": True}, "max_tokens": 9}
+    body = json.loads(_pdproxy.pd_prefill_body(protocol, path, json.dumps(client).encode()))
+    assert {key: body[key] for key in expected} == expected
+    assert "stream_options" not in body
+    assert (body["model"], body["prompt"]) == ("m", "hi")
+    if protocol == "vllm":
+        assert body["kv_transfer_params"]["do_remote_decode"] is True
+    with pytest.raises(errors.ConfigError):
+        _pdproxy.pd_prefill_body("nope", path, b"{}")
