@@ -402,6 +402,14 @@ class DistServeCore:
         """Records a session preserved on ``prefill`` for ``decode``; its id. A prefill node no
         longer registered is reached with ``api_key`` to free it."""
 
+    def preserve(self, prefill: str, answer: bytes, decode: str, api_key: str | None = None) -> tuple[int, str]:
+        """Records the session a prefill answer (its body) preserved on ``prefill`` for ``decode``:
+        its id, and the decode's ``migration_request`` (JSON). Raises ``InvalidAnswer`` when the
+        answer names no session."""
+
+    def dummy_migration(self) -> str:
+        """The ``migration_request`` of a dummy prefill (JSON)."""
+
     def describe(self, id: int) -> str | None:
         """Session ``id`` as a log names it, while it is held."""
 

@@ -74,6 +74,11 @@ class SessionLedger:
         """Records a session preserved on ``prefill``; its id in the ledger."""
         return self._core.add(prefill, session_id, decode, self._api_key_of(prefill))
 
+    def preserve(self, prefill: str, answer: bytes, decode: str) -> tuple[int, str]:
+        """Records the session ``answer`` (a prefill's body) preserved on ``prefill``: its id,
+        and the decode's ``migration_request`` (JSON)."""
+        return self._core.preserve(prefill, answer, decode, self._api_key_of(prefill))
+
     def consume(self, entry: int) -> None:
         """Decode has taken the session over: it frees it on the prefill node itself."""
         self._core.consume(entry)

@@ -25,10 +25,10 @@ from typing import TypedDict
 
 from pdproxy import _pdproxy
 from pdproxy._pdproxy import LinkDone
+from pdproxy._pdproxy import Router as CoreRouter
 from pdproxy.config import Settings
-from pdproxy.errors import InvalidPrefillAnswer, InvalidRequest, LinkFailed
+from pdproxy.errors import InvalidRequest, LinkFailed
 from pdproxy.group import alive
-from pdproxy.json_types import JsonValue, loads
 from pdproxy.router import Router
 from pdproxy.tracing import end_on_answer, leg
 
@@ -39,7 +39,6 @@ from .relay import ApiKeyOf, PdRequest, read_all, relay, send_raw
 log = logging.getLogger("pdproxy.pd")
 
 PD_PATHS = frozenset(_pdproxy.PD_PATHS["lmdeploy"])
-DUMMY_PREFILL = "dummy:dummy"
 
 
 class DistServeStatus(TypedDict):
@@ -47,45 +46,6 @@ class DistServeStatus(TypedDict):
 
     links: list[LinkSummary]
     ledger: LedgerStatus
-
-
-class MigrationRequest(TypedDict):
-    """LMDeploy's ``MigrationRequest``: where the decode node reads the prefill's KV."""
-
-    protocol: int
-    remote_engine_id: str
-    remote_session_id: int
-    remote_token_id: int
-    remote_block_ids: list[int]
-    is_dummy_prefill: bool
-
-
-def session_handle(answer: JsonValue) -> tuple[int, list[int], int]:
-    """(session id, block ids, token id) from a prefill answer: ``cache_session_id`` when
-    present, else an ``id`` that is a non-negative integer (LMDeploy's contract has changed
-    between versions; anything else is refused rather than guessed)."""
-    if not isinstance(answer, dict):
-        raise InvalidPrefillAnswer("the prefill node's answer is not a JSON object")
-    session = answer.get("cache_session_id")
-    if not (isinstance(session, int) and not isinstance(session, bool) and session >= 0):
-        raw = answer.get("id")
-        session = int(raw) if isinstance(raw, str) and raw.isdigit() else None
-    if session is None:
-        raise InvalidPrefillAnswer("the prefill node's answer names no session (cache_session_id or an integer id)")
-    blocks = _integers(answer.get("cache_block_ids"), "cache_block_ids")
-    tokens = _integers(answer.get("remote_token_ids"), "remote_token_ids")
-    return session, blocks, tokens[-1] if tokens else 0
-
-
-def _integers(value: JsonValue, name: str) -> list[int]:
-    """A list of integers from a prefill answer (absent or empty: none)."""
-    items = value or []
-    if not isinstance(items, list):
-        raise InvalidPrefillAnswer(f"{name} is not a list of integers")
-    integers = [i for i in items if isinstance(i, int)]
-    if len(integers) != len(items):
-        raise InvalidPrefillAnswer(f"{name} is not a list of integers")
-    return integers
 
 
 class DistServe:
@@ -187,7 +147,7 @@ class DistServe:
         entry: int | None = None
         try:
             if self.settings.dummy_prefill:
-                migration = _migration(self.links.transport, DUMMY_PREFILL, 0, [], 0, dummy=True)
+                migration = self.core.dummy_migration()
             else:
                 prefill = self.router.select(model, role="prefill")
                 # Connect the pair while the prefill runs, so decode never waits for a handshake.
@@ -210,14 +170,9 @@ class DistServe:
                     # The prefill node's own error, status and body unchanged.
                     await send_raw(send, answer, raw, echo)
                     return
-                try:
-                    session, blocks, token = session_handle(loads(raw))
-                except ValueError:
-                    raise InvalidPrefillAnswer("the prefill node's answer is not JSON") from None
-                entry = self.ledger.add(prefill, session, decode)
+                entry, migration = self.ledger.preserve(prefill, raw, decode)
                 await link
-                migration = _migration(self.links.transport, prefill, session, blocks, token)
-            decode_body = Router.patch(body, {"migration_request": migration})
+            decode_body = CoreRouter.patch(body, [("migration_request", migration)])
             span = leg(trace, "pdproxy.decode")
             pending = self.router.forward(
                 path, decode_body, headers, role="decode", node=decode, trace=span, tenant=tenant
@@ -259,19 +214,6 @@ def _link_failure(task: asyncio.Future[None]) -> str | None:
     if isinstance(error, LinkFailed):
         return error.message
     return f"the prefill and decode nodes could not be connected: {error}"
-
-
-def _migration(
-    transport: Transport, prefill: str, session: int, blocks: list[int], token: int, dummy: bool = False
-) -> MigrationRequest:
-    return MigrationRequest(
-        protocol=transport.protocol_number,
-        remote_engine_id=prefill,
-        remote_session_id=session,
-        remote_token_id=token,
-        remote_block_ids=blocks,
-        is_dummy_prefill=dummy,
-    )
 
 
 def _consume_exception(task: asyncio.Future[None]) -> None:

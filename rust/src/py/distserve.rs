@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 use super::bridge::{resolve, to_object, LoopBridge};
 use super::config::seconds;
 use super::errors::to_pyerr;
-use crate::distserve::{DistServe, DistServeConfig, LinkMaker};
+use crate::distserve::{DistServe, DistServeConfig, LinkMaker, SessionHandle};
 use crate::engine::Engine;
 use crate::error::{Error, Kind, Result};
 use crate::node::Node;
@@ -75,6 +75,21 @@ impl DistServeCore {
             Err(_) => Arc::new(Node::detached(prefill, api_key).map_err(|e| to_pyerr(&e))?),
         };
         Ok(self.inner.sessions.add(node, session_id, decode).id)
+    }
+
+    /// Records the session a prefill answer (`answer`, its body) preserved on `prefill` for
+    /// `decode`: its id, and the decode's `migration_request` (JSON). Raises `InvalidAnswer`
+    /// when the answer names no session.
+    #[pyo3(signature = (prefill, answer, decode, api_key=None))]
+    fn preserve(&self, prefill: &str, answer: &[u8], decode: &str, api_key: Option<String>) -> PyResult<(u64, String)> {
+        let handle = SessionHandle::from_answer(answer).map_err(|e| to_pyerr(&e))?;
+        let id = self.add(prefill, handle.session_id, Some(decode), api_key)?;
+        Ok((id, self.inner.migration(prefill, &handle)))
+    }
+
+    /// The `migration_request` of a dummy prefill (JSON).
+    fn dummy_migration(&self) -> String {
+        self.inner.dummy_migration()
     }
 
     /// Session `id` as a log names it, while it is held.
