@@ -579,6 +579,33 @@ class EdgeListener:
     def port(self) -> int: ...
 
 @final
+class Pipeline:
+    """The edge's inference pipeline, for requests the control plane's ASGI app took."""
+
+    def __new__(cls, router: Router, settings: Settings) -> Pipeline:
+        """The pipeline of ``router``'s engine, with the settings the edge would have; its
+        answers go to the running loop."""
+
+    def serves(self, path: str) -> bool:
+        """Whether a POST to ``path`` (as the client sent it) is an inference request."""
+
+    def serve(
+        self,
+        method: str,
+        target: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes | None,
+        body_error: str | None = None,
+        client: tuple[str, int] | None = None,
+    ) -> asyncio.Future[Response]:
+        """Serves one inference request: ``target`` is its path and query as sent, ``body`` its
+        body, or ``None`` with ``body_error`` (``too_large``, ``timeout``, ``broken``) saying why it
+        could not be read, ``client`` the client's address. Resolves to the answer."""
+
+    def shutdown(self) -> None:
+        """Streams still running end (the proxy shuts down)."""
+
+@final
 class Edge:
     """The HTTP server of the data plane: inference requests served in Rust, the rest passed to
     the control plane's ASGI app on `control_socket`."""

@@ -13,7 +13,7 @@ from urllib.parse import unquote
 
 from pydantic import BaseModel
 
-from . import _pdproxy, dashboard, proxy
+from . import _pdproxy, dashboard, inference
 from .asgi_types import Headers, HTTPReceive, HTTPScope, Receive, Scope, Send, SendMessage
 from .auth import Keys
 from .config import Settings
@@ -66,6 +66,8 @@ class ProxyApp:
         )
         self._admin = {(route.method, route.path): route for route in ROUTES}
         self._metrics_listener: MetricsListener | None = None
+        #: The data plane's pipeline, for the inference requests this app takes itself.
+        self.pipeline: _pdproxy.Pipeline | None = None
         self._admin_paths = {route.path for route in ROUTES}
         #: The routes with a parameter in their path (`/workers/{worker_id}`), by prefix.
         self._templates = templates(ROUTES)
@@ -74,11 +76,14 @@ class ProxyApp:
         await self.supervisor.start()
         assert self.supervisor.router is not None
         self.keys.tenants = self.supervisor.router.core
+        self.pipeline = _pdproxy.Pipeline(self.supervisor.router.core, self.settings)
         if self.settings.metrics_port:
             self._metrics_listener = MetricsListener(self, self.settings)
             await self._metrics_listener.start()
 
     async def shutdown(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.shutdown()  # streams still running end with a terminal event
         if self._metrics_listener is not None:
             await self._metrics_listener.aclose()
         await self.supervisor.stop()
@@ -118,14 +123,12 @@ class ProxyApp:
         assert router is not None
         assert fleet is not None
         _take_peer(scope, trusted=self.behind_edge, https=self.settings.ssl)
-        path, method = proxy.path_as_sent(scope), scope["method"]
-        if method == "POST" and (path in INFERENCE_PATHS or path.startswith("/v1/")):
-            self.keys.check_inference(scope["headers"])
-            router.enter_request()  # Draining, or ProxyOverloaded at the global cap
-            try:
-                await self._forward(router, scope, receive, send, path)
-            finally:
-                router.leave_request()
+        path, method = inference.path_as_sent(scope), scope["method"]
+        pipeline = self.pipeline
+        assert pipeline is not None
+        if method == "POST" and pipeline.serves(path):
+            settings = self.settings
+            await inference.serve(pipeline, scope, receive, send, settings.max_body_size, settings.body_timeout)
             return
         if (method, path) == ("POST", "/drain"):
             self.keys.check_admin(scope["headers"])
@@ -195,19 +198,6 @@ class ProxyApp:
             await send_json(send, 200, schema())
         else:
             raise NotFound(f"no route for {path}")
-
-    async def _forward(self, router: Router, scope: HTTPScope, receive: HTTPReceive, send: Send, path: str) -> None:
-        await proxy.forward(
-            router,
-            self.settings.max_body_size,
-            scope,
-            receive,
-            send,
-            require_model=path not in INFERENCE_PATHS,
-            pd=self.supervisor.pd,
-            body_timeout=self.settings.body_timeout,
-            access=self.supervisor.access,
-        )
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

@@ -1,5 +1,5 @@
 """The supervisor: the control plane's parts in one process (router, fleet, worker group, PD
-flow, tenants, access log, metrics), their start and stop in order, the drain, the group
+flow, tenants, metrics), their start and stop in order, the drain, the group
 leader's chores and readiness. The ASGI app (``app.py``) only dispatches requests to them."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from . import background
-from .access import AccessLog
 from .config import Settings
 from .fleet import Fleet
 from .group import GROUP_ENV, Group
@@ -50,7 +49,6 @@ class Supervisor:
         self.fleet: Fleet | None = None
         #: The disaggregation flow, when serving with DistServe.
         self.pd: PdAdapter | None = None
-        self.access: AccessLog | None = None
         self.metrics: CollectorRegistry | None = None
         self.group: Group | None = None
         self.tenants: TenantsFile | None = None
@@ -74,7 +72,6 @@ class Supervisor:
             gc.collect()
             gc.freeze()
             gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
-        self.access = AccessLog(self.settings.access_log_format) if self.settings.access_log else None
         self.metrics = registry_for(self)
         group_dir = os.environ.get(GROUP_ENV)
         self.group = Group(Path(group_dir)) if group_dir else None
@@ -121,8 +118,6 @@ class Supervisor:
             await self.fleet.aclose()
         if self.router is not None:
             await self.router.aclose()
-        if self.access is not None:
-            self.access.stop()
         if self.group is not None:
             self.group.leave()
 

@@ -19,10 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .asgi_types import HTTPReceive, HTTPScope
 from .errors import InvalidRequest, NodeNotFound, PdproxyError
+from .inference import path_as_sent
 from .management import parse_body
 from .node_record import NodeRecord
 from .peer_routes import BODY_LIMIT, query_param
-from .proxy import path_as_sent
 from .responses import read_json
 from .route_table import Route, WithHeaders
 

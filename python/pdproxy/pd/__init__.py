@@ -1,35 +1,41 @@
 """Prefill/decode disaggregation: the prefill runs on one node, the decode on another, the KV
-cache migrated between them. Each protocol is a ``PdAdapter``: ``lmdeploy`` speaks LMDeploy's
-DistServe (``links`` keeps the prefill-decode connections; ``ledger`` makes sure no preserved
-prefill session is ever lost), ``vllm`` vLLM's ``kv_transfer_params``, ``sglang`` SGLang's
-bootstrap rendezvous."""
+cache migrated between them. The requests go through the data plane's pipeline in every
+protocol; what the control plane keeps of a protocol is its ``PdAdapter``. LMDeploy's DistServe
+(``lmdeploy``) keeps the prefill-decode links (``links``) and sweeps the ledger of preserved
+sessions (``ledger``); vLLM's ``kv_transfer_params`` and SGLang's bootstrap rendezvous keep
+nothing here."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeAlias
+from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict
 
+from pdproxy import _pdproxy
 from pdproxy.config import Settings
 from pdproxy.router import Router
-
-from .relay import PdRequest
 
 if TYPE_CHECKING:
     from pdproxy.fleet import Fleet
 
     from .lmdeploy import DistServeStatus
-    from .sglang import SglangStatus
-    from .vllm import VllmStatus
 
-__all__ = ["PdAdapter", "PdStatus", "make_adapter"]
+__all__ = ["ApiKeyOf", "PdAdapter", "PdStatus", "make_adapter"]
+
+#: A node's API key by its URL (the fleet's ``api_key_of``).
+ApiKeyOf = Callable[[str], str | None]
+
+
+class StatelessStatus(TypedDict):
+    protocol: str
+
 
 #: What a flow shows of itself (``/distserve/status``, ``/debug/state``, the dashboard).
-PdStatus: TypeAlias = "DistServeStatus | VllmStatus | SglangStatus"
+PdStatus: TypeAlias = "DistServeStatus | StatelessStatus"
 
 
 class PdAdapter(Protocol):
-    """What the proxy asks of a disaggregation flow."""
+    """What the proxy keeps of a disaggregation protocol."""
 
     @property
     def protocol(self) -> str:
@@ -49,21 +55,33 @@ class PdAdapter(Protocol):
     def status(self) -> PdStatus:
         """What ``/distserve/status`` and ``/debug/state`` show of it."""
 
-    async def handle(self, request: PdRequest) -> None:
-        """Serves one request: its prefill on a prefill node, its decode on a decode node."""
+
+class Stateless:
+    """vLLM's and SGLang's protocols: the pipeline runs them whole, and nothing outlives a
+    request."""
+
+    def __init__(self, protocol: str) -> None:
+        self.protocol = protocol
+        self.paths = frozenset(_pdproxy.PD_PATHS[protocol])
+
+    async def start(self) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        pass
+
+    def node_removed(self, url: str) -> None:
+        pass
+
+    def status(self) -> StatelessStatus:
+        return StatelessStatus(protocol=self.protocol)
 
 
 def make_adapter(router: Router, settings: Settings, fleet: Fleet, group_dir: Path | None = None) -> PdAdapter:
     """The disaggregation flow for ``settings.pd_protocol`` (``group_dir``: a worker group's,
     whose workers share the prefill-decode links)."""
-    if settings.pd_protocol == "vllm":
-        from .vllm import VllmPD
-
-        return VllmPD(router, settings, fleet.api_key_of)
-    if settings.pd_protocol == "sglang":
-        from .sglang import SglangPD
-
-        return SglangPD(router, settings, fleet.bootstrap_port_of)
+    if settings.pd_protocol != "lmdeploy":
+        return Stateless(settings.pd_protocol)
     from .lmdeploy import DistServe
 
     return DistServe(router, settings, fleet.api_key_of, group_dir)

@@ -22,7 +22,7 @@ from typing import Literal, NamedTuple, TypedDict
 from pdproxy import background
 from pdproxy._pdproxy import DistServeCore
 
-from .relay import ApiKeyOf
+from . import ApiKeyOf
 
 log = logging.getLogger("pdproxy.pd")
 

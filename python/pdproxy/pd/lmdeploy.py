@@ -1,16 +1,11 @@
-"""LMDeploy's DistServe flow, done right.
+"""LMDeploy's DistServe, the control plane's side.
 
-The Rust edge serves its requests in the data plane (``rust/src/edge/pd.rs``): this module
-starts that side (``DistServeCore``: the links it reads, the sessions it keeps), makes the links
-it asks for, and serves the flow itself for the Python edge (``--edge granian``).
-
-For ``/v1/chat/completions`` and ``/v1/completions``: the prefill request (the client's body
-with ``max_tokens=1``, ``stream=false``, ``with_cache`` and ``preserve_cache``, patched in the
-data plane) goes to a prefill node, while the decode node is chosen and its link to that prefill
-node made ready in parallel. The session handle in the prefill answer (``cache_session_id``, or
-an ``id`` that is a non-negative integer) is kept in the ledger and handed to the decode node in
-``migration_request``; the decode answer is streamed back. Every failure answers with its real
-status, and frees the preserved session unless decode has consumed it.
+Its requests run in the data plane's pipeline (``rust/src/edge/pd.rs``): the prefill (the
+client's body with ``max_tokens=1``, ``stream=false``, ``with_cache`` and ``preserve_cache``) on a
+prefill node while the pair's link is made ready, then the decode with ``migration_request``,
+the session preserved in between kept in the data plane's ledger and freed unless decode
+consumed it. This module starts that side (``DistServeCore``), makes the links it asks for (the
+handshakes, in ``links``), sweeps the ledger (``ledger``) and shows both.
 """
 
 from __future__ import annotations
@@ -25,16 +20,14 @@ from typing import TypedDict
 
 from pdproxy import _pdproxy
 from pdproxy._pdproxy import LinkDone
-from pdproxy._pdproxy import Router as CoreRouter
 from pdproxy.config import Settings
-from pdproxy.errors import InvalidRequest, LinkFailed
+from pdproxy.errors import LinkFailed
 from pdproxy.group import alive
 from pdproxy.router import Router
-from pdproxy.tracing import end_on_answer, leg
 
+from . import ApiKeyOf
 from .ledger import LedgerStatus, SessionLedger
 from .links import LinkPool, LinkSummary, Transport, WarmupAnswer
-from .relay import ApiKeyOf, PdRequest, read_all, relay, send_raw
 
 log = logging.getLogger("pdproxy.pd")
 
@@ -135,63 +128,6 @@ class DistServe:
     def status(self) -> DistServeStatus:
         return DistServeStatus(links=self.links.status(), ledger=self.ledger.status())
 
-    async def handle(self, request: PdRequest) -> None:
-        """One disaggregated request, prefill to decode to client."""
-        path, body, headers, send, echo = request.path, request.body, request.headers, request.send, request.echo
-        trace, tenant = request.trace, request.tenant
-        info = Router.inspect(body)
-        if (info["n"] or 1) > 1:
-            raise InvalidRequest("n > 1 is not supported with DistServe")
-        model = info["model"]
-        decode = self.router.select(model, role="decode")
-        entry: int | None = None
-        try:
-            if self.settings.dummy_prefill:
-                migration = self.core.dummy_migration()
-            else:
-                prefill = self.router.select(model, role="prefill")
-                # Connect the pair while the prefill runs, so decode never waits for a handshake.
-                link = asyncio.ensure_future(self.links.ensure(prefill, decode))
-                link.add_done_callback(_consume_exception)
-                span = leg(trace, "pdproxy.prefill")
-                pending = self.router.forward(
-                    path,
-                    _pdproxy.pd_prefill_body("lmdeploy", path, body),
-                    headers,
-                    role="prefill",
-                    node=prefill,
-                    trace=span,
-                    tenant=tenant,
-                )
-                end_on_answer(span, pending)
-                answer = await pending
-                raw = await read_all(answer, self.settings)
-                if answer.status != 200:
-                    # The prefill node's own error, status and body unchanged.
-                    await send_raw(send, answer, raw, echo)
-                    return
-                entry, migration = self.ledger.preserve(prefill, raw, decode)
-                await link
-            decode_body = CoreRouter.patch(body, [("migration_request", migration)])
-            span = leg(trace, "pdproxy.decode")
-            pending = self.router.forward(
-                path, decode_body, headers, role="decode", node=decode, trace=span, tenant=tenant
-            )
-            end_on_answer(span, pending)
-            response = await pending
-            try:
-                await relay(
-                    response,
-                    send,
-                    echo,
-                    self.settings,
-                    on_first=(lambda: self.ledger.consume(entry)) if entry is not None else None,
-                )
-            finally:
-                response.close()
-        finally:
-            self.release(entry, "request ended before decode took the session")
-
 
 @dataclass(frozen=True, slots=True)
 class CoreSettings:
@@ -214,9 +150,3 @@ def _link_failure(task: asyncio.Future[None]) -> str | None:
     if isinstance(error, LinkFailed):
         return error.message
     return f"the prefill and decode nodes could not be connected: {error}"
-
-
-def _consume_exception(task: asyncio.Future[None]) -> None:
-    # A link failure is raised to the request that awaits it; one never awaited is only logged.
-    if not task.cancelled() and task.exception() is not None:
-        log.debug("link task ended with %s", task.exception())

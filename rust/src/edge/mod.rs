@@ -33,6 +33,7 @@ use self::control::ControlPlane;
 use self::keys::Keys;
 pub use self::pd::prefill_body;
 pub use self::pipeline::Strategy;
+pub use self::request::BodyError;
 use crate::engine::Engine;
 use crate::error::{Error, Kind, Result};
 use crate::tenants::Tenant;
@@ -133,6 +134,22 @@ pub struct EdgeState {
 }
 
 impl EdgeState {
+    fn new(engine: Arc<Engine>, config: EdgeConfig) -> Self {
+        Self {
+            keys: Keys::new(&config.api_keys),
+            control: ControlPlane::new(
+                config.control_socket.clone(),
+                config.control_timeout,
+                config.control_stale_after,
+            ),
+            access: config.access_log.map(AccessLog::start),
+            engine,
+            config,
+            shutdown: Arc::new(Stop::default()),
+            connections: AtomicUsize::new(0),
+        }
+    }
+
     /// Where a POST to `path` goes.
     pub fn route(&self, path: &str) -> Route {
         let known = INFERENCE_PATHS.contains(&path);
@@ -234,19 +251,7 @@ impl Edge {
     pub fn start(engine: Arc<Engine>, listener: &TcpListener, config: EdgeConfig, threads: usize) -> Result<Self> {
         let address =
             listener.local_addr().map_err(|e| Error::with_source(Kind::Config, "listener has no address", e))?;
-        let state = Arc::new(EdgeState {
-            keys: Keys::new(&config.api_keys),
-            control: ControlPlane::new(
-                config.control_socket.clone(),
-                config.control_timeout,
-                config.control_stale_after,
-            ),
-            access: config.access_log.map(AccessLog::start),
-            engine,
-            config,
-            shutdown: Arc::new(Stop::default()),
-            connections: AtomicUsize::new(0),
-        });
+        let state = Arc::new(EdgeState::new(engine, config));
         let listener =
             listener.try_clone().map_err(|e| Error::with_source(Kind::Config, "cannot use the listener", e))?;
         let (inboxes, starts) = server::inboxes(threads.max(1));
@@ -285,5 +290,47 @@ impl Edge {
 
     pub fn connections(&self) -> usize {
         self.state.connections.load(Ordering::Relaxed)
+    }
+}
+
+/// The pipeline for inference requests another server took: the control plane's ASGI app,
+/// served by granian (`--edge granian`) or mounted in someone's own server. The same phases,
+/// strategies and answers as the edge's own requests.
+pub struct Embedded {
+    worker: Arc<server::Worker>,
+}
+
+impl Embedded {
+    /// `config`'s control-plane fields are not used: the caller is the control plane.
+    pub fn new(engine: Arc<Engine>, config: EdgeConfig) -> Self {
+        let forwarder = engine.forwarder.clone();
+        Self { worker: Arc::new(server::Worker::serving_for(Arc::new(EdgeState::new(engine, config)), forwarder)) }
+    }
+
+    /// How a POST to `path` is served: through the pipeline, or not an inference request.
+    pub fn strategy(&self, path: &str) -> Option<Strategy> {
+        match self.worker.state.route(path) {
+            Route::Inference(strategy) => Some(strategy),
+            Route::ControlPlane => None,
+        }
+    }
+
+    /// Serves one request whose body the caller read (or failed to read).
+    pub async fn serve(
+        &self,
+        parts: Parts,
+        body: std::result::Result<bytes::Bytes, request::BodyError>,
+        peer: SocketAddr,
+        strategy: Strategy,
+    ) -> http::Response<body::EdgeBody> {
+        let (id, had_id) = request::request_id(&parts.headers);
+        let peer = request::Peer::new(peer);
+        let body = pipeline::ClientBody::Read(body);
+        pipeline::serve(&self.worker, &peer, parts, body, id, had_id, strategy).await
+    }
+
+    /// Streams still running end (the proxy shuts down).
+    pub fn shutdown(&self) {
+        self.worker.state.shutdown.set();
     }
 }

@@ -162,16 +162,23 @@ pub fn leg_name(role: Role) -> &'static str {
     }
 }
 
+/// A request's body: on the client's connection still, or already read by the server that
+/// took the request (the control plane's, which hands inference requests here).
+pub enum ClientBody {
+    Incoming(Incoming),
+    Read(Result<Bytes, BodyError>),
+}
+
 /// Serves one inference request through the pipeline.
 pub async fn serve(
     worker: &Worker,
     peer: &Peer,
-    request: hyper::Request<Incoming>,
+    parts: Parts,
+    body: ClientBody,
     id: HeaderValue,
     had_id: bool,
     strategy: Strategy,
 ) -> Response<EdgeBody> {
-    let (parts, body) = request.into_parts();
     let mut notes = Notes::begin(&worker.state, &id, &parts, peer.address);
     let pipeline = Pipeline { worker, peer, id, had_id };
     match pipeline.run(parts, body, strategy, &mut notes).await {
@@ -197,7 +204,7 @@ impl Pipeline<'_> {
     async fn run(
         &self,
         parts: Parts,
-        body: Incoming,
+        body: ClientBody,
         strategy: Strategy,
         notes: &mut Notes,
     ) -> Result<Served, Refused> {
@@ -221,7 +228,7 @@ impl Pipeline<'_> {
 
     /// The checks before the body is parsed: key, gate, loop, media type, coding, size and
     /// time of the body.
-    async fn check(&self, parts: Parts, body: Incoming) -> Result<Checked, Refused> {
+    async fn check(&self, parts: Parts, body: ClientBody) -> Result<Checked, Refused> {
         let state = self.state();
         let Ok(tenant) = state.authorize(&parts.headers) else {
             let message = "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)";
@@ -251,7 +258,12 @@ impl Pipeline<'_> {
             return Err(Refusal::new(answer::UNSUPPORTED_MEDIA_TYPE, message));
         }
         let limit = state.config.max_body_size;
-        let body = match read_body(&parts.headers, body, limit, state.config.body_timeout).await {
+        let read = match body {
+            ClientBody::Incoming(body) => read_body(&parts.headers, body, limit, state.config.body_timeout).await,
+            ClientBody::Read(Ok(body)) if body.len() > limit => Err(BodyError::TooLarge(None)),
+            ClientBody::Read(read) => read,
+        };
+        let body = match read {
             Ok(body) => body,
             Err(BodyError::TooLarge(rest)) => {
                 if let Some(rest) = rest {

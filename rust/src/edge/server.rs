@@ -46,6 +46,13 @@ pub struct Worker {
     open: Arc<AtomicUsize>,
 }
 
+impl Worker {
+    /// A worker for requests another server took (the control plane's): no connections of its own.
+    pub fn serving_for(state: Arc<EdgeState>, forwarder: Forwarder) -> Self {
+        Self { state, forwarder, open: Arc::default() }
+    }
+}
+
 /// A connection handed to an edge thread.
 type Accepted = (std::net::TcpStream, SocketAddr);
 
@@ -260,7 +267,11 @@ async fn route(
         // Boxed: hyper keeps room for this future beside every open connection, streaming or
         // idle; the state of serving a request (3 KiB of it) need only live while it is served.
         let mut response = match state.route(request.uri().path()) {
-            Route::Inference(strategy) => Box::pin(pipeline::serve(worker, peer, request, id, had_id, strategy)).await,
+            Route::Inference(strategy) => {
+                let (parts, body) = request.into_parts();
+                let body = pipeline::ClientBody::Incoming(body);
+                Box::pin(pipeline::serve(worker, peer, parts, body, id, had_id, strategy)).await
+            }
             Route::ControlPlane => return Box::pin(state.control.forward(peer.address, request, &id)).await,
         };
         if let (Some(cors), Some(origin)) = (cors, origin) {

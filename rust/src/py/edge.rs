@@ -84,38 +84,7 @@ impl Edge {
             .unwrap_or_else(PoisonError::into_inner)
             .take()
             .ok_or_else(|| PyRuntimeError::new_err("this listener already serves an edge"))?;
-        let disaggregation = match settings.serving_strategy.as_str() {
-            "DistServe" => Some(PdProtocol::parse(&settings.pd_protocol).map_err(|e| to_pyerr(&e))?),
-            _ => None,
-        };
-        let config = EdgeConfig {
-            api_keys: settings.api_keys,
-            max_body_size: settings.max_body_size,
-            body_timeout: seconds("body_timeout", settings.body_timeout)?,
-            disaggregation,
-            access_log: settings.access_log.then_some(if settings.access_log_format == "json" {
-                Format::Json
-            } else {
-                Format::Text
-            }),
-            header_read_timeout: seconds("header_read_timeout", settings.header_read_timeout)?,
-            control_socket,
-            control_timeout: seconds("first_byte_timeout", settings.first_byte_timeout)?,
-            control_stale_after: seconds("control_stale_after", control_stale_after)?,
-            pd_probe_timeout: seconds("pd_link_timeout", settings.pd_link_timeout)?,
-            cors: Cors::new(
-                &settings.allow_origins,
-                settings.allow_credentials,
-                &settings.allow_methods,
-                &settings.allow_headers,
-            ),
-            tls: settings
-                .ssl
-                .then(|| tls::server_config(&settings.ssl_certfile, &settings.ssl_keyfile))
-                .transpose()
-                .map_err(|e| to_pyerr(&e))?,
-            max_connections: max_connections.max(1),
-        };
+        let config = edge_config(settings, control_socket, control_stale_after, max_connections)?;
         let inner = edge::Edge::start(router.engine.clone(), &listener, config, threads).map_err(|e| to_pyerr(&e))?;
         Ok(Self { inner })
     }
@@ -138,4 +107,45 @@ impl Edge {
     fn connections(&self) -> usize {
         self.inner.connections()
     }
+}
+
+/// The edge's settings from the control plane's.
+pub fn edge_config(
+    settings: EdgeSettings,
+    control_socket: PathBuf,
+    control_stale_after: f64,
+    max_connections: usize,
+) -> PyResult<EdgeConfig> {
+    let disaggregation = match settings.serving_strategy.as_str() {
+        "DistServe" => Some(PdProtocol::parse(&settings.pd_protocol).map_err(|e| to_pyerr(&e))?),
+        _ => None,
+    };
+    Ok(EdgeConfig {
+        api_keys: settings.api_keys,
+        max_body_size: settings.max_body_size,
+        body_timeout: seconds("body_timeout", settings.body_timeout)?,
+        disaggregation,
+        access_log: settings.access_log.then_some(if settings.access_log_format == "json" {
+            Format::Json
+        } else {
+            Format::Text
+        }),
+        header_read_timeout: seconds("header_read_timeout", settings.header_read_timeout)?,
+        control_socket,
+        control_timeout: seconds("first_byte_timeout", settings.first_byte_timeout)?,
+        control_stale_after: seconds("control_stale_after", control_stale_after)?,
+        pd_probe_timeout: seconds("pd_link_timeout", settings.pd_link_timeout)?,
+        cors: Cors::new(
+            &settings.allow_origins,
+            settings.allow_credentials,
+            &settings.allow_methods,
+            &settings.allow_headers,
+        ),
+        tls: settings
+            .ssl
+            .then(|| tls::server_config(&settings.ssl_certfile, &settings.ssl_keyfile))
+            .transpose()
+            .map_err(|e| to_pyerr(&e))?,
+        max_connections: max_connections.max(1),
+    })
 }

@@ -7,6 +7,7 @@ mod distserve;
 mod edge;
 mod errors;
 mod node;
+mod pipeline;
 mod response;
 mod router;
 mod shared;
@@ -31,5 +32,6 @@ fn _pdproxy(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<tenants::TenantTicket>()?;
     m.add_class::<distserve::DistServeCore>()?;
     m.add_class::<distserve::LinkDone>()?;
+    m.add_class::<pipeline::Pipeline>()?;
     Ok(())
 }

@@ -42,7 +42,7 @@ use crate::trace::{OpenSpan, Trace as RequestTrace};
 #[pyclass(frozen, name = "Router", module = "pdproxy._pdproxy")]
 pub struct Router {
     pub(crate) engine: Arc<Engine>,
-    runtime: &'static tokio::runtime::Runtime,
+    pub(crate) runtime: &'static tokio::runtime::Runtime,
     /// Ends every task of this router when it closes.
     pub(crate) shutdown: CancellationToken,
     /// The event loop this router serves, bound on first use.
@@ -496,7 +496,7 @@ impl Router {
     }
 
     /// The bridge to the running loop; the first call binds the router to it.
-    fn bridge(&self, py: Python<'_>) -> PyResult<Py<LoopBridge>> {
+    pub(crate) fn bridge(&self, py: Python<'_>) -> PyResult<Py<LoopBridge>> {
         if let Some(bridge) = self.bridge.get() {
             if !bridge.get().serves_running_loop(py)? {
                 return Err(PyRuntimeError::new_err("this Router serves another event loop"));
@@ -647,7 +647,7 @@ async fn keep_swept(engine: std::sync::Weak<Engine>, shutdown: CancellationToken
 
 /// Cancels the upstream request when the forward future is cancelled.
 #[pyclass(frozen)]
-struct AbortOnCancel(Arc<Exchange>);
+pub(crate) struct AbortOnCancel(pub(crate) Arc<Exchange>);
 
 #[pymethods]
 impl AbortOnCancel {
