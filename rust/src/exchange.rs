@@ -320,6 +320,38 @@ pub async fn pump(
     exchange.finish(end);
 }
 
+/// Relays a body the pipeline already accounts for (its permit, events and timers:
+/// `edge::body::Relay`) into `exchange`, holding back while the reader is behind, but not longer
+/// than `stall`. The exchange being closed aborts this task, and dropping the body ends it.
+pub async fn relay<B>(exchange: &Exchange, mut body: B, stall: Duration)
+where
+    B: http_body::Body<Data = Bytes, Error = crate::error::BoxError> + Unpin,
+{
+    let end = loop {
+        if exchange.over_limit() {
+            if tokio::time::timeout(stall, exchange.space.notified()).await.is_err() {
+                break Err(Error::new(Kind::Timeout, "the client stopped reading the stream"));
+            }
+            continue;
+        }
+        match body.frame().await {
+            None => break Ok(()),
+            Some(Err(e)) => {
+                break Err(match e.downcast::<Error>() {
+                    Ok(own) => *own,
+                    Err(other) => Error::with_source(Kind::Upstream, "the node broke off the response", other),
+                })
+            }
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    exchange.push(&[data], None, 0);
+                }
+            }
+        }
+    };
+    exchange.finish(end);
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
@@ -487,36 +519,4 @@ mod tests {
         assert!(matches!(exchange.take_ready(), Some(Delivery::Batch(_))));
         assert!(matches!(exchange.take_ready(), Some(Delivery::Failed(e)) if e.is_timeout()));
     }
-}
-
-/// Relays a body the pipeline already accounts for (its permit, events and timers:
-/// `edge::body::Relay`) into `exchange`, holding back while the reader is behind, but not longer
-/// than `stall`. The exchange being closed aborts this task, and dropping the body ends it.
-pub async fn relay<B>(exchange: &Exchange, mut body: B, stall: Duration)
-where
-    B: http_body::Body<Data = Bytes, Error = crate::error::BoxError> + Unpin,
-{
-    let end = loop {
-        if exchange.over_limit() {
-            if tokio::time::timeout(stall, exchange.space.notified()).await.is_err() {
-                break Err(Error::new(Kind::Timeout, "the client stopped reading the stream"));
-            }
-            continue;
-        }
-        match body.frame().await {
-            None => break Ok(()),
-            Some(Err(e)) => {
-                break Err(match e.downcast::<Error>() {
-                    Ok(own) => *own,
-                    Err(other) => Error::with_source(Kind::Upstream, "the node broke off the response", other),
-                })
-            }
-            Some(Ok(frame)) => {
-                if let Ok(data) = frame.into_data() {
-                    exchange.push(&[data], None, 0);
-                }
-            }
-        }
-    };
-    exchange.finish(end);
 }
