@@ -13,7 +13,7 @@ import pytest
 
 import pdproxy
 from pdproxy import _pdproxy, app, errors, workers_api
-from pdproxy.pd import lmdeploy, sglang, vllm
+from pdproxy.pd import Stateless, lmdeploy
 
 #: Entries only the edge answers with (no exception class raises them), and the second type of
 #: a tenant's rate limit (``RateLimited`` answers with it when the limit is tokens).
@@ -40,7 +40,7 @@ def test_every_error_class_answers_as_the_data_plane_declares() -> None:
         cls = classes[name]
         assert (cls.status, cls.type, cls.code, cls.retry_after) == (status, kind, code, retry_after), name
         body = json.loads(cls("m").body())["error"]
-        assert (body["type"], body["code"]) == (kind, code)
+        assert (body["type"], body["code"], body["message"]) == (kind, code, "m")
     # A class the table does not name answers as its base does.
     assert errors.InvalidPrefillAnswer.code == _pdproxy.ERRORS["InvalidAnswer"][2]
     assert set(_pdproxy.ERRORS) - EDGE_ONLY <= set(classes)
@@ -60,9 +60,9 @@ def test_no_error_class_restates_its_answer(module: object) -> None:
 
 def test_paths_are_the_data_planes() -> None:
     assert frozenset(_pdproxy.INFERENCE_PATHS) == app.INFERENCE_PATHS
-    for adapter, protocol in ((lmdeploy.DistServe, "lmdeploy"), (vllm.VllmPD, "vllm"), (sglang.SglangPD, "sglang")):
-        assert adapter.paths == frozenset(_pdproxy.PD_PATHS[protocol]), protocol
-        assert adapter.protocol == protocol
+    assert lmdeploy.DistServe.paths == frozenset(_pdproxy.PD_PATHS["lmdeploy"])
+    for protocol in ("vllm", "sglang"):
+        assert Stateless(protocol).paths == frozenset(_pdproxy.PD_PATHS[protocol]), protocol
 
 
 def test_no_python_module_lists_the_paths_itself() -> None:

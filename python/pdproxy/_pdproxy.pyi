@@ -22,6 +22,9 @@ INFERENCE_PATHS: tuple[str, ...]
 #: The paths each prefill/decode protocol sends through a prefill and a decode node.
 PD_PATHS: dict[str, list[str]]
 
+def error_body(message: str, kind: str, code: str, param: str | None = None) -> bytes:
+    """The OpenAI error envelope every error answer of the proxy carries."""
+
 def pd_prefill_body(protocol: str, path: str, body: bytes) -> bytes:
     """The prefill leg's body for ``protocol`` (``lmdeploy``, ``vllm``; ``sglang`` shares one
     body between its legs), from the client's ``body`` sent to ``path``."""

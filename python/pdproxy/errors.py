@@ -43,9 +43,8 @@ which may name addresses) is for logs only.
 
 from __future__ import annotations
 
-import json
-
 from pdproxy._pdproxy import ERRORS
+from pdproxy._pdproxy import error_body as _error_body
 
 __all__ = [
     "AnswerTooLarge",
@@ -239,8 +238,9 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
 
 
 def error_body(message: str, *, type: str, code: str, param: str | None = None) -> bytes:
-    """The OpenAI error envelope: ``{"error": {"message", "type", "param", "code"}}``."""
-    return json.dumps({"error": {"message": message, "type": type, "param": param, "code": code}}).encode()
+    """The OpenAI error envelope: ``{"error": {"message", "type", "param", "code"}}``, as the
+    data plane writes every error answer."""
+    return _error_body(message, type, code, param)
 
 
 class ClientGone(Exception):

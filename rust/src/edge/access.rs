@@ -1,8 +1,8 @@
-//! The access log of the requests the edge serves: one record per request, finished when the
-//! request's last piece is dropped (so every ending, a client gone included, writes one line),
-//! handed to a writer thread. The line is the control plane's (`pdproxy/access.py`), field for
-//! field, in text or JSON: when the request arrived (UTC) and from which address, then what
-//! became of it.
+//! The access log of the inference requests the pipeline serves (whichever server took them):
+//! one record per request, finished when the request's last piece is dropped (so every ending, a
+//! client gone included, writes one line), handed to a writer thread. A line, in text
+//! (`name=value`, `-` for nothing) or JSON, tells when the request arrived (UTC) and from which
+//! address, then what became of it; seconds with microseconds.
 
 use std::fmt::Write as _;
 use std::io::Write as _;
@@ -10,8 +10,6 @@ use std::net::IpAddr;
 use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-
-use super::answer::json_string;
 
 /// The access log's output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,7 +103,7 @@ impl Record {
         self.events += memchr::memmem::find_iter(chunk, b"\n\n").count() as u64;
     }
 
-    /// How the request ended and in which phase (as `access.py` names them).
+    /// How the request ended and in which phase: `completed`, `client_cancel@ttfb`, ...
     fn cause(&self) -> String {
         if !self.complete {
             return format!("client_cancel@{}", if self.status.is_none() { "ttfb" } else { "stream" });
@@ -131,14 +129,15 @@ impl Record {
         let mut field = |name: &str, value: Value<'_>| {
             if json {
                 out.push(if first { '{' } else { ',' });
-                json_string(&mut out, name);
-                out.push(':');
+                let _ = write!(out, "\"{name}\":");
                 match value {
-                    Value::Str(Some(s)) => json_string(&mut out, s),
+                    Value::Str(Some(s)) => out.push_str(&serde_json::Value::from(s).to_string()),
                     Value::Int(Some(n)) => {
                         let _ = write!(out, "{n}");
                     }
-                    Value::Seconds(Some(d)) => out.push_str(&python_float(d)),
+                    Value::Seconds(Some(d)) => {
+                        let _ = write!(out, "{:.6}", d.as_secs_f64());
+                    }
                     Value::Str(None) | Value::Int(None) | Value::Seconds(None) => out.push_str("null"),
                 }
             } else {
@@ -151,8 +150,10 @@ impl Record {
                     Value::Int(Some(n)) => {
                         let _ = write!(out, "{n}");
                     }
-                    Value::Seconds(Some(d)) => out.push_str(&python_float(d)),
-                    Value::Str(None) | Value::Int(None) | Value::Seconds(None) => out.push_str("None"),
+                    Value::Seconds(Some(d)) => {
+                        let _ = write!(out, "{:.6}", d.as_secs_f64());
+                    }
+                    Value::Str(None) | Value::Int(None) | Value::Seconds(None) => out.push('-'),
                 }
             }
             first = false;
@@ -192,8 +193,7 @@ impl Drop for Record {
     }
 }
 
-/// `time` as UTC in ISO 8601 with milliseconds (`2026-12-01T09:30:00.123Z`), as
-/// `access.py` writes it.
+/// `time` as UTC in ISO 8601 with milliseconds (`2026-12-01T09:30:00.123Z`).
 fn utc_timestamp(at: SystemTime) -> String {
     let since_epoch = at.duration_since(UNIX_EPOCH).unwrap_or_default();
     let seconds = since_epoch.as_secs();
@@ -224,7 +224,7 @@ fn civil_date(days: u64) -> (u64, u64, u64) {
 }
 
 /// A text-line field that cannot break its line or forge another field: backslashes, spaces
-/// and control characters as escapes (as `access.py` writes them).
+/// and control characters as escapes.
 fn escape_text(out: &mut String, text: &str) {
     for c in text.chars() {
         match c {
@@ -241,38 +241,9 @@ fn escape_text(out: &mut String, text: &str) {
     }
 }
 
-/// Seconds rounded to microseconds, written as Python's `repr(round(x, 6))` writes them.
-fn python_float(d: Duration) -> String {
-    #[allow(clippy::cast_precision_loss)]
-    let x = (d.as_micros() as f64) / 1e6;
-    if x != 0.0 && x.abs() < 1e-4 {
-        // Python switches to exponent notation below 1e-4: 1.2e-05.
-        let text = format!("{x:e}");
-        let (mantissa, exponent) = text.split_once('e').unwrap_or((&text, "0"));
-        let exponent: i32 = exponent.parse().unwrap_or(0);
-        let sign = if exponent < 0 { '-' } else { '+' };
-        return format!("{mantissa}e{sign}{:02}", exponent.abs());
-    }
-    let text = format!("{x}");
-    if text.contains('.') {
-        text
-    } else {
-        text + ".0"
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn floats_read_as_python_writes_them() {
-        assert_eq!(python_float(Duration::from_millis(1_500)), "1.5");
-        assert_eq!(python_float(Duration::from_secs(2)), "2.0");
-        assert_eq!(python_float(Duration::from_micros(12)), "1.2e-05");
-        assert_eq!(python_float(Duration::from_micros(123)), "0.000123");
-        assert_eq!(python_float(Duration::ZERO), "0.0");
-    }
 
     #[test]
     fn timestamps_are_utc_iso_8601() {
@@ -288,6 +259,17 @@ mod tests {
         let mut out = String::new();
         escape_text(&mut out, "m\nrequest_id=forged x\\y\u{1}z\t");
         assert_eq!(out, "m\\nrequest_id=forged\\x20x\\\\y\\x01z\\t");
+    }
+
+    #[test]
+    fn text_lines_mark_what_is_unknown_and_give_microseconds() {
+        let log = AccessLog::start(Format::Text);
+        let mut r = Record::new(&log, "127.0.0.1".parse().unwrap(), "id", "POST", "/v1/completions");
+        r.first_byte = Some(Duration::from_micros(1_234_567));
+        let line = r.line();
+        assert!(line.contains(" model=- node=- status=- cause=client_cancel@ttfb "), "{line}");
+        assert!(line.contains(" ttfb=1.234567 duration="), "{line}");
+        assert!(line.ends_with(" trace_id=-\n"), "{line}");
     }
 
     #[test]

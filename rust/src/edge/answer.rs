@@ -1,12 +1,11 @@
-//! Every answer the edge makes itself: the `OpenAI` error envelope with `x-pdproxy-error`, in
-//! the exact bytes and headers the control plane (`pdproxy/errors.py`) produces, so a client
-//! cannot tell which side answered; and the terminal event of a stream that failed.
-
-use std::fmt::Write as _;
+//! Every answer the proxy makes itself: the `OpenAI` error envelope with `x-pdproxy-error` (the
+//! control plane's answers are written here too, `pdproxy/errors.py`), and the terminal event of
+//! a stream that failed.
 
 use bytes::Bytes;
 use http::header::{HeaderValue, CONNECTION, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{Response, StatusCode};
+use serde::Serialize;
 
 use super::body::EdgeBody;
 use super::request::X_REQUEST_ID;
@@ -131,43 +130,30 @@ pub fn limit_fault(limit: Limit) -> Fault {
     }
 }
 
-/// A JSON string literal as Python's `json.dumps` writes it (`ensure_ascii`).
-pub fn json_string(out: &mut String, text: &str) {
-    out.push('"');
-    for c in text.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            '\u{08}' => out.push_str("\\b"),
-            '\u{0c}' => out.push_str("\\f"),
-            c if (c as u32) < 0x20 || (c as u32) > 0x7e => {
-                let mut units = [0u16; 2];
-                for unit in c.encode_utf16(&mut units) {
-                    let _ = write!(out, "\\u{unit:04x}");
-                }
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
+/// The `OpenAI` error envelope: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Serialize)]
+struct Envelope<'a> {
+    error: ErrorFields<'a>,
 }
 
-/// `{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`, spaced as
-/// `json.dumps` spaces it.
+#[derive(Serialize)]
+struct ErrorFields<'a> {
+    message: &'a str,
+    #[serde(rename = "type")]
+    kind: &'a str,
+    param: Option<&'a str>,
+    code: &'a str,
+}
+
+/// The error body of `fault`: `{"error": {"message", "type", "param", "code"}}`.
 pub fn error_body(message: &str, fault: Fault, param: Option<&str>) -> String {
-    let mut out = String::with_capacity(96 + message.len());
-    out.push_str("{\"error\": {\"message\": ");
-    json_string(&mut out, message);
-    let _ = write!(out, ", \"type\": \"{}\", \"param\": ", fault.kind);
-    match param {
-        Some(name) => json_string(&mut out, name),
-        None => out.push_str("null"),
-    }
-    let _ = write!(out, ", \"code\": \"{}\"}}}}", fault.code);
-    out
+    envelope(message, fault.kind, fault.code, param)
+}
+
+/// The error body of any type and code (the control plane's answers come through here too).
+pub fn envelope(message: &str, kind: &str, code: &str, param: Option<&str>) -> String {
+    let fields = ErrorFields { message, kind, param, code };
+    serde_json::to_string(&Envelope { error: fields }).unwrap_or_default()
 }
 
 /// The error answer, with `x-request-id` echoed.
@@ -221,18 +207,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn bodies_are_spelled_as_python_spells_them() {
-        assert_eq!(
-            error_body("the model `m\u{e9}` does not exist\n", fault_of(&Error::new(Kind::ModelNotFound, "")), None),
-            r#"{"error": {"message": "the model `m\u00e9` does not exist\n", "type": "invalid_request_error", "param": null, "code": "model_not_found"}}"#
-        );
-        assert_eq!(
-            error_body("n is too large", INVALID_REQUEST, Some("n")),
-            r#"{"error": {"message": "n is too large", "type": "invalid_request_error", "param": "n", "code": "invalid_request"}}"#
-        );
-        let mut s = String::new();
-        json_string(&mut s, "\u{7f}\u{1F600}\"\u{1}");
-        assert_eq!(s, r#""\u007f\ud83d\ude00\"\u0001""#);
+    fn bodies_are_the_openai_envelope() {
+        let body = error_body("the model `m\u{e9}` does not exist\n", MODEL_NOT_FOUND, None);
+        let parsed: serde_json::Value = serde_json::from_str(&body).unwrap();
+        let expected = serde_json::json!({"error": {
+            "message": "the model `m\u{e9}` does not exist\n",
+            "type": "invalid_request_error",
+            "param": null,
+            "code": "model_not_found",
+        }});
+        assert_eq!(parsed, expected);
+        assert!(body.starts_with(r#"{"error":{"message":"#), "the envelope's fields in OpenAI's order: {body}");
+        let parsed: serde_json::Value = serde_json::from_str(&error_body("n", INVALID_REQUEST, Some("n"))).unwrap();
+        assert_eq!(parsed["error"]["param"], "n");
     }
 
     #[test]

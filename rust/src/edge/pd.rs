@@ -13,7 +13,7 @@ use bytes::Bytes;
 use http::{HeaderMap, Method, StatusCode};
 use serde_json::value::RawValue;
 
-use super::answer::{self, INVALID_REQUEST, PREFILL_FAILED, UPSTREAM_INVALID_RESPONSE};
+use super::answer::{INVALID_REQUEST, PREFILL_FAILED, UPSTREAM_INVALID_RESPONSE};
 use super::pipeline::{leg_name, Answer, Dispatch, Refusal, Refused};
 use super::PdProtocol;
 use crate::distserve::{Preserved, SessionHandle};
@@ -221,8 +221,7 @@ impl Dispatch<'_> {
             None => value,
             Some(n) => format!("[{}]", vec![value; n].join(", ")),
         };
-        let mut host_json = String::new();
-        answer::json_string(&mut host_json, &host);
+        let host_json = serde_json::Value::from(host.as_str()).to_string();
         let port_json = port.map_or_else(|| "null".to_owned(), |p| p.to_string());
         let rooms = match items {
             None => room().to_string(),

@@ -1,5 +1,6 @@
 //! The contracts both planes keep, declared once in the data plane and read by the control
-//! plane: the error table, the inference and disaggregation paths, and the prefill leg's body.
+//! plane: the error table and the error body, the inference and disaggregation paths, and the
+//! prefill leg's body.
 
 use std::collections::HashMap;
 
@@ -7,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use super::errors::to_pyerr;
-use crate::edge::answer::ERRORS;
+use crate::edge::answer::{envelope, ERRORS};
 use crate::edge::{prefill_body, PdProtocol, INFERENCE_PATHS};
 
 /// One error answer: (status, `OpenAI` type, code, default `Retry-After`).
@@ -21,7 +22,15 @@ pub fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let pd_paths: HashMap<&str, Vec<&str>> = PdProtocol::ALL.iter().map(|p| (p.name(), p.paths().to_vec())).collect();
     m.add("PD_PATHS", pd_paths)?;
     m.add_function(wrap_pyfunction!(pd_prefill_body, m)?)?;
+    m.add_function(wrap_pyfunction!(error_body, m)?)?;
     Ok(())
+}
+
+/// The `OpenAI` error envelope every error answer of the proxy carries.
+#[pyfunction]
+#[pyo3(signature = (message, kind, code, param=None))]
+fn error_body<'py>(py: Python<'py>, message: &str, kind: &str, code: &str, param: Option<&str>) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, envelope(message, kind, code, param).as_bytes())
 }
 
 /// The prefill leg's body for `protocol`, from the client's `body` sent to `path`.
