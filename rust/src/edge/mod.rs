@@ -14,6 +14,8 @@ mod pd;
 mod pipeline;
 mod request;
 mod server;
+#[cfg(test)]
+mod tests;
 
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::path::PathBuf;
