@@ -21,8 +21,8 @@ from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
 from pdproxy.testing.generation import generate, prompt_text
 from servers import Process, chat_body, ledger, pdproxy_serve, register
 
-# Against both edges (see the `edge` fixture).
-pytestmark = pytest.mark.usefixtures("edge")
+# One pipeline serves both edges: this suite runs against the Rust edge (test_proxy.py and the
+# tests marked with the `edge` fixture cover the --edge granian transport).
 
 PD_ARGS = ("--serving-strategy", "DistServe", "--pd-link-backoff", "0.05", "--pd-link-wait-timeout", "5")
 
@@ -84,6 +84,7 @@ def handshakes(report: dict[str, Any]) -> list[str]:
     return [op for op, _, _ in report["links"] if op != "engine_info"]
 
 
+@pytest.mark.usefixtures("edge")
 async def test_stream_and_non_stream(fleet: Fleet, http: aiohttp.ClientSession) -> None:
     for stream in (False, True):
         body = chat_body("m", stream=stream, max_tokens=6, prompt=f"tell me {stream}")
@@ -277,6 +278,7 @@ async def _raw_request(
     return reader, writer
 
 
+@pytest.mark.usefixtures("edge")
 @pytest.mark.parametrize("phase", ["prefill", "before-first-token", "mid-stream"])
 async def test_client_disconnect_in_each_phase(fleet: Fleet, http: aiohttp.ClientSession, phase: str) -> None:
     fault = {

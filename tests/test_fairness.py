@@ -11,13 +11,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
-import pytest
 
 from pdproxy.testing import MockEngine, MockSettings
 from servers import Process, chat_body, pdproxy_serve
 
-# Against both edges (see the `edge` fixture).
-pytestmark = pytest.mark.usefixtures("edge")
+# One pipeline serves both edges: this suite runs against the Rust edge (test_proxy.py and the
+# tests marked with the `edge` fixture cover the --edge granian transport).
 
 TENANTS = """
 [tenants.big]

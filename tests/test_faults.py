@@ -18,8 +18,8 @@ import pytest
 from pdproxy.testing import FAULT_HEADER
 from servers import Process, chat_body, get_json, mock_engine, pdproxy_serve, wait_until
 
-# Against both edges (see the `edge` fixture).
-pytestmark = pytest.mark.usefixtures("edge")
+# One pipeline serves both edges: this suite runs against the Rust edge (test_proxy.py and the
+# tests marked with the `edge` fixture cover the --edge granian transport).
 
 
 @pytest.fixture(scope="module")

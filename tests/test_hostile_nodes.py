@@ -21,8 +21,8 @@ from pdproxy.testing import MockEngine
 from pdproxy.testing.raw_node import TOO_LARGE, RawNode, RawRequest, answer_early, endless_answer, read_and_drop
 from servers import Process, chat_body, eventually, pdproxy_serve
 
-# Against both edges (see the `edge` fixture).
-pytestmark = pytest.mark.usefixtures("edge")
+# One pipeline serves both edges: this suite runs against the Rust edge (test_proxy.py and the
+# tests marked with the `edge` fixture cover the --edge granian transport).
 
 CHAT = "/v1/chat/completions"
 

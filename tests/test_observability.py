@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
 from servers import chat_body, free_port, get_json, pdproxy_serve
 
-# Against both edges (see the `edge` fixture).
-pytestmark = pytest.mark.usefixtures("edge")
+# One pipeline serves both edges: this suite runs against the Rust edge (test_proxy.py and the
+# tests marked with the `edge` fixture cover the --edge granian transport).
 
 
 async def serves(http: aiohttp.ClientSession, url: str, model: str) -> bool:

@@ -18,8 +18,8 @@ from pdproxy.testing import FAULT_HEADER, MockEngine
 from pdproxy.testing.generation import generate, prompt_text
 from servers import Process, chat_body, ledger, pdproxy_serve, register
 
-# Against both edges (see the `edge` fixture).
-pytestmark = pytest.mark.usefixtures("edge")
+# One pipeline serves both edges: this suite runs against the Rust edge (test_proxy.py and the
+# tests marked with the `edge` fixture cover the --edge granian transport).
 
 
 @asynccontextmanager
@@ -56,6 +56,7 @@ async def eventually(check: Any, timeout: float = 5.0) -> None:
 # vLLM
 
 
+@pytest.mark.usefixtures("edge")
 async def test_vllm_passes_params_verbatim_on_one_request_id(
     tmp_path: Path, pd_engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:
@@ -118,6 +119,7 @@ async def test_vllm_null_params_and_failures(
 # SGLang
 
 
+@pytest.mark.usefixtures("edge")
 async def test_sglang_sends_one_body_to_both_legs_at_once(
     tmp_path: Path, pd_engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:

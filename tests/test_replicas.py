@@ -18,8 +18,9 @@ import pytest
 from redis_server import REDIS_SERVER, RedisServer, redis_server
 from servers import Process, chat_body, get_json, mock_engine, pdproxy_serve, post_json, wait_until
 
-# Against both edges (see the `edge` fixture).
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("edge")]
+# One pipeline serves both edges: this suite runs against the Rust edge (test_proxy.py and the
+# tests marked with the `edge` fixture cover the --edge granian transport).
+pytestmark = pytest.mark.slow
 
 WAIT = 10.0  # bound on what takes a Redis notice or one reconcile (1 s)
 

@@ -12,14 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 
 from pdproxy.testing import MockEngine, MockSettings
 from redis_server import redis_server
 from servers import chat_body, pdproxy_serve
 
-# Against both edges (see the `edge` fixture).
-pytestmark = pytest.mark.usefixtures("edge")
+# One pipeline serves both edges: this suite runs against the Rust edge (test_proxy.py and the
+# tests marked with the `edge` fixture cover the --edge granian transport).
 
 ADMIN = {"authorization": "Bearer admin"}
 

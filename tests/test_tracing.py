@@ -17,8 +17,8 @@ from otlp_receiver import attributes, otlp_receiver
 from pdproxy.testing import MockEngine, MockSettings
 from servers import chat_body, pdproxy_serve, register
 
-# Against both edges (see the `edge` fixture).
-pytestmark = pytest.mark.usefixtures("edge")
+# One pipeline serves both edges: this suite runs against the Rust edge (test_proxy.py and the
+# tests marked with the `edge` fixture cover the --edge granian transport).
 
 
 async def until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
