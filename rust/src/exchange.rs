@@ -202,16 +202,6 @@ impl Exchange {
     }
 }
 
-impl crate::engine::PermitHolder for Exchange {
-    fn hold(&self, permit: InFlightPermit) {
-        self.attach(permit);
-    }
-
-    fn release(&self, outcome: Outcome) {
-        Exchange::release(self, outcome, Report::default());
-    }
-}
-
 impl Inner {
     /// Whole events (everything, for other bodies), else how the body ended, else nothing.
     fn ready(&mut self, buffer_limit: usize) -> Option<Delivery> {

@@ -17,12 +17,12 @@ use super::answer::{INVALID_REQUEST, PREFILL_FAILED, UPSTREAM_INVALID_RESPONSE};
 use super::pipeline::{leg_name, Answer, Dispatch, Refusal, Refused};
 use super::PdProtocol;
 use crate::distserve::{Preserved, SessionHandle};
-use crate::engine::{Engine, HeldPermit, PermitHolder};
+use crate::engine::{Engine, Sent};
 use crate::error::{Error, Kind, Result};
 use crate::forward::{ForwardRequest, Forwarder, ResponseBody, UpstreamResponse};
 use crate::inspect::{member, patch, RequestInfo};
 use crate::node::{Node, Role};
-use crate::permit::InFlightPermit;
+use crate::permit::{InFlightPermit, Outcome};
 use crate::select::SelectCtx;
 use crate::trace::{OpenSpan, SpanKind, Trace};
 
@@ -98,10 +98,9 @@ impl Dispatch<'_> {
         let prefill_request = ForwardRequest { body: Bytes::from(body), ..self.request.clone() };
         let leg = self.open_leg(Role::Prefill);
         let ctx = self.ctx(Role::Prefill, leg.as_ref());
-        let held = HeldPermit::default();
         let prefilled = async {
-            let (_, answer) = engine.send(forwarder, prefill.take(), &prefill_request, &ctx, true, true, &held).await?;
-            whole(answer, &held, forwarder).await
+            let sent = engine.send(forwarder, prefill.take(), &prefill_request, &ctx, true, true).await?;
+            whole(sent, forwarder).await
         }
         .await;
         end_leg(self.trace, leg, prefilled.as_ref().map(|(status, _, _)| *status));
@@ -119,11 +118,9 @@ impl Dispatch<'_> {
         let decode_request = ForwardRequest { body: decode_body, ..self.request.clone() };
         let leg = self.open_leg(Role::Decode);
         let ctx = self.ctx(Role::Decode, leg.as_ref());
-        let held = HeldPermit::default();
-        let decoded = engine.send(forwarder, decode.take(), &decode_request, &ctx, true, true, &held).await;
-        end_leg(self.trace, leg, decoded.as_ref().map(|(_, response)| response.status));
-        let (node, response) = decoded?;
-        Ok(relay_or_raw(node, response, held, forwarder).await?)
+        let decoded = engine.send(forwarder, decode.take(), &decode_request, &ctx, true, true).await;
+        end_leg(self.trace, leg, decoded.as_ref().map(|sent| sent.response.status));
+        Ok(relay_or_raw(decoded?, forwarder).await?)
     }
 
     /// LMDeploy: the prefill (one token, its KV cache preserved) while the pair's link is made
@@ -154,11 +151,9 @@ impl Dispatch<'_> {
         let mut linked = None;
         let leg = self.open_leg(Role::Prefill);
         let ctx = self.ctx(Role::Prefill, leg.as_ref());
-        let held = HeldPermit::default();
         let prefill_work = async {
-            let (_, answer) =
-                engine.send(forwarder, prefill.take(), &prefill_request, &ctx, false, true, &held).await?;
-            whole(answer, &held, forwarder).await
+            let sent = engine.send(forwarder, prefill.take(), &prefill_request, &ctx, false, true).await?;
+            whole(sent, forwarder).await
         };
         tokio::pin!(prefill_work);
         let prefilled = loop {
@@ -196,12 +191,10 @@ impl Dispatch<'_> {
         let decode_request = ForwardRequest { body: Bytes::from(body), ..self.request.clone() };
         let leg = self.open_leg(Role::Decode);
         let ctx = self.ctx(Role::Decode, leg.as_ref());
-        let held = HeldPermit::default();
-        let decoded = engine.send(forwarder, decode.take(), &decode_request, &ctx, false, true, &held).await;
-        end_leg(self.trace, leg, decoded.as_ref().map(|(_, response)| response.status));
-        let (node, response) = decoded?;
-        match relay_or_raw(node, response, held, forwarder).await? {
-            Answer::Relay { node, response, held, .. } => Ok(Answer::Relay { node, response, held, session }),
+        let decoded = engine.send(forwarder, decode.take(), &decode_request, &ctx, false, true).await;
+        end_leg(self.trace, leg, decoded.as_ref().map(|sent| sent.response.status));
+        match relay_or_raw(decoded?, forwarder).await? {
+            Answer::Relay { sent, .. } => Ok(Answer::Relay { sent, session }),
             raw @ Answer::Raw { .. } => Ok(raw), // the session, unconsumed, is freed as it drops here
         }
     }
@@ -260,11 +253,9 @@ impl Dispatch<'_> {
                 Err(e) => {
                     return Err(Refusal::new(PREFILL_FAILED, format!("the prefill node failed: {}", e.message())));
                 }
-                Ok((_, answer, permit)) if answer.status != StatusCode::OK => {
-                    let status = answer.status;
-                    let held = HeldPermit::default();
-                    held.hold(permit);
-                    return match whole(answer, &held, forwarder).await {
+                Ok(sent) if sent.response.status != StatusCode::OK => {
+                    let status = sent.response.status;
+                    return match whole(sent, forwarder).await {
                         Ok((status, headers, body)) if status.is_client_error() => {
                             Ok(Answer::Raw { status, headers, body })
                         }
@@ -277,14 +268,12 @@ impl Dispatch<'_> {
                 }
             },
         };
-        let (node, response, permit) = flatten(decoded)?;
-        let held = HeldPermit::default();
-        held.hold(permit);
-        if response.status == StatusCode::OK {
+        let sent = flatten(decoded)?;
+        if sent.response.status == StatusCode::OK {
             tokio::spawn(prefill_leg.drain(forwarder.clone()));
         }
         // Otherwise the prefill leg is dropped here: cancelled.
-        Ok(relay_or_raw(node, response, held, forwarder).await?)
+        Ok(relay_or_raw(sent, forwarder).await?)
     }
 
     /// The prefill node's bootstrap port: declared at registration, else from its
@@ -314,26 +303,18 @@ fn prefill_failed(status: StatusCode) -> Refused {
 }
 
 /// The decode node's answer: relayed when it succeeded, whole otherwise.
-async fn relay_or_raw(
-    node: Arc<Node>,
-    response: UpstreamResponse,
-    held: HeldPermit,
-    forwarder: &Forwarder,
-) -> Result<Answer> {
-    if response.status == StatusCode::OK {
-        return Ok(Answer::Relay { node, response, held, session: None });
+async fn relay_or_raw(sent: Sent, forwarder: &Forwarder) -> Result<Answer> {
+    if sent.response.status == StatusCode::OK {
+        return Ok(Answer::Relay { sent, session: None });
     }
-    let (status, headers, body) = whole(response, &held, forwarder).await?;
+    let (status, headers, body) = whole(sent, forwarder).await?;
     Ok(Answer::Raw { status, headers, body })
 }
 
 /// A node's whole answer, read within the answer limits (size and time: past them the node's
-/// connection is dropped); the permit held for it is released with its outcome.
-async fn whole(
-    response: UpstreamResponse,
-    held: &HeldPermit,
-    forwarder: &Forwarder,
-) -> Result<(StatusCode, HeaderMap, Bytes)> {
+/// connection is dropped); its permit is released with the answer's outcome.
+async fn whole(sent: Sent, forwarder: &Forwarder) -> Result<(StatusCode, HeaderMap, Bytes)> {
+    let Sent { mut permit, response } = sent;
     let outcome = response.outcome();
     let UpstreamResponse { status, headers, body } = response;
     let body = match body {
@@ -341,17 +322,17 @@ async fn whole(
         ResponseBody::Streaming(stream) => match forwarder.read_answer(stream.body).await {
             Ok(bytes) => bytes,
             Err(e) => {
-                held.release(crate::permit::Outcome::Failed);
+                permit.set_outcome(Outcome::Failed);
                 return Err(e);
             }
         },
     };
-    held.release(outcome);
+    permit.set_outcome(outcome);
     Ok((status, headers, body))
 }
 
-/// What a leg ends with: the node, its answer, and its permit.
-type LegResult = Result<(Arc<Node>, UpstreamResponse, InFlightPermit)>;
+/// What a leg ends with: its node's answer and permit.
+type LegResult = Result<Sent>;
 
 /// One leg of an SGLang request, running on its own task (aborted, its node's request
 /// cancelled, when dropped), or its answer once it has come.
@@ -359,7 +340,7 @@ type LegResult = Result<(Arc<Node>, UpstreamResponse, InFlightPermit)>;
 #[allow(clippy::large_enum_variant)]
 enum Leg {
     Running(tokio::task::JoinHandle<LegResult>),
-    Answered(Option<(Arc<Node>, UpstreamResponse, InFlightPermit)>),
+    Answered(Option<Sent>),
 }
 
 impl Leg {
@@ -375,12 +356,9 @@ impl Leg {
             let span = trace.as_deref().map(|t| t.traced().open(leg_name(role), SpanKind::Internal));
             let traced = trace.as_deref().zip(span.as_ref()).map(|(t, s)| t.traced().under(s));
             let ctx = SelectCtx { role, trace: traced, ..Default::default() };
-            let held = HeldPermit::default();
-            let sent = engine.send(&forwarder, permit, &request, &ctx, false, true, &held).await;
-            end_leg(trace.as_ref(), span, sent.as_ref().map(|(_, response)| response.status));
-            let (node, response) = sent?;
-            let permit = held.take().ok_or_else(|| Error::new(Kind::Upstream, "the leg lost its permit"))?;
-            Ok((node, response, permit))
+            let sent = engine.send(&forwarder, permit, &request, &ctx, false, true).await;
+            end_leg(trace.as_ref(), span, sent.as_ref().map(|sent| sent.response.status));
+            sent
         }))
     }
 
@@ -395,10 +373,8 @@ impl Leg {
     /// Reads the prefill's answer to its end: it carries nothing the client needs, but left
     /// unread it would hold the node.
     async fn drain(mut self, forwarder: Forwarder) {
-        if let Ok((_, response, permit)) = flatten(self.running().await) {
-            let held = HeldPermit::default();
-            held.hold(permit);
-            let _ = whole(response, &held, &forwarder).await;
+        if let Ok(sent) = flatten(self.running().await) {
+            let _ = whole(sent, &forwarder).await;
         }
     }
 }

@@ -12,7 +12,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use futures_util::future::Either;
 use futures_util::FutureExt;
-use http::header::{HeaderName, HeaderValue, CONNECTION, CONTENT_LENGTH, CONTENT_TYPE};
+use http::header::{HeaderName, HeaderValue, CONNECTION, CONTENT_LENGTH};
 use http::request::Parts;
 use http::{HeaderMap, Response, StatusCode};
 use hyper::body::Incoming;
@@ -27,13 +27,12 @@ use super::server::Worker;
 use super::{EdgeState, PdProtocol};
 use crate::admission::Class;
 use crate::distserve::Preserved;
-use crate::engine::{select_ctx, GatePass, HeldPermit, PermitHolder, Refusal as GateRefusal};
+use crate::engine::{select_ctx, GatePass, Refusal as GateRefusal, Sent};
 use crate::error::{Error, Kind};
 use crate::forward::{ForwardRequest, ResponseBody, UpstreamResponse};
 use crate::inspect::{inspect, RequestInfo};
-use crate::node::{Node, Role};
+use crate::node::Role;
 use crate::select::SelectCtx;
-use crate::sse;
 use crate::tenants::{estimate_tokens, Tenant};
 use crate::trace::{OpenSpan, SpanKind, Trace};
 
@@ -93,9 +92,7 @@ impl From<Error> for Refused {
 pub enum Answer {
     /// A node's successful head: its body is relayed, with the permit held until it ends.
     Relay {
-        node: Arc<Node>,
-        response: UpstreamResponse,
-        held: HeldPermit,
+        sent: Sent,
         /// LMDeploy: the prefill's session, which the decode consumes.
         session: Option<Preserved>,
     },
@@ -360,9 +357,7 @@ impl Pipeline<'_> {
     fn respond(&self, served: Served, mut notes: Notes) -> Response<EdgeBody> {
         let Served { answer, pass, started, deadline } = served;
         match answer {
-            Answer::Relay { node, response, held, session } => {
-                self.relay(&node, response, &held, session, pass, notes, started, deadline)
-            }
+            Answer::Relay { sent, session } => self.relay(sent, session, pass, notes, started, deadline),
             Answer::Raw { status, mut headers, body } => {
                 headers.remove(CONTENT_LENGTH);
                 headers.insert(X_REQUEST_ID.clone(), self.id.clone());
@@ -382,46 +377,40 @@ impl Pipeline<'_> {
     /// and its body, whole or relayed with the permit held until it ends. A DistServe
     /// `session` is consumed once the answer is under way (its first data, or a whole
     /// successful answer).
-    #[allow(clippy::too_many_arguments)]
     fn relay(
         &self,
-        node: &Arc<Node>,
-        response: UpstreamResponse,
-        held: &HeldPermit,
+        sent: Sent,
         session: Option<Preserved>,
         pass: GatePass,
         mut notes: Notes,
         started: Instant,
         deadline: Option<tokio::time::Instant>,
     ) -> Response<EdgeBody> {
+        let Sent { mut permit, response } = sent;
         let outcome = response.outcome();
         let UpstreamResponse { status, headers: mut answer_headers, body } = response;
         if !answer_headers.contains_key(&X_REQUEST_ID) {
             answer_headers.insert(X_REQUEST_ID.clone(), self.id.clone());
         }
-        notes.answered(Some(node.url()), status.as_u16());
+        notes.answered(Some(permit.node().url()), status.as_u16());
         notes.decorate(&mut answer_headers);
         let body = match body {
             ResponseBody::Complete(bytes) => {
                 if let Some(session) = session.filter(|_| status.is_success()) {
                     session.consume();
                 }
-                held.release(outcome);
+                permit.set_outcome(outcome);
+                drop(permit);
                 notes.sent(&bytes, 0);
                 notes.completed();
                 EdgeBody::full(bytes)
             }
             ResponseBody::Streaming(stream) => {
-                let Some(permit) = held.take() else {
-                    return answer::error(answer::INTERNAL, "the request lost its node", None, &self.id);
-                };
-                let event_stream =
-                    answer_headers.get(CONTENT_TYPE).is_some_and(|ct| sse::is_event_stream(ct.as_bytes()));
                 let config = &self.state().engine.config.forward;
                 let parts = RelayParts {
                     permit,
                     outcome_at_end: outcome,
-                    event_stream,
+                    event_stream: stream.event_stream,
                     idle_timeout: config.stream_idle_timeout,
                     held_limit: config.stream_buffer_limit,
                     deadline,

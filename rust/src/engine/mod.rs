@@ -6,7 +6,7 @@ mod gate;
 mod policies;
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub use gate::{Gate, GatePass, Refusal};
@@ -95,36 +95,6 @@ pub enum Admitted {
 pub struct Queued {
     ticket: Ticket,
     spans: Option<(OpenSpan, OpenSpan)>,
-}
-
-/// Where the permit of a request being sent is kept, so that its owner can release it at
-/// any moment (a cancelled exchange) and the retry loop can swap it for another node's.
-pub trait PermitHolder: Sync {
-    fn hold(&self, permit: InFlightPermit);
-    /// Releases the held permit, if any, recording `outcome`.
-    fn release(&self, outcome: Outcome);
-}
-
-/// A holder for a request whose owner needs no outside access to its permit.
-#[derive(Debug, Default)]
-pub struct HeldPermit(Mutex<Option<InFlightPermit>>);
-
-impl HeldPermit {
-    pub fn take(&self) -> Option<InFlightPermit> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
-    }
-}
-
-impl PermitHolder for HeldPermit {
-    fn hold(&self, permit: InFlightPermit) {
-        *self.0.lock().unwrap_or_else(PoisonError::into_inner) = Some(permit);
-    }
-
-    fn release(&self, outcome: Outcome) {
-        if let Some(mut permit) = self.take() {
-            permit.set_outcome(outcome);
-        }
-    }
 }
 
 impl Engine {
@@ -318,9 +288,10 @@ impl Engine {
 
     /// Sends `request` with `permit`'s node through `forwarder` (the engine's own, or an edge
     /// thread's), retrying on another node (when `retry`) what provably did not run: a connect
-    /// failure, or a 429/503 answer before any byte. The permit of the node that answered stays
-    /// in `holder`. `prefetch`: small bodies that are not event streams are read whole with the head.
-    #[allow(clippy::too_many_arguments)]
+    /// failure, or a 429/503 answer before any byte. The answer comes back with the permit of
+    /// the node that gave it; every other permit is released with its outcome. Dropped midway,
+    /// the permit in use goes with it (counted as cancelled). `prefetch`: small bodies that are
+    /// not event streams are read whole with the head.
     pub async fn send(
         &self,
         forwarder: &Forwarder,
@@ -329,37 +300,33 @@ impl Engine {
         ctx: &SelectCtx<'_>,
         retry: bool,
         prefetch: bool,
-        holder: &dyn PermitHolder,
-    ) -> Result<(Arc<Node>, UpstreamResponse)> {
+    ) -> Result<Sent> {
         self.retry_budget.request();
         let mut tried: Vec<u64> = Vec::new();
         loop {
             let node = Arc::clone(permit.node());
-            holder.hold(permit);
-            let attempt = ctx.trace.map(|t| t.open("pdproxy.attempt", SpanKind::Client));
-            let traceparent = ctx.trace.zip(attempt.as_ref()).map(|(t, s)| t.trace.traceparent(s));
+            let span = ctx.trace.map(|t| t.open("pdproxy.attempt", SpanKind::Client));
+            let traceparent = ctx.trace.zip(span.as_ref()).map(|(t, s)| t.trace.traceparent(s));
             let answer = forwarder.forward(&node, request, prefetch, traceparent.as_ref()).await;
-            if let (Some(traced), Some(span)) = (ctx.trace, attempt) {
+            if let (Some(traced), Some(span)) = (ctx.trace, span) {
                 end_attempt(traced.trace, span, &node, tried.len(), &answer);
             }
-            let error = match answer {
+            let attempt = match answer {
                 // Refused before any work (overloaded or unavailable): another node may take it.
-                Ok(response) if matches!(response.status.as_u16(), 429 | 503) => Err(response),
-                Ok(response) => return Ok((node, response)),
+                Ok(response) if matches!(response.status.as_u16(), 429 | 503) => Attempt::Refused(response),
+                Ok(response) => return Ok(Sent { permit, response }),
                 Err(e) => {
                     if e.is_connect() {
                         node.counters().connect_failures.fetch_add(1, Ordering::Relaxed);
                     }
-                    // The proxy's own shortage says nothing of the node: recorded nowhere.
-                    holder.release(if e.kind() == Kind::Resources { Outcome::Unused } else { Outcome::Failed });
-                    Ok(e)
+                    Attempt::Failed(e)
                 }
             };
-            let retriable = match &error {
-                Ok(e) => e.is_connect(),
-                Err(_) => true,
-            };
             tried.push(node.generation());
+            let retriable = match &attempt {
+                Attempt::Failed(e) => e.is_connect(),
+                Attempt::Refused(_) => true,
+            };
             let next = if retry && retriable && tried.len() <= self.config.retries as usize && self.retry_budget.spend()
             {
                 let policy = self.policies.for_request(ctx.role, ctx.model);
@@ -367,17 +334,45 @@ impl Engine {
             } else {
                 None
             };
-            match (next, error) {
-                (Some(next), Err(refused)) => {
-                    holder.release(refused.outcome());
+            match (attempt, next) {
+                (Attempt::Refused(response), None) => return Ok(Sent { permit, response }),
+                (Attempt::Refused(response), Some(next)) => {
+                    permit.set_outcome(response.outcome());
                     permit = next;
                 }
-                (Some(next), Ok(_)) => permit = next,
-                (None, Ok(e)) => return Err(e),
-                (None, Err(response)) => return Ok((node, response)),
+                (Attempt::Failed(e), next) => {
+                    // The proxy's own shortage says nothing of the node: recorded nowhere.
+                    permit.set_outcome(if e.kind() == Kind::Resources { Outcome::Unused } else { Outcome::Failed });
+                    match next {
+                        Some(next) => permit = next,
+                        None => return Err(e),
+                    }
+                }
             }
         }
     }
+}
+
+/// A node's answer, with the permit taken on it: released (with the answer's outcome) when the
+/// answer has been passed on.
+#[derive(Debug)]
+pub struct Sent {
+    pub permit: InFlightPermit,
+    pub response: UpstreamResponse,
+}
+
+impl Sent {
+    /// The node that answered.
+    pub fn node(&self) -> &Arc<Node> {
+        self.permit.node()
+    }
+}
+
+/// How one attempt at a node went, when it did not simply answer.
+enum Attempt {
+    /// The node refused before any work (429, 503): its answer, for the client if no other node takes it.
+    Refused(UpstreamResponse),
+    Failed(Error),
 }
 
 /// The affinity key of a request: the `x-smg-routing-key` (the SGLang gateway's), `x-session-id`

@@ -581,11 +581,12 @@ impl Job {
             },
         };
         // Small answers cross into Python whole, with the head.
-        let (node, response) =
-            match engine.send(&engine.forwarder, permit, &request, &ctx, retry, true, exchange.as_ref()).await {
-                Ok(answer) => answer,
-                Err(e) => return reply.fail(e),
-            };
+        let sent = match engine.send(&engine.forwarder, permit, &request, &ctx, retry, true).await {
+            Ok(sent) => sent,
+            Err(e) => return reply.fail(e),
+        };
+        let node = Arc::clone(sent.node());
+        let crate::engine::Sent { mut permit, response } = sent;
         let outcome = response.outcome();
         let UpstreamResponse { status, headers, body } = response;
         let mut observe = |chunk: &[u8], events: u64| {
@@ -601,10 +602,15 @@ impl Job {
         let (complete, stream) = match body {
             ResponseBody::Complete(bytes) => {
                 observe(&bytes, 0);
-                exchange.release(outcome, crate::permit::Report::default());
+                permit.set_outcome(outcome);
+                drop(permit);
                 (Some(bytes), None)
             }
-            ResponseBody::Streaming(stream) => (None, Some(stream)),
+            ResponseBody::Streaming(stream) => {
+                // Held by the exchange from here, so that Python closing it releases it at once.
+                exchange.attach(permit);
+                (None, Some(stream))
+            }
         };
         let for_python = stream.is_some().then(|| Arc::clone(&exchange));
         let bridge_for_response = reply.bridge_for_response.take();
