@@ -7,7 +7,6 @@ use std::collections::HashMap;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use super::errors::to_pyerr;
 use crate::edge::answer::{envelope, ERRORS};
 use crate::edge::{prefill_body, PdProtocol, INFERENCE_PATHS};
 
@@ -36,7 +35,7 @@ fn error_body<'py>(py: Python<'py>, message: &str, kind: &str, code: &str, param
 /// The prefill leg's body for `protocol`, from the client's `body` sent to `path`.
 #[pyfunction]
 fn pd_prefill_body<'py>(py: Python<'py>, protocol: &str, path: &str, body: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
-    let protocol = PdProtocol::parse(protocol).map_err(|e| to_pyerr(&e))?;
-    let patched = prefill_body(protocol, path, body).map_err(|e| to_pyerr(&e))?;
+    let protocol = PdProtocol::parse(protocol)?;
+    let patched = prefill_body(protocol, path, body)?;
     Ok(PyBytes::new(py, &patched))
 }

@@ -12,7 +12,6 @@ use tokio::sync::oneshot;
 
 use super::bridge::{resolve, to_object, LoopBridge};
 use super::config::seconds;
-use super::errors::to_pyerr;
 use crate::distserve::{DistServe, DistServeConfig, LinkMaker, SessionHandle};
 use crate::engine::Engine;
 use crate::error::{Error, Kind, Result};
@@ -72,7 +71,7 @@ impl DistServeCore {
     fn add(&self, prefill: &str, session_id: u64, decode: Option<&str>, api_key: Option<String>) -> PyResult<u64> {
         let node = match self.engine.node(prefill) {
             Ok(node) => node,
-            Err(_) => Arc::new(Node::detached(prefill, api_key).map_err(|e| to_pyerr(&e))?),
+            Err(_) => Arc::new(Node::detached(prefill, api_key)?),
         };
         Ok(self.inner.sessions.add(node, session_id, decode).id)
     }
@@ -82,7 +81,7 @@ impl DistServeCore {
     /// when the answer names no session.
     #[pyo3(signature = (prefill, answer, decode, api_key=None))]
     fn preserve(&self, prefill: &str, answer: &[u8], decode: &str, api_key: Option<String>) -> PyResult<(u64, String)> {
-        let handle = SessionHandle::from_answer(answer).map_err(|e| to_pyerr(&e))?;
+        let handle = SessionHandle::from_answer(answer)?;
         let id = self.add(prefill, handle.session_id, Some(decode), api_key)?;
         Ok((id, self.inner.migration(prefill, &handle)))
     }

@@ -8,7 +8,6 @@ use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
 use super::config::seconds;
-use super::errors::to_pyerr;
 use super::router::Router;
 use crate::edge::access::Format;
 use crate::edge::cors::Cors;
@@ -29,7 +28,7 @@ impl EdgeListener {
     /// Binds `host:port` now (raises `ConfigError` when the port is taken).
     #[new]
     fn new(host: &str, port: u16, backlog: i32) -> PyResult<Self> {
-        let listener = edge::bind(host, port, backlog).map_err(|e| to_pyerr(&e))?;
+        let listener = edge::bind(host, port, backlog)?;
         let address = listener.local_addr().map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
         Ok(Self { listener: Mutex::new(Some(listener)), host: address.ip().to_string(), port: address.port() })
     }
@@ -85,7 +84,7 @@ impl Edge {
             .take()
             .ok_or_else(|| PyRuntimeError::new_err("this listener already serves an edge"))?;
         let config = edge_config(settings, control_socket, control_stale_after, max_connections)?;
-        let inner = edge::Edge::start(router.engine.clone(), &listener, config, threads).map_err(|e| to_pyerr(&e))?;
+        let inner = edge::Edge::start(router.engine.clone(), &listener, config, threads)?;
         Ok(Self { inner })
     }
 
@@ -117,7 +116,7 @@ pub fn edge_config(
     max_connections: usize,
 ) -> PyResult<EdgeConfig> {
     let disaggregation = match settings.serving_strategy.as_str() {
-        "DistServe" => Some(PdProtocol::parse(&settings.pd_protocol).map_err(|e| to_pyerr(&e))?),
+        "DistServe" => Some(PdProtocol::parse(&settings.pd_protocol)?),
         _ => None,
     };
     Ok(EdgeConfig {
@@ -141,11 +140,7 @@ pub fn edge_config(
             &settings.allow_methods,
             &settings.allow_headers,
         ),
-        tls: settings
-            .ssl
-            .then(|| tls::server_config(&settings.ssl_certfile, &settings.ssl_keyfile))
-            .transpose()
-            .map_err(|e| to_pyerr(&e))?,
+        tls: settings.ssl.then(|| tls::server_config(&settings.ssl_certfile, &settings.ssl_keyfile)).transpose()?,
         max_connections: max_connections.max(1),
     })
 }

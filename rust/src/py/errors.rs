@@ -24,8 +24,14 @@ pyo3::import_exception!(pdproxy.errors, Draining);
 pyo3::import_exception!(pdproxy.errors, ProxyOverloaded);
 pyo3::import_exception!(pdproxy.errors, LinkFailed);
 
+impl From<Error> for PyErr {
+    fn from(err: Error) -> Self {
+        exception(&err)
+    }
+}
+
 /// The most specific Python exception for a data-plane error.
-pub fn to_pyerr(err: &Error) -> PyErr {
+fn exception(err: &Error) -> PyErr {
     let detail = match (err.node(), err.source()) {
         (Some(node), Some(cause)) => Some(format!("node {node}: {cause}")),
         (Some(node), None) => Some(format!("node {node}")),

@@ -8,7 +8,6 @@ use std::net::SocketAddr;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::errors::to_pyerr;
 use crate::error::{Error, Kind};
 use crate::node::{Node, NodeSpec, NodeUrl, Role};
 use crate::registry::{check_api_key, check_speed};
@@ -30,10 +29,10 @@ pub struct NodeRecord {
 impl NodeRecord {
     /// The node's canonical URL, once every rule of the node table holds for the record.
     pub fn check(&self) -> PyResult<String> {
-        let url = NodeUrl::parse(&self.url).map_err(|e| to_pyerr(&e))?;
-        Role::parse(&self.role).map_err(|e| to_pyerr(&e))?;
-        check_speed(self.speed).map_err(|e| to_pyerr(&e))?;
-        check_api_key(self.api_key.as_deref()).map_err(|e| to_pyerr(&e))?;
+        let url = NodeUrl::parse(&self.url)?;
+        Role::parse(&self.role)?;
+        check_speed(self.speed)?;
+        check_api_key(self.api_key.as_deref())?;
         Ok(url.normalized)
     }
 
@@ -42,11 +41,11 @@ impl NodeRecord {
         let address = address
             .map(str::parse::<SocketAddr>)
             .transpose()
-            .map_err(|_| to_pyerr(&Error::new(Kind::InvalidNode, "a node's address must read HOST:PORT")))?;
+            .map_err(|_| PyErr::from(Error::new(Kind::InvalidNode, "a node's address must read HOST:PORT")))?;
         Ok(NodeSpec {
             models: self.models.clone().unwrap_or_default(),
             declared_models: self.models,
-            role: Role::parse(&self.role).map_err(|e| to_pyerr(&e))?,
+            role: Role::parse(&self.role)?,
             speed: self.speed,
             max_concurrency: self.max_concurrency.filter(|&m| m > 0),
             api_key: self.api_key.filter(|k| !k.is_empty()),

@@ -6,7 +6,6 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use super::bridge::{end_of_iteration, resolve, to_object, LoopBridge};
-use super::errors::to_pyerr;
 use crate::exchange::{Delivery, Exchange, Waiter};
 
 #[pyclass(frozen, name = "Response", module = "pdproxy._pdproxy")]
@@ -73,7 +72,7 @@ fn waiter_for(future: Py<PyAny>, bridge: Py<LoopBridge>) -> Waiter {
             let value = match delivery {
                 Delivery::Batch(bytes) => Ok(PyBytes::new(py, &bytes).into_any().unbind()),
                 Delivery::End => Err(end_of_iteration()),
-                Delivery::Failed(e) => Err(to_pyerr(&e)),
+                Delivery::Failed(e) => Err(e.into()),
             };
             resolve(py, &future, value);
         }));
@@ -115,7 +114,7 @@ impl Response {
         match delivery {
             Delivery::Batch(bytes) => ready(to_object(py, PyBytes::new(py, &bytes))?),
             Delivery::End => Err(end_of_iteration()),
-            Delivery::Failed(e) => Err(to_pyerr(&e)),
+            Delivery::Failed(e) => Err(e.into()),
         }
     }
 

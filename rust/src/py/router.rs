@@ -14,7 +14,6 @@ use tokio_util::sync::CancellationToken;
 use super::bridge::{resolve, LoopBridge};
 use super::config::RouterConfig;
 use super::distserve::{DistServeCore, DistServeSettings};
-use super::errors::to_pyerr;
 use super::node::{record_dict, NodeRecord};
 use super::response::{Head, Response};
 use super::shared::SharedTable;
@@ -50,7 +49,7 @@ pub struct Router {
 }
 
 fn role_of(raw: &str) -> PyResult<Role> {
-    Role::parse(raw).map_err(|e| to_pyerr(&e))
+    Ok(Role::parse(raw)?)
 }
 
 #[pymethods]
@@ -67,7 +66,7 @@ impl Router {
             Some((table, worker)) => Registry::in_group(Arc::clone(&table.inner), worker),
             None => Registry::new(),
         };
-        let engine = Arc::new(Engine::new(engine_config, registry).map_err(|e| to_pyerr(&e))?);
+        let engine = Arc::new(Engine::new(engine_config, registry)?);
         let shutdown = CancellationToken::new();
         runtime.spawn(keep_swept(Arc::downgrade(&engine), shutdown.clone()));
         Ok(Self { engine, runtime, shutdown, bridge: OnceLock::new() })
@@ -90,7 +89,7 @@ impl Router {
     #[pyo3(signature = (record, address=None))]
     fn add_node(&self, record: NodeRecord, address: Option<&str>) -> PyResult<String> {
         let url = record.url.clone();
-        let node = self.engine.add_node(&url, record.into_spec(address)?).map_err(|e| to_pyerr(&e))?;
+        let node = self.engine.add_node(&url, record.into_spec(address)?)?;
         Ok(node.url().to_owned())
     }
 
@@ -107,25 +106,25 @@ impl Router {
 
     /// Replaces the models of a registered node, keeping everything else.
     fn set_models(&self, url: &str, models: Vec<String>) -> PyResult<()> {
-        self.engine.registry.update(url, |spec| spec.models = models).map_err(|e| to_pyerr(&e))?;
+        self.engine.registry.update(url, |spec| spec.models = models)?;
         Ok(())
     }
 
     /// In a worker group: rebinds nodes whose shared slot another worker retired (it removed
     /// and re-added the URL). Returns how many were rebound.
     fn refresh_bindings(&self) -> PyResult<usize> {
-        self.engine.registry.refresh_bindings().map_err(|e| to_pyerr(&e))
+        Ok(self.engine.registry.refresh_bindings()?)
     }
 
     fn remove_node(&self, url: &str) -> PyResult<String> {
-        let node = self.engine.registry.remove(url).map_err(|e| to_pyerr(&e))?;
+        let node = self.engine.registry.remove(url)?;
         Ok(node.url().to_owned())
     }
 
     /// Sets whether a node takes new requests: `healthy`, `unhealthy`, `draining` or
     /// `sleeping`. Only healthy nodes are selected.
     fn set_node_state(&self, url: &str, state: &str) -> PyResult<()> {
-        let state = NodeState::parse(state).map_err(|e| to_pyerr(&e))?;
+        let state = NodeState::parse(state)?;
         self.lookup(url)?.counters().set_state(state);
         Ok(())
     }
@@ -172,10 +171,7 @@ impl Router {
     /// Sets (or with `None` lifts) a node's hard cap on requests in flight.
     fn set_max_concurrency(&self, url: &str, max_concurrency: Option<u32>) -> PyResult<()> {
         // Through the spec, so that later updates of the node (discovery) keep the cap.
-        self.engine
-            .registry
-            .update(url, |spec| spec.max_concurrency = max_concurrency.filter(|&m| m > 0))
-            .map_err(|e| to_pyerr(&e))?;
+        self.engine.registry.update(url, |spec| spec.max_concurrency = max_concurrency.filter(|&m| m > 0))?;
         Ok(())
     }
 
@@ -252,7 +248,7 @@ impl Router {
     #[pyo3(signature = (model=None, role="hybrid", affinity=None))]
     fn select(&self, model: Option<&str>, role: &str, affinity: Option<&str>) -> PyResult<String> {
         let ctx = SelectCtx { role: role_of(role)?, model, affinity, ..SelectCtx::default() };
-        let node = self.engine.choose(&ctx).map_err(|e| to_pyerr(&e))?;
+        let node = self.engine.choose(&ctx)?;
         Ok(node.url().to_owned())
     }
 
@@ -266,22 +262,22 @@ impl Router {
     /// The canonical form of a node URL (scheme and host lower-cased, no trailing slash).
     #[staticmethod]
     fn normalize_url(url: &str) -> PyResult<String> {
-        Ok(NodeUrl::parse(url).map_err(|e| to_pyerr(&e))?.normalized)
+        Ok(NodeUrl::parse(url)?.normalized)
     }
 
     /// Refuses (`InvalidRequest`, naming the field) a body whose numbers would size the proxy's
     /// own work past its settings: `n` and `best_of` past `max_n`. `forward` checks it too; a
     /// flow that builds on the body first checks it before.
     fn check_asks(&self, body: &[u8]) -> PyResult<()> {
-        let info = inspect(body).map_err(|e| to_pyerr(&e))?;
-        self.engine.check_asks(&info).map_err(|e| to_pyerr(&e))
+        let info = inspect(body)?;
+        Ok(self.engine.check_asks(&info)?)
     }
 
     /// The routing fields of a request body: `model`, `stream`, `n`, `best_of`, `user`,
     /// `session_id`, `max_tokens`.
     #[staticmethod]
     fn inspect<'py>(py: Python<'py>, body: &[u8]) -> PyResult<Bound<'py, PyDict>> {
-        let info = inspect(body).map_err(|e| to_pyerr(&e))?;
+        let info = inspect(body)?;
         let out = PyDict::new(py);
         out.set_item("model", info.model.as_deref())?;
         out.set_item("stream", info.stream)?;
@@ -297,7 +293,7 @@ impl Router {
     /// be passed on byte for byte.
     #[staticmethod]
     fn member(body: &[u8], key: &str) -> PyResult<Option<String>> {
-        Ok(crate::inspect::member(body, key).map_err(|e| to_pyerr(&e))?.map(str::to_owned))
+        Ok(crate::inspect::member(body, key)?.map(str::to_owned))
     }
 
     /// A copy of `body` with top-level members set (values given as JSON text) or removed;
@@ -312,7 +308,7 @@ impl Router {
     ) -> PyResult<Bound<'py, PyBytes>> {
         let set: Vec<(&str, &str)> = set.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         let remove: Vec<&str> = remove.iter().map(String::as_str).collect();
-        let out = patch(body, &set, &remove).map_err(|e| to_pyerr(&e))?;
+        let out = patch(body, &set, &remove)?;
         Ok(PyBytes::new(py, &out))
     }
 
@@ -343,19 +339,19 @@ impl Router {
         let bridge = self.bridge(py)?;
         let body = Bytes::copy_from_slice(body);
         let headers = header_map(&headers);
-        let info = inspect(&body).map_err(|e| to_pyerr(&e))?;
-        self.engine.check_asks(&info).map_err(|e| to_pyerr(&e))?;
+        let info = inspect(&body)?;
+        self.engine.check_asks(&info)?;
         let place = trace.map(|t| t.place());
         let class = tenant.as_ref().map_or(Class { priority: info.priority.unwrap_or(0), tenant: 0 }, |t| t.class);
         // A prefill's answer is not the client's: only the other legs count tokens.
         let meter = tenant.filter(|_| role != Role::Prefill).map(|t| Arc::clone(&t.pass));
         let admitted = if let Some(url) = node {
             self.engine.registry.load().count_request(info.model.as_deref());
-            Admitted::Now(self.engine.admit_on(url).map_err(|e| to_pyerr(&e))?)
+            Admitted::Now(self.engine.admit_on(url)?)
         } else {
             let trace = place.as_ref().map(|(trace, span)| traced(trace, span.as_ref()));
             let ctx = SelectCtx { class, trace, ..select_ctx(role, &headers, &info) };
-            self.engine.admit(&ctx).map_err(|e| to_pyerr(&e))?
+            self.engine.admit(&ctx)?
         };
         drop(info);
 
@@ -420,7 +416,7 @@ impl Router {
     /// `QuotaExceeded`) when the tenant is over a limit.
     #[pyo3(signature = (key, body, priority=None))]
     fn admit_tenant(&self, key: Option<&[u8]>, body: &[u8], priority: Option<i32>) -> PyResult<TenantTicket> {
-        let info = inspect(body).map_err(|e| to_pyerr(&e))?;
+        let info = inspect(body)?;
         let asked = info.priority.or(priority);
         let tenant = key.filter(|_| self.engine.tenants.configured()).and_then(|k| self.engine.tenants.by_key(k));
         let Some(tenant) = tenant else {
@@ -492,7 +488,7 @@ impl Drop for Router {
 
 impl Router {
     fn lookup(&self, url: &str) -> PyResult<Arc<Node>> {
-        self.engine.node(url).map_err(|e| to_pyerr(&e))
+        Ok(self.engine.node(url)?)
     }
 
     /// The bridge to the running loop; the first call binds the router to it.
@@ -523,7 +519,7 @@ struct Reply {
 impl Reply {
     fn fail(&mut self, error: Error) {
         if let Some(future) = self.future.take() {
-            self.bridge.get().submit(Box::new(move |py| resolve(py, &future, Err(to_pyerr(&error)))));
+            self.bridge.get().submit(Box::new(move |py| resolve(py, &future, Err(error.into()))));
         }
     }
 }

@@ -8,7 +8,6 @@ use std::time::Duration;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::errors::to_pyerr;
 use crate::shared;
 
 #[pyclass(frozen, name = "SharedTable", module = "pdproxy._pdproxy")]
@@ -28,18 +27,18 @@ impl SharedTable {
     /// Creates a new table file at `path` (it must not exist).
     #[staticmethod]
     fn create(path: PathBuf) -> PyResult<Self> {
-        Ok(Self { inner: Arc::new(shared::SharedTable::create(&path).map_err(|e| to_pyerr(&e))?) })
+        Ok(Self { inner: Arc::new(shared::SharedTable::create(&path)?) })
     }
 
     /// Maps the table file at `path`.
     #[staticmethod]
     fn open(path: PathBuf) -> PyResult<Self> {
-        Ok(Self { inner: Arc::new(shared::SharedTable::open(&path).map_err(|e| to_pyerr(&e))?) })
+        Ok(Self { inner: Arc::new(shared::SharedTable::open(&path)?) })
     }
 
     /// Attaches the worker process `pid`; returns its index.
     fn join(&self, pid: u32) -> PyResult<usize> {
-        self.inner.join(pid).map_err(|e| to_pyerr(&e))
+        Ok(self.inner.join(pid)?)
     }
 
     /// Attached workers as (index, pid).
