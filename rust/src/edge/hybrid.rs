@@ -9,7 +9,7 @@ impl Dispatch<'_> {
         let engine = &self.worker.state.engine;
         let ctx = self.ctx(Role::Hybrid, None);
         let permit = engine.permit(&ctx).await?;
-        let sent = engine.send(&self.worker.forwarder, permit, self.request, &ctx, true, true).await?;
+        let sent = engine.send(&self.worker.forwarder, permit, self.request, &ctx, true, true, self.deadline).await?;
         Ok(Answer::Relay { sent, session: None })
     }
 }

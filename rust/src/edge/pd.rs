@@ -99,7 +99,8 @@ impl Dispatch<'_> {
         let leg = self.open_leg(Role::Prefill);
         let ctx = self.ctx(Role::Prefill, leg.as_ref());
         let prefilled = async {
-            let sent = engine.send(forwarder, prefill.take(), &prefill_request, &ctx, true, true).await?;
+            let sent =
+                engine.send(forwarder, prefill.take(), &prefill_request, &ctx, true, true, self.deadline).await?;
             whole(sent, forwarder).await
         }
         .await;
@@ -118,7 +119,7 @@ impl Dispatch<'_> {
         let decode_request = ForwardRequest { body: decode_body, ..self.request.clone() };
         let leg = self.open_leg(Role::Decode);
         let ctx = self.ctx(Role::Decode, leg.as_ref());
-        let decoded = engine.send(forwarder, decode.take(), &decode_request, &ctx, true, true).await;
+        let decoded = engine.send(forwarder, decode.take(), &decode_request, &ctx, true, true, self.deadline).await;
         end_leg(self.trace, leg, decoded.as_ref().map(|sent| sent.response.status));
         Ok(relay_or_raw(decoded?, forwarder).await?)
     }
@@ -152,7 +153,8 @@ impl Dispatch<'_> {
         let leg = self.open_leg(Role::Prefill);
         let ctx = self.ctx(Role::Prefill, leg.as_ref());
         let prefill_work = async {
-            let sent = engine.send(forwarder, prefill.take(), &prefill_request, &ctx, false, true).await?;
+            let sent =
+                engine.send(forwarder, prefill.take(), &prefill_request, &ctx, false, true, self.deadline).await?;
             whole(sent, forwarder).await
         };
         tokio::pin!(prefill_work);
@@ -191,7 +193,7 @@ impl Dispatch<'_> {
         let decode_request = ForwardRequest { body: Bytes::from(body), ..self.request.clone() };
         let leg = self.open_leg(Role::Decode);
         let ctx = self.ctx(Role::Decode, leg.as_ref());
-        let decoded = engine.send(forwarder, decode.take(), &decode_request, &ctx, false, true).await;
+        let decoded = engine.send(forwarder, decode.take(), &decode_request, &ctx, false, true, self.deadline).await;
         end_leg(self.trace, leg, decoded.as_ref().map(|sent| sent.response.status));
         match relay_or_raw(decoded?, forwarder).await? {
             Answer::Relay { sent, .. } => Ok(Answer::Relay { sent, session }),
@@ -238,9 +240,10 @@ impl Dispatch<'_> {
             Arc::clone(&both),
             Role::Prefill,
             trace.clone(),
+            self.deadline,
         );
         let mut decode_leg =
-            Leg::spawn(Arc::clone(&engine), forwarder.clone(), decode.take(), both, Role::Decode, trace);
+            Leg::spawn(Arc::clone(&engine), forwarder.clone(), decode.take(), both, Role::Decode, trace, self.deadline);
         let prefill_first = tokio::select! {
             biased;
             decoded = decode_leg.running() => Err(decoded),
@@ -351,12 +354,13 @@ impl Leg {
         request: Arc<ForwardRequest>,
         role: Role,
         trace: Option<Arc<Trace>>,
+        deadline: Option<tokio::time::Instant>,
     ) -> Self {
         Leg::Running(tokio::spawn(async move {
             let span = trace.as_deref().map(|t| t.traced().open(leg_name(role), SpanKind::Internal));
             let traced = trace.as_deref().zip(span.as_ref()).map(|(t, s)| t.traced().under(s));
             let ctx = SelectCtx { role, trace: traced, ..Default::default() };
-            let sent = engine.send(&forwarder, permit, &request, &ctx, false, true).await;
+            let sent = engine.send(&forwarder, permit, &request, &ctx, false, true, deadline).await;
             end_leg(trace.as_ref(), span, sent.as_ref().map(|sent| sent.response.status));
             sent
         }))

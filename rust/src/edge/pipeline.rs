@@ -123,6 +123,8 @@ pub struct Dispatch<'a> {
     pub info: &'a RequestInfo<'a>,
     pub trace: Option<&'a Arc<Trace>>,
     pub class: Class,
+    /// The request's time limit, if it has one.
+    pub deadline: Option<tokio::time::Instant>,
 }
 
 impl Dispatch<'_> {
@@ -217,6 +219,7 @@ impl Pipeline<'_> {
             info: &info,
             trace: notes.trace.as_ref(),
             class,
+            deadline,
         };
         let answer = within(deadline, dispatch.send(strategy)).await?;
         drop(info);

@@ -291,7 +291,9 @@ impl Engine {
     /// failure, or a 429/503 answer before any byte. The answer comes back with the permit of
     /// the node that gave it; every other permit is released with its outcome. Dropped midway,
     /// the permit in use goes with it (counted as cancelled). `prefetch`: small bodies that are
-    /// not event streams are read whole with the head.
+    /// not event streams are read whole with the head. A node that has not answered by
+    /// `deadline` (the request's time limit) failed it.
+    #[allow(clippy::too_many_arguments)]
     pub async fn send(
         &self,
         forwarder: &Forwarder,
@@ -300,6 +302,7 @@ impl Engine {
         ctx: &SelectCtx<'_>,
         retry: bool,
         prefetch: bool,
+        deadline: Option<tokio::time::Instant>,
     ) -> Result<Sent> {
         self.retry_budget.request();
         let mut tried: Vec<u64> = Vec::new();
@@ -307,7 +310,13 @@ impl Engine {
             let node = Arc::clone(permit.node());
             let span = ctx.trace.map(|t| t.open("pdproxy.attempt", SpanKind::Client));
             let traceparent = ctx.trace.zip(span.as_ref()).map(|(t, s)| t.trace.traceparent(s));
-            let answer = forwarder.forward(&node, request, prefetch, traceparent.as_ref()).await;
+            let on_its_way = forwarder.forward(&node, request, prefetch, traceparent.as_ref());
+            let answer = match deadline {
+                Some(deadline) => tokio::time::timeout_at(deadline, on_its_way)
+                    .await
+                    .unwrap_or_else(|_| Err(Error::new(Kind::Timeout, "the request took longer than its time limit"))),
+                None => on_its_way.await,
+            };
             if let (Some(traced), Some(span)) = (ctx.trace, span) {
                 end_attempt(traced.trace, span, &node, tried.len(), &answer);
             }

@@ -551,7 +551,9 @@ impl Job {
             }
         };
         let (kind, message, outcome) = tokio::select! {
-            () = self.forward_and_pump(&mut reply) => return,
+            // First: at the deadline, a node still owing its head fails the request in `send`.
+            biased;
+            () = self.forward_and_pump(&mut reply, deadline) => return,
             () = shutdown.cancelled() => (Kind::Cancelled, "the router is shutting down", Outcome::Cancelled),
             () = out_of_time => (Kind::Timeout, "the request took longer than its time limit", Outcome::Failed),
         };
@@ -560,7 +562,7 @@ impl Job {
     }
 
     /// Forwards the request, hands the head to Python, then pumps the body.
-    async fn forward_and_pump(self, reply: &mut Reply) {
+    async fn forward_and_pump(self, reply: &mut Reply, deadline: Option<tokio::time::Instant>) {
         let Job { engine, retry, admitted, request, role, exchange, trace, class, meter } = self;
         let started = Instant::now();
         // Parsed again here: the request's fields borrow from its body, which this task owns.
@@ -577,7 +579,7 @@ impl Job {
             },
         };
         // Small answers cross into Python whole, with the head.
-        let sent = match engine.send(&engine.forwarder, permit, &request, &ctx, retry, true).await {
+        let sent = match engine.send(&engine.forwarder, permit, &request, &ctx, retry, true, deadline).await {
             Ok(sent) => sent,
             Err(e) => return reply.fail(e),
         };
