@@ -1,6 +1,6 @@
 """The contracts both planes keep are declared once, in the data plane, and the control plane
 reads them from there: the error table, the inference and prefill/decode paths, the prefill
-leg's body. Nothing in Python restates them."""
+leg's body, where a key is read from, keys and CORS. Nothing in Python restates them."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import pdproxy
 from pdproxy import _pdproxy, app, errors, workers_api
 from pdproxy.pd import Stateless, lmdeploy
 
-#: Entries only the edge answers with (no exception class raises them), and the second type of
-#: a tenant's rate limit (``RateLimited`` answers with it when the limit is tokens).
-EDGE_ONLY = {"TooManyConnections", "ControlPlaneUnavailable", "TokensRateLimited"}
+#: Entries only the data plane answers with (no exception class raises them: the edge's own
+#: refusals, CORS, which it answers for both planes), and the second type of a tenant's rate
+#: limit (``RateLimited`` answers with it when the limit is tokens).
+EDGE_ONLY = {"TooManyConnections", "ControlPlaneUnavailable", "TokensRateLimited", "CorsRefused"}
 ANSWER_FIELDS = {"status", "code", "type", "retry_after"}
 
 
@@ -94,3 +95,27 @@ def test_prefill_bodies(protocol: str, path: str, expected: dict[str, object]) -
         assert body["kv_transfer_params"]["do_remote_decode"] is True
     with pytest.raises(errors.ConfigError):
         _pdproxy.pd_prefill_body("nope", path, b"{}")
+
+
+@pytest.mark.parametrize(
+    ("headers", "key"),
+    [
+        ([(b"authorization", b"Bearer  k1 ")], b"k1"),
+        ([(b"authorization", b"bearer k1"), (b"x-api-key", b"k2")], b"k1"),
+        ([(b"x-api-key", b" k2 ")], b"k2"),
+        ([(b"authorization", b"Basic k1"), (b"x-api-key", b"k2")], None),  # the first header decides
+        ([(b"authorization", b"Bearer")], None),
+        ([], None),
+    ],
+)
+def test_the_key_is_read_as_the_edge_reads_it(headers: list[tuple[bytes, bytes]], key: bytes | None) -> None:
+    assert _pdproxy.client_key(headers) == key
+
+
+def test_no_python_module_reads_keys_or_answers_cors_itself() -> None:
+    package = Path(pdproxy.__file__).parent
+    assert not (package / "cors.py").exists()
+    for path in [*package.glob("*.py"), *package.glob("pd/*.py")]:
+        source = path.read_text()
+        assert "access-control-allow-origin" not in source, path.name
+        assert 'b"x-api-key"' not in source, path.name

@@ -25,6 +25,10 @@ PD_PATHS: dict[str, list[str]]
 def error_body(message: str, kind: str, code: str, param: str | None = None) -> bytes:
     """The OpenAI error envelope every error answer of the proxy carries."""
 
+def client_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The key a request with these headers carries (``Authorization: Bearer KEY``, else
+    ``x-api-key: KEY``), as the edge reads it."""
+
 def pd_prefill_body(protocol: str, path: str, body: bytes) -> bytes:
     """The prefill leg's body for ``protocol`` (``lmdeploy``, ``vllm``; ``sglang`` shares one
     body between its legs), from the client's ``body`` sent to ``path``."""
@@ -604,6 +608,24 @@ class Pipeline:
         """Serves one inference request: ``target`` is its path and query as sent, ``body`` its
         body, or ``None`` with ``body_error`` (``too_large``, ``timeout``, ``broken``) saying why it
         could not be read, ``client`` the client's address. Resolves to the answer."""
+
+    def check_key(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """Raises ``Unauthorized`` unless a request with these headers may be served (its key,
+        or its tenant's)."""
+
+    @property
+    def cors_enabled(self) -> bool:
+        """Whether some origin may call the proxy from a browser (``--allow-origins``)."""
+
+    def preflight(
+        self, method: str, path: str, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
+        """The answer to a browser's CORS preflight for ``path`` as ``(status, headers, body)``:
+        204 with what is allowed, or 400 ``cors_refused``; ``None`` when the request is not one."""
+
+    def cors_headers(self, path: str, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The CORS headers an answer to a request for ``path`` carries: the origin's permission,
+        or none for no origin or one not allowed."""
 
     def shutdown(self) -> None:
         """Streams still running end (the proxy shuts down)."""

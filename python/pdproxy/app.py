@@ -17,7 +17,6 @@ from . import _pdproxy, dashboard, inference
 from .asgi_types import Headers, HTTPReceive, HTTPScope, Receive, Scope, Send, SendMessage
 from .auth import Keys
 from .config import Settings
-from .cors import Cors, is_cors_path
 from .errors import MethodNotAllowed, ModelNotFound, NotFound, PdproxyError
 from .json_types import JsonObject
 from .metrics import CONTENT_TYPE, render
@@ -26,7 +25,7 @@ from .nodes_api import ROUTES
 from .openapi import schema
 from .peer_routes import health_generate as peer_health_generate
 from .peer_routes import readiness as peer_readiness
-from .responses import JSON_HEADERS, header, send_error, send_json, send_text
+from .responses import JSON_HEADERS, send_error, send_json, send_text
 from .route_table import PlainText, WithHeaders, template_of, templates
 from .router import Router
 from .supervisor import Supervisor
@@ -61,9 +60,6 @@ class ProxyApp:
         #: Served by the Rust edge over a private socket: it tells the client's address (PEER_HEADER).
         self.behind_edge = behind_edge
         self.keys = Keys(settings.api_keys, settings.admin_keys, settings.host, settings.keyless_registration_cidrs)
-        self.cors = Cors(
-            settings.allow_origins, settings.allow_credentials, settings.allow_methods, settings.allow_headers
-        )
         self._admin = {(route.method, route.path): route for route in ROUTES}
         self._metrics_listener: MetricsListener | None = None
         #: The data plane's pipeline, for the inference requests this app takes itself.
@@ -75,7 +71,6 @@ class ProxyApp:
     async def startup(self) -> None:
         await self.supervisor.start()
         assert self.supervisor.router is not None
-        self.keys.tenants = self.supervisor.router.core
         self.pipeline = _pdproxy.Pipeline(self.supervisor.router.core, self.settings)
         if self.settings.metrics_port:
             self._metrics_listener = MetricsListener(self, self.settings)
@@ -90,12 +85,19 @@ class ProxyApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            origin = header(scope, b"origin") if self.cors.enabled else None
-            if origin is not None and is_cors_path(scope["path"], INFERENCE_PATHS):
-                if scope["method"] == "OPTIONS" and header(scope, b"access-control-request-method") is not None:
-                    await self._preflight(scope, origin, send)
+            if not self.supervisor.started:  # a server without lifespan support
+                await self.startup()
+            pipeline = self.pipeline
+            assert pipeline is not None
+            if pipeline.cors_enabled:  # browsers' CORS, by the edge's rules (rust/src/edge/cors.rs)
+                headers = list(scope["headers"])
+                preflight = pipeline.preflight(scope["method"], scope["path"], headers)
+                if preflight is not None:
+                    status, answer_headers, body = preflight
+                    await send({"type": "http.response.start", "status": status, "headers": answer_headers})
+                    await send({"type": "http.response.body", "body": body})
                     return
-                send = _adding(send, self.cors.response_headers(origin))
+                send = _adding(send, pipeline.cors_headers(scope["path"], headers))
             try:
                 # An http scope's receive gives that request's messages only (the ASGI protocol).
                 await self._http(scope, cast(HTTPReceive, receive), send)
@@ -104,21 +106,8 @@ class ProxyApp:
         elif scope["type"] == "lifespan":
             await self._lifespan(receive, send)
 
-    async def _preflight(self, scope: HTTPScope, origin: bytes, send: Send) -> None:
-        """A browser asks whether it may send its request (CORS): 204 with what is allowed."""
-        try:
-            method = header(scope, b"access-control-request-method") or b""
-            allowed = self.cors.preflight(origin, method, header(scope, b"access-control-request-headers"))
-        except PdproxyError as e:
-            await send_error(send, e)
-            return
-        await send({"type": "http.response.start", "status": 204, "headers": allowed})
-        await send({"type": "http.response.body", "body": b""})
-
     async def _http(self, scope: HTTPScope, receive: HTTPReceive, send: Send) -> None:
         supervisor = self.supervisor
-        if not supervisor.started:  # a server without lifespan support
-            await self.startup()
         router, fleet = supervisor.router, supervisor.fleet
         assert router is not None
         assert fleet is not None
@@ -162,10 +151,10 @@ class ProxyApp:
         if method != "GET":
             raise NotFound(f"no route for {method} {path}")
         if path == "/v1/models":
-            self.keys.check_inference(scope["headers"])
+            pipeline.check_key(list(scope["headers"]))
             await send_json(send, 200, _model_list(router))
         elif path.startswith("/v1/models/"):
-            self.keys.check_inference(scope["headers"])
+            pipeline.check_key(list(scope["headers"]))
             await send_json(send, 200, _model_card(router, unquote(path.removeprefix("/v1/models/"))))
         elif path == "/health":
             # Alive, whatever the node sources say: they keep their nodes while they cannot look.

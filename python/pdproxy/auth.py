@@ -1,6 +1,7 @@
-"""API keys: one set guards inference, another the management API; keys are compared in
-constant time. With API keys but no admin keys, management takes an API key, so setting
-keys never leaves management open by accident. Without any key, management answers only
+"""The management API's keys (the inference routes' keys are the data plane's, checked through
+its ``Pipeline``), read as the edge reads them and compared in constant time. With API keys but
+no admin keys, management takes an API key, so setting keys never leaves management open by
+accident. Without any key, management answers only
 requests that no other web site can have made: a page the operator visits must not be able to
 register nodes, drain the proxy or terminate engines (by an image tag, a form, or a name it
 rebinds to the proxy's address). Registration (``POST /nodes/add``) alone may be opened to
@@ -14,26 +15,8 @@ import socket
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from ._pdproxy import Router as CoreRouter
+from ._pdproxy import client_key
 from .errors import Forbidden, Unauthorized
-
-
-def bearer(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
-    """The client's key (the token of a ``Bearer`` authorization)."""
-    return _bearer(headers)
-
-
-def _bearer(headers: Sequence[tuple[bytes, bytes]]) -> bytes | None:
-    """The client's key: ``Authorization: Bearer KEY`` (OpenAI's clients), else ``x-api-key``
-    (Anthropic's), as the Rust edge reads it."""
-    api_key = None
-    for name, value in headers:
-        if name == b"authorization":
-            scheme, _, token = value.partition(b" ")
-            return token.strip() if scheme.lower() == b"bearer" else None
-        if name == b"x-api-key" and api_key is None:
-            api_key = value.strip()
-    return api_key
 
 
 def _matches(token: bytes, keys: tuple[bytes, ...]) -> bool:
@@ -54,8 +37,6 @@ class Keys:
     ) -> None:
         self.api = tuple(k.encode() for k in api_keys)
         self.admin = tuple(k.encode() for k in admin_keys) or self.api
-        #: The data plane's tenants (their keys are inference keys too), once it is built.
-        self.tenants: CoreRouter | None = None
         #: Host names (not addresses) the proxy answers to without an admin key.
         self.names = {"localhost", socket.gethostname().lower(), host.lower()}
         self.keyless_registration = tuple(ipaddress.ip_network(n, strict=False) for n in keyless_registration)
@@ -73,23 +54,11 @@ class Keys:
                 return
         self.check_admin(headers)
 
-    def check_inference(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
-        """An API key, or with tenants configured a tenant's key, when either is set."""
-        tenants = self.tenants if self.tenants is not None and self.tenants.tenants_configured else None
-        if not self.api and tenants is None:
-            return
-        token = _bearer(headers)
-        if token is not None and (
-            (self.api and _matches(token, self.api)) or (tenants is not None and tenants.tenant_key_known(token))
-        ):
-            return
-        raise Unauthorized("a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)")
-
     def check_admin(self, headers: Sequence[tuple[bytes, bytes]]) -> None:
         if not self.admin:
             self._check_same_site(headers)
             return
-        token = _bearer(headers)
+        token = client_key(list(headers))
         if token is not None and _matches(token, self.admin):
             return
         if token is not None and self.admin is not self.api and _matches(token, self.api):

@@ -1,35 +1,36 @@
-"""Exceptions raised by pdproxy, and the one OpenAI-style error body they map to.
+"""Exceptions raised by pdproxy, and the one OpenAI-style error body they map to. Each class's
+status, type, code and ``Retry-After`` are the data plane's table (``_pdproxy.ERRORS``, declared in
+``rust/src/edge/answer.rs``), read here by class name.
 
     PdproxyError
     ├── ConfigError(ValueError)            bad settings
-    ├── InvalidRequest(ValueError)         400 invalid_request: the client's request is unusable
-    │   ├── RequestTooLarge                413 request_too_large
-    │   └── RequestTimeout                 408 request_timeout: the body came too slowly
-    ├── UnsupportedMediaType               415 unsupported_media_type: the body is not JSON
-    ├── NotFound, MethodNotAllowed         404 not_found, 405 method_not_allowed
-    ├── CorsRefused                        400 cors_refused: a preflight the CORS settings refuse
-    ├── Unauthorized, Forbidden            401 unauthorized, 403 forbidden (keys)
-    ├── Draining                           503 draining: shutting down, no new requests
+    ├── InvalidRequest(ValueError)         the client's request is unusable
+    │   ├── RequestTooLarge                its body is over the limit
+    │   └── RequestTimeout                 its body came too slowly
+    ├── UnsupportedMediaType               the body is not JSON
+    ├── NotFound, MethodNotAllowed         no such route, or not with that method
+    ├── Unauthorized, Forbidden            no valid key, or a key not allowed there
+    ├── Draining                           shutting down, no new requests
     ├── InvalidNode(ValueError)            a node URL that cannot be used
     ├── NodeNotFound(KeyError)             no node with that URL is registered
-    ├── RegistryUnavailable                503 registry_unavailable: the shared registry is down
-    ├── DistServeOff                       404 distserve_off: a DistServe route without DistServe
-    ├── NoNodeAvailable                    503 no_healthy_node: nothing can serve the request now
-    │   └── ModelNotFound                  404 model_not_found: no node serves the model
-    ├── Overloaded                         429 overloaded: every node is at its limit and the queue is full
-    ├── RateLimited                        429 rate_limit_exceeded: a tenant over its requests, tokens or
-    │   │                                  concurrency (x-ratelimit-* headers)
-    │   └── QuotaExceeded                  429 insufficient_quota: a tenant's daily token budget is spent
-    ├── ProxyOverloaded                    503 overloaded: the proxy's own cap on requests is reached
-    ├── LoopDetected                       508 loop_detected: the request came back to this proxy
-    └── UpstreamError                      502 upstream_error: the node failed after receiving it
-        ├── UpstreamConnectError(ConnectionError)  503 upstream_connect_failed: never reached a node
-        ├── UpstreamTimeout(TimeoutError)          504 upstream_timeout
-        ├── TerminateFailed                502 terminate_failed: a node did not confirm /terminate
-        ├── InvalidAnswer                  502 upstream_invalid_response: a node's answer the proxy cannot use
+    ├── RegistryUnavailable                the shared registry is down
+    ├── DistServeOff                       a DistServe route without DistServe
+    ├── NoNodeAvailable                    nothing can serve the request now
+    │   └── ModelNotFound                  no node serves the model
+    ├── Overloaded                         every node is at its limit and the queue is full
+    ├── RateLimited                        a tenant over its requests, tokens or concurrency
+    │   │                                  (x-ratelimit-* headers)
+    │   └── QuotaExceeded                  a tenant's daily token budget is spent
+    ├── ProxyOverloaded                    the proxy's own cap on requests is reached
+    ├── LoopDetected                       the request came back to this proxy
+    └── UpstreamError                      the node failed after receiving it
+        ├── UpstreamConnectError(ConnectionError)  never reached a node
+        ├── UpstreamTimeout(TimeoutError)          the node did not answer in time
+        ├── TerminateFailed                a node did not confirm /terminate
+        ├── InvalidAnswer                  a node's answer the proxy cannot use
         │   └── InvalidPrefillAnswer       a prefill answer PD cannot use
-        ├── PrefillFailed                  502 prefill_failed: SGLang's prefill leg failed
-        └── LinkFailed                     502 pd_link_failed: prefill and decode could not be linked
+        ├── PrefillFailed                  SGLang's prefill leg failed
+        └── LinkFailed                     prefill and decode could not be linked
 
     Outside the hierarchy (never answered to a client as such):
     ClientGone                             the client left before its request was read
@@ -50,7 +51,6 @@ __all__ = [
     "AnswerTooLarge",
     "ClientGone",
     "ConfigError",
-    "CorsRefused",
     "DistServeOff",
     "Draining",
     "Forbidden",
@@ -257,10 +257,6 @@ class NotFound(PdproxyError):
 
 class MethodNotAllowed(PdproxyError):
     """The route exists, not with this method."""
-
-
-class CorsRefused(PdproxyError):
-    """A preflight for an origin, method or header the settings do not allow."""
 
 
 class Unauthorized(PdproxyError):

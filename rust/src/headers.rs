@@ -61,6 +61,13 @@ pub fn header_map(raw: &[(Vec<u8>, Vec<u8>)]) -> HeaderMap {
     out
 }
 
+/// Headers as Python takes them: `(name, value)` byte pairs.
+pub fn header_pairs<N: AsRef<str>, V: AsRef<[u8]>>(
+    headers: impl IntoIterator<Item = (N, V)>,
+) -> Vec<(Vec<u8>, Vec<u8>)> {
+    headers.into_iter().map(|(n, v)| (n.as_ref().as_bytes().to_vec(), v.as_ref().to_vec())).collect()
+}
+
 /// Removes from `headers` those of its own hop: hop-by-hop headers and those its `Connection`
 /// header lists.
 pub fn strip_hop_headers(headers: &mut HeaderMap) {

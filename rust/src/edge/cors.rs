@@ -1,6 +1,7 @@
-//! CORS for what the edge serves: the inference routes' answers carry the origin's permission,
-//! and the edge answers their preflights itself. The rules, the headers and the refusals are the
-//! control plane's (`pdproxy/cors.py`); what the control plane serves, it decorates itself.
+//! CORS, the one implementation: the inference routes' answers carry the origin's permission,
+//! and their preflights are answered here. The edge applies it to what it serves; the control
+//! plane's app to what it serves (`GET /v1/models`, and everything under `--edge granian`),
+//! through the extension's `Pipeline`.
 
 use http::header::{
     HeaderMap, HeaderValue, ACCESS_CONTROL_ALLOW_CREDENTIALS, ACCESS_CONTROL_ALLOW_HEADERS,
@@ -85,10 +86,11 @@ impl Cors {
         }
     }
 
-    /// Adds to an actual (not preflight) answer the permission of `origin`, when it has one.
-    pub fn decorate(&self, response: &mut Response<EdgeBody>, origin: &HeaderValue) {
+    /// Adds to an actual (not preflight) answer's headers the permission of `origin`, when it
+    /// has one.
+    pub fn decorate(&self, headers: &mut HeaderMap, origin: &HeaderValue) {
         if self.allows(origin) {
-            self.add_origin(response.headers_mut(), origin);
+            self.add_origin(headers, origin);
         }
     }
 

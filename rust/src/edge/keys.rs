@@ -5,6 +5,9 @@
 use http::header::{HeaderName, AUTHORIZATION};
 use http::HeaderMap;
 
+/// What a request without a valid key is told.
+pub const KEY_REQUIRED: &str = "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)";
+
 /// Anthropic's clients send their key in this header.
 pub static X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 

@@ -8,7 +8,7 @@ pub mod body;
 pub mod control;
 pub mod cors;
 mod hybrid;
-mod keys;
+pub mod keys;
 mod notes;
 mod pd;
 mod pipeline;
@@ -32,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 
 use self::access::{AccessLog, Format, Record};
 use self::control::ControlPlane;
+use self::cors::Cors;
 use self::keys::Keys;
 pub use self::pd::prefill_body;
 pub use self::pipeline::Strategy;
@@ -329,6 +330,38 @@ impl Embedded {
         let peer = request::Peer::new(peer);
         let body = pipeline::ClientBody::Read(body);
         pipeline::serve(&self.worker, &peer, parts, body, id, had_id, strategy).await
+    }
+
+    /// Whether a request with these headers may be served (its key, or its tenant's).
+    pub fn authorizes(&self, headers: &HeaderMap) -> bool {
+        self.worker.state.authorize(headers).is_ok()
+    }
+
+    /// Whether browsers' requests get CORS answers at all (some origin is allowed).
+    pub fn cors_enabled(&self) -> bool {
+        self.worker.state.config.cors.is_some()
+    }
+
+    /// The answer to a CORS preflight for `path`, when the request is one and CORS applies.
+    pub fn preflight(
+        &self,
+        method: &http::Method,
+        path: &str,
+        headers: &HeaderMap,
+    ) -> Option<http::Response<body::EdgeBody>> {
+        let cors = self.worker.state.config.cors.as_ref().filter(|_| Cors::applies_to(path))?;
+        Cors::is_preflight(method, headers).then(|| cors.preflight(headers, &request::request_id(headers).0))
+    }
+
+    /// The CORS permission an answer to a request for `path` carries (none for an origin not
+    /// allowed, or no origin).
+    pub fn cors_headers(&self, path: &str, headers: &HeaderMap) -> HeaderMap {
+        let mut out = HeaderMap::new();
+        let cors = self.worker.state.config.cors.as_ref().filter(|_| Cors::applies_to(path));
+        if let (Some(cors), Some(origin)) = (cors, headers.get(http::header::ORIGIN)) {
+            cors.decorate(&mut out, origin);
+        }
+        out
     }
 
     /// Streams still running end (the proxy shuts down).

@@ -19,6 +19,7 @@ use hyper::body::Incoming;
 
 use super::answer::{self, Fault};
 use super::body::{EdgeBody, Relay, RelayParts};
+use super::keys;
 use super::notes::Notes;
 use super::request::{
     check_media_type, content_coding, linger, plain_path, proxy_headers, read_body, BodyError, Peer, X_REQUEST_ID,
@@ -231,8 +232,7 @@ impl Pipeline<'_> {
     async fn check(&self, parts: Parts, body: ClientBody) -> Result<Checked, Refused> {
         let state = self.state();
         let Ok(tenant) = state.authorize(&parts.headers) else {
-            let message = "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)";
-            return Err(Refusal::new(answer::UNAUTHORIZED, message));
+            return Err(Refusal::new(answer::UNAUTHORIZED, keys::KEY_REQUIRED));
         };
         let pass = match state.engine.gate.pass() {
             Ok(pass) => pass,

@@ -275,7 +275,7 @@ async fn route(
             Route::ControlPlane => return Box::pin(state.control.forward(peer.address, request, &id)).await,
         };
         if let (Some(cors), Some(origin)) = (cors, origin) {
-            cors.decorate(&mut response, &origin);
+            cors.decorate(response.headers_mut(), &origin);
         }
         return response;
     }

@@ -1,6 +1,6 @@
 //! The contracts both planes keep, declared once in the data plane and read by the control
-//! plane: the error table and the error body, the inference and disaggregation paths, and the
-//! prefill leg's body.
+//! plane: the error table and the error body, the inference and disaggregation paths, the
+//! prefill leg's body, and where a request's key is read from.
 
 use std::collections::HashMap;
 
@@ -8,7 +8,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::edge::answer::{envelope, ERRORS};
-use crate::edge::{prefill_body, PdProtocol, INFERENCE_PATHS};
+use crate::edge::{keys, prefill_body, PdProtocol, INFERENCE_PATHS};
+use crate::headers::header_map;
 
 /// One error answer: (status, `OpenAI` type, code, default `Retry-After`).
 type ErrorEntry = (u16, &'static str, &'static str, Option<u32>);
@@ -22,7 +23,15 @@ pub fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PD_PATHS", pd_paths)?;
     m.add_function(wrap_pyfunction!(pd_prefill_body, m)?)?;
     m.add_function(wrap_pyfunction!(error_body, m)?)?;
+    m.add_function(wrap_pyfunction!(client_key, m)?)?;
     Ok(())
+}
+
+/// The key a request with these headers carries (`Authorization: Bearer KEY`, else
+/// `x-api-key: KEY`), as the edge reads it.
+#[pyfunction]
+fn client_key(py: Python<'_>, headers: Vec<(Vec<u8>, Vec<u8>)>) -> Option<Bound<'_, PyBytes>> {
+    keys::client_key(&header_map(&headers)).map(|key| PyBytes::new(py, key))
 }
 
 /// The `OpenAI` error envelope every error answer of the proxy carries.

@@ -23,6 +23,7 @@ pyo3::import_exception!(pdproxy.errors, UpstreamTimeout);
 pyo3::import_exception!(pdproxy.errors, Draining);
 pyo3::import_exception!(pdproxy.errors, ProxyOverloaded);
 pyo3::import_exception!(pdproxy.errors, LinkFailed);
+pyo3::import_exception!(pdproxy.errors, Unauthorized);
 
 impl From<Error> for PyErr {
     fn from(err: Error) -> Self {

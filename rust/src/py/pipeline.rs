@@ -14,12 +14,17 @@ use pyo3::prelude::*;
 
 use super::bridge::{resolve, LoopBridge};
 use super::edge::{edge_config, EdgeSettings};
+use super::errors::Unauthorized;
 use super::response::{Head, Response};
 use super::router::{AbortOnCancel, Router};
 use crate::edge::body::EdgeBody;
+use crate::edge::keys::KEY_REQUIRED;
 use crate::edge::{BodyError, Embedded};
 use crate::exchange::{relay, Exchange};
-use crate::headers::header_map;
+use crate::headers::{header_map, header_pairs};
+
+/// An answer as ASGI sends it: status, header pairs, body.
+type Raw = (u16, Vec<(Vec<u8>, Vec<u8>)>, Vec<u8>);
 
 #[pyclass(frozen, name = "Pipeline", module = "pdproxy._pdproxy")]
 pub struct Pipeline {
@@ -117,6 +122,40 @@ impl Pipeline {
         exchange.set_task(task.abort_handle());
         future.call_method1(pyo3::intern!(py, "add_done_callback"), (AbortOnCancel(exchange),))?;
         Ok(future)
+    }
+
+    /// Raises `Unauthorized` unless a request with these headers may be served (its key, or
+    /// its tenant's): the inference routes the control plane serves itself (`GET /v1/models`).
+    fn check_key(&self, headers: Vec<(Vec<u8>, Vec<u8>)>) -> PyResult<()> {
+        if self.embedded.authorizes(&header_map(&headers)) {
+            Ok(())
+        } else {
+            Err(Unauthorized::new_err(KEY_REQUIRED))
+        }
+    }
+
+    /// Whether some origin may call the proxy from a browser (`--allow-origins`).
+    #[getter]
+    fn cors_enabled(&self) -> bool {
+        self.embedded.cors_enabled()
+    }
+
+    /// The answer to a browser's CORS preflight for `path` as `(status, headers, body)`: 204
+    /// with what is allowed, or 400 `cors_refused`; `None` when the request is not one.
+    fn preflight(&self, method: &str, path: &str, headers: Vec<(Vec<u8>, Vec<u8>)>) -> Option<Raw> {
+        let method = Method::from_bytes(method.as_bytes()).ok()?;
+        let (head, body) = self.embedded.preflight(&method, path, &header_map(&headers))?.into_parts();
+        let body = match body {
+            EdgeBody::Full(bytes) => bytes.unwrap_or_default().to_vec(),
+            _ => Vec::new(),
+        };
+        Some((head.status.as_u16(), header_pairs(&head.headers), body))
+    }
+
+    /// The CORS headers an answer to a request for `path` carries: the origin's permission, or
+    /// none for no origin or one not allowed.
+    fn cors_headers(&self, path: &str, headers: Vec<(Vec<u8>, Vec<u8>)>) -> Vec<(Vec<u8>, Vec<u8>)> {
+        header_pairs(&self.embedded.cors_headers(path, &header_map(&headers)))
     }
 
     /// Streams still running end (the proxy shuts down).

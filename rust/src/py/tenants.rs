@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::admission::Class;
+use crate::headers::header_pairs;
 use crate::tenants::{Limit, Limited, Limits, Tenant, TenantPass, TenantSpec};
 
 pyo3::import_exception!(pdproxy.errors, RateLimited);
@@ -81,10 +82,6 @@ impl TenantTicket {
     fn close(&self) {
         drop(self.pass.lock().unwrap_or_else(PoisonError::into_inner).take());
     }
-}
-
-fn header_pairs(headers: impl Iterator<Item = (http::HeaderName, http::HeaderValue)>) -> Vec<(Vec<u8>, Vec<u8>)> {
-    headers.map(|(n, v)| (n.as_str().as_bytes().to_vec(), v.as_bytes().to_vec())).collect()
 }
 
 /// A tenant over a limit, as the exception the control plane answers with.
