@@ -6,7 +6,7 @@ one table per scenario, with ratios measured in the same run.
     python bench/run.py --write-readme       # also refresh the results in bench/README.md
     python bench/run.py --peers none         # only direct and pdproxy
     python bench/run.py --repeat 1           # one run per target instead of the median of three
-    python bench/run.py S1 --baseline DIR    # beside another build of pdproxy (DIR/pdproxy/...)
+    python bench/run.py --baseline DIR       # beside another build of pdproxy (DIR/pdproxy/...)
     python bench/run.py --wait-quiet 14000   # start each scenario on a quiet stretch of a shared machine
 
 Targets: `direct` (the load generator talks to the mock engines itself: the physical limit),
@@ -52,6 +52,8 @@ DEFAULT_THREADS = {"pdproxy-default-threads": ("--edge", "rust")}
 #: pdproxy's policy in S1-S4: the routers' (peers.SGLANG_POLICY, nginx's upstream), so the tables
 #: compare proxies and not policies (what `scored`, the default, costs: bench/features.py).
 SCENARIO_POLICY = peers.SGLANG_POLICY
+#: The name of another build of pdproxy run beside this one (``--baseline``).
+BASELINE = "pdproxy-baseline"
 CHAT = "/v1/chat/completions"
 RESULTS = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent / "README.md"
@@ -248,14 +250,17 @@ def pd_median(times: int) -> Median:
     return Median(times, "TTFT p50 ms", lambda r: _ms(r, "ttft_ms", "p50"))
 
 
-def run_pd(duration: float, repeat: int, others: list[peers.Peer]) -> dict[str, harness.LoadResult]:
+def run_pd(
+    duration: float, repeat: int, others: list[peers.Peer], baseline: str | None = None
+) -> dict[str, harness.LoadResult]:
     """The same load through pdproxy with one hybrid engine (the baseline), then disaggregated
     between a prefill and a decode engine in each PD protocol, through pdproxy and through the
     peers that speak that protocol: what disaggregation adds to the first token, and at what cost.
 
     Every setup is up at once, each with engines of its own (so no one inherits another's KV
     state), and each round runs each setup once, as in S1-S4: a slow spell of a shared machine
-    falls on every setup alike rather than on the one whose runs happened to be under way."""
+    falls on every setup alike rather than on the one whose runs happened to be under way.
+    ``baseline``: another build of pdproxy, run in each protocol beside this one."""
     body, connections, delay = chat(True, 32), 256, 10.0
     median = pd_median(repeat)
     with contextlib.ExitStack() as up:
@@ -266,7 +271,8 @@ def run_pd(duration: float, repeat: int, others: list[peers.Peer]) -> dict[str, 
         proxy = up.enter_context(harness.pdproxy([engine.url], MODEL, PDPROXY_TARGETS["pdproxy"]))
         setups["pdproxy hybrid"] = (proxy.url + CHAT, {"proxy": proxy.proc.pid, "mock": engine.proc.pid})
         for protocol in PD_PROTOCOLS:
-            speakers: list[str | peers.Peer] = [*PDPROXY_TARGETS, *(p for p in others if p.pd_protocol == protocol)]
+            ours = [*PDPROXY_TARGETS, *([BASELINE] if baseline else [])]
+            speakers: list[str | peers.Peer] = [*ours, *(p for p in others if p.pd_protocol == protocol)]
             for speaker in speakers:
                 name = f"{speaker if isinstance(speaker, str) else speaker.name} {protocol}"
                 harness.say(f"{PD_TITLE}: starting {name} with a prefill and a decode engine")
@@ -275,7 +281,7 @@ def run_pd(duration: float, repeat: int, others: list[peers.Peer]) -> dict[str, 
                         harness.mock_engines(2, MODEL, delay, roles=["prefill", "decode"])
                     )
                     try:
-                        proxy = setup.enter_context(_pd_proxy(speaker, protocol, prefill.url, decode.url))
+                        proxy = setup.enter_context(_pd_proxy(speaker, protocol, prefill.url, decode.url, baseline))
                     except Exception as e:
                         if isinstance(speaker, str):
                             raise
@@ -293,25 +299,31 @@ def run_pd(duration: float, repeat: int, others: list[peers.Peer]) -> dict[str, 
 
 
 def _pd_proxy(
-    speaker: str | peers.Peer, protocol: str, prefill: str, decode: str
+    speaker: str | peers.Peer, protocol: str, prefill: str, decode: str, baseline: str | None
 ) -> AbstractContextManager[harness.Service]:
     if not isinstance(speaker, str):
         return speaker.start_pd(prefill, decode, MODEL)
-    extra = (*PDPROXY_TARGETS[speaker], "--serving-strategy", "DistServe", "--pd-protocol", protocol)
-    return harness.pdproxy([], MODEL, extra, {prefill: "prefill", decode: "decode"})
+    build = baseline if speaker == BASELINE else None
+    how = PDPROXY_TARGETS["pdproxy" if build else speaker]
+    extra = (*how, "--serving-strategy", "DistServe", "--pd-protocol", protocol)
+    return harness.pdproxy([], MODEL, extra, {prefill: "prefill", decode: "decode"}, build=build)
 
 
 MANAGEMENT_TITLE = "Management calls through each pdproxy edge (one client, idle proxy, two engines)"
 MANAGEMENT_PATHS = ("/nodes/status", "/metrics")
 
 
-def run_management(duration: float) -> dict[str, dict[str, list[float]]]:
+def run_management(duration: float, baseline: str | None = None) -> dict[str, dict[str, list[float]]]:
     """Latency of the management API as an operator sees it: sequential calls on one keep-alive
-    connection, for about ``duration`` seconds per path and target."""
+    connection, for about ``duration`` seconds per path and target (``baseline``: beside
+    another build of pdproxy, with the Rust edge)."""
     results: dict[str, dict[str, list[float]]] = {}
+    targets = {name: (how, None) for name, how in PDPROXY_TARGETS.items()}
+    if baseline:
+        targets[BASELINE] = (PDPROXY_TARGETS["pdproxy"], baseline)
     with harness.mock_engines(2, MODEL) as engines:
-        for name, how in PDPROXY_TARGETS.items():
-            with harness.pdproxy([e.url for e in engines], MODEL, how) as proxy:
+        for name, (how, build) in targets.items():
+            with harness.pdproxy([e.url for e in engines], MODEL, how, build=build) as proxy:
                 harness.say(f"{MANAGEMENT_TITLE}: {name}")
                 results[name] = {p: harness.sequential_latency(proxy.url, p, duration) for p in MANAGEMENT_PATHS}
     return results
@@ -386,7 +398,7 @@ def run_scenario(
         if baseline:
             how = (*PDPROXY_TARGETS["pdproxy"], "--policy", SCENARIO_POLICY)
             proxy = up.enter_context(harness.pdproxy(urls, MODEL, how, build=baseline))
-            targets["pdproxy-baseline"] = ([proxy.url + CHAT], {"proxy": proxy.proc.pid, **mocks})
+            targets[BASELINE] = ([proxy.url + CHAT], {"proxy": proxy.proc.pid, **mocks})
         for peer in others:
             try:
                 proxy = up.enter_context(peer.start(urls, MODEL))
@@ -488,7 +500,8 @@ def main() -> None:
         "--baseline",
         metavar="DIR",
         help="a directory holding another build of pdproxy as DIR/pdproxy (say, a copy of the installed "
-        "package made before a change): in S1-S4 it runs beside pdproxy, with its flags, as pdproxy-baseline",
+        "package made before a change): it runs beside pdproxy (in S1-S4, PD and management), with its "
+        "flags, as pdproxy-baseline",
     )
     parser.add_argument(
         "--wait-quiet",
@@ -525,14 +538,14 @@ def main() -> None:
         if i:
             quiet_start()
         if name == "management":
-            timings = run_management(args.duration)
+            timings = run_management(args.duration, args.baseline)
             section = "\n".join([f"### {MANAGEMENT_TITLE}", "", *render_management(timings)])
             print(section + "\n", flush=True)
             sections.append(section)
             raw[name] = timings
             continue
         if name == "PD":
-            results = run_pd(args.duration, args.repeat, others)
+            results = run_pd(args.duration, args.repeat, others, args.baseline)
             title, rows, median = PD_TITLE, render_pd(results), pd_median(args.repeat)
         elif name == "mock":
             results = run_mock_capacity(args.duration, args.repeat)
