@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -143,6 +144,23 @@ def test_unknown_policies_are_refused_before_serving(edge: str) -> None:
     assert known in run("serve", "--policy", "fastest").stderr, "the data plane's own list is the one shown"
 
 
+@pytest.mark.parametrize(
+    ("node", "named"),
+    [
+        ("http://169.254.169.254:80", "a cloud metadata address"),
+        ("http://[fe80::1]:80", "a link-local address"),
+        ("http://0.0.0.0:8000", "the unspecified address"),
+    ],
+)
+def test_a_static_node_the_rules_refuse_stops_the_start(node: str, named: str) -> None:
+    result = run("serve", "--port", str(free_port()), "--node", node)
+    one_line_refusal(result, "--node", named)
+    result = run(
+        "serve", "--port", str(free_port()), "--node", "http://10.1.2.3:80", "--allow-node-cidr", "10.9.0.0/16"
+    )
+    one_line_refusal(result, "outside the allowed networks")
+
+
 def test_missing_optional_packages_are_refused_before_serving() -> None:
     without_redis = "import sys; sys.modules['redis'] = None; from pdproxy.cli import main; main()"
     result = subprocess.run(
@@ -276,3 +294,13 @@ async def test_demo_serves_a_streaming_chat_and_cleans_up(tmp_path: Path, http: 
 
 def test_there_is_a_global_cap_by_default() -> None:
     assert Settings().max_requests > 0
+
+
+def test_the_license_is_the_one_the_package_declares() -> None:
+    root = Path(__file__).resolve().parent.parent
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["license"]
+    assert declared == {"text": "Apache-2.0"}
+    text = (root / "LICENSE").read_text()
+    assert "Apache License" in text
+    assert "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text

@@ -385,3 +385,29 @@ async def test_openapi_matches_the_routes(tmp_path: Path, http: aiohttp.ClientSe
                 async with http.request(method.upper(), p.url + path, json={}) as r:
                     assert r.status != 405, f"{method} {path} is documented but not served"
                     assert r.headers.get("x-pdproxy-error") != "not_found", f"{method} {path}"
+
+
+async def test_every_answer_tells_its_id_and_a_wrong_method_what_is_allowed(
+    tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
+) -> None:
+    with proxy(tmp_path, "--node", f"{engine.url},model=m") as p:
+        for method, path, status, allow in (
+            ("GET", "/nodes/add", 405, "POST"),
+            ("GET", "/v1/chat/completions", 405, "POST"),
+            ("POST", "/health", 405, "GET, HEAD"),
+            ("DELETE", "/v1/models/m", 405, "GET"),
+            ("GET", "/no/such/route", 404, None),
+            ("GET", "/nodes/status", 200, None),
+        ):
+            async with http.request(method, p.url + path) as r:
+                assert r.status == status, (method, path)
+                assert len(r.headers["x-request-id"]) == 32, (method, path, "a new id: 32 hex digits")
+                assert r.headers.get("allow") == allow, (method, path)
+            async with http.request(method, p.url + path, headers={"x-request-id": "mine-7"}) as r:
+                assert r.headers.getall("x-request-id") == ["mine-7"], (method, path, "the client's own, once")
+        async with http.get(p.url + "/") as r:
+            assert r.status == 200
+            index = await r.json()
+        assert (index["service"], index["dashboard"], index["api"]) == ("pdproxy", "/dashboard", "/openapi.json")
+        async with http.get(p.url + index["dashboard"]) as r:
+            assert r.status == 200

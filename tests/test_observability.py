@@ -230,6 +230,13 @@ async def test_status_and_nodes_commands(tmp_path: Path) -> None:
                 await asyncio.sleep(0.05)
             rows = (await asyncio.to_thread(cli, "status")).stdout.strip().splitlines()[1:]
             assert next(r for r in rows if r.startswith(gone)).split()[2] == "unhealthy"
+            # Without --model the node is asked for its models: one that cannot answer is reported.
+            silent = f"http://127.0.0.1:{free_port()}"
+            asked = await asyncio.to_thread(cli, "nodes", "add", silent)
+            assert asked.returncode == 1
+            assert asked.stdout.strip() == f"added {silent}", "it is registered all the same"
+            assert "did not tell its models" in asked.stderr
+            assert "Connect" in asked.stderr or "connect" in asked.stderr, asked.stderr
             removed = await asyncio.to_thread(cli, "nodes", "remove", engine.url)
             assert removed.stdout.strip() == f"removed {engine.url}"
             missing = await asyncio.to_thread(cli, "nodes", "remove", engine.url)

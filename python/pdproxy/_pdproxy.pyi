@@ -29,6 +29,10 @@ def client_key(headers: list[tuple[bytes, bytes]]) -> bytes | None:
     """The key a request with these headers carries (``Authorization: Bearer KEY``, else
     ``x-api-key: KEY``), as the edge reads it."""
 
+def request_id(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The id of a request with these headers: its own ``x-request-id``, else a new one, as the
+    edge gives its answers."""
+
 def pd_prefill_body(protocol: str, path: str, body: bytes) -> bytes:
     """The prefill leg's body for ``protocol`` (``lmdeploy``, ``vllm``; ``sglang`` shares one
     body between its legs), from the client's ``body`` sent to ``path``."""

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from typing import TypedDict, cast
 from urllib.parse import unquote
 
@@ -18,6 +19,7 @@ from .asgi_types import Headers, HTTPReceive, HTTPScope, Receive, Scope, Send, S
 from .auth import Keys
 from .config import Settings
 from .errors import MethodNotAllowed, ModelNotFound, NotFound, PdproxyError
+from .fleet import Fleet
 from .json_types import JsonObject
 from .metrics import CONTENT_TYPE, render
 from .metrics_listener import MetricsListener
@@ -64,9 +66,23 @@ class ProxyApp:
         self._metrics_listener: MetricsListener | None = None
         #: The data plane's pipeline, for the inference requests this app takes itself.
         self.pipeline: _pdproxy.Pipeline | None = None
-        self._admin_paths = {route.path for route in ROUTES}
         #: The routes with a parameter in their path (`/workers/{worker_id}`), by prefix.
         self._templates = templates(ROUTES)
+        #: What GET answers, by path (and `/v1/models/{model}`, a model id may hold slashes).
+        self._get_routes: dict[str, Callable[[HTTPScope, Send], Awaitable[None]]] = {
+            "/": self._index,
+            "/v1/models": self._models,
+            "/health": self._health,
+            "/ready": self._ready,
+            "/liveness": self._liveness,
+            "/readiness": self._readiness,
+            "/health_generate": self._health_generate,
+            "/dashboard": self._dashboard,
+            "/dashboard/data": self._dashboard_data,
+            "/metrics": self._metrics,
+            "/usage": self._usage,
+            "/openapi.json": self._openapi,
+        }
 
     async def startup(self) -> None:
         await self.supervisor.start()
@@ -89,6 +105,7 @@ class ProxyApp:
                 await self.startup()
             pipeline = self.pipeline
             assert pipeline is not None
+            send = _with_request_id(send, scope)
             if pipeline.cors_enabled:  # browsers' CORS, by the edge's rules (rust/src/edge/cors.rs)
                 headers = list(scope["headers"])
                 preflight = pipeline.preflight(scope["method"], scope["path"], headers)
@@ -108,9 +125,6 @@ class ProxyApp:
 
     async def _http(self, scope: HTTPScope, receive: HTTPReceive, send: Send) -> None:
         supervisor = self.supervisor
-        router, fleet = supervisor.router, supervisor.fleet
-        assert router is not None
-        assert fleet is not None
         _take_peer(scope, trusted=self.behind_edge, https=self.settings.ssl)
         path, method = inference.path_as_sent(scope), scope["method"]
         pipeline = self.pipeline
@@ -131,7 +145,7 @@ class ProxyApp:
                 self.keys.check_registration(scope["headers"], (scope.get("client") or (None,))[0])
             else:
                 self.keys.check_admin(scope["headers"])
-            status, answer = await route.handler(fleet, scope, receive)
+            status, answer = await route.handler(self._fleet(), scope, receive)
             if isinstance(answer, PlainText):
                 await send_text(send, status, answer.text)
                 return
@@ -142,51 +156,98 @@ class ProxyApp:
             payload = answer.model_dump(mode="json") if isinstance(answer, BaseModel) else answer
             await send_json(send, status, payload, headers)
             return
-        if route_path in self._admin_paths or path in INFERENCE_PATHS:
-            raise MethodNotAllowed(f"{method} is not allowed on {route_path}")
         if (method, path) == ("HEAD", "/health"):  # load balancers' liveness probes
             await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
             await send({"type": "http.response.body", "body": b""})
             return
-        if method != "GET":
-            raise NotFound(f"no route for {method} {path}")
-        if path == "/v1/models":
-            pipeline.check_key(list(scope["headers"]))
-            await send_json(send, 200, _model_list(router))
-        elif path.startswith("/v1/models/"):
-            pipeline.check_key(list(scope["headers"]))
-            await send_json(send, 200, _model_card(router, unquote(path.removeprefix("/v1/models/"))))
-        elif path == "/health":
-            # Alive, whatever the node sources say: they keep their nodes while they cannot look.
-            sources = {"discovery": fleet.sources_status()} if fleet.sources else {}
-            await send_json(send, 200, {"status": "healthy", **sources})
-        elif path == "/ready":
-            ready, answer = supervisor.readiness()
-            await send_json(send, 200 if ready else 503, answer)
-        elif path == "/liveness":  # the SGLang gateway's and vllm-router's probes
-            await send_text(send, 200, "OK")
-        elif path == "/readiness":
-            await send_json(send, *peer_readiness(fleet))
-        elif path == "/health_generate":  # the peers' probe: can a healthy node generate
-            await send_json(send, *await peer_health_generate(fleet))
-        elif path == "/dashboard":  # a static page: its data is what the keys guard
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/html")]})
-            await send({"type": "http.response.body", "body": dashboard.PAGE})
-        elif path == "/dashboard/data":
-            self.keys.check_admin(scope["headers"])
-            await send_json(send, 200, dashboard.data(supervisor))
-        elif path == "/metrics":
-            self.keys.check_admin(scope["headers"])
-            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", CONTENT_TYPE)]})
-            assert supervisor.metrics is not None
-            await send({"type": "http.response.body", "body": render(supervisor.metrics)})
-        elif path == "/usage":
-            self.keys.check_admin(scope["headers"])
-            await send_json(send, 200, tenant_usage(router))
-        elif path == "/openapi.json":
-            await send_json(send, 200, schema())
-        else:
-            raise NotFound(f"no route for {path}")
+        serve_get = self._get_routes.get(path) or (self._model_card if path.startswith("/v1/models/") else None)
+        if method == "GET" and serve_get is not None:
+            await serve_get(scope, send)
+            return
+        allowed = self._methods_of(route_path, path)
+        if allowed:
+            raise MethodNotAllowed(f"{method} is not allowed on {route_path}", allow=allowed)
+        raise NotFound(f"no route for {method} {path}")
+
+    def _methods_of(self, route_path: str, path: str) -> list[str]:
+        """The methods ``path`` (matching the management route ``route_path``) is served with."""
+        methods = {method for method, served in self._admin if served == route_path}
+        if path in INFERENCE_PATHS or path == "/drain":
+            methods.add("POST")
+        if path in self._get_routes or path.startswith("/v1/models/"):
+            methods.add("GET")
+        if path == "/health":
+            methods.add("HEAD")
+        return sorted(methods)
+
+    # The GET routes, each a method of its own (`_get_routes` maps their paths).
+
+    async def _index(self, scope: HTTPScope, send: Send) -> None:
+        """Where someone who opens the proxy's address in a browser finds what is here."""
+        links = {"dashboard": "/dashboard", "api": "/openapi.json", "status": "/nodes/status", "health": "/health"}
+        await send_json(send, 200, {"service": "pdproxy", "version": _pdproxy.__version__, **links})
+
+    async def _models(self, scope: HTTPScope, send: Send) -> None:
+        assert self.pipeline is not None
+        self.pipeline.check_key(list(scope["headers"]))
+        await send_json(send, 200, _model_list(self._router()))
+
+    async def _model_card(self, scope: HTTPScope, send: Send) -> None:
+        assert self.pipeline is not None
+        self.pipeline.check_key(list(scope["headers"]))
+        model = unquote(inference.path_as_sent(scope).removeprefix("/v1/models/"))
+        await send_json(send, 200, _model_card(self._router(), model))
+
+    async def _health(self, scope: HTTPScope, send: Send) -> None:
+        # Alive, whatever the node sources say: they keep their nodes while they cannot look.
+        fleet = self._fleet()
+        sources = {"discovery": fleet.sources_status()} if fleet.sources else {}
+        await send_json(send, 200, {"status": "healthy", **sources})
+
+    async def _ready(self, scope: HTTPScope, send: Send) -> None:
+        ready, answer = self.supervisor.readiness()
+        await send_json(send, 200 if ready else 503, answer)
+
+    async def _liveness(self, scope: HTTPScope, send: Send) -> None:
+        """The SGLang gateway's and vllm-router's probe."""
+        await send_text(send, 200, "OK")
+
+    async def _readiness(self, scope: HTTPScope, send: Send) -> None:
+        await send_json(send, *peer_readiness(self._fleet()))
+
+    async def _health_generate(self, scope: HTTPScope, send: Send) -> None:
+        """The peers' probe: can a healthy node generate."""
+        await send_json(send, *await peer_health_generate(self._fleet()))
+
+    async def _dashboard(self, scope: HTTPScope, send: Send) -> None:
+        """A static page: its data is what the keys guard."""
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/html")]})
+        await send({"type": "http.response.body", "body": dashboard.PAGE})
+
+    async def _dashboard_data(self, scope: HTTPScope, send: Send) -> None:
+        self.keys.check_admin(scope["headers"])
+        await send_json(send, 200, dashboard.data(self.supervisor))
+
+    async def _metrics(self, scope: HTTPScope, send: Send) -> None:
+        self.keys.check_admin(scope["headers"])
+        assert self.supervisor.metrics is not None
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", CONTENT_TYPE)]})
+        await send({"type": "http.response.body", "body": render(self.supervisor.metrics)})
+
+    async def _usage(self, scope: HTTPScope, send: Send) -> None:
+        self.keys.check_admin(scope["headers"])
+        await send_json(send, 200, tenant_usage(self._router()))
+
+    async def _openapi(self, scope: HTTPScope, send: Send) -> None:
+        await send_json(send, 200, schema())
+
+    def _router(self) -> Router:
+        assert self.supervisor.router is not None
+        return self.supervisor.router
+
+    def _fleet(self) -> Fleet:
+        assert self.supervisor.fleet is not None
+        return self.supervisor.fleet
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -216,6 +277,23 @@ def _adding(send: Send, headers: Headers) -> Send:
 
     return sending
 
+
+def _with_request_id(send: Send, scope: HTTPScope) -> Send:
+    """``send`` with every answer carrying ``x-request-id`` (the client's, else a new one, as the
+    edge makes it), unless the answer has one already (the pipeline's answers do)."""
+
+    async def sending(message: SendMessage) -> None:
+        if message["type"] == "http.response.start":
+            headers = list(message.get("headers", ()))
+            if not any(name == REQUEST_ID for name, _ in headers):
+                headers.append((REQUEST_ID, _pdproxy.request_id(list(scope["headers"]))))
+                message = {**message, "headers": headers}
+        await send(message)
+
+    return sending
+
+
+REQUEST_ID = b"x-request-id"
 
 #: How the Rust edge tells the control plane the client's address (its own peer is the edge).
 PEER_HEADER = b"x-pdproxy-peer"

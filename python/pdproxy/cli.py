@@ -491,6 +491,13 @@ def nodes_add(node_url: str, url: str, key: str | None, **attributes: object) ->
             payload[name] = value  # a zero or an empty text is still what was asked
     answer = _admin_call(url, "/nodes/add", key, payload)
     click.echo(f"{'added' if answer['created'] else 'updated'} {answer['url']}")
+    if answer.get("models_unknown"):
+        click.echo(
+            f"pdproxy: but the node did not tell its models: {answer['models_unknown']}; it takes no traffic "
+            "until it does (asked again in the background; `pdproxy status` shows its MODELS as * till then)",
+            err=True,
+        )
+        sys.exit(1)
 
 
 @nodes.command("remove")

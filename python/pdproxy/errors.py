@@ -44,6 +44,8 @@ which may name addresses) is for logs only.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pdproxy._pdproxy import ERRORS
 from pdproxy._pdproxy import error_body as _error_body
 
@@ -256,7 +258,15 @@ class NotFound(PdproxyError):
 
 
 class MethodNotAllowed(PdproxyError):
-    """The route exists, not with this method."""
+    """The route exists, not with this method; the answer's ``Allow`` names the methods it takes
+    (RFC 9110 requires it)."""
+
+    def __init__(self, message: str = "", allow: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.allow = tuple(allow)
+
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        return [*super().headers(), (b"allow", ", ".join(self.allow).encode())]
 
 
 class Unauthorized(PdproxyError):

@@ -110,13 +110,16 @@ class Fleet:
                 records.append(NodeRecord.of(entry, f"state file {self.settings.state_file}: node"))
             except ConfigError as e:
                 log.error("%s; not added", e)
-        for record in (*records, *configured_nodes(self.settings)):
+        configured = configured_nodes(self.settings)
+        for record in (*records, *configured):
             try:
                 await self.add(record, discover=False)  # all asked at once, below
             except RegistryUnavailable:
                 # Serve with what the registry last said, and register this node once it is back.
                 self._background(self._register_when_available(record), f"pdproxy-register {record.url}")
             except InvalidNode as e:
+                if record in configured:  # the operator's own setting: stop rather than serve without it
+                    raise ConfigError(f"--node: {e.message}") from None
                 log.error("node %s not added: %s", record.url, e)
         self.sources = sources_for(self.settings)
         for source in self.sources:

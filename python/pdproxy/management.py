@@ -92,6 +92,11 @@ class AddNodeAnswer(BaseModel):
     url: str
     created: bool = Field(description="Whether the node is new (else it was updated and its lease renewed)")
     status: NodeStatus | None
+    models_unknown: str | None = Field(
+        None,
+        description="Why the node, asked for its models, did not tell them: it takes no traffic until it does "
+        "(it is asked again in the background). None when it told them or they were declared",
+    )
 
 
 class RemoveAnswer(BaseModel):

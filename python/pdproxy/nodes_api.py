@@ -56,7 +56,10 @@ async def add(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int
     url, created = await fleet.add(body.record())
     status = fleet.status().get(url)
     return 200, AddNodeAnswer(
-        url=url, created=created, status=None if status is None else NodeStatus.model_validate(status)
+        url=url,
+        created=created,
+        status=None if status is None else NodeStatus.model_validate(status),
+        models_unknown=fleet.router.models_unknown_because(url),
     )
 
 

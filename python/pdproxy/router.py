@@ -187,6 +187,11 @@ class Router:
         else:
             await self._discovery.probe(url)
 
+    def models_unknown_because(self, url: str) -> str | None:
+        """Why the node at ``url`` did not tell its models when asked (it takes no traffic until
+        it does); ``None`` when it told them, declared them, or was not asked yet."""
+        return self._discovery.failures().get(url)
+
     def refresh_bindings(self) -> int:
         """In a worker group: picks up nodes another worker removed and re-added (their shared
         counters moved); returns how many. Nothing to do outside a group."""

@@ -1,6 +1,7 @@
 """The checks of a ``Settings`` that need the rest of pdproxy: routing policies the data plane
-knows, the worker group's size (the shared table's), the shared registry's URL, the tenants file, each configured
-node, and the tracing settings left to the ``OTEL_*`` environment. ``checked`` runs them before
+knows, the worker group's size (the shared table's), the shared registry's URL, the tenants
+file, each configured node (its form, and the node rules where its host is an address), and the
+tracing settings left to the ``OTEL_*`` environment. ``checked`` runs them before
 anything is served (the CLI, and every ``Router``), so that ``config`` stays a leaf."""
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ import os
 
 from . import _pdproxy
 from .config import Settings
-from .errors import ConfigError
+from .errors import ConfigError, InvalidNode
 from .group import MAX_WORKERS
 from .membership import check_url as check_registry_url
 from .node_record import configured_nodes
 from .node_sources import check as check_node_sources
 from .tenants import load as load_tenants
 from .tracing import otel_settings
+from .urls import check_address_node, parse_networks
 
 __all__ = ["checked"]
 
@@ -34,10 +36,21 @@ def checked(settings: Settings) -> Settings:
         check_registry_url(settings.registry)
     if settings.tenants_file:
         load_tenants(settings.tenants_file)  # a bad file stops the start, naming its problem
-    configured_nodes(settings)  # each node parses
+    _check_configured_nodes(settings)
     check_node_sources(settings)  # selectors, names, the Kubernetes configuration
     filled = otel_settings(settings, os.environ)
     return settings.replace(**filled) if filled else settings
+
+
+def _check_configured_nodes(settings: Settings) -> None:
+    """Each node of the settings parses and, when its host is an address, is one the node rules
+    allow: a refused node stops the start rather than leaving the proxy serving without it."""
+    allowed = parse_networks(settings.allow_node_cidrs)
+    for record in configured_nodes(settings):
+        try:
+            check_address_node(record.url, allowed)
+        except InvalidNode as e:
+            raise ConfigError(f"--node: {e.message}") from None
 
 
 def _check_policies(settings: Settings) -> None:

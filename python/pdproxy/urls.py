@@ -90,29 +90,50 @@ async def check_node_url(url: str, allowed: tuple[Network, ...], own_port: int |
     addresses, none of them this proxy itself (a local address on ``own_port``). Returns the
     address the node is to be reached at (``host:port``), pinned so that the name is not
     resolved again at connect time. Resolution runs off the event loop."""
-    raw = url
-    parts = urlsplit(url)
-    host = parts.hostname
-    if not host:
-        raise InvalidNode(f"node {raw}: the URL has no host")
-    if any(len(label) > 63 for label in host.split(".")) or len(host) > 253:
-        raise InvalidNode(f"node {raw}: the host is not a valid name (labels of at most 63 characters)")
-    try:
-        port = parts.port or (443 if parts.scheme.lower() == "https" else 80)
-    except ValueError:
-        raise InvalidNode(f"node {raw}: the port is not a number between 0 and 65535") from None
+    host, port = _host_and_port(url)
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:
-        raise InvalidNode(f"node {raw}: its host does not resolve ({e.strerror or e})") from None
+        raise InvalidNode(f"node {url}: its host does not resolve ({e.strerror or e})") from None
     addresses = [ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos]
+    _check_addresses(url, host, port, addresses, allowed, own_port)
+    first = addresses[0]
+    return f"[{first}]:{port}" if isinstance(first, ipaddress.IPv6Address) else f"{first}:{port}"
+
+
+def check_address_node(url: str, allowed: tuple[Network, ...], own_port: int | None = None) -> None:
+    """``check_node_url`` without resolving: raises ``InvalidNode`` for a node whose host is an
+    address the rules refuse (a name is checked when the node is added, once it resolves). For
+    the settings' nodes, before anything is served."""
+    host, port = _host_and_port(url)
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return
+    _check_addresses(url, host, port, [address], allowed, own_port)
+
+
+def _host_and_port(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    host = parts.hostname
+    if not host:
+        raise InvalidNode(f"node {url}: the URL has no host")
+    if any(len(label) > 63 for label in host.split(".")) or len(host) > 253:
+        raise InvalidNode(f"node {url}: the host is not a valid name (labels of at most 63 characters)")
+    try:
+        return host, parts.port or (443 if parts.scheme.lower() == "https" else 80)
+    except ValueError:
+        raise InvalidNode(f"node {url}: the port is not a number between 0 and 65535") from None
+
+
+def _check_addresses(
+    url: str, host: str, port: int, addresses: list[Address], allowed: tuple[Network, ...], own_port: int | None
+) -> None:
+    if not addresses:
+        raise InvalidNode(f"node {url}: its host does not resolve")
     for address in addresses:
         reason = _refusal(address, allowed)
         if reason is not None:
-            raise InvalidNode(f"node {raw}: {host} resolves to {address}, {reason}")
+            raise InvalidNode(f"node {url}: {host} resolves to {address}, {reason}")
         if own_port is not None and port == own_port and is_local(address):
-            raise InvalidNode(f"node {raw}: that is this proxy itself")
-    if not addresses:
-        raise InvalidNode(f"node {raw}: its host does not resolve")
-    first = addresses[0]
-    return f"[{first}]:{port}" if isinstance(first, ipaddress.IPv6Address) else f"{first}:{port}"
+            raise InvalidNode(f"node {url}: that is this proxy itself")

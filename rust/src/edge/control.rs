@@ -22,6 +22,7 @@ use tokio::net::UnixStream;
 
 use super::answer::{self, CONTROL_PLANE_UNAVAILABLE};
 use super::body::EdgeBody;
+use super::request::X_REQUEST_ID;
 use crate::error::BoxError;
 use crate::headers::strip_hop_headers;
 
@@ -89,6 +90,8 @@ impl ControlPlane {
             PEER_HEADER,
             HeaderValue::from_str(&peer.to_string()).unwrap_or_else(|_| HeaderValue::from_static("")),
         );
+        // The control plane's answers carry the id the edge's own do.
+        parts.headers.insert(X_REQUEST_ID.clone(), request_id.clone());
         if !parts.headers.contains_key(HOST) {
             parts.headers.insert(HOST, HeaderValue::from_static("localhost"));
         }

@@ -36,7 +36,7 @@ use self::cors::Cors;
 use self::keys::Keys;
 pub use self::pd::prefill_body;
 pub use self::pipeline::Strategy;
-pub use self::request::BodyError;
+pub use self::request::{request_id, BodyError};
 use crate::engine::Engine;
 use crate::error::{Error, Kind, Result};
 use crate::tenants::Tenant;

@@ -1,6 +1,6 @@
 //! The contracts both planes keep, declared once in the data plane and read by the control
 //! plane: the error table and the error body, the inference and disaggregation paths, the
-//! prefill leg's body, and where a request's key is read from.
+//! prefill leg's body, where a request's key is read from, and its id.
 
 use std::collections::HashMap;
 
@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::edge::answer::{envelope, ERRORS};
-use crate::edge::{keys, prefill_body, PdProtocol, INFERENCE_PATHS};
+use crate::edge::{self, keys, prefill_body, PdProtocol, INFERENCE_PATHS};
 use crate::headers::header_map;
 
 /// One error answer: (status, `OpenAI` type, code, default `Retry-After`).
@@ -24,7 +24,15 @@ pub fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(pd_prefill_body, m)?)?;
     m.add_function(wrap_pyfunction!(error_body, m)?)?;
     m.add_function(wrap_pyfunction!(client_key, m)?)?;
+    m.add_function(wrap_pyfunction!(request_id, m)?)?;
     Ok(())
+}
+
+/// The id of a request with these headers: its own `x-request-id`, else a new one, as the edge
+/// gives its answers.
+#[pyfunction]
+fn request_id(py: Python<'_>, headers: Vec<(Vec<u8>, Vec<u8>)>) -> Bound<'_, PyBytes> {
+    PyBytes::new(py, edge::request_id(&header_map(&headers)).0.as_bytes())
 }
 
 /// The key a request with these headers carries (`Authorization: Bearer KEY`, else
