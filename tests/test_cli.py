@@ -161,6 +161,15 @@ def test_a_static_node_the_rules_refuse_stops_the_start(node: str, named: str) -
     one_line_refusal(result, "outside the allowed networks")
 
 
+def test_a_static_node_whose_name_does_not_resolve_yet_is_tried_again_while_serving(tmp_path: Path) -> None:
+    # A service name that is not in DNS yet (a pod still coming up) is not a bad setting.
+    node = "http://engine-not-up-yet.invalid:8000"
+    with pdproxy_serve(tmp_path, "--node", node) as proxy:
+        assert node not in get_json(proxy.url + "/nodes/status")
+        assert f"node {node} not added yet" in proxy.log()
+        assert "trying again" in proxy.log()
+
+
 def test_missing_optional_packages_are_refused_before_serving() -> None:
     without_redis = "import sys; sys.modules['redis'] = None; from pdproxy.cli import main; main()"
     result = subprocess.run(

@@ -123,7 +123,7 @@ async def test_openapi_lists_every_management_route_with_its_body_schema(
     assert add["required"] == ["url"]
     assert {"url", "status", "models", "role", "labels", "lease_ttl"} <= set(add["properties"])
     answer = document["paths"]["/nodes/add"]["post"]["responses"]["200"]["content"]["application/json"]["schema"]
-    assert set(resolve(answer)["properties"]) == {"url", "created", "status"}
+    assert set(resolve(answer)["properties"]) == {"url", "created", "status", "models_unknown"}
 
 
 async def test_labels_come_from_static_config_and_registration(tmp_path: Path, http: aiohttp.ClientSession) -> None:

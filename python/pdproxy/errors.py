@@ -173,6 +173,10 @@ class InvalidNode(PdproxyError, ValueError):
     default_param = "url"
 
 
+class NodeUnresolvable(InvalidNode):
+    """A node whose host name does not resolve (yet: a service that is still coming up)."""
+
+
 class NodeNotFound(PdproxyError, KeyError):
     """No node with that URL is registered."""
 

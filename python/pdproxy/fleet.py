@@ -24,7 +24,7 @@ from . import background, state_file
 from .background import Work
 from .config import Settings
 from .engine_scraper import EngineScraper
-from .errors import ConfigError, InvalidNode, NodeNotFound, RegistryUnavailable, TerminateFailed
+from .errors import ConfigError, InvalidNode, NodeNotFound, NodeUnresolvable, RegistryUnavailable, TerminateFailed
 from .group import Group
 from .health import HealthChecker, HealthSummary
 from .json_types import JsonValue
@@ -116,6 +116,10 @@ class Fleet:
                 await self.add(record, discover=False)  # all asked at once, below
             except RegistryUnavailable:
                 # Serve with what the registry last said, and register this node once it is back.
+                self._background(self._register_when_available(record), f"pdproxy-register {record.url}")
+            except NodeUnresolvable as e:
+                # A name that may resolve later (a service still coming up): keep trying.
+                log.warning("node %s not added yet: %s; trying again", record.url, e)
                 self._background(self._register_when_available(record), f"pdproxy-register {record.url}")
             except InvalidNode as e:
                 if record in configured:  # the operator's own setting: stop rather than serve without it
@@ -414,7 +418,7 @@ class Fleet:
             await asyncio.sleep(delay)
             try:
                 await self.add(record)
-            except RegistryUnavailable:
+            except (RegistryUnavailable, NodeUnresolvable):
                 delay = min(delay * 2, REGISTER_RETRY_MAX)
                 continue
             except InvalidNode as e:

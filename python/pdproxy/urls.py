@@ -9,7 +9,7 @@ import socket
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from .errors import InvalidNode
+from .errors import InvalidNode, NodeUnresolvable
 
 #: Cloud metadata and platform services, reachable from most VMs: AWS/GCP/Azure/OpenStack
 #: (169.254.169.254), ECS (169.254.170.2), AWS over IPv6, Alibaba (100.100.100.200), Azure's
@@ -94,7 +94,7 @@ async def check_node_url(url: str, allowed: tuple[Network, ...], own_port: int |
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as e:
-        raise InvalidNode(f"node {url}: its host does not resolve ({e.strerror or e})") from None
+        raise NodeUnresolvable(f"node {url}: its host does not resolve ({e.strerror or e})") from None
     addresses = [ipaddress.ip_address(str(info[4][0]).split("%", 1)[0]) for info in infos]
     _check_addresses(url, host, port, addresses, allowed, own_port)
     first = addresses[0]
@@ -130,7 +130,7 @@ def _check_addresses(
     url: str, host: str, port: int, addresses: list[Address], allowed: tuple[Network, ...], own_port: int | None
 ) -> None:
     if not addresses:
-        raise InvalidNode(f"node {url}: its host does not resolve")
+        raise NodeUnresolvable(f"node {url}: its host does not resolve")
     for address in addresses:
         reason = _refusal(address, allowed)
         if reason is not None:
