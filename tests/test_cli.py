@@ -95,13 +95,35 @@ def test_lmdeploy_spellings_and_hidden_keys() -> None:
     assert effective(env={"PDPROXY_API_KEYS": "one-long-key"})["api_keys"] == ["<hidden>"], "one key, not letters"
 
 
+def test_settings_file_keys_are_the_option_names_and_the_older_spellings_still_read(tmp_path: Path) -> None:
+    config = tmp_path / "pdproxy.toml"
+    config.write_text(
+        'node = ["http://a:1"]\nmodel_policy = ["qwen=random"]\nallow_node_cidr = ["10.0.0.0/8"]\n'
+        'keyless_registration_from = ["10.1.0.0/16"]\notlp_header = ["x-team=llm"]\n'
+    )
+    read = effective("--config", str(config))
+    assert read["nodes"] == ["http://a:1"]
+    assert read["model_policies"] == ["qwen=random"]
+    assert read["allow_node_cidrs"] == ["10.0.0.0/8"]
+    assert read["keyless_registration_cidrs"] == ["10.1.0.0/16"]
+    assert read["otlp_headers"] == ["<hidden>"]
+    config.write_text('nodes = ["http://b:2"]\nmodel_policies = ["qwen=random"]\n')
+    assert effective("--config", str(config))["model_policies"] == ["qwen=random"], "the older spelling"
+    config.write_text('node = ["http://a:1"]\nnodes = ["http://b:2"]\n')
+    result = run("serve", "--config", str(config))
+    assert result.returncode == 2
+    assert "nodes is given twice" in result.stderr
+
+
 def test_bad_configuration_is_reported(tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
-    config.write_text("prot = 1\n")
+    config.write_text("prot = 1\nmodel_polcy = 2\nzzz = 3\n")
     result = run("serve", "--config", str(config))
     assert result.returncode == 2
     assert "unknown setting(s)" in result.stderr
-    assert "prot" in result.stderr
+    assert "prot (did you mean port?)" in result.stderr
+    assert "model_polcy (did you mean model_policy?)" in result.stderr, "the option's name is the one suggested"
+    assert result.stderr.rstrip().endswith(", zzz"), "nothing close: no guess"
     result = run("serve", "--connect-timeout", "0", "--print-config")
     assert result.returncode == 2
     assert "connect_timeout must be a positive number" in result.stderr

@@ -15,6 +15,7 @@ This module depends on nothing else in pdproxy but its error class. Checks that 
 
 from __future__ import annotations
 
+import difflib
 import functools
 import ipaddress
 import tomllib
@@ -1102,17 +1103,53 @@ def read_toml(path: str | Path, what: str) -> dict[str, object]:
         raise ConfigError(f"the {what} {path} is not valid TOML: {e}") from None
 
 
+@functools.cache
+def _option_keys() -> dict[str, str]:
+    """Each setting's key in a settings file, the option's name with underscores (``node`` for
+    ``--node``), and the setting it sets."""
+    keys = {}
+    for name, info in Settings.model_fields.items():
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        flag = extra.get("flag")
+        keys[str(flag).removeprefix("--").replace("-", "_") if flag else name] = name
+    return keys
+
+
+def toml_keys() -> dict[str, str]:
+    """Each top-level key a settings file may use, and the setting it sets: the option keys, and
+    each setting's own name where that differs (``nodes``: the older spelling, and what
+    ``--print-config`` shows)."""
+    return {**{name: name for name in Settings.model_fields}, **_option_keys()}
+
+
+def _unknown_key(key: str) -> str:
+    closest = difflib.get_close_matches(key, list(_option_keys()), n=1, cutoff=0.6)
+    return f"{key} (did you mean {closest[0]}?)" if closest else key
+
+
 def load_toml(path: str | Path) -> dict[str, object]:
-    """Reads a TOML settings file: top-level keys are field names (``nodes = [...]``)."""
-    data = read_toml(path, "config file")
-    unknown = sorted(set(data) - set(Settings.model_fields))
+    """Reads a TOML settings file: top-level keys are the options' names with underscores
+    (``node = [...]``; ``toml_keys``)."""
+    read = read_toml(path, "config file")
+    keys = toml_keys()
+    unknown = sorted(key for key in read if key not in keys)
     if unknown:
-        raise ConfigError(f"unknown setting(s) in {path}: {', '.join(unknown)}")
+        raise ConfigError(f"unknown setting(s) in {path}: {', '.join(_unknown_key(k) for k in unknown)}")
+    data: dict[str, object] = {}
+    for key, value in read.items():
+        name = keys[key]
+        if name in data:
+            raise ConfigError(f"{path}: {name} is given twice (as {_spellings(name, read)})")
+        data[name] = value
     nodes = data.get("nodes")
     if isinstance(nodes, list):
         # A node may be a table of what /nodes/add would say of it: kept as its one-word form.
         data["nodes"] = [_node_text(n) if isinstance(n, Mapping) else n for n in nodes]
     return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+
+
+def _spellings(name: str, read: Mapping[str, object]) -> str:
+    return " and ".join(key for key, setting in toml_keys().items() if setting == name and key in read)
 
 
 def _node_text(table: Mapping[str, object]) -> str:
