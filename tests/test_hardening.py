@@ -418,6 +418,30 @@ def _raw(url: str, request: bytes) -> bytes:
         return out
 
 
+async def test_a_bad_body_is_answered_naming_its_field_or_saying_it_is_not_json(
+    tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
+) -> None:
+    json_body = {"content-type": "application/json"}
+    with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+        await eventually(lambda: _routes(http, proxy.url))
+        for body, param, says in [
+            (b'{"model": 5, "messages": []}', "model", "model must be a string, got the integer 5"),
+            (b'{"model": "m", "stream": "yes"}', "stream", "stream must be true or false"),
+            (b'{"model": "m", "max_tokens": -3}', "max_tokens", "max_tokens must be a non-negative integer"),
+            (b'{"model": "m", "model": "n"}', "model", "model is given twice"),
+            (b'{"model": "m",', None, "request body is not valid JSON"),
+            (b"model=m", None, "request body is not valid JSON"),
+            (b"[1, 2]", None, "request body must be a JSON object"),
+        ]:
+            async with http.post(proxy.url + "/v1/chat/completions", data=body, headers=json_body) as r:
+                assert r.status == 400, body
+                error = (await r.json())["error"]
+            assert error["param"] == param, body
+            assert error["message"].startswith(says), (body, error["message"])
+            assert error["type"] == "invalid_request_error"
+            assert r.headers["x-request-id"]
+
+
 async def test_malformed_input_gets_400(tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession) -> None:
     with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
         await eventually(lambda: _routes(http, proxy.url))

@@ -94,13 +94,95 @@ fn require_object(body: &[u8]) -> Result<()> {
     // serde would also accept a JSON array for a struct; a request body must be an object.
     match body.iter().find(|b| !b.is_ascii_whitespace()) {
         Some(b'{') => Ok(()),
-        Some(_) => Err(Error::new(Kind::InvalidRequest, "request body must be a JSON object")),
-        None => Err(Error::new(Kind::InvalidRequest, "request body is empty")),
+        Some(_) => Err(match serde_json::from_slice::<de::IgnoredAny>(body) {
+            Ok(_) => Error::new(Kind::InvalidRequest, "request body must be a JSON object"),
+            Err(e) => invalid(&e),
+        }),
+        None => Err(Error::new(Kind::InvalidRequest, "request body is empty: a JSON object is expected")),
     }
 }
 
 fn invalid(e: &serde_json::Error) -> Error {
-    Error::new(Kind::InvalidRequest, format!("request body is not valid: {e}"))
+    Error::new(Kind::InvalidRequest, format!("request body is not valid JSON: {e}"))
+}
+
+/// The routing fields a body may carry, each with what its value must be. Checked one by one
+/// only once the whole body failed to read, to name the field at fault.
+const FIELD_KINDS: [(&str, Expected); 8] = [
+    ("model", Expected::Text),
+    ("user", Expected::Text),
+    ("stream", Expected::Boolean),
+    ("n", Expected::Count),
+    ("best_of", Expected::Count),
+    ("max_tokens", Expected::Count),
+    ("priority", Expected::Integer),
+    ("session_id", Expected::TextOrInteger),
+];
+
+#[derive(Clone, Copy)]
+enum Expected {
+    Text,
+    Boolean,
+    Count,
+    Integer,
+    TextOrInteger,
+}
+
+impl Expected {
+    fn accepts(self, raw: &str) -> bool {
+        raw == "null"
+            || match self {
+                Self::Text => serde_json::from_str::<String>(raw).is_ok(),
+                Self::Boolean => serde_json::from_str::<bool>(raw).is_ok(),
+                Self::Count => serde_json::from_str::<u64>(raw).is_ok(),
+                Self::Integer => serde_json::from_str::<i32>(raw).is_ok(),
+                Self::TextOrInteger => serde_json::from_str::<String>(raw).is_ok() || raw.parse::<i64>().is_ok(),
+            }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Self::Text => "a string",
+            Self::Boolean => "true or false",
+            Self::Count => "a non-negative integer",
+            Self::Integer => "an integer (-2147483648 to 2147483647)",
+            Self::TextOrInteger => "a string or an integer",
+        }
+    }
+}
+
+/// What a JSON value is, by its first character, as a client would name it.
+fn kind_of(raw: &str) -> &'static str {
+    match raw.as_bytes().first() {
+        Some(b'"') => "a string",
+        Some(b'{') => "an object",
+        Some(b'[') => "an array",
+        Some(b't' | b'f') => "a boolean",
+        Some(_) if raw.contains(['.', 'e', 'E']) => "a number",
+        Some(_) => "the integer",
+        None => "nothing",
+    }
+}
+
+/// Why a body that is JSON could not be read, naming its field (the error body's `param`) when
+/// one is at fault: a value of the wrong type, or a field given twice. The cold path only.
+fn field_error(text: &str, e: &serde_json::Error) -> Error {
+    let Ok(members) = serde_json::from_str::<Members<'_>>(text) else { return invalid(e) };
+    for (i, (key, raw)) in members.0.iter().enumerate() {
+        let Some(&(name, expected)) = FIELD_KINDS.iter().find(|(name, _)| *name == key.as_ref()) else { continue };
+        let raw = raw.get();
+        if !expected.accepts(raw) {
+            let shown: String = raw.chars().take(40).collect();
+            let more = if shown.len() < raw.len() { "..." } else { "" };
+            let message = format!("{name} must be {}, got {} {shown}{more}", expected.describe(), kind_of(raw));
+            return Error::new(Kind::InvalidRequest, message).with_param(name);
+        }
+        if members.0[..i].iter().any(|(earlier, _)| earlier == key) {
+            return Error::new(Kind::InvalidRequest, format!("{name} is given twice in the request body"))
+                .with_param(name);
+        }
+    }
+    Error::new(Kind::InvalidRequest, format!("request body could not be read: {e}"))
 }
 
 /// Reads the routing fields of a JSON object body. Other fields are skipped unparsed.
@@ -109,7 +191,10 @@ pub fn inspect(body: &[u8]) -> Result<RequestInfo<'_>> {
     // UTF-8 checked once for the whole body: parsing bytes would check each string again.
     let text = std::str::from_utf8(body)
         .map_err(|e| Error::new(Kind::InvalidRequest, format!("request body is not valid UTF-8: {e}")))?;
-    let fields: Fields<'_> = serde_json::from_str(text).map_err(|e| invalid(&e))?;
+    let fields: Fields<'_> = serde_json::from_str(text).map_err(|e| match e.classify() {
+        serde_json::error::Category::Data => field_error(text, &e),
+        _ => invalid(&e),
+    })?;
     let session_id = match fields.session_id {
         None => None,
         Some(raw) => {
@@ -121,7 +206,8 @@ pub fn inspect(body: &[u8]) -> Result<RequestInfo<'_>> {
             } else if text == "null" {
                 None
             } else {
-                return Err(Error::new(Kind::InvalidRequest, "session_id must be a string or an integer"));
+                let message = "session_id must be a string or an integer";
+                return Err(Error::new(Kind::InvalidRequest, message).with_param("session_id"));
             }
         }
     };
@@ -262,6 +348,38 @@ mod tests {
         ] {
             let err = inspect(body).unwrap_err();
             assert_eq!(err.kind(), Kind::InvalidRequest, "{:?}", String::from_utf8_lossy(body));
+        }
+    }
+
+    #[test]
+    fn a_field_of_the_wrong_type_is_named() {
+        for (body, param, message) in [
+            (&br#"{"model": 5}"#[..], "model", "model must be a string, got the integer 5"),
+            (br#"{"model":"m","stream":"yes"}"#, "stream", "stream must be true or false, got a string \"yes\""),
+            (br#"{"n":-1}"#, "n", "n must be a non-negative integer, got the integer -1"),
+            (br#"{"max_tokens":1.5}"#, "max_tokens", "max_tokens must be a non-negative integer, got a number 1.5"),
+            (
+                br#"{"priority":[1]}"#,
+                "priority",
+                "priority must be an integer (-2147483648 to 2147483647), got an array [1]",
+            ),
+            (br#"{"session_id":{}}"#, "session_id", "session_id must be a string or an integer"),
+            (br#"{"model":"a","model":"b"}"#, "model", "model is given twice in the request body"),
+        ] {
+            let err = inspect(body).unwrap_err();
+            assert_eq!(err.param(), Some(param), "{:?}", String::from_utf8_lossy(body));
+            assert_eq!(err.message(), message);
+        }
+        let long = format!(r#"{{"model": [{}]}}"#, "1,".repeat(100) + "1");
+        assert!(inspect(long.as_bytes()).unwrap_err().message().ends_with("1,1,1...",), "a long value is cut short");
+    }
+
+    #[test]
+    fn a_body_that_is_not_json_says_so() {
+        for body in [&b"not json"[..], br#"{"model":"m""#, br#"{"model":"m",}"#] {
+            let err = inspect(body).unwrap_err();
+            assert!(err.message().starts_with("request body is not valid JSON: "), "{}", err.message());
+            assert_eq!(err.param(), None);
         }
     }
 
