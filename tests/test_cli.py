@@ -18,6 +18,7 @@ import pytest
 
 import pdproxy
 from pdproxy.config import Settings
+from pdproxy.node_record import NodeAttributes
 from pdproxy.testing import MockSettings
 from servers import chat_body, free_port, get_json, pdproxy_serve
 
@@ -239,6 +240,33 @@ def test_help_is_grouped_by_section() -> None:
     assert "--api-keys" in security
     assert "--ssl" in security
     assert "--connect-timeout" not in security
+
+
+def test_help_reads_at_80_columns_with_whole_words_and_typed_defaults() -> None:
+    help_text = run("serve", "--help", env={"COLUMNS": "80"}).stdout
+    lines = help_text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    assert not [line for line in lines if line.rstrip().endswith(("-", "="))], "a flag or example split"
+    assert "http://10.0.0.2:30000,role=prefill,model=qwen" in help_text, "the example stays whole"
+    node_help = help_text.split("--node TEXT")[1].split("\n  --")[0]
+    for name in NodeAttributes.model_fields:
+        assert name.removesuffix("s") in node_help, f"--node's help leaves out {name}"
+    assert "default: -1" not in help_text, "an unset marker is not a default"
+    assert 'default: ""' not in help_text
+    assert "PDPROXY_EDGE_THREADS; default: 0]" in " ".join(help_text.split()), "a zero default is still shown"
+    health = help_text.split("Health checks:")[1].split("\n\n")[0]
+    assert "--health-interval" in health
+    assert "--engine-metrics-interval" not in health, "engine readings have their own group"
+    mock_help = " ".join(run("mock-engine", "--help", env={"COLUMNS": "80"}).stdout.split())
+    for knob in ("status=N", "hang", "drop_after=N", "stall_body", "endless", "prefill.KNOB"):
+        assert knob in mock_help, knob
+    assert "(see faults)" not in mock_help
+
+
+def test_a_bad_node_attribute_is_named_once() -> None:
+    result = run("serve", "--node", "http://a:1,role=prefil")
+    one_line_refusal(result, "role 'prefil' is not hybrid, prefill or decode")
+    assert "role: role" not in result.stderr
 
 
 def test_static_nodes_carry_what_registration_would(tmp_path: Path) -> None:

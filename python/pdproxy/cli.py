@@ -12,11 +12,12 @@ import dataclasses
 import json
 import os
 import sys
+import textwrap
 import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, TypedDict, TypeVar
+from typing import TypedDict, TypeVar
 
 import click
 from pydantic.fields import FieldInfo
@@ -52,6 +53,8 @@ class Option:
     env_aliases: tuple[str, ...]
     #: The title of the group `--help` shows it under.
     section: str
+    #: What `--help` shows as its default, when not the default itself ("": nothing).
+    shown_default: str | None = None
 
 
 def options_of(cls: type) -> list[Option]:
@@ -65,6 +68,7 @@ def options_of(cls: type) -> list[Option]:
             aliases = tuple(str(a) for a in extra.get("aliases") or ())  # type: ignore[union-attr]
             env_aliases = tuple(str(a) for a in extra.get("env_aliases") or ())  # type: ignore[union-attr]
             kind = setting_kind(info)
+            shown = extra.get("shown_default")
             out.append(
                 Option(
                     name,
@@ -74,6 +78,7 @@ def options_of(cls: type) -> list[Option]:
                     (str(flag), *aliases),
                     env_aliases,
                     cls.group_of(name).title,
+                    None if shown is None else str(shown),
                 )
             )
         return out
@@ -117,29 +122,98 @@ def settings_options(cls: type, envvar_prefix: str | None) -> Callable[[F], F]:
     return decorate
 
 
+class _HelpFormatter(click.HelpFormatter):
+    """Help whose words are never split: a flag (``--node-dns``) or an example
+    (``role=prefill,model=qwen``) stays whole on one line, even when it overflows."""
+
+    def write_dl(self, rows: typing.Iterable[tuple[str, str]], col_max: int = 30, col_spacing: int = 2) -> None:
+        rows = list(rows)
+        width = min(max((len(term) for term, _ in rows), default=0), col_max)
+        text_width = max((self.width or 80) - self.current_indent - width - col_spacing, 20)
+        wrapper = textwrap.TextWrapper(text_width, break_long_words=False, break_on_hyphens=False)
+        indent = " " * self.current_indent
+        for term, text in rows:
+            lines = wrapper.wrap(text) or [""]
+            if len(term) > width:  # a long term: its text starts on the next line
+                self.write(f"{indent}{term}\n")
+                lines_at = [" " * (width + col_spacing) + line for line in lines]
+            else:
+                lines_at = [term.ljust(width + col_spacing) + lines[0]]
+                lines_at += [" " * (width + col_spacing) + line for line in lines[1:]]
+            self.write("".join(f"{indent}{line.rstrip()}\n" for line in lines_at))
+
+
+class _Context(click.Context):
+    formatter_class = _HelpFormatter
+
+
+def default_text(option: Option) -> str | None:
+    """A setting's default as a user would type it, or None when there is none to show (an
+    empty value or an unset marker, which the option's help explains)."""
+    value = option.default
+    if option.shown_default is not None:
+        return option.shown_default or None
+    if value is None or value is False or (isinstance(value, str | tuple) and not value):
+        return None
+    if value is True:
+        return "on"
+    if isinstance(value, tuple):
+        return " ".join(str(v) for v in value)
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
 class SettingsCommand(click.Command):
     """`pdproxy serve`: its help grouped by the settings' groups, and multi-valued options that
     take several values after one flag as LMDeploy's (``--api-keys k1 k2``) as well as the flag
     repeated."""
 
-    #: The settings whose options the command takes.
-    settings: ClassVar[type] = Settings
+    context_class = _Context
+
+    def settings_class(self) -> type:
+        """The settings whose options the command takes."""
+        return Settings
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        greedy = {flag for option in options_of(self.settings) if option.kind is tuple for flag in option.flags}
+        options = options_of(self.settings_class())
+        greedy = {flag for option in options if option.kind is tuple for flag in option.flags}
         return super().parse_args(ctx, spread_values(args, greedy))
 
     def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        sections = {option.name: option.section for option in options_of(self.settings)}
+        options = {option.name: option for option in options_of(self.settings_class())}
         groups: dict[str, list[tuple[str, str]]] = {}
         for param in self.get_params(ctx):
             record = param.get_help_record(ctx)
-            if record is not None:
-                groups.setdefault(sections.get(param.name or "", ""), []).append(record)
+            if record is None:
+                continue
+            option = options.get(param.name or "")
+            if option is not None:
+                record = (record[0], _help_of(option, param))
+            groups.setdefault(option.section if option else "", []).append(record)
         for title in dict.fromkeys(("", *(group.title for group in GROUPS))):  # each title once, in order
             if groups.get(title):
                 with formatter.section(title or "Options"):
                     formatter.write_dl(groups[title])
+
+
+def _help_of(option: Option, param: click.Parameter) -> str:
+    envvar = param.envvar
+    envvars = [str(v) for v in envvar] if isinstance(envvar, list | tuple) else [str(envvar)] if envvar else []
+    extra = [f"env var: {', '.join(envvars)}"] if envvars else []
+    default = default_text(option)
+    if default is not None:
+        extra.append(f"default: {default}")
+    return f"{option.help}  [{'; '.join(extra)}]" if extra else option.help
+
+
+class MockEngineCommand(SettingsCommand):
+    """`pdproxy mock-engine`: its options are the mock engine's settings."""
+
+    def settings_class(self) -> type:
+        from .testing.mock_engine import MockSettings
+
+        return MockSettings
 
 
 def spread_values(args: list[str], greedy: set[str]) -> list[str]:
@@ -175,7 +249,19 @@ def _load_config(ctx: click.Context, _param: click.Parameter, path: str | None) 
     ctx.default_map = {**(ctx.default_map or {}), **values}
 
 
-class _Main(click.Group):
+class _Command(click.Command):
+    context_class = _Context
+
+
+class _Group(click.Group):
+    context_class = _Context
+    command_class = _Command
+
+
+_Group.group_class = _Group  # its subgroups are its kind too
+
+
+class _Main(_Group):
     """`pdproxy`: its commands, and a peer router's command line given to it whole
     (``pdproxy --worker-urls ...``), which the hidden ``takeover`` command reads."""
 
@@ -285,7 +371,7 @@ def _mock_settings_options(fn: F) -> F:
     return settings_options(MockSettings, None)(fn)
 
 
-@main.command("mock-engine")
+@main.command("mock-engine", cls=MockEngineCommand)
 @_mock_settings_options
 @click.option(
     "--count",

@@ -80,13 +80,15 @@ def _setting(
     flag: str | None = None,
     aliases: tuple[str, ...] = (),
     env_aliases: tuple[str, ...] = (),
+    shown_default: str | None = None,
 ) -> Default:
     """A setting's default, help text and CLI spelling (``aliases``: LMDeploy's spellings, so
     existing launch scripts keep working; ``env_aliases``: environment variables read after
-    ``PDPROXY_<NAME>``, such as LMDeploy's). Typed as its default (pydantic's ``Field`` is
+    ``PDPROXY_<NAME>``, such as LMDeploy's; ``shown_default``: what ``--help`` shows for a
+    default that marks "unset", "" for nothing). Typed as its default (pydantic's ``Field`` is
     typed ``Any`` for the same reason: pydantic reads the field from it), so that mypy checks
     each default against its setting's type."""
-    extra = {"flag": flag, "aliases": list(aliases), "env_aliases": list(env_aliases)}
+    extra = {"flag": flag, "aliases": list(aliases), "env_aliases": list(env_aliases), "shown_default": shown_default}
     field: Default = Field(default, description=help, json_schema_extra=extra)  # type: ignore[arg-type]
     return field
 
@@ -348,10 +350,10 @@ class RoutingSettings(SettingsGroup):
     nodes: Several = _setting(
         (),
         (
-            "An inference server (LMDeploy, vLLM, SGLang api_server): its URL, optionally followed by ,key=value "
-            "pairs: role (hybrid, prefill, decode), model (repeatable), speed, max_concurrency, api_key, "
-            "bootstrap_port; e.g. http://10.0.0.2:30000,role=prefill,model=qwen. Repeat for several; in the "
-            "environment, separated by spaces; in TOML, strings or tables."
+            "An inference server (LMDeploy, vLLM, SGLang api_server): its URL, then optional ,key=value node "
+            "attributes: role (hybrid, prefill, decode), model (repeatable), speed, max_concurrency, api_key, "
+            "bootstrap_port, lease_ttl, labels.NAME=VALUE (repeatable). Repeat for several; in the environment, "
+            "separated by spaces; in TOML, strings or tables. Example: http://10.0.0.2:30000,role=prefill,model=qwen"
         ),
         flag="--node",
     )
@@ -621,6 +623,13 @@ class HealthSettings(SettingsGroup):
         0.0,
         "Remove a node unhealthy for this many seconds (0: never remove).",
     )
+
+
+class EngineMetricsSettings(SettingsGroup):
+    """Readings of each engine's own /metrics, which the load-aware policies route by."""
+
+    title: ClassVar[str] = "Engine metrics (each node's /metrics)"
+
     engine_metrics_interval: NotNegativeSeconds = _setting(
         2.0,
         (
@@ -955,6 +964,7 @@ class ObservabilitySettings(SettingsGroup):
     trace_sampler_arg: float = _setting(
         -1.0,
         "The ratio of the traceidratio samplers (0 to 1). Unset: OTEL_TRACES_SAMPLER_ARG, else 1.",
+        shown_default="",  # -1 marks it unset
     )
 
     @field_validator("access_log_format")
@@ -999,6 +1009,7 @@ GROUPS: tuple[type[SettingsGroup], ...] = (
     PdSettings,
     SecuritySettings,
     HealthSettings,
+    EngineMetricsSettings,
     TenantSettings,
     ObservabilitySettings,
 )
@@ -1009,6 +1020,7 @@ class Settings(
     TenantSettings,
     SecuritySettings,
     PdSettings,
+    EngineMetricsSettings,
     HealthSettings,
     TimeoutSettings,
     LimitsSettings,

@@ -204,4 +204,7 @@ def validation_message(error: ValidationError) -> str:
     """The first problem of ``error`` in one line, naming the field (``status.models``)."""
     first = error.errors()[0]
     where = ".".join(str(part) for part in first["loc"])
-    return f"{where}: {first['msg']}" if where else first["msg"]
+    message = str(first["msg"])
+    if not where or message.startswith(where.rsplit(".", 1)[-1] + " "):  # a message that names its field
+        return message
+    return f"{where}: {message}"

@@ -57,6 +57,14 @@ class Faults:
 
 NO_FAULTS = Faults()
 
+#: `mock-engine --fault`'s help: every knob, from the fields above.
+FAULT_HELP = (
+    "Faults for every request, as ;-separated knobs: "
+    + ", ".join(f.name if f.default is False else f"{f.name}=N" for f in dataclasses.fields(Faults))
+    + "; one role's only as prefill.KNOB or decode.KNOB. A request's x-mock-fault header overrides "
+    "them knob by knob (pdproxy/testing/faults.py says what each does)."
+)
+
 
 ROLES = ("hybrid", "prefill", "decode")
 

@@ -31,7 +31,7 @@ from . import distserve, engine_metrics, vllm_fields
 from .batching import ContinuousBatcher, EngineModel, PromptTooLong
 from .distserve import ID_FORMATS, KvLedger, Links
 from .engine_metrics import DIALECTS, EngineFigures
-from .faults import FAULT_HEADER, NO_FAULTS, Faults, FaultSpecError, parse_faults
+from .faults import FAULT_HEADER, FAULT_HELP, NO_FAULTS, Faults, FaultSpecError, parse_faults
 from .generation import count_tokens, generate, prompt_text, token_id
 from .tokens import TOKEN_BYTES, block_hashes, render_prompt
 from .tokens import count_tokens as sim_tokens
@@ -63,7 +63,7 @@ class MockSettings:
     role: str = field(default="hybrid", metadata={"help": "Engine role: hybrid, prefill or decode."})
     ttft_ms: float = field(default=0.0, metadata={"help": "Milliseconds before the first token."})
     token_delay_ms: float = field(default=0.0, metadata={"help": "Milliseconds between tokens."})
-    fault: str = field(default="", metadata={"help": "Process-wide fault knobs, e.g. 'status=503' (see faults)."})
+    fault: str = field(default="", metadata={"help": FAULT_HELP})
     allow_terminate: bool = field(
         default=False, metadata={"help": "Let GET /terminate stop the engine (LMDeploy's --allow-terminate-by-client)."}
     )
