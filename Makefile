@@ -54,6 +54,10 @@ test-rust: ## the cargo tests (no Python): the data plane's, and the load genera
 fresh-test: ## the README's test command on a fresh clone: system packages, pip install ".[test]", pytest, cargo test
 	PYTHON=$(PYTHON) scripts/test.sh
 
+.PHONY: wheel
+wheel: ## the manylinux abi3 wheel users install without Rust, into dist/ (checked: auditwheel, a clean venv serves --demo)
+	PYTHON=$(PYTHON) scripts/wheel.sh dist
+
 .PHONY: bench
 bench: ## run every benchmark scenario and refresh bench/README.md
 	$(PYTHON) bench/run.py --write-readme
