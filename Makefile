@@ -58,6 +58,10 @@ fresh-test: ## the README's test command on a fresh clone: system packages, pip 
 wheel: ## the manylinux abi3 wheel users install without Rust, into dist/ (checked: auditwheel, a clean venv serves --demo)
 	PYTHON=$(PYTHON) scripts/wheel.sh dist
 
+.PHONY: screenshot
+screenshot: ## regenerate docs/dashboard.png (the dashboard's browser test, at 1400 px, writes it)
+	SCREENSHOT_TO=docs/dashboard.png $(PYTHON) -m pytest -q tests/test_dashboard.py
+
 .PHONY: bench
 bench: ## run every benchmark scenario and refresh bench/README.md
 	$(PYTHON) bench/run.py --write-readme

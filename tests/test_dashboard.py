@@ -4,6 +4,7 @@ shows the registered nodes and updates after a request."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 from pathlib import Path
 
@@ -34,6 +35,10 @@ def browser():  # type: ignore[no-untyped-def]
     driver.set_page_load_timeout(20)
     yield driver
     driver.quit()
+
+
+#: A command that regenerates docs/dashboard.png: SCREENSHOT_TO=docs/dashboard.png pytest tests/test_dashboard.py
+SCREENSHOT_TO = os.environ.get("SCREENSHOT_TO")
 
 
 async def test_dashboard_shows_nodes_and_updates(tmp_path: Path, browser, http: aiohttp.ClientSession) -> None:  # type: ignore[no-untyped-def]
@@ -90,3 +95,13 @@ async def test_dashboard_shows_nodes_and_updates(tmp_path: Path, browser, http: 
                 return []
 
             await until(lambda: engine_cells() == [("0", "0%"), ("0", "0%")])
+
+            # The whole table fits a 1400 px window: no column hidden past a scroll bar.
+            await asyncio.to_thread(browser.set_window_size, 1400, 700)
+            inner, wide = await asyncio.to_thread(
+                browser.execute_script,
+                "return [window.innerWidth, document.documentElement.scrollWidth]",
+            )
+            assert wide <= inner, f"the page is {wide} px wide in a {inner} px window"
+            if SCREENSHOT_TO:
+                await asyncio.to_thread(browser.save_screenshot, SCREENSHOT_TO)
