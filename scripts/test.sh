@@ -36,6 +36,8 @@ if ((${#missing[@]})); then
   fi
 fi
 
+where=$("$PYTHON" -c 'import sys; print(sys.prefix, "(a virtual environment)" if sys.prefix != sys.base_prefix else "(not a virtual environment)")')
+echo "scripts/test.sh: installing pdproxy and its test tools with $PYTHON into $where" >&2
 "$PYTHON" -m pip install --quiet ".[test]" \
   || fail "pip could not install pdproxy; inside a virtual environment it can: $PYTHON -m venv .venv && . .venv/bin/activate"
 # The peer routers' own parsers, from PyPI, which the command-line takeover is tested against.

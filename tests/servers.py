@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -13,7 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +75,47 @@ def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM) -> int:
     return proc.returncode
 
 
-@contextlib.contextmanager
+class Started:
+    """A process a test starts, ready once it answers: ``with`` waits for it by blocking (sync
+    tests); ``async with`` waits while the test's event loop goes on serving, so that mock
+    engines running in that loop answer the process as it comes up (a blocked loop would leave
+    its model discovery to time out and retry seconds later). Stopped on leaving either."""
+
+    def __init__(self, launch: Callable[[], Process], ready: Callable[[Process], bool], what: str) -> None:
+        self._launch, self._ready, self._what = launch, ready, what
+        self._process: Process | None = None
+
+    def __enter__(self) -> Process:
+        process = self._process = self._launch()
+        try:
+            wait_until(lambda: self._ready(process), READY_TIMEOUT, self._what)
+        except BaseException:
+            process.stop()
+            raise
+        return process
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._process is not None:
+            self._process.stop()
+
+    async def __aenter__(self) -> Process:
+        process = self._process = await asyncio.to_thread(self._launch)
+        try:
+            deadline = time.monotonic() + READY_TIMEOUT
+            while not await asyncio.to_thread(self._ready, process):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"timed out after {READY_TIMEOUT}s waiting for {self._what}")
+                await asyncio.sleep(0.05)
+        except BaseException:
+            await asyncio.to_thread(process.stop)
+            raise
+        return process
+
+    async def __aexit__(self, *_exc: object) -> None:
+        if self._process is not None:
+            await asyncio.to_thread(self._process.stop)
+
+
 def run_process(
     args: list[str],
     url: str,
@@ -86,23 +125,26 @@ def run_process(
     ready: Callable[[], bool] | None = None,
     tls: ssl.SSLContext | None = None,
     preexec: Callable[[], object] | None = None,
-) -> Iterator[Process]:
-    """Starts ``pdproxy <args>`` and yields once ``url + ready_path`` answers 200 (over HTTPS
-    verified with ``tls`` when given). ``preexec`` runs in the child before it starts (its limits)."""
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdproxy", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, **(env or {})},
-            preexec_fn=preexec,
-        )
-    process = Process(proc, url, log_path)
+) -> Started:
+    """``pdproxy <args>``, ready once ``url + ready_path`` answers 200 (over HTTPS verified with
+    ``tls`` when given) and ``ready()`` holds. ``preexec`` runs in the child before it starts
+    (its limits)."""
 
-    def is_ready() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"pdproxy {' '.join(args)} exited with {proc.returncode}:\n{process.log()}")
+    def launch() -> Process:
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "pdproxy", *args],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, **(env or {})},
+                preexec_fn=preexec,
+            )
+        return Process(proc, url, log_path)
+
+    def is_ready(process: Process) -> bool:
+        if process.proc.poll() is not None:
+            raise AssertionError(f"pdproxy {' '.join(args)} exited with {process.proc.returncode}:\n{process.log()}")
         try:
             with urllib.request.urlopen(url + ready_path, timeout=1, context=tls) as response:
                 if response.status != 200:
@@ -111,27 +153,20 @@ def run_process(
             return False
         return ready() if ready else True
 
-    try:
-        wait_until(is_ready, READY_TIMEOUT, f"{' '.join(args)} to be ready")
-        yield process
-    finally:
-        process.stop()
+    return Started(launch, is_ready, f"{' '.join(args)} to be ready")
 
 
-@contextlib.contextmanager
-def mock_engine(tmp_path: Any, model: str, *extra: str, tls: ssl.SSLContext | None = None) -> Iterator[Process]:
+def mock_engine(tmp_path: Any, model: str, *extra: str, tls: ssl.SSLContext | None = None) -> Started:
     port = free_port()
-    with run_process(
+    return run_process(
         ["mock-engine", "--port", str(port), "--model", model, *extra],
         f"{'https' if tls else 'http'}://127.0.0.1:{port}",
         "/health",
         str(tmp_path / f"mock-{model}-{port}.log"),
         tls=tls,
-    ) as process:
-        yield process
+    )
 
 
-@contextlib.contextmanager
 def pdproxy_serve(
     tmp_path: Any,
     *args: str,
@@ -139,12 +174,13 @@ def pdproxy_serve(
     ready: Callable[[str], bool] | None = None,
     tls: ssl.SSLContext | None = None,
     preexec: Callable[[], object] | None = None,
-) -> Iterator[Process]:
-    """`pdproxy serve ARGS` on a free port (HTTPS, verified with ``tls``, when given)."""
+) -> Started:
+    """`pdproxy serve ARGS` on a free port (HTTPS, verified with ``tls``, when given); ``async
+    with`` it in async tests (see ``Started``)."""
     port = free_port()
     url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     edge = () if "--edge" in args else ("--edge", EDGE)
-    with run_process(
+    return run_process(
         ["serve", "--port", str(port), *edge, *args],
         url,
         "/health",
@@ -153,8 +189,7 @@ def pdproxy_serve(
         ready=(lambda: ready(url)) if ready else None,
         tls=tls,
         preexec=preexec,
-    ) as process:
-        yield process
+    )
 
 
 def chat_body(

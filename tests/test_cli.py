@@ -298,7 +298,7 @@ async def test_static_nodes_are_registered_with_what_they_declare(tmp_path: Path
             f"{prefill.url},role=prefill,model=m,speed=2,max_concurrency=3,api_key=node-key,bootstrap_port=8998",
             f"{decode.url},role=3,model=m",
         ]
-        with pdproxy_serve(tmp_path, "--serving-strategy", "DistServe", "--node", *nodes) as proxy:
+        async with pdproxy_serve(tmp_path, "--serving-strategy", "DistServe", "--node", *nodes) as proxy:
             async with http.get(proxy.url + "/nodes/status") as r:
                 status = await r.json()
             assert (status[prefill.url]["role"], status[decode.url]["role"]) == (2, 3)
@@ -337,7 +337,7 @@ async def test_demo_serves_a_streaming_chat_and_cleans_up(tmp_path: Path, http: 
     def has_demo_model(url: str) -> bool:
         return [m["id"] for m in get_json(url + "/v1/models")["data"]] == ["pdproxy-demo"]
 
-    with pdproxy_serve(tmp_path, "--demo", ready=has_demo_model) as demo:
+    async with pdproxy_serve(tmp_path, "--demo", ready=has_demo_model) as demo:
         body = chat_body("pdproxy-demo", stream=True)
         async with http.post(demo.url + "/v1/chat/completions", json=body) as r:
             assert r.status == 200

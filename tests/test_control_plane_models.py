@@ -87,7 +87,7 @@ async def test_bad_management_bodies_name_the_field(tmp_path: Path, http: aiohtt
         ("/nodes/remove", {"url": ["http://127.0.0.1:1"]}, "invalid_request", "url"),
         ("/nodes/terminate", {}, "invalid_request", "url"),
     ]
-    with pdproxy_serve(tmp_path) as p:
+    async with pdproxy_serve(tmp_path) as p:
         for path, body, code, field in cases:
             async with http.post(p.url + path, json=body) as r:
                 error = (await r.json())["error"]
@@ -104,9 +104,8 @@ async def test_bad_management_bodies_name_the_field(tmp_path: Path, http: aiohtt
 async def test_openapi_lists_every_management_route_with_its_body_schema(
     tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    with pdproxy_serve(tmp_path) as p:
-        async with http.get(p.url + "/openapi.json") as r:
-            document = await r.json()
+    async with pdproxy_serve(tmp_path) as p, http.get(p.url + "/openapi.json") as r:
+        document = await r.json()
     schemas = document["components"]["schemas"]
 
     def resolve(reference: dict[str, Any]) -> dict[str, Any]:
@@ -129,7 +128,9 @@ async def test_openapi_lists_every_management_route_with_its_body_schema(
 async def test_labels_come_from_static_config_and_registration(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     state = tmp_path / "nodes.json"
     async with MockEngine(model="m") as configured, MockEngine(model="m") as registered:
-        with pdproxy_serve(tmp_path, "--state-file", str(state), "--node", f"{configured.url},labels.zone=eu") as p:
+        async with pdproxy_serve(
+            tmp_path, "--state-file", str(state), "--node", f"{configured.url},labels.zone=eu"
+        ) as p:
             body = {"url": registered.url, "status": {"models": ["m"], "role": 1}, "labels": {"rack": "r7"}}
             async with http.post(p.url + "/nodes/add", json=body) as r:
                 assert r.status == 200

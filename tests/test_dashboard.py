@@ -45,63 +45,66 @@ async def test_dashboard_shows_nodes_and_updates(tmp_path: Path, browser, http: 
     from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
 
-    async with MockEngine(model="m") as a, MockEngine(model="m") as b:
-        with pdproxy_serve(
+    async with (
+        MockEngine(model="m") as a,
+        MockEngine(model="m") as b,
+        pdproxy_serve(
             tmp_path, "--node", f"{a.url},model=m", "--node", f"{b.url},model=m", "--admin-keys", "dash-key"
-        ) as proxy:
-            # The browser blocks, so it runs in a thread while this loop serves the mock engines.
-            await asyncio.to_thread(browser.get, proxy.url + "/dashboard#key=dash-key")
+        ) as proxy,
+    ):
+        # The browser blocks, so it runs in a thread while this loop serves the mock engines.
+        await asyncio.to_thread(browser.get, proxy.url + "/dashboard#key=dash-key")
 
-            def rows() -> dict[str, int]:
-                # The page rebuilds its table every second: a row read mid-rebuild is stale, read again.
-                for _ in range(10):
-                    try:
-                        return {
-                            row.get_attribute("data-node"): int(row.find_element(By.CLASS_NAME, "requests").text)
-                            for row in browser.find_elements(By.CSS_SELECTOR, "#nodes-table tbody tr")
-                        }
-                    except StaleElementReferenceException:
-                        continue
-                return {}
+        def rows() -> dict[str, int]:
+            # The page rebuilds its table every second: a row read mid-rebuild is stale, read again.
+            for _ in range(10):
+                try:
+                    return {
+                        row.get_attribute("data-node"): int(row.find_element(By.CLASS_NAME, "requests").text)
+                        for row in browser.find_elements(By.CSS_SELECTOR, "#nodes-table tbody tr")
+                    }
+                except StaleElementReferenceException:
+                    continue
+            return {}
 
-            async def until(check) -> None:  # type: ignore[no-untyped-def]
-                for _ in range(300):
-                    if await asyncio.to_thread(check):
-                        return
-                    await asyncio.sleep(0.1)
-                raise AssertionError(f"the page never showed it: {await asyncio.to_thread(rows)}")
+        async def until(check) -> None:  # type: ignore[no-untyped-def]
+            for _ in range(300):
+                if await asyncio.to_thread(check):
+                    return
+                await asyncio.sleep(0.1)
+            raise AssertionError(f"the page never showed it: {await asyncio.to_thread(rows)}")
 
-            await until(lambda: set(rows()) == {a.url, b.url})
-            assert await asyncio.to_thread(lambda: browser.find_element(By.ID, "nodes").text) == "2"
-            before = sum((await asyncio.to_thread(rows)).values())
-            async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
-                assert r.status == 200
-            await until(lambda: sum(rows().values()) == before + 1)
-            assert await asyncio.to_thread(lambda: browser.find_element(By.ID, "error").text) == ""
+        await until(lambda: set(rows()) == {a.url, b.url})
+        assert await asyncio.to_thread(lambda: browser.find_element(By.ID, "nodes").text) == "2"
+        before = sum((await asyncio.to_thread(rows)).values())
+        async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
+            assert r.status == 200
+        await until(lambda: sum(rows().values()) == before + 1)
+        assert await asyncio.to_thread(lambda: browser.find_element(By.ID, "error").text) == ""
 
-            def engine_cells() -> list[tuple[str, str]]:
-                # What each engine's /metrics said, once pdproxy has read them ("-" before).
-                for _ in range(10):
-                    try:
-                        return [
-                            (
-                                row.find_element(By.CLASS_NAME, "engine-running").text,
-                                row.find_element(By.CLASS_NAME, "engine-kv").text,
-                            )
-                            for row in browser.find_elements(By.CSS_SELECTOR, "#nodes-table tbody tr")
-                        ]
-                    except StaleElementReferenceException:
-                        continue
-                return []
+        def engine_cells() -> list[tuple[str, str]]:
+            # What each engine's /metrics said, once pdproxy has read them ("-" before).
+            for _ in range(10):
+                try:
+                    return [
+                        (
+                            row.find_element(By.CLASS_NAME, "engine-running").text,
+                            row.find_element(By.CLASS_NAME, "engine-kv").text,
+                        )
+                        for row in browser.find_elements(By.CSS_SELECTOR, "#nodes-table tbody tr")
+                    ]
+                except StaleElementReferenceException:
+                    continue
+            return []
 
-            await until(lambda: engine_cells() == [("0", "0%"), ("0", "0%")])
+        await until(lambda: engine_cells() == [("0", "0%"), ("0", "0%")])
 
-            # The whole table fits a 1400 px window: no column hidden past a scroll bar.
-            await asyncio.to_thread(browser.set_window_size, 1400, 700)
-            inner, wide = await asyncio.to_thread(
-                browser.execute_script,
-                "return [window.innerWidth, document.documentElement.scrollWidth]",
-            )
-            assert wide <= inner, f"the page is {wide} px wide in a {inner} px window"
-            if SCREENSHOT_TO:
-                await asyncio.to_thread(browser.save_screenshot, SCREENSHOT_TO)
+        # The whole table fits a 1400 px window: no column hidden past a scroll bar.
+        await asyncio.to_thread(browser.set_window_size, 1400, 700)
+        inner, wide = await asyncio.to_thread(
+            browser.execute_script,
+            "return [window.innerWidth, document.documentElement.scrollWidth]",
+        )
+        assert wide <= inner, f"the page is {wide} px wide in a {inner} px window"
+        if SCREENSHOT_TO:
+            await asyncio.to_thread(browser.save_screenshot, SCREENSHOT_TO)

@@ -100,7 +100,7 @@ async def test_a_names_records_are_its_nodes_and_follow_its_changes(
     records.set("vllm.fleet.test", "A", [A("127.0.0.1"), A("127.0.0.2")])
     records.set("vllm.fleet.test", "AAAA", [])
     flags = dns_flags(port, f"vllm.fleet.test:{engine_port},role=hybrid,labels.pool=dns")
-    with pdproxy_serve(tmp_path, *flags) as proxy:
+    async with pdproxy_serve(tmp_path, *flags) as proxy:
         await eventually(lambda: nodes_are(http, proxy, {a.url, b.url}), what="both addresses as nodes")
         node = (await nodes(http, proxy))[b.url]
         assert node["found_by"] == {"source": "dns", "where": "vllm.fleet.test"}
@@ -140,7 +140,7 @@ async def test_srv_records_give_each_node_its_port(
         records.set("_http._tcp.vllm.fleet.test", "SRV", [SRV(target="e.fleet.test.", port=e.port) for e in (one, two)])
         records.set("e.fleet.test", "A", [A("127.0.0.1")])
         records.set("e.fleet.test", "AAAA", [])
-        with pdproxy_serve(tmp_path, *dns_flags(port, "srv:_http._tcp.vllm.fleet.test")) as proxy:
+        async with pdproxy_serve(tmp_path, *dns_flags(port, "srv:_http._tcp.vllm.fleet.test")) as proxy:
             await eventually(lambda: nodes_are(http, proxy, {one.url, two.url}), what="a node per SRV record")
 
 
@@ -173,7 +173,7 @@ async def test_a_found_node_that_left_the_table_comes_back_with_the_next_resolut
     records, port = zone
     async with MockEngine(model="m") as engine:
         records.set("one.fleet.test", "A", [A("127.0.0.1")])
-        with pdproxy_serve(tmp_path, *dns_flags(port, f"one.fleet.test:{engine.port}")) as proxy:
+        async with pdproxy_serve(tmp_path, *dns_flags(port, f"one.fleet.test:{engine.port}")) as proxy:
             await eventually(lambda: nodes_are(http, proxy, {engine.url}), what="the node")
             async with http.post(proxy.url + "/nodes/remove", json={"url": engine.url}) as r:
                 assert r.status == 200

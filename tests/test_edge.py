@@ -79,7 +79,7 @@ def test_a_taken_port_is_refused(tmp_path: Path, edge: str) -> None:
 async def test_sigterm_drains_streams_then_exits_cleanly(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     async with MockEngine(MockSettings(port=0, model="m", token_delay_ms=50)) as engine:
         node = f"{engine.url},model=m"
-        with pdproxy_serve(tmp_path, "--edge", "rust", "--node", node, "--drain-timeout", "10") as proxy:
+        async with pdproxy_serve(tmp_path, "--edge", "rust", "--node", node, "--drain-timeout", "10") as proxy:
             body = chat_body("m", stream=True, max_tokens=10, ignore_eos=True)
             async with http.post(proxy.url + "/v1/chat/completions", json=body) as stream:
                 assert (await stream.content.readline()).startswith(b"data: ")

@@ -40,12 +40,14 @@ async def full_node(tmp_path: Path, http: aiohttp.ClientSession) -> AsyncIterato
     tenants = tmp_path / "tenants.toml"
     tenants.write_text(TENANTS)
     args = ("--tenants-file", str(tenants), "--admin-keys", "admin", "--queue-size", "512")
-    async with MockEngine(MockSettings(port=0, model="m", token_delay_ms=TOKEN_DELAY_MS)) as engine:
-        with pdproxy_serve(tmp_path, *args) as proxy:
-            body = {"url": engine.url, "status": {"models": ["m"], "role": 1}, "max_concurrency": 1}
-            async with http.post(proxy.url + "/nodes/add", json=body, headers={"authorization": "Bearer admin"}) as r:
-                assert r.status in (200, 201), await r.text()
-            yield proxy, engine
+    async with (
+        MockEngine(MockSettings(port=0, model="m", token_delay_ms=TOKEN_DELAY_MS)) as engine,
+        pdproxy_serve(tmp_path, *args) as proxy,
+    ):
+        body = {"url": engine.url, "status": {"models": ["m"], "role": 1}, "max_concurrency": 1}
+        async with http.post(proxy.url + "/nodes/add", json=body, headers={"authorization": "Bearer admin"}) as r:
+            assert r.status in (200, 201), await r.text()
+        yield proxy, engine
 
 
 async def one(

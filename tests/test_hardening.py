@@ -59,7 +59,7 @@ def rss(pid: int) -> int:
 async def test_a_bad_health_answer_does_not_stop_the_checks(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     async with MockEngine(model="m") as bad, MockEngine(model="m") as good:
         await configure(http, bad, health_body="garbage")
-        with pdproxy_serve(tmp_path, *FAST_HEALTH) as proxy:
+        async with pdproxy_serve(tmp_path, *FAST_HEALTH) as proxy:
             assert (await add(http, proxy.url, bad.url))[0] == 200
             assert (await add(http, proxy.url, good.url))[0] == 200
             await asyncio.sleep(1.0)  # several rounds over the bad answer
@@ -79,7 +79,7 @@ async def _state(http: aiohttp.ClientSession, proxy: str, url: str, wanted: str)
 async def test_a_node_key_that_is_no_header_value_is_refused(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
 ) -> None:
-    with pdproxy_serve(tmp_path) as proxy:
+    async with pdproxy_serve(tmp_path) as proxy:
         code, body = await add(http, proxy.url, engine.url, api_key="key\r\nx-injected: 1")
         assert code == 400
         assert body["error"]["code"] == "invalid_node"
@@ -90,7 +90,7 @@ async def test_a_node_key_that_is_no_header_value_is_refused(
 
 
 async def test_the_proxy_refuses_itself_as_a_node(tmp_path: Path, http: aiohttp.ClientSession) -> None:
-    with pdproxy_serve(tmp_path) as proxy:
+    async with pdproxy_serve(tmp_path) as proxy:
         port = proxy.url.rsplit(":", 1)[1]
         for url in (proxy.url, f"http://localhost:{port}", f"http://0.0.0.0:{port}"):
             code, body = await add(http, proxy.url, url)
@@ -116,7 +116,7 @@ async def test_a_loop_through_another_hop_is_cut(tmp_path: Path, http: aiohttp.C
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
-        with pdproxy_serve(tmp_path) as proxy:
+        async with pdproxy_serve(tmp_path) as proxy:
             target.append(proxy.url)
             assert (await add(http, proxy.url, f"http://127.0.0.1:{port}"))[0] == 200
             async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
@@ -143,7 +143,7 @@ async def _idle(http: aiohttp.ClientSession, url: str) -> bool:
 @contextlib.asynccontextmanager
 async def _serving(tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession, *flags: str) -> AsyncIterator[str]:
     """`pdproxy serve` in front of `engine` with `flags`, once it routes; its URL."""
-    with pdproxy_serve(tmp_path, "--node", engine.url, *flags) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", engine.url, *flags) as proxy:
         await eventually(lambda: _routes(http, proxy.url))
         yield proxy.url
 
@@ -202,7 +202,7 @@ async def test_the_request_timeout_bounds_the_whole_request(
 async def test_keyless_management_refuses_other_sites(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession, method: str, path: str, headers: dict[str, str]
 ) -> None:
-    with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
         async with http.request(method, proxy.url + path, headers=headers, json={"url": engine.url}) as r:
             assert r.status == 403, await r.text()
             assert (await r.json())["error"]["code"] == "forbidden"
@@ -219,7 +219,9 @@ async def test_keyless_management_refuses_other_sites(
 async def test_client_provoked_500s_do_not_open_the_circuit(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
 ) -> None:
-    with pdproxy_serve(tmp_path, "--node", engine.url, "--circuit-failures", "3", "--circuit-cooldown", "60") as proxy:
+    async with pdproxy_serve(
+        tmp_path, "--node", engine.url, "--circuit-failures", "3", "--circuit-cooldown", "60"
+    ) as proxy:
         await eventually(lambda: _routes(http, proxy.url))
         for _ in range(6):
             async with http.post(
@@ -252,7 +254,7 @@ async def test_client_provoked_500s_do_not_open_the_circuit(
     ],
 )
 async def test_more_addresses_are_refused_as_nodes(tmp_path: Path, http: aiohttp.ClientSession, url: str) -> None:
-    with pdproxy_serve(tmp_path) as proxy:
+    async with pdproxy_serve(tmp_path) as proxy:
         code, body = await add(http, proxy.url, url)
         assert code == 400, (url, body)
         assert body["error"]["code"] == "invalid_node"
@@ -261,7 +263,7 @@ async def test_more_addresses_are_refused_as_nodes(tmp_path: Path, http: aiohttp
 async def test_a_node_is_reached_at_the_address_that_was_checked(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
 ) -> None:
-    with pdproxy_serve(tmp_path) as proxy:
+    async with pdproxy_serve(tmp_path) as proxy:
         assert (await add(http, proxy.url, f"http://localhost:{engine.port}"))[0] == 200
         node = (await status(http, proxy.url))[f"http://localhost:{engine.port}"]
         assert node["address"] in (f"127.0.0.1:{engine.port}", f"[::1]:{engine.port}")
@@ -276,7 +278,7 @@ async def test_a_node_is_reached_at_the_address_that_was_checked(
 async def test_pass_through_refuses_dot_segments_and_encoded_separators(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession, path: str
 ) -> None:
-    with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
         await eventually(lambda: _routes(http, proxy.url))
         answer = await raw_post(proxy.url, path, b'{"model": "m"}')
         assert answer.startswith(b"HTTP/1.1 400"), answer[:300]
@@ -289,7 +291,7 @@ async def test_pass_through_refuses_dot_segments_and_encoded_separators(
 
 async def test_clients_that_never_read_cost_a_bounded_amount(tmp_path: Path, engine: MockEngine) -> None:
     limit = 256 << 10
-    with pdproxy_serve(tmp_path, "--node", engine.url, "--stream-buffer-limit", str(limit)) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", engine.url, "--stream-buffer-limit", str(limit)) as proxy:
         host, port = proxy.url.removeprefix("http://").split(":")
         body = b'{"model": "m", "stream": true, "messages": []}'
         request = (
@@ -346,7 +348,7 @@ async def test_an_event_larger_than_the_buffer_is_delivered(tmp_path: Path, http
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
-        with pdproxy_serve(tmp_path, "--stream-buffer-limit", str(1 << 20)) as proxy:
+        async with pdproxy_serve(tmp_path, "--stream-buffer-limit", str(1 << 20)) as proxy:
             async with http.post(
                 proxy.url + "/nodes/add", json={"url": f"http://127.0.0.1:{port}", "status": {"models": ["m"]}}
             ) as r:
@@ -365,7 +367,7 @@ async def test_huge_health_and_model_answers_are_not_read_whole(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
 ) -> None:
     await configure(http, engine, health_body="huge", models_body="huge")
-    with pdproxy_serve(tmp_path, *FAST_HEALTH) as proxy:
+    async with pdproxy_serve(tmp_path, *FAST_HEALTH) as proxy:
         await asyncio.sleep(0.5)
         before = rss(proxy.proc.pid)
         async with http.post(proxy.url + "/nodes/add", json={"url": engine.url}) as r:
@@ -381,7 +383,7 @@ async def test_huge_health_and_model_answers_are_not_read_whole(
 
 
 async def test_log_lines_cannot_be_forged(tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession) -> None:
-    with pdproxy_serve(tmp_path, "--node", engine.url, "--access-log") as proxy:
+    async with pdproxy_serve(tmp_path, "--node", engine.url, "--access-log") as proxy:
         await eventually(lambda: _routes(http, proxy.url))
         forged = "m\nrequest_id=forged method=POST path=/admin status=200"
         async with http.post(proxy.url + "/v1/chat/completions", json=chat_body(forged)) as r:
@@ -422,7 +424,7 @@ async def test_a_bad_body_is_answered_naming_its_field_or_saying_it_is_not_json(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
 ) -> None:
     json_body = {"content-type": "application/json"}
-    with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
         await eventually(lambda: _routes(http, proxy.url))
         for body, param, says in [
             (b'{"model": 5, "messages": []}', "model", "model must be a string, got the integer 5"),
@@ -443,7 +445,7 @@ async def test_a_bad_body_is_answered_naming_its_field_or_saying_it_is_not_json(
 
 
 async def test_malformed_input_gets_400(tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession) -> None:
-    with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
         await eventually(lambda: _routes(http, proxy.url))
         bad_chunks = (
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"

@@ -48,7 +48,7 @@ async def serves_m(http: aiohttp.ClientSession, proxy: str) -> bool:
 async def test_n_and_best_of_are_bounded(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession, field: str, value: int
 ) -> None:
-    with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
         await eventually(lambda: serves_m(http, proxy.url))
         async with http.post(proxy.url + CHAT, json=chat_body("m", **{field: value})) as r:
             assert r.status == 400, await r.text()
@@ -65,7 +65,7 @@ async def test_n_in_sglang_disaggregation_is_refused_before_anything_grows(
 ) -> None:
     prefill, decode = pd_engines
     args = ("--serving-strategy", "DistServe", "--pd-protocol", "sglang", "--max-n", "4")
-    with pdproxy_serve(tmp_path, *args) as proxy:
+    async with pdproxy_serve(tmp_path, *args) as proxy:
         await register(http, proxy.url, prefill, 2)
         await register(http, proxy.url, decode, 3)
         body = {"model": "m", "prompt": "hi", "n": 10**12}
@@ -95,7 +95,7 @@ async def test_the_soft_descriptor_limit_is_raised_to_the_hard_one(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
 ) -> None:
     hard = 8192  # the usual soft limit below it
-    with pdproxy_serve(tmp_path, "--node", engine.url, preexec=_with_nofile(1024, hard)) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", engine.url, preexec=_with_nofile(1024, hard)) as proxy:
         await eventually(lambda: serves_m(http, proxy.url))
         assert _open_file_limit(proxy.proc.pid) == hard
         idle = idle_connections(int(proxy.url.rsplit(":", 1)[1]), 1100)
@@ -119,7 +119,7 @@ async def test_a_flood_of_connections_is_refused_at_accept_and_opens_no_circuit(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
 ) -> None:
     flags = ("--node", engine.url, "--max-connections", "64", "--circuit-failures", "2")
-    with pdproxy_serve(tmp_path, *flags, preexec=_with_nofile(200, 200)) as proxy:
+    async with pdproxy_serve(tmp_path, *flags, preexec=_with_nofile(200, 200)) as proxy:
         await eventually(lambda: serves_m(http, proxy.url))
         # An open connection, kept through the flood.
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as kept:
@@ -149,7 +149,7 @@ async def test_running_out_of_descriptors_is_not_a_node_failure(
     # A cap above what the descriptors allow, and node connections that do not stay pooled: a
     # request that comes during the flood finds no descriptor for its node connection.
     flags = ("--node", engine.url, "--max-connections", "1000", "--circuit-failures", "2", "--retries", "0")
-    with pdproxy_serve(tmp_path, *flags, "--pool-idle-timeout", "0.3", preexec=_with_nofile(128, 128)) as proxy:
+    async with pdproxy_serve(tmp_path, *flags, "--pool-idle-timeout", "0.3", preexec=_with_nofile(128, 128)) as proxy:
         await eventually(lambda: serves_m(http, proxy.url))
         answers = []
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as kept:
@@ -178,7 +178,7 @@ async def test_running_out_of_descriptors_is_not_a_node_failure(
 async def test_forwarded_and_x_real_ip_from_the_client_do_not_reach_the_node(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
 ) -> None:
-    with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
         await eventually(lambda: serves_m(http, proxy.url))
         claims = {"forwarded": "for=1.2.3.4;proto=https", "x-real-ip": "1.2.3.4"}
         async with http.post(proxy.url + CHAT, json=chat_body("m"), headers=claims) as r:
@@ -195,7 +195,7 @@ async def test_forwarded_and_x_real_ip_from_the_client_do_not_reach_the_node(
 async def test_an_encoded_inference_path_is_not_served(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
 ) -> None:
-    with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
         await eventually(lambda: serves_m(http, proxy.url))
         for path in ("/v1%2Fchat%2Fcompletions", "/v1%2fcompletions", "/%761/chat/completions"):
             answer = await raw_post(proxy.url, path, json.dumps(chat_body("m")).encode())
@@ -206,7 +206,7 @@ async def test_an_encoded_inference_path_is_not_served(
 async def test_keyless_management_refuses_the_null_origin(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
 ) -> None:
-    with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
         async with http.post(proxy.url + "/nodes/remove", json={"url": engine.url}, headers={"origin": "null"}) as r:
             assert r.status == 403, await r.text()
         async with http.get(proxy.url + "/nodes/status") as r:
@@ -215,10 +215,12 @@ async def test_keyless_management_refuses_the_null_origin(
 
 async def test_a_body_nested_past_any_parser_is_a_400(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     deep = b'{"url": "http://127.0.0.1:1", "status": ' + b"[" * 5000 + b"]" * 5000 + b"}"
-    with pdproxy_serve(tmp_path) as proxy:
-        async with http.post(proxy.url + "/nodes/add", data=deep, headers={"content-type": "application/json"}) as r:
-            assert r.status == 400, await r.text()
-            assert (await r.json())["error"]["code"] == "invalid_request"
+    async with (
+        pdproxy_serve(tmp_path) as proxy,
+        http.post(proxy.url + "/nodes/add", data=deep, headers={"content-type": "application/json"}) as r,
+    ):
+        assert r.status == 400, await r.text()
+        assert (await r.json())["error"]["code"] == "invalid_request"
 
 
 def test_every_key_on_the_command_line_is_warned_about(tmp_path: Path) -> None:

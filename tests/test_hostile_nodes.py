@@ -63,7 +63,7 @@ async def node() -> AsyncIterator[RawNode]:
 @pytest.fixture
 async def proxy(tmp_path: Path, node: RawNode, http: aiohttp.ClientSession) -> AsyncIterator[Process]:
     """`pdproxy serve` in front of the raw node alone, with its circuit quick to open."""
-    with pdproxy_serve(tmp_path, "--circuit-failures", "3", "--circuit-cooldown", "60") as proxy:
+    async with pdproxy_serve(tmp_path, "--circuit-failures", "3", "--circuit-cooldown", "60") as proxy:
         await add(http, proxy.url, node.url)
         yield proxy
 
@@ -212,7 +212,7 @@ async def test_events_before_a_broken_chunk_are_delivered(
 async def test_connections_to_removed_nodes_are_closed(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     async with RawNode() as node:
         await node.listen(40)  # one node behind 41 addresses
-        with pdproxy_serve(tmp_path, "--pool-idle-timeout", "30") as proxy:
+        async with pdproxy_serve(tmp_path, "--pool-idle-timeout", "30") as proxy:
             before = 0
             for cycle, port in enumerate(node.ports[1:]):
                 if cycle == 1:  # what the first cycle opened for good (the control plane's sessions)
@@ -230,12 +230,11 @@ async def test_connections_to_removed_nodes_are_closed(tmp_path: Path, http: aio
 
 
 async def test_idle_connections_are_closed_after_their_timeout(tmp_path: Path, http: aiohttp.ClientSession) -> None:
-    async with RawNode() as node:
-        with pdproxy_serve(tmp_path, "--pool-idle-timeout", "1") as proxy:
-            await add(http, proxy.url, node.url)
-            await asyncio.gather(*(chat(http, proxy.url) for _ in range(4)))
-            assert node.serving >= 1
-            await eventually(lambda: node.serving == 0, timeout=5, what="idle connections closed")
+    async with RawNode() as node, pdproxy_serve(tmp_path, "--pool-idle-timeout", "1") as proxy:
+        await add(http, proxy.url, node.url)
+        await asyncio.gather(*(chat(http, proxy.url) for _ in range(4)))
+        assert node.serving >= 1
+        await eventually(lambda: node.serving == 0, timeout=5, what="idle connections closed")
 
 
 # 9. A node that drips a non-streaming answer is cut off.
@@ -251,16 +250,15 @@ async def test_a_slow_drip_is_cut_off(tmp_path: Path, http: aiohttp.ClientSessio
             await asyncio.sleep(0.2)
         return False
 
-    async with RawNode(drip) as node:
-        with pdproxy_serve(tmp_path, "--answer-timeout", "2") as proxy:
-            await add(http, proxy.url, node.url)
-            started = asyncio.get_running_loop().time()
-            status, body, _ = await chat(http, proxy.url)
-            took = asyncio.get_running_loop().time() - started
-            assert status == 502, body
-            assert took < 10, took
-            await node.wait_idle()
-            assert node.serving == 0
+    async with RawNode(drip) as node, pdproxy_serve(tmp_path, "--answer-timeout", "2") as proxy:
+        await add(http, proxy.url, node.url)
+        started = asyncio.get_running_loop().time()
+        status, body, _ = await chat(http, proxy.url)
+        took = asyncio.get_running_loop().time() - started
+        assert status == 502, body
+        assert took < 10, took
+        await node.wait_idle()
+        assert node.serving == 0
 
 
 # 2. Every body the proxy reads whole is bounded, in size and in time.
@@ -278,17 +276,20 @@ async def test_an_endless_prefill_answer_is_cut_off(
     tmp_path: Path, http: aiohttp.ClientSession, protocol: str, answered: int
 ) -> None:
     args = ("--serving-strategy", "DistServe", "--pd-protocol", protocol, "--answer-buffer-limit", str(4 << 20))
-    async with RawNode(endless_answer) as prefill, MockEngine(model="m", role="decode") as decode:
-        with pdproxy_serve(tmp_path, *args) as proxy:
-            # The mock decode meets the prefill at its bootstrap port (SGLang): the raw node's own.
-            await add(http, proxy.url, prefill.url, role=2, bootstrap_port=prefill.port)
-            await add(http, proxy.url, decode.url, role=3)
-            before = rss(proxy.proc.pid)
-            status, body, _ = await asyncio.wait_for(chat(http, proxy.url), 20)
-            assert status == answered, body
-            assert rss(proxy.proc.pid) - before < 64 << 20
-            await prefill.wait_idle()
-            assert prefill.serving == 0, "the prefill node's connection is dropped"
+    async with (
+        RawNode(endless_answer) as prefill,
+        MockEngine(model="m", role="decode") as decode,
+        pdproxy_serve(tmp_path, *args) as proxy,
+    ):
+        # The mock decode meets the prefill at its bootstrap port (SGLang): the raw node's own.
+        await add(http, proxy.url, prefill.url, role=2, bootstrap_port=prefill.port)
+        await add(http, proxy.url, decode.url, role=3)
+        before = rss(proxy.proc.pid)
+        status, body, _ = await asyncio.wait_for(chat(http, proxy.url), 20)
+        assert status == answered, body
+        assert rss(proxy.proc.pid) - before < 64 << 20
+        await prefill.wait_idle()
+        assert prefill.serving == 0, "the prefill node's connection is dropped"
 
 
 async def test_an_endless_error_body_is_cut_off(tmp_path: Path, http: aiohttp.ClientSession) -> None:
@@ -302,11 +303,14 @@ async def test_an_endless_error_body_is_cut_off(tmp_path: Path, http: aiohttp.Cl
             await request.writer.drain()
 
     args = ("--serving-strategy", "DistServe", "--pd-protocol", "vllm", "--answer-buffer-limit", str(4 << 20))
-    async with MockEngine(model="m", role="prefill") as prefill, RawNode(endless_500) as decode:
-        with pdproxy_serve(tmp_path, *args) as proxy:
-            await add(http, proxy.url, prefill.url, role=2)
-            await add(http, proxy.url, decode.url, role=3)
-            status, body, _ = await asyncio.wait_for(chat(http, proxy.url), 20)
-            assert status == 502, body
-            await decode.wait_idle()
-            assert decode.serving == 0
+    async with (
+        MockEngine(model="m", role="prefill") as prefill,
+        RawNode(endless_500) as decode,
+        pdproxy_serve(tmp_path, *args) as proxy,
+    ):
+        await add(http, proxy.url, prefill.url, role=2)
+        await add(http, proxy.url, decode.url, role=3)
+        status, body, _ = await asyncio.wait_for(chat(http, proxy.url), 20)
+        assert status == 502, body
+        await decode.wait_idle()
+        assert decode.serving == 0

@@ -347,7 +347,7 @@ async def test_pods_annotations_and_role_selectors_make_a_distserve_fleet(
             *("--k8s-prefill-selector", "app=vllm,role=prefill", "--k8s-decode-selector", "app=vllm,role in (decode)"),
             *("--k8s-kubeconfig", str(config)),
         )
-        with pdproxy_serve(tmp_path, *flags) as proxy:
+        async with pdproxy_serve(tmp_path, *flags) as proxy:
             await eventually(lambda: nodes_are(http, proxy, {prefill.url, decode.url}), what="the pair")
             await eventually(lambda: routable(http, proxy, prefill.url), what="the prefill node's models")
             nodes = await status(http, proxy)
@@ -366,7 +366,7 @@ async def test_a_pod_without_the_named_port_is_reported_not_routed(
     engine_pod(api, "a", engines[0])
     config = kubeconfig(tmp_path / "kubeconfig", api)
     flags = ("--k8s-selector", "app=vllm", "--k8s-kubeconfig", str(config), "--k8s-port", "grpc")
-    with pdproxy_serve(tmp_path, *flags) as proxy:
+    async with pdproxy_serve(tmp_path, *flags) as proxy:
         await eventually(lambda: skipped(http, proxy), what="the pod to be reported")
         assert "no container port named 'grpc'" in (await skipped(http, proxy))[f"{NS}/a"]
         assert await nodes(http, proxy) == set()
@@ -384,7 +384,7 @@ async def test_a_rotated_token_is_read_again(
     token.write_text(api.token)
     config = kubeconfig(tmp_path / "kubeconfig", api, token_file=token)
     flags = ("--k8s-selector", "app=vllm", "--k8s-kubeconfig", str(config), "--k8s-relist-interval", "1")
-    with pdproxy_serve(tmp_path, *flags) as proxy:
+    async with pdproxy_serve(tmp_path, *flags) as proxy:
         engine_pod(api, "a", engines[0])
         await eventually(lambda: nodes_are(http, proxy, {engines[0].url}), what="the node")
         api.token = "rotated"
@@ -455,7 +455,7 @@ async def test_a_thousand_pods_with_churn_end_as_the_cluster_is(
         add(index)
     config = kubeconfig(tmp_path / "kubeconfig", api)
     flags = ("--k8s-selector", "app=vllm", "--k8s-kubeconfig", str(config), "--health-interval", "60")
-    with pdproxy_serve(tmp_path, *flags) as proxy:
+    async with pdproxy_serve(tmp_path, *flags) as proxy:
         await eventually(lambda: count_is(http, proxy, 1000), timeout=30, what="1,000 nodes")
         generations = dict.fromkeys(range(1000), 0)
         for _ in range(300):

@@ -183,7 +183,9 @@ async def test_verbatim_distserve_command_line_with_every_transport_flag(
     prefill, decode = pd_engines
     env = {"SSL_CERTFILE": str(cert), "SSL_KEYFILE": str(key)}
     url = f"https://127.0.0.1:{port}"
-    with run_process(["serve", *lmdeploy_line(line)], url, "/health", str(tmp_path / "proxy.log"), env=env, tls=client):
+    async with run_process(
+        ["serve", *lmdeploy_line(line)], url, "/health", str(tmp_path / "proxy.log"), env=env, tls=client
+    ):
         auth = {"authorization": "Bearer key-two"}
         for engine, role in ((prefill, 2), (decode, 3)):
             registration = {"url": engine.url, "status": {"models": ["m"], "role": role}}

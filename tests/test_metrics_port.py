@@ -28,7 +28,7 @@ async def test_metrics_on_their_own_port_and_nothing_else(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
 ) -> None:
     port = free_port()
-    with pdproxy_serve(tmp_path, "--node", engine.url, "--prometheus-port", str(port)) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", engine.url, "--prometheus-port", str(port)) as proxy:
         metrics = f"http://127.0.0.1:{port}/metrics"
         async with http.get(metrics) as r:
             assert r.status == 200
@@ -55,7 +55,7 @@ async def test_the_metrics_port_keeps_the_admin_key(
     keys = tmp_path / "admin-keys"
     keys.write_text("admin-secret\n")
     flags = ("--node", engine.url, "--metrics-port", str(port), "--admin-keys-file", str(keys))
-    with pdproxy_serve(tmp_path, *flags):
+    async with pdproxy_serve(tmp_path, *flags):
         metrics = f"http://127.0.0.1:{port}/metrics"
         async with http.get(metrics) as r:
             assert r.status == 401

@@ -35,76 +35,72 @@ def families(text: str) -> dict[str, list]:  # type: ignore[type-arg]
 async def test_a_nodes_client_errors_are_neither_its_successes_nor_its_failures(
     tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
-    async with MockEngine(model="m") as engine:
-        with pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m") as proxy:
-            while not await serves(http, proxy.url, "m"):
-                await asyncio.sleep(0.05)
-            for fault, stream in (("", False), ("status=400", False), ("status=422", True), ("status=429", False)):
-                headers = {FAULT_HEADER: fault} if fault else {}
-                body = chat_body("m", stream=stream)
-                async with http.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as r:
-                    await r.read()
-            node = get_json(proxy.url + "/nodes/status")[engine.url]
-            assert (node["succeeded"], node["client_errors"], node["failed"]) == (1, 2, 1), "a 429 is the node's"
-            assert node["circuit"] == "closed"
-            assert len(node["latency"]) == 1, "a quick refusal does not flatter its latency"
-            async with http.get(proxy.url + "/metrics") as r:
-                metrics = families(await r.text())
-            by_outcome = {s.labels["outcome"]: s.value for s in metrics["pdproxy_requests"]}
-            assert by_outcome == {"succeeded": 1, "failed": 1, "client_errors": 2, "cancelled": 0}
+    async with MockEngine(model="m") as engine, pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m") as proxy:
+        while not await serves(http, proxy.url, "m"):
+            await asyncio.sleep(0.05)
+        for fault, stream in (("", False), ("status=400", False), ("status=422", True), ("status=429", False)):
+            headers = {FAULT_HEADER: fault} if fault else {}
+            body = chat_body("m", stream=stream)
+            async with http.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                await r.read()
+        node = get_json(proxy.url + "/nodes/status")[engine.url]
+        assert (node["succeeded"], node["client_errors"], node["failed"]) == (1, 2, 1), "a 429 is the node's"
+        assert node["circuit"] == "closed"
+        assert len(node["latency"]) == 1, "a quick refusal does not flatter its latency"
+        async with http.get(proxy.url + "/metrics") as r:
+            metrics = families(await r.text())
+        by_outcome = {s.labels["outcome"]: s.value for s in metrics["pdproxy_requests"]}
+        assert by_outcome == {"succeeded": 1, "failed": 1, "client_errors": 2, "cancelled": 0}
 
 
 async def test_metrics_parse_and_count(tmp_path: Path, http: aiohttp.ClientSession) -> None:
-    async with MockEngine(model="m") as engine:
-        with pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m") as proxy:
-            while not await serves(http, proxy.url, "m"):  # the node's models are discovered
-                await asyncio.sleep(0.05)
-            for stream in (False, True, True):
-                async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m", stream=stream)) as r:
-                    await r.read()
-            async with http.get(proxy.url + "/metrics") as r:
-                assert r.status == 200
-                assert r.headers["content-type"].startswith("text/plain")
-                metrics = families(await r.text())
-            ok = [s for s in metrics["pdproxy_requests"] if s.labels.get("outcome") == "succeeded"]
-            assert ok[0].labels["node"] == engine.url
-            assert ok[0].value == 3
-            assert [s.value for s in metrics["pdproxy_node_in_flight"]] == [0]
-            durations = {
-                s.name: s.value for s in metrics["pdproxy_request_duration_seconds"] if s.name.endswith("_count")
-            }
-            assert list(durations.values()) == [3]
-            ttft_count = [s.value for s in metrics["pdproxy_ttft_seconds"] if s.name.endswith("_count")]
-            assert ttft_count == [2], "two streams"
-            assert any(s.value > 0 for s in metrics["pdproxy_itl_seconds"] if s.name.endswith("_count"))
-            assert metrics["process_resident_memory_bytes"][0].value > 0
-            assert metrics["pdproxy_build_info"][0].labels["version"]
-            by_model = {s.labels["model"]: s.value for s in metrics["pdproxy_model_requests"]}
-            assert by_model == {"m": 3}
-            waited = [s.value for s in metrics["pdproxy_queue_wait_seconds"] if s.name.endswith("_count")]
-            assert waited == [0], "nothing had to queue"
+    async with MockEngine(model="m") as engine, pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m") as proxy:
+        while not await serves(http, proxy.url, "m"):  # the node's models are discovered
+            await asyncio.sleep(0.05)
+        for stream in (False, True, True):
+            async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m", stream=stream)) as r:
+                await r.read()
+        async with http.get(proxy.url + "/metrics") as r:
+            assert r.status == 200
+            assert r.headers["content-type"].startswith("text/plain")
+            metrics = families(await r.text())
+        ok = [s for s in metrics["pdproxy_requests"] if s.labels.get("outcome") == "succeeded"]
+        assert ok[0].labels["node"] == engine.url
+        assert ok[0].value == 3
+        assert [s.value for s in metrics["pdproxy_node_in_flight"]] == [0]
+        durations = {s.name: s.value for s in metrics["pdproxy_request_duration_seconds"] if s.name.endswith("_count")}
+        assert list(durations.values()) == [3]
+        ttft_count = [s.value for s in metrics["pdproxy_ttft_seconds"] if s.name.endswith("_count")]
+        assert ttft_count == [2], "two streams"
+        assert any(s.value > 0 for s in metrics["pdproxy_itl_seconds"] if s.name.endswith("_count"))
+        assert metrics["process_resident_memory_bytes"][0].value > 0
+        assert metrics["pdproxy_build_info"][0].labels["version"]
+        by_model = {s.labels["model"]: s.value for s in metrics["pdproxy_model_requests"]}
+        assert by_model == {"m": 3}
+        waited = [s.value for s in metrics["pdproxy_queue_wait_seconds"] if s.name.endswith("_count")]
+        assert waited == [0], "nothing had to queue"
 
 
 async def test_pd_metrics(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     async with (
         MockEngine(MockSettings(port=0, model="m", role="prefill")) as p,
         MockEngine(MockSettings(port=0, model="m", role="decode")) as d,
+        pdproxy_serve(tmp_path, "--serving-strategy", "DistServe") as proxy,
     ):
-        with pdproxy_serve(tmp_path, "--serving-strategy", "DistServe") as proxy:
-            for engine, role in ((p, 2), (d, 3)):
-                async with http.post(
-                    proxy.url + "/nodes/add", json={"url": engine.url, "status": {"models": ["m"], "role": role}}
-                ) as r:
-                    assert r.status == 200
-            async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
+        for engine, role in ((p, 2), (d, 3)):
+            async with http.post(
+                proxy.url + "/nodes/add", json={"url": engine.url, "status": {"models": ["m"], "role": role}}
+            ) as r:
                 assert r.status == 200
-            async with http.get(proxy.url + "/metrics") as r:
-                metrics = families(await r.text())
-            links = {s.labels["state"]: s.value for s in metrics["pdproxy_pd_links"]}
-            assert links["connected"] == 1
-            ended = {s.labels["end"]: s.value for s in metrics["pdproxy_pd_sessions"]}
-            assert ended["consumed"] == 1
-            assert metrics["pdproxy_pd_preserved_sessions"][0].value == 0
+        async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
+            assert r.status == 200
+        async with http.get(proxy.url + "/metrics") as r:
+            metrics = families(await r.text())
+        links = {s.labels["state"]: s.value for s in metrics["pdproxy_pd_links"]}
+        assert links["connected"] == 1
+        ended = {s.labels["end"]: s.value for s in metrics["pdproxy_pd_sessions"]}
+        assert ended["consumed"] == 1
+        assert metrics["pdproxy_pd_preserved_sessions"][0].value == 0
 
 
 #: The access log's fields, in order, whichever edge writes the line.
@@ -136,7 +132,7 @@ async def test_access_log_has_one_line_per_request(tmp_path: Path, http: aiohttp
     started = time.time()
     async with MockEngine(model="m") as engine:
         node = f"{engine.url},model=m"
-        with pdproxy_serve(tmp_path, "--node", node, "--access-log", "--access-log-format", "json") as proxy:
+        async with pdproxy_serve(tmp_path, "--node", node, "--access-log", "--access-log-format", "json") as proxy:
             sent = {
                 "ok": (chat_body("m"), {}),
                 "stream": (chat_body("m", stream=True), {}),
@@ -182,11 +178,13 @@ async def test_access_log_has_one_line_per_request(tmp_path: Path, http: aiohttp
 
 @pytest.mark.usefixtures("edge")
 async def test_access_log_text_lines(tmp_path: Path, http: aiohttp.ClientSession) -> None:
-    async with MockEngine(model="m") as engine:
-        with pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m", "--access-log") as proxy:
-            async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
-                await r.read()
-            await asyncio.sleep(0.3)
+    async with (
+        MockEngine(model="m") as engine,
+        pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m", "--access-log") as proxy,
+    ):
+        async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
+            await r.read()
+        await asyncio.sleep(0.3)
     (line,) = [line for line in proxy.log().splitlines() if line.startswith("time=")]
     fields = dict(pair.split("=", 1) for pair in line.split(" "))
     assert list(fields) == ACCESS_FIELDS
@@ -196,49 +194,48 @@ async def test_access_log_text_lines(tmp_path: Path, http: aiohttp.ClientSession
 
 
 async def test_status_and_nodes_commands(tmp_path: Path) -> None:
-    async with MockEngine(model="m") as engine:
-        with pdproxy_serve(tmp_path) as proxy:
+    async with MockEngine(model="m") as engine, pdproxy_serve(tmp_path) as proxy:
 
-            def cli(*args: str) -> subprocess.CompletedProcess[str]:
-                return subprocess.run(
-                    [sys.executable, "-m", "pdproxy", *args, "--url", proxy.url],
-                    capture_output=True,
-                    text=True,
-                    timeout=30,
-                )
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "pdproxy", *args, "--url", proxy.url],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
 
-            # The CLI blocks, so it runs in a thread while this loop serves the mock engine.
-            added = await asyncio.to_thread(cli, "nodes", "add", engine.url, "--model", "m", "--max-concurrency", "4")
-            assert added.returncode == 0, added.stderr
-            assert added.stdout.strip() == f"added {engine.url}"
-            table = await asyncio.to_thread(cli, "status")
-            assert table.returncode == 0
-            header, row = table.stdout.strip().splitlines()
-            assert header.split()[:3] == ["NODE", "ROLE", "STATE"]
-            assert row.split()[:3] == [engine.url, "hybrid", "healthy"]
-            options = ["--role", "prefill", "--speed", "2", "--api-key", "node-key", "--lease-ttl", "60"]
-            updated = await asyncio.to_thread(cli, "nodes", "add", engine.url, "--model", "m", *options)
-            assert updated.stdout.strip() == f"updated {engine.url}"
-            node = get_json(proxy.url + "/nodes/status")[engine.url]
-            assert (node["role_name"], node["speed"], node["lease"]["ttl"]) == ("prefill", 2, 60)
-            # A new node that cannot be reached is never shown healthy, not even at first.
-            gone = f"http://127.0.0.1:{free_port()}"
-            await asyncio.to_thread(cli, "nodes", "add", gone, "--model", "m")
-            deadline = asyncio.get_running_loop().time() + 3  # well before 3 failed checks at 5 s
-            while get_json(proxy.url + "/nodes/status")[gone]["state"] == "healthy":
-                assert asyncio.get_running_loop().time() < deadline, "an unreachable new node shown healthy"
-                await asyncio.sleep(0.05)
-            rows = (await asyncio.to_thread(cli, "status")).stdout.strip().splitlines()[1:]
-            assert next(r for r in rows if r.startswith(gone)).split()[2] == "unhealthy"
-            # Without --model the node is asked for its models: one that cannot answer is reported.
-            silent = f"http://127.0.0.1:{free_port()}"
-            asked = await asyncio.to_thread(cli, "nodes", "add", silent)
-            assert asked.returncode == 1
-            assert asked.stdout.strip() == f"added {silent}", "it is registered all the same"
-            assert "did not tell its models" in asked.stderr
-            assert "Connect" in asked.stderr or "connect" in asked.stderr, asked.stderr
-            removed = await asyncio.to_thread(cli, "nodes", "remove", engine.url)
-            assert removed.stdout.strip() == f"removed {engine.url}"
-            missing = await asyncio.to_thread(cli, "nodes", "remove", engine.url)
-            assert missing.returncode == 1
-            assert "404" in missing.stderr
+        # The CLI blocks, so it runs in a thread while this loop serves the mock engine.
+        added = await asyncio.to_thread(cli, "nodes", "add", engine.url, "--model", "m", "--max-concurrency", "4")
+        assert added.returncode == 0, added.stderr
+        assert added.stdout.strip() == f"added {engine.url}"
+        table = await asyncio.to_thread(cli, "status")
+        assert table.returncode == 0
+        header, row = table.stdout.strip().splitlines()
+        assert header.split()[:3] == ["NODE", "ROLE", "STATE"]
+        assert row.split()[:3] == [engine.url, "hybrid", "healthy"]
+        options = ["--role", "prefill", "--speed", "2", "--api-key", "node-key", "--lease-ttl", "60"]
+        updated = await asyncio.to_thread(cli, "nodes", "add", engine.url, "--model", "m", *options)
+        assert updated.stdout.strip() == f"updated {engine.url}"
+        node = get_json(proxy.url + "/nodes/status")[engine.url]
+        assert (node["role_name"], node["speed"], node["lease"]["ttl"]) == ("prefill", 2, 60)
+        # A new node that cannot be reached is never shown healthy, not even at first.
+        gone = f"http://127.0.0.1:{free_port()}"
+        await asyncio.to_thread(cli, "nodes", "add", gone, "--model", "m")
+        deadline = asyncio.get_running_loop().time() + 3  # well before 3 failed checks at 5 s
+        while get_json(proxy.url + "/nodes/status")[gone]["state"] == "healthy":
+            assert asyncio.get_running_loop().time() < deadline, "an unreachable new node shown healthy"
+            await asyncio.sleep(0.05)
+        rows = (await asyncio.to_thread(cli, "status")).stdout.strip().splitlines()[1:]
+        assert next(r for r in rows if r.startswith(gone)).split()[2] == "unhealthy"
+        # Without --model the node is asked for its models: one that cannot answer is reported.
+        silent = f"http://127.0.0.1:{free_port()}"
+        asked = await asyncio.to_thread(cli, "nodes", "add", silent)
+        assert asked.returncode == 1
+        assert asked.stdout.strip() == f"added {silent}", "it is registered all the same"
+        assert "did not tell its models" in asked.stderr
+        assert "Connect" in asked.stderr or "connect" in asked.stderr, asked.stderr
+        removed = await asyncio.to_thread(cli, "nodes", "remove", engine.url)
+        assert removed.stdout.strip() == f"removed {engine.url}"
+        missing = await asyncio.to_thread(cli, "nodes", "remove", engine.url)
+        assert missing.returncode == 1
+        assert "404" in missing.stderr

@@ -32,7 +32,7 @@ async def pd_proxy(
 ) -> AsyncIterator[Process]:
     """`pdproxy serve` speaking ``protocol``, the prefill and decode engines registered."""
     prefill, decode = engines
-    with pdproxy_serve(tmp_path, "--serving-strategy", "DistServe", "--pd-protocol", protocol) as proxy:
+    async with pdproxy_serve(tmp_path, "--serving-strategy", "DistServe", "--pd-protocol", protocol) as proxy:
         await register(http, proxy.url, prefill, 2, **prefill_extra)
         await register(http, proxy.url, decode, 3)
         yield proxy
@@ -195,7 +195,7 @@ async def test_vllm_decode_nodes_report_the_kv_they_received(tmp_path: Path, htt
         MockEngine(model="m", role="decode", metrics_dialect="vllm") as decode,
     ):
         flags = ("--serving-strategy", "DistServe", "--pd-protocol", "vllm", "--engine-metrics-interval", "0.2")
-        with pdproxy_serve(tmp_path, *flags) as proxy:
+        async with pdproxy_serve(tmp_path, *flags) as proxy:
             await register(http, proxy.url, prefill, 2)
             await register(http, proxy.url, decode, 3)
             async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m", max_tokens=4)) as r:

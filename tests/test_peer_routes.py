@@ -30,7 +30,7 @@ async def test_add_list_loads_and_remove_workers(
     tmp_path: Path, engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:
     a, b = engines
-    with pdproxy_serve(tmp_path, "--node", a.url) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", a.url) as proxy:
         async with http.post(proxy.url + "/add_worker", params={"url": b.url}) as r:
             assert r.status == 200
             assert r.headers["content-type"].startswith("text/plain")
@@ -60,7 +60,7 @@ async def serves(http: aiohttp.ClientSession, url: str) -> bool:
 async def test_bad_worker_calls_get_clear_errors(
     tmp_path: Path, engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:
-    with pdproxy_serve(tmp_path) as proxy:
+    async with pdproxy_serve(tmp_path) as proxy:
         async with http.post(proxy.url + "/add_worker") as r:
             assert r.status == 400
             assert (await r.json())["error"]["param"] == "url"
@@ -76,7 +76,7 @@ async def test_flush_cache_reaches_every_node_with_each_result(
     tmp_path: Path, engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:
     a, b = engines
-    with pdproxy_serve(tmp_path, "--node", a.url, "--node", b.url) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", a.url, "--node", b.url) as proxy:
         async with http.post(proxy.url + "/flush_cache") as r:
             assert r.status == 200
             answer = await r.json()
@@ -98,7 +98,7 @@ async def test_the_worker_routes_keep_the_admin_keys_and_the_probes_stay_open(
     a, b = engines
     keys = tmp_path / "admin-keys"
     keys.write_text("admin-secret\n")
-    with pdproxy_serve(tmp_path, "--node", a.url, "--admin-keys-file", str(keys)) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", a.url, "--admin-keys-file", str(keys)) as proxy:
         async with http.post(proxy.url + "/add_worker", params={"url": b.url}) as r:
             assert r.status == 401
         async with http.get(proxy.url + "/list_workers") as r:
@@ -121,7 +121,7 @@ async def ready(http: aiohttp.ClientSession, url: str) -> bool:
 
 
 async def test_readiness_without_a_healthy_worker_is_503(tmp_path: Path, http: aiohttp.ClientSession) -> None:
-    with pdproxy_serve(tmp_path) as proxy:
+    async with pdproxy_serve(tmp_path) as proxy:
         async with http.get(proxy.url + "/readiness") as r:
             assert r.status == 503
             body = await r.json()
@@ -132,7 +132,7 @@ async def test_health_generate_asks_a_healthy_node_to_generate(tmp_path: Path, h
     # SGLang's engine answers its own /health_generate; vLLM's has none and gets one token.
     async with MockEngine(model="m", metrics_dialect="sglang") as sglang, MockEngine(model="m") as vllm:
         for engine, generated in ((sglang, 0), (vllm, 1)):
-            with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
+            async with pdproxy_serve(tmp_path, "--node", engine.url) as proxy:
                 await eventually(lambda: ready(http, proxy.url), what="a healthy node")
                 async with http.get(proxy.url + "/health_generate") as r:
                     assert r.status == 200, await r.text()
@@ -145,22 +145,23 @@ async def test_health_generate_asks_a_healthy_node_to_generate(tmp_path: Path, h
 
 
 async def test_health_generate_is_503_when_no_node_can_generate(tmp_path: Path, http: aiohttp.ClientSession) -> None:
-    with pdproxy_serve(tmp_path) as proxy:
+    async with pdproxy_serve(tmp_path) as proxy, http.get(proxy.url + "/health_generate") as r:
+        assert r.status == 503
+        assert "no healthy node" in (await r.json())["error"]["message"]
+    async with (
+        MockEngine(model="m", fault="status=500") as broken,
+        pdproxy_serve(tmp_path, "--node", broken.url) as proxy,
+    ):
+        await eventually(lambda: ready(http, proxy.url), what="the node healthy (its /health is fine)")
         async with http.get(proxy.url + "/health_generate") as r:
             assert r.status == 503
-            assert "no healthy node" in (await r.json())["error"]["message"]
-    async with MockEngine(model="m", fault="status=500") as broken:
-        with pdproxy_serve(tmp_path, "--node", broken.url) as proxy:
-            await eventually(lambda: ready(http, proxy.url), what="the node healthy (its /health is fine)")
-            async with http.get(proxy.url + "/health_generate") as r:
-                assert r.status == 503
-                error = (await r.json())["error"]
-            assert "1 tried" in error["message"]
-            assert broken.url not in error["message"], "an open probe names no node address"
+            error = (await r.json())["error"]
+        assert "1 tried" in error["message"]
+        assert broken.url not in error["message"], "an open probe names no node address"
 
 
 async def test_finish_session_is_answered_as_vllm_router_does(tmp_path: Path, http: aiohttp.ClientSession) -> None:
-    with pdproxy_serve(tmp_path) as proxy:
+    async with pdproxy_serve(tmp_path) as proxy:
         async with http.post(proxy.url + "/finish_session", params={"session_id": "chat-7"}) as r:
             assert r.status == 200
             assert (await r.json())["session_id"] == "chat-7"

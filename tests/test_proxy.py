@@ -203,7 +203,7 @@ async def test_client_disconnect_before_the_head_cancels_upstream(proxy: Process
 
 async def test_body_over_limit_is_refused(engines: dict[str, Process], tmp_path, http: aiohttp.ClientSession) -> None:
 
-    with pdproxy_serve(tmp_path, "--node", engines["beta"].url, "--max-body-size", "1000") as small:
+    async with pdproxy_serve(tmp_path, "--node", engines["beta"].url, "--max-body-size", "1000") as small:
         big = chat_body("beta", prompt="x" * 2000)
         async with http.post(small.url + "/v1/chat/completions", json=big) as r:
             assert r.status == 413
@@ -242,7 +242,7 @@ async def test_cors_with_named_origins_and_credentials(
     engines: dict[str, Process], tmp_path: pathlib.Path, http: aiohttp.ClientSession
 ) -> None:
     args = ("--allow-origins", "https://a.example", "https://b.example", "--allow-credentials")
-    with pdproxy_serve(tmp_path, "--node", engines["alpha-1"].url, *args) as p:
+    async with pdproxy_serve(tmp_path, "--node", engines["alpha-1"].url, *args) as p:
         ask = {"access-control-request-method": "POST"}
         async with http.options(p.url + "/v1/completions", headers={**ask, "origin": "https://b.example"}) as r:
             assert r.status == 204
@@ -264,18 +264,21 @@ async def test_cors_with_named_origins_and_credentials(
 async def test_model_cards_keep_what_the_engines_say(tmp_path: pathlib.Path, http: aiohttp.ClientSession) -> None:
     # vLLM's card carries max_model_len, root and parent; through pdproxy a client still reads them,
     # and where two nodes disagree it reads the limit that holds on both.
-    async with MockEngine(model="m", max_model_len=2048) as a, MockEngine(model="m", max_model_len=8192) as b:
-        with pdproxy_serve(tmp_path, "--node", a.url) as proxy:
-            await eventually(lambda: models_listed(http, proxy.url, {"m"}), what="the node's model")
-            async with http.get(a.url + "/v1/models") as r:
-                direct = (await r.json())["data"][0]
-            async with http.get(proxy.url + "/v1/models") as r:
-                assert (await r.json())["data"] == [direct], "one node: its card as it gave it"
-            async with http.post(proxy.url + "/nodes/add", json={"url": b.url}) as r:
-                assert r.status == 200
-            await eventually(lambda: healthy_nodes(http, proxy.url, 2), what="the second node healthy")
-            async with http.get(proxy.url + "/v1/models/m") as r:
-                card = await r.json()
+    async with (
+        MockEngine(model="m", max_model_len=2048) as a,
+        MockEngine(model="m", max_model_len=8192) as b,
+        pdproxy_serve(tmp_path, "--node", a.url) as proxy,
+    ):
+        await eventually(lambda: models_listed(http, proxy.url, {"m"}), what="the node's model")
+        async with http.get(a.url + "/v1/models") as r:
+            direct = (await r.json())["data"][0]
+        async with http.get(proxy.url + "/v1/models") as r:
+            assert (await r.json())["data"] == [direct], "one node: its card as it gave it"
+        async with http.post(proxy.url + "/nodes/add", json={"url": b.url}) as r:
+            assert r.status == 200
+        await eventually(lambda: healthy_nodes(http, proxy.url, 2), what="the second node healthy")
+        async with http.get(proxy.url + "/v1/models/m") as r:
+            card = await r.json()
     assert card["max_model_len"] == 2048, "the smaller context: a request that fits it fits either node"
     assert (card["id"], card["root"], card["parent"], card["owned_by"]) == ("m", "m", None, "pdproxy-mock")
 

@@ -136,7 +136,7 @@ async def raw_exchange(url: str, payload: bytes, read_timeout: float = 10.0) -> 
 
 @pytest.mark.usefixtures("edge")
 async def test_global_cap(tmp_path: Path, live: MockEngine, http: aiohttp.ClientSession) -> None:
-    with pdproxy_serve(tmp_path, "--node", f"{live.url},model=m", "--max-requests", "1") as proxy:
+    async with pdproxy_serve(tmp_path, "--node", f"{live.url},model=m", "--max-requests", "1") as proxy:
         slow = asyncio.ensure_future(
             http.post(proxy.url + "/v1/chat/completions", json=chat_body("m"), headers={FAULT_HEADER: "ttft_ms=500"})
         )
@@ -152,7 +152,7 @@ async def test_global_cap(tmp_path: Path, live: MockEngine, http: aiohttp.Client
 
 @pytest.mark.usefixtures("edge")
 async def test_slow_and_bad_bodies(tmp_path: Path, live: MockEngine, http: aiohttp.ClientSession) -> None:
-    with pdproxy_serve(tmp_path, "--node", f"{live.url},model=m", "--body-timeout", "0.3") as proxy:
+    async with pdproxy_serve(tmp_path, "--node", f"{live.url},model=m", "--body-timeout", "0.3") as proxy:
         # A body that never finishes arriving: 408, not a hung handler.
         head = (
             b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
@@ -177,20 +177,22 @@ async def test_slow_and_bad_bodies(tmp_path: Path, live: MockEngine, http: aioht
 
 @pytest.mark.usefixtures("edge")
 async def test_drain_finishes_streams_then_exits_cleanly(tmp_path: Path, http: aiohttp.ClientSession) -> None:
-    async with MockEngine(MockSettings(port=0, model="m", token_delay_ms=50)) as slow_engine:
-        with pdproxy_serve(tmp_path, "--node", f"{slow_engine.url},model=m", "--drain-timeout", "10") as proxy:
-            body = chat_body("m", stream=True, max_tokens=10, ignore_eos=True)
-            async with http.post(proxy.url + "/v1/chat/completions", json=body) as stream:
-                first = await stream.content.readline()
-                assert first.startswith(b"data: ")
-                async with http.post(proxy.url + "/drain") as r:
-                    assert r.status == 202
-                async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
-                    assert r.status == 503
-                    assert r.headers["x-pdproxy-error"] == "draining"
-                    assert r.headers["connection"] == "close"
-                async with http.get(proxy.url + "/ready") as r:
-                    assert r.status == 503
-                rest = await stream.read()
-            assert rest.endswith(b"data: [DONE]\n\n"), "the stream in flight finished"
-            assert proxy.proc.wait(timeout=15) == 0, "pdproxy exits 0 after a clean drain"
+    async with (
+        MockEngine(MockSettings(port=0, model="m", token_delay_ms=50)) as slow_engine,
+        pdproxy_serve(tmp_path, "--node", f"{slow_engine.url},model=m", "--drain-timeout", "10") as proxy,
+    ):
+        body = chat_body("m", stream=True, max_tokens=10, ignore_eos=True)
+        async with http.post(proxy.url + "/v1/chat/completions", json=body) as stream:
+            first = await stream.content.readline()
+            assert first.startswith(b"data: ")
+            async with http.post(proxy.url + "/drain") as r:
+                assert r.status == 202
+            async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
+                assert r.status == 503
+                assert r.headers["x-pdproxy-error"] == "draining"
+                assert r.headers["connection"] == "close"
+            async with http.get(proxy.url + "/ready") as r:
+                assert r.status == 503
+            rest = await stream.read()
+        assert rest.endswith(b"data: [DONE]\n\n"), "the stream in flight finished"
+        assert proxy.proc.wait(timeout=15) == 0, "pdproxy exits 0 after a clean drain"

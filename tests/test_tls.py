@@ -49,7 +49,7 @@ async def test_ssl_serves_https_with_lmdeploys_certificate_variables(
     tmp_path: Path, certs: Certs, http: aiohttp.ClientSession
 ) -> None:
     lmdeploy_env = {"SSL_CERTFILE": str(certs.cert), "SSL_KEYFILE": str(certs.key)}
-    with (
+    async with (
         mock_engine(tmp_path, "m") as engine,
         pdproxy_serve(tmp_path, "--ssl", "--node", engine.url, env=lmdeploy_env, tls=certs.client()) as proxy,
     ):
@@ -92,11 +92,11 @@ async def test_https_nodes_are_verified_against_the_given_ca(
     tmp_path: Path, certs: Certs, http: aiohttp.ClientSession
 ) -> None:
     tls_engine = ("--ssl-certfile", str(certs.cert), "--ssl-keyfile", str(certs.key))
-    with mock_engine(tmp_path, "m", *tls_engine, tls=certs.client()) as engine:
+    async with mock_engine(tmp_path, "m", *tls_engine, tls=certs.client()) as engine:
         assert engine.url.startswith("https://")
         # Added without models: discovery (the control plane's call) reads them over TLS.
         node_ca = ("--node-ca-file", str(certs.ca), "--health-interval", "0.2")
-        with pdproxy_serve(tmp_path, "--node", engine.url, *node_ca) as proxy:
+        async with pdproxy_serve(tmp_path, "--node", engine.url, *node_ca) as proxy:
             wait_until(lambda: get_json(proxy.url + "/nodes/status")[engine.url]["models"] == ["m"], 10, "discovery")
             async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
                 assert r.status == 200, await r.text()
@@ -107,7 +107,7 @@ async def test_https_nodes_are_verified_against_the_given_ca(
             assert node["succeeded"] == 2
         # The system's roots do not know this CA: the node cannot be verified, nothing reaches it.
         before = len(get_json(engine.url + "/mock/requests", context=certs.client()))
-        with pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m", "--health-interval", "0.2") as proxy:
+        async with pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m", "--health-interval", "0.2") as proxy:
             async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
                 assert r.status in (502, 503)
             wait_until(lambda: get_json(proxy.url + "/nodes/status")[engine.url]["state"] == "unhealthy", 10, "health")

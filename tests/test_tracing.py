@@ -104,7 +104,7 @@ async def test_untraced_callers_start_a_trace_and_otel_variables_are_honoured(
                 "OTEL_EXPORTER_OTLP_HEADERS": "x-team=blue%20team",
                 "OTEL_SERVICE_NAME": "gateway-7",
             }
-            with pdproxy_serve(tmp_path, env=env) as proxy:
+            async with pdproxy_serve(tmp_path, env=env) as proxy:
                 await register(http, proxy.url, engine, 1)
                 async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
                     assert r.status == 200
@@ -178,7 +178,7 @@ async def test_each_pd_leg_is_a_span_with_its_attempt(
 async def test_the_last_spans_are_exported_when_the_proxy_stops(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     async with MockEngine(MockSettings(port=0, model="m")) as engine:
         with otlp_receiver() as otlp:
-            with pdproxy_serve(tmp_path, "--otlp-endpoint", otlp.url) as proxy:
+            async with pdproxy_serve(tmp_path, "--otlp-endpoint", otlp.url) as proxy:
                 await register(http, proxy.url, engine, 1)
                 trace_id = secrets.token_hex(16)
                 headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}

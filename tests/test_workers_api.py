@@ -39,7 +39,7 @@ async def test_a_worker_made_listed_changed_and_removed(
     tmp_path: Path, engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:
     a, b = engines
-    with pdproxy_serve(tmp_path, "--node", a.url) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", a.url) as proxy:
         spec = {"url": b.url, "worker_type": "regular", "labels": {"zone": "a"}, "priority": 5, "cost": 1.5}
         async with http.post(proxy.url + "/workers", json=spec) as r:
             assert r.status == 202, await r.text()
@@ -103,7 +103,7 @@ async def test_prefill_and_decode_workers_keep_their_roles(
     tmp_path: Path, engines: tuple[MockEngine, MockEngine], http: aiohttp.ClientSession
 ) -> None:
     prefill, decode = engines
-    with pdproxy_serve(tmp_path, "--pd-protocol", "sglang") as proxy:
+    async with pdproxy_serve(tmp_path, "--pd-protocol", "sglang") as proxy:
         spec = {"url": prefill.url, "worker_type": "prefill", "bootstrap_port": 8998}
         async with http.post(proxy.url + "/workers", json=spec) as r:
             assert r.status == 202, await r.text()
@@ -133,7 +133,7 @@ async def test_prefill_and_decode_workers_keep_their_roles(
 async def test_a_spec_pdproxy_cannot_honour_is_a_400_naming_the_field(
     tmp_path: Path, http: aiohttp.ClientSession, body: dict[str, Any], param: str
 ) -> None:
-    with pdproxy_serve(tmp_path) as proxy:
+    async with pdproxy_serve(tmp_path) as proxy:
         async with http.post(proxy.url + "/workers", json=body) as r:
             assert r.status == 400
             assert (await r.json())["error"]["param"] == param
@@ -141,7 +141,7 @@ async def test_a_spec_pdproxy_cannot_honour_is_a_400_naming_the_field(
 
 
 async def test_unknown_and_malformed_worker_ids(tmp_path: Path, http: aiohttp.ClientSession) -> None:
-    with pdproxy_serve(tmp_path) as proxy:
+    async with pdproxy_serve(tmp_path) as proxy:
         async with http.get(proxy.url + "/workers/" + id_of("http://127.0.0.1:9")) as r:
             assert r.status == 404
         async with http.delete(proxy.url + "/workers/not-an-id") as r:
@@ -157,7 +157,7 @@ async def test_the_workers_api_keeps_the_admin_keys(
     a, _ = engines
     keys = tmp_path / "admin-keys"
     keys.write_text("admin-secret\n")
-    with pdproxy_serve(tmp_path, "--node", a.url, "--admin-keys-file", str(keys)) as proxy:
+    async with pdproxy_serve(tmp_path, "--node", a.url, "--admin-keys-file", str(keys)) as proxy:
         for method, path in (("GET", "/workers"), ("POST", "/workers"), ("DELETE", f"/workers/{id_of(a.url)}")):
             async with http.request(method, proxy.url + path, json={"url": a.url}) as r:
                 assert r.status == 401, (method, path)

@@ -281,7 +281,7 @@ async def test_prefix_aware_routing_finds_more_of_the_cache_than_round_robin(
     rates = {}
     for policy in ("round_robin", "prefix"):
         nodes = [arg for s in vllm_pair for arg in ("--node", s.url)]
-        with pdproxy_serve(tmp_path, *nodes, "--policy", policy) as proxy:
+        async with pdproxy_serve(tmp_path, *nodes, "--policy", policy) as proxy:
             await eventually(lambda: both_serve(http, proxy), timeout=60, what="both servers")
             hits, queries = await prefix_hits(vllm_pair)
             await run_conversations(http, proxy.url, policy)
