@@ -38,8 +38,12 @@ lint-rust: ## rustfmt and clippy (pedantic; warnings are errors)
 lint: lint-python lint-rust ## every linter
 
 .PHONY: test
-test: ## the Python suite: pytest against real processes (arguments: PYTEST_ARGS=...)
-	$(PYTHON) -m pytest $(PYTEST_ARGS)
+# Tests wait on sockets and processes far more than they compute: three at a time keep two cores
+# busy (pytest-xdist), and each starts its own servers on free ports.
+TEST_WORKERS ?= 3
+
+test: ## the Python suite: pytest against real processes, TEST_WORKERS at a time (arguments: PYTEST_ARGS=...)
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 .PHONY: test-real
 test-real: ## the real-engine tier: real vLLM servers on this machine's CPUs (scripts/real_engine.sh sets them up)

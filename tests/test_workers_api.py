@@ -54,6 +54,12 @@ async def test_a_worker_made_listed_changed_and_removed(
             assert r.status == 409
 
         await eventually(lambda: serve_m(http, proxy.url, 2), what="both workers' models")
+
+        async def runtime_known() -> bool:  # from the engine's /metrics, read every 2 s
+            listed = await workers(http, proxy.url)
+            return any(w["url"] == b.url and w["runtime_type"] != "unspecified" for w in listed["workers"])
+
+        await eventually(runtime_known, what="the engine's metrics read")
         listed = await workers(http, proxy.url)
         assert listed["total"] == 2
         assert listed["stats"] == {"prefill_count": 0, "decode_count": 0, "regular_count": 2}

@@ -205,6 +205,6 @@ def validation_message(error: ValidationError) -> str:
     first = error.errors()[0]
     where = ".".join(str(part) for part in first["loc"])
     message = str(first["msg"])
-    if not where or message.startswith(where.rsplit(".", 1)[-1] + " "):  # a message that names its field
+    if not where or message.startswith(where + " "):  # a message that names its field
         return message
     return f"{where}: {message}"
