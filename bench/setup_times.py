@@ -77,7 +77,15 @@ def tests(scratch: Path) -> list[Timing]:
     env = {**os.environ, "PYTHON": str(scratch / "venv" / "bin" / "python")}
     took, out, before, after = _run(["scripts/test.sh"], env)
     passed = re.findall(r"(\d+) passed", out)
-    return [Timing("scripts/test.sh (install, pytest, cargo test)", took, before, after, f"{passed[0]} passed" if passed else "")]
+    return [
+        Timing(
+            "scripts/test.sh (install, pytest, cargo test)",
+            took,
+            before,
+            after,
+            f"{passed[0]} passed" if passed else "",
+        )
+    ]
 
 
 STEPS = {"wheel": wheel, "source": source, "tests": tests}
@@ -105,7 +113,9 @@ def main() -> None:
     for name in args.only:
         with tempfile.TemporaryDirectory(prefix=f"pdproxy-setup-{name}-") as scratch:
             for timing in STEPS[name](Path(scratch)):
-                print(f"{timing.what}: {timing.seconds:.0f} s (load {timing.load_before:.2f} -> {timing.load_after:.2f})")
+                print(
+                    f"{timing.what}: {timing.seconds:.0f} s (load {timing.load_before:.2f} -> {timing.load_after:.2f})"
+                )
                 kept[timing.what] = timing
     when = datetime.now(UTC).strftime("%Y-%m-%d")
     timings = list(kept.values())

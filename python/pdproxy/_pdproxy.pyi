@@ -621,15 +621,13 @@ class Pipeline:
     def cors_enabled(self) -> bool:
         """Whether some origin may call the proxy from a browser (``--allow-origins``)."""
 
-    def preflight(
+    def cors(
         self, method: str, path: str, headers: list[tuple[bytes, bytes]]
-    ) -> tuple[int, list[tuple[bytes, bytes]], bytes] | None:
-        """The answer to a browser's CORS preflight for ``path`` as ``(status, headers, body)``:
-        204 with what is allowed, or 400 ``cors_refused``; ``None`` when the request is not one."""
-
-    def cors_headers(self, path: str, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        """The CORS headers an answer to a request for ``path`` carries: the origin's permission,
-        or none for no origin or one not allowed."""
+    ) -> tuple[tuple[int, list[tuple[bytes, bytes]], bytes] | None, list[tuple[bytes, bytes]]]:
+        """A browser's CORS for a request, in one reading of its headers: ``(preflight,
+        headers)``. A preflight's whole answer as ``(status, headers, body)`` (204 with what is
+        allowed, or 400 ``cors_refused``); for any other request ``None``, and the headers its
+        answer carries (the origin's permission; none for no origin or one not allowed)."""
 
     def shutdown(self) -> None:
         """Streams still running end (the proxy shuts down)."""

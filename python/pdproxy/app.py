@@ -107,14 +107,13 @@ class ProxyApp:
             assert pipeline is not None
             send = _with_request_id(send, scope)
             if pipeline.cors_enabled:  # browsers' CORS, by the edge's rules (rust/src/edge/cors.rs)
-                headers = list(scope["headers"])
-                preflight = pipeline.preflight(scope["method"], scope["path"], headers)
+                preflight, cors_headers = pipeline.cors(scope["method"], scope["path"], list(scope["headers"]))
                 if preflight is not None:
                     status, answer_headers, body = preflight
                     await send({"type": "http.response.start", "status": status, "headers": answer_headers})
                     await send({"type": "http.response.body", "body": body})
                     return
-                send = _adding(send, pipeline.cors_headers(scope["path"], headers))
+                send = _adding(send, cors_headers)
             try:
                 # An http scope's receive gives that request's messages only (the ASGI protocol).
                 await self._http(scope, cast(HTTPReceive, receive), send)

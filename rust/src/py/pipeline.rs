@@ -140,22 +140,28 @@ impl Pipeline {
         self.embedded.cors_enabled()
     }
 
-    /// The answer to a browser's CORS preflight for `path` as `(status, headers, body)`: 204
-    /// with what is allowed, or 400 `cors_refused`; `None` when the request is not one.
-    fn preflight(&self, method: &str, path: &str, headers: Vec<(Vec<u8>, Vec<u8>)>) -> Option<Raw> {
-        let method = Method::from_bytes(method.as_bytes()).ok()?;
-        let (head, body) = self.embedded.preflight(&method, path, &header_map(&headers))?.into_parts();
-        let body = match body {
-            EdgeBody::Full(bytes) => bytes.unwrap_or_default().to_vec(),
-            _ => Vec::new(),
-        };
-        Some((head.status.as_u16(), header_pairs(&head.headers), body))
-    }
-
-    /// The CORS headers an answer to a request for `path` carries: the origin's permission, or
-    /// none for no origin or one not allowed.
-    fn cors_headers(&self, path: &str, headers: Vec<(Vec<u8>, Vec<u8>)>) -> Vec<(Vec<u8>, Vec<u8>)> {
-        header_pairs(&self.embedded.cors_headers(path, &header_map(&headers)))
+    /// A browser's CORS for a request, in one reading of its headers: `(preflight, headers)`.
+    /// A preflight's whole answer as `(status, headers, body)` (204 with what is allowed, or 400
+    /// `cors_refused`); for any other request `None`, and the headers its answer carries (the
+    /// origin's permission; none for no origin or one not allowed).
+    fn cors(
+        &self,
+        method: &str,
+        path: &str,
+        headers: Vec<(Vec<u8>, Vec<u8>)>,
+    ) -> (Option<Raw>, Vec<(Vec<u8>, Vec<u8>)>) {
+        let headers = header_map(&headers);
+        let preflight =
+            Method::from_bytes(method.as_bytes()).ok().and_then(|m| self.embedded.preflight(&m, path, &headers));
+        if let Some(answer) = preflight {
+            let (head, body) = answer.into_parts();
+            let body = match body {
+                EdgeBody::Full(bytes) => bytes.unwrap_or_default().to_vec(),
+                _ => Vec::new(),
+            };
+            return (Some((head.status.as_u16(), header_pairs(&head.headers), body)), Vec::new());
+        }
+        (None, header_pairs(&self.embedded.cors_headers(path, &headers)))
     }
 
     /// Streams still running end (the proxy shuts down).
