@@ -23,8 +23,10 @@ use crate::edge::{BodyError, Embedded};
 use crate::exchange::{relay, Exchange};
 use crate::headers::{header_map, header_pairs};
 
+/// Header pairs as ASGI gives and takes them.
+type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
 /// An answer as ASGI sends it: status, header pairs, body.
-type Raw = (u16, Vec<(Vec<u8>, Vec<u8>)>, Vec<u8>);
+type Raw = (u16, Pairs, Vec<u8>);
 
 #[pyclass(frozen, name = "Pipeline", module = "pdproxy._pdproxy")]
 pub struct Pipeline {
