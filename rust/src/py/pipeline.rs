@@ -146,12 +146,7 @@ impl Pipeline {
     /// A preflight's whole answer as `(status, headers, body)` (204 with what is allowed, or 400
     /// `cors_refused`); for any other request `None`, and the headers its answer carries (the
     /// origin's permission; none for no origin or one not allowed).
-    fn cors(
-        &self,
-        method: &str,
-        path: &str,
-        headers: Vec<(Vec<u8>, Vec<u8>)>,
-    ) -> (Option<Raw>, Vec<(Vec<u8>, Vec<u8>)>) {
+    fn cors(&self, method: &str, path: &str, headers: Pairs) -> (Option<Raw>, Pairs) {
         let headers = header_map(&headers);
         let preflight =
             Method::from_bytes(method.as_bytes()).ok().and_then(|m| self.embedded.preflight(&m, path, &headers));
