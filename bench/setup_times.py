@@ -95,7 +95,10 @@ def _markdown(timings: list[Timing], when: str) -> str:
     rows = [f"| {t.what} | {t.seconds:.0f} s | {t.load_before:.2f} / {t.load_after:.2f} | {t.note} |" for t in timings]
     return "\n".join(
         [
-            f"Measured {when} on this project's 2-core machine by `python bench/setup_times.py`:",
+            f"Measured {when} on this project's 2-core machine by `python bench/setup_times.py`. From",
+            "scratch: an empty cargo target directory (crates already downloaded) and a fresh virtual",
+            "environment; `scripts/test.sh` runs in this checkout as a developer runs it (its build",
+            "incremental, the peers' environments kept), in a fresh virtual environment.",
             "",
             "| step | wall time | load average before / after | |",
             "|---|---|---|---|",
@@ -106,7 +109,9 @@ def _markdown(timings: list[Timing], when: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", nargs="+", choices=sorted(STEPS), default=list(STEPS))
+    parser.add_argument(
+        "--only", nargs="*", choices=sorted(STEPS), default=list(STEPS), help="steps to run (none: rewrite the tables)"
+    )
     args = parser.parse_args()
     saved = RESULTS / "setup.json"
     kept = {t["what"]: Timing(**t) for t in json.loads(saved.read_text())["timings"]} if saved.exists() else {}
