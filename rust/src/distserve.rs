@@ -18,6 +18,7 @@ use bytes::Bytes;
 use http::header::{HeaderValue, CONTENT_TYPE};
 use http::{HeaderMap, Method, StatusCode};
 use serde::Deserialize;
+use serde_json::value::RawValue;
 use tokio::sync::oneshot;
 
 use crate::error::{Error, Kind, Result};
@@ -127,13 +128,18 @@ pub struct SessionHandle {
     pub token_id: i64,
 }
 
-/// The members of a prefill answer the handle is read from; anything else is ignored.
+/// The members of a prefill answer the handle is read from, kept as raw JSON; anything else
+/// (the whole completion) is skipped unparsed.
 #[derive(Deserialize)]
-struct PrefillAnswer {
-    cache_session_id: Option<serde_json::Value>,
-    id: Option<serde_json::Value>,
-    cache_block_ids: Option<serde_json::Value>,
-    remote_token_ids: Option<serde_json::Value>,
+struct PrefillAnswer<'a> {
+    #[serde(borrow)]
+    cache_session_id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    id: Option<&'a RawValue>,
+    #[serde(borrow)]
+    cache_block_ids: Option<&'a RawValue>,
+    #[serde(borrow)]
+    remote_token_ids: Option<&'a RawValue>,
 }
 
 impl SessionHandle {
@@ -142,37 +148,40 @@ impl SessionHandle {
     /// anything else is refused rather than guessed).
     pub fn from_answer(body: &[u8]) -> Result<Self> {
         let invalid = |message: &str| Error::new(Kind::InvalidAnswer, message.to_owned());
-        let value: serde_json::Value =
-            serde_json::from_slice(body).map_err(|_| invalid("the prefill node's answer is not JSON"))?;
-        if !value.is_object() {
-            return Err(invalid("the prefill node's answer is not a JSON object"));
+        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            let json = serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok();
+            return Err(invalid(if json {
+                "the prefill node's answer is not a JSON object"
+            } else {
+                "the prefill node's answer is not JSON"
+            }));
         }
-        let answer: PrefillAnswer =
-            serde_json::from_value(value).map_err(|_| invalid("the prefill node's answer is not a JSON object"))?;
-        let from_id = || match &answer.id {
-            Some(serde_json::Value::String(id)) if !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()) => {
-                id.parse().ok()
+        let answer: PrefillAnswer<'_> =
+            serde_json::from_slice(body).map_err(|_| invalid("the prefill node's answer is not JSON"))?;
+        let from_id = || {
+            let id: String = serde_json::from_str(answer.id?.get()).ok()?;
+            if id.is_empty() || !id.bytes().all(|b| b.is_ascii_digit()) {
+                return None;
             }
-            _ => None,
+            id.parse().ok()
         };
-        let session_id =
-            answer.cache_session_id.as_ref().and_then(serde_json::Value::as_u64).or_else(from_id).ok_or_else(|| {
-                invalid("the prefill node's answer names no session (cache_session_id or an integer id)")
-            })?;
-        let block_ids = integers(answer.cache_block_ids.as_ref(), "cache_block_ids")?;
-        let tokens = integers(answer.remote_token_ids.as_ref(), "remote_token_ids")?;
+        let session_id = answer
+            .cache_session_id
+            .and_then(|raw| serde_json::from_str::<u64>(raw.get()).ok())
+            .or_else(from_id)
+            .ok_or_else(|| invalid("the prefill node's answer names no session (cache_session_id or an integer id)"))?;
+        let block_ids = integers(answer.cache_block_ids, "cache_block_ids")?;
+        let tokens = integers(answer.remote_token_ids, "remote_token_ids")?;
         Ok(Self { session_id, block_ids, token_id: tokens.last().copied().unwrap_or(0) })
     }
 }
 
 /// A list of integers of a prefill answer (absent, null or empty: none).
-fn integers(value: Option<&serde_json::Value>, name: &str) -> Result<Vec<i64>> {
-    let invalid = || Error::new(Kind::InvalidAnswer, format!("{name} is not a list of integers"));
-    match value {
-        None | Some(serde_json::Value::Null) => Ok(Vec::new()),
-        Some(serde_json::Value::Array(items)) => items.iter().map(|i| i.as_i64().ok_or_else(invalid)).collect(),
-        Some(_) => Err(invalid()),
-    }
+fn integers(raw: Option<&RawValue>, name: &str) -> Result<Vec<i64>> {
+    let Some(raw) = raw else { return Ok(Vec::new()) };
+    serde_json::from_str::<Option<Vec<i64>>>(raw.get())
+        .map(Option::unwrap_or_default)
+        .map_err(|_| Error::new(Kind::InvalidAnswer, format!("{name} is not a list of integers")))
 }
 
 /// Where a preserved session is in its life.
