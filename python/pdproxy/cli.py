@@ -147,7 +147,7 @@ class _Context(click.Context):
     formatter_class = _HelpFormatter
 
 
-def default_text(option: Option) -> str | None:
+def _default_text(option: Option) -> str | None:
     """A setting's default as a user would type it, or None when there is none to show (an
     empty value or an unset marker, which the option's help explains)."""
     value = option.default
@@ -201,7 +201,7 @@ def _help_of(option: Option, param: click.Parameter) -> str:
     envvar = param.envvar
     envvars = [str(v) for v in envvar] if isinstance(envvar, list | tuple) else [str(envvar)] if envvar else []
     extra = [f"env var: {', '.join(envvars)}"] if envvars else []
-    default = default_text(option)
+    default = _default_text(option)
     if default is not None:
         extra.append(f"default: {default}")
     return f"{option.help}  [{'; '.join(extra)}]" if extra else option.help
