@@ -11,6 +11,10 @@ use std::sync::mpsc::{channel, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+/// An event's end, its searcher built once rather than per chunk.
+static EVENT_END: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\n\n"));
+
 /// The access log's output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
@@ -100,7 +104,7 @@ impl Record {
             self.first_byte = Some(self.started.elapsed());
         }
         self.bytes += chunk.len() as u64;
-        self.events += memchr::memmem::find_iter(chunk, b"\n\n").count() as u64;
+        self.events += EVENT_END.find_iter(chunk).count() as u64;
     }
 
     /// How the request ended and in which phase: `completed`, `client_cancel@ttfb`, ...

@@ -441,13 +441,17 @@ fn decode_pieces(buffer: &mut BytesMut, state: &mut Chunk, out: &mut Chunks) -> 
     }
 }
 
+/// Built once: `memmem::find` would build its searcher again on every line.
+static CRLF: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\r\n"));
+
 /// Longest chunk-size or trailer line accepted.
 const MAX_CHUNK_LINE: usize = 4096;
 
 /// Where the first CRLF is; an over-long line is an error, however it arrived (in one read or
 /// in several).
 fn find_crlf(buffer: &[u8]) -> Result<Option<usize>, &'static str> {
-    match memchr::memmem::find(buffer, b"\r\n") {
+    match CRLF.find(buffer) {
         Some(end) if end > MAX_CHUNK_LINE => Err("a chunk line is too long"),
         Some(end) => Ok(Some(end)),
         None if buffer.len() > MAX_CHUNK_LINE => Err("a chunk line is too long"),
