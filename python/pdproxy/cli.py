@@ -23,7 +23,7 @@ import click
 from pydantic.fields import FieldInfo
 
 from . import __version__
-from .config import ENV_PREFIX, GROUPS, Settings, load_toml, setting_kind
+from .config import ENV_PREFIX, GROUPS, Settings, load_toml, setting_flag, setting_kind
 from .errors import ConfigError
 from .json_types import JsonObject, JsonValue, loads
 from .node_record import NodeAttributes, configured_nodes
@@ -64,7 +64,6 @@ def options_of(cls: type) -> list[Option]:
         out = []
         for name, info in cls.model_fields.items():
             extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-            flag = extra.get("flag") or "--" + name.replace("_", "-")
             aliases = tuple(str(a) for a in extra.get("aliases") or ())  # type: ignore[union-attr]
             env_aliases = tuple(str(a) for a in extra.get("env_aliases") or ())  # type: ignore[union-attr]
             kind = setting_kind(info)
@@ -75,7 +74,7 @@ def options_of(cls: type) -> list[Option]:
                     kind,
                     info.default,
                     info.description or "",
-                    (str(flag), *aliases),
+                    (setting_flag(name), *aliases),
                     env_aliases,
                     cls.group_of(name).title,
                     None if shown is None else str(shown),
@@ -111,11 +110,11 @@ def settings_options(cls: type, envvar_prefix: str | None) -> Callable[[F], F]:
             flags, default = (*option.flags, option.name), option.default
             shown = _Shown(help=option.help, envvar=envvars or None, show_envvar=bool(envvars))
             if option.kind is bool:
-                decorator = click.option(*flags, is_flag=True, default=default, show_default=True, **shown)
+                decorator = click.option(*flags, is_flag=True, default=default, **shown)
             elif option.kind is tuple:
                 decorator = click.option(*flags, multiple=True, type=str, default=default, **shown)
             else:
-                decorator = click.option(*flags, type=option.kind, default=default, show_default=True, **shown)
+                decorator = click.option(*flags, type=option.kind, default=default, **shown)
             fn = decorator(fn)
         return fn
 

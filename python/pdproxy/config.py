@@ -39,7 +39,7 @@ from pydantic_core import PydanticCustomError
 
 from .errors import ConfigError
 
-__all__ = ["ENV_PREFIX", "GROUPS", "LOG_LEVELS", "Settings", "defaults", "load_toml", "setting_kind"]
+__all__ = ["ENV_PREFIX", "GROUPS", "LOG_LEVELS", "Settings", "defaults", "load_toml", "setting_flag", "setting_kind"]
 
 ENV_PREFIX = "PDPROXY_"
 #: Settings that hold key material: never printed or logged.
@@ -1088,6 +1088,14 @@ def settings_message(error: ValidationError) -> str:
     return f"{where}: {first['msg']}" if where else first["msg"]
 
 
+def setting_flag(name: str) -> str:
+    """The command-line flag of setting ``name``: its own spelling (``--node`` for ``nodes``),
+    else its name with dashes."""
+    extra = Settings.model_fields[name].json_schema_extra
+    flag = extra.get("flag") if isinstance(extra, dict) else None
+    return str(flag) if flag else "--" + name.replace("_", "-")
+
+
 def setting_kind(field: FieldInfo) -> type:
     """The Python type of a setting as the CLI reads it: str, int, float, bool or tuple."""
     annotation = field.annotation
@@ -1119,14 +1127,10 @@ def read_toml(path: str | Path, what: str) -> dict[str, object]:
 def _option_keys() -> dict[str, str]:
     """Each setting's key in a settings file, the option's name with underscores (``node`` for
     ``--node``), and the setting it sets."""
-    keys = {}
-    for name, info in Settings.model_fields.items():
-        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-        flag = extra.get("flag")
-        keys[str(flag).removeprefix("--").replace("-", "_") if flag else name] = name
-    return keys
+    return {setting_flag(name).removeprefix("--").replace("-", "_"): name for name in Settings.model_fields}
 
 
+@functools.cache
 def toml_keys() -> dict[str, str]:
     """Each top-level key a settings file may use, and the setting it sets: the option keys, and
     each setting's own name where that differs (``nodes``: the older spelling, and what

@@ -106,49 +106,22 @@ fn invalid(e: &serde_json::Error) -> Error {
     Error::new(Kind::InvalidRequest, format!("request body is not valid JSON: {e}"))
 }
 
-/// The routing fields a body may carry, each with what its value must be. Checked one by one
-/// only once the whole body failed to read, to name the field at fault.
-const FIELD_KINDS: [(&str, Expected); 8] = [
-    ("model", Expected::Text),
-    ("user", Expected::Text),
-    ("stream", Expected::Boolean),
-    ("n", Expected::Count),
-    ("best_of", Expected::Count),
-    ("max_tokens", Expected::Count),
-    ("priority", Expected::Integer),
-    ("session_id", Expected::TextOrInteger),
+/// What each routing field of `Fields` must hold, as a client reads it. Only for naming the
+/// field at fault once a body failed to read; which value is wrong is `Fields`' own judgement.
+const EXPECTED: [(&str, &str); 7] = [
+    ("model", "a string"),
+    ("user", "a string"),
+    ("stream", "true or false"),
+    ("n", "a non-negative integer"),
+    ("best_of", "a non-negative integer"),
+    ("max_tokens", "a non-negative integer"),
+    ("priority", "an integer (-2147483648 to 2147483647)"),
 ];
 
-#[derive(Clone, Copy)]
-enum Expected {
-    Text,
-    Boolean,
-    Count,
-    Integer,
-    TextOrInteger,
-}
-
-impl Expected {
-    fn accepts(self, raw: &str) -> bool {
-        raw == "null"
-            || match self {
-                Self::Text => serde_json::from_str::<String>(raw).is_ok(),
-                Self::Boolean => serde_json::from_str::<bool>(raw).is_ok(),
-                Self::Count => serde_json::from_str::<u64>(raw).is_ok(),
-                Self::Integer => serde_json::from_str::<i32>(raw).is_ok(),
-                Self::TextOrInteger => serde_json::from_str::<String>(raw).is_ok() || raw.parse::<i64>().is_ok(),
-            }
-    }
-
-    fn describe(self) -> &'static str {
-        match self {
-            Self::Text => "a string",
-            Self::Boolean => "true or false",
-            Self::Count => "a non-negative integer",
-            Self::Integer => "an integer (-2147483648 to 2147483647)",
-            Self::TextOrInteger => "a string or an integer",
-        }
-    }
+/// Whether `Fields` reads `raw` as the value of `key` (an object of that one member).
+fn reads_as_field(key: &str, raw: &str) -> bool {
+    let member = format!("{{{}:{raw}}}", serde_json::to_string(key).unwrap_or_default());
+    serde_json::from_str::<Fields<'_>>(&member).is_ok()
 }
 
 /// What a JSON value is, by its first character, as a client would name it.
@@ -169,12 +142,12 @@ fn kind_of(raw: &str) -> &'static str {
 fn field_error(text: &str, e: &serde_json::Error) -> Error {
     let Ok(members) = serde_json::from_str::<Members<'_>>(text) else { return invalid(e) };
     for (i, (key, raw)) in members.0.iter().enumerate() {
-        let Some(&(name, expected)) = FIELD_KINDS.iter().find(|(name, _)| *name == key.as_ref()) else { continue };
+        let Some(&(name, expected)) = EXPECTED.iter().find(|(name, _)| *name == key.as_ref()) else { continue };
         let raw = raw.get();
-        if !expected.accepts(raw) {
+        if !reads_as_field(name, raw) {
             let shown: String = raw.chars().take(40).collect();
             let more = if shown.len() < raw.len() { "..." } else { "" };
-            let message = format!("{name} must be {}, got {} {shown}{more}", expected.describe(), kind_of(raw));
+            let message = format!("{name} must be {expected}, got {} {shown}{more}", kind_of(raw));
             return Error::new(Kind::InvalidRequest, message).with_param(name);
         }
         if members.0[..i].iter().any(|(earlier, _)| earlier == key) {
