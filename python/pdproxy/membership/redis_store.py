@@ -281,7 +281,7 @@ class RedisMembership(Membership):
             await pubsub.subscribe(self._channel)
             await self._reconcile()
         except BaseException:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await pubsub.aclose()
             raise
         if self._outage:
             self._outage = False
@@ -310,7 +310,7 @@ class RedisMembership(Membership):
                 log.exception("node registry watcher failed; retrying")
             finally:
                 if pubsub is not None:
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                    await pubsub.aclose()
                     pubsub = None
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self._max_backoff)
