@@ -80,6 +80,23 @@ class EngineReport(TypedDict):
     failures: int
     #: Readings failed in a row.
     failing: int
+    learnt: LearntSpeed
+
+@type_check_only
+class LearntSpeed(TypedDict):
+    """What pdproxy learnt of a node's engine from its answers (None: not yet); `scored` prices
+    each choice with it."""
+
+    #: Seconds of prefill per KiB of prompt not in the engine's cache.
+    prefill_seconds_per_kib: float | None
+    #: Seconds to a first token besides the prefill.
+    first_token_seconds: float | None
+    #: Seconds a request decodes after its first token.
+    decode_seconds: float | None
+    #: Requests the engine runs at once while others wait.
+    batch_slots: float | None
+    #: First tokens behind the prefill figures (weighted: recent ones count more).
+    samples: float
 
 @type_check_only
 class _NodeFields(TypedDict):

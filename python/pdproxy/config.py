@@ -363,7 +363,7 @@ class RoutingSettings(SettingsGroup):
             "Routing policy of every role (hybrid, and prefill and decode unless their own is given): "
             "min_expected_latency (LMDeploy's default), random, min_observed_latency, "
             "min_observed_latency_per_token, min_cache_usage (LMDeploy's), round_robin, least_requests, "
-            "consistent_hash, prefix, least_engine_load, scored (or scored:prefix=N,queue=N,kv=N,load=N)."
+            "consistent_hash, prefix, least_engine_load, scored (or scored:prefix=N,queue=N)."
         ),
         aliases=("--routing-strategy",),
     )
@@ -389,8 +389,8 @@ class RoutingSettings(SettingsGroup):
         "prefix: prompt bytes per cached block.",
     )
     prefix_max_blocks: AtLeastOne = _setting(
-        64,
-        "prefix: blocks of a prompt considered (its head).",
+        1024,
+        "prefix, scored: blocks of a prompt considered (its head; 1024 blocks of 256 bytes cover about 64k tokens).",
     )
     prefix_cache_entries: AtLeastOne = _setting(
         65536,
@@ -410,24 +410,16 @@ class RoutingSettings(SettingsGroup):
     score_prefix_weight: Weight = _setting(
         2.0,
         (
-            "scored: cost of each KiB of the prompt a node would have to prefill (not in its cache), against "
-            "1 for each KiB of prompts already waiting there for their first token."
+            "scored: times a request's own prefill counts in a node's cost (in seconds, at that engine's learnt "
+            "rate): once for its own first token, once more for the requests that wait behind it there."
         ),
     )
     score_queue_weight: Weight = _setting(
-        0.5,
-        (
-            "scored: cost of each request waiting for a place in the node's engine's batch (0.5: the best "
-            "of 0.25, 0.5 and 1 in bench/fleet.py)."
-        ),
-    )
-    score_kv_weight: Weight = _setting(
         1.0,
-        "scored: cost of a full KV cache (scaled by the engine's usage, 0 to 1).",
-    )
-    score_load_weight: Weight = _setting(
-        0.0,
-        "scored: cost of each request pdproxy has in flight on the node, decoding ones included.",
+        (
+            "scored: times the waits ahead of a request count in a node's cost: for a place in its engine's "
+            "batch, and for the prefill still owed to the requests sent there before."
+        ),
     )
     retries: NotNegative = _setting(
         2,

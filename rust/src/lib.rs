@@ -8,6 +8,7 @@ pub mod doorbell;
 pub mod edge;
 pub mod engine;
 pub mod engine_report;
+pub mod engine_speed;
 pub mod error;
 pub mod exchange;
 pub mod forward;

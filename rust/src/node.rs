@@ -10,6 +10,7 @@ use http::Uri;
 
 use crate::circuit::Circuit;
 use crate::engine_report::{CountsThen, EngineFigures, EngineLoad, EngineReport};
+use crate::engine_speed::EngineSpeed;
 use crate::error::{Error, Kind, Result};
 use crate::histogram::{Gap, Histogram, Latency};
 use crate::shared::{Binding, SharedTable};
@@ -134,9 +135,8 @@ pub struct NodeCounters {
     /// The same bytes, each times the millisecond (Unix time) it was sent at: with the count,
     /// it gives how long they have been pending on average (see `prefill_remaining_bytes`).
     pub prefill_pending_byte_ms: AtomicU64,
-    /// Exponentially weighted mean of the rate prompts are worked off here: bytes per
-    /// millisecond from being sent to the first byte of the answer, as `f64` bits (0: none yet).
-    pub prefill_rate_ewma: AtomicU64,
+    /// How fast the node's engine prefills and decodes, learnt from the requests sent to it.
+    pub speed: EngineSpeed,
     /// Requests sent to the node that have not had the first byte of their answer yet: waiting
     /// in the engine's queue, or being prefilled.
     pub unanswered: AtomicU64,
@@ -228,7 +228,6 @@ impl NodeCounters {
             &self.ttft_us_ewma,
             &self.prefill_pending_bytes,
             &self.prefill_pending_byte_ms,
-            &self.prefill_rate_ewma,
             &self.unanswered,
             &self.predicted_cached_bytes,
             &self.recent_cursor,
@@ -245,6 +244,7 @@ impl NodeCounters {
         self.ttft.reset();
         self.itl.reset();
         self.engine.reset();
+        self.speed.reset();
     }
 
     /// Records a reading of the node's engine taken now (`now_ms`), with its own counters.
@@ -255,6 +255,9 @@ impl NodeCounters {
             predicted_cached: self.predicted_cached_bytes.load(Ordering::Relaxed),
         };
         self.engine.record(figures, then, now_ms);
+        if figures.waiting > 0 {
+            self.speed.batch_full(figures.running);
+        }
     }
 
     pub fn state(&self) -> NodeState {
@@ -316,18 +319,21 @@ impl NodeCounters {
     }
 
     /// Prompt bytes still to prefill here: the pending bytes less what the engine has worked
-    /// off since they were sent, at the rate it usually prefills (a node that was sent a prompt
-    /// a while ago is nearer to done than one that was just sent the same).
+    /// off since they were sent, at the rate it prefills (a node that was sent a prompt a while
+    /// ago is nearer to done than one that was just sent the same).
     pub fn prefill_remaining_bytes(&self, now_ms: u64) -> f64 {
         let pending = self.prefill_pending_bytes.load(Ordering::Relaxed);
-        let rate = f64::from_bits(self.prefill_rate_ewma.load(Ordering::Relaxed));
         #[allow(clippy::cast_precision_loss)]
         let pending_f = pending as f64;
-        if pending == 0 || rate <= 0.0 {
+        let Some(ms_per_kib) = self.speed.speed().prefill_ms_per_kib.filter(|&r| r > 0.0) else {
             return pending_f;
+        };
+        if pending == 0 {
+            return 0.0;
         }
-        // Sum over the pending bytes of how long each has been pending (byte-milliseconds). The
-        // sums wrap (atomics do): their difference is right as long as it fits, which it does.
+        let rate = 1024.0 / ms_per_kib; // bytes per ms
+                                        // Sum over the pending bytes of how long each has been pending (byte-milliseconds). The
+                                        // sums wrap (atomics do): their difference is right as long as it fits, which it does.
         let sent_at = self.prefill_pending_byte_ms.load(Ordering::Relaxed);
         let aged = now_ms.wrapping_mul(pending).wrapping_sub(sent_at);
         // The two sums are read one after the other: a prompt sent or answered in between shows
@@ -341,16 +347,6 @@ impl NodeCounters {
         (pending_f - rate * mean_age_ms).max(pending_f / 8.0)
     }
 
-    /// `bytes` of prompt were pending here for `ms` (sent to first byte).
-    pub(crate) fn record_prefill(&self, bytes: u64, ms: u64) {
-        #[allow(clippy::cast_precision_loss)]
-        let rate = bytes as f64 / ms.max(1) as f64;
-        // A lost update under a race only skews an estimate; no lock for it.
-        let old = f64::from_bits(self.prefill_rate_ewma.load(Ordering::Relaxed));
-        let new = if old > 0.0 { old + 0.2 * (rate - old) } else { rate };
-        self.prefill_rate_ewma.store(new.to_bits(), Ordering::Relaxed);
-    }
-
     pub(crate) fn record_success(&self, latency: Duration, first_byte: Option<Duration>, events: u64) {
         let micros = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
         self.latency_us_sum.fetch_add(micros, Ordering::Relaxed);
@@ -360,6 +356,10 @@ impl NodeCounters {
         self.recent_events[slot].store(u32::try_from(events).unwrap_or(u32::MAX), Ordering::Relaxed);
         self.events.fetch_add(events, Ordering::Relaxed);
         if let Some(first) = first_byte {
+            if events > 1 {
+                // A stream: its first byte was its first token, and the rest its decoding.
+                self.speed.decoded((latency.saturating_sub(first)).as_secs_f64() * 1000.0);
+            }
             self.ttft.observe(first);
             #[allow(clippy::cast_precision_loss)]
             let ttft = first.as_micros() as f64;
@@ -663,7 +663,9 @@ mod tests {
         let now = 1_800_000_000_000;
         send(4000, now - 10);
         assert!((counters.prefill_remaining_bytes(now) - 4000.0).abs() < 1e-9, "no rate learnt yet: all of it");
-        counters.record_prefill(1000, 10); // 100 bytes per ms
+        for _ in 0..8 {
+            counters.speed.first_token(1.0, 10.24); // 100 bytes per ms
+        }
         assert!((counters.prefill_remaining_bytes(now) - 3000.0).abs() < 1e-6, "10 ms at 100 bytes/ms: 1000 done");
         assert!((counters.prefill_remaining_bytes(now + 25) - 500.0).abs() < 1e-6, "never below an eighth");
         send(4000, now);

@@ -66,6 +66,11 @@ pub struct InFlightPermit {
     /// Prompt bytes the policy expected in the node's cache, added to its
     /// `predicted_cached_bytes` at the first byte.
     predicted_cached: AtomicU64,
+    /// When the answer's first byte is its first token, what the node had to prefill before
+    /// it (its own prompt and what it still had of those sent before, bytes) and since when
+    /// (Unix ms): the first byte then teaches the node's speed. Zero: not timed.
+    timed_bytes: AtomicU64,
+    timed_since_ms: AtomicU64,
 }
 
 impl InFlightPermit {
@@ -92,6 +97,8 @@ impl InFlightPermit {
             prefill_since_ms: AtomicU64::new(0),
             unanswered: AtomicBool::new(true),
             predicted_cached: AtomicU64::new(0),
+            timed_bytes: AtomicU64::new(0),
+            timed_since_ms: AtomicU64::new(0),
         })
     }
 
@@ -111,6 +118,8 @@ impl InFlightPermit {
             prefill_since_ms: AtomicU64::new(0),
             unanswered: AtomicBool::new(true),
             predicted_cached: AtomicU64::new(0),
+            timed_bytes: AtomicU64::new(0),
+            timed_since_ms: AtomicU64::new(0),
         }
     }
 
@@ -141,11 +150,23 @@ impl InFlightPermit {
     /// Records what the policy expects of the node for this request: `prefill` bytes of prompt
     /// to compute, counted in its `prefill_pending_bytes` until the first byte of the answer
     /// (or the end), and `cached` bytes to be found in its cache. Once per permit (the one
-    /// selection that took it).
-    pub fn set_prediction(&self, prediction: Prediction) {
+    /// selection that took it). `timed`: the answer's first byte will be its first token (a
+    /// stream, or a prefill leg), so its wait teaches the node's speed, unless the engine's
+    /// batch looks full now (the wait would then be for a place in it, not for the prefill).
+    pub fn set_prediction(&self, prediction: Prediction, timed: bool) {
+        let now = now_ms();
+        let counters = self.node.counters();
+        if timed {
+            #[allow(clippy::cast_precision_loss)]
+            let full = counters.speed.speed().slots.is_some_and(|slots| counters.in_flight() as f64 > slots);
+            if !full {
+                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+                let ahead = counters.prefill_remaining_bytes(now) as u64;
+                self.timed_bytes.store(ahead + prediction.prefill + 1, Ordering::Relaxed);
+                self.timed_since_ms.store(now, Ordering::Relaxed);
+            }
+        }
         if prediction.prefill > 0 {
-            let now = now_ms();
-            let counters = self.node.counters();
             counters.prefill_pending_bytes.fetch_add(prediction.prefill, Ordering::Relaxed);
             // Wrapping: the node's sum is only ever read as a difference (see `prefill_remaining_bytes`).
             counters.prefill_pending_byte_ms.fetch_add(prediction.prefill.wrapping_mul(now), Ordering::Relaxed);
@@ -173,9 +194,12 @@ impl InFlightPermit {
             let since = self.prefill_since_ms.load(Ordering::Relaxed);
             counters.prefill_pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
             counters.prefill_pending_byte_ms.fetch_sub(bytes.wrapping_mul(since), Ordering::Relaxed);
-            if answered {
-                counters.record_prefill(bytes, now_ms().saturating_sub(since));
-            }
+        }
+        let timed = self.timed_bytes.swap(0, Ordering::Relaxed);
+        if answered && timed > 0 {
+            let waited_ms = now_ms().saturating_sub(self.timed_since_ms.load(Ordering::Relaxed));
+            #[allow(clippy::cast_precision_loss)]
+            counters.speed.first_token((timed - 1) as f64 / 1024.0, waited_ms as f64);
         }
         let cached = self.predicted_cached.swap(0, Ordering::Relaxed);
         if cached > 0 {

@@ -427,6 +427,7 @@ pub fn select_ctx<'a>(role: Role, headers: &'a HeaderMap, info: &'a RequestInfo<
         model: info.model.as_deref(),
         affinity: affinity(headers, info),
         prompt: info.prompt,
+        stream: info.stream,
         class: Class::default(),
         trace: None,
     }

@@ -25,8 +25,6 @@ pub struct RouterConfig {
     pub prefix_bytes_per_token: f64,
     pub score_prefix_weight: f64,
     pub score_queue_weight: f64,
-    pub score_kv_weight: f64,
-    pub score_load_weight: f64,
     pub engine_metrics_max_age: f64,
     pub queue_size: usize,
     pub queue_timeout: f64,
@@ -109,12 +107,7 @@ impl RouterConfig {
                     seconds("engine_metrics_max_age", self.engine_metrics_max_age)?.as_millis(),
                 )
                 .unwrap_or(u64::MAX),
-                score: ScoreWeights {
-                    prefix: self.score_prefix_weight,
-                    queue: self.score_queue_weight,
-                    kv: self.score_kv_weight,
-                    load: self.score_load_weight,
-                },
+                score: ScoreWeights { prefix: self.score_prefix_weight, queue: self.score_queue_weight },
                 prefix_bytes_per_token: self.prefix_bytes_per_token,
             },
             queue_size: self.queue_size,

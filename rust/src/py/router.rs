@@ -723,6 +723,20 @@ fn engine_stats<'py>(py: Python<'py>, node: &Node, max_age_ms: u64) -> PyResult<
     out.set_item("restarts", report.restarts)?;
     out.set_item("failures", report.failures)?;
     out.set_item("failing", report.failing)?;
+    out.set_item("learnt", learnt_speed(py, node)?)?;
+    Ok(out)
+}
+
+/// What pdproxy learnt of the engine's speed from its answers (`scored` prices with it).
+fn learnt_speed<'py>(py: Python<'py>, node: &Node) -> PyResult<Bound<'py, PyDict>> {
+    let speed = node.counters().speed.speed();
+    let out = PyDict::new(py);
+    let seconds = |ms: Option<f64>| ms.map(|ms| ms / 1e3);
+    out.set_item("prefill_seconds_per_kib", seconds(speed.prefill_ms_per_kib))?;
+    out.set_item("first_token_seconds", seconds(speed.first_token_ms))?;
+    out.set_item("decode_seconds", seconds(speed.decode_ms))?;
+    out.set_item("batch_slots", speed.slots)?;
+    out.set_item("samples", speed.samples)?;
     Ok(out)
 }
 

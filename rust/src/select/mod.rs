@@ -44,6 +44,8 @@ pub struct SelectCtx<'a> {
     pub affinity: Option<&'a str>,
     /// The prompt's raw bytes (`messages` or `prompt`), for cache-aware routing.
     pub prompt: Option<&'a [u8]>,
+    /// The client asked for a stream: the answer's first byte is its first token.
+    pub stream: bool,
     /// Priority and tenant, for the wait queue when every candidate is full.
     pub class: Class,
     /// Where the selection's span goes, when the request is traced.
@@ -136,7 +138,7 @@ impl Default for PolicyConfig {
             hash_load_factor: 1.25,
             prefix: PrefixConfig::default(),
             engine_max_age_ms: 10_000,
-            score: ScoreWeights { prefix: 1.0, queue: 1.0, kv: 1.0, load: 0.0 },
+            score: ScoreWeights { prefix: 2.0, queue: 1.0 },
             prefix_bytes_per_token: 4.0,
         }
     }
@@ -270,7 +272,9 @@ fn pick(
     for _ in 0..=candidates.len() {
         let Some(i) = policy.pick(candidates, ctx) else { break };
         if let Some(permit) = InFlightPermit::try_acquire(&candidates[i], admission) {
-            permit.set_prediction(policy.selected(&candidates[i], ctx));
+            // A stream's first byte, or a prefill leg's answer, is the first token.
+            let timed = ctx.stream || ctx.role == Role::Prefill;
+            permit.set_prediction(policy.selected(&candidates[i], ctx), timed);
             return (Ok(permit), candidates.len());
         }
     }

@@ -1,31 +1,35 @@
-//! `scored`: the node with the lowest cost, in KiB of prompt prefill (time the engine spends
-//! before the request's first token, or takes from the requests after it):
+//! `scored`: the node where the request's first token comes soonest, counting what the
+//! request costs the requests after it there. Every term is a time, from what pdproxy has
+//! learnt of each engine's speed (`engine_speed`) and what it knows of each engine's queue:
 //!
 //! ```text
-//! cost = prefix_weight * KiB of the prompt not in the node's cache (its own prefill there)
-//!      +                 KiB of prompts pdproxy sent there still to prefill (see below)
-//!      + queue_weight  * requests waiting there for a place in the engine's batch
-//!      + kv_weight     * the engine's KV-cache usage (0 to 1)
-//!      + load_weight   * requests pdproxy has in flight there (decoding ones included)
+//! cost = queue  * (the wait for a place in the engine's batch + the prefill still owed to
+//!                  the requests sent there before, at that engine's rate)
+//!      +          the engine's fixed time to a first token
+//!      + prefix * the request's own prefill there (its prompt not in that node's cache)
 //! ```
 //!
-//! A prefix weight above 1 counts a request's own prefill twice over: it delays its first
-//! token, and it is work added to the node that every later request there waits for (and
-//! cache space it takes), so a node that already holds the prompt keeps it unless the wait
-//! there is long.
+//! `prefix` is 2 by default: a request's own prefill delays its own first token, and once
+//! more every request that comes after it to that engine (they wait behind it). So a node that
+//! holds the prompt keeps it until the wait there outgrows a prefill elsewhere, and a miss,
+//! which costs the same on every node of one speed, goes where the wait is shortest: a cold
+//! engine (restarted, flushed, new) takes misses back at once, being the one with no queue.
+//! `queue` (1) scales the waits against the prefill.
 //!
-//! The prompt a node holds comes from the prefix table (what pdproxy routed there and the
-//! engine has not evicted since, see `prefix_table`); the prefill a request will cost is
-//! counted on the node from its selection to its first byte (`prefill_pending_bytes`), worked
-//! off evenly over the time a prompt usually stays pending there (`prefill_remaining_bytes`):
-//! when every node is prefilling, the one that got its prompt longest ago is nearest to done. The
-//! engine's waiting requests and KV usage come from its fresh report adjusted by pdproxy's
-//! traffic since (see `EngineLoad::waiting`); without one, the requests pdproxy sent there
-//! that have not had their first byte (`unanswered`) stand in for the queue, and the KV term
-//! is left out. Nodes within a tenth of the lowest cost count as equally ready: the one with
-//! the fewest requests in flight, then the one sent the fewest, then one at random. They share
-//! the decoding evenly and take turns, and round robin's even spacing of each node's arrivals
-//! is worth more to the first token than a few hundredths of KV usage.
+//! - The prompt a node holds comes from the prefix table (what pdproxy routed there and the
+//!   engine has not evicted since, see `prefix_table`).
+//! - The prefill owed there is pdproxy's own count of the uncached prompt bytes it sent that
+//!   have not had their first byte yet, worked off at the engine's rate since they were sent
+//!   (`prefill_remaining_bytes`).
+//! - The wait for a place in the batch: the requests the engine has (its last report adjusted
+//!   by pdproxy's traffic since; without one, pdproxy's in-flight count) beyond the number it
+//!   runs at once, each freeing a place as it finishes decoding.
+//! - Rates not learnt yet are the median of the candidates' learnt ones (a fleet is mostly
+//!   alike), or, before any, `PRIOR_MS_PER_KIB`.
+//!
+//! Nodes within `TIE_SHARE` of the lowest cost count as equally ready: the one with the
+//! fewest requests in flight, then the one sent the fewest, then one at random, so that they
+//! share the decoding evenly and take turns.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -33,26 +37,31 @@ use std::sync::Arc;
 use super::prefix_table::{PrefixTable, PrefixTableConfig};
 use super::{available_indices, Policy, SelectCtx};
 use crate::circuit::now_ms;
+use crate::engine_speed::Speed;
 use crate::error::{Error, Kind, Result};
 use crate::node::Node;
 use crate::permit::Prediction;
 
-/// Costs this close to the lowest count as equal (a tenth of a KiB of prefill, or of the
-/// whole KV cache).
-const TIE_TOLERANCE: f64 = 0.1;
+/// Costs within this share of the lowest (or `TIE_MS`, whichever is more) count as equal.
+const TIE_SHARE: f64 = 0.02;
+const TIE_MS: f64 = 1.0;
+/// Prefill time per KiB of prompt assumed before any engine's is learnt: about 10,000 tokens a
+/// second at 4 bytes a token. Only the first requests see it; it sets no ratio that matters,
+/// since the prefill owed and the request's own are both priced with it.
+const PRIOR_MS_PER_KIB: f64 = 25.0;
 
-/// The weights of the three terms.
+/// The weights of the terms.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ScoreWeights {
+    /// Times the request's own prefill counts (its own wait, and that of those after it).
     pub prefix: f64,
+    /// Times the waits ahead of it count.
     pub queue: f64,
-    pub kv: f64,
-    pub load: f64,
 }
 
 impl ScoreWeights {
-    /// `weights` with the overrides of `spec` applied: `prefix=2,kv=0.5` (any of `prefix`,
-    /// `queue`, `kv`, each a non-negative number).
+    /// `weights` with the overrides of `spec` applied: `prefix=2,queue=0.5` (either, each a
+    /// non-negative number).
     pub fn with_overrides(self, spec: &str) -> Result<Self> {
         let mut out = self;
         for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -64,8 +73,6 @@ impl ScoreWeights {
             match key.trim() {
                 "prefix" => out.prefix = value,
                 "queue" => out.queue = value,
-                "kv" => out.kv = value,
-                "load" => out.load = value,
                 _ => return Err(invalid(spec)),
             }
         }
@@ -76,10 +83,32 @@ impl ScoreWeights {
 fn invalid(spec: &str) -> Error {
     Error::new(
         Kind::Config,
-        format!(
-            "scored weights {spec:?}: use prefix=N, queue=N, kv=N, load=N separated by commas (non-negative numbers)"
-        ),
+        format!("scored weights {spec:?}: use prefix=N and queue=N separated by a comma (non-negative numbers)"),
     )
+}
+
+/// The figures a cost is made of for one candidate, in milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Estimate {
+    /// Waiting for a place in the engine's batch.
+    pub slot_wait: f64,
+    /// Prefill still owed to the requests sent there before.
+    pub ahead: f64,
+    /// The engine's fixed time to a first token.
+    pub first_token: f64,
+    /// The request's own prefill there.
+    pub own: f64,
+}
+
+impl Estimate {
+    /// When the request's first token would come (ms after now).
+    pub fn first_token_in_ms(&self) -> f64 {
+        self.slot_wait + self.ahead + self.first_token + self.own
+    }
+
+    fn cost(&self, w: ScoreWeights) -> f64 {
+        w.queue * (self.slot_wait + self.ahead) + self.first_token + w.prefix * self.own
+    }
 }
 
 #[derive(Debug)]
@@ -91,6 +120,32 @@ pub struct Scored {
     /// The median KV capacity (tokens) the candidates' engines report, for the nodes whose
     /// engines do not (a fleet is mostly alike); 0 when none does.
     typical_capacity: AtomicU64,
+}
+
+/// The median of the values given (`None`: none).
+fn median(mut values: Vec<f64>) -> Option<f64> {
+    if values.is_empty() {
+        return None;
+    }
+    let mid = values.len() / 2;
+    Some(*values.select_nth_unstable_by(mid, f64::total_cmp).1)
+}
+
+/// Each candidate's learnt speed, its gaps filled with the candidates' medians.
+fn speeds(candidates: &[Arc<Node>]) -> Vec<Speed> {
+    let mut learnt: Vec<Speed> = candidates.iter().map(|n| n.counters().speed.speed()).collect();
+    let typical = |field: fn(&Speed) -> Option<f64>| median(learnt.iter().filter_map(field).collect());
+    let rate = typical(|s| s.prefill_ms_per_kib).unwrap_or(PRIOR_MS_PER_KIB);
+    let first = typical(|s| s.first_token_ms).unwrap_or(0.0);
+    let decode = typical(|s| s.decode_ms);
+    let slots = typical(|s| s.slots);
+    for speed in &mut learnt {
+        speed.prefill_ms_per_kib = speed.prefill_ms_per_kib.or(Some(rate));
+        speed.first_token_ms = speed.first_token_ms.or(Some(first));
+        speed.decode_ms = speed.decode_ms.or(decode);
+        speed.slots = speed.slots.or(slots);
+    }
+    learnt
 }
 
 impl Scored {
@@ -119,28 +174,58 @@ impl Scored {
         prompt - (matched * self.table.block_bytes()).min(self.table.considered_bytes(ctx))
     }
 
-    /// Each available candidate's cost for the request (`None`: not available).
-    pub fn costs(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<f64>> {
+    /// The wait for a place in the node's batch (ms): the requests it has beyond those it runs
+    /// at once, each place freed as a running request ends its decoding.
+    fn slot_wait_ms(&self, node: &Node, speed: &Speed, now: u64) -> f64 {
+        let load = node.engine_load(self.max_age_ms, now);
+        let Some(decode_ms) = speed.decode_ms else { return 0.0 };
+        #[allow(clippy::cast_precision_loss)]
+        let in_flight = node.counters().in_flight() as f64;
+        match speed.slots {
+            Some(slots) => {
+                let there = load.map_or(in_flight, |l| l.requests());
+                let beyond = there + 1.0 - slots;
+                if beyond > 0.0 {
+                    beyond * decode_ms / slots
+                } else {
+                    0.0
+                }
+            }
+            None => load.filter(|l| l.waiting() > 0.0 && l.running > 0).map_or(0.0, |l| {
+                #[allow(clippy::cast_precision_loss)]
+                let running = l.running as f64;
+                (l.waiting() + 1.0) * decode_ms / running
+            }),
+        }
+    }
+
+    /// Each available candidate's estimate for the request (`None`: not available).
+    pub fn estimates(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<Estimate>> {
         let hashes = self.table.block_hashes(ctx);
         let matched = self.table.matched(&hashes, candidates);
+        let speeds = speeds(candidates);
         let now = now_ms();
-        let w = self.weights;
         let mut out = vec![None; candidates.len()];
         for i in available_indices(candidates) {
             let node = &candidates[i];
-            let pending_kib = node.counters().prefill_remaining_bytes(now) / 1024.0;
+            let speed = &speeds[i];
+            let ms_per_kib = speed.prefill_ms_per_kib.unwrap_or(PRIOR_MS_PER_KIB);
             #[allow(clippy::cast_precision_loss)]
             let own_kib = self.uncached(ctx, matched[i]) as f64 / 1024.0;
-            let load = node.engine_load(self.max_age_ms, now);
-            let kv = load.and_then(|l| l.kv_usage_estimate()).unwrap_or(0.0);
-            #[allow(clippy::cast_precision_loss)]
-            let unanswered = node.counters().unanswered.load(Ordering::Relaxed) as f64;
-            let queue = load.map_or(unanswered, |l| l.waiting());
-            #[allow(clippy::cast_precision_loss)]
-            let in_flight = node.counters().in_flight() as f64;
-            out[i] = Some(w.prefix * own_kib + pending_kib + w.queue * queue + w.kv * kv + w.load * in_flight);
+            let ahead_kib = node.counters().prefill_remaining_bytes(now) / 1024.0;
+            out[i] = Some(Estimate {
+                slot_wait: self.slot_wait_ms(node, speed, now),
+                ahead: ahead_kib * ms_per_kib,
+                first_token: speed.first_token_ms.unwrap_or(0.0),
+                own: own_kib * ms_per_kib,
+            });
         }
         out
+    }
+
+    /// Each available candidate's cost for the request, in milliseconds (`None`: not available).
+    pub fn costs(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<f64>> {
+        self.estimates(candidates, ctx).into_iter().map(|e| e.map(|e| e.cost(self.weights))).collect()
     }
 }
 
@@ -153,6 +238,7 @@ impl Policy for Scored {
         self.note_capacities(candidates);
         let all = self.costs(candidates, ctx);
         let best = all.iter().flatten().copied().fold(f64::INFINITY, f64::min);
+        let tolerance = (best * TIE_SHARE).max(TIE_MS);
         // Of the nodes within a hair of the best, the one with the fewest requests in flight,
         // then the one sent the fewest: nodes equally ready share the decoding evenly and take
         // turns, so each one's arrivals are spaced as round robin's are.
@@ -160,7 +246,7 @@ impl Policy for Scored {
         let mut fewest = (u64::MAX, u64::MAX);
         let mut ties = 0u32;
         for (i, cost) in all.into_iter().enumerate() {
-            if cost.is_none_or(|c| c > best + TIE_TOLERANCE) {
+            if cost.is_none_or(|c| c > best + tolerance) {
                 continue;
             }
             let counters = candidates[i].counters();
@@ -201,10 +287,10 @@ mod tests {
     use super::super::testing::*;
     use super::*;
 
-    const WEIGHTS: ScoreWeights = ScoreWeights { prefix: 1.0, queue: 1.0, kv: 1.0, load: 0.0 };
+    const WEIGHTS: ScoreWeights = ScoreWeights { prefix: 2.0, queue: 1.0 };
 
     fn scored(weights: ScoreWeights) -> Scored {
-        let table = PrefixTableConfig { block_bytes: 256, max_blocks: 64, entries: 1 << 16, bytes_per_token: 4.0 };
+        let table = PrefixTableConfig { block_bytes: 256, max_blocks: 1024, entries: 1 << 16, bytes_per_token: 4.0 };
         Scored::new(weights, table, 10_000)
     }
 
@@ -218,55 +304,63 @@ mod tests {
         i
     }
 
-    #[test]
-    fn a_cached_prompt_outweighs_a_small_queue_not_a_long_one() {
-        let (_reg, nodes) = nodes(3);
-        let policy = scored(WEIGHTS);
-        let system = "You are a helpful assistant. ".repeat(280); // about 8 KiB
-        let home = route(&policy, &nodes, format!("{system} first").as_bytes());
-        // Five requests wait at the home node for their first token: 5 < 8 KiB of prefill.
-        nodes[home].counters().unanswered.fetch_add(5, Ordering::Relaxed);
-        assert_eq!(route(&policy, &nodes, format!("{system} second").as_bytes()), home);
-        // 10: now another node is cheaper, and learns the prompt too.
-        nodes[home].counters().unanswered.fetch_add(5, Ordering::Relaxed);
-        let other = route(&policy, &nodes, format!("{system} third").as_bytes());
-        assert_ne!(other, home);
-        let costs = policy.costs(&nodes, &ctx(format!("{system} fourth").as_bytes()));
-        let third = (0..3).find(|&i| i != home && i != other).unwrap();
-        assert!(costs[other].unwrap() < costs[third].unwrap(), "{costs:?}");
+    /// Teaches `node` an engine that prefills at `ms_per_kib` (plus 10 ms), decodes a request
+    /// in `decode_ms` and runs `slots` at once.
+    fn learn(node: &Node, ms_per_kib: f64, decode_ms: f64, slots: u64) {
+        let speed = &node.counters().speed;
+        for i in 0..20 {
+            let kib = f64::from(i % 8 + 1);
+            speed.first_token(kib, 10.0 + ms_per_kib * kib);
+            speed.decoded(decode_ms);
+        }
+        speed.batch_full(slots);
     }
 
     #[test]
-    fn engine_reports_count_and_weights_are_configurable() {
-        let (_reg, nodes) = nodes(2);
-        report(&nodes[0], 6, 2, 0.6);
-        report(&nodes[1], 7, 0, 0.1);
-        // Two waiting and 0.6 of the cache, against none waiting and 0.1.
-        assert_eq!(scored(WEIGHTS).pick(&nodes, &ctx(b"x")), Some(1));
-        let kv_blind = WEIGHTS.with_overrides("kv=0, queue=1").unwrap();
-        assert!(kv_blind.kv.abs() < f64::EPSILON);
-        let queue_blind = WEIGHTS.with_overrides("queue=0").unwrap();
-        // Only the KV term is left: node 1 still.
-        assert_eq!(scored(queue_blind).pick(&nodes, &ctx(b"x")), Some(1));
-        report(&nodes[1], 7, 0, 1.0);
-        assert_eq!(scored(queue_blind).pick(&nodes, &ctx(b"x")), Some(0));
-        // With a load weight, requests in flight through pdproxy count too: node 1 has two more.
-        nodes[1].counters().in_flight.fetch_add(2, Ordering::Relaxed);
-        assert_eq!(scored(WEIGHTS).pick(&nodes, &ctx(b"x")), Some(1), "no load weight: unchanged");
-        let loaded = WEIGHTS.with_overrides("queue=0,kv=0,load=1").unwrap();
-        assert_eq!(scored(loaded).pick(&nodes, &ctx(b"x")), Some(0));
-        for bad in ["prefix", "prefix=-1", "speed=2", "kv=x", "queue=inf"] {
+    fn a_cached_prompt_outweighs_a_short_wait_not_a_long_one() {
+        let (_reg, nodes) = nodes(3);
+        for node in &nodes {
+            learn(node, 50.0, 500.0, 4);
+        }
+        let policy = scored(WEIGHTS);
+        let system = "You are a helpful assistant. ".repeat(280); // about 8 KiB: 400 ms of prefill
+        let home = route(&policy, &nodes, format!("{system} first").as_bytes());
+        // Four requests there: the fifth waits for one of four places, 125 ms < 2 x 400 ms.
+        set_in_flight(&nodes[home], 4);
+        assert_eq!(route(&policy, &nodes, format!("{system} second").as_bytes()), home);
+        // Twelve: 9 x 125 ms > 800 ms; another node is cheaper now, and learns the prompt too.
+        set_in_flight(&nodes[home], 12);
+        let other = route(&policy, &nodes, format!("{system} third").as_bytes());
+        assert_ne!(other, home);
+        let estimates = policy.estimates(&nodes, &ctx(format!("{system} fourth").as_bytes()));
+        let third = (0..3).find(|&i| i != home && i != other).unwrap();
+        let own = |i: usize| estimates[i].unwrap().own;
+        assert!(own(other) < 10.0 && own(third) > 390.0, "{estimates:?}");
+        assert!((estimates[home].unwrap().slot_wait - 9.0 * 125.0).abs() < 1.0, "{estimates:?}");
+    }
+
+    #[test]
+    fn weights_are_configurable_and_only_the_two() {
+        let w = WEIGHTS.with_overrides("prefix=1, queue=0.5").unwrap();
+        assert_eq!(w, ScoreWeights { prefix: 1.0, queue: 0.5 });
+        for bad in ["prefix", "prefix=-1", "speed=2", "kv=1", "load=1", "queue=inf", "queue=x"] {
             assert!(WEIGHTS.with_overrides(bad).is_err(), "{bad}");
         }
+        // Waits not counted: the node holding the prompt wins however long its queue.
+        let (_reg, nodes) = nodes(2);
+        for node in &nodes {
+            learn(node, 50.0, 500.0, 4);
+        }
+        let blind = scored(WEIGHTS.with_overrides("queue=0").unwrap());
+        let prompt = "p".repeat(4096);
+        let home = route(&blind, &nodes, prompt.as_bytes());
+        set_in_flight(&nodes[home], 100);
+        assert_eq!(route(&blind, &nodes, prompt.as_bytes()), home);
     }
 
     #[test]
     fn nodes_equally_ready_take_turns() {
         let (_reg, nodes) = nodes(4);
-        for (i, node) in nodes.iter().enumerate() {
-            // Nodes 0-2 within a hair of each other; node 3 a request behind, never sent any.
-            report(node, 4, u64::from(i == 3), 0.30 + 0.01 * f64::from(u8::try_from(i).unwrap()));
-        }
         nodes[0].counters().requests.fetch_add(5, Ordering::Relaxed);
         let policy = scored(WEIGHTS);
         let mut order = Vec::new();
@@ -275,27 +369,66 @@ mod tests {
             nodes[i].counters().requests.fetch_add(1, Ordering::Relaxed);
             order.push(i);
         }
-        // The ready ones that were sent the fewest, in turn; never the one with a queue.
+        // The ones sent the fewest, in turn.
         let count = |n: usize| order.iter().filter(|&&i| i == n).count();
-        assert_eq!([count(0), count(1), count(2), count(3)], [0, 3, 3, 0], "{order:?}");
-        assert!(order.chunks(2).all(|round| round[0] != round[1]), "{order:?}");
+        assert_eq!([count(0), count(1), count(2), count(3)], [0, 2, 2, 2], "{order:?}");
         // Requests in flight come first: node 0, sent the most, but the only one not busy.
-        nodes[1].counters().in_flight.fetch_add(1, Ordering::Relaxed);
-        nodes[2].counters().in_flight.fetch_add(1, Ordering::Relaxed);
+        for node in &nodes[1..] {
+            set_in_flight(node, 1);
+        }
         assert_eq!(policy.pick(&nodes, &ctx(b"x")), Some(0));
     }
 
     #[test]
-    fn without_a_prompt_or_reports_it_balances_requests_not_yet_answered() {
+    fn without_a_prompt_requests_in_flight_are_balanced() {
         let (_reg, nodes) = nodes(3);
         let policy = scored(WEIGHTS);
         let mut picks = [0; 3];
         for _ in 0..30 {
             let i = policy.pick(&nodes, &SelectCtx::default()).unwrap();
             picks[i] += 1;
-            nodes[i].counters().unanswered.fetch_add(1, Ordering::Relaxed);
+            nodes[i].counters().in_flight.fetch_add(1, Ordering::Relaxed);
         }
         assert_eq!(picks, [10, 10, 10]);
+    }
+
+    #[test]
+    fn a_slower_engine_takes_its_share_of_misses_not_an_equal_one() {
+        let (reg, nodes) = nodes(2);
+        learn(&nodes[0], 25.0, 500.0, 64);
+        learn(&nodes[1], 50.0, 1000.0, 64);
+        let policy = scored(WEIGHTS);
+        let mut picks = [0; 2];
+        // Prompts of 4 KiB that share nothing, sent faster than they are answered.
+        for i in 0..60 {
+            let prompt = format!("{i:04}").repeat(1024);
+            let n = crate::select::select(&reg.load(), &ctx(prompt.as_bytes()), &policy, None).unwrap();
+            picks[usize::from(n.node().url() == nodes[1].url())] += 1;
+            std::mem::forget(n); // still prefilling
+        }
+        assert!((38..=42).contains(&picks[0]), "twice the speed, about twice the share: {picks:?}");
+    }
+
+    #[test]
+    fn a_miss_goes_to_the_engine_with_no_queue() {
+        let (_reg, nodes) = nodes(3);
+        for node in &nodes {
+            learn(node, 50.0, 500.0, 4);
+        }
+        let policy = scored(WEIGHTS);
+        let shared = "s".repeat(8192);
+        for node in &nodes[..2] {
+            policy.selected(node, &ctx(shared.as_bytes()));
+            set_in_flight(node, 6);
+        }
+        // Node 2 is cold (restarted, say): it holds nothing, but nothing waits there. A prompt
+        // nobody holds goes there; so does the shared one, once the waits elsewhere outgrow it.
+        assert_eq!(route(&policy, &nodes, "n".repeat(4096).as_bytes()), 2);
+        set_in_flight(&nodes[2], 0);
+        for node in &nodes[..2] {
+            set_in_flight(node, 12);
+        }
+        assert_eq!(route(&policy, &nodes, shared.as_bytes()), 2);
     }
 
     #[test]
@@ -305,7 +438,9 @@ mod tests {
         let now = now_ms();
         for (node, age_ms) in nodes.iter().zip([50, 400, 100]) {
             let counters = node.counters();
-            counters.record_prefill(1024, 100); // about 10 bytes per ms
+            for _ in 0..8 {
+                counters.speed.first_token(1.0, 102.4); // about 10 bytes per ms
+            }
             counters.prefill_pending_bytes.fetch_add(8 * 1024, Ordering::Relaxed);
             counters.prefill_pending_byte_ms.fetch_add((8 * 1024u64).wrapping_mul(now - age_ms), Ordering::Relaxed);
         }
@@ -335,5 +470,21 @@ mod tests {
             assert_eq!(node.counters().prefill_pending_byte_ms.load(Ordering::Relaxed), 0, "their send times too");
         }
         assert_eq!(nodes.len(), 2);
+    }
+
+    #[test]
+    fn a_streamed_first_token_teaches_the_engine_its_speed() {
+        let (reg, nodes) = nodes(1);
+        let policy = scored(WEIGHTS);
+        let prompt = "t".repeat(4096);
+        let streamed = SelectCtx { stream: true, ..ctx(prompt.as_bytes()) };
+        for _ in 0..5 {
+            let permit = crate::select::select(&reg.load(), &streamed, &policy, None).unwrap();
+            permit.first_byte_seen();
+        }
+        assert!(nodes[0].counters().speed.speed().samples > 4.0);
+        let whole = crate::select::select(&reg.load(), &ctx(prompt.as_bytes()), &policy, None).unwrap();
+        whole.first_byte_seen();
+        assert!(nodes[0].counters().speed.speed().samples < 5.0, "a whole answer's first byte times no token");
     }
 }

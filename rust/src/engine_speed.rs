@@ -1,0 +1,216 @@
+//! How fast a node's engine works, learnt from the requests pdproxy sends it: the time its
+//! first token takes as a function of the prompt it has to prefill (a fixed part and a part per
+//! KiB), how long a request then decodes, and how many requests its batch holds before new
+//! ones wait. The `scored` policy prices each choice in seconds with these figures, so an
+//! engine twice as slow, or one whose batch is full, costs what it really costs.
+//!
+//! Plain atomics, no pointers: the figures live in `NodeCounters`, which a worker group keeps
+//! in shared memory. Updates are read-modify-write without a lock: a lost update under a race
+//! only skews an estimate by one sample.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Weight a sample keeps for each later one: the fit follows about the last 50 first tokens.
+const DECAY: f64 = 0.98;
+/// Samples (in weight) before the fit is trusted.
+const MIN_WEIGHT: f64 = 4.0;
+/// Spread of the samples' sizes (a variance, in KiB squared) below which the fit cannot tell the part per
+/// KiB from the fixed part: the rate is then the samples' mean time over their mean size.
+const MIN_SIZE_VARIANCE: f64 = 0.25;
+/// The part per KiB is kept at least this share of the mean time over the mean size, so that
+/// a noisy fit never makes prefill free (and every cache hit worthless).
+const MIN_RATE_SHARE: f64 = 0.1;
+/// Weight of a new decode time in its moving mean.
+const DECODE_ALPHA: f64 = 0.1;
+/// Weight of a new reading of a full batch's size in its moving mean.
+const SLOTS_ALPHA: f64 = 0.2;
+
+/// The learnt figures of one engine (`None`: not learnt yet).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Speed {
+    /// Milliseconds of prefill per KiB of prompt not in the engine's cache (the prompts of the
+    /// requests ahead of it included).
+    pub prefill_ms_per_kib: Option<f64>,
+    /// Milliseconds to a first token besides the prefill (a step of the batch, the network).
+    pub first_token_ms: Option<f64>,
+    /// Milliseconds from a request's first token to its end (its decoding).
+    pub decode_ms: Option<f64>,
+    /// Requests the engine runs at once when others wait (its batch, or what its KV cache holds).
+    pub slots: Option<f64>,
+    /// Samples behind the prefill fit (weighted: recent ones count more).
+    pub samples: f64,
+}
+
+/// A node's learnt speed, in shared-memory-safe atomics (`f64` bits; 0 is "none yet").
+#[derive(Debug, Default)]
+pub struct EngineSpeed {
+    /// Exponentially weighted sums of the first-token samples (x: KiB, y: ms): weight, x, y,
+    /// x², xy.
+    weight: AtomicU64,
+    sum_x: AtomicU64,
+    sum_y: AtomicU64,
+    sum_xx: AtomicU64,
+    sum_xy: AtomicU64,
+    decode_ms: AtomicU64,
+    slots: AtomicU64,
+}
+
+fn load(value: &AtomicU64) -> f64 {
+    f64::from_bits(value.load(Ordering::Relaxed))
+}
+
+fn store(value: &AtomicU64, x: f64) {
+    value.store(x.to_bits(), Ordering::Relaxed);
+}
+
+fn moving_mean(value: &AtomicU64, sample: f64, alpha: f64) {
+    let old = load(value);
+    store(value, if old > 0.0 { old + alpha * (sample - old) } else { sample });
+}
+
+impl EngineSpeed {
+    /// A request's first token came `ms` after it was sent, with `kib` of prompt to prefill
+    /// before it (its own uncached part, and what the requests sent there before it still had).
+    pub fn first_token(&self, kib: f64, ms: f64) {
+        if !(kib.is_finite() && ms.is_finite() && kib >= 0.0 && ms >= 0.0) {
+            return;
+        }
+        for (sum, sample) in [
+            (&self.weight, 1.0),
+            (&self.sum_x, kib),
+            (&self.sum_y, ms),
+            (&self.sum_xx, kib * kib),
+            (&self.sum_xy, kib * ms),
+        ] {
+            store(sum, load(sum) * DECAY + sample);
+        }
+    }
+
+    /// A request decoded for `ms` after its first token.
+    pub fn decoded(&self, ms: f64) {
+        if ms.is_finite() && ms >= 0.0 {
+            moving_mean(&self.decode_ms, ms, DECODE_ALPHA);
+        }
+    }
+
+    /// The engine reported `running` requests while others waited: its batch was full.
+    pub fn batch_full(&self, running: u64) {
+        if running > 0 {
+            #[allow(clippy::cast_precision_loss)]
+            moving_mean(&self.slots, running as f64, SLOTS_ALPHA);
+        }
+    }
+
+    pub fn speed(&self) -> Speed {
+        let positive = |x: f64| (x > 0.0).then_some(x);
+        let mut out = Speed {
+            decode_ms: positive(load(&self.decode_ms)),
+            slots: positive(load(&self.slots)),
+            samples: load(&self.weight),
+            ..Speed::default()
+        };
+        let w = out.samples;
+        if w < MIN_WEIGHT {
+            return out;
+        }
+        let (mean_x, mean_y) = (load(&self.sum_x) / w, load(&self.sum_y) / w);
+        let variance = load(&self.sum_xx) / w - mean_x * mean_x;
+        let covariance = load(&self.sum_xy) / w - mean_x * mean_y;
+        if mean_x <= 0.0 {
+            out.first_token_ms = Some(mean_y.max(0.0));
+            return out;
+        }
+        let naive = mean_y / mean_x;
+        let rate =
+            if variance >= MIN_SIZE_VARIANCE { (covariance / variance).max(naive * MIN_RATE_SHARE) } else { naive };
+        out.prefill_ms_per_kib = Some(rate);
+        out.first_token_ms = Some((mean_y - rate * mean_x).max(0.0));
+        out
+    }
+
+    /// Back to new (a recycled shared slot, or a restarted engine).
+    pub fn reset(&self) {
+        for value in [&self.weight, &self.sum_x, &self.sum_y, &self.sum_xx, &self.sum_xy, &self.decode_ms, &self.slots]
+        {
+            value.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn close(a: Option<f64>, b: f64) -> bool {
+        a.is_some_and(|a| (a - b).abs() < 1e-6 * b.max(1.0))
+    }
+
+    #[test]
+    fn nothing_is_known_before_enough_samples() {
+        let speed = EngineSpeed::default();
+        assert_eq!(speed.speed(), Speed::default());
+        speed.first_token(4.0, 200.0);
+        assert_eq!(speed.speed().prefill_ms_per_kib, None);
+    }
+
+    #[test]
+    fn the_fit_separates_the_part_per_kib_from_the_fixed_part() {
+        let speed = EngineSpeed::default();
+        // 50 ms per KiB and 12 ms besides, prompts of 1 to 8 KiB.
+        for i in 0..40 {
+            let kib = f64::from(i % 8 + 1);
+            speed.first_token(kib, 12.0 + 50.0 * kib);
+        }
+        let s = speed.speed();
+        assert!(close(s.prefill_ms_per_kib, 50.0), "{s:?}");
+        assert!(close(s.first_token_ms, 12.0), "{s:?}");
+    }
+
+    #[test]
+    fn it_follows_an_engine_that_slows_down() {
+        let speed = EngineSpeed::default();
+        for i in 0..100 {
+            let kib = f64::from(i % 8 + 1);
+            speed.first_token(kib, 10.0 + 50.0 * kib);
+        }
+        for i in 0..200 {
+            let kib = f64::from(i % 8 + 1);
+            speed.first_token(kib, 10.0 + 100.0 * kib);
+        }
+        let rate = speed.speed().prefill_ms_per_kib.unwrap();
+        assert!((rate - 100.0).abs() < 2.0, "{rate}");
+    }
+
+    #[test]
+    fn prompts_of_one_size_give_the_mean_rate_and_noise_never_makes_prefill_free() {
+        let speed = EngineSpeed::default();
+        for _ in 0..10 {
+            speed.first_token(2.0, 100.0);
+        }
+        assert!(close(speed.speed().prefill_ms_per_kib, 50.0));
+        assert!(close(speed.speed().first_token_ms, 0.0));
+        // Larger prompts that happened to come back sooner: a negative slope, floored.
+        let noisy = EngineSpeed::default();
+        for i in 0..20 {
+            let kib = f64::from(i % 4 + 1);
+            noisy.first_token(kib, 200.0 - 10.0 * kib);
+        }
+        let s = noisy.speed();
+        assert!(s.prefill_ms_per_kib.unwrap() > 0.0, "{s:?}");
+    }
+
+    #[test]
+    fn decode_time_and_batch_size_are_moving_means() {
+        let speed = EngineSpeed::default();
+        speed.decoded(600.0);
+        speed.batch_full(16);
+        assert!(close(speed.speed().decode_ms, 600.0));
+        assert!(close(speed.speed().slots, 16.0));
+        speed.decoded(700.0);
+        assert!(close(speed.speed().decode_ms, 610.0));
+        speed.batch_full(0);
+        assert!(close(speed.speed().slots, 16.0), "a reading of nothing running says nothing");
+        speed.reset();
+        assert_eq!(speed.speed(), Speed::default());
+    }
+}
