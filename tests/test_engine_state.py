@@ -17,6 +17,7 @@ import pytest
 
 from pdproxy.engine_report import parse
 from pdproxy.testing import MockEngine
+from pdproxy.testing.batching import ContinuousBatcher, EngineModel
 from pdproxy.testing.kv_cache import PagedKvCache
 from servers import Process, pdproxy_serve
 
@@ -106,6 +107,90 @@ def test_kv_cache_reuses_prefixes_and_evicts_the_least_recently_released() -> No
     assert cache.allocate(b, private=0) == 2
     assert cache.allocate([b"d1"], private=0) is None
     assert cache.usage() == 1.0
+
+
+def test_a_flushed_kv_cache_finds_nothing_and_running_sequences_keep_their_blocks_unshared() -> None:
+    cache = PagedKvCache(8)
+    a, b = [b"a1", b"a2"], [b"b1", b"b2"]
+    assert cache.allocate(a, private=1) == 0
+    cache.release(a, private=1)
+    assert cache.allocate(b, private=0) == 0  # b runs through the flush
+    renamed = cache.flush()
+    assert cache.cached_prefix(a) == cache.cached_prefix(b) == 0
+    assert (cache.cached, cache.used) == (0, 2)
+    assert set(renamed) == set(b)
+    # A new sequence with b's prompt computes it afresh beside the old one's blocks ...
+    assert cache.allocate(b, private=0) == 0
+    assert cache.used == 4
+    # ... and the old one's, released by their new names, are not kept for reuse.
+    cache.release([renamed[block] for block in b], private=0)
+    assert (cache.cached, cache.used) == (0, 2)
+    cache.release(b, private=0)
+    assert cache.cached_prefix(b) == 2
+
+
+async def test_the_oracles_estimate_waits_for_room_in_the_kv_cache() -> None:
+    # Long contexts fill the cache before the batch is full: a request that does not fit beside
+    # the running one waits for it to finish (the fleet benchmark's oracle routes by this).
+    model = EngineModel(
+        kv_blocks=64,
+        kv_block_tokens=16,
+        max_batch=16,
+        max_step_tokens=1024,
+        prefill_ms_per_token=0.0,
+        decode_step_ms=10.0,
+        decode_step_ms_per_seq=0.0,
+    )
+    batcher = ContinuousBatcher(model)
+    try:
+        running = batcher.submit([b"%d" % i for i in range(40)], [], prompt_tokens=640, output_tokens=128)
+        while not running.admitted:
+            await asyncio.sleep(0.005)
+        assert batcher.cache.used == 48
+        fits = batcher.estimate_ttft([], prompt_tokens=16, output_tokens=16)
+        waits = batcher.estimate_ttft([], prompt_tokens=320, output_tokens=16)
+        assert fits < 0.05
+        assert waits > fits + 0.8, (fits, waits)  # about 120 steps of 10 ms
+    finally:
+        await batcher.aclose()
+
+
+async def test_reset_prefix_cache_empties_the_cache_and_a_restart_zeroes_the_counters(
+    http: aiohttp.ClientSession,
+) -> None:
+    # vLLM's POST /reset_prefix_cache keeps the cumulative counters; a restarted engine (the
+    # fleet benchmark's RESTART) shows them back at zero.
+    async with engine() as e:
+        prompt = "a prompt worth caching " * 40
+
+        async def cached_tokens() -> int:
+            async with http.post(e.url + "/v1/chat/completions", json=body(prompt)) as r:
+                assert r.status == 200, await r.text()
+                return int((await r.json())["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        async def prompt_tokens_counter() -> int | None:
+            async with http.get(e.url + "/metrics") as r:
+                reading = parse(await r.text())
+            assert reading is not None
+            return reading.prompt_tokens
+
+        assert await cached_tokens() == 0
+        assert await cached_tokens() > 0
+        counted = await prompt_tokens_counter()
+        assert counted is not None
+        assert counted > 0
+        async with http.post(e.url + "/reset_prefix_cache") as r:
+            assert r.status == 200
+            assert await r.read() == b""
+        assert await prompt_tokens_counter() == counted
+        assert await cached_tokens() == 0
+        async with http.get(e.url + "/mock/stats") as r:
+            assert (await r.json())["flushes"] == 1
+        assert await cached_tokens() > 0
+        assert e.state.batcher is not None
+        e.state.batcher.restart()
+        assert await prompt_tokens_counter() == 0
+        assert await cached_tokens() == 0
 
 
 async def test_a_simulated_engine_reuses_cached_prompts_and_queues_past_its_batch(

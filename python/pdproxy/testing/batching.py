@@ -65,6 +65,10 @@ class SimRequest:
     to_prefill: int = 0
     #: Uncached prompt tokens when it arrived (the oracle's estimate while it waits).
     uncached_on_arrival: int = 0
+    #: KV blocks it would take beside those running requests held when it arrived (the
+    #: oracle's estimate while it waits), and those its admission took (given back as it ends).
+    blocks_on_arrival: int = 0
+    added_blocks: int = 0
     produced: int = 0
     admitted: bool = False
     finished: bool = False
@@ -129,6 +133,7 @@ class ContinuousBatcher:
             request.progress.set()
             return request
         request.uncached_on_arrival = self._uncached(request, self.cache.cached_prefix(prompt_blocks))
+        request.blocks_on_arrival = total_blocks - self.cache.held(prompt_blocks)
         self.waiting.append(request)
         self._ensure_running()
         self._wake.set()
@@ -145,6 +150,26 @@ class ContinuousBatcher:
         self.cache.clear()
         self.counters = EngineCounters()
 
+    def flush(self) -> None:
+        """Empties the prefix cache, as vLLM's ``POST /reset_prefix_cache`` does: no later prompt
+        finds anything cached before. Running requests go on with the KV they hold (their
+        prompts and answers are not kept once they finish); the counters go on counting."""
+        renamed = self.cache.flush()
+        for request in self.running:
+            request.prompt_blocks = [renamed.get(block, block) for block in request.prompt_blocks]
+            request.completed_blocks = []
+        for request in self.waiting:
+            request.uncached_on_arrival = self._uncached(request, 0)
+            request.blocks_on_arrival = len(request.prompt_blocks) + request.private_blocks
+
+    def restart(self) -> None:
+        """What a restarted engine shows from outside, without the downtime: its prefix cache
+        empty and its cumulative counters (``/metrics``) back to zero. Requests in flight finish
+        as they would have; how late the simulation ran (``late_s``) is not the engine's figure
+        and is kept."""
+        self.flush()
+        self.counters = EngineCounters(late_s=self.counters.late_s)
+
     async def aclose(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -158,24 +183,42 @@ class ContinuousBatcher:
         """Tokens of this prompt the engine would prefill, were it to arrive now."""
         return max(1, prompt_tokens - self.cache.cached_prefix(prompt_blocks) * self.model.kv_block_tokens)
 
-    def estimate_ttft(self, prompt_blocks: list[bytes], prompt_tokens: int) -> float:
-        """Seconds until the first token of a request with this prompt, were it to arrive now:
-        the wait for a place in the batch, then the prefill ahead of it and its own."""
+    def estimate_ttft(self, prompt_blocks: list[bytes], prompt_tokens: int, output_tokens: int = 0) -> float:
+        """Seconds until the first token of a request with this prompt (and answer, for the KV
+        blocks it needs), were it to arrive now: the wait for a place in the batch and for room
+        in the KV cache, then the prefill ahead of it and its own."""
         model = self.model
         own = self.uncached_tokens(prompt_blocks, prompt_tokens)
         ahead = sum(r.to_prefill for r in self.running) + sum(r.uncached_on_arrival for r in self.waiting)
         decoding = sum(1 for r in self.running if r.to_prefill == 0)
         step = model.step_ms(decoding, 0)
         queue = len(self.running) + len(self.waiting) - model.max_batch
-        slot_wait = 0.0
+        slot_steps = 0
         if queue >= 0 and self.running:
             # Slots free up as running requests finish: the (queue+1)-th to finish frees ours.
             left = sorted(r.output_tokens - r.produced for r in self.running)
             rounds, k = divmod(queue, len(left))
-            slot_wait = step * (left[k] + rounds * left[-1])
+            slot_steps = left[k] + rounds * left[-1]
+        blocks = math.ceil((prompt_tokens + output_tokens) / model.kv_block_tokens) - self.cache.held(prompt_blocks)
         prefill = ahead + own
         steps = math.ceil(prefill / model.max_step_tokens)
-        return (slot_wait + steps * step + prefill * model.prefill_ms_per_token) / 1000
+        wait = max(slot_steps, self._kv_wait_steps(blocks))
+        return (wait * step + steps * step + prefill * model.prefill_ms_per_token) / 1000
+
+    def _kv_wait_steps(self, blocks: int) -> int:
+        """Decode steps until the KV cache has room for ``blocks`` more beside the requests
+        waiting ahead, as the running ones finish (those with the fewest tokens left first) and
+        give back what they took: long contexts fill the cache before the batch is full."""
+        need = blocks + sum(r.blocks_on_arrival for r in self.waiting)
+        free = self.cache.total - self.cache.used
+        if need <= free:
+            return 0
+        ending = sorted((r.output_tokens - r.produced, r.added_blocks) for r in self.running)
+        for left, given_back in ending:
+            free += given_back
+            if need <= free:
+                return left
+        return ending[-1][0] if ending else 0
 
     # -- the engine -------------------------------------------------------------------------
 
@@ -196,6 +239,7 @@ class ContinuousBatcher:
         admitted = hits = prompt = 0
         while self.waiting and len(self.running) < self.model.max_batch:
             request = self.waiting[0]
+            used = self.cache.used
             matched = self.cache.allocate(request.prompt_blocks, request.private_blocks)
             if matched is None:
                 if not self.running:  # never fits beside itself: cannot happen once sized by submit
@@ -205,6 +249,7 @@ class ContinuousBatcher:
                     continue
                 break
             self.waiting.popleft()
+            request.added_blocks = self.cache.used - used
             request.admitted = True
             request.to_prefill = self._uncached(request, matched)
             request.cached_tokens = request.prompt_tokens - request.to_prefill

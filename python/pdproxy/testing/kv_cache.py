@@ -6,6 +6,10 @@ and answer. Full prompt blocks are named by the hash of the prefix they end (see
 ``tokens.block_hashes``), so two sequences that share a prefix share its blocks. When no
 sequence holds a named block any more it stays cached, evictable, until its space is needed:
 the least recently released goes first, a sequence's deepest blocks before its first ones.
+
+Flushing the cache (``flush``, as vLLM's ``POST /reset_prefix_cache`` and SGLang's
+``POST /flush_cache`` do) drops every block kept for reuse; blocks running sequences hold stay
+theirs, renamed so that no later prompt finds them and dropped once released.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ class PagedKvCache:
         self._private = 0
         #: Blocks evicted since the start.
         self.evicted = 0
+        #: Held blocks a flush renamed: dropped, not kept for reuse, once no sequence holds them.
+        self._detached: set[bytes] = set()
+        self._flushes = 0
 
     @property
     def used(self) -> int:
@@ -43,6 +50,11 @@ class PagedKvCache:
 
     def contains(self, block: bytes) -> bool:
         return block in self._held or block in self._evictable
+
+    def held(self, hashes: Sequence[bytes]) -> int:
+        """How many of these blocks running sequences hold (another sequence shares them without
+        taking room)."""
+        return sum(1 for block in hashes if block in self._held)
 
     def cached_prefix(self, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of a prompt are in the cache now (nothing changes)."""
@@ -91,8 +103,24 @@ class PagedKvCache:
                 self._held[block] = holders
             elif holders == 0:
                 del self._held[block]
-                self._evictable[block] = None
+                if block in self._detached:
+                    self._detached.discard(block)
+                else:
+                    self._evictable[block] = None
 
     def clear(self) -> None:
-        """Drops every cached block (held ones stay)."""
+        """Drops every cached block (held ones stay, and stay found)."""
         self._evictable.clear()
+
+    def flush(self) -> dict[bytes, bytes]:
+        """Empties the prefix cache: no later prompt finds any block there now. The blocks
+        running sequences hold stay allocated under new names, dropped once released (a real
+        engine's running requests keep their KV; it is not found again). Returns the new name of
+        each renamed block, for its holders to release it by."""
+        self._evictable.clear()
+        self._flushes += 1
+        tag = b"flushed-%d:" % self._flushes
+        renamed = {block: tag + block for block in self._held if block not in self._detached}
+        self._held = {renamed.get(block, block): holders for block, holders in self._held.items()}
+        self._detached.update(renamed.values())
+        return renamed

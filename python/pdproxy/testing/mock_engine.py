@@ -189,7 +189,7 @@ class MockStats(TypedDict):
     disconnected: int
     active: int
     peak_active: int
-    #: ``POST /flush_cache`` calls answered.
+    #: ``POST /flush_cache`` and ``POST /reset_prefix_cache`` calls answered.
     flushes: int
     simulation: NotRequired[SimulationStats]
 
@@ -279,6 +279,13 @@ class MockState:
             asleep=self.asleep,
             transferred_tokens=self.transferred_tokens,
         )
+
+    def flush_cache(self) -> None:
+        """Empties the simulated prefix cache (``ContinuousBatcher.flush``: nothing cached before
+        is found again; running requests keep their blocks; counters go on) and counts it."""
+        self.flushes += 1
+        if self.batcher is not None:
+            self.batcher.flush()
 
     def stats(self) -> MockStats:
         out = MockStats(
@@ -958,12 +965,17 @@ async def _mock_stats(request: web.Request) -> web.Response:
 
 
 async def _flush_cache(request: web.Request) -> web.Response:
-    """SGLang's ``POST /flush_cache``: the prefix cache emptied (blocks in use stay)."""
-    state = request.app[STATE]
-    state.flushes += 1
-    if state.batcher is not None:
-        state.batcher.cache.clear()
+    """SGLang's ``POST /flush_cache``: the prefix cache emptied (``MockState.flush_cache``)."""
+    request.app[STATE].flush_cache()
     return web.Response(text="Cache flushed.\n")
+
+
+async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's ``POST /reset_prefix_cache`` (served in its dev mode): the prefix cache emptied
+    (``MockState.flush_cache``), an empty 200. vLLM would refuse, or with
+    ``reset_running_requests`` preempt, requests holding blocks; these keep theirs, unshared."""
+    request.app[STATE].flush_cache()
+    return web.Response()
 
 
 async def _mock_requests(request: web.Request) -> web.Response:
@@ -1215,6 +1227,7 @@ def build_app(settings: MockSettings) -> web.Application:
     app.router.add_get("/terminate", _terminate)
     app.router.add_get("/mock/stats", _mock_stats)
     app.router.add_post("/flush_cache", _flush_cache)
+    app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_get("/mock/requests", _mock_requests)
     app.router.add_post("/mock/reset", _mock_reset)
     app.router.add_post("/mock/health", _mock_health)
