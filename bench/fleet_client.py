@@ -7,6 +7,11 @@ would start after the arrival window are not sent. Per request it records the ti
 token (the first event with content), the whole time, the tokens, the prompt and cached tokens
 the engine reports (``usage``), and how late it was sent (``lag``: the client keeps up when it
 stays near zero).
+
+The trace's events (an engine's cache flushed, an engine restarted) are fired at their times on
+the fleet's control port (the oracle's, ``fleet_engines.py``), whichever router the traffic goes
+through; the client notes the requests each engine had received then and ``EVENT_WINDOW``
+seconds later, to tell the share of the traffic the engine got back.
 """
 
 from __future__ import annotations
@@ -17,7 +22,11 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from fleet_workloads import Conversation, Trace
+from fleet_workloads import Conversation, Event, Trace
+
+#: Seconds after an event over which the engine's share of the traffic, and the first tokens of
+#: the requests sent meanwhile, are looked at.
+EVENT_WINDOW = 4.0
 
 
 @dataclass
@@ -37,6 +46,24 @@ class Outcome:
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+@dataclass
+class Fired:
+    """An event as fired: when (seconds from the start), and the requests each engine had
+    received then and ``EVENT_WINDOW`` seconds later (None: not known, see ``error``)."""
+
+    event: Event
+    sent: float
+    requests: list[int] | None = None
+    requests_later: list[int] | None = None
+    error: str | None = None
+
+
+@dataclass
+class Played:
+    outcomes: list[Outcome]
+    fired: list[Fired]
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, object], out: Outcome, t0: float) -> str:
@@ -110,10 +137,36 @@ async def _converse(
             due = loop.time() - t0 + conversation.think[turn + 1]
 
 
-async def run(url: str, model: str, trace: Trace, window: float, drain: float) -> list[Outcome]:
+async def _received(session: aiohttp.ClientSession, control: str) -> list[int]:
+    """The requests each engine has received (its ``/mock/stats``), in the fleet's order."""
+    async with session.get(control + "/fleet/stats") as r:
+        r.raise_for_status()
+        return [int(engine["requests"]) for engine in (await r.json()).values()]
+
+
+async def _fire(session: aiohttp.ClientSession, control: str, event: Event, t0: float, out: list[Fired]) -> None:
+    loop = asyncio.get_running_loop()
+    await asyncio.sleep(max(0.0, t0 + event.at - loop.time()))
+    fired = Fired(event, sent=loop.time() - t0)
+    out.append(fired)
+    try:
+        async with session.post(f"{control}/fleet/{event.kind}", params={"engine": str(event.engine)}) as r:
+            r.raise_for_status()
+            fired.requests = [int(n) for n in (await r.json())["requests"]]
+        await asyncio.sleep(max(0.0, t0 + fired.sent + EVENT_WINDOW - loop.time()))
+        fired.requests_later = await _received(session, control)
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as e:
+        fired.error = f"{type(e).__name__}: {e}"
+
+
+async def run(url: str, model: str, trace: Trace, window: float, drain: float, control: str | None = None) -> Played:
     """Plays ``trace`` against ``url`` (the base URL of a router) for ``window`` seconds of
-    arrivals, then waits up to ``drain`` seconds for the answers still coming."""
+    arrivals, then waits up to ``drain`` seconds for the answers still coming. Its events go to
+    ``control``, the fleet's control port (needed when the trace has any)."""
+    if trace.events and control is None:
+        raise ValueError(f"{trace.workload}: its events need the fleet's control port")
     outcomes: list[Outcome] = []
+    fired: list[Fired] = []
     connector = aiohttp.TCPConnector(limit=0, force_close=False)
     timeout = aiohttp.ClientTimeout(total=window + drain)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
@@ -124,8 +177,10 @@ async def run(url: str, model: str, trace: Trace, window: float, drain: float) -
             asyncio.create_task(_converse(session, endpoint, model, i, c, t0, window, outcomes))
             for i, c in enumerate(trace.conversations)
         ]
+        if control is not None:
+            tasks += [asyncio.create_task(_fire(session, control, e, t0, fired)) for e in trace.events]
         _, pending = await asyncio.wait(tasks, timeout=max(0.0, t0 + window + drain - loop.time()))
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-    return outcomes
+    return Played(outcomes, fired)

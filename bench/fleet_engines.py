@@ -1,13 +1,25 @@
 """The fleet benchmark's engines, in one process: ``--count`` simulated mock engines on
 consecutive ports, and the oracle, a router on ``--oracle-port`` that sees every engine's exact
 KV cache and queue (it runs beside them) and sends each request to the engine that would give
-it its first token soonest (``ContinuousBatcher.estimate_ttft``).
+it its first token soonest (``ContinuousBatcher.estimate_ttft``: the waits for a place in the
+batch and for room in the KV cache, the prefill ahead and its own), counting the prefill it adds
+for the requests behind it.
 
     python bench/fleet_engines.py --port 21000 --count 8 --oracle-port 21100 --model m \\
         --engine '{"kv_blocks": 512, ...}'
 
-``POST /fleet/reset`` on the oracle's port empties every engine's cache and counters (between
-runs); ``GET /fleet/stats`` gives each engine's ``/mock/stats``.
+``--engine`` is one engine's simulation options for all of them, or a list with each engine's
+own (engines of unequal speed). On the oracle's port:
+
+- ``POST /fleet/reset`` empties every engine's cache and counters (between runs);
+- ``POST /fleet/flush?engine=I`` empties engine I's prefix cache, as vLLM's
+  ``POST /reset_prefix_cache`` does (its counters go on);
+- ``POST /fleet/restart?engine=I`` makes engine I look restarted: its cache empty and its
+  cumulative ``/metrics`` counters back to zero (requests in flight finish, no downtime);
+- ``GET /fleet/stats`` gives each engine's ``/mock/stats``.
+
+A flush or restart answers with the requests each engine had received until then, so that the
+client can tell the share of traffic an engine got before and after.
 """
 
 from __future__ import annotations
@@ -37,6 +49,8 @@ def oracle_app(engines: list[MockEngine]) -> web.Application:
         block = engines[0].settings.kv_block_tokens
         hashes = block_hashes(prompt, block)[: len(prompt.encode()) // (block * TOKEN_BYTES)]
         tokens = count_tokens(prompt)
+        answer = body.get("max_tokens")
+        answer_tokens = answer if isinstance(answer, int) else 0
 
         def cost(engine: MockEngine) -> tuple[float, int]:
             # Its own first token, plus the prefill it adds: the time every later request on
@@ -45,7 +59,8 @@ def oracle_app(engines: list[MockEngine]) -> web.Application:
             batcher = engine.state.batcher
             assert batcher is not None
             added = batcher.uncached_tokens(hashes, tokens) * batcher.model.prefill_ms_per_token / 1000
-            return batcher.estimate_ttft(hashes, tokens) + added, len(batcher.running) + len(batcher.waiting)
+            ttft = batcher.estimate_ttft(hashes, tokens, answer_tokens)
+            return ttft + added, len(batcher.running) + len(batcher.waiting)
 
         return min(engines, key=cost)
 
@@ -87,6 +102,27 @@ def oracle_app(engines: list[MockEngine]) -> web.Application:
                 state.batcher.reset()
         return web.json_response({"reset": len(engines)})
 
+    def target(request: web.Request) -> MockEngine:
+        """The engine ``?engine=I`` names (HTTP 400 when it names none)."""
+        try:
+            return engines[int(request.query["engine"])]
+        except (KeyError, ValueError, IndexError):
+            raise web.HTTPBadRequest(text=f"engine must be one of 0-{len(engines) - 1}") from None
+
+    def received() -> list[int]:
+        return [engine.state.requests for engine in engines]
+
+    async def flush(request: web.Request) -> web.Response:
+        engine = target(request)
+        engine.state.flush_cache()
+        return web.json_response({"engine": engine.url, "requests": received()})
+
+    async def restart(request: web.Request) -> web.Response:
+        engine = target(request)
+        assert engine.state.batcher is not None
+        engine.state.batcher.restart()
+        return web.json_response({"engine": engine.url, "requests": received()})
+
     async def stats(request: web.Request) -> web.Response:
         return web.json_response({engine.url: engine.state.stats() for engine in engines})
 
@@ -99,13 +135,16 @@ def oracle_app(engines: list[MockEngine]) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_post("/fleet/reset", reset)
+    app.router.add_post("/fleet/flush", flush)
+    app.router.add_post("/fleet/restart", restart)
     app.router.add_get("/fleet/stats", stats)
     app.on_cleanup.append(close)
     return app
 
 
 async def serve(args: argparse.Namespace) -> None:
-    shape = json.loads(args.engine)
+    given = json.loads(args.engine)
+    shapes = given if isinstance(given, list) else [given] * args.count
     dialects = args.dialects.split(",")
     engines = [
         MockEngine(
@@ -114,10 +153,15 @@ async def serve(args: argparse.Namespace) -> None:
                 model=args.model,
                 simulate=True,
                 metrics_dialect=dialects[i % len(dialects)],
+                # As long a context as its KV cache holds (vLLM's answers refuse longer ones).
+                max_model_len=shape.get("kv_blocks", 2048) * shape.get("kv_block_tokens", 16),
+                # Playing vLLM too, its answers say how many prompt tokens were cached (as vLLM's
+                # --enable-prompt-tokens-details): the client's cache hit rate is read from them.
+                prompt_tokens_details=True,
                 **shape,
             )
         )
-        for i in range(args.count)
+        for i, shape in enumerate(shapes)
     ]
     for engine in engines:
         await engine.start()
@@ -138,10 +182,12 @@ async def serve(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, required=True, help="port of the first engine")
-    parser.add_argument("--count", type=int, default=8)
+    parser.add_argument("--count", type=int, default=8, help="engines, when --engine is one for all")
     parser.add_argument("--oracle-port", type=int, required=True)
     parser.add_argument("--model", default="fleet-model")
-    parser.add_argument("--engine", default="{}", help="simulation options of every engine, as JSON")
+    parser.add_argument(
+        "--engine", default="{}", help="simulation options of every engine, as JSON: one object, or a list (one each)"
+    )
     parser.add_argument("--dialects", default="vllm", help="metrics dialects, given to the engines in turn")
     args = parser.parse_args()
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner, contextlib.suppress(KeyboardInterrupt):
