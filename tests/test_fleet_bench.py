@@ -1,18 +1,24 @@
 """bench/fleet.py in a short run: eight simulated engines behind the oracle and behind round
 robin, on the shared-system-prompts workload. The oracle, which sees every engine's cache and
 queue, must answer first and find more in the caches; if the simulation stopped simulating
-(caches, queues), the two would tie and this fails."""
+(caches, queues), the two would tie and this fails. And the fleet's control port: an engine's
+cache flushed, an engine restarted, as the benchmark's events do them mid-run."""
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import urllib.error
 from pathlib import Path
 
 import pytest
 
-FLEET = Path(__file__).resolve().parent.parent / "bench" / "fleet.py"
+from servers import get_json, post_json, stop_process, wait_until
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+FLEET = BENCH / "fleet.py"
 
 
 @pytest.mark.timeout(120)
@@ -34,3 +40,72 @@ def test_the_oracle_answers_first_in_a_short_fleet_run(tmp_path: Path) -> None:
     # The engines' own count of cached prompt tokens agrees with what the answers said.
     assert oracle["cache_hit_rate"] > rr["cache_hit_rate"] > 0
     assert oracle["engine_cache_hit_rate"] > rr["engine_cache_hit_rate"] > 0
+
+
+def consecutive_free_ports(count: int) -> int:
+    for _ in range(100):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            first = probe.getsockname()[1]
+        sockets = [socket.socket() for _ in range(count)]
+        try:
+            for i, s in enumerate(sockets):
+                s.bind(("127.0.0.1", first + i))
+            return first
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+@pytest.mark.timeout(60)
+def test_the_fleets_control_port_flushes_and_restarts_an_engine(tmp_path: Path) -> None:
+    first = consecutive_free_ports(3)
+    shape = {"kv_blocks": 256, "kv_block_tokens": 16, "max_batch": 4, "decode_step_ms": 5.0}
+    engines = json.dumps([shape, {**shape, "prefill_ms_per_token": 0.4, "decode_step_ms": 10.0}])
+    oracle = f"http://127.0.0.1:{first + 2}"
+    command = [sys.executable, str(BENCH / "fleet_engines.py"), "--port", str(first), "--oracle-port", str(first + 2)]
+    command += ["--model", "m", "--engine", engines, "--dialects", "vllm,sglang"]
+    with open(tmp_path / "fleet.log", "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+
+        def serving() -> bool:
+            try:
+                return bool(get_json(oracle + "/health", timeout=1))
+            except (urllib.error.URLError, OSError):
+                return False
+
+        wait_until(serving, 20, "the fleet")
+        assert get_json(oracle + "/v1/models")["data"][0]["max_model_len"] == 256 * 16
+        body = {"model": "m", "messages": [{"role": "user", "content": "cache me " * 100}], "max_tokens": 4}
+
+        def cached() -> int:
+            # vLLM's dialect says so too: the fleet's engines are told to (prompt_tokens_details).
+            usage = post_json(oracle + "/v1/chat/completions", body)["usage"]
+            return int(usage["prompt_tokens_details"]["cached_tokens"])
+
+        def simulation() -> list[dict[str, int]]:
+            return [engine["simulation"] for engine in get_json(oracle + "/fleet/stats").values()]
+
+        def received() -> list[int]:
+            return [engine["requests"] for engine in get_json(oracle + "/fleet/stats").values()]
+
+        assert cached() == 0
+        assert cached() > 0
+        hot = received().index(2)  # the oracle kept the prompt where it was cached
+        flushed = post_json(oracle + f"/fleet/flush?engine={hot}", {})
+        assert flushed["requests"] == received()
+        prompt_tokens = simulation()[hot]["prompt_tokens"]
+        assert cached() == 0, "nothing cached before the flush is found"
+        assert simulation()[hot]["prompt_tokens"] >= prompt_tokens, "a flush keeps the counters"
+        post_json(oracle + f"/fleet/restart?engine={hot}", {})
+        assert simulation()[hot]["prompt_tokens"] == 0, "a restart zeroes the counters"
+        assert sum(received()) == 3, "the requests each engine received are the benchmark's, kept"
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            post_json(oracle + "/fleet/flush?engine=2", {})
+        assert refused.value.code == 400
+    finally:
+        stop_process(proc)
