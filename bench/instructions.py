@@ -5,6 +5,7 @@ tenant limits and tracing on: a count that a busy machine does not disturb, unli
     python bench/instructions.py --stream -n 1000
     python bench/instructions.py --only round_robin --baseline DIR   # beside another build
     python bench/instructions.py --only round_robin --floor          # and the floor proxy
+    python bench/instructions.py --only plain,round_robin --prompt-tokens 2048   # long prompts
 
 One mock engine, `pdproxy serve --edge-threads 1` under callgrind with instrumentation switched
 on only while the measured requests run (after 200 warm-up requests), one keep-alive client.
@@ -126,10 +127,13 @@ def main() -> None:
     parser.add_argument(
         "--floor", action="store_true", help="also measure the floor proxy (bench/loadgen/src/bin/floor.rs)"
     )
+    parser.add_argument(
+        "--prompt-tokens", type=int, default=0, help="a prompt of about this many tokens (default: two words)"
+    )
     args = parser.parse_args()
     if shutil.which("valgrind") is None:
         parser.error("valgrind is not installed (Debian: apt-get install valgrind)")
-    body = json.dumps(chat(args.stream, 62 if args.stream else 16)).encode()
+    body = json.dumps(chat(args.stream, 62 if args.stream else 16, args.prompt_tokens)).encode()
     with (
         tempfile.TemporaryDirectory() as tmp,
         otlp_sink() as sink,

@@ -59,10 +59,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 README = Path(__file__).resolve().parent / "README.md"
 
 
-def chat(stream: bool, tokens: int) -> dict:
+def chat(stream: bool, tokens: int, prompt_tokens: int = 0) -> dict:
+    """A chat request for ``tokens`` tokens; ``prompt_tokens``: a long prompt of about that many
+    tokens (4 bytes each) instead of two words."""
+    content = "benchmark prompt" if prompt_tokens <= 0 else ("long prompt " * prompt_tokens)[: 4 * prompt_tokens]
     return {
         "model": MODEL,
-        "messages": [{"role": "user", "content": "benchmark prompt"}],
+        "messages": [{"role": "user", "content": content}],
         "max_tokens": tokens,
         "ignore_eos": True,
         "stream": stream,
@@ -440,6 +443,53 @@ def run_mock_capacity(duration: float, repeat: int) -> dict[str, harness.LoadRes
     return results
 
 
+POLICY_TITLE = "Routing policy: S1's load (64 connections, two engines) with short and long prompts"
+#: pdproxy's policies compared in the policy scenario, the first the reference.
+POLICIES = ("round_robin", "scored")
+#: The prompts of the policy scenario: S1's two words, and a long one (tokens of 4 bytes).
+POLICY_PROMPTS = {"short": 0, "2k tokens": 2048}
+
+
+def run_policy(duration: float, repeat: int) -> dict[str, harness.LoadResult]:
+    """What a routing policy costs the proxy per request: S1's load through pdproxy with each of
+    ``POLICIES``, every setup up at once and taking turns, the same prompt repeated (so `scored`
+    finds it cached and does its whole work: hashing every block, matching, learning)."""
+    run_load = by_rps(repeat)
+    with harness.mock_engines(2, MODEL) as engines, contextlib.ExitStack() as up:
+        mocks = {f"mock-{i}": e.proc.pid for i, e in enumerate(engines)}
+        urls = [e.url for e in engines]
+        proxies = {}
+        for policy in POLICIES:
+            how = (*PDPROXY_TARGETS["pdproxy"], "--policy", policy)
+            proxies[policy] = up.enter_context(harness.pdproxy(urls, MODEL, how))
+        runs: dict[str, list[harness.LoadResult]] = {}
+        for round_ in range(repeat):
+            for prompt, tokens in POLICY_PROMPTS.items():
+                for policy, proxy in proxies.items():
+                    name = f"{policy}, {prompt} prompt"
+                    harness.say(f"{POLICY_TITLE}: {name}, run {round_ + 1} of {repeat}")
+                    watch = {"proxy": proxy.proc.pid, **mocks}
+                    load = harness.run_load([proxy.url + CHAT], chat(False, 16, tokens), 64, duration, watch)
+                    runs.setdefault(name, []).append(load)
+    return {name: run_load.pick(r) for name, r in runs.items()}
+
+
+def render_policy(results: dict[str, harness.LoadResult]) -> list[str]:
+    rows = [
+        f"| policy and prompt | req/s | p99 ms | proxy CPU µs/req | vs {POLICIES[0]} | errors |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        prompt = name.split(", ", 1)[1]
+        reference = _cpu_us(results[f"{POLICIES[0]}, {prompt}"], "request")
+        cpu = _cpu_us(r, "request")
+        rows.append(
+            f"| {name} | {r.load['rps']:.0f} | {_ms(r, 'latency_ms', 'p99'):.2f} | {cpu:.0f} | "
+            f"{cpu / reference:.2f}x | {r.load['errors']} |"
+        )
+    return rows
+
+
 def machine() -> str:
     lines = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
@@ -483,7 +533,7 @@ def wait_quiet(rps: float, give_up: float) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "scenarios", nargs="*", help=f"any of {', '.join(SCENARIOS)}, PD, management, mock (default: all)"
+        "scenarios", nargs="*", help=f"any of {', '.join(SCENARIOS)}, PD, policy, management, mock (default: all)"
     )
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per run (after 1 s warm-up)")
     parser.add_argument(
@@ -511,11 +561,11 @@ def main() -> None:
         "probes in a row (a shared machine's quiet stretch); the README section names the threshold",
     )
     args = parser.parse_args()
-    chosen = args.scenarios or [*SCENARIOS, "PD", "management", "mock"]
+    chosen = args.scenarios or [*SCENARIOS, "PD", "policy", "management", "mock"]
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     try:
-        wanted = peers.parse(args.peers) if set(chosen) - {"mock", "management"} else []
+        wanted = peers.parse(args.peers) if set(chosen) - {"mock", "management", "policy"} else []
     except ValueError as e:
         parser.error(str(e))
     harness.build_loadgen()
@@ -547,6 +597,9 @@ def main() -> None:
         if name == "PD":
             results = run_pd(args.duration, args.repeat, others, args.baseline)
             title, rows, median = PD_TITLE, render_pd(results), pd_median(args.repeat)
+        elif name == "policy":
+            results = run_policy(args.duration, args.repeat)
+            title, rows, median = POLICY_TITLE, render_policy(results), by_rps(args.repeat)
         elif name == "mock":
             results = run_mock_capacity(args.duration, args.repeat)
             title, rows = "Mock engine capacity (one process, 64 connections, direct)", render_mock(results)

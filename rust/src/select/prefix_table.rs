@@ -17,15 +17,20 @@
 //! blocks in all, and at most `MAX_NODES` nodes.
 
 use std::collections::VecDeque;
+use std::hash::Hasher;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHasher};
 
 use super::{stable_hash, SelectCtx};
 use crate::node::Node;
 
 /// The chained hashes of the first `max_blocks` blocks of `block_bytes` of the request's prompt
 /// (the model's name seeds the chain): equal prompt heads give equal hashes, block by block.
+/// rustc-hash's byte hash, each block's seeded with the hash of the ones before (fixed seeds:
+/// the same in every process): a prompt of tens of KiB is hashed on every request, where the
+/// standard `SipHash` cost 3-4 instructions a byte and this costs about two thirds of one (XXH3
+/// measured more here: 256-byte blocks take its long path).
 pub fn prompt_block_hashes(ctx: &SelectCtx<'_>, block_bytes: usize, max_blocks: usize) -> Vec<u64> {
     let Some(prompt) = ctx.prompt else { return Vec::new() };
     let mut hash = stable_hash(ctx.model.unwrap_or_default());
@@ -33,7 +38,10 @@ pub fn prompt_block_hashes(ctx: &SelectCtx<'_>, block_bytes: usize, max_blocks: 
         .chunks(block_bytes.max(1))
         .take(max_blocks)
         .map(|block| {
-            hash = stable_hash((hash, block));
+            let mut hasher = FxHasher::default();
+            hasher.write_u64(hash);
+            hasher.write(block);
+            hash = hasher.finish();
             hash
         })
         .collect()
@@ -234,8 +242,14 @@ impl PrefixTable {
         let blocks = nodes.entry(generation).or_insert_with(|| NodeBlocks { restarts, ..NodeBlocks::default() });
         blocks.check(node, self.config.bytes_per_token, ceiling);
         let capacity = blocks.share.unwrap_or(ceiling).min(ceiling);
+        // A prompt the node took lately (its deepest block among the newest eighth of what it
+        // holds) is near the young end of its order already: a refresh would change little and
+        // cost a write per block on every request of a hot prompt.
+        let deepest = hashes[hashes.len() - 1];
+        let fresh = holders.get(&deepest).and_then(|hs| hs.iter().find(|h| h.generation == generation));
+        let refresh = fresh.is_none_or(|h| *clock - h.stamp > (blocks.live as u64 / 8).max(hashes.len() as u64));
         // Deepest first, so that the head of the prompt is the most recently used.
-        for &hash in hashes.iter().rev() {
+        for &hash in hashes.iter().rev().filter(|_| refresh) {
             *clock += 1;
             let entry = holders.entry(hash).or_default();
             if let Some(holder) = entry.iter_mut().find(|h| h.generation == generation) {

@@ -131,21 +131,43 @@ fn median(mut values: Vec<f64>) -> Option<f64> {
     Some(*values.select_nth_unstable_by(mid, f64::total_cmp).1)
 }
 
-/// Each candidate's learnt speed, its gaps filled with the candidates' medians.
+/// Each candidate's learnt speed, its gaps filled with the candidates' medians (computed only
+/// for a figure some candidate lacks: after the first answers, none).
 fn speeds(candidates: &[Arc<Node>]) -> Vec<Speed> {
     let mut learnt: Vec<Speed> = candidates.iter().map(|n| n.counters().speed.speed()).collect();
-    let typical = |field: fn(&Speed) -> Option<f64>| median(learnt.iter().filter_map(field).collect());
-    let rate = typical(|s| s.prefill_ms_per_kib).unwrap_or(PRIOR_MS_PER_KIB);
-    let first = typical(|s| s.first_token_ms).unwrap_or(0.0);
-    let decode = typical(|s| s.decode_ms);
-    let slots = typical(|s| s.slots);
-    for speed in &mut learnt {
-        speed.prefill_ms_per_kib = speed.prefill_ms_per_kib.or(Some(rate));
-        speed.first_token_ms = speed.first_token_ms.or(Some(first));
-        speed.decode_ms = speed.decode_ms.or(decode);
-        speed.slots = speed.slots.or(slots);
+    let fields: [fn(&mut Speed) -> &mut Option<f64>; 4] =
+        [|s| &mut s.prefill_ms_per_kib, |s| &mut s.first_token_ms, |s| &mut s.decode_ms, |s| &mut s.slots];
+    for field in fields {
+        if learnt.iter_mut().all(|s| field(s).is_some()) {
+            continue;
+        }
+        let typical = median(learnt.iter_mut().filter_map(|s| *field(s)).collect());
+        for speed in &mut learnt {
+            let value = field(speed);
+            *value = value.or(typical);
+        }
     }
     learnt
+}
+
+/// What the last pick on this thread computed for its request: the policy's `selected` follows
+/// it at once (see `select`), and would otherwise hash the prompt and match it a second time.
+struct LastPick {
+    /// Which policy, prompt and model it was for (addresses and lengths).
+    key: [usize; 5],
+    hashes: Vec<u64>,
+    /// Leading blocks each candidate holds, by generation.
+    matched: Vec<(u64, usize)>,
+}
+
+thread_local! {
+    static LAST_PICK: std::cell::RefCell<Option<LastPick>> = const { std::cell::RefCell::new(None) };
+}
+
+fn pick_key(policy: &Scored, ctx: &SelectCtx<'_>) -> [usize; 5] {
+    let prompt = ctx.prompt.unwrap_or_default();
+    let model = ctx.model.unwrap_or_default();
+    [std::ptr::from_ref(policy) as usize, prompt.as_ptr() as usize, prompt.len(), model.as_ptr() as usize, model.len()]
 }
 
 impl Scored {
@@ -153,7 +175,13 @@ impl Scored {
         Self { weights, table: PrefixTable::new(table), max_age_ms, typical_capacity: AtomicU64::new(0) }
     }
 
+    /// The median KV capacity the candidates report, kept for the nodes that do not (when
+    /// every candidate reports, or none does, there is nothing to do).
     fn note_capacities(&self, candidates: &[Arc<Node>]) {
+        let reports = |n: &Arc<Node>| n.engine_load(u64::MAX, now_ms()).and_then(|l| l.kv_capacity_tokens).is_some();
+        if candidates.iter().all(reports) || !candidates.iter().any(reports) {
+            return;
+        }
         let mut reported: Vec<u64> = candidates
             .iter()
             .filter_map(|n| n.engine_load(u64::MAX, now_ms()).and_then(|l| l.kv_capacity_tokens))
@@ -203,6 +231,11 @@ impl Scored {
     pub fn estimates(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<Estimate>> {
         let hashes = self.table.block_hashes(ctx);
         let matched = self.table.matched(&hashes, candidates);
+        self.estimates_for(candidates, ctx, &matched)
+    }
+
+    /// The estimates, given how many leading blocks of the prompt each candidate holds.
+    fn estimates_for(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>, matched: &[usize]) -> Vec<Option<Estimate>> {
         let speeds = speeds(candidates);
         let now = now_ms();
         let mut out = vec![None; candidates.len()];
@@ -236,7 +269,16 @@ impl Policy for Scored {
 
     fn pick(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Option<usize> {
         self.note_capacities(candidates);
-        let all = self.costs(candidates, ctx);
+        let hashes = self.table.block_hashes(ctx);
+        let matched = self.table.matched(&hashes, candidates);
+        let all: Vec<Option<f64>> = self
+            .estimates_for(candidates, ctx, &matched)
+            .into_iter()
+            .map(|e| e.map(|e| e.cost(self.weights)))
+            .collect();
+        let matched = candidates.iter().map(|n| n.generation()).zip(matched).collect();
+        let key = pick_key(self, ctx);
+        LAST_PICK.with(|last| *last.borrow_mut() = Some(LastPick { key, hashes, matched }));
         let best = all.iter().flatten().copied().fold(f64::INFINITY, f64::min);
         let tolerance = (best * TIE_SHARE).max(TIE_MS);
         // Of the nodes within a hair of the best, the one with the fewest requests in flight,
@@ -264,8 +306,18 @@ impl Policy for Scored {
     }
 
     fn selected(&self, node: &Arc<Node>, ctx: &SelectCtx<'_>) -> Prediction {
-        let hashes = self.table.block_hashes(ctx);
-        let matched = self.table.matched(&hashes, std::slice::from_ref(node))[0];
+        let key = pick_key(self, ctx);
+        let picked = LAST_PICK.with(|last| {
+            let mut last = last.borrow_mut();
+            let matched =
+                last.as_ref().filter(|l| l.key == key)?.matched.iter().find(|(g, _)| *g == node.generation())?.1;
+            last.take().map(|l| (l.hashes, matched))
+        });
+        let (hashes, matched) = picked.unwrap_or_else(|| {
+            let hashes = self.table.block_hashes(ctx);
+            let matched = self.table.matched(&hashes, std::slice::from_ref(node))[0];
+            (hashes, matched)
+        });
         let capacity = node
             .engine_load(u64::MAX, now_ms())
             .and_then(|l| l.kv_capacity_tokens)
