@@ -95,6 +95,10 @@ class LearntSpeed(TypedDict):
     decode_seconds: float | None
     #: Requests the engine runs at once while others wait.
     batch_slots: float | None
+    #: A whole request's seconds per request in flight when it was sent.
+    seconds_per_request_in_flight: float | None
+    #: Prefill is no slower than this (seconds per KiB), from whole answers.
+    prefill_bound_seconds_per_kib: float | None
     #: First tokens behind the prefill figures (weighted: recent ones count more).
     samples: float
 

@@ -24,6 +24,10 @@ const MIN_RATE_SHARE: f64 = 0.1;
 const DECODE_ALPHA: f64 = 0.1;
 /// Weight of a new reading of a full batch's size in its moving mean.
 const SLOTS_ALPHA: f64 = 0.2;
+/// Weight of a new whole request in the moving means of its time.
+const REQUEST_ALPHA: f64 = 0.1;
+/// Prefill (KiB) below which a whole request's time says nothing of the prefill's speed.
+const BOUND_MIN_KIB: f64 = 1.0;
 
 /// The learnt figures of one engine (`None`: not learnt yet).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -37,6 +41,12 @@ pub struct Speed {
     pub decode_ms: Option<f64>,
     /// Requests the engine runs at once when others wait (its batch, or what its KV cache holds).
     pub slots: Option<f64>,
+    /// A whole request's time per request the node had in flight when it was sent: with `n` in
+    /// flight, a request sent now takes about `n + 1` times this (the engine shares its work).
+    pub ms_per_in_flight: Option<f64>,
+    /// Whole requests' time per KiB they prefilled, from answers that tell no first token (not
+    /// streamed): prefill there is no slower than this, whatever else the time held.
+    pub prefill_bound_ms_per_kib: Option<f64>,
     /// Samples behind the prefill fit (weighted: recent ones count more).
     pub samples: f64,
 }
@@ -53,6 +63,8 @@ pub struct EngineSpeed {
     sum_xy: AtomicU64,
     decode_ms: AtomicU64,
     slots: AtomicU64,
+    ms_per_in_flight: AtomicU64,
+    prefill_bound: AtomicU64,
 }
 
 fn load(value: &AtomicU64) -> f64 {
@@ -93,6 +105,19 @@ impl EngineSpeed {
         }
     }
 
+    /// A whole request took `ms`, sent when the node had `in_flight` requests (itself included);
+    /// `untimed_kib`: what it prefilled, when its answer told no first token.
+    pub fn served(&self, ms: f64, in_flight: u64, untimed_kib: Option<f64>) {
+        if !(ms.is_finite() && ms >= 0.0) || in_flight == 0 {
+            return;
+        }
+        #[allow(clippy::cast_precision_loss)]
+        moving_mean(&self.ms_per_in_flight, ms / in_flight as f64, REQUEST_ALPHA);
+        if let Some(kib) = untimed_kib.filter(|&k| k >= BOUND_MIN_KIB) {
+            moving_mean(&self.prefill_bound, ms / kib, REQUEST_ALPHA);
+        }
+    }
+
     /// The engine reported `running` requests while others waited: its batch was full.
     pub fn batch_full(&self, running: u64) {
         if running > 0 {
@@ -106,6 +131,8 @@ impl EngineSpeed {
         let mut out = Speed {
             decode_ms: positive(load(&self.decode_ms)),
             slots: positive(load(&self.slots)),
+            ms_per_in_flight: positive(load(&self.ms_per_in_flight)),
+            prefill_bound_ms_per_kib: positive(load(&self.prefill_bound)),
             samples: load(&self.weight),
             ..Speed::default()
         };
@@ -212,5 +239,19 @@ mod tests {
         assert!(close(speed.speed().slots, 16.0), "a reading of nothing running says nothing");
         speed.reset();
         assert_eq!(speed.speed(), Speed::default());
+    }
+
+    #[test]
+    fn whole_requests_teach_the_time_per_request_in_flight_and_bound_the_prefill() {
+        let speed = EngineSpeed::default();
+        speed.served(400.0, 4, None);
+        assert!(close(speed.speed().ms_per_in_flight, 100.0));
+        assert_eq!(speed.speed().prefill_bound_ms_per_kib, None);
+        speed.served(80.0, 1, Some(8.0));
+        assert!(close(speed.speed().prefill_bound_ms_per_kib, 10.0));
+        speed.served(80.0, 1, Some(0.5));
+        assert!(close(speed.speed().prefill_bound_ms_per_kib, 10.0), "too little prefill to tell");
+        speed.served(80.0, 0, Some(8.0));
+        assert!(close(speed.speed().prefill_bound_ms_per_kib, 10.0), "an unaccounted request is ignored");
     }
 }

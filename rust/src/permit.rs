@@ -71,6 +71,11 @@ pub struct InFlightPermit {
     /// (Unix ms): the first byte then teaches the node's speed. Zero: not timed.
     timed_bytes: AtomicU64,
     timed_since_ms: AtomicU64,
+    /// The node's in-flight count when the permit was taken (itself included).
+    in_flight_then: u64,
+    /// The prefill the policy predicted (bytes), and whether the first byte times a token.
+    own_prefill: AtomicU64,
+    timed: AtomicBool,
 }
 
 impl InFlightPermit {
@@ -87,6 +92,7 @@ impl InFlightPermit {
         }
         counters.requests.fetch_add(1, Ordering::Relaxed);
         counters.unanswered.fetch_add(1, Ordering::Relaxed);
+        let in_flight_then = counters.in_flight();
         Some(Self {
             node: Arc::clone(node),
             admission: admission.cloned(),
@@ -99,6 +105,9 @@ impl InFlightPermit {
             predicted_cached: AtomicU64::new(0),
             timed_bytes: AtomicU64::new(0),
             timed_since_ms: AtomicU64::new(0),
+            in_flight_then,
+            own_prefill: AtomicU64::new(0),
+            timed: AtomicBool::new(false),
         })
     }
 
@@ -108,6 +117,7 @@ impl InFlightPermit {
         counters.try_enter(None);
         counters.requests.fetch_add(1, Ordering::Relaxed);
         counters.unanswered.fetch_add(1, Ordering::Relaxed);
+        let in_flight_then = counters.in_flight();
         Self {
             node: Arc::clone(node),
             admission: None,
@@ -120,6 +130,9 @@ impl InFlightPermit {
             predicted_cached: AtomicU64::new(0),
             timed_bytes: AtomicU64::new(0),
             timed_since_ms: AtomicU64::new(0),
+            in_flight_then,
+            own_prefill: AtomicU64::new(0),
+            timed: AtomicBool::new(false),
         }
     }
 
@@ -156,6 +169,8 @@ impl InFlightPermit {
     pub fn set_prediction(&self, prediction: Prediction, timed: bool) {
         let now = now_ms();
         let counters = self.node.counters();
+        self.own_prefill.store(prediction.prefill, Ordering::Relaxed);
+        self.timed.store(timed, Ordering::Relaxed);
         if timed {
             #[allow(clippy::cast_precision_loss)]
             let full = counters.speed.speed().slots.is_some_and(|slots| counters.in_flight() as f64 > slots);
@@ -220,7 +235,12 @@ impl Drop for InFlightPermit {
         match self.outcome {
             Outcome::Succeeded => {
                 counters.succeeded.fetch_add(1, Ordering::Relaxed);
-                counters.record_success(self.started.elapsed(), self.report.first_byte, self.report.events);
+                let latency = self.started.elapsed();
+                counters.record_success(latency, self.report.first_byte, self.report.events);
+                #[allow(clippy::cast_precision_loss)]
+                let untimed_kib = (!self.timed.load(Ordering::Relaxed))
+                    .then(|| self.own_prefill.load(Ordering::Relaxed) as f64 / 1024.0);
+                counters.speed.served(latency.as_secs_f64() * 1000.0, self.in_flight_then, untimed_kib);
                 counters.circuit.success();
             }
             Outcome::Failed => {

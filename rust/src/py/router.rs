@@ -736,6 +736,8 @@ fn learnt_speed<'py>(py: Python<'py>, node: &Node) -> PyResult<Bound<'py, PyDict
     out.set_item("first_token_seconds", seconds(speed.first_token_ms))?;
     out.set_item("decode_seconds", seconds(speed.decode_ms))?;
     out.set_item("batch_slots", speed.slots)?;
+    out.set_item("seconds_per_request_in_flight", seconds(speed.ms_per_in_flight))?;
+    out.set_item("prefill_bound_seconds_per_kib", seconds(speed.prefill_bound_ms_per_kib))?;
     out.set_item("samples", speed.samples)?;
     Ok(out)
 }

@@ -135,8 +135,19 @@ fn median(mut values: Vec<f64>) -> Option<f64> {
 /// for a figure some candidate lacks: after the first answers, none).
 fn speeds(candidates: &[Arc<Node>]) -> Vec<Speed> {
     let mut learnt: Vec<Speed> = candidates.iter().map(|n| n.counters().speed.speed()).collect();
-    let fields: [fn(&mut Speed) -> &mut Option<f64>; 4] =
-        [|s| &mut s.prefill_ms_per_kib, |s| &mut s.first_token_ms, |s| &mut s.decode_ms, |s| &mut s.slots];
+    // Before any stream taught a prefill rate, whole answers bound it: no slower than they took.
+    for speed in &mut learnt {
+        if speed.prefill_ms_per_kib.is_none() {
+            speed.prefill_ms_per_kib = speed.prefill_bound_ms_per_kib.map(|bound| bound.min(PRIOR_MS_PER_KIB));
+        }
+    }
+    let fields: [fn(&mut Speed) -> &mut Option<f64>; 5] = [
+        |s| &mut s.prefill_ms_per_kib,
+        |s| &mut s.first_token_ms,
+        |s| &mut s.decode_ms,
+        |s| &mut s.slots,
+        |s| &mut s.ms_per_in_flight,
+    ];
     for field in fields {
         if learnt.iter_mut().all(|s| field(s).is_some()) {
             continue;
@@ -203,12 +214,18 @@ impl Scored {
     }
 
     /// The wait for a place in the node's batch (ms): the requests it has beyond those it runs
-    /// at once, each place freed as a running request ends its decoding.
-    fn slot_wait_ms(&self, node: &Node, speed: &Speed, now: u64) -> f64 {
+    /// at once, each place freed as a running request ends its decoding. Where neither the
+    /// batch's size nor a queue is known, a whole answer (not a stream) is taken to share the
+    /// engine with those in flight: each of them adds what a request took per request in flight.
+    fn slot_wait_ms(&self, node: &Node, speed: &Speed, now: u64, stream: bool) -> f64 {
         let load = node.engine_load(self.max_age_ms, now);
-        let Some(decode_ms) = speed.decode_ms else { return 0.0 };
         #[allow(clippy::cast_precision_loss)]
         let in_flight = node.counters().in_flight() as f64;
+        let queue_known = speed.slots.is_some() || load.is_some_and(|l| l.waiting() > 0.0);
+        if !stream && !queue_known {
+            return speed.ms_per_in_flight.map_or(0.0, |ms| in_flight * ms);
+        }
+        let Some(decode_ms) = speed.decode_ms else { return 0.0 };
         match speed.slots {
             Some(slots) => {
                 let there = load.map_or(in_flight, |l| l.requests());
@@ -247,7 +264,7 @@ impl Scored {
             let own_kib = self.uncached(ctx, matched[i]) as f64 / 1024.0;
             let ahead_kib = node.counters().prefill_remaining_bytes(now) / 1024.0;
             out[i] = Some(Estimate {
-                slot_wait: self.slot_wait_ms(node, speed, now),
+                slot_wait: self.slot_wait_ms(node, speed, now, ctx.stream),
                 ahead: ahead_kib * ms_per_kib,
                 first_token: speed.first_token_ms.unwrap_or(0.0),
                 own: own_kib * ms_per_kib,
@@ -481,6 +498,23 @@ mod tests {
             set_in_flight(node, 12);
         }
         assert_eq!(route(&policy, &nodes, shared.as_bytes()), 2);
+    }
+
+    #[test]
+    fn whole_answers_spread_a_held_prompt_once_its_wait_outgrows_a_prefill() {
+        let (_reg, nodes) = nodes(2);
+        let policy = scored(WEIGHTS);
+        let prompt = "w".repeat(8192);
+        let home = route(&policy, &nodes, prompt.as_bytes());
+        // Whole answers of 10 ms for 8 KiB prefilled, one in flight: prefill is no slower than
+        // 1.25 ms a KiB (20 ms for this prompt, twice over), each request in flight adds 10 ms.
+        for node in &nodes {
+            node.counters().speed.served(10.0, 1, Some(8.0));
+        }
+        set_in_flight(&nodes[home], 1);
+        assert_eq!(route(&policy, &nodes, prompt.as_bytes()), home, "10 ms of wait < 20 ms of prefill");
+        set_in_flight(&nodes[home], 5);
+        assert_ne!(route(&policy, &nodes, prompt.as_bytes()), home, "50 ms of wait > 20 ms of prefill");
     }
 
     #[test]
