@@ -212,6 +212,11 @@ class Workload:
     #: sessions need that to reach their long contexts inside the measured window.
     stretch: float = 1.0
 
+    def __post_init__(self) -> None:
+        for fraction, kind, engine in self.events:
+            if kind not in EVENT_KINDS or not 0 <= engine < len(self.fleet) or not 0 < fraction < 1:
+                raise ValueError(f"{self.name}: no {kind} of engine {engine} at {fraction:.0%} of a run")
+
     def trace(self, rate: float, duration: float, seed: int) -> Trace:
         """Conversations arriving over ``duration`` seconds so that requests come at ``rate``
         per second."""
