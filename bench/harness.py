@@ -263,10 +263,12 @@ def run_load(
     watch: dict[str, int],
     warmup: float = 1.0,
     headers: tuple[str, ...] = (),
+    rate: float | None = None,
 ) -> LoadResult:
-    """Runs the load generator (``headers``: ``NAME:VALUE`` on every request); measures CPU and
-    RSS of the ``watch`` processes (name -> pid) over the measurement window."""
-    args = ["--connections", str(connections)]
+    """Runs the load generator (``headers``: ``NAME:VALUE`` on every request; ``rate``: requests
+    per second arriving on a schedule, open loop, instead of back to back on each connection);
+    measures CPU and RSS of the ``watch`` processes (name -> pid) over the measurement window."""
+    args = ["--connections", str(connections), *(["--rate", str(rate)] if rate else [])]
     for header in headers:
         args += ["--header", header]
     out, cpu, rss = _loadgen(urls, body, args, duration, warmup, watch)

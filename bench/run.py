@@ -227,12 +227,13 @@ def render_mock(results: dict[str, harness.LoadResult]) -> list[str]:
     return rows
 
 
-def render_pd(results: dict[str, harness.LoadResult]) -> list[str]:
+def render_pd(results: dict[str, harness.LoadResult], late: bool = False) -> list[str]:
+    """The PD table; ``late``: with the open-loop runs' sends the schedule could not keep."""
     hybrid = results["pdproxy hybrid"]
     rows = [
         "| target and protocol | req/s | TTFT p50 ms | TTFT p99 ms | added TTFT p50 ms | added TTFT p99 ms "
-        "| proxy CPU µs/req | errors |",
-        "|---|---|---|---|---|---|---|---|",
+        "| proxy CPU µs/req | errors |" + (" late sends |" if late else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if late else ""),
     ]
     for name, r in results.items():
         pd = r is not hybrid
@@ -241,11 +242,18 @@ def render_pd(results: dict[str, harness.LoadResult]) -> list[str]:
         rows.append(
             f"| {name} | {r.load['rps']:.0f} | {_ms(r, 'ttft_ms', 'p50'):.2f} | {_ms(r, 'ttft_ms', 'p99'):.2f} | "
             f"{a50} | {a99} | {_cpu_us(r, 'request'):.0f} | {r.load['errors']} |"
+            + (f" {r.load.get('late', 0)} |" if late else "")
         )
     return rows
 
 
 PD_TITLE = "PD: one prefill and one decode engine, 256 streams, 32 tokens at 10 ms/token"
+#: The open-loop part of the PD scenario: every setup offered the same arrivals, a rate each of
+#: them keeps up with (LMDeploy's proxy serves about 200 req/s closed loop), so first-token times
+#: compare at one load, not at whatever throughput each setup reached (a faster proxy loads the
+#: engines, which share the machine, more).
+PD_RATE = 120.0
+PD_RATE_TITLE = f"PD at a fixed rate: the same engines and setups, {PD_RATE:.0f} requests per second arriving"
 PD_PROTOCOLS = ("lmdeploy", "sglang", "vllm")
 
 
@@ -255,7 +263,7 @@ def pd_median(times: int) -> Median:
 
 def run_pd(
     duration: float, repeat: int, others: list[peers.Peer], baseline: str | None = None
-) -> dict[str, harness.LoadResult]:
+) -> tuple[dict[str, harness.LoadResult], dict[str, harness.LoadResult]]:
     """The same load through pdproxy with one hybrid engine (the baseline), then disaggregated
     between a prefill and a decode engine in each PD protocol, through pdproxy and through the
     peers that speak that protocol: what disaggregation adds to the first token, and at what cost.
@@ -263,7 +271,8 @@ def run_pd(
     Every setup is up at once, each with engines of its own (so no one inherits another's KV
     state), and each round runs each setup once, as in S1-S4: a slow spell of a shared machine
     falls on every setup alike rather than on the one whose runs happened to be under way.
-    ``baseline``: another build of pdproxy, run in each protocol beside this one."""
+    ``baseline``: another build of pdproxy, run in each protocol beside this one. Returns the
+    closed-loop runs, then those at ``PD_RATE`` (each round runs each setup both ways)."""
     body, connections, delay = chat(True, 32), 256, 10.0
     median = pd_median(repeat)
     with contextlib.ExitStack() as up:
@@ -294,11 +303,14 @@ def run_pd(
                     setups[name] = (proxy.url + CHAT, watch)
                     up.enter_context(setup.pop_all())
         runs: dict[str, list[harness.LoadResult]] = {name: [] for name in setups}
+        paced: dict[str, list[harness.LoadResult]] = {name: [] for name in setups}
         for round_ in range(repeat):
             for name, (url, watch) in setups.items():
                 harness.say(f"{PD_TITLE}: {name}, run {round_ + 1} of {repeat}")
                 runs[name].append(harness.run_load([url], body, connections, duration, watch))
-        return {name: median.pick(r) for name, r in runs.items()}
+                harness.say(f"{PD_RATE_TITLE}: {name}, run {round_ + 1} of {repeat}")
+                paced[name].append(harness.run_load([url], body, connections, duration, watch, rate=PD_RATE))
+        return {name: median.pick(r) for name, r in runs.items()}, {name: median.pick(r) for name, r in paced.items()}
 
 
 def _pd_proxy(
@@ -490,6 +502,10 @@ def render_policy(results: dict[str, harness.LoadResult]) -> list[str]:
     return rows
 
 
+def as_json(results: dict[str, harness.LoadResult]) -> dict[str, dict]:
+    return {k: {"load": v.load, "cpu_s": v.cpu_s, "rss_bytes": v.rss_bytes, "runs": v.runs} for k, v in results.items()}
+
+
 def machine() -> str:
     lines = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
@@ -594,9 +610,12 @@ def main() -> None:
             sections.append(section)
             raw[name] = timings
             continue
+        after: list[str] = []  # rows that follow the median's description
         if name == "PD":
-            results = run_pd(args.duration, args.repeat, others, args.baseline)
+            results, paced = run_pd(args.duration, args.repeat, others, args.baseline)
             title, rows, median = PD_TITLE, render_pd(results), pd_median(args.repeat)
+            after = ["", f"#### {PD_RATE_TITLE}", "", *render_pd(paced, late=True), "", median.describe(paced)]
+            raw["PD at a fixed rate"] = as_json(paced)
         elif name == "policy":
             results = run_policy(args.duration, args.repeat)
             title, rows, median = POLICY_TITLE, render_policy(results), by_rps(args.repeat)
@@ -610,9 +629,8 @@ def main() -> None:
             title, rows, median = scenario.title, scenario.render(results), scenario.median(args.repeat)
         if median.describe(results):
             rows = [*rows, "", median.describe(results)]
-        raw[name] = {
-            k: {"load": v.load, "cpu_s": v.cpu_s, "rss_bytes": v.rss_bytes, "runs": v.runs} for k, v in results.items()
-        }
+        rows = [*rows, *after]
+        raw[name] = as_json(results)
         RESULTS.mkdir(exist_ok=True)
         chart = charts.render(name, title, results, RESULTS)
         if chart is not None:

@@ -5,6 +5,11 @@
 //! they arrive; server-sent events are counted and timestamped on arrival, which wrk cannot
 //! do. Prints one JSON object of results.
 //!
+//! With `--rate R`, requests arrive at R per second in all, whatever the answers take (open
+//! loop): each connection sends on a schedule of its own (every `connections / R` seconds,
+//! staggered), so latencies compare at one offered load rather than at whatever throughput each
+//! target reaches. A send the schedule could not keep (its connection still busy) is counted late.
+//!
 //! With `--interleave MS`, one client sends requests one at a time, back to back, to each `--url`
 //! in turn for MS milliseconds (each URL on its own keep-alive connection), and prints the results
 //! per URL: targets measured over the same stretch of time, so that a shared machine's drift falls
@@ -32,10 +37,12 @@ struct Args {
     threads: usize,
     /// `--interleave`: how long each URL has the client before the next one's turn.
     interleave: Option<Duration>,
+    /// `--rate`: requests per second in all, open loop.
+    rate: Option<f64>,
 }
 
 const USAGE: &str = "usage: pdproxy-loadgen --url URL [--url URL]... [--body JSON] [--header NAME:VALUE]... \
-[--connections N] [--duration SECONDS] [--warmup SECONDS] [--threads N] [--interleave MS]";
+[--connections N] [--duration SECONDS] [--warmup SECONDS] [--threads N] [--interleave MS] [--rate PER_SECOND]";
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
@@ -47,6 +54,7 @@ fn parse_args() -> Result<Args, String> {
         warmup: Duration::from_secs(1),
         threads: 1,
         interleave: None,
+        rate: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -68,6 +76,13 @@ fn parse_args() -> Result<Args, String> {
                 let ms = value()?.parse::<f64>().map_err(|e| format!("{e}"))?;
                 args.interleave = Some(Duration::from_secs_f64(ms / 1000.0));
             }
+            "--rate" => {
+                let rate = value()?.parse::<f64>().map_err(|e| format!("{e}"))?;
+                if !(rate.is_finite() && rate > 0.0) {
+                    return Err("--rate takes a positive number of requests per second".to_owned());
+                }
+                args.rate = Some(rate);
+            }
             "-h" | "--help" => return Err(USAGE.to_owned()),
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
@@ -87,7 +102,13 @@ struct Samples {
     events: u64,
     errors: u64,
     bytes: u64,
+    /// `--rate`: measured sends that left more than `LATE` after their scheduled time.
+    late: u64,
 }
+
+/// A scheduled send later than this is late: beyond the timer's and a busy machine's wake-up
+/// delays, its connection was still busy with the answer before.
+const LATE: Duration = Duration::from_millis(10);
 
 fn micros(d: Duration) -> u32 {
     u32::try_from(d.as_micros()).unwrap_or(u32::MAX)
@@ -222,10 +243,25 @@ impl Client {
     }
 }
 
-async fn run_connection(args: Arc<Args>, index: usize, measure_from: Instant, end: Instant) -> Samples {
+async fn run_connection(args: Arc<Args>, index: usize, start: Instant, measure_from: Instant, end: Instant) -> Samples {
     let mut client = Client::new(&args.urls[index % args.urls.len()]);
     let mut samples = Samples::default();
+    // `--rate`: this connection's share of the arrivals, staggered among the connections.
+    #[allow(clippy::cast_precision_loss)]
+    let mut schedule =
+        args.rate.map(|rate| (start + Duration::from_secs_f64(index as f64 / rate), args.connections as f64 / rate));
     while Instant::now() < end {
+        if let Some((due, period)) = schedule.as_mut() {
+            tokio::time::sleep_until((*due).into()).await;
+            let now = Instant::now();
+            if now >= end {
+                break;
+            }
+            if now >= measure_from && now > *due + LATE {
+                samples.late += 1;
+            }
+            *due += Duration::from_secs_f64(*period);
+        }
         client.exchange(&args, measure_from, end, &mut samples).await;
     }
     samples
@@ -274,6 +310,7 @@ impl Samples {
         self.events += other.events;
         self.errors += other.errors;
         self.bytes += other.bytes;
+        self.late += other.late;
     }
 
     #[allow(clippy::cast_precision_loss)]
@@ -291,6 +328,7 @@ impl Samples {
             "latency_ms": percentiles(self.latency_us),
             "ttft_ms": percentiles(self.ttft_us),
             "gap_ms": percentiles(self.gap_us),
+            "late": self.late,
         })
     }
 }
@@ -319,7 +357,7 @@ fn main() -> ExitCode {
             return serde_json::json!({ "interleaved": reports });
         }
         let tasks: Vec<_> = (0..args.connections)
-            .map(|i| tokio::spawn(run_connection(Arc::clone(&args), i, measure_from, end)))
+            .map(|i| tokio::spawn(run_connection(Arc::clone(&args), i, start, measure_from, end)))
             .collect();
         let mut all = Samples::default();
         for task in tasks {
@@ -375,6 +413,7 @@ mod tests {
             warmup: Duration::ZERO,
             threads: 1,
             interleave: Some(Duration::from_millis(30)),
+            rate: None,
         });
         let start = Instant::now();
         let samples = run_interleaved(Arc::clone(&args), start, start + args.duration).await;
@@ -390,6 +429,36 @@ mod tests {
         let switches = served.windows(2).filter(|w| w[0] != w[1]).count();
         assert!(switches >= 4, "{switches} switches in {} requests", served.len());
         assert!(served.len() > 4 * (switches + 1), "{} requests in {} turns", served.len(), switches + 1);
+    }
+
+    #[tokio::test]
+    async fn a_rate_paces_the_arrivals_whatever_the_connections() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let args = Arc::new(Args {
+            urls: vec![server(0, Arc::clone(&log)).await],
+            body: Bytes::from("{}"),
+            headers: Vec::new(),
+            connections: 8,
+            duration: Duration::from_millis(500),
+            warmup: Duration::ZERO,
+            threads: 1,
+            interleave: None,
+            rate: Some(40.0),
+        });
+        let start = Instant::now();
+        let end = start + args.duration;
+        let tasks: Vec<_> = (0..args.connections)
+            .map(|i| tokio::spawn(super::run_connection(Arc::clone(&args), i, start, start, end)))
+            .collect();
+        let mut sent = 0;
+        for task in tasks {
+            let samples = task.await.expect("connection");
+            assert_eq!(samples.errors, 0);
+            sent += samples.latency_us.len();
+        }
+        // 40 a second for half a second: 20, not the hundreds eight connections would send.
+        assert!((18..=21).contains(&sent), "{sent} sent");
+        assert_eq!(log.lock().expect("log").len(), sent);
     }
 
     fn count(chunks: &[&[u8]]) -> u64 {
