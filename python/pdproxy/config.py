@@ -410,15 +410,15 @@ class RoutingSettings(SettingsGroup):
     score_prefix_weight: Weight = _setting(
         2.0,
         (
-            "scored: times a request's own prefill counts in a node's cost (in seconds, at that engine's learnt "
-            "rate): once for its own first token, once more for the requests that wait behind it there."
+            "scored: times a request's own prefill (in seconds, at that engine's learnt rate) counts for each "
+            "request whose first token it delays there: the next to come, and those queued or prefilling."
         ),
     )
     score_queue_weight: Weight = _setting(
         1.0,
         (
             "scored: times the waits ahead of a request count in a node's cost: for a place in its engine's "
-            "batch, and for the prefill still owed to the requests sent there before."
+            "batch, and for the prefill owed to the requests sent there before."
         ),
     )
     retries: NotNegative = _setting(

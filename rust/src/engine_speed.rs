@@ -51,6 +51,63 @@ pub struct Speed {
     pub samples: f64,
 }
 
+/// The exponentially weighted sums of a node's first-token samples (x: KiB prefilled before
+/// the token, y: ms until it came). Sums add up: a fleet's are its nodes' added together.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Samples {
+    pub weight: f64,
+    pub x: f64,
+    pub y: f64,
+    pub xx: f64,
+    pub xy: f64,
+}
+
+impl std::ops::AddAssign for Samples {
+    fn add_assign(&mut self, other: Self) {
+        self.weight += other.weight;
+        self.x += other.x;
+        self.y += other.y;
+        self.xx += other.xx;
+        self.xy += other.xy;
+    }
+}
+
+/// A straight line through first-token samples: milliseconds per KiB, and the fixed part.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Fit {
+    pub ms_per_kib: f64,
+    pub fixed_ms: f64,
+}
+
+impl Fit {
+    /// The time the fit gives a first token after `kib` of prefill.
+    pub fn ms(&self, kib: f64) -> f64 {
+        self.fixed_ms + self.ms_per_kib * kib
+    }
+}
+
+impl Samples {
+    /// Least squares, once there are enough samples. With sizes too alike to tell the part
+    /// per KiB from the fixed part, the mean time over the mean size; never below a tenth of
+    /// that (a noisy fit must not make prefill free, and every cache hit worthless).
+    pub fn fit(&self) -> Option<Fit> {
+        let w = self.weight;
+        if w < MIN_WEIGHT {
+            return None;
+        }
+        let (mean_x, mean_y) = (self.x / w, self.y / w);
+        if mean_x <= 0.0 {
+            return None;
+        }
+        let variance = self.xx / w - mean_x * mean_x;
+        let covariance = self.xy / w - mean_x * mean_y;
+        let naive = mean_y / mean_x;
+        let rate =
+            if variance >= MIN_SIZE_VARIANCE { (covariance / variance).max(naive * MIN_RATE_SHARE) } else { naive };
+        Some(Fit { ms_per_kib: rate, fixed_ms: (mean_y - rate * mean_x).max(0.0) })
+    }
+}
+
 /// A node's learnt speed, in shared-memory-safe atomics (`f64` bits; 0 is "none yet").
 #[derive(Debug, Default)]
 pub struct EngineSpeed {
@@ -126,33 +183,36 @@ impl EngineSpeed {
         }
     }
 
+    /// Requests the engine runs at once while others wait, once a report showed it full.
+    pub fn slots(&self) -> Option<f64> {
+        Some(load(&self.slots)).filter(|&s| s > 0.0)
+    }
+
+    /// The first-token samples' sums.
+    pub fn samples(&self) -> Samples {
+        Samples {
+            weight: load(&self.weight),
+            x: load(&self.sum_x),
+            y: load(&self.sum_y),
+            xx: load(&self.sum_xx),
+            xy: load(&self.sum_xy),
+        }
+    }
+
+    /// The node's figures, its first-token fit from its own samples alone.
     pub fn speed(&self) -> Speed {
         let positive = |x: f64| (x > 0.0).then_some(x);
-        let mut out = Speed {
+        let samples = self.samples();
+        let fit = samples.fit();
+        Speed {
+            prefill_ms_per_kib: fit.map(|f| f.ms_per_kib),
+            first_token_ms: fit.map(|f| f.fixed_ms),
             decode_ms: positive(load(&self.decode_ms)),
             slots: positive(load(&self.slots)),
             ms_per_in_flight: positive(load(&self.ms_per_in_flight)),
             prefill_bound_ms_per_kib: positive(load(&self.prefill_bound)),
-            samples: load(&self.weight),
-            ..Speed::default()
-        };
-        let w = out.samples;
-        if w < MIN_WEIGHT {
-            return out;
+            samples: samples.weight,
         }
-        let (mean_x, mean_y) = (load(&self.sum_x) / w, load(&self.sum_y) / w);
-        let variance = load(&self.sum_xx) / w - mean_x * mean_x;
-        let covariance = load(&self.sum_xy) / w - mean_x * mean_y;
-        if mean_x <= 0.0 {
-            out.first_token_ms = Some(mean_y.max(0.0));
-            return out;
-        }
-        let naive = mean_y / mean_x;
-        let rate =
-            if variance >= MIN_SIZE_VARIANCE { (covariance / variance).max(naive * MIN_RATE_SHARE) } else { naive };
-        out.prefill_ms_per_kib = Some(rate);
-        out.first_token_ms = Some((mean_y - rate * mean_x).max(0.0));
-        out
     }
 
     /// Back to new (a recycled shared slot, or a restarted engine).

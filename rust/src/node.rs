@@ -132,9 +132,6 @@ pub struct NodeCounters {
     /// Prompt bytes the node is expected to prefill for requests sent to it that have not had
     /// their first byte yet (what the routing policy predicted was not in its cache).
     pub prefill_pending_bytes: AtomicU64,
-    /// The same bytes, each times the millisecond (Unix time) it was sent at: with the count,
-    /// it gives how long they have been pending on average (see `prefill_remaining_bytes`).
-    pub prefill_pending_byte_ms: AtomicU64,
     /// How fast the node's engine prefills and decodes, learnt from the requests sent to it.
     pub speed: EngineSpeed,
     /// Requests sent to the node that have not had the first byte of their answer yet: waiting
@@ -227,7 +224,6 @@ impl NodeCounters {
             &self.ttft_count,
             &self.ttft_us_ewma,
             &self.prefill_pending_bytes,
-            &self.prefill_pending_byte_ms,
             &self.unanswered,
             &self.predicted_cached_bytes,
             &self.recent_cursor,
@@ -316,35 +312,6 @@ impl NodeCounters {
             .sum();
         #[allow(clippy::cast_precision_loss)]
         Some(sum / filled as f64)
-    }
-
-    /// Prompt bytes still to prefill here: the pending bytes less what the engine has worked
-    /// off since they were sent, at the rate it prefills (a node that was sent a prompt a while
-    /// ago is nearer to done than one that was just sent the same).
-    pub fn prefill_remaining_bytes(&self, now_ms: u64) -> f64 {
-        let pending = self.prefill_pending_bytes.load(Ordering::Relaxed);
-        #[allow(clippy::cast_precision_loss)]
-        let pending_f = pending as f64;
-        let Some(ms_per_kib) = self.speed.speed().prefill_ms_per_kib.filter(|&r| r > 0.0) else {
-            return pending_f;
-        };
-        if pending == 0 {
-            return 0.0;
-        }
-        let rate = 1024.0 / ms_per_kib; // bytes per ms
-                                        // Sum over the pending bytes of how long each has been pending (byte-milliseconds). The
-                                        // sums wrap (atomics do): their difference is right as long as it fits, which it does.
-        let sent_at = self.prefill_pending_byte_ms.load(Ordering::Relaxed);
-        let aged = now_ms.wrapping_mul(pending).wrapping_sub(sent_at);
-        // The two sums are read one after the other: a prompt sent or answered in between shows
-        // as an absurd age (before now, or older than ten minutes on average); count it all then.
-        if aged > pending.saturating_mul(600_000) {
-            return pending_f;
-        }
-        #[allow(clippy::cast_precision_loss)]
-        let mean_age_ms = aged as f64 / pending_f;
-        // Never below an eighth while unanswered: a node still busy must not tie with an idle one.
-        (pending_f - rate * mean_age_ms).max(pending_f / 8.0)
     }
 
     pub(crate) fn record_success(&self, latency: Duration, first_byte: Option<Duration>, events: u64) {
@@ -652,28 +619,6 @@ impl NodeUrl {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn pending_prefill_is_worked_off_at_the_rate_the_node_usually_prefills() {
-        let counters = NodeCounters::default();
-        let send = |bytes: u64, at_ms: u64| {
-            counters.prefill_pending_bytes.fetch_add(bytes, Ordering::Relaxed);
-            counters.prefill_pending_byte_ms.fetch_add(bytes.wrapping_mul(at_ms), Ordering::Relaxed);
-        };
-        let now = 1_800_000_000_000;
-        send(4000, now - 10);
-        assert!((counters.prefill_remaining_bytes(now) - 4000.0).abs() < 1e-9, "no rate learnt yet: all of it");
-        for _ in 0..8 {
-            counters.speed.first_token(1.0, 10.24); // 100 bytes per ms
-        }
-        assert!((counters.prefill_remaining_bytes(now) - 3000.0).abs() < 1e-6, "10 ms at 100 bytes/ms: 1000 done");
-        assert!((counters.prefill_remaining_bytes(now + 25) - 500.0).abs() < 1e-6, "never below an eighth");
-        send(4000, now);
-        // 8000 bytes pending, 5 ms old on average: 500 worked off.
-        assert!((counters.prefill_remaining_bytes(now) - 7500.0).abs() < 1e-6);
-        counters.prefill_pending_bytes.fetch_add(1000, Ordering::Relaxed); // read between the two sums
-        assert!((counters.prefill_remaining_bytes(now) - 9000.0).abs() < 1e-6, "an absurd age counts it all");
-    }
 
     #[test]
     fn normalises_urls() {

@@ -56,11 +56,8 @@ pub struct InFlightPermit {
     started: Instant,
     outcome: Outcome,
     report: Report,
-    /// Prompt bytes counted in the node's `prefill_pending_bytes` until the first byte comes,
-    /// and when they were (Unix milliseconds): their part of its `prefill_pending_byte_ms` is
-    /// the product of the two.
+    /// Prompt bytes counted in the node's `prefill_pending_bytes` until the first byte comes.
     prefill_pending: AtomicU64,
-    prefill_since_ms: AtomicU64,
     /// Counted in the node's `unanswered` until the first byte comes.
     unanswered: AtomicBool,
     /// Prompt bytes the policy expected in the node's cache, added to its
@@ -100,7 +97,6 @@ impl InFlightPermit {
             outcome: Outcome::Cancelled,
             report: Report::default(),
             prefill_pending: AtomicU64::new(0),
-            prefill_since_ms: AtomicU64::new(0),
             unanswered: AtomicBool::new(true),
             predicted_cached: AtomicU64::new(0),
             timed_bytes: AtomicU64::new(0),
@@ -125,7 +121,6 @@ impl InFlightPermit {
             outcome: Outcome::Cancelled,
             report: Report::default(),
             prefill_pending: AtomicU64::new(0),
-            prefill_since_ms: AtomicU64::new(0),
             unanswered: AtomicBool::new(true),
             predicted_cached: AtomicU64::new(0),
             timed_bytes: AtomicU64::new(0),
@@ -173,19 +168,15 @@ impl InFlightPermit {
         self.timed.store(timed, Ordering::Relaxed);
         if timed {
             #[allow(clippy::cast_precision_loss)]
-            let full = counters.speed.speed().slots.is_some_and(|slots| counters.in_flight() as f64 > slots);
+            let full = counters.speed.slots().is_some_and(|slots| counters.in_flight() as f64 > slots);
             if !full {
-                #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-                let ahead = counters.prefill_remaining_bytes(now) as u64;
+                let ahead = counters.prefill_pending_bytes.load(Ordering::Relaxed);
                 self.timed_bytes.store(ahead + prediction.prefill + 1, Ordering::Relaxed);
                 self.timed_since_ms.store(now, Ordering::Relaxed);
             }
         }
         if prediction.prefill > 0 {
             counters.prefill_pending_bytes.fetch_add(prediction.prefill, Ordering::Relaxed);
-            // Wrapping: the node's sum is only ever read as a difference (see `prefill_remaining_bytes`).
-            counters.prefill_pending_byte_ms.fetch_add(prediction.prefill.wrapping_mul(now), Ordering::Relaxed);
-            self.prefill_since_ms.store(now, Ordering::Relaxed);
             let before = self.prefill_pending.swap(prediction.prefill, Ordering::Relaxed);
             debug_assert_eq!(before, 0, "one prediction per permit");
         }
@@ -206,9 +197,7 @@ impl InFlightPermit {
         }
         let bytes = self.prefill_pending.swap(0, Ordering::Relaxed);
         if bytes > 0 {
-            let since = self.prefill_since_ms.load(Ordering::Relaxed);
             counters.prefill_pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
-            counters.prefill_pending_byte_ms.fetch_sub(bytes.wrapping_mul(since), Ordering::Relaxed);
         }
         let timed = self.timed_bytes.swap(0, Ordering::Relaxed);
         if answered && timed > 0 {

@@ -10,7 +10,8 @@
 //!   the requests it has answered): when the engine found less in its cache than the table
 //!   expected, the table holds too much for that node (the engine evicted it), and the node's
 //!   share shrinks to what the hits bear out; it grows back while predictions hold;
-//! - a node whose engine restarted (its counters went back) forgets everything.
+//! - a node whose engine restarted (its counters went back), or whose engine found next to
+//!   nothing of what the table expected it to (its cache was flushed), forgets everything.
 //!
 //! The prompt is cut into blocks of `block_bytes` and each block's hash chains the previous
 //! one, so a hash names the whole prefix up to its block. Memory is bounded: about `entries`
@@ -55,6 +56,8 @@ const CHECK_AFTER_BYTES: u64 = 64 << 10;
 /// Hits found over hits predicted below which a node's share shrinks, and above which it grows.
 const SHRINK_BELOW: f64 = 0.9;
 const GROW_ABOVE: f64 = 0.97;
+/// Hits found over hits predicted below which the engine is taken to have emptied its cache.
+const FLUSHED_BELOW: f64 = 0.1;
 /// The smallest share a node is cut to (blocks).
 const MIN_SHARE: usize = 16;
 
@@ -97,22 +100,27 @@ struct NodeBlocks {
 
 impl NodeBlocks {
     /// Compares the hits predicted since the last check with those the engine found, once a
-    /// new reading is in and enough were predicted; moves the node's share accordingly.
-    fn check(&mut self, node: &Node, bytes_per_token: f64, ceiling: usize) {
+    /// new reading is in and enough were predicted; moves the node's share accordingly. True
+    /// when the engine found next to nothing of what it was predicted to hold: its cache was
+    /// emptied (a flush: vLLM's `/reset_prefix_cache`, SGLang's `/flush_cache`), and the node's
+    /// blocks are all to be forgotten.
+    fn check(&mut self, node: &Node, bytes_per_token: f64, ceiling: usize) -> bool {
         let (read_at, hits, predicted_now) = node.counters().engine.cached_tokens_read();
         if read_at == self.checked_at {
-            return;
+            return false;
         }
-        let Some(hits) = hits else { return };
+        let Some(hits) = hits else { return false };
+        let mut flushed = false;
         if let Some(before) = self.checked_hits {
             let predicted = predicted_now.saturating_sub(self.checked_predicted);
             if predicted < CHECK_AFTER_BYTES && hits >= before {
-                return; // wait for more predictions, from this reading on
+                return false; // wait for more predictions, from this reading on
             }
             #[allow(clippy::cast_precision_loss)]
             let found = hits.saturating_sub(before) as f64 * bytes_per_token;
             #[allow(clippy::cast_precision_loss)]
             let ratio = found / (predicted.max(1)) as f64;
+            flushed = ratio < FLUSHED_BELOW;
             let current = self.share.unwrap_or(ceiling).min(ceiling);
             #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
             if ratio < SHRINK_BELOW {
@@ -126,6 +134,7 @@ impl NodeBlocks {
         self.checked_at = read_at;
         self.checked_hits = Some(hits);
         self.checked_predicted = predicted_now;
+        flushed
     }
 }
 
@@ -238,9 +247,13 @@ impl PrefixTable {
         });
         let ceiling = reported.map_or(share, |blocks| blocks.min(share)).max(1);
 
+        let bytes_per_token = self.config.bytes_per_token;
+        if inner.nodes.get_mut(&generation).is_some_and(|b| b.check(node, bytes_per_token, ceiling)) {
+            inner.forget(generation);
+        }
         let Inner { holders, nodes, clock } = &mut *inner;
         let blocks = nodes.entry(generation).or_insert_with(|| NodeBlocks { restarts, ..NodeBlocks::default() });
-        blocks.check(node, self.config.bytes_per_token, ceiling);
+        blocks.check(node, bytes_per_token, ceiling);
         let capacity = blocks.share.unwrap_or(ceiling).min(ceiling);
         // A prompt the node took lately (its deepest block among the newest eighth of what it
         // holds) is near the young end of its order already: a refresh would change little and
@@ -348,6 +361,29 @@ mod tests {
         counters.record_engine_report(&reading(5), 2);
         assert_eq!(t.matched(&a, &nodes), vec![0, 4]);
         assert_eq!(t.blocks_of(nodes[0].generation()), 0);
+    }
+
+    #[test]
+    fn a_node_whose_engine_finds_nothing_it_was_predicted_to_hold_forgets_everything() {
+        let (_reg, nodes) = nodes(1);
+        let node = &nodes[0];
+        let t = table(1 << 16);
+        let reading = |hits| EngineFigures {
+            prompt_tokens: Some(1 << 30),
+            cached_tokens: Some(hits),
+            ..EngineFigures::default()
+        };
+        node.counters().record_engine_report(&reading(1000), 1);
+        let a = hashes(&t, &"a".repeat(1024));
+        t.learn(node, &a, None);
+        assert_eq!(t.matched(&a, &nodes), vec![64]);
+        // 128 KiB predicted since, and the engine found 100 tokens (400 bytes) of it: flushed.
+        node.counters().predicted_cached_bytes.fetch_add(128 << 10, std::sync::atomic::Ordering::Relaxed);
+        node.counters().record_engine_report(&reading(1100), 2);
+        let b = hashes(&t, &"b".repeat(64));
+        t.learn(node, &b, None);
+        assert_eq!(t.matched(&a, &nodes), vec![0], "the flushed cache holds none of it");
+        assert_eq!(t.blocks_of(node.generation()), 4, "only what it took since");
     }
 
     #[test]

@@ -1,31 +1,36 @@
 //! `scored`: the node where the request's first token comes soonest, counting what the
-//! request costs the requests after it there. Every term is a time, from what pdproxy has
-//! learnt of each engine's speed (`engine_speed`) and what it knows of each engine's queue:
+//! request costs the requests there that still wait for theirs. Every term is a time, from what
+//! pdproxy has learnt of the engines' speed (`engine_speed`) and what it knows of each engine's
+//! queue:
 //!
 //! ```text
-//! cost = queue  * (the wait for a place in the engine's batch + the prefill still owed to
-//!                  the requests sent there before, at that engine's rate)
-//!      +          the engine's fixed time to a first token
-//!      + prefix * the request's own prefill there (its prompt not in that node's cache)
+//! cost = queue  * (the wait for a place in the engine's batch
+//!                  + the prefill owed to the requests sent there before, at that engine's rate)
+//!      + own    * (1 + prefix * (1 + the requests sent there still waiting for their first token))
 //! ```
 //!
-//! `prefix` is 2 by default: a request's own prefill delays its own first token, and once
-//! more every request that comes after it to that engine (they wait behind it). So a node that
-//! holds the prompt keeps it until the wait there outgrows a prefill elsewhere, and a miss,
-//! which costs the same on every node of one speed, goes where the wait is shortest: a cold
-//! engine (restarted, flushed, new) takes misses back at once, being the one with no queue.
-//! `queue` (1) scales the waits against the prefill.
+//! where `own` is the request's own prefill there: its prompt not in that node's cache. It
+//! delays its own first token, and, as each step of a batch that prefills a chunk of it holds
+//! every request of the batch, the first tokens of the requests queued or prefilling there and
+//! of the next one to come. The count of those is a measure of how busy the node is with first
+//! tokens: with it, a miss goes where it delays nobody (a cold engine, restarted or flushed,
+//! takes misses back at once), a prompt stays on the node that holds it until the wait there
+//! outgrows a prefill elsewhere, and a popular prompt spreads as its own traffic fills the
+//! queues of its nodes. (Counting only the requests waiting for a place in the batch, which a
+//! prefill delays for sure, did worse on `bench/fleet.py`'s workloads.) `prefix` (2) and
+//! `queue` (1) are the two weights; 2 was the best of 0.5, 1, 2 and 4 on the prefix-heavy
+//! workloads.
 //!
 //! - The prompt a node holds comes from the prefix table (what pdproxy routed there and the
 //!   engine has not evicted since, see `prefix_table`).
 //! - The prefill owed there is pdproxy's own count of the uncached prompt bytes it sent that
-//!   have not had their first byte yet, worked off at the engine's rate since they were sent
-//!   (`prefill_remaining_bytes`).
+//!   have not had their first byte yet.
 //! - The wait for a place in the batch: the requests the engine has (its last report adjusted
 //!   by pdproxy's traffic since; without one, pdproxy's in-flight count) beyond the number it
 //!   runs at once, each freeing a place as it finishes decoding.
-//! - Rates not learnt yet are the median of the candidates' learnt ones (a fleet is mostly
-//!   alike), or, before any, `PRIOR_MS_PER_KIB`.
+//! - First tokens are fitted on the samples of all the candidates together, each node scaled by
+//!   how its own samples compare (`speeds`); figures not learnt yet are the candidates' median,
+//!   or, before any, `PRIOR_MS_PER_KIB` and `PRIOR_DECODE_MS`.
 //!
 //! Nodes within `TIE_SHARE` of the lowest cost count as equally ready: the one with the
 //! fewest requests in flight, then the one sent the fewest, then one at random, so that they
@@ -37,7 +42,7 @@ use std::sync::Arc;
 use super::prefix_table::{PrefixTable, PrefixTableConfig};
 use super::{available_indices, Policy, SelectCtx};
 use crate::circuit::now_ms;
-use crate::engine_speed::Speed;
+use crate::engine_speed::{Fit, Samples, Speed};
 use crate::error::{Error, Kind, Result};
 use crate::node::Node;
 use crate::permit::Prediction;
@@ -50,10 +55,15 @@ const TIE_MS: f64 = 1.0;
 /// since the prefill owed and the request's own are both priced with it.
 const PRIOR_MS_PER_KIB: f64 = 25.0;
 
+/// How long a request holds its place in an engine's batch, before any answer has shown it
+/// (only the first seconds of a fleet see it): a queue must count from the start, or the first
+/// requests all go where their prompts are, whatever waits there.
+const PRIOR_DECODE_MS: f64 = 1000.0;
+
 /// The weights of the terms.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ScoreWeights {
-    /// Times the request's own prefill counts (its own wait, and that of those after it).
+    /// Times the request's own prefill counts for each request whose first token it delays.
     pub prefix: f64,
     /// Times the waits ahead of it count.
     pub queue: f64,
@@ -98,6 +108,8 @@ pub struct Estimate {
     pub first_token: f64,
     /// The request's own prefill there.
     pub own: f64,
+    /// Requests sent there still waiting for their first token (queued, or prefilling).
+    pub behind: f64,
 }
 
 impl Estimate {
@@ -106,8 +118,11 @@ impl Estimate {
         self.slot_wait + self.ahead + self.first_token + self.own
     }
 
+    /// The fixed first-token part is left out: the fit puts there what its samples have in
+    /// common whatever the node (a step of the batch, and waits it does not see), and a node's
+    /// own speed shows in its other terms.
     fn cost(&self, w: ScoreWeights) -> f64 {
-        w.queue * (self.slot_wait + self.ahead) + self.first_token + w.prefix * self.own
+        w.queue * (self.slot_wait + self.ahead) + self.own * (1.0 + w.prefix * (1.0 + self.behind))
     }
 }
 
@@ -131,14 +146,34 @@ fn median(mut values: Vec<f64>) -> Option<f64> {
     Some(*values.select_nth_unstable_by(mid, f64::total_cmp).1)
 }
 
-/// Each candidate's learnt speed, its gaps filled with the candidates' medians (computed only
-/// for a figure some candidate lacks: after the first answers, none).
+/// Each candidate's speed as the policy prices it. First tokens: one fit of the samples of all
+/// the candidates together (a fleet is mostly alike, and few samples of one node, taken in
+/// whatever state its queue was, fit poorly), scaled for each node by how its own samples
+/// compare with the fit (`speed_factor`): an engine twice as slow takes twice the time. Other
+/// gaps filled with the candidates' medians (computed only for a figure some candidate lacks).
 fn speeds(candidates: &[Arc<Node>]) -> Vec<Speed> {
+    let samples: Vec<Samples> = candidates.iter().map(|n| n.counters().speed.samples()).collect();
+    let mut pooled = Samples::default();
+    for s in &samples {
+        pooled += *s;
+    }
+    let fleet = pooled.fit();
+    let factors: Vec<f64> =
+        fleet.map_or_else(Vec::new, |fit| samples.iter().map(|s| speed_factor(s, &pooled, fit)).collect());
+    // The typical node's factor: the others' are taken relative to it.
+    let typical = median(factors.clone()).unwrap_or(1.0);
     let mut learnt: Vec<Speed> = candidates.iter().map(|n| n.counters().speed.speed()).collect();
-    // Before any stream taught a prefill rate, whole answers bound it: no slower than they took.
-    for speed in &mut learnt {
-        if speed.prefill_ms_per_kib.is_none() {
-            speed.prefill_ms_per_kib = speed.prefill_bound_ms_per_kib.map(|bound| bound.min(PRIOR_MS_PER_KIB));
+    for (i, speed) in learnt.iter_mut().enumerate() {
+        match fleet {
+            Some(fit) => {
+                let factor = typical * alike(factors[i] / typical);
+                speed.prefill_ms_per_kib = Some(fit.ms_per_kib * factor);
+                speed.first_token_ms = Some(fit.fixed_ms * factor);
+            }
+            // Before any stream taught a prefill rate, whole answers bound it: no slower than they took.
+            None => {
+                speed.prefill_ms_per_kib = speed.prefill_bound_ms_per_kib.map(|bound| bound.min(PRIOR_MS_PER_KIB));
+            }
         }
     }
     let fields: [fn(&mut Speed) -> &mut Option<f64>; 5] = [
@@ -159,6 +194,39 @@ fn speeds(candidates: &[Arc<Node>]) -> Vec<Speed> {
         }
     }
     learnt
+}
+
+/// Samples a node's factor starts from, as if that many of its first tokens had come exactly
+/// as the fleet's fit says: a node with few samples is taken to be like the others.
+const FACTOR_PRIOR_SAMPLES: f64 = 8.0;
+/// Factors this close to the typical node's (either way) are taken as equal to it: nodes'
+/// samples scatter about that much around the fleet's fit with equal engines (queues they met,
+/// prompts they got), and pricing noise as speed would send misses to whichever node it flattered.
+const FACTOR_ALIKE: f64 = 1.5;
+/// How far a node's factor may stray from the fleet's.
+const FACTOR_RANGE: (f64, f64) = (0.25, 4.0);
+
+/// How much slower than the fleet's fit a node's own first tokens came: the time they took
+/// over the time the fit gives them, shrunk towards 1 while the node has few samples.
+fn speed_factor(own: &Samples, pooled: &Samples, fit: Fit) -> f64 {
+    let typical = fit.ms(pooled.x / pooled.weight.max(f64::MIN_POSITIVE));
+    let predicted = fit.fixed_ms * own.weight + fit.ms_per_kib * own.x;
+    let prior = FACTOR_PRIOR_SAMPLES * typical;
+    let factor = (own.y + prior) / (predicted + prior);
+    if factor.is_finite() {
+        factor.clamp(FACTOR_RANGE.0, FACTOR_RANGE.1)
+    } else {
+        1.0
+    }
+}
+
+/// A node's factor relative to the typical node's, with the scatter of equal engines taken as 1.
+fn alike(relative: f64) -> f64 {
+    if (1.0 / FACTOR_ALIKE..=FACTOR_ALIKE).contains(&relative) {
+        1.0
+    } else {
+        relative
+    }
 }
 
 /// What the last pick on this thread computed for its request: the policy's `selected` follows
@@ -225,23 +293,17 @@ impl Scored {
         if !stream && !queue_known {
             return speed.ms_per_in_flight.map_or(0.0, |ms| in_flight * ms);
         }
-        let Some(decode_ms) = speed.decode_ms else { return 0.0 };
-        match speed.slots {
-            Some(slots) => {
-                let there = load.map_or(in_flight, |l| l.requests());
-                let beyond = there + 1.0 - slots;
-                if beyond > 0.0 {
-                    beyond * decode_ms / slots
-                } else {
-                    0.0
-                }
-            }
-            None => load.filter(|l| l.waiting() > 0.0 && l.running > 0).map_or(0.0, |l| {
+        let decode_ms = speed.decode_ms.unwrap_or(PRIOR_DECODE_MS);
+        // The places to be freed before this request has one, and how many free up at once.
+        let (frees, slots) = match speed.slots {
+            Some(slots) => (load.map_or(in_flight, |l| l.requests()) + 1.0 - slots, slots),
+            None => match load.filter(|l| l.waiting() > 0.0 && l.running > 0) {
                 #[allow(clippy::cast_precision_loss)]
-                let running = l.running as f64;
-                (l.waiting() + 1.0) * decode_ms / running
-            }),
-        }
+                Some(l) => (l.waiting() + 1.0, l.running as f64),
+                None => return 0.0,
+            },
+        };
+        frees.max(0.0) * decode_ms / slots
     }
 
     /// Each available candidate's estimate for the request (`None`: not available).
@@ -262,12 +324,15 @@ impl Scored {
             let ms_per_kib = speed.prefill_ms_per_kib.unwrap_or(PRIOR_MS_PER_KIB);
             #[allow(clippy::cast_precision_loss)]
             let own_kib = self.uncached(ctx, matched[i]) as f64 / 1024.0;
-            let ahead_kib = node.counters().prefill_remaining_bytes(now) / 1024.0;
+            #[allow(clippy::cast_precision_loss)]
+            let ahead_kib = node.counters().prefill_pending_bytes.load(Ordering::Relaxed) as f64 / 1024.0;
             out[i] = Some(Estimate {
                 slot_wait: self.slot_wait_ms(node, speed, now, ctx.stream),
                 ahead: ahead_kib * ms_per_kib,
                 first_token: speed.first_token_ms.unwrap_or(0.0),
                 own: own_kib * ms_per_kib,
+                #[allow(clippy::cast_precision_loss)]
+                behind: node.counters().unanswered.load(Ordering::Relaxed) as f64,
             });
         }
         out
@@ -377,7 +442,7 @@ mod tests {
     /// in `decode_ms` and runs `slots` at once.
     fn learn(node: &Node, ms_per_kib: f64, decode_ms: f64, slots: u64) {
         let speed = &node.counters().speed;
-        for i in 0..20 {
+        for i in 0..200 {
             let kib = f64::from(i % 8 + 1);
             speed.first_token(kib, 10.0 + ms_per_kib * kib);
             speed.decoded(decode_ms);
@@ -394,18 +459,19 @@ mod tests {
         let policy = scored(WEIGHTS);
         let system = "You are a helpful assistant. ".repeat(280); // about 8 KiB: 400 ms of prefill
         let home = route(&policy, &nodes, format!("{system} first").as_bytes());
-        // Four requests there: the fifth waits for one of four places, 125 ms < 2 x 400 ms.
+        // Four requests there: the fifth waits for one of four places, 125 ms < 3 x 400 ms (its
+        // own prefill elsewhere, counted for itself and twice for the next request there).
         set_in_flight(&nodes[home], 4);
         assert_eq!(route(&policy, &nodes, format!("{system} second").as_bytes()), home);
-        // Twelve: 9 x 125 ms > 800 ms; another node is cheaper now, and learns the prompt too.
-        set_in_flight(&nodes[home], 12);
+        // Fourteen: 11 x 125 ms > 1200 ms; another node is cheaper now, and learns the prompt too.
+        set_in_flight(&nodes[home], 14);
         let other = route(&policy, &nodes, format!("{system} third").as_bytes());
         assert_ne!(other, home);
         let estimates = policy.estimates(&nodes, &ctx(format!("{system} fourth").as_bytes()));
         let third = (0..3).find(|&i| i != home && i != other).unwrap();
         let own = |i: usize| estimates[i].unwrap().own;
         assert!(own(other) < 10.0 && own(third) > 390.0, "{estimates:?}");
-        assert!((estimates[home].unwrap().slot_wait - 9.0 * 125.0).abs() < 1.0, "{estimates:?}");
+        assert!((estimates[home].unwrap().slot_wait - 11.0 * 125.0).abs() < 1.0, "{estimates:?}");
     }
 
     #[test]
@@ -495,43 +561,27 @@ mod tests {
         assert_eq!(route(&policy, &nodes, "n".repeat(4096).as_bytes()), 2);
         set_in_flight(&nodes[2], 0);
         for node in &nodes[..2] {
-            set_in_flight(node, 12);
+            set_in_flight(node, 14);
         }
         assert_eq!(route(&policy, &nodes, shared.as_bytes()), 2);
     }
 
     #[test]
-    fn whole_answers_spread_a_held_prompt_once_its_wait_outgrows_a_prefill() {
+    fn a_miss_avoids_the_node_whose_requests_still_wait_for_their_first_token() {
         let (_reg, nodes) = nodes(2);
-        let policy = scored(WEIGHTS);
-        let prompt = "w".repeat(8192);
-        let home = route(&policy, &nodes, prompt.as_bytes());
-        // Whole answers of 10 ms for 8 KiB prefilled, one in flight: prefill is no slower than
-        // 1.25 ms a KiB (20 ms for this prompt, twice over), each request in flight adds 10 ms.
         for node in &nodes {
-            node.counters().speed.served(10.0, 1, Some(8.0));
+            learn(node, 50.0, 500.0, 16);
         }
-        set_in_flight(&nodes[home], 1);
-        assert_eq!(route(&policy, &nodes, prompt.as_bytes()), home, "10 ms of wait < 20 ms of prefill");
-        set_in_flight(&nodes[home], 5);
-        assert_ne!(route(&policy, &nodes, prompt.as_bytes()), home, "50 ms of wait > 20 ms of prefill");
-    }
-
-    #[test]
-    fn when_every_node_is_prefilling_the_one_sent_its_prompt_longest_ago_is_chosen() {
-        let (_reg, nodes) = nodes(3);
         let policy = scored(WEIGHTS);
-        let now = now_ms();
-        for (node, age_ms) in nodes.iter().zip([50, 400, 100]) {
-            let counters = node.counters();
-            for _ in 0..8 {
-                counters.speed.first_token(1.0, 102.4); // about 10 bytes per ms
-            }
-            counters.prefill_pending_bytes.fetch_add(8 * 1024, Ordering::Relaxed);
-            counters.prefill_pending_byte_ms.fetch_add((8 * 1024u64).wrapping_mul(now - age_ms), Ordering::Relaxed);
-        }
-        let prompt = "c".repeat(1024);
-        assert_eq!(policy.pick(&nodes, &ctx(prompt.as_bytes())), Some(1));
+        // Node 0: three requests prefilling or queued for it; node 1: eight decoding, none waiting.
+        nodes[0].counters().unanswered.store(3, Ordering::Relaxed);
+        set_in_flight(&nodes[0], 3);
+        set_in_flight(&nodes[1], 8);
+        let miss = "m".repeat(4096);
+        let estimates = policy.estimates(&nodes, &ctx(miss.as_bytes()));
+        assert!((estimates[0].unwrap().behind - 3.0).abs() < f64::EPSILON, "{estimates:?}");
+        // Its 200 ms of prefill: 200 x (1 + 2 x 4) at node 0, 200 x 3 at node 1.
+        assert_eq!(route(&policy, &nodes, miss.as_bytes()), 1, "a prefill there would hold three first tokens");
     }
 
     #[test]
@@ -552,9 +602,6 @@ mod tests {
         let node = Arc::clone(second.node());
         drop(second);
         assert_eq!(node.counters().prefill_pending_bytes.load(Ordering::Relaxed), 0, "and at the end at the latest");
-        for node in [first.node(), &node] {
-            assert_eq!(node.counters().prefill_pending_byte_ms.load(Ordering::Relaxed), 0, "their send times too");
-        }
         assert_eq!(nodes.len(), 2);
     }
 
