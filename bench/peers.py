@@ -453,3 +453,17 @@ def prepare(names: list[str]) -> list[Peer]:
         except (PeerError, OSError) as e:
             harness.say(f"leaving out {peer.name}: {e}")
     return ready
+
+
+def main() -> None:
+    """``python bench/peers.py install NAME...``: installs peers ahead of a run (the test suite
+    runs LMDeploy's own registration code from its environment); exits 1 if one fails."""
+    if len(sys.argv) < 3 or sys.argv[1] != "install":
+        sys.exit(f"usage: python bench/peers.py install {{{','.join(PEERS)}}}...")
+    names = parse(",".join(sys.argv[2:]))
+    if len(prepare(names)) < len(names):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

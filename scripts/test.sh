@@ -5,7 +5,8 @@
 #     redis-server (the replicas' tests start their own on free ports);
 #   - pdproxy with its test extras (pip install ".[test]": builds the Rust extension, release);
 #   - the peer routers' packages, one virtual environment each (scripts/peer_venvs.sh), whose
-#     parsers the command-line takeover is checked against;
+#     parsers the command-line takeover is checked against, and LMDeploy's (bench/peers.py
+#     install lmdeploy), whose registration code the compatibility tests run;
 #   - `make test` (pytest; arguments are passed on), then `make test-rust` (cargo test: the data
 #     plane without Python, and the benchmarks' load generator).
 # Prerequisites it checks: Python >= 3.11 ($PYTHON, else python3) and cargo (Rust >= 1.85).
@@ -40,8 +41,10 @@ where=$("$PYTHON" -c 'import sys; print(sys.prefix, "(a virtual environment)" if
 echo "scripts/test.sh: installing pdproxy and its test tools with $PYTHON into $where" >&2
 "$PYTHON" -m pip install --quiet ".[test]" \
   || fail "pip could not install pdproxy; inside a virtual environment it can: $PYTHON -m venv .venv && . .venv/bin/activate"
-# The peer routers' own parsers, from PyPI, which the command-line takeover is tested against.
+# The peer routers' own parsers, from PyPI, which the command-line takeover is tested against;
+# and LMDeploy's own proxy package, whose registration code the compatibility tests run.
 PYTHON="$PYTHON" scripts/peer_venvs.sh
+"$PYTHON" bench/peers.py install lmdeploy
 # The Makefile's targets: the one place the test commands are written.
 make --no-print-directory test PYTHON="$PYTHON" PYTEST_ARGS="$*"
 make --no-print-directory test-rust
