@@ -149,6 +149,9 @@ impl Exchange {
         }
         if let Some(permit) = &inner.permit {
             permit.first_byte_seen();
+            for data in burst {
+                permit.saw(data);
+            }
             // Each event's gap to the one before: events that came together had none.
             let itl = &permit.node().counters().itl;
             if let Some(gap) = gap {

@@ -140,6 +140,10 @@ pub struct NodeCounters {
     /// Prompt bytes the routing policy expected the node to find in its cache, summed over
     /// the requests that had their first byte (so the engine has looked them up by then).
     pub predicted_cached_bytes: AtomicU64,
+    /// Of the answers that said what the engine found in its cache: the hits the policy had
+    /// predicted (bytes), and those the engine reported (tokens).
+    pub answered_predicted_bytes: AtomicU64,
+    pub answered_cached_tokens: AtomicU64,
     /// The last `LATENCY_WINDOW` successful requests: latency (µs) and events served.
     recent_latency_us: [AtomicU32; LATENCY_WINDOW],
     recent_events: [AtomicU32; LATENCY_WINDOW],
@@ -226,6 +230,8 @@ impl NodeCounters {
             &self.prefill_pending_bytes,
             &self.unanswered,
             &self.predicted_cached_bytes,
+            &self.answered_predicted_bytes,
+            &self.answered_cached_tokens,
             &self.recent_cursor,
         ] {
             counter.store(0, Ordering::Relaxed);

@@ -73,6 +73,23 @@ pub struct InFlightPermit {
     /// The prefill the policy predicted (bytes), and whether the first byte times a token.
     own_prefill: AtomicU64,
     timed: AtomicBool,
+    /// The cache hits the policy predicted (bytes), kept to check against what the answer says
+    /// the engine found (`usage.prompt_tokens_details.cached_tokens`, tokens; `u64::MAX`: not
+    /// said yet).
+    checked_cached: AtomicU64,
+    reported_cached: AtomicU64,
+}
+
+/// Built once: a finder's setup costs more than a search of one answer.
+static CACHED_TOKENS: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"cached_tokens\""));
+
+/// The number after a `"cached_tokens"` key in `chunk` (`None`: none, or not a number).
+fn cached_tokens(chunk: &[u8]) -> Option<u64> {
+    let at = CACHED_TOKENS.find(chunk)?;
+    let rest = chunk[at + 15..].trim_ascii_start().strip_prefix(b":")?.trim_ascii_start();
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    std::str::from_utf8(&rest[..digits]).ok()?.parse().ok()
 }
 
 impl InFlightPermit {
@@ -104,6 +121,8 @@ impl InFlightPermit {
             in_flight_then,
             own_prefill: AtomicU64::new(0),
             timed: AtomicBool::new(false),
+            checked_cached: AtomicU64::new(0),
+            reported_cached: AtomicU64::new(u64::MAX),
         })
     }
 
@@ -128,6 +147,8 @@ impl InFlightPermit {
             in_flight_then,
             own_prefill: AtomicU64::new(0),
             timed: AtomicBool::new(false),
+            checked_cached: AtomicU64::new(0),
+            reported_cached: AtomicU64::new(u64::MAX),
         }
     }
 
@@ -181,6 +202,26 @@ impl InFlightPermit {
             debug_assert_eq!(before, 0, "one prediction per permit");
         }
         self.predicted_cached.store(prediction.cached, Ordering::Relaxed);
+        self.checked_cached.store(prediction.cached, Ordering::Relaxed);
+    }
+
+    /// A piece of the node's answer: where the policy predicted cache hits, looks for what the
+    /// engine says it found (once; a streamed answer says it in its last event, with
+    /// `stream_options.include_usage`, a whole one in its body).
+    pub fn saw(&self, chunk: &[u8]) {
+        if self.checked_cached.load(Ordering::Relaxed) == 0 || self.reported_cached.load(Ordering::Relaxed) != u64::MAX
+        {
+            return;
+        }
+        if let Some(tokens) = cached_tokens(chunk) {
+            self.reported_cached.store(tokens, Ordering::Relaxed);
+        }
+    }
+
+    /// The node's answer came whole: its first byte, and all of it seen.
+    pub fn answered_whole(&self, body: &[u8]) {
+        self.first_byte_seen();
+        self.saw(body);
     }
 
     /// The answer's first byte came: the node has prefilled the prompt (once; later calls do nothing).
@@ -230,6 +271,12 @@ impl Drop for InFlightPermit {
                 let untimed_kib = (!self.timed.load(Ordering::Relaxed))
                     .then(|| self.own_prefill.load(Ordering::Relaxed) as f64 / 1024.0);
                 counters.speed.served(latency.as_secs_f64() * 1000.0, self.in_flight_then, untimed_kib);
+                let reported = self.reported_cached.load(Ordering::Relaxed);
+                let predicted = self.checked_cached.load(Ordering::Relaxed);
+                if reported != u64::MAX && predicted > 0 {
+                    counters.answered_predicted_bytes.fetch_add(predicted, Ordering::Relaxed);
+                    counters.answered_cached_tokens.fetch_add(reported, Ordering::Relaxed);
+                }
                 counters.circuit.success();
             }
             Outcome::Failed => {
@@ -274,6 +321,31 @@ mod tests {
         drop(dropped);
         let snap = node.counters().snapshot();
         assert_eq!((snap.in_flight, snap.requests, snap.succeeded, snap.cancelled), (0, 2, 1, 1));
+    }
+
+    #[test]
+    fn the_hits_an_answer_reports_are_set_against_those_predicted() {
+        let node = Registry::new().add("h:1", NodeSpec::default()).unwrap();
+        let mut permit = InFlightPermit::acquire(&node);
+        permit.set_prediction(Prediction { prefill: 100, cached: 4096 }, true);
+        permit.saw(b"data: {\"choices\": []}\n\n");
+        permit.saw(br#"data: {"usage": {"prompt_tokens": 1100, "prompt_tokens_details": {"cached_tokens" : 1024}}}"#);
+        permit.saw(br#"{"cached_tokens": 5}"#);
+        permit.set_outcome(Outcome::Succeeded);
+        drop(permit);
+        let counters = node.counters();
+        let sums = (
+            counters.answered_predicted_bytes.load(Ordering::Relaxed),
+            counters.answered_cached_tokens.load(Ordering::Relaxed),
+        );
+        assert_eq!(sums, (4096, 1024), "the first report counts, once");
+        // Nothing predicted, or nothing reported: nothing to set against.
+        let mut quiet = InFlightPermit::acquire(&node);
+        quiet.set_prediction(Prediction { prefill: 100, cached: 4096 }, true);
+        quiet.set_outcome(Outcome::Succeeded);
+        drop(quiet);
+        assert_eq!(counters.answered_predicted_bytes.load(Ordering::Relaxed), 4096);
+        assert_eq!(cached_tokens(b"\"cached_tokens\": null"), None);
     }
 
     #[test]

@@ -231,6 +231,7 @@ impl Relay {
         self.report.events += events;
         if let Some(permit) = &self.permit {
             permit.first_byte_seen();
+            permit.saw(&data);
             // Each event's gap to the one before: events that came together had none.
             let itl = &permit.node().counters().itl;
             if let Some(last) = self.last_chunk.replace(now) {

@@ -330,6 +330,7 @@ async fn whole(sent: Sent, forwarder: &Forwarder) -> Result<(StatusCode, HeaderM
             }
         },
     };
+    permit.answered_whole(&body);
     permit.set_outcome(outcome);
     Ok((status, headers, body))
 }

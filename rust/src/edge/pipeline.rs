@@ -402,6 +402,7 @@ impl Pipeline<'_> {
                 if let Some(session) = session.filter(|_| status.is_success()) {
                     session.consume();
                 }
+                permit.answered_whole(&bytes);
                 permit.set_outcome(outcome);
                 drop(permit);
                 notes.sent(&bytes, 0);

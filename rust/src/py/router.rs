@@ -600,6 +600,7 @@ impl Job {
         let (complete, stream) = match body {
             ResponseBody::Complete(bytes) => {
                 observe(&bytes, 0);
+                permit.answered_whole(&bytes);
                 permit.set_outcome(outcome);
                 drop(permit);
                 (Some(bytes), None)

@@ -5,9 +5,9 @@
 //!   reports its capacity (else an equal share of `entries`), least recently routed first and,
 //!   within one prompt, its deepest blocks first (an engine's LRU frees a finished sequence's
 //!   last blocks first, so its head outlives its tail);
-//! - where the engine reports its prefix-cache hits, the table checks its own predictions
-//!   against them (`predicted_cached_bytes`: what the policy expected the engine to find, for
-//!   the requests it has answered): when the engine found less in its cache than the table
+//! - where the engine reports its prefix-cache hits (each answer's `usage`, or its metrics),
+//!   the table checks its own predictions against them (what the policy expected the engine
+//!   to find, for the requests it has answered): when the engine found less in its cache than the table
 //!   expected, the table holds too much for that node (the engine evicted it), and the node's
 //!   share shrinks to what the hits bear out; it grows back while predictions hold;
 //! - a node whose engine restarted (its counters went back), or whose engine found next to
@@ -19,6 +19,7 @@
 
 use std::collections::VecDeque;
 use std::hash::Hasher;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use rustc_hash::{FxHashMap, FxHasher};
@@ -96,16 +97,35 @@ struct NodeBlocks {
     checked_at: u64,
     checked_hits: Option<u64>,
     checked_predicted: u64,
+    /// At the last check on the answers' reports: the node's `answered_predicted_bytes` and
+    /// `answered_cached_tokens`.
+    answers_predicted: u64,
+    answers_tokens: u64,
 }
 
 impl NodeBlocks {
-    /// Compares the hits predicted since the last check with those the engine found, once a
-    /// new reading is in and enough were predicted; moves the node's share accordingly. True
-    /// when the engine found next to nothing of what it was predicted to hold: its cache was
-    /// emptied (a flush: vLLM's `/reset_prefix_cache`, SGLang's `/flush_cache`), and the node's
-    /// blocks are all to be forgotten.
+    /// Compares the hits predicted since the last check with those the engine found, once
+    /// enough were predicted: from the answers that said what they found (each at once), else
+    /// from the engine's readings (its cumulative hits, every few seconds). Moves the node's
+    /// share accordingly. True when the engine found next to nothing of what it was predicted
+    /// to hold: its cache was emptied (a flush: vLLM's `/reset_prefix_cache`, SGLang's
+    /// `/flush_cache`), and the node's blocks are all to be forgotten.
     fn check(&mut self, node: &Node, bytes_per_token: f64, ceiling: usize) -> bool {
-        let (read_at, hits, predicted_now) = node.counters().engine.cached_tokens_read();
+        let counters = node.counters();
+        let answered = counters.answered_predicted_bytes.load(Ordering::Relaxed);
+        if answered > 0 {
+            let predicted = answered.saturating_sub(self.answers_predicted);
+            if predicted < CHECK_AFTER_BYTES {
+                return false;
+            }
+            let tokens = counters.answered_cached_tokens.load(Ordering::Relaxed);
+            #[allow(clippy::cast_precision_loss)]
+            let found = tokens.saturating_sub(self.answers_tokens) as f64 * bytes_per_token;
+            (self.answers_predicted, self.answers_tokens) = (answered, tokens);
+            #[allow(clippy::cast_precision_loss)]
+            return self.judge(found / predicted as f64, ceiling);
+        }
+        let (read_at, hits, predicted_now) = counters.engine.cached_tokens_read();
         if read_at == self.checked_at {
             return false;
         }
@@ -120,21 +140,26 @@ impl NodeBlocks {
             let found = hits.saturating_sub(before) as f64 * bytes_per_token;
             #[allow(clippy::cast_precision_loss)]
             let ratio = found / (predicted.max(1)) as f64;
-            flushed = ratio < FLUSHED_BELOW;
-            let current = self.share.unwrap_or(ceiling).min(ceiling);
-            #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-            if ratio < SHRINK_BELOW {
-                let held = self.live.min(current) as f64;
-                self.share = Some(((held * ratio.max(0.5)) as usize).max(MIN_SHARE));
-            } else if ratio > GROW_ABOVE && self.share.is_some() {
-                let grown = (current as f64 * 1.1) as usize + 1;
-                self.share = (grown < ceiling).then_some(grown);
-            }
+            flushed = self.judge(ratio, ceiling);
         }
         self.checked_at = read_at;
         self.checked_hits = Some(hits);
         self.checked_predicted = predicted_now;
         flushed
+    }
+
+    /// Moves the node's share after a check found `ratio` of the predicted hits; true: flushed.
+    fn judge(&mut self, ratio: f64, ceiling: usize) -> bool {
+        let current = self.share.unwrap_or(ceiling).min(ceiling);
+        #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        if ratio < SHRINK_BELOW {
+            let held = self.live.min(current) as f64;
+            self.share = Some(((held * ratio.max(0.5)) as usize).max(MIN_SHARE));
+        } else if ratio > GROW_ABOVE && self.share.is_some() {
+            let grown = (current as f64 * 1.1) as usize + 1;
+            self.share = (grown < ceiling).then_some(grown);
+        }
+        ratio < FLUSHED_BELOW
     }
 }
 
@@ -383,6 +408,27 @@ mod tests {
         let b = hashes(&t, &"b".repeat(64));
         t.learn(node, &b, None);
         assert_eq!(t.matched(&a, &nodes), vec![0], "the flushed cache holds none of it");
+        assert_eq!(t.blocks_of(node.generation()), 4, "only what it took since");
+    }
+
+    #[test]
+    fn the_answers_reports_tell_a_flushed_cache_at_once() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (_reg, nodes) = nodes(1);
+        let node = &nodes[0];
+        let t = table(1 << 16);
+        let a = hashes(&t, &"a".repeat(1024));
+        t.learn(node, &a, None);
+        // Answers predicted to find 64 KiB found 16 KiB (4096 tokens of 4 bytes): the share shrinks.
+        node.counters().answered_predicted_bytes.fetch_add(64 << 10, Relaxed);
+        node.counters().answered_cached_tokens.fetch_add(4096, Relaxed);
+        t.learn(node, &a, None);
+        assert_eq!(t.matched(&a, &nodes), vec![32], "cut by half at most");
+        // Then answers predicted to find 64 KiB more found nothing: flushed, forgotten.
+        node.counters().answered_predicted_bytes.fetch_add(64 << 10, Relaxed);
+        let b = hashes(&t, &"b".repeat(64));
+        t.learn(node, &b, None);
+        assert_eq!(t.matched(&a, &nodes), vec![0]);
         assert_eq!(t.blocks_of(node.generation()), 4, "only what it took since");
     }
 
