@@ -99,6 +99,10 @@ class LearntSpeed(TypedDict):
     seconds_per_request_in_flight: float | None
     #: Prefill is no slower than this (seconds per KiB), from whole answers.
     prefill_bound_seconds_per_kib: float | None
+    #: Of the answers that said what the engine found in its cache: the hits the routing
+    #: policy predicted for them (prompt bytes), and those the engine reported (tokens).
+    predicted_cached_bytes: int
+    reported_cached_tokens: int
     #: First tokens behind the prefill figures (weighted: recent ones count more).
     samples: float
 

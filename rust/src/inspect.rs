@@ -2,7 +2,6 @@
 //! a document tree; and top-level patching for the adapters that rewrite requests.
 
 use std::borrow::Cow;
-use std::fmt::Write as _;
 
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
@@ -255,11 +254,24 @@ pub fn patch(body: &[u8], set: &[(&str, &str)], remove: &[&str]) -> Result<Vec<u
         if i > 0 {
             out.push(',');
         }
-        // Keys are re-encoded so that any escaping in the original stays valid.
-        let _ = write!(out, "{}:{value}", serde_json::to_string(key.as_ref()).unwrap_or_default());
+        push_key(&mut out, key);
+        out.push(':');
+        out.push_str(value);
     }
     out.push('}');
     Ok(out.into_bytes())
+}
+
+/// A member's key as JSON: as it is when nothing in it needs escaping (almost always), else
+/// re-encoded, so that any escaping in the original stays valid.
+fn push_key(out: &mut String, key: &str) {
+    if key.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        out.push('"');
+        out.push_str(key);
+        out.push('"');
+    } else {
+        out.push_str(&serde_json::to_string(key).unwrap_or_default());
+    }
 }
 
 #[cfg(test)]
@@ -371,5 +383,13 @@ mod tests {
         assert_eq!(String::from_utf8(out).unwrap(), r#"{"model":"m","stream":false,"max_tokens":1,"with_cache":true}"#);
         assert!(patch(body, &[("x", "not json")], &[]).is_err());
         assert!(patch(b"[1]", &[], &[]).is_err());
+    }
+
+    #[test]
+    fn patch_keeps_keys_that_need_escaping_valid() {
+        let body = br#"{"a\"b":1,"tab\there":2,"caf\u00e9":3}"#;
+        let out = patch(body, &[("n", "1")], &[]).unwrap();
+        let parsed: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(parsed, serde_json::json!({"a\"b": 1, "tab\there": 2, "caf\u{e9}": 3, "n": 1}));
     }
 }

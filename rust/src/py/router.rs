@@ -1,6 +1,7 @@
 //! `Router`: the engine (node table, selection, admission, forwarding) as one Python object.
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -740,6 +741,9 @@ fn learnt_speed<'py>(py: Python<'py>, node: &Node) -> PyResult<Bound<'py, PyDict
     out.set_item("seconds_per_request_in_flight", seconds(speed.ms_per_in_flight))?;
     out.set_item("prefill_bound_seconds_per_kib", seconds(speed.prefill_bound_ms_per_kib))?;
     out.set_item("samples", speed.samples)?;
+    let counters = node.counters();
+    out.set_item("predicted_cached_bytes", counters.answered_predicted_bytes.load(Ordering::Relaxed))?;
+    out.set_item("reported_cached_tokens", counters.answered_cached_tokens.load(Ordering::Relaxed))?;
     Ok(out)
 }
 
