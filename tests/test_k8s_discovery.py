@@ -182,6 +182,7 @@ async def test_a_broken_or_stalled_watch_recovers(
     a, b, c = engines
     engine_pod(api, "a", a)
     await eventually(lambda: nodes_are(http, proxy, {a.url}), what="the first node")
+    await eventually(lambda: api.watching > 0, what="the watch after the first list")
     # The watch is dropped half way through an event: that event is not applied, a new list is.
     api.close_watches(mid_event=True)
     engine_pod(api, "b", b)
@@ -280,6 +281,7 @@ async def test_missing_permission_is_one_clear_line_and_nodes_stay(
     a = engines[0]
     engine_pod(api, "a", a)
     await eventually(lambda: nodes_are(http, proxy, {a.url}), what="the node")
+    await eventually(lambda: api.watching > 0, what="the watch after the first list")
     api.forbid(NS, "list")
     api.close_watches()
     await eventually(lambda: refused(http, proxy), timeout=10, what="the refusal to show")

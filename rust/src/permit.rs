@@ -104,38 +104,23 @@ impl InFlightPermit {
             counters.circuit.abandon();
             return None;
         }
-        counters.requests.fetch_add(1, Ordering::Relaxed);
-        counters.unanswered.fetch_add(1, Ordering::Relaxed);
-        let in_flight_then = counters.in_flight();
-        Some(Self {
-            node: Arc::clone(node),
-            admission: admission.cloned(),
-            started: Instant::now(),
-            outcome: Outcome::Cancelled,
-            report: Report::default(),
-            prefill_pending: AtomicU64::new(0),
-            unanswered: AtomicBool::new(true),
-            predicted_cached: AtomicU64::new(0),
-            timed_bytes: AtomicU64::new(0),
-            timed_since_ms: AtomicU64::new(0),
-            in_flight_then,
-            own_prefill: AtomicU64::new(0),
-            timed: AtomicBool::new(false),
-            checked_cached: AtomicU64::new(0),
-            reported_cached: AtomicU64::new(u64::MAX),
-        })
+        Some(Self::entered(node, admission.cloned()))
     }
 
     /// Takes a permit whatever the cap (tests and tools that account by hand).
     pub fn acquire(node: &Arc<Node>) -> Self {
+        node.counters().try_enter(None);
+        Self::entered(node, None)
+    }
+
+    /// The permit of a request that has just entered the node's in-flight count.
+    fn entered(node: &Arc<Node>, admission: Option<Arc<Admission>>) -> Self {
         let counters = node.counters();
-        counters.try_enter(None);
         counters.requests.fetch_add(1, Ordering::Relaxed);
         counters.unanswered.fetch_add(1, Ordering::Relaxed);
-        let in_flight_then = counters.in_flight();
         Self {
             node: Arc::clone(node),
-            admission: None,
+            admission,
             started: Instant::now(),
             outcome: Outcome::Cancelled,
             report: Report::default(),
@@ -144,7 +129,7 @@ impl InFlightPermit {
             predicted_cached: AtomicU64::new(0),
             timed_bytes: AtomicU64::new(0),
             timed_since_ms: AtomicU64::new(0),
-            in_flight_then,
+            in_flight_then: counters.in_flight(),
             own_prefill: AtomicU64::new(0),
             timed: AtomicBool::new(false),
             checked_cached: AtomicU64::new(0),

@@ -641,6 +641,12 @@ class FakeKubeApi:
         return path
 
     @property
+    def watching(self) -> int:
+        """How many watch connections are open and being sent events (a test closes or stalls
+        watches once a client has opened one, not in the moment between its list and its watch)."""
+        return sum(1 for watch in self._open if not watch.broken)
+
+    @property
     def resource_version(self) -> str:
         """The current resourceVersion (that of the last change)."""
         return str(self._rv)
