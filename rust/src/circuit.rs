@@ -11,6 +11,11 @@ const HALF_OPEN: u8 = 2;
 
 /// Wall-clock milliseconds: the one clock that worker processes sharing a circuit agree on
 /// (a clock step only lengthens or shortens one cooldown).
+pub(crate) fn now_us() -> u64 {
+    let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+    u64::try_from(since_epoch.as_micros()).unwrap_or(u64::MAX)
+}
+
 pub(crate) fn now_ms() -> u64 {
     let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
     u64::try_from(since_epoch.as_millis()).unwrap_or(u64::MAX)

@@ -22,6 +22,8 @@ const MIN_SIZE_VARIANCE: f64 = 0.25;
 const MIN_RATE_SHARE: f64 = 0.1;
 /// Weight of a new decode time in its moving mean.
 const DECODE_ALPHA: f64 = 0.1;
+/// A batch running this share of the most seen counts as full when requests wait beside it.
+const FULL_SHARE: f64 = 0.9;
 /// Weight of a new reading of a full batch's size in its moving mean.
 const SLOTS_ALPHA: f64 = 0.2;
 /// Weight of a new whole request in the moving means of its time.
@@ -120,6 +122,8 @@ pub struct EngineSpeed {
     sum_xy: AtomicU64,
     decode_ms: AtomicU64,
     slots: AtomicU64,
+    /// The most requests any report showed running (a count, not f64 bits).
+    most_running: AtomicU64,
     ms_per_in_flight: AtomicU64,
     prefill_bound: AtomicU64,
 }
@@ -175,11 +179,20 @@ impl EngineSpeed {
         }
     }
 
-    /// The engine reported `running` requests while others waited: its batch was full.
-    pub fn batch_full(&self, running: u64) {
-        if running > 0 {
-            #[allow(clippy::cast_precision_loss)]
-            moving_mean(&self.slots, running as f64, SLOTS_ALPHA);
+    /// The engine reported `running` requests in its batch and `waiting` more in its queue.
+    /// A queue beside a batch as large as any seen says the batch was full. A queue beside a
+    /// smaller one says nothing: those are the requests that came since the engine's last step
+    /// (every engine admits at its next step), which at any load a reading sometimes catches.
+    /// A batch seen running more than the slots learnt holds more: they are forgotten until a
+    /// full batch shows them again.
+    pub fn reported(&self, running: u64, waiting: u64) {
+        let most = self.most_running.fetch_max(running, Ordering::Relaxed).max(running);
+        #[allow(clippy::cast_precision_loss)]
+        let (running_f, most_f) = (running as f64, most as f64);
+        if waiting > 0 && running > 0 && running_f >= FULL_SHARE * most_f {
+            moving_mean(&self.slots, running_f, SLOTS_ALPHA);
+        } else if running_f > load(&self.slots) * (1.0 + (1.0 - FULL_SHARE)) {
+            store(&self.slots, 0.0);
         }
     }
 
@@ -217,8 +230,18 @@ impl EngineSpeed {
 
     /// Back to new (a recycled shared slot, or a restarted engine).
     pub fn reset(&self) {
-        for value in [&self.weight, &self.sum_x, &self.sum_y, &self.sum_xx, &self.sum_xy, &self.decode_ms, &self.slots]
-        {
+        for value in [
+            &self.weight,
+            &self.sum_x,
+            &self.sum_y,
+            &self.sum_xx,
+            &self.sum_xy,
+            &self.decode_ms,
+            &self.slots,
+            &self.most_running,
+            &self.ms_per_in_flight,
+            &self.prefill_bound,
+        ] {
             value.store(0, Ordering::Relaxed);
         }
     }
@@ -290,15 +313,34 @@ mod tests {
     fn decode_time_and_batch_size_are_moving_means() {
         let speed = EngineSpeed::default();
         speed.decoded(600.0);
-        speed.batch_full(16);
+        speed.reported(16, 3);
         assert!(close(speed.speed().decode_ms, 600.0));
         assert!(close(speed.speed().slots, 16.0));
         speed.decoded(700.0);
         assert!(close(speed.speed().decode_ms, 610.0));
-        speed.batch_full(0);
+        speed.reported(0, 2);
         assert!(close(speed.speed().slots, 16.0), "a reading of nothing running says nothing");
         speed.reset();
         assert_eq!(speed.speed(), Speed::default());
+    }
+
+    #[test]
+    fn a_queue_beside_a_small_batch_is_not_a_full_batch() {
+        let speed = EngineSpeed::default();
+        speed.reported(12, 0);
+        // Requests that came since the engine's last step wait beside a batch with room.
+        speed.reported(3, 1);
+        assert_eq!(speed.speed().slots, None);
+        speed.reported(16, 2);
+        assert!(close(speed.speed().slots, 16.0));
+        speed.reported(5, 1);
+        assert!(close(speed.speed().slots, 16.0));
+        // A first reading with a queue is taken as full, until a larger batch shows it was not.
+        let early = EngineSpeed::default();
+        early.reported(2, 1);
+        assert!(close(early.speed().slots, 2.0));
+        early.reported(9, 0);
+        assert_eq!(early.speed().slots, None);
     }
 
     #[test]

@@ -132,6 +132,13 @@ pub struct NodeCounters {
     /// Prompt bytes the node is expected to prefill for requests sent to it that have not had
     /// their first byte yet (what the routing policy predicted was not in its cache).
     pub prefill_pending_bytes: AtomicU64,
+    /// When the engine should be done prefilling the requests sent to it that have not had
+    /// their first byte (µs, `now_us`'s clock): each adds its predicted prefill after the
+    /// ones before, and the last one's first byte sets it to now. The time left on it is the
+    /// wait ahead of the next request (the pending bytes alone would count a prefill half
+    /// done as whole, and send the next request to a node about to be busy rather than to
+    /// one about to be free).
+    pub prefill_done_at_us: AtomicU64,
     /// How fast the node's engine prefills and decodes, learnt from the requests sent to it.
     pub speed: EngineSpeed,
     /// Requests sent to the node that have not had the first byte of their answer yet: waiting
@@ -228,6 +235,7 @@ impl NodeCounters {
             &self.ttft_count,
             &self.ttft_us_ewma,
             &self.prefill_pending_bytes,
+            &self.prefill_done_at_us,
             &self.unanswered,
             &self.predicted_cached_bytes,
             &self.answered_predicted_bytes,
@@ -257,9 +265,7 @@ impl NodeCounters {
             predicted_cached: self.predicted_cached_bytes.load(Ordering::Relaxed),
         };
         self.engine.record(figures, then, now_ms);
-        if figures.waiting > 0 {
-            self.speed.batch_full(figures.running);
-        }
+        self.speed.reported(figures.running, figures.waiting);
     }
 
     pub fn state(&self) -> NodeState {
@@ -276,6 +282,20 @@ impl NodeCounters {
 
     pub fn set_max_concurrency(&self, max: Option<u32>) {
         self.max_concurrency.store(max.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// Adds `us` of prefill after what the node already owes (from now, if it owes nothing).
+    pub fn owe_prefill(&self, us: u64, now_us: u64) {
+        let _ = self
+            .prefill_done_at_us
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |done| Some(done.max(now_us).saturating_add(us)));
+    }
+
+    /// The prefill the node still owes, by its clock (ms).
+    pub fn prefill_left_ms(&self, now_us: u64) -> f64 {
+        #[allow(clippy::cast_precision_loss)]
+        let left = self.prefill_done_at_us.load(Ordering::Relaxed).saturating_sub(now_us) as f64;
+        left / 1000.0
     }
 
     pub fn in_flight(&self) -> u64 {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::admission::Admission;
-use crate::circuit::now_ms;
+use crate::circuit::{now_ms, now_us};
 use crate::node::Node;
 
 /// How a request ended, as recorded in the node's counters.
@@ -35,6 +35,8 @@ pub struct Prediction {
     pub prefill: u64,
     /// To be found in its cache.
     pub cached: u64,
+    /// How long the node takes to prefill `prefill` (µs, at the rate the policy priced it).
+    pub prefill_us: u64,
 }
 
 /// What a streamed body showed, recorded into the node's statistics at release.
@@ -181,6 +183,9 @@ impl InFlightPermit {
                 self.timed_since_ms.store(now, Ordering::Relaxed);
             }
         }
+        if prediction.prefill_us > 0 {
+            counters.owe_prefill(prediction.prefill_us, now_us());
+        }
         if prediction.prefill > 0 {
             counters.prefill_pending_bytes.fetch_add(prediction.prefill, Ordering::Relaxed);
             let before = self.prefill_pending.swap(prediction.prefill, Ordering::Relaxed);
@@ -218,8 +223,9 @@ impl InFlightPermit {
     /// its first byte came, so how long it was pending is worth learning.
     fn settle_prefill(&self, answered: bool) {
         let counters = self.node.counters();
-        if self.unanswered.swap(false, Ordering::Relaxed) {
-            counters.unanswered.fetch_sub(1, Ordering::Relaxed);
+        // The last request owed an answer has one: the node owes no prefill from now on.
+        if self.unanswered.swap(false, Ordering::Relaxed) && counters.unanswered.fetch_sub(1, Ordering::Relaxed) == 1 {
+            counters.prefill_done_at_us.store(now_us(), Ordering::Relaxed);
         }
         let bytes = self.prefill_pending.swap(0, Ordering::Relaxed);
         if bytes > 0 {
@@ -312,7 +318,7 @@ mod tests {
     fn the_hits_an_answer_reports_are_set_against_those_predicted() {
         let node = Registry::new().add("h:1", NodeSpec::default()).unwrap();
         let mut permit = InFlightPermit::acquire(&node);
-        permit.set_prediction(Prediction { prefill: 100, cached: 4096 }, true);
+        permit.set_prediction(Prediction { prefill: 100, cached: 4096, prefill_us: 0 }, true);
         permit.saw(b"data: {\"choices\": []}\n\n");
         permit.saw(br#"data: {"usage": {"prompt_tokens": 1100, "prompt_tokens_details": {"cached_tokens" : 1024}}}"#);
         permit.saw(br#"{"cached_tokens": 5}"#);
@@ -326,7 +332,7 @@ mod tests {
         assert_eq!(sums, (4096, 1024), "the first report counts, once");
         // Nothing predicted, or nothing reported: nothing to set against.
         let mut quiet = InFlightPermit::acquire(&node);
-        quiet.set_prediction(Prediction { prefill: 100, cached: 4096 }, true);
+        quiet.set_prediction(Prediction { prefill: 100, cached: 4096, prefill_us: 0 }, true);
         quiet.set_outcome(Outcome::Succeeded);
         drop(quiet);
         assert_eq!(counters.answered_predicted_bytes.load(Ordering::Relaxed), 4096);
