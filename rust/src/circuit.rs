@@ -9,16 +9,16 @@ const CLOSED: u8 = 0;
 const OPEN: u8 = 1;
 const HALF_OPEN: u8 = 2;
 
-/// Wall-clock milliseconds: the one clock that worker processes sharing a circuit agree on
-/// (a clock step only lengthens or shortens one cooldown).
+/// Wall-clock microseconds: the one clock that worker processes sharing a circuit (or a
+/// node's counters) agree on (a clock step only lengthens or shortens one cooldown).
 pub(crate) fn now_us() -> u64 {
     let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
     u64::try_from(since_epoch.as_micros()).unwrap_or(u64::MAX)
 }
 
+/// The same clock in milliseconds.
 pub(crate) fn now_ms() -> u64 {
-    let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
-    u64::try_from(since_epoch.as_millis()).unwrap_or(u64::MAX)
+    now_us() / 1000
 }
 
 #[derive(Debug, Default)]

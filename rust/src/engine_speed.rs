@@ -191,7 +191,7 @@ impl EngineSpeed {
         let (running_f, most_f) = (running as f64, most as f64);
         if waiting > 0 && running > 0 && running_f >= FULL_SHARE * most_f {
             moving_mean(&self.slots, running_f, SLOTS_ALPHA);
-        } else if running_f > load(&self.slots) * (1.0 + (1.0 - FULL_SHARE)) {
+        } else if FULL_SHARE * running_f > load(&self.slots) {
             store(&self.slots, 0.0);
         }
     }

@@ -216,7 +216,10 @@ impl InFlightPermit {
 
     /// The answer's first byte came: the node has prefilled the prompt (once; later calls do nothing).
     pub fn first_byte_seen(&self) {
-        self.settle_prefill(true);
+        // Called for every chunk: after the first, a load instead of four swaps.
+        if self.unanswered.load(Ordering::Relaxed) {
+            self.settle_prefill(true);
+        }
     }
 
     /// Takes this request out of the node's unanswered and pending counts (once); `answered`:
@@ -312,6 +315,26 @@ mod tests {
         drop(dropped);
         let snap = node.counters().snapshot();
         assert_eq!((snap.in_flight, snap.requests, snap.succeeded, snap.cancelled), (0, 2, 1, 1));
+    }
+
+    #[test]
+    fn the_prefill_clock_runs_on_until_the_last_request_is_answered() {
+        let node = Registry::new().add("h:1", NodeSpec::default()).unwrap();
+        let counters = node.counters();
+        let first = InFlightPermit::acquire(&node);
+        let second = InFlightPermit::acquire(&node);
+        first.set_prediction(Prediction { prefill: 1024, cached: 0, prefill_us: 400_000 }, true);
+        second.set_prediction(Prediction { prefill: 1024, cached: 0, prefill_us: 300_000 }, true);
+        let left = counters.prefill_left_ms(now_us());
+        assert!((600.0..=700.0).contains(&left), "one prefill after the other: {left} ms");
+        first.first_byte_seen();
+        assert!(counters.prefill_left_ms(now_us()) > 600.0, "the second still owes its own");
+        second.first_byte_seen();
+        assert!(counters.prefill_left_ms(now_us()) <= 0.0, "nothing unanswered: nothing owed");
+        // A request that predicts no prefill time leaves the clock alone.
+        let quiet = InFlightPermit::acquire(&node);
+        quiet.set_prediction(Prediction { prefill: 1024, cached: 0, prefill_us: 0 }, true);
+        assert!(counters.prefill_left_ms(now_us()) <= 0.0);
     }
 
     #[test]

@@ -27,9 +27,9 @@
 //!   there adds the prefill this policy priced for it (its fixed first-token time and its own
 //!   prefill) after what the node owed already, and the first byte of the last one unanswered
 //!   sets the clock to now. A prefill half done counts half: of nodes all busy, the next
-//!   request goes to the one about to be free (on `bench/fleet.py`'s `no_reuse`, counting the
-//!   pending prompts whole did worse than round robin; an offline model of its engines gave
-//!   p90 163 ms against round robin's 136, and 133 with the clock).
+//!   request goes to the one about to be free (on `bench/fleet.py`'s `no_reuse` at 80% load,
+//!   counting the pending prompts whole gave a TTFT p99 of 249 and 225 ms on two seeds against
+//!   round robin's 164 and 157; with the clock, 176 and 165 against 164 and 156).
 //! - The wait for a place in the batch: the requests the engine has (its last report adjusted
 //!   by pdproxy's traffic since; without one, pdproxy's in-flight count) beyond the number it
 //!   runs at once, each freeing a place as it finishes decoding.
@@ -321,8 +321,8 @@ impl Scored {
     /// The estimates, given how many leading blocks of the prompt each candidate holds.
     fn estimates_for(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>, matched: &[usize]) -> Vec<Option<Estimate>> {
         let speeds = speeds(candidates);
-        let now = now_ms();
         let now_us = now_us();
+        let now = now_us / 1000;
         let mut out = vec![None; candidates.len()];
         for i in available_indices(candidates) {
             let node = &candidates[i];
