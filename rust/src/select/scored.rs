@@ -24,12 +24,16 @@
 //! - The prompt a node holds comes from the prefix table (what pdproxy routed there and the
 //!   engine has not evicted since, see `prefix_table`).
 //! - The prefill owed there is the time left on the node's prefill clock: each request sent
-//!   there adds the prefill this policy priced for it (its fixed first-token time and its own
-//!   prefill) after what the node owed already, and the first byte of the last one unanswered
-//!   sets the clock to now. A prefill half done counts half: of nodes all busy, the next
-//!   request goes to the one about to be free (on `bench/fleet.py`'s `no_reuse` at 80% load,
-//!   counting the pending prompts whole gave a TTFT p99 of 249 and 225 ms on two seeds against
-//!   round robin's 164 and 157; with the clock, 176 and 165 against 164 and 156).
+//!   there adds its own prefill there after what the node owed already, and the first byte of
+//!   the last one unanswered sets the clock to now. A prefill half done counts half: of nodes
+//!   all busy, the next request goes to the one about to be free (on `bench/fleet.py`'s
+//!   `no_reuse` at 80% load, counting the pending prompts whole gave a TTFT p99 of 249 and
+//!   225 ms on two seeds against round robin's 164 and 157; with the clock, 176 and 165 against
+//!   164 and 156). The fixed first-token time stays off the clock: learnt while engines start
+//!   cold and queue, it holds those queue waits, which the clock would then count a second
+//!   time (on `system_prompts` at 80% load, with it on the clock the backlog of the first
+//!   seconds cleared about 2 s after the oracle's and the hit rate fell to 0.84-0.89 there;
+//!   without it, TTFT p99 259 ms against the oracle's 1139, hit rate 0.962 for both).
 //! - The wait for a place in the batch: the requests the engine has (its last report adjusted
 //!   by pdproxy's traffic since; without one, pdproxy's in-flight count) beyond the number it
 //!   runs at once, each freeing a place as it finishes decoding.
@@ -363,7 +367,7 @@ impl Policy for Scored {
             .iter()
             .zip(matched)
             .zip(&estimates)
-            .map(|((n, m), e)| (n.generation(), m, e.map_or(0.0, |e| e.first_token + e.own)))
+            .map(|((n, m), e)| (n.generation(), m, e.map_or(0.0, |e| e.own)))
             .collect();
         let key = pick_key(self, ctx);
         LAST_PICK.with(|last| *last.borrow_mut() = Some(LastPick { key, hashes, matched }));
@@ -405,7 +409,7 @@ impl Policy for Scored {
             let hashes = self.table.block_hashes(ctx);
             let matched = self.table.matched(&hashes, std::slice::from_ref(node))[0];
             let estimate = self.estimates_for(std::slice::from_ref(node), ctx, &[matched])[0];
-            (hashes, matched, estimate.map_or(0.0, |e| e.first_token + e.own))
+            (hashes, matched, estimate.map_or(0.0, |e| e.own))
         });
         let capacity = node
             .engine_load(u64::MAX, now_ms())
