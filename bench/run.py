@@ -3,7 +3,8 @@ one table per scenario, with ratios measured in the same run.
 
     python bench/run.py                      # every scenario, 10 s each
     python bench/run.py S1 S4 --duration 5   # some scenarios
-    python bench/run.py --write-readme       # also refresh the results in bench/README.md
+    python bench/run.py --write-readme       # also make it the run bench/README.md shows
+    python bench/run.py --from-json bench/results/latest.json --write-readme   # a saved run, nothing run
     python bench/run.py --peers none         # only direct and pdproxy
     python bench/run.py --repeat 1           # one run per target instead of the median of three
     python bench/run.py --baseline DIR       # beside another build of pdproxy (DIR/pdproxy/...)
@@ -18,6 +19,11 @@ use into its own virtual environment under bench/.peers, and `nginx` (Debian's p
 `floor`, hyper passing requests through (bench/loadgen/src/bin/floor.rs), for calibration. Every
 target (PD: every setup) is up at once and their runs take turns, ``--repeat`` rounds (S4: the
 targets take turns of 250 ms within each run); a table row is the median run.
+
+Every run writes its tables to bench/results/latest.md and its figures to latest.json. With
+``--write-readme`` it becomes the run bench/README.md shows: there, pdproxy beside the peers and
+the Rust edge's targets judged on the run (``render_readme``); every table in results/run.md
+(figures: run.json).
 """
 
 from __future__ import annotations
@@ -506,6 +512,218 @@ def as_json(results: dict[str, harness.LoadResult]) -> dict[str, dict]:
     return {k: {"load": v.load, "cpu_s": v.cpu_s, "rss_bytes": v.rss_bytes, "runs": v.runs} for k, v in results.items()}
 
 
+def from_json(saved: dict[str, dict]) -> dict[str, harness.LoadResult]:
+    """Results as ``as_json`` saved them."""
+    return {name: harness.LoadResult(**result) for name, result in saved.items()}
+
+
+MOCK_TITLE = "Mock engine capacity (one process, 64 connections, direct)"
+#: Where the run's JSON keeps the PD scenario's runs at ``PD_RATE``, beside its closed-loop ones.
+PD_RATE_KEY = "PD at a fixed rate"
+
+
+def title_of(name: str) -> str:
+    titles = {"PD": PD_TITLE, "policy": POLICY_TITLE, "mock": MOCK_TITLE, "management": MANAGEMENT_TITLE}
+    return titles[name] if name in titles else SCENARIOS[name].title
+
+
+def render_section(name: str, raw: dict[str, dict], chart: Path | None = None) -> str:
+    """One scenario's tables, from every scenario's results as the run's JSON keeps them (``raw``);
+    ``chart``: its picture, beside the tables in bench/results/."""
+    if name == "management":
+        return "\n".join([f"### {MANAGEMENT_TITLE}", "", *render_management(raw[name])])
+    results = from_json(raw[name])
+    times = max(len(next(iter(results.values())).runs), 1)
+    after: list[str] = []  # rows that follow the median's description
+    if name == "PD":
+        paced = from_json(raw[PD_RATE_KEY])
+        rows, median = render_pd(results), pd_median(times)
+        after = ["", f"#### {PD_RATE_TITLE}", "", *render_pd(paced, late=True), "", median.describe(paced)]
+    elif name == "policy":
+        rows, median = render_policy(results), by_rps(times)
+    elif name == "mock":
+        rows, median = render_mock(results), by_rps(times)
+    else:
+        scenario = SCENARIOS[name]
+        rows, median = scenario.render(results), scenario.median(times)
+    if median.describe(results):
+        rows = [*rows, "", median.describe(results)]
+    rows = [*rows, *after]
+    if chart is not None:
+        rows = [*rows, "", f"![{name}]({chart.name})"]
+    return "\n".join([f"### {title_of(name)}", "", *rows])
+
+
+def headline(summary: dict) -> str:
+    """Which run: when, where, the command and the peers' versions."""
+    command = summary.get("command")
+    how = "command not recorded" if command is None else f"`python bench/run.py{' ' if command else ''}{command}`"
+    line = f"Run {summary['run']} on {summary['machine']}; {how}."
+    if summary["peers"]:
+        line += " Peers: " + "; ".join(f"{n} {p['version']} ({p['how']})" for n, p in summary["peers"].items()) + "."
+    return line
+
+
+def render_run(summary: dict) -> str:
+    """Every table of a run saved by this script (results/latest.json), as it printed them."""
+    raw = summary["results"]
+    return "\n\n".join([headline(summary), *(render_section(name, raw) for name in raw if name != PD_RATE_KEY)])
+
+
+#: The columns of the README's summary, when the run has them (every target: results/run.md).
+SUMMARY_COLUMNS = ("pdproxy", "floor", "nginx", "sglang-router", "vllm-router", "lmdeploy-proxy")
+PROTOCOL_NAMES = {"lmdeploy": "LMDeploy's", "sglang": "SGLang's", "vllm": "vLLM's"}
+
+
+def _summary_cells(name: str, results: dict[str, harness.LoadResult]) -> tuple[str, dict[str, str]] | None:
+    """One scenario's row of the summary: its label and each column's cell."""
+    cells: dict[str, str] = {}
+    if name in ("S1", "S2"):
+        per = "request" if name == "S1" else "event"
+        for target, r in results.items():
+            rate = r.load["rps"] if name == "S1" else r.load["events_per_s"]
+            cpu = _cpu_us(r, per)
+            cells[target] = f"{rate:.0f} ({cpu:.0f} µs)" if name == "S1" else f"{rate:.0f} ({cpu:.1f} µs)"
+        label = "S1 req/s (proxy CPU per request)" if name == "S1" else "S2 events/s (proxy CPU per event)"
+        return label, cells
+    if name == "S3":
+        d = results["direct"]
+        for target, r in results.items():
+            share = 100 * r.load["events_per_s"] / d.load["events_per_s"]
+            added = _ms(r, "gap_ms", "p99") - _ms(d, "gap_ms", "p99")
+            rss = r.rss_bytes.get("proxy", 0) / 1e6
+            cells[target] = f"{share:.1f}%, {added:+.2f} ms, {rss:.0f} MB"
+        return "S3 % of direct's events/s, added gap p99, proxy RSS", cells
+    if name == "S4":
+        for target, r in results.items():
+            if added := r.load.get("added_latency_ms"):
+                cells[target] = f"{added['p50'] * 1000:+.0f} µs"
+        return "S4 added p50", cells
+    return None
+
+
+def _added_ttft(results: dict[str, harness.LoadResult], setup: str) -> float | None:
+    """A PD setup's TTFT p50 above the hybrid engine's, in ms."""
+    if setup not in results or "pdproxy hybrid" not in results:
+        return None
+    return _ms(results[setup], "ttft_ms", "p50") - _ms(results["pdproxy hybrid"], "ttft_ms", "p50")
+
+
+def render_summary(loaded: dict[str, dict[str, harness.LoadResult]]) -> list[str]:
+    """pdproxy beside the peers, one row per scenario, every figure as the full tables print it."""
+    # A column per target the run has, in S1-S4 by its name, in PD as "NAME PROTOCOL".
+    present = {name.split(" ")[0] for results in loaded.values() for name in results}
+    columns = [c for c in SUMMARY_COLUMNS if c in present]
+    rows = ["| scenario | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+    for name in SCENARIOS:
+        if name in loaded and (row := _summary_cells(name, loaded[name])):
+            label, cells = row
+            rows.append(f"| {label} | " + " | ".join(cells.get(c, "") for c in columns) + " |")
+    if "PD" in loaded:
+        closed, paced = loaded["PD"], loaded.get(PD_RATE_KEY, {})
+        for protocol, spoken in PROTOCOL_NAMES.items():
+            cells = {}
+            for column in columns:
+                a, b = _added_ttft(closed, f"{column} {protocol}"), _added_ttft(paced, f"{column} {protocol}")
+                if a is not None:
+                    cells[column] = f"{a:+.2f}" + (f" / {b:+.2f}" if b is not None else "") + " ms"
+            label = f"PD in {spoken} protocol: added TTFT p50, closed loop / at {PD_RATE:.0f} req/s"
+            rows.append(f"| {label} | " + " | ".join(cells.get(c, "") for c in columns) + " |")
+    return rows
+
+
+def _p50_ms(samples: list[float]) -> float:
+    return sorted(samples)[len(samples) // 2] * 1e3
+
+
+def render_targets(
+    loaded: dict[str, dict[str, harness.LoadResult]], management: dict[str, dict[str, list[float]]] | None
+) -> list[str]:
+    """The Rust edge's targets (issue 13), each judged on the run's figures (those the full tables print)."""
+    rows = ["| target | figures | met |", "|---|---|---|"]
+
+    def row(what: str, figures: str, met: bool) -> None:
+        rows.append(f"| {what} | {figures} | {'yes' if met else 'no'} |")
+
+    s1, s2, s3, s4 = (loaded.get(name, {}) for name in ("S1", "S2", "S3", "S4"))
+    if p := s1.get("pdproxy"):
+        cpu = _cpu_us(p, "request")
+        row("S1 proxy CPU per request <= 40 µs", f"{cpu:.0f} µs", cpu <= 40)
+        if g := s1.get("sglang-router"):
+            ratio = p.load["rps"] / g.load["rps"]
+            row(
+                "S1 req/s >= 1.5x sglang-router's",
+                f"{p.load['rps']:.0f} against {g.load['rps']:.0f}: {ratio:.2f}x",
+                ratio >= 1.5,
+            )
+    if p := s2.get("pdproxy"):
+        cpu = _cpu_us(p, "event")
+        row("S2 proxy CPU per event <= 3.5 µs", f"{cpu:.1f} µs", cpu <= 3.5)
+    if (p := s3.get("pdproxy")) and (d := s3.get("direct")):
+        share = 100 * p.load["events_per_s"] / d.load["events_per_s"]
+        row("S3 events/s 100% of direct's", f"{share:.1f}%", share >= 99.95)
+        added = _ms(p, "gap_ms", "p99") - _ms(d, "gap_ms", "p99")
+        if n := s3.get("nginx"):
+            theirs = _ms(n, "gap_ms", "p99") - _ms(d, "gap_ms", "p99")
+            row("S3 added gap p99 <= nginx's + 1 ms", f"{added:+.2f} against {theirs:+.2f} ms", added <= theirs + 1)
+        if g := s3.get("sglang-router"):
+            ours, theirs = _cpu_us(p, "event"), _cpu_us(g, "event")
+            ratio = ours / theirs
+            row(
+                "S3 proxy CPU per event <= 0.8x sglang-router's",
+                f"{ours:.1f} against {theirs:.1f} µs: {ratio:.2f}x",
+                ratio <= 0.8,
+            )
+        rss = p.rss_bytes.get("proxy", 0) / 1e6
+        row("S3 proxy RSS <= 100 MB", f"{rss:.0f} MB", rss <= 100)
+    if (p := s4.get("pdproxy")) and (added := p.load.get("added_latency_ms")):
+        row("S4 added p50 <= 60 µs", f"{added['p50'] * 1000:+.0f} µs", added["p50"] * 1000 <= 60)
+    for protocol, peer in (("vllm", "vllm-router"), ("sglang", "sglang-router")):
+        figures, verdicts = [], []
+        for results in (loaded.get("PD", {}), loaded.get(PD_RATE_KEY, {})):
+            ours, theirs = _added_ttft(results, f"pdproxy {protocol}"), _added_ttft(results, f"{peer} {protocol}")
+            if ours is not None and theirs is not None:
+                figures.append(f"{ours:+.2f} against {theirs:+.2f} ms")
+                verdicts.append("yes" if ours <= theirs else "no")
+        if len(figures) == 2:
+            what = f"PD in {PROTOCOL_NAMES[protocol]} protocol: added TTFT p50 <= {peer}'s"
+            what += f", closed loop / at {PD_RATE:.0f} req/s"
+            rows.append(f"| {what} | {' / '.join(figures)} | {' / '.join(verdicts)} |")
+    if management and {"pdproxy", "pdproxy-granian"} <= management.keys():
+        figures, met = [], True
+        for path in MANAGEMENT_PATHS:
+            ours, theirs = _p50_ms(management["pdproxy"][path]), _p50_ms(management["pdproxy-granian"][path])
+            figures.append(f"{path} {ours:.2f} against {theirs:.2f} ms")
+            met = met and ours <= theirs + 1
+        row("management p50 through the Rust edge within 1 ms of the granian edge's", ", ".join(figures), met)
+    return rows if len(rows) > 2 else []
+
+
+def render_readme(summary: dict) -> str:
+    """The README's section: which run, pdproxy beside the peers, the targets, and where the rest is."""
+    raw = summary["results"]
+    loaded = {name: from_json(results) for name, results in raw.items() if name != "management"}
+    lines = [headline(summary), "", *render_summary(loaded)]
+    if targets := render_targets(loaded, raw.get("management")):
+        lines += ["", "Against the targets of the Rust edge (issue 13), in this run:", "", *targets]
+    lines += [
+        "",
+        "Every table of this run, each target's runs, the granian edge, two edge threads, the routing policy, "
+        "management calls and the mock engine's capacity: [results/run.md](results/run.md) "
+        "(raw: [results/run.json](results/run.json)).",
+    ]
+    return "\n".join(lines)
+
+
+def publish(summary: dict, markdown: str) -> None:
+    """Makes ``summary`` the run bench/README.md shows: its tables in results/run.md (raw:
+    results/run.json), its summary and targets in the README's results section."""
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "run.json").write_text(json.dumps(summary, indent=1))
+    (RESULTS / "run.md").write_text(markdown + "\n")
+    update_readme(render_readme(summary))
+
+
 def machine() -> str:
     lines = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "?")
@@ -555,7 +773,19 @@ def main() -> None:
     parser.add_argument(
         "--repeat", type=int, default=3, help="runs per target; a row is the median run (default: %(default)s)"
     )
-    parser.add_argument("--write-readme", action="store_true", help="refresh the results section of bench/README.md")
+    parser.add_argument(
+        "--write-readme",
+        action="store_true",
+        help="make this run the one bench/README.md shows: its summary and targets there, its tables in "
+        "bench/results/run.md (raw: run.json)",
+    )
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="FILE",
+        help="run nothing: print the tables of a run saved by this script (bench/results/latest.json); with "
+        "--write-readme, make it the run bench/README.md shows",
+    )
     parser.add_argument(
         "--peers",
         default=",".join(peers.PEERS),
@@ -574,9 +804,16 @@ def main() -> None:
         type=float,
         metavar="RPS",
         help="start each scenario only once S1's load sent directly to two engines reaches RPS req/s in two "
-        "probes in a row (a shared machine's quiet stretch); the README section names the threshold",
+        "probes in a row (a shared machine's quiet stretch); the run's command line says the threshold",
     )
     args = parser.parse_args()
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        markdown = render_run(saved)
+        print(markdown)
+        if args.write_readme:
+            publish(saved, markdown)
+        return
     chosen = args.scenarios or [*SCENARIOS, "PD", "policy", "management", "mock"]
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
@@ -595,57 +832,43 @@ def main() -> None:
             sys.exit(f"the machine stayed below {args.wait_quiet:.0f} req/s for {QUIET_PATIENCE_S // 3600} hours")
 
     quiet_start()
-    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    sections = [f"Run {started} on {machine()}; `python bench/run.py {' '.join(sys.argv[1:])}`.".rstrip()]
-    if others:
-        sections[0] += " Peers: " + "; ".join(f"{p.name} {p.version()} ({p.note})" for p in others) + "."
-    raw = {}
+    raw: dict[str, dict] = {}
+    summary = {
+        "run": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": machine(),
+        "command": " ".join(sys.argv[1:]),
+        "peers": {p.name: {"version": p.version(), "how": p.note} for p in others},
+        "results": raw,
+    }
+    sections = [headline(summary)]
     for i, name in enumerate(chosen):
         if i:
             quiet_start()
+        chart = None
         if name == "management":
-            timings = run_management(args.duration, args.baseline)
-            section = "\n".join([f"### {MANAGEMENT_TITLE}", "", *render_management(timings)])
-            print(section + "\n", flush=True)
-            sections.append(section)
-            raw[name] = timings
-            continue
-        after: list[str] = []  # rows that follow the median's description
-        if name == "PD":
+            raw[name] = run_management(args.duration, args.baseline)
+        elif name == "PD":
             results, paced = run_pd(args.duration, args.repeat, others, args.baseline)
-            title, rows, median = PD_TITLE, render_pd(results), pd_median(args.repeat)
-            after = ["", f"#### {PD_RATE_TITLE}", "", *render_pd(paced, late=True), "", median.describe(paced)]
-            raw["PD at a fixed rate"] = as_json(paced)
+            raw[PD_RATE_KEY] = as_json(paced)
         elif name == "policy":
             results = run_policy(args.duration, args.repeat)
-            title, rows, median = POLICY_TITLE, render_policy(results), by_rps(args.repeat)
         elif name == "mock":
             results = run_mock_capacity(args.duration, args.repeat)
-            title, rows = "Mock engine capacity (one process, 64 connections, direct)", render_mock(results)
-            median = by_rps(args.repeat)
         else:
-            scenario = SCENARIOS[name]
-            results = run_scenario(scenario, args.duration, others, args.repeat, args.baseline)
-            title, rows, median = scenario.title, scenario.render(results), scenario.median(args.repeat)
-        if median.describe(results):
-            rows = [*rows, "", median.describe(results)]
-        rows = [*rows, *after]
-        raw[name] = as_json(results)
-        RESULTS.mkdir(exist_ok=True)
-        chart = charts.render(name, title, results, RESULTS)
-        if chart is not None:
-            rows = [*rows, "", f"![{name}](results/{chart.name})"]
-        section = "\n".join([f"### {title}", "", *rows])
+            results = run_scenario(SCENARIOS[name], args.duration, others, args.repeat, args.baseline)
+        if name != "management":
+            raw[name] = as_json(results)
+            RESULTS.mkdir(exist_ok=True)
+            chart = charts.render(name, title_of(name), results, RESULTS)
+        section = render_section(name, raw, chart)
         print(section + "\n", flush=True)
         sections.append(section)
     markdown = "\n\n".join(sections)
     RESULTS.mkdir(exist_ok=True)
-    peer_info = {p.name: {"version": p.version(), "how": p.note} for p in others}
-    summary = {"run": started, "machine": machine(), "peers": peer_info, "results": raw}
     (RESULTS / "latest.json").write_text(json.dumps(summary, indent=1))
     (RESULTS / "latest.md").write_text(markdown + "\n")
     if args.write_readme:
-        update_readme(markdown)
+        publish(summary, markdown)
 
 
 if __name__ == "__main__":

