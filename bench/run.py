@@ -20,7 +20,8 @@ use into its own virtual environment under bench/.peers, and `nginx` (Debian's p
 target (PD: every setup) is up at once and their runs take turns, ``--repeat`` rounds (S4: the
 targets take turns of 250 ms within each run); a table row is the median run.
 
-Every run writes its tables to bench/results/latest.md and its figures to latest.json. With
+Every run writes its tables to bench/results/latest.md and its figures to latest.json (not kept in
+git: they are this machine's last run). With
 ``--write-readme`` it becomes the run bench/README.md shows: there, pdproxy beside the peers and
 the Rust edge's targets judged on the run (``render_readme``); every table in results/run.md
 (figures: run.json).
