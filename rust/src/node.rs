@@ -129,9 +129,6 @@ pub struct NodeCounters {
     pub ttft_count: AtomicU64,
     /// Exponentially weighted mean of time to first byte, microseconds (0: none yet).
     pub ttft_us_ewma: AtomicU64,
-    /// Prompt bytes the node is expected to prefill for requests sent to it that have not had
-    /// their first byte yet (what the routing policy predicted was not in its cache).
-    pub prefill_pending_bytes: AtomicU64,
     /// When the engine should be done prefilling the requests sent to it that have not had
     /// their first byte (µs, `now_us`'s clock): each adds its predicted prefill after the
     /// ones before, and the last one's first byte sets it to now. The time left on it is the
@@ -234,7 +231,6 @@ impl NodeCounters {
             &self.ttft_us_sum,
             &self.ttft_count,
             &self.ttft_us_ewma,
-            &self.prefill_pending_bytes,
             &self.prefill_done_at_us,
             &self.unanswered,
             &self.predicted_cached_bytes,

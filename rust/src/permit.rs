@@ -58,16 +58,14 @@ pub struct InFlightPermit {
     started: Instant,
     outcome: Outcome,
     report: Report,
-    /// Prompt bytes counted in the node's `prefill_pending_bytes` until the first byte comes.
-    prefill_pending: AtomicU64,
     /// Counted in the node's `unanswered` until the first byte comes.
     unanswered: AtomicBool,
     /// Prompt bytes the policy expected in the node's cache, added to its
     /// `predicted_cached_bytes` at the first byte.
     predicted_cached: AtomicU64,
-    /// When the answer's first byte is its first token, what the node had to prefill before
-    /// it (its own prompt and what it still had of those sent before, bytes) and since when
-    /// (Unix ms): the first byte then teaches the node's speed. Zero: not timed.
+    /// When the answer's first byte is its first token and the request waits for no other's
+    /// prefill, the prompt bytes the node prefills for it (plus one) and since when (Unix ms):
+    /// the first byte then teaches the node's speed. Zero: not timed.
     timed_bytes: AtomicU64,
     timed_since_ms: AtomicU64,
     /// The node's in-flight count when the permit was taken (itself included).
@@ -126,7 +124,6 @@ impl InFlightPermit {
             started: Instant::now(),
             outcome: Outcome::Cancelled,
             report: Report::default(),
-            prefill_pending: AtomicU64::new(0),
             unanswered: AtomicBool::new(true),
             predicted_cached: AtomicU64::new(0),
             timed_bytes: AtomicU64::new(0),
@@ -164,8 +161,8 @@ impl InFlightPermit {
     }
 
     /// Records what the policy expects of the node for this request: `prefill` bytes of prompt
-    /// to compute, counted in its `prefill_pending_bytes` until the first byte of the answer
-    /// (or the end), and `cached` bytes to be found in its cache. Once per permit (the one
+    /// to compute (its time owed on the node's prefill clock), and `cached` bytes to be found
+    /// in its cache. Once per permit (the one
     /// selection that took it). `timed`: the answer's first byte will be its first token (a
     /// stream, or a prefill leg), so its wait teaches the node's speed, unless the engine's
     /// batch looks full now (the wait would then be for a place in it, not for the prefill).
@@ -177,19 +174,18 @@ impl InFlightPermit {
         if timed {
             #[allow(clippy::cast_precision_loss)]
             let full = counters.speed.slots().is_some_and(|slots| counters.in_flight() as f64 > slots);
-            if !full {
-                let ahead = counters.prefill_pending_bytes.load(Ordering::Relaxed);
-                self.timed_bytes.store(ahead + prediction.prefill + 1, Ordering::Relaxed);
+            // Only a request that waits for no other's prefill times the engine's own: one sent
+            // behind others waits for what is left of theirs, which no count of their bytes
+            // tells (half done, or sharing its step), and such samples flattened the fit's
+            // slope and swelled its fixed part.
+            let alone = counters.unanswered.load(Ordering::Relaxed) <= 1;
+            if !full && alone {
+                self.timed_bytes.store(prediction.prefill + 1, Ordering::Relaxed);
                 self.timed_since_ms.store(now, Ordering::Relaxed);
             }
         }
         if prediction.prefill_us > 0 {
             counters.owe_prefill(prediction.prefill_us, now_us());
-        }
-        if prediction.prefill > 0 {
-            counters.prefill_pending_bytes.fetch_add(prediction.prefill, Ordering::Relaxed);
-            let before = self.prefill_pending.swap(prediction.prefill, Ordering::Relaxed);
-            debug_assert_eq!(before, 0, "one prediction per permit");
         }
         self.predicted_cached.store(prediction.cached, Ordering::Relaxed);
         self.checked_cached.store(prediction.cached, Ordering::Relaxed);
@@ -222,17 +218,13 @@ impl InFlightPermit {
         }
     }
 
-    /// Takes this request out of the node's unanswered and pending counts (once); `answered`:
+    /// Takes this request out of the node's unanswered count (once); `answered`:
     /// its first byte came, so how long it was pending is worth learning.
     fn settle_prefill(&self, answered: bool) {
         let counters = self.node.counters();
         // The last request owed an answer has one: the node owes no prefill from now on.
         if self.unanswered.swap(false, Ordering::Relaxed) && counters.unanswered.fetch_sub(1, Ordering::Relaxed) == 1 {
             counters.prefill_done_at_us.store(now_us(), Ordering::Relaxed);
-        }
-        let bytes = self.prefill_pending.swap(0, Ordering::Relaxed);
-        if bytes > 0 {
-            counters.prefill_pending_bytes.fetch_sub(bytes, Ordering::Relaxed);
         }
         let timed = self.timed_bytes.swap(0, Ordering::Relaxed);
         if answered && timed > 0 {

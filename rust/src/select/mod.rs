@@ -144,7 +144,7 @@ impl Default for PolicyConfig {
     }
 }
 
-/// Builds a policy from its configured name (`scored` may carry weights: `scored:prefix=2,kv=0`).
+/// Builds a policy from its configured name (`scored` may carry weights: `scored:prefix=2,queue=0.5`).
 pub fn policy_from_name(name: &str, config: &PolicyConfig) -> Result<Arc<dyn Policy>> {
     let (base, params) = match name.split_once(':') {
         Some((base, params)) => (base.trim(), Some(params)),

@@ -24,16 +24,16 @@
 //! - The prompt a node holds comes from the prefix table (what pdproxy routed there and the
 //!   engine has not evicted since, see `prefix_table`).
 //! - The prefill owed there is the time left on the node's prefill clock: each request sent
-//!   there adds its own prefill there after what the node owed already, and the first byte of
-//!   the last one unanswered sets the clock to now. A prefill half done counts half: of nodes
-//!   all busy, the next request goes to the one about to be free (on `bench/fleet.py`'s
-//!   `no_reuse` at 80% load, counting the pending prompts whole gave a TTFT p99 of 249 and
-//!   225 ms on two seeds against round robin's 164 and 157; with the clock, 176 and 165 against
-//!   164 and 156). The fixed first-token time stays off the clock: learnt while engines start
-//!   cold and queue, it holds those queue waits, which the clock would then count a second
-//!   time (on `system_prompts` at 80% load, with it on the clock the backlog of the first
-//!   seconds cleared about 2 s after the oracle's and the hit rate fell to 0.84-0.89 there;
-//!   without it, TTFT p99 259 ms against the oracle's 1139, hit rate 0.962 for both).
+//!   there adds the first-token time priced for it (fixed part and own prefill) after what the
+//!   node owed already, and the first byte of the last one unanswered sets the clock to now. A
+//!   prefill half done counts half: of nodes all busy, the next request goes to the one about
+//!   to be free (on `bench/fleet.py`'s `no_reuse` at 80% load, counting the pending prompts
+//!   whole gave a TTFT p99 of 249 and 225 ms on two seeds against round robin's 164 and 157;
+//!   with the clock, 176 and 165 against 164 and 156).
+//! - Engine speeds are learnt only from requests that waited for no other's prefill (see
+//!   `InFlightPermit::set_prediction`): fitted on every first token, the fixed part took in the
+//!   queue waits of a cold fleet's first seconds (277-604 ms) and the clock then counted them
+//!   twice, so that on `system_prompts` the backlog cleared about 2 s after the oracle's.
 //! - The wait for a place in the batch: the requests the engine has (its last report adjusted
 //!   by pdproxy's traffic since; without one, pdproxy's in-flight count) beyond the number it
 //!   runs at once, each freeing a place as it finishes decoding.
@@ -367,7 +367,7 @@ impl Policy for Scored {
             .iter()
             .zip(matched)
             .zip(&estimates)
-            .map(|((n, m), e)| (n.generation(), m, e.map_or(0.0, |e| e.own)))
+            .map(|((n, m), e)| (n.generation(), m, e.map_or(0.0, |e| e.first_token + e.own)))
             .collect();
         let key = pick_key(self, ctx);
         LAST_PICK.with(|last| *last.borrow_mut() = Some(LastPick { key, hashes, matched }));
@@ -409,7 +409,7 @@ impl Policy for Scored {
             let hashes = self.table.block_hashes(ctx);
             let matched = self.table.matched(&hashes, std::slice::from_ref(node))[0];
             let estimate = self.estimates_for(std::slice::from_ref(node), ctx, &[matched])[0];
-            (hashes, matched, estimate.map_or(0.0, |e| e.own))
+            (hashes, matched, estimate.map_or(0.0, |e| e.first_token + e.own))
         });
         let capacity = node
             .engine_load(u64::MAX, now_ms())
@@ -604,17 +604,19 @@ mod tests {
         let long = "a".repeat(8 * 1024);
         // Two different 8 KiB prompts: the second avoids the node still prefilling the first.
         let first = crate::select::select(&reg.load(), &ctx(long.as_bytes()), &policy, None).unwrap();
-        let pending = first.node().counters().prefill_pending_bytes.load(Ordering::Relaxed);
-        assert_eq!(pending, 8 * 1024);
+        let unanswered = |n: &Node| n.counters().unanswered.load(Ordering::Relaxed);
+        assert_eq!(unanswered(first.node()), 1);
+        assert!(first.node().counters().prefill_left_ms(now_us()) > 0.0, "it owes that prefill");
         let other = "b".repeat(8 * 1024);
         let second = crate::select::select(&reg.load(), &ctx(other.as_bytes()), &policy, None).unwrap();
         assert_ne!(second.node().url(), first.node().url());
         first.first_byte_seen();
         first.first_byte_seen();
-        assert_eq!(first.node().counters().prefill_pending_bytes.load(Ordering::Relaxed), 0, "released once");
+        assert_eq!(unanswered(first.node()), 0, "released once");
+        assert!(first.node().counters().prefill_left_ms(now_us()) <= 0.0, "and owes nothing more");
         let node = Arc::clone(second.node());
         drop(second);
-        assert_eq!(node.counters().prefill_pending_bytes.load(Ordering::Relaxed), 0, "and at the end at the latest");
+        assert_eq!(unanswered(&node), 0, "and at the end at the latest");
         assert_eq!(nodes.len(), 2);
     }
 
@@ -632,5 +634,19 @@ mod tests {
         let whole = crate::select::select(&reg.load(), &ctx(prompt.as_bytes()), &policy, None).unwrap();
         whole.first_byte_seen();
         assert!(nodes[0].counters().speed.speed().samples < 5.0, "a whole answer's first byte times no token");
+    }
+
+    #[test]
+    fn a_first_token_that_waited_for_another_prefill_teaches_nothing() {
+        let (reg, nodes) = nodes(1);
+        let policy = scored(WEIGHTS);
+        let prompt = "q".repeat(4096);
+        let streamed = SelectCtx { stream: true, ..ctx(prompt.as_bytes()) };
+        let first = crate::select::select(&reg.load(), &streamed, &policy, None).unwrap();
+        let behind = crate::select::select(&reg.load(), &streamed, &policy, None).unwrap();
+        first.first_byte_seen();
+        behind.first_byte_seen();
+        let samples = nodes[0].counters().speed.speed().samples;
+        assert!((samples - 1.0).abs() < 1e-9, "only the first, sent alone, timed the engine: {samples}");
     }
 }
