@@ -66,6 +66,8 @@ class Router:
     kind: str  # pdproxy, peer, oracle
     policy: str = ""
     peer: str = ""
+    #: pdproxy: routes by the engines' KV events (``--kv-events``), not its prefix table alone.
+    kv_events: bool = False
 
     @property
     def is_pdproxy(self) -> bool:
@@ -76,6 +78,7 @@ ROUTERS = {
     r.name: r
     for r in (
         Router("pdproxy scored", "pdproxy", "scored"),
+        Router("pdproxy scored kv-events", "pdproxy", "scored", kv_events=True),
         Router("pdproxy least_engine_load", "pdproxy", "least_engine_load"),
         Router("pdproxy min_cache_usage", "pdproxy", "min_cache_usage"),
         Router("pdproxy prefix", "pdproxy", "prefix"),
@@ -87,7 +90,7 @@ ROUTERS = {
         Router("oracle", "oracle"),
     )
 }
-DEFAULT_ROUTERS = [name for name in ROUTERS if name != "pdproxy min_expected_latency"]
+DEFAULT_ROUTERS = [name for name in ROUTERS if name not in ("pdproxy min_expected_latency", "pdproxy scored kv-events")]
 #: In every table, whatever --routers says: what every other figure is read against.
 REFERENCES = ("round robin", "oracle")
 #: The router issue 35's targets are about, and the peers it must beat.
@@ -121,14 +124,16 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def fleet(shapes: tuple[EngineShape, ...], dialects: str) -> Iterator[Fleet]:
-    """The engines of ``shapes`` (one each) and the oracle, in one process."""
+def fleet(shapes: tuple[EngineShape, ...], dialects: str, kv_events: bool = False) -> Iterator[Fleet]:
+    """The engines of ``shapes`` (one each) and the oracle, in one process; ``kv_events``: the
+    engines publish their KV events."""
     count = len(shapes)
     first = harness.free_port_range(count + 1)
     oracle_port = first + count
     engines = json.dumps([engine_options(shape) for shape in shapes])
     args = [sys.executable, str(HERE / "fleet_engines.py"), "--port", str(first), "--count", str(count)]
     args += ["--oracle-port", str(oracle_port), "--model", MODEL, "--engine", engines, "--dialects", dialects]
+    args += ["--kv-events"] if kv_events else []
     oracle = f"http://127.0.0.1:{oracle_port}"
     # The oracle answers once every engine serves.
     with harness.service("fleet", args, oracle + "/health", oracle) as svc:
@@ -136,17 +141,41 @@ def fleet(shapes: tuple[EngineShape, ...], dialects: str) -> Iterator[Fleet]:
 
 
 @contextlib.contextmanager
-def router(spec: Router, fleet_: Fleet, installed: dict[str, peers.Peer]) -> Iterator[tuple[str, int | None]]:
-    """The router running in front of the fleet; yields its base URL and process (None: the
-    oracle, which runs in the engines' process)."""
+def router(
+    spec: Router, fleet_: Fleet, installed: dict[str, peers.Peer], replicas: int = 1
+) -> Iterator[tuple[list[str], list[int]]]:
+    """The router running in front of the fleet (pdproxy: ``replicas`` of it, each knowing only
+    the traffic it routes); yields its base URLs and processes (none: the oracle, which runs in
+    the engines' process)."""
     if spec.kind == "oracle":
-        yield fleet_.oracle, None
+        yield [fleet_.oracle], []
     elif spec.kind == "pdproxy":
-        with harness.pdproxy(fleet_.engines, MODEL, extra=("--policy", spec.policy)) as svc:
-            yield svc.url, svc.proc.pid
+        extra = ("--policy", spec.policy)
+        if spec.kv_events:
+            extra += ("--kv-events", "auto", "--kv-tokenizer", "mock")
+        with contextlib.ExitStack() as stack:
+            services = [
+                stack.enter_context(harness.pdproxy(fleet_.engines, MODEL, extra=extra)) for _ in range(replicas)
+            ]
+            if spec.kv_events:
+                for svc in services:
+                    wait_kv_events_live(svc.url, len(fleet_.engines))
+            yield [s.url for s in services], [s.proc.pid for s in services]
     else:
         with installed[spec.peer].start(fleet_.engines, MODEL, spec.policy or None) as svc:
-            yield svc.url, svc.proc.pid
+            yield [svc.url], [svc.proc.pid]
+
+
+def wait_kv_events_live(url: str, nodes: int, timeout: float = 30.0) -> None:
+    """Until pdproxy at ``url`` follows the KV events of all ``nodes`` live."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/nodes/status", timeout=5) as r:
+            status = json.loads(r.read())
+        if sum(bool((n.get("kv_events") or {}).get("live")) for n in status.values()) >= nodes:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"pdproxy at {url} does not follow the engines' KV events")
 
 
 def summarize(outcomes: list[Outcome], warmup: float, window: float) -> dict[str, Any]:
@@ -201,14 +230,14 @@ def event_figures(played: Played, received: list[int]) -> list[dict[str, Any]]:
 def run_one(
     spec: Router, fleet_: Fleet, installed: dict[str, peers.Peer], trace: Trace, args: argparse.Namespace
 ) -> dict[str, Any]:
-    with router(spec, fleet_, installed) as (url, pid):
+    with router(spec, fleet_, installed, args.replicas) as (urls, pids):
         fleet_.post("/fleet/reset")
         started = time.monotonic()
-        watched = {"engines": fleet_.pid, "client": os.getpid(), **({"router": pid} if pid else {})}
-        before = {name: harness.cpu_seconds(p) for name, p in watched.items()}
-        played = asyncio.run(play(url, MODEL, trace, trace.duration, args.drain, control=fleet_.oracle))
+        watched = {"engines": [fleet_.pid], "client": [os.getpid()], **({"router": pids} if pids else {})}
+        before = {name: sum(harness.cpu_seconds(p) for p in ps) for name, ps in watched.items()}
+        played = asyncio.run(play(urls, MODEL, trace, trace.duration, args.drain, control=fleet_.oracle))
         elapsed = time.monotonic() - started
-        cpu = {name: harness.cpu_seconds(p) - before[name] for name, p in watched.items()}
+        cpu = {name: sum(harness.cpu_seconds(p) for p in ps) - before[name] for name, ps in watched.items()}
     result = summarize(played.outcomes, warmup(trace.workload, args), trace.duration)
     result["cpu_cores"] = {name: round(seconds / elapsed, 3) for name, seconds in cpu.items()}
     engine = fleet_.stats()
@@ -554,6 +583,14 @@ def arguments() -> argparse.Namespace:
         "--capacity", action="append", default=[], help="WORKLOAD=REQ/S: skip the search for that workload"
     )
     parser.add_argument("--dialects", default="vllm,sglang,lmdeploy", help="engines' metrics dialects, in turn")
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="pdproxy replicas in front of the fleet, requests sent to each in turn"
+    )
+    parser.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="the engines publish their KV events, and 'pdproxy scored kv-events' follows them",
+    )
     parser.add_argument("--write-readme", action="store_true", help="refresh the fleet section of bench/README.md")
     parser.add_argument(
         "--out", type=Path, default=RESULTS / "fleet.json", help="where the results go (charts beside it)"
@@ -661,6 +698,10 @@ def main() -> None:
     workloads = [w for w in args.workloads.split(",") if w]
     loads = [float(x) for x in args.loads.split(",") if x]
     routers = choose_routers(args.routers)
+    # The engines publish their events when a router follows them, and the router that does runs.
+    if args.kv_events and not any(r.kv_events for r in routers):
+        routers.insert(1, ROUTERS["pdproxy scored kv-events"])
+    args.kv_events = any(r.kv_events for r in routers)
     ready = peers.prepare(sorted({r.peer for r in routers if r.peer}))
     installed = {name: peer for name, peer in peers.PEERS.items() if peer in ready}
     routers = [r for r in routers if not r.peer or r.peer in installed]
@@ -670,7 +711,7 @@ def main() -> None:
     capacities: dict[str, float] = {}
     for shapes, group in by_fleet(workloads).items():
         harness.say(f"a fleet of {len(shapes)} engines ({len(set(shapes))} shapes) for {', '.join(group)}")
-        with fleet(shapes, args.dialects) as fleet_:
+        with fleet(shapes, args.dialects, args.kv_events) as fleet_:
             for workload in group:
                 check_events(workload, args)
                 if workload in given:

@@ -17,7 +17,9 @@ seconds later, to tell the share of the traffic the engine got back.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import aiohttp
@@ -107,7 +109,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, body: dict[str, obje
 
 async def _converse(
     session: aiohttp.ClientSession,
-    url: str,
+    urls: Iterator[str],
     model: str,
     index: int,
     conversation: Conversation,
@@ -125,7 +127,7 @@ async def _converse(
         out = Outcome(index, turn, due=due, sent=loop.time() - t0)
         outcomes.append(out)
         try:
-            answer = await _stream(session, url, conversation.body(model, answers), out, t0)
+            answer = await _stream(session, next(urls), conversation.body(model, answers), out, t0)
         except (aiohttp.ClientError, TimeoutError) as e:
             out.error = type(e).__name__
             answer = ""
@@ -159,10 +161,13 @@ async def _fire(session: aiohttp.ClientSession, control: str, event: Event, t0: 
         fired.error = f"{type(e).__name__}: {e}"
 
 
-async def run(url: str, model: str, trace: Trace, window: float, drain: float, control: str | None = None) -> Played:
-    """Plays ``trace`` against ``url`` (the base URL of a router) for ``window`` seconds of
-    arrivals, then waits up to ``drain`` seconds for the answers still coming. Its events go to
-    ``control``, the fleet's control port (needed when the trace has any)."""
+async def run(
+    url: str | list[str], model: str, trace: Trace, window: float, drain: float, control: str | None = None
+) -> Played:
+    """Plays ``trace`` against ``url`` (the base URL of a router; several: replicas of one, each
+    request sent to the next in turn) for ``window`` seconds of arrivals, then waits up to
+    ``drain`` seconds for the answers still coming. Its events go to ``control``, the fleet's
+    control port (needed when the trace has any)."""
     if trace.events and control is None:
         raise ValueError(f"{trace.workload}: its events need the fleet's control port")
     outcomes: list[Outcome] = []
@@ -172,9 +177,10 @@ async def run(url: str, model: str, trace: Trace, window: float, drain: float, c
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         loop = asyncio.get_running_loop()
         t0 = loop.time() + 0.2
-        endpoint = url + "/v1/chat/completions"
+        urls = [url] if isinstance(url, str) else url
+        endpoints = itertools.cycle([u + "/v1/chat/completions" for u in urls])
         tasks = [
-            asyncio.create_task(_converse(session, endpoint, model, i, c, t0, window, outcomes))
+            asyncio.create_task(_converse(session, endpoints, model, i, c, t0, window, outcomes))
             for i, c in enumerate(trace.conversations)
         ]
         if control is not None:

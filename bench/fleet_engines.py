@@ -158,6 +158,12 @@ async def serve(args: argparse.Namespace) -> None:
                 # Playing vLLM too, its answers say how many prompt tokens were cached (as vLLM's
                 # --enable-prompt-tokens-details): the client's cache hit rate is read from them.
                 prompt_tokens_details=True,
+                # Their KV events, when a router follows them (any free ports; /server_info says which).
+                **(
+                    {"kv_events": "tcp://127.0.0.1:0", "kv_events_replay": "tcp://127.0.0.1:0"}
+                    if args.kv_events
+                    else {}
+                ),
                 **shape,
             )
         )
@@ -189,6 +195,7 @@ def main() -> None:
         "--engine", default="{}", help="simulation options of every engine, as JSON: one object, or a list (one each)"
     )
     parser.add_argument("--dialects", default="vllm", help="metrics dialects, given to the engines in turn")
+    parser.add_argument("--kv-events", action="store_true", help="the engines publish their KV events (ZMQ)")
     args = parser.parse_args()
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner, contextlib.suppress(KeyboardInterrupt):
         runner.run(serve(args))

@@ -154,15 +154,20 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 @contextlib.contextmanager
 def mock_engines(
-    count: int, model: str, token_delay_ms: float = 0.0, roles: list[str] | None = None
+    count: int,
+    model: str,
+    token_delay_ms: float = 0.0,
+    roles: list[str] | None = None,
+    options: tuple[str, ...] = (),
 ) -> Iterator[list[Service]]:
-    """``count`` hybrid mock engines, or one per entry of ``roles``."""
+    """``count`` hybrid mock engines, or one per entry of ``roles``; ``options``: further
+    ``mock-engine`` flags."""
     with contextlib.ExitStack() as stack:
         engines = []
         for i, role in enumerate(roles or ["hybrid"] * count):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            args = mock_engine_command(port, model, "--role", role, "--token-delay-ms", str(token_delay_ms))
+            args = mock_engine_command(port, model, "--role", role, "--token-delay-ms", str(token_delay_ms), *options)
             engines.append(stack.enter_context(service(f"{role}-{i}", args, url + "/health", url)))
         yield engines
 

@@ -463,23 +463,37 @@ def run_mock_capacity(duration: float, repeat: int) -> dict[str, harness.LoadRes
 
 
 POLICY_TITLE = "Routing policy: S1's load (64 connections, two engines) with short and long prompts"
-#: pdproxy's policies compared in the policy scenario, the first the reference.
-POLICIES = ("round_robin", "scored")
+#: pdproxy's policies compared in the policy scenario (the first the reference), and their flags:
+#: `scored` alone, and with the KV index following the engines' events (--kv-events).
+POLICIES = {
+    "round_robin": ("--policy", "round_robin"),
+    "scored": ("--policy", "scored"),
+    "scored, kv index": ("--policy", "scored", "--kv-events", "auto", "--kv-tokenizer", "mock"),
+}
+REFERENCE_POLICY = next(iter(POLICIES))
 #: The prompts of the policy scenario: S1's two words, and a long one (tokens of 4 bytes).
 POLICY_PROMPTS = {"short": 0, "2k tokens": 2048}
+#: The policy scenario's engines simulate a KV cache and publish its events (the index then
+#: holds the repeated prompt, and matches all of it), with steps short enough that the proxy,
+#: not the engines, is what the load measures.
+POLICY_ENGINE = (
+    *("--simulate", "--max-batch", "64", "--prefill-ms-per-token", "0", "--decode-step-ms", "0.5"),
+    *("--decode-step-ms-per-seq", "0", "--kv-events", "tcp://127.0.0.1:0", "--kv-events-replay", "tcp://127.0.0.1:0"),
+)
 
 
 def run_policy(duration: float, repeat: int) -> dict[str, harness.LoadResult]:
     """What a routing policy costs the proxy per request: S1's load through pdproxy with each of
     ``POLICIES``, every setup up at once and taking turns, the same prompt repeated (so `scored`
-    finds it cached and does its whole work: hashing every block, matching, learning)."""
+    finds it cached and does its whole work: hashing every block, matching, learning; and the
+    KV index renders it and matches every block)."""
     run_load = by_rps(repeat)
-    with harness.mock_engines(2, MODEL) as engines, contextlib.ExitStack() as up:
+    with harness.mock_engines(2, MODEL, options=POLICY_ENGINE) as engines, contextlib.ExitStack() as up:
         mocks = {f"mock-{i}": e.proc.pid for i, e in enumerate(engines)}
         urls = [e.url for e in engines]
         proxies = {}
-        for policy in POLICIES:
-            how = (*PDPROXY_TARGETS["pdproxy"], "--policy", policy)
+        for policy, flags in POLICIES.items():
+            how = (*PDPROXY_TARGETS["pdproxy"], *flags)
             proxies[policy] = up.enter_context(harness.pdproxy(urls, MODEL, how))
         runs: dict[str, list[harness.LoadResult]] = {}
         for round_ in range(repeat):
@@ -495,12 +509,12 @@ def run_policy(duration: float, repeat: int) -> dict[str, harness.LoadResult]:
 
 def render_policy(results: dict[str, harness.LoadResult]) -> list[str]:
     rows = [
-        f"| policy and prompt | req/s | p99 ms | proxy CPU µs/req | vs {POLICIES[0]} | errors |",
+        f"| policy and prompt | req/s | p99 ms | proxy CPU µs/req | vs {REFERENCE_POLICY} | errors |",
         "|---|---|---|---|---|---|",
     ]
     for name, r in results.items():
-        prompt = name.split(", ", 1)[1]
-        reference = _cpu_us(results[f"{POLICIES[0]}, {prompt}"], "request")
+        prompt = name.rsplit(", ", 1)[1]
+        reference = _cpu_us(results[f"{REFERENCE_POLICY}, {prompt}"], "request")
         cpu = _cpu_us(r, "request")
         rows.append(
             f"| {name} | {r.load['rps']:.0f} | {_ms(r, 'latency_ms', 'p99'):.2f} | {cpu:.0f} | "

@@ -306,6 +306,82 @@ class Router:
             ValueError: `kv_usage` is not a finite number.
         """
 
+    def start_kv_index(
+        self,
+        template: tuple[bytes, bytes, bytes, bytes, bytes],
+        max_blocks: int,
+        vocabulary: list[bytes] | None = None,
+        token_width: int | None = None,
+    ) -> None:
+        """Starts pricing cache hits from the engines' KV events (`select/kv_index`): block
+        token ids decode through `vocabulary` (each id's bytes) or, without one, as
+        `token_width` little-endian bytes each (the mock engine's tokenizer); chat prompts
+        render through `template` (start, before_role, after_role, end, generation); at most
+        `max_blocks` blocks are kept.
+
+        Raises:
+            ValueError: neither a vocabulary nor a token width of 1 to 8, or both.
+        """
+
+    def stop_kv_index(self) -> None:
+        """Prices cache hits from the prefix table alone again."""
+
+    def kv_stored(
+        self, node: str, rank: int, hashes: list[int], parent: int | None, token_ids: list[int], block_size: int
+    ) -> None:
+        """A `BlockStored` event of `node`'s rank `rank`.
+
+        Raises:
+            RuntimeError: the KV index is not started.
+        """
+
+    def kv_removed(self, node: str, rank: int, hashes: list[int]) -> None:
+        """A `BlockRemoved` event.
+
+        Raises:
+            RuntimeError: the KV index is not started.
+        """
+
+    def kv_cleared(self, node: str, rank: int) -> None:
+        """Everything `node`'s rank held is gone, or no longer known.
+
+        Raises:
+            RuntimeError: the KV index is not started.
+        """
+
+    def kv_live(self, node: str, rank: int, live: bool) -> None:
+        """Whether `node`'s rank is followed with no gap (priced from the index when all its
+        ranks are).
+
+        Raises:
+            RuntimeError: the KV index is not started.
+        """
+
+    def kv_forget_node(self, node: str) -> None:
+        """Forgets `node`'s ranks: it left the fleet.
+
+        Raises:
+            RuntimeError: the KV index is not started.
+        """
+
+    def kv_matched(self, prompt: bytes, nodes: list[str]) -> list[int | None]:
+        """The tokens of a request's prompt (its raw `messages` or `prompt` JSON) each of
+        `nodes` holds: `None` for a node the index is not live for, or for every node when the
+        prompt cannot be rendered.
+
+        Raises:
+            RuntimeError: the KV index is not started.
+        """
+
+    def kv_index_stats(self) -> dict[str, object]:
+        """`blocks`, `evicted`, `used` and `fell_back` (candidates priced from the index, and
+        from the table because it was not live for them), and `streams`: per engine rank
+        `(node, rank, blocks, events, orphans, unknown_tokens, live)`.
+
+        Raises:
+            RuntimeError: the KV index is not started.
+        """
+
     def record_engine_failure(self, url: str) -> None:
         """Counts a failed reading of a node's engine metrics.
 

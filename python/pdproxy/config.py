@@ -654,6 +654,59 @@ class EngineMetricsSettings(SettingsGroup):
         return value
 
 
+class KvEventsSettings(SettingsGroup):
+    """The engines' own KV-cache events, which make cache-aware routing exact (``kv_events``)."""
+
+    title: ClassVar[str] = "KV events (vLLM's and SGLang's KV-cache events)"
+
+    kv_events: str = _setting(
+        "",
+        (
+            "Where each node's engine publishes its KV-cache events (ZMQ): a template of the node's host, "
+            "e.g. tcp://{host}:5557 for vLLM's --kv-events-config endpoint tcp://*:5557; 'auto': where its "
+            "/server_info says (SGLang); empty: not followed (the prefix table alone)."
+        ),
+    )
+    kv_events_replay: str = _setting(
+        "",
+        "The engines' replay endpoint, as --kv-events (e.g. tcp://{host}:5558): missed events are asked there.",
+    )
+    kv_events_ranks: AtLeastOne = _setting(
+        1,
+        "Data-parallel ranks of each engine, each publishing one port after the one before.",
+    )
+    kv_events_topic: str = _setting("", "The topic the engines publish their events under.")
+    kv_tokenizer: str = _setting(
+        "",
+        (
+            "The served model's tokenizer.json (or its directory), to read the events' token ids; "
+            "'mock': the mock engine's (pdproxy mock-engine --simulate --kv-events)."
+        ),
+    )
+    kv_chat_template: str = _setting(
+        "role-tags",
+        (
+            "How the engines render chat messages: role-tags (<|role|>content<|end|>, then <|assistant|>), "
+            "chatml (<|im_start|>role, content, <|im_end|>), or a JSON list of five strings: "
+            "[start, before-role, after-role, end, generation]."
+        ),
+    )
+    kv_index_max_blocks: AtLeastOne = _setting(
+        1_000_000,
+        "KV blocks the index keeps at most, all nodes together (about 120 bytes each).",
+    )
+
+    @model_validator(mode="after")
+    def _kv_events(self) -> KvEventsSettings:
+        if self.kv_events and not self.kv_tokenizer:
+            raise _refuse("--kv-events needs --kv-tokenizer: the events carry token ids")
+        if self.kv_events and self.kv_events != "auto" and not self.kv_events.startswith(("tcp://", "ipc://")):
+            raise _refuse(
+                "kv_events must be a tcp:// or ipc:// endpoint template, or auto, got {value}", value=self.kv_events
+            )
+        return self
+
+
 class PdSettings(SettingsGroup):
     """Prefill/decode disaggregation."""
 
@@ -1002,6 +1055,7 @@ GROUPS: tuple[type[SettingsGroup], ...] = (
     SecuritySettings,
     HealthSettings,
     EngineMetricsSettings,
+    KvEventsSettings,
     TenantSettings,
     ObservabilitySettings,
 )
@@ -1012,6 +1066,7 @@ class Settings(
     TenantSettings,
     SecuritySettings,
     PdSettings,
+    KvEventsSettings,
     EngineMetricsSettings,
     HealthSettings,
     TimeoutSettings,

@@ -28,6 +28,8 @@ from .errors import ConfigError, InvalidNode, NodeNotFound, NodeUnresolvable, Re
 from .group import Group
 from .health import HealthChecker, HealthSummary
 from .json_types import JsonValue
+from .kv_events import chat_template, index_options
+from .kv_events.follower import KvEventFollower, KvEventsPlan
 from .membership import Entry, Membership
 from .node_record import NodeRecord, configured_nodes
 from .node_sources import FoundBy, NodeSource, sources_for
@@ -83,6 +85,9 @@ class Fleet:
             on_sleep=self.health.engine_asleep,
             ca_file=settings.node_ca_file,
         )
+        #: Follows the engines' KV events into the data plane's index (``--kv-events``), in
+        #: every worker: each has its own data plane.
+        self.kv_events: KvEventFollower | None = None
         self._session: aiohttp.ClientSession | None = None
         self._lease_task: asyncio.Task[None] | None = None
         #: The disaggregation flow, when serving with DistServe (for the management API).
@@ -101,6 +106,8 @@ class Fleet:
         self._session = node_session(self.settings.node_ca_file, self.settings.admin_timeout)
         if check_health:
             await self.start_health()
+        if self.settings.kv_events:
+            await self._follow_kv_events()
         if self.membership is not None:
             await self.membership.start(self.apply)
         restore = self.settings.state_file and not self.settings.disable_cache_status
@@ -141,7 +148,27 @@ class Fleet:
         if not self.engines.running and self.settings.engine_metrics_interval > 0:
             await self.engines.start()
 
+    def session(self) -> aiohttp.ClientSession:
+        """The session calls to the nodes go through (once started)."""
+        assert self._session is not None
+        return self._session
+
+    async def _follow_kv_events(self) -> None:
+        settings = self.settings
+        self.router.core.start_kv_index(
+            chat_template(settings.kv_chat_template),
+            settings.kv_index_max_blocks,
+            **index_options(settings.kv_tokenizer),  # type: ignore[arg-type]
+        )
+        plan = KvEventsPlan(
+            settings.kv_events, settings.kv_events_replay or None, settings.kv_events_ranks, settings.kv_events_topic
+        )
+        self.kv_events = KvEventFollower(self.router.core, plan, session_of=self.session)
+        await self.kv_events.start()
+
     async def aclose(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.aclose()
         for source in self.sources:
             await source.aclose()
         await background.stop(self._lease_task)
@@ -369,6 +396,7 @@ class Fleet:
                 },
                 "address": node["address"],
                 "found_by": found.shown() if (found := self.found.get(url)) is not None else None,
+                "kv_events": self.kv_events.status(url) if self.kv_events is not None else None,
             }
             if isinstance(self.pd, DistServe):
                 out[url]["links"] = [

@@ -4,7 +4,7 @@ plane's counters (no per-request work in Python), plus the control plane's own s
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Literal
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -122,6 +122,8 @@ class PdproxyCollector(Collector):
 
         if fleet is not None and fleet.sources:
             yield from _source_metrics(fleet.sources)
+        if fleet is not None and fleet.kv_events is not None:
+            yield from _kv_index_metrics(router.core.kv_index_stats())
 
         pd = fleet.pd if fleet is not None else None
         if isinstance(pd, DistServe):
@@ -159,6 +161,29 @@ def _source_metrics(sources: list[NodeSource]) -> Iterator[Metric]:
         for kind, count in state.events.items():
             events.add_metric([source.name, kind], count)
     yield from (up, nodes, synced, restarts, events)
+
+
+def _kv_index_metrics(stats: Mapping[str, object]) -> Iterator[Metric]:
+    """The KV index: live per engine rank (0: priced from the prefix table), its blocks, and
+    how many candidates were priced from it and from the table."""
+    live = GaugeMetricFamily(
+        "pdproxy_kv_events_live", "1 while the rank's KV events are followed with no gap", labels=["node", "rank"]
+    )
+    held = GaugeMetricFamily(
+        "pdproxy_kv_index_node_blocks", "KV blocks the index holds for the rank", labels=["node", "rank"]
+    )
+    streams = stats["streams"] if isinstance(stats["streams"], list) else []
+    for node, rank, blocks, _events, _orphans, _unknown, is_live in streams:
+        live.add_metric([node, str(rank)], 1 if is_live else 0)
+        held.add_metric([node, str(rank)], blocks)
+    blocks = GaugeMetricFamily("pdproxy_kv_index_blocks", "KV blocks in the index, all nodes together")
+    blocks.add_metric([], float(stats["blocks"]))  # type: ignore[arg-type]
+    priced = CounterMetricFamily(
+        "pdproxy_kv_index_priced", "Candidates whose cache hits were priced, by source", labels=["source"]
+    )
+    priced.add_metric(["index"], float(stats["used"]))  # type: ignore[arg-type]
+    priced.add_metric(["table"], float(stats["fell_back"]))  # type: ignore[arg-type]
+    yield from (live, held, blocks, priced)
 
 
 def _tenant_metrics(tenants: list[TenantSnapshot]) -> Iterator[Metric]:

@@ -29,9 +29,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.real_engine)
 
 
-def start_vllm(log_dir: Path, core: int, *extra: str, env: dict[str, str] | None = None) -> VllmServer:
+def start_vllm(
+    log_dir: Path, core: int, *extra: str, env: dict[str, str] | None = None, port: int | None = None
+) -> VllmServer:
     try:
-        return _start_vllm(ENGINE_DIR, log_dir, core, *extra, env=env)
+        return _start_vllm(ENGINE_DIR, log_dir, core, *extra, env=env, port=port)
     except FileNotFoundError as e:
         pytest.fail(f"{e} (make test-real does)")
 

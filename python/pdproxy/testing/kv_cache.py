@@ -16,6 +16,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
+
+
+class CacheObserver(Protocol):
+    """Told what the cache keeps, as an engine's KV events tell it (see ``kv_events``)."""
+
+    def stored(self, blocks: Sequence[tuple[bytes, bytes | None]]) -> None:
+        """Blocks newly filled, in order, each with the block it extends."""
+
+    def removed(self, blocks: Sequence[bytes]) -> None: ...
+
+    def cleared(self) -> None: ...
 
 
 class PagedKvCache:
@@ -34,6 +46,7 @@ class PagedKvCache:
         #: Held blocks a flush renamed: dropped, not kept for reuse, once no sequence holds them.
         self._detached: set[bytes] = set()
         self._flushes = 0
+        self.observer: CacheObserver | None = None
 
     @property
     def used(self) -> int:
@@ -73,29 +86,43 @@ class PagedKvCache:
         room = self.total - self.used - reused
         if fresh + private > room:
             return None
-        for block in hashes:
+        stored: list[tuple[bytes, bytes | None]] = []
+        for i, block in enumerate(hashes):
             if block in self._evictable:
                 del self._evictable[block]
                 self._held[block] = 1
             else:
+                if block not in self._held:
+                    stored.append((block, hashes[i - 1] if i else None))
                 self._held[block] = self._held.get(block, 0) + 1
         self._private += private
+        evicted = []
         while self.used + len(self._evictable) > self.total:
-            self._evictable.popitem(last=False)
+            evicted.append(self._evictable.popitem(last=False)[0])
             self.evicted += 1
+        if self.observer is not None:
+            if evicted:
+                self.observer.removed(evicted)
+            if stored:
+                self.observer.stored(stored)
         return matched
 
     def release(self, hashes: Sequence[bytes], private: int, completed: Sequence[bytes] = ()) -> None:
         """Gives back a sequence's blocks. ``completed`` names the blocks its answer filled
         (they were private until now): they stay cached too, so that the next turn of a
         conversation finds its whole history."""
-        for block in reversed(completed):
+        stored: list[tuple[bytes, bytes | None]] = []
+        for i in reversed(range(len(completed))):
             if private == 0:
                 break
+            block = completed[i]
             private -= 1
             self._private -= 1
             if not self.contains(block):
                 self._evictable[block] = None
+                stored.append((block, completed[i - 1] if i else (hashes[-1] if hashes else None)))
+        if stored and self.observer is not None:
+            self.observer.stored(stored[::-1])
         self._private -= private
         for block in reversed(hashes):
             holders = self._held.get(block, 0) - 1
@@ -110,7 +137,10 @@ class PagedKvCache:
 
     def clear(self) -> None:
         """Drops every cached block (held ones stay, and stay found)."""
+        dropped = list(self._evictable)
         self._evictable.clear()
+        if dropped and self.observer is not None:
+            self.observer.removed(dropped)
 
     def flush(self) -> dict[bytes, bytes]:
         """Empties the prefix cache: no later prompt finds any block there now. The blocks
@@ -123,4 +153,6 @@ class PagedKvCache:
         renamed = {block: tag + block for block in self._held if block not in self._detached}
         self._held = {renamed.get(block, block): holders for block, holders in self._held.items()}
         self._detached.update(renamed.values())
+        if self.observer is not None:
+            self.observer.cleared()
         return renamed

@@ -26,6 +26,7 @@ import aiohttp
 from aiohttp import web
 
 from pdproxy.json_types import JsonObject, JsonValue, loads
+from pdproxy.kv_events.wire import DIALECTS as KV_EVENT_DIALECTS
 
 from . import distserve, engine_metrics, vllm_fields
 from .batching import ContinuousBatcher, EngineModel, PromptTooLong
@@ -33,6 +34,7 @@ from .distserve import ID_FORMATS, KvLedger, Links
 from .engine_metrics import DIALECTS, EngineFigures
 from .faults import FAULT_HEADER, FAULT_HELP, NO_FAULTS, Faults, FaultSpecError, parse_faults
 from .generation import count_tokens, generate, prompt_text, token_id
+from .kv_publisher import KvEventPublisher
 from .tokens import TOKEN_BYTES, block_hashes, render_prompt
 from .tokens import count_tokens as sim_tokens
 from .vllm_sglang import Rendezvous, check_vllm_prefill_shape, vllm_remote_path
@@ -106,6 +108,19 @@ class MockSettings:
     decode_step_ms_per_seq: float = field(
         default=0.5, metadata={"help": "Simulation: milliseconds a step takes longer per request decoding."}
     )
+    kv_events: str = field(
+        default="",
+        metadata={
+            "help": "Simulation: publish KV-cache events on this ZMQ endpoint (tcp://127.0.0.1:0: any free "
+            "port), as vLLM's --kv-events-config and SGLang's do; /server_info says where."
+        },
+    )
+    kv_events_replay: str = field(
+        default="", metadata={"help": "Simulation: the ZMQ endpoint replaying the KV events it keeps."}
+    )
+    kv_events_dialect: str = field(
+        default="vllm", metadata={"help": "Simulation: the KV events' encoding: vllm, vllm-array or sglang."}
+    )
 
     ssl_certfile: str = field(
         default="", metadata={"help": "Serve HTTPS with this certificate chain (PEM; with --ssl-keyfile)."}
@@ -123,6 +138,10 @@ class MockSettings:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.metrics_dialect not in DIALECTS:
             raise ValueError(f"metrics_dialect must be one of {', '.join(DIALECTS)}, got {self.metrics_dialect!r}")
+        if self.kv_events_dialect not in KV_EVENT_DIALECTS:
+            raise ValueError(
+                f"kv_events_dialect must be one of {', '.join(KV_EVENT_DIALECTS)}, got {self.kv_events_dialect!r}"
+            )
         for name in ("kv_blocks", "kv_block_tokens", "max_batch", "max_step_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -244,6 +263,8 @@ class MockState:
     client: aiohttp.ClientSession | None = None
     #: The serving-engine simulation (``--simulate``).
     batcher: ContinuousBatcher | None = None
+    #: The simulated engine's KV events (``--kv-events``).
+    kv_events: KvEventPublisher | None = None
     flushes: int = 0
 
     def figures(self) -> EngineFigures:
@@ -675,6 +696,9 @@ async def _simulated(
     prompt = render_prompt(body)
     answer = "".join(completion.tokens)
     hashes = block_hashes(prompt + answer, batcher.model.kv_block_tokens)
+    publisher = request.app[STATE].kv_events
+    if publisher is not None:
+        publisher.name_blocks(hashes, (prompt + answer).encode())
     full_prompt_blocks = len(prompt.encode()) // (batcher.model.kv_block_tokens * TOKEN_BYTES)
     tokens = len(completion.tokens)
     job = batcher.submit(hashes[:full_prompt_blocks], hashes[full_prompt_blocks:], sim_tokens(prompt), tokens)
@@ -982,6 +1006,44 @@ async def _mock_requests(request: web.Request) -> web.Response:
     return web.json_response(list(request.app[STATE].records))
 
 
+async def _start_kv_events(app: web.Application) -> None:
+    state = app[STATE]
+    assert state.batcher is not None
+    settings = state.settings
+    publisher = KvEventPublisher(
+        settings.kv_events,
+        settings.kv_events_replay or None,
+        block_tokens=settings.kv_block_tokens,
+        kv_blocks=settings.kv_blocks,
+        dialect=settings.kv_events_dialect,
+    )
+    publisher.start()
+    state.kv_events = publisher
+    state.batcher.cache.observer = publisher
+
+
+async def _mock_kv_events(request: web.Request) -> web.Response:
+    """The KV events' knobs: ``{"drop": N}``, ``{"lose": N}``, ``{"restart": true}`` (see
+    ``kv_publisher``); answers what was published."""
+    state = request.app[STATE]
+    if state.kv_events is None:
+        return _error(404, "this engine publishes no KV events (--kv-events)", "not_found")
+    try:
+        knobs = await request.json()
+    except ValueError:
+        knobs = {}
+    if not isinstance(knobs, dict):
+        return _error(400, "a JSON object of knobs", "invalid_request_error")
+    publisher = state.kv_events
+    if isinstance(knobs.get("drop"), int):
+        publisher.drop(knobs["drop"])
+    if isinstance(knobs.get("lose"), int):
+        publisher.lose(knobs["lose"])
+    if knobs.get("restart") is True:
+        publisher.restart()
+    return web.json_response({**publisher.config(), "published": publisher.published})
+
+
 async def _mock_reset(request: web.Request) -> web.Response:
     state = request.app[STATE]
     state.requests = state.completed = state.disconnected = 0
@@ -1123,6 +1185,7 @@ async def _server_info(request: web.Request) -> web.Response:
             "disaggregation_bootstrap_port": port,  # the mock serves its bootstrap endpoints itself
             "served_model_name": state.settings.model,
             "tp_size": state.settings.tp_size,
+            **({"kv_events_config": state.kv_events.config()} if state.kv_events is not None else {}),
         }
     )
 
@@ -1207,6 +1270,10 @@ def build_app(settings: MockSettings) -> web.Application:
     app[STATE] = MockState(settings=settings, faults=faults, ledger=KvLedger(settings.block_size))
     if settings.simulate:
         app[STATE].batcher = ContinuousBatcher(engine_model(settings))
+    if settings.kv_events:
+        if not settings.simulate:
+            raise ValueError("--kv-events needs --simulate: the events follow the simulated KV cache")
+        app.on_startup.append(_start_kv_events)
 
     async def chat(request: web.Request) -> web.StreamResponse:
         return await _inference(request, chat=True)
@@ -1243,6 +1310,7 @@ def build_app(settings: MockSettings) -> web.Application:
     app.router.add_get("/server_info", _server_info)
     app.router.add_get("/get_server_info", _server_info)
     app.router.add_post("/mock/config", _mock_config)
+    app.router.add_post("/mock/kv_events", _mock_kv_events)
     app.router.add_get("/metrics", _metrics)
 
     async def close_client(app: web.Application) -> None:
@@ -1252,6 +1320,9 @@ def build_app(settings: MockSettings) -> web.Application:
         batcher = app[STATE].batcher
         if batcher is not None:
             await batcher.aclose()
+        publisher = app[STATE].kv_events
+        if publisher is not None:
+            await publisher.aclose()
 
     app.on_cleanup.append(close_client)
     return app

@@ -55,15 +55,21 @@ class VllmServer:
 
 
 def start_vllm(
-    engine_dir: Path, log_dir: Path, core: int, *extra: str, env: dict[str, str] | None = None
+    engine_dir: Path,
+    log_dir: Path,
+    core: int,
+    *extra: str,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> VllmServer:
     """Starts a vLLM api_server of the tiny model in ``engine_dir`` (scripts/real_engine.sh's) on
-    a free port, pinned to ``core``; returns once it is starting (see ``wait_ready``)."""
+    ``port`` (a free one by default: ``port`` restarts a server where it was), pinned to ``core``;
+    returns once it is starting (see ``wait_ready``)."""
     engine_dir = engine_dir.resolve()  # the server runs in log_dir
     python = engine_dir / "venv" / "bin" / "python"
     if not (engine_dir / "ready").exists() or not python.exists():
         raise FileNotFoundError(f"no real-engine environment at {engine_dir}: run scripts/real_engine.sh")
-    port = free_port()
+    port = port or free_port()
     log_path = log_dir / f"vllm-{port}.log"
     command = [
         str(python),

@@ -24,6 +24,7 @@ use crate::node::{Node, NodeSpec, NodeState, Role};
 use crate::permit::{InFlightPermit, Outcome};
 use crate::registry::Registry;
 use crate::retry::RetryBudget;
+use crate::select::kv_index::KvIndex;
 use crate::select::{select, select_excluding, PolicyConfig, SelectCtx};
 use crate::tenants::Tenants;
 use crate::trace::{OpenSpan, SpanKind, Trace, Tracer, TracingConfig};
@@ -81,6 +82,8 @@ pub struct Engine {
     pub tenants: Tenants,
     /// LMDeploy DistServe's links and sessions, once the control plane has started its flow.
     pub distserve: ArcSwapOption<DistServe>,
+    /// The engines' KV events, once the control plane follows them (see `select::kv_index`).
+    kv_index: ArcSwapOption<KvIndex>,
 }
 
 /// A permit taken at once, or a place in the queue.
@@ -113,6 +116,7 @@ impl Engine {
             tracer: config.tracing.clone().map(Tracer::start),
             tenants: Tenants::default(),
             distserve: ArcSwapOption::empty(),
+            kv_index: ArcSwapOption::empty(),
             config,
             group_poll,
             instance,
@@ -131,6 +135,16 @@ impl Engine {
 
     pub fn policies(&self) -> &PolicySet {
         &self.policies
+    }
+
+    /// Prices cache hits from `index` where it is live (`None`: from the prefix table alone).
+    pub fn set_kv_index(&self, index: Option<Arc<KvIndex>>) {
+        self.policies.use_kv_index(index.as_ref());
+        self.kv_index.store(index);
+    }
+
+    pub fn kv_index(&self) -> Option<Arc<KvIndex>> {
+        self.kv_index.load_full()
     }
 
     /// Refuses a request whose numbers would size the proxy's own work past its settings:

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Kind, Result};
 use crate::node::Role;
+use crate::select::kv_index::KvIndex;
 use crate::select::{policy_from_name, Policy, PolicyConfig};
 
 /// Names of the policies to build: one per role, plus `MODEL=POLICY` overrides.
@@ -42,6 +43,13 @@ impl PolicySet {
             return &self.by_role[role.index()];
         }
         model.and_then(|m| self.by_model.get(m)).unwrap_or(&self.by_role[role.index()])
+    }
+
+    /// Every policy prices cache hits from `index` (see `Policy::use_kv_index`).
+    pub fn use_kv_index(&self, index: Option<&Arc<KvIndex>>) {
+        for policy in self.by_role.iter().chain(self.by_model.values()) {
+            policy.use_kv_index(index.cloned());
+        }
     }
 
     /// `(role, policy)` for each role, then `("model:NAME", policy)` for each override.

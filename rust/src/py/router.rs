@@ -35,6 +35,7 @@ use crate::node::{Node, NodeState, NodeUrl, Role};
 use crate::permit::Outcome;
 use crate::registry::Registry;
 use crate::runtime;
+use crate::select::kv_index::{ChatTemplate, Detokenizer, KvIndex, Stored};
 use crate::select::SelectCtx;
 use crate::tenants::{estimate_tokens, TenantPass, TenantSpec};
 use crate::trace::{OpenSpan, Trace as RequestTrace};
@@ -52,6 +53,11 @@ pub struct Router {
 fn role_of(raw: &str) -> PyResult<Role> {
     Ok(Role::parse(raw)?)
 }
+
+/// A chat template's five parts, as `kv_events.chat_template` gives them: what starts a
+/// prompt, what comes before and after each message's role, what ends a message, and what asks
+/// for the answer.
+type TemplateParts = (Vec<u8>, Vec<u8>, Vec<u8>, Vec<u8>, Vec<u8>);
 
 #[pymethods]
 impl Router {
@@ -167,6 +173,103 @@ impl Router {
     fn record_engine_failure(&self, url: &str) -> PyResult<()> {
         self.lookup(url)?.counters().engine.record_failure();
         Ok(())
+    }
+
+    /// Starts pricing cache hits from the engines' KV events: block token ids decode through
+    /// `vocabulary` (each id's bytes) or, without one, as `token_width` little-endian bytes each
+    /// (the mock engine's tokenizer); chat prompts render through `template` (see
+    /// `TemplateParts`); at most `max_blocks` blocks are kept.
+    #[pyo3(signature = (template, max_blocks, vocabulary=None, token_width=None))]
+    fn start_kv_index(
+        &self,
+        template: TemplateParts,
+        max_blocks: usize,
+        vocabulary: Option<Vec<Vec<u8>>>,
+        token_width: Option<usize>,
+    ) -> PyResult<()> {
+        let detokenizer = match (vocabulary, token_width) {
+            (Some(vocabulary), None) => Detokenizer::Table(vocabulary.into_iter().map(Vec::into_boxed_slice).collect()),
+            (None, Some(width)) if (1..=8).contains(&width) => Detokenizer::FixedWidth(width),
+            _ => return Err(PyValueError::new_err("give a vocabulary, or a token width of 1 to 8 bytes")),
+        };
+        let (start, before_role, after_role, end, generation) = template;
+        let template = ChatTemplate { start, before_role, after_role, end, generation };
+        self.engine.set_kv_index(Some(Arc::new(KvIndex::new(detokenizer, template, max_blocks))));
+        Ok(())
+    }
+
+    fn stop_kv_index(&self) {
+        self.engine.set_kv_index(None);
+    }
+
+    /// A `BlockStored` event of `node`'s rank `rank` (see `kv_index::Stored`).
+    fn kv_stored(
+        &self,
+        node: &str,
+        rank: u32,
+        hashes: Vec<u64>,
+        parent: Option<u64>,
+        token_ids: Vec<u64>,
+        block_size: usize,
+    ) -> PyResult<()> {
+        let index = self.kv_index()?;
+        index.stored(
+            node,
+            rank,
+            Stored { hashes: &hashes, parent, token_ids: &token_ids, block_size: block_size.max(1) },
+        );
+        Ok(())
+    }
+
+    fn kv_removed(&self, node: &str, rank: u32, hashes: Vec<u64>) -> PyResult<()> {
+        self.kv_index()?.removed(node, rank, &hashes);
+        Ok(())
+    }
+
+    /// Everything `node`'s rank held is gone or no longer known.
+    fn kv_cleared(&self, node: &str, rank: u32) -> PyResult<()> {
+        self.kv_index()?.cleared(node, rank);
+        Ok(())
+    }
+
+    fn kv_live(&self, node: &str, rank: u32, live: bool) -> PyResult<()> {
+        self.kv_index()?.set_live(node, rank, live);
+        Ok(())
+    }
+
+    fn kv_forget_node(&self, node: &str) -> PyResult<()> {
+        self.kv_index()?.forget_node(node);
+        Ok(())
+    }
+
+    /// What each of `nodes` holds of a request's prompt (its raw `messages` or `prompt` JSON),
+    /// in tokens: `None` for a node the index is not live for, or for every node when the
+    /// prompt cannot be rendered.
+    fn kv_matched(&self, prompt: &[u8], nodes: Vec<String>) -> PyResult<Vec<Option<u64>>> {
+        let urls: Vec<&str> = nodes.iter().map(String::as_str).collect();
+        Ok(match self.kv_index()?.matched_request(prompt, &urls) {
+            Some(found) => found.into_iter().map(|m| m.map(|m| m.tokens)).collect(),
+            None => vec![None; nodes.len()],
+        })
+    }
+
+    /// The index's figures: `blocks`, `evicted`, `used` and `fell_back` (candidates priced from
+    /// it, and from the table because it was not live for them), and per stream `(node, rank,
+    /// blocks, events, orphans, unknown_tokens, live)`.
+    fn kv_index_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let index = self.kv_index()?;
+        let out = PyDict::new(py);
+        out.set_item("blocks", index.len())?;
+        out.set_item("evicted", index.evicted())?;
+        out.set_item("used", index.used.load(Ordering::Relaxed))?;
+        out.set_item("fell_back", index.fell_back.load(Ordering::Relaxed))?;
+        let streams: Vec<_> = index
+            .streams()
+            .into_iter()
+            .map(|s| (s.node, s.rank, s.blocks, s.events, s.orphans, s.unknown_tokens, s.live))
+            .collect();
+        out.set_item("streams", streams)?;
+        Ok(out)
     }
 
     /// Sets (or with `None` lifts) a node's hard cap on requests in flight.
@@ -488,6 +591,10 @@ impl Drop for Router {
 }
 
 impl Router {
+    fn kv_index(&self) -> PyResult<Arc<KvIndex>> {
+        self.engine.kv_index().ok_or_else(|| PyRuntimeError::new_err("the KV index is not started"))
+    }
+
     fn lookup(&self, url: &str) -> PyResult<Arc<Node>> {
         Ok(self.engine.node(url)?)
     }

@@ -2,6 +2,7 @@
 //! permit are one step: a node raced to its cap is skipped and the policy picks again.
 
 mod consistent_hash;
+pub mod kv_index;
 mod least_engine_load;
 mod least_requests;
 mod min_cache_usage;
@@ -65,6 +66,9 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
     fn selected(&self, _node: &Arc<Node>, _ctx: &SelectCtx<'_>) -> Prediction {
         Prediction::default()
     }
+    /// The engines' KV index to price cache hits from, where it is live (policies that
+    /// predict them; the others ignore it).
+    fn use_kv_index(&self, _index: Option<Arc<kv_index::KvIndex>>) {}
 }
 
 /// True when `node` may take a request now: healthy and below its cap.

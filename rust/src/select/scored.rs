@@ -48,6 +48,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use arc_swap::ArcSwapOption;
+
+use super::kv_index::KvIndex;
 use super::prefix_table::{PrefixTable, PrefixTableConfig};
 use super::{available_indices, Policy, SelectCtx};
 use crate::circuit::{now_ms, now_us};
@@ -144,6 +147,9 @@ pub struct Scored {
     /// The median KV capacity (tokens) the candidates' engines report, for the nodes whose
     /// engines do not (a fleet is mostly alike); 0 when none does.
     typical_capacity: AtomicU64,
+    /// The engines' own account of their caches (`kv_index`), where their events are followed:
+    /// for a node it is live for, what the node holds comes from it instead of the table.
+    kv_index: ArcSwapOption<KvIndex>,
 }
 
 /// The median of the values given (`None`: none).
@@ -260,7 +266,38 @@ fn pick_key(policy: &Scored, ctx: &SelectCtx<'_>) -> [usize; 5] {
 
 impl Scored {
     pub fn new(weights: ScoreWeights, table: PrefixTableConfig, max_age_ms: u64) -> Self {
-        Self { weights, table: PrefixTable::new(table), max_age_ms, typical_capacity: AtomicU64::new(0) }
+        Self {
+            weights,
+            table: PrefixTable::new(table),
+            max_age_ms,
+            typical_capacity: AtomicU64::new(0),
+            kv_index: ArcSwapOption::empty(),
+        }
+    }
+
+    /// How many leading table blocks each candidate holds: from the KV index for the nodes it
+    /// is live for, from the table for the others (and for prompts it cannot render).
+    fn matched(&self, hashes: &[u64], candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<usize> {
+        let mut matched = self.table.matched(hashes, candidates);
+        let index = self.kv_index.load();
+        let (Some(index), Some(prompt)) = (index.as_ref(), ctx.prompt) else { return matched };
+        let urls: Vec<&str> = candidates.iter().map(|n| n.url()).collect();
+        let Some(found) = index.matched_request(prompt, &urls) else {
+            index.fell_back.fetch_add(1, Ordering::Relaxed);
+            return matched;
+        };
+        for (held, found) in matched.iter_mut().zip(found) {
+            match found {
+                Some(found) => {
+                    *held = usize::try_from(found.bytes).unwrap_or(usize::MAX) / self.table.block_bytes();
+                    index.used.fetch_add(1, Ordering::Relaxed);
+                }
+                None => {
+                    index.fell_back.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        matched
     }
 
     /// The median KV capacity the candidates report, kept for the nodes that do not (when
@@ -318,7 +355,7 @@ impl Scored {
     /// Each available candidate's estimate for the request (`None`: not available).
     pub fn estimates(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<Estimate>> {
         let hashes = self.table.block_hashes(ctx);
-        let matched = self.table.matched(&hashes, candidates);
+        let matched = self.matched(&hashes, candidates, ctx);
         self.estimates_for(candidates, ctx, &matched)
     }
 
@@ -357,10 +394,14 @@ impl Policy for Scored {
         "scored"
     }
 
+    fn use_kv_index(&self, index: Option<Arc<KvIndex>>) {
+        self.kv_index.store(index);
+    }
+
     fn pick(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Option<usize> {
         self.note_capacities(candidates);
         let hashes = self.table.block_hashes(ctx);
-        let matched = self.table.matched(&hashes, candidates);
+        let matched = self.matched(&hashes, candidates, ctx);
         let estimates = self.estimates_for(candidates, ctx, &matched);
         let all: Vec<Option<f64>> = estimates.iter().map(|e| e.map(|e| e.cost(self.weights))).collect();
         let matched = candidates
@@ -407,7 +448,7 @@ impl Policy for Scored {
         });
         let (hashes, matched, prefill_ms) = picked.unwrap_or_else(|| {
             let hashes = self.table.block_hashes(ctx);
-            let matched = self.table.matched(&hashes, std::slice::from_ref(node))[0];
+            let matched = self.matched(&hashes, std::slice::from_ref(node), ctx)[0];
             let estimate = self.estimates_for(std::slice::from_ref(node), ctx, &[matched])[0];
             (hashes, matched, estimate.map_or(0.0, |e| e.first_token + e.own))
         });

@@ -1,0 +1,234 @@
+"""Follows one engine rank's KV events: a ZMQ SUB socket on its publisher, the sequence numbers
+checked, gaps filled from its replay socket, restarts noticed.
+
+An engine numbers its batches from 0 and keeps the last few thousand for replay. A subscriber
+that joins late, or misses some (ZMQ drops at its high-water mark, a reconnect), asks the replay
+socket for the missing ones (an 8-byte big-endian start sequence; the replies end with
+sequence -1). A gap that cannot be filled, numbers that go back (the engine restarted and
+counts again) or the publisher's socket closing (its engine exited, most often) make what the
+index holds for that rank untrustworthy: it is dropped (``EventSink.forget``) and rebuilt from
+the events that follow.
+
+The subscription is live while its socket is connected and no gap is open; the index falls
+back to the approximate table for a rank that is not (``status``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import zmq
+import zmq.asyncio
+
+from .wire import Batch, WireError, decode_batch, message_parts
+
+log = logging.getLogger("pdproxy.kv_events")
+
+#: How long a replay may take to answer before the gap counts as unfillable.
+REPLAY_TIMEOUT_S = 1.0
+#: Batches asked of a replay socket at most, when joining late (an engine keeps 10,000).
+JOIN_REPLAY = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """Where one data-parallel rank of a node publishes."""
+
+    node: str
+    rank: int
+    events: str
+    replay: str | None = None
+    topic: str = ""
+
+
+class EventSink(Protocol):
+    def apply(self, endpoint: Endpoint, batch: Batch) -> None: ...
+
+    def forget(self, endpoint: Endpoint, why: str) -> None: ...
+
+
+@dataclass
+class StreamStatus:
+    """What ``/nodes/status`` shows of a subscription."""
+
+    connected: bool = False
+    #: The next sequence number expected (None: none seen yet).
+    next_seq: int | None = None
+    batches: int = 0
+    gaps: int = 0
+    replayed: int = 0
+    unfilled_gaps: int = 0
+    restarts: int = 0
+    bad_messages: int = 0
+    last_batch_at: float | None = None
+    #: Why the rank's entries were last dropped.
+    last_forget: str | None = None
+
+    @property
+    def live(self) -> bool:
+        # An engine that published nothing yet holds nothing: an empty index is right for it.
+        return self.connected
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "live": self.live,
+            "connected": self.connected,
+            "next_seq": self.next_seq,
+            "batches": self.batches,
+            "gaps": self.gaps,
+            "replayed": self.replayed,
+            "unfilled_gaps": self.unfilled_gaps,
+            "restarts": self.restarts,
+            "bad_messages": self.bad_messages,
+            "seconds_since_batch": None if self.last_batch_at is None else round(time.time() - self.last_batch_at, 3),
+            "last_forget": self.last_forget,
+        }
+
+
+class Subscription:
+    """One rank's events into ``sink``, until ``close``."""
+
+    def __init__(self, endpoint: Endpoint, sink: EventSink, context: zmq.asyncio.Context) -> None:
+        self.endpoint = endpoint
+        self.sink = sink
+        self.status = StreamStatus()
+        self._context = context
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"kv-events {self.endpoint.node}#{self.endpoint.rank}")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        sub = self._context.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.endpoint.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(self.endpoint.events)
+        watch = asyncio.create_task(self._watch(monitor))
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                await self._received(frames)
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+
+    async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self.status.connected = True
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                # The publisher's socket closed: most often its engine exited, and its cache with
+                # it. Known cold now, not when the health checks or the next batch say so; once
+                # connected again, the stream joins afresh (the replay gives back what a mere
+                # network break took).
+                self.status.connected = False
+                if self.status.next_seq is not None:
+                    self.status.next_seq = None
+                    self._forget("disconnected from the publisher")
+
+    async def _received(self, frames: list[bytes]) -> None:
+        try:
+            parts = message_parts(frames)
+            if parts is None:
+                return
+            seq, payload = parts
+            batch = decode_batch(payload)
+        except WireError as e:
+            self._bad(e)
+            return
+        expected = self.status.next_seq
+        if expected is not None and seq < expected:
+            # Numbers going back: a new engine process counting from 0 again.
+            self.status.restarts += 1
+            self._forget(f"sequence went back from {expected} to {seq}: the engine restarted")
+            expected = None
+        if expected is None:
+            # Joining: first what the engine still keeps of its earlier batches.
+            await self._replay(max(0, seq - JOIN_REPLAY), seq, joining=True)
+        elif seq > expected:
+            self.status.gaps += 1
+            if not await self._replay(expected, seq):
+                self.status.unfilled_gaps += 1
+                self._forget(f"batches {expected}-{seq - 1} missed and not replayed")
+        self._apply(seq, batch)
+
+    def _apply(self, seq: int, batch: Batch) -> None:
+        self.sink.apply(self.endpoint, batch)
+        self.status.next_seq = seq + 1
+        self.status.batches += 1
+        self.status.last_batch_at = time.time()
+
+    def _forget(self, why: str) -> None:
+        log.warning("KV events of %s rank %d: %s", self.endpoint.node, self.endpoint.rank, why)
+        self.status.last_forget = why
+        self.sink.forget(self.endpoint, why)
+
+    def _bad(self, error: Exception) -> None:
+        self.status.bad_messages += 1
+        if self.status.bad_messages <= 3:
+            log.warning("KV events of %s rank %d: %s", self.endpoint.node, self.endpoint.rank, error)
+
+    async def _replay(self, start: int, end: int, *, joining: bool = False) -> bool:
+        """Applies batches ``start`` to ``end - 1`` from the replay socket; False when it has not
+        got them all (no replay socket, no answer in time, or the oldest ones gone). ``joining``:
+        the first batches seen, so whatever the engine still keeps will do."""
+        if self.endpoint.replay is None:
+            return False
+        dealer = self._context.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self.endpoint.replay)
+        next_seq = start
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(REPLAY_TIMEOUT_S):
+                while True:
+                    frames = await dealer.recv_multipart()
+                    # A DEALER receives what the ROUTER sent after the client's identity.
+                    if frames and frames[0] == b"":
+                        frames = frames[1:]
+                    try:
+                        parts = message_parts(frames)
+                    except WireError as e:
+                        self._bad(e)
+                        continue
+                    if parts is None:
+                        break
+                    seq, payload = parts
+                    if seq < next_seq or seq >= end:
+                        continue
+                    if seq > next_seq and not joining:
+                        # The oldest ones are no longer kept: the rest cannot make them up.
+                        return False
+                    try:
+                        batch = decode_batch(payload)
+                    except WireError as e:
+                        self._bad(e)
+                        return False
+                    self._apply(seq, batch)
+                    self.status.replayed += 1
+                    next_seq = seq + 1
+        except TimeoutError:
+            return False
+        finally:
+            dealer.close(linger=0)
+        return next_seq == end

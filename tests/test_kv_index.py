@@ -1,0 +1,124 @@
+"""pdproxy following simulated engines' KV events (``--kv-events``): it routes a prompt to the
+engine that holds it even when pdproxy never sent it there, knows a flushed engine cold, and
+says in ``/nodes/status`` which nodes it prices from the events and which it cannot."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+from tests.servers import eventually, pdproxy_serve
+
+from pdproxy.testing.mock_engine import MockEngine
+
+MODEL = "kv-model"
+#: Simulated engines publishing their KV events; their caches hold 256 blocks of 16 tokens.
+ENGINE = {
+    "model": MODEL,
+    "simulate": True,
+    "kv_blocks": 256,
+    "decode_step_ms": 1.0,
+    # Slow enough prefills that a cache hit, not a stale load reading, decides where a prompt goes.
+    "prefill_ms_per_token": 0.5,
+    "metrics_dialect": "vllm",
+    "prompt_tokens_details": True,
+    "kv_events": "tcp://127.0.0.1:0",
+    "kv_events_replay": "tcp://127.0.0.1:0",
+}
+
+
+def prompt(i: int) -> str:
+    return f"document {i}: " + " ".join(f"word{i}-{k}" for k in range(120))
+
+
+def chat(text: str) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+
+
+async def ask(http: aiohttp.ClientSession, url: str, text: str) -> dict[str, Any]:
+    async with http.post(url + "/v1/chat/completions", json=chat(text)) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def status(http: aiohttp.ClientSession, proxy: str) -> dict[str, Any]:
+    async with http.get(proxy + "/nodes/status") as r:
+        return await r.json()
+
+
+def serve(tmp_path: Any, *engines: MockEngine, extra: tuple[str, ...] = ()) -> Any:
+    nodes = [arg for e in engines for arg in ("--node", e.url)]
+    return pdproxy_serve(
+        tmp_path, *nodes, "--policy", "scored", "--kv-events", "auto", "--kv-tokenizer", "mock", *extra
+    )
+
+
+async def test_a_prompt_goes_where_the_engine_says_it_is_held(tmp_path: Any) -> None:
+    async with (
+        MockEngine(**ENGINE) as a,
+        MockEngine(**ENGINE) as b,
+        aiohttp.ClientSession() as http,
+        serve(tmp_path, a, b) as proxy,
+    ):
+        await eventually(lambda: _all_live(http, proxy.url, 2), what="both nodes' KV events followed live")
+        # Prompts sent to the engines directly (a batch job, another router): pdproxy never saw them.
+        held = {i: (a if i % 2 else b) for i in range(6)}
+        for i, engine in held.items():
+            await ask(http, engine.url, prompt(i))
+        for engine in (a, b):
+            # Each prompt fills at least this many blocks of 16 mock tokens (4 bytes each).
+            least = sum(len(prompt(i)) // 64 for i, e in held.items() if e is engine)
+            await eventually(
+                lambda e=engine, n=least: _blocks(http, proxy.url, e.url, lambda held_: held_ >= n),
+                what="every prompt's blocks indexed",
+            )
+        for i, engine in held.items():
+            before = engine.state.requests
+            answer = await ask(http, proxy.url, prompt(i) + " and a question")
+            assert engine.state.requests == before + 1, f"prompt {i} went to the engine that holds it"
+            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] > 100
+        nodes = await status(http, proxy.url)
+        used = [n["kv_events"] for n in nodes.values()]
+        assert all(u["live"] for u in used), used
+
+
+async def test_a_flushed_engine_is_known_cold(tmp_path: Any) -> None:
+    async with (
+        MockEngine(**ENGINE) as a,
+        MockEngine(**ENGINE) as b,
+        aiohttp.ClientSession() as http,
+        serve(tmp_path, a, b) as proxy,
+    ):
+        await eventually(lambda: _all_live(http, proxy.url, 2), what="both nodes' KV events followed live")
+        await ask(http, a.url, prompt(1))
+        await eventually(lambda: _blocks(http, proxy.url, a.url, lambda n: n > 0), what="its blocks indexed")
+        async with http.post(a.url + "/reset_prefix_cache") as r:
+            assert r.status == 200
+        await eventually(lambda: _blocks(http, proxy.url, a.url, lambda n: n == 0), 1.0, "the flush known")
+
+
+async def test_a_node_without_events_is_priced_by_the_table_and_says_so(tmp_path: Any) -> None:
+    quiet = {k: v for k, v in ENGINE.items() if not k.startswith("kv_events")}
+    async with (
+        MockEngine(**ENGINE) as a,
+        MockEngine(**quiet) as b,
+        aiohttp.ClientSession() as http,
+        serve(tmp_path, a, b) as proxy,
+    ):
+        await eventually(lambda: _all_live(http, proxy.url, 1), what="the publishing node followed live")
+        nodes = await status(http, proxy.url)
+        assert nodes[a.url]["kv_events"]["live"] is True
+        silent = nodes[b.url]["kv_events"]
+        assert silent["live"] is False
+        assert "no KV event publisher" in silent["error"]
+        await ask(http, proxy.url, prompt(3))  # still served
+
+
+async def _all_live(http: aiohttp.ClientSession, proxy: str, count: int) -> bool:
+    nodes = await status(http, proxy)
+    return sum(bool(n.get("kv_events") and n["kv_events"]["live"]) for n in nodes.values()) >= count
+
+
+async def _blocks(http: aiohttp.ClientSession, proxy: str, node: str, check: Any) -> bool:
+    ranks = (await status(http, proxy))[node]["kv_events"]["ranks"]
+    return bool(check(sum(r.get("blocks", 0) for r in ranks.values())))
