@@ -110,9 +110,12 @@ async def ask(http: aiohttp.ClientSession, url: str, chat: list[dict[str, str]])
         return usage
 
 
-async def live(follower: KvEventFollower, url: str) -> bool:
+async def live(router: Router, follower: KvEventFollower, url: str) -> bool:
+    """Followed live, as the follower says and as the data plane has been told."""
     status = follower.status(url)
-    return bool(status and status["live"])
+    streams = router.core.kv_index_stats()["streams"]
+    assert isinstance(streams, list)
+    return bool(status and status["live"]) and any(s[0] == url and s[6] for s in streams)
 
 
 def blocks(router: Router, url: str) -> int:
@@ -127,7 +130,7 @@ async def test_predicted_cached_tokens_agree_with_what_vllm_found(
     router, follower = index
     assert engine.server is not None
     url = engine.server.url
-    await eventually(lambda: live(follower, url), timeout=30, what="vLLM's KV events followed live")
+    await eventually(lambda: live(router, follower, url), timeout=30, what="vLLM's KV events followed live")
     # Prefix-heavy: three long system prompts, each asked five questions, interleaved.
     systems = [text(600, seed) for seed in range(3)]
     chats = [messages(systems[i % 3], f"question {i}: " + text(40, 100 + i)) for i in range(15)]
@@ -150,7 +153,7 @@ async def test_a_restarted_engine_is_known_cold(
     router, follower = index
     assert engine.server is not None
     url = engine.server.url
-    await eventually(lambda: live(follower, url), timeout=30, what="vLLM's KV events followed live")
+    await eventually(lambda: live(router, follower, url), timeout=30, what="vLLM's KV events followed live")
     chat = messages(text(600, 7), "warm")
     await ask(http, url, chat)
     await eventually(lambda: blocks(router, url) > 0, what="its blocks indexed")
@@ -158,10 +161,12 @@ async def test_a_restarted_engine_is_known_cold(
     gone = time.monotonic()
     await eventually(lambda: blocks(router, url) == 0, what="the restarted engine known cold")
     print(f"known cold {time.monotonic() - gone:.3f} s after the engine's server was killed")
-    assert not await live(follower, url)
+    assert not await live(router, follower, url)
     engine.stop()
     engine.start()
-    await eventually(lambda: live(follower, url), timeout=30, what="the restarted engine's events followed again")
+    await eventually(
+        lambda: live(router, follower, url), timeout=30, what="the restarted engine's events followed again"
+    )
     assert predicted(router, url, chat) == 0
     usage = await ask(http, url, chat)
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0
