@@ -37,6 +37,7 @@ import platform
 import re
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -504,7 +505,22 @@ def run_policy(duration: float, repeat: int) -> dict[str, harness.LoadResult]:
                     watch = {"proxy": proxy.proc.pid, **mocks}
                     load = harness.run_load([proxy.url + CHAT], chat(False, 16, tokens), 64, duration, watch)
                     runs.setdefault(name, []).append(load)
+        check_index_used(proxies["scored, kv index"].url)
     return {name: run_load.pick(r) for name, r in runs.items()}
+
+
+def check_index_used(proxy: str) -> None:
+    """The KV index's row measures the index only if it priced the candidates: its /metrics say."""
+    with urllib.request.urlopen(proxy + "/metrics", timeout=5) as response:
+        text = response.read().decode()
+    priced = {
+        source: float(value)
+        for source, value in re.findall(r'^pdproxy_kv_index_priced_total\{source="(\w+)"\} (\S+)$', text, re.M)
+    }
+    index, table = priced.get("index", 0), priced.get("table", 0)
+    harness.say(f"{POLICY_TITLE}: the KV index priced {index:.0f} candidates, the table {table:.0f}")
+    if not index:
+        raise SystemExit("the KV index priced no candidate: its row would measure scored alone")
 
 
 def render_policy(results: dict[str, harness.LoadResult]) -> list[str]:
