@@ -25,10 +25,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -68,6 +70,9 @@ class Router:
     peer: str = ""
     #: pdproxy: routes by the engines' KV events (``--kv-events``), not its prefix table alone.
     kv_events: bool = False
+    #: pdproxy: replicas in front of the same engines, requests sent to each in turn (each knows
+    #: only the traffic it routes, and the engines' events).
+    replicas: int = 1
 
     @property
     def is_pdproxy(self) -> bool:
@@ -141,12 +146,9 @@ def fleet(shapes: tuple[EngineShape, ...], dialects: str, kv_events: bool = Fals
 
 
 @contextlib.contextmanager
-def router(
-    spec: Router, fleet_: Fleet, installed: dict[str, peers.Peer], replicas: int = 1
-) -> Iterator[tuple[list[str], list[int]]]:
-    """The router running in front of the fleet (pdproxy: ``replicas`` of it, each knowing only
-    the traffic it routes); yields its base URLs and processes (none: the oracle, which runs in
-    the engines' process)."""
+def router(spec: Router, fleet_: Fleet, installed: dict[str, peers.Peer]) -> Iterator[tuple[list[str], list[int]]]:
+    """The router running in front of the fleet (pdproxy: its replicas); yields its base URLs
+    and processes (none: the oracle, which runs in the engines' process)."""
     if spec.kind == "oracle":
         yield [fleet_.oracle], []
     elif spec.kind == "pdproxy":
@@ -155,7 +157,7 @@ def router(
             extra += ("--kv-events", "auto", "--kv-tokenizer", "mock")
         with contextlib.ExitStack() as stack:
             services = [
-                stack.enter_context(harness.pdproxy(fleet_.engines, MODEL, extra=extra)) for _ in range(replicas)
+                stack.enter_context(harness.pdproxy(fleet_.engines, MODEL, extra=extra)) for _ in range(spec.replicas)
             ]
             if spec.kv_events:
                 for svc in services:
@@ -230,7 +232,7 @@ def event_figures(played: Played, received: list[int]) -> list[dict[str, Any]]:
 def run_one(
     spec: Router, fleet_: Fleet, installed: dict[str, peers.Peer], trace: Trace, args: argparse.Namespace
 ) -> dict[str, Any]:
-    with router(spec, fleet_, installed, args.replicas) as (urls, pids):
+    with router(spec, fleet_, installed) as (urls, pids):
         fleet_.post("/fleet/reset")
         started = time.monotonic()
         watched = {"engines": [fleet_.pid], "client": [os.getpid()], **({"router": pids} if pids else {})}
@@ -584,9 +586,6 @@ def arguments() -> argparse.Namespace:
     )
     parser.add_argument("--dialects", default="vllm,sglang,lmdeploy", help="engines' metrics dialects, in turn")
     parser.add_argument(
-        "--replicas", type=int, default=1, help="pdproxy replicas in front of the fleet, requests sent to each in turn"
-    )
-    parser.add_argument(
         "--kv-events",
         action="store_true",
         help="the engines publish their KV events, and 'pdproxy scored kv-events' follows them",
@@ -608,10 +607,19 @@ def arguments() -> argparse.Namespace:
 
 def choose_routers(names: str) -> list[Router]:
     """The routers named (any other "pdproxy POLICY" is pdproxy with that policy, weights too:
-    "pdproxy scored:queue=0.5"), the references added where missing."""
+    "pdproxy scored:queue=0.5"; a pdproxy router's name ending in " xN" is N replicas of it:
+    "pdproxy scored kv-events x4"), the references added where missing."""
     listed = [n for n in names.split(";" if ";" in names else ",") if n]
     listed += [n for n in REFERENCES if n not in listed]
-    return [ROUTERS.get(n) or Router(n, "pdproxy", n.removeprefix("pdproxy ")) for n in listed]
+    return [router_named(n) for n in listed]
+
+
+def router_named(name: str) -> Router:
+    base, replicas = name, 1
+    if match := re.fullmatch(r"(pdproxy .+) x(\d+)", name):
+        base, replicas = match[1], int(match[2])
+    spec = ROUTERS.get(base) or Router(base, "pdproxy", base.removeprefix("pdproxy "))
+    return dataclasses.replace(spec, name=name, replicas=replicas) if replicas != 1 else spec
 
 
 def check_events(workload: str, args: argparse.Namespace) -> None:

@@ -20,6 +20,10 @@
   slow (prefill and decode steps): where a request goes must weigh an engine's speed.
 - ``bursts``: ``system_prompts``' prompts arriving in bursts at the same mean rate: three times
   the mean rate for one second in every four, a third of it in between.
+- ``evict_restart``: ``hot_prefix``' traffic, whose long tail keeps every engine's cache
+  evicting, and one engine restarted inside the measured window: what a router believes an
+  engine holds goes wrong both ways (it was evicted; it was lost), which the engines' own KV
+  events (``--kv-events``) tell and a router's guess does not.
 - ``flush_restart``: ``system_prompts``' traffic; inside the measured window one engine's prefix
   cache is flushed (as vLLM's ``POST /reset_prefix_cache`` does) and, later, another engine is
   restarted (its cache empty and its ``/metrics`` counters back to zero): an engine that lost its
@@ -346,6 +350,13 @@ WORKLOADS: dict[str, Workload] = {
             turns=1,
             max_tokens=32,
             bursts=Bursts(period=4.0, on=1.0, factor=3.0),
+        ),
+        HotPrefix(
+            "evict_restart",
+            "hot_prefix's traffic (caches evicting all the time), engine 2 restarted at 50%",
+            turns=1,
+            max_tokens=32,
+            events=((0.5, "restart", 2),),
         ),
         SystemPrompts(
             "flush_restart",

@@ -4,12 +4,14 @@ says in ``/nodes/status`` which nodes it prices from the events and which it can
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
 
 import aiohttp
-from tests.servers import eventually, pdproxy_serve
 
+from otlp_receiver import attributes, otlp_receiver
 from pdproxy.testing.mock_engine import MockEngine
+from servers import eventually, pdproxy_serve
 
 MODEL = "kv-model"
 #: Simulated engines publishing their KV events; their caches hold 256 blocks of 16 tokens.
@@ -112,6 +114,46 @@ async def test_a_node_without_events_is_priced_by_the_table_and_says_so(tmp_path
         assert silent["live"] is False
         assert "no KV event publisher" in silent["error"]
         await ask(http, proxy.url, prompt(3))  # still served
+
+
+async def test_prefill_goes_to_the_holder_and_the_trace_says_what_the_pair_holds(tmp_path: Any) -> None:
+    # Simulated engines play the roles (they answer the vLLM legs as plain completions): what is
+    # tested is where pdproxy sends each leg, and what its trace says.
+    async with (
+        MockEngine(**ENGINE) as cold,
+        MockEngine(**ENGINE) as holder,
+        MockEngine(**ENGINE) as decode,
+        aiohttp.ClientSession() as http,
+    ):
+        nodes = [f"{cold.url},role=prefill", f"{holder.url},role=prefill", f"{decode.url},role=decode"]
+        with otlp_receiver() as otlp:
+            args = ("--serving-strategy", "DistServe", "--pd-protocol", "vllm", "--otlp-endpoint", otlp.url)
+            async with serve(tmp_path, extra=(*[a for n in nodes for a in ("--node", n)], *args)) as proxy:
+                await eventually(lambda: _all_live(http, proxy.url, 3), what="the three nodes' KV events followed live")
+
+                async def traced(text: str) -> dict[str, str]:
+                    trace_id = secrets.token_hex(16)
+                    headers = {"traceparent": f"00-{trace_id}-{secrets.token_hex(8)}-01"}
+                    async with http.post(proxy.url + "/v1/chat/completions", json=chat(text), headers=headers) as r:
+                        assert r.status == 200, await r.text()
+                    await eventually(lambda: bool(otlp.named(trace_id, "pdproxy.request")), what="the trace")
+                    (root,) = otlp.named(trace_id, "pdproxy.request")
+                    return attributes(root)
+
+                await ask(http, holder.url, prompt(5))
+                least = len(prompt(5)) // 64
+                await eventually(lambda: _blocks(http, proxy.url, holder.url, lambda n: n >= least), what="indexed")
+                before = holder.state.requests
+                held = await traced(prompt(5))
+                assert holder.state.requests == before + 1, "the prefill went to the node that holds the prompt"
+                assert int(held["pdproxy.kv_index.prefill_cached_tokens"]) >= least * 16
+                assert held["pdproxy.kv_index.decode_cached_tokens"] == "0"
+                assert held["pdproxy.kv_index.decode_holds_prompt"] == "false"
+
+                await ask(http, decode.url, prompt(6))
+                await eventually(lambda: _blocks(http, proxy.url, decode.url, lambda n: n >= least), what="indexed")
+                held = await traced(prompt(6))
+                assert held["pdproxy.kv_index.decode_holds_prompt"] == "true", held
 
 
 async def _all_live(http: aiohttp.ClientSession, proxy: str, count: int) -> bool:

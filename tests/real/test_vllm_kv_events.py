@@ -161,7 +161,11 @@ async def test_a_restarted_engine_is_known_cold(
     gone = time.monotonic()
     await eventually(lambda: blocks(router, url) == 0, what="the restarted engine known cold")
     print(f"known cold {time.monotonic() - gone:.3f} s after the engine's server was killed")
-    assert not await live(router, follower, url)
+
+    async def not_live() -> bool:
+        return not await live(router, follower, url)
+
+    await eventually(not_live, what="the killed engine's events no longer followed")
     engine.stop()
     engine.start()
     await eventually(

@@ -77,6 +77,9 @@ class KvEventFollower:
     def status(self, url: str) -> dict[str, object] | None:
         """What ``/nodes/status`` shows of the node's events (None: not followed)."""
         ranks = {rank: s.status.as_dict() for (node, rank), s in self._subscriptions.items() if node == url}
+        for rank, figures in ranks.items():
+            # Live as the data plane prices it: what it was last told (each reconcile tells it).
+            figures["live"] = self._live.get((url, rank), False)
         stats = self._core.kv_index_stats()
         streams = stats["streams"] if isinstance(stats["streams"], list) else []
         for node, rank, blocks, *_ in streams:

@@ -82,7 +82,32 @@ impl Dispatch<'_> {
         let engine = &self.worker.state.engine;
         let decode = Reserved(Some(engine.permit(&self.ctx(Role::Decode, None)).await?));
         let prefill = Reserved(Some(engine.permit(&self.ctx(Role::Prefill, None)).await?));
+        self.note_held(decode.node(), prefill.node());
         Ok((decode, prefill))
+    }
+
+    /// On a recorded trace, what the KV index says the pair holds of the prompt: the prefill
+    /// node is chosen for it (by `scored`); a decode node that holds the whole prompt could
+    /// have served the request alone (a first step towards disaggregating only when it pays).
+    fn note_held(&self, decode: &Node, prefill: &Node) {
+        let Some(trace) = self.trace.filter(|t| t.sampled()) else { return };
+        let (Some(index), Some(prompt)) = (self.worker.state.engine.kv_index(), self.ctx(Role::Decode, None).prompt)
+        else {
+            return;
+        };
+        let Some((prompt_bytes, held)) = index.held_of_request(prompt, &[decode.url(), prefill.url()]) else { return };
+        trace.annotate(|| {
+            let mut attributes = vec![("pdproxy.kv_index.prompt_bytes", prompt_bytes.to_string())];
+            // A node the index is not live for gets no figure: unknown is not 0.
+            if let Some(decode) = held[0] {
+                attributes.push(("pdproxy.kv_index.decode_cached_tokens", decode.tokens.to_string()));
+                attributes.push(("pdproxy.kv_index.decode_holds_prompt", decode.is_whole(prompt_bytes).to_string()));
+            }
+            if let Some(prefill) = held[1] {
+                attributes.push(("pdproxy.kv_index.prefill_cached_tokens", prefill.tokens.to_string()));
+            }
+            attributes
+        });
     }
 
     /// vLLM: the prefill first (`max_tokens=1`, its KV kept for the decode), then the decode

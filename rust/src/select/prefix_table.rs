@@ -79,6 +79,9 @@ struct Holder {
     /// When the node last took a prompt with this block; an older copy of it in the node's
     /// `order` is stale.
     stamp: u64,
+    /// Until when (ms) the engine is not expected to have reported the block yet (its KV
+    /// events): a route still pending, which only the table knows of.
+    pending_until_ms: u64,
 }
 
 #[derive(Debug, Default)]
@@ -224,6 +227,16 @@ impl PrefixTable {
 
     /// For each candidate, how many leading blocks of `hashes` it holds.
     pub fn matched(&self, hashes: &[u64], candidates: &[Arc<Node>]) -> Vec<usize> {
+        self.matched_where(hashes, candidates, |_| true)
+    }
+
+    /// For each candidate, how many leading blocks of `hashes` it was sent so lately that its
+    /// engine's KV events cannot have told of them yet (see `learn`'s `pending_ms`).
+    pub fn matched_pending(&self, hashes: &[u64], candidates: &[Arc<Node>], now_ms: u64) -> Vec<usize> {
+        self.matched_where(hashes, candidates, |h| h.pending_until_ms >= now_ms)
+    }
+
+    fn matched_where(&self, hashes: &[u64], candidates: &[Arc<Node>], counts: impl Fn(&Holder) -> bool) -> Vec<usize> {
         let mut out = vec![0; candidates.len()];
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         for node in candidates {
@@ -235,7 +248,7 @@ impl PrefixTable {
         let mut matching: Vec<usize> = (0..candidates.len()).collect();
         for (depth, hash) in hashes.iter().enumerate() {
             let Some(holders) = inner.holders.get(hash) else { break };
-            matching.retain(|&i| holders.iter().any(|h| h.generation == candidates[i].generation()));
+            matching.retain(|&i| holders.iter().any(|h| h.generation == candidates[i].generation() && counts(h)));
             if matching.is_empty() {
                 break;
             }
@@ -247,8 +260,9 @@ impl PrefixTable {
     }
 
     /// Records that `node` took a prompt with these blocks. `capacity_tokens`: what its
-    /// engine's KV cache holds, when it says.
-    pub fn learn(&self, node: &Node, hashes: &[u64], capacity_tokens: Option<u64>) {
+    /// engine's KV cache holds, when it says; `pending_until_ms`: when its engine will have
+    /// computed them and said so.
+    pub fn learn(&self, node: &Node, hashes: &[u64], capacity_tokens: Option<u64>, pending_until_ms: u64) {
         if hashes.is_empty() {
             return;
         }
@@ -285,15 +299,19 @@ impl PrefixTable {
         // cost a write per block on every request of a hot prompt.
         let deepest = hashes[hashes.len() - 1];
         let fresh = holders.get(&deepest).and_then(|hs| hs.iter().find(|h| h.generation == generation));
-        let refresh = fresh.is_none_or(|h| *clock - h.stamp > (blocks.live as u64 / 8).max(hashes.len() as u64));
+        let refresh = fresh.is_none_or(|h| {
+            *clock - h.stamp > (blocks.live as u64 / 8).max(hashes.len() as u64)
+                || h.pending_until_ms < pending_until_ms
+        });
         // Deepest first, so that the head of the prompt is the most recently used.
         for &hash in hashes.iter().rev().filter(|_| refresh) {
             *clock += 1;
             let entry = holders.entry(hash).or_default();
             if let Some(holder) = entry.iter_mut().find(|h| h.generation == generation) {
                 holder.stamp = *clock;
+                holder.pending_until_ms = holder.pending_until_ms.max(pending_until_ms);
             } else {
-                entry.push(Holder { generation, stamp: *clock });
+                entry.push(Holder { generation, stamp: *clock, pending_until_ms });
                 blocks.live += 1;
             }
             blocks.order.push_back((hash, *clock));
@@ -352,8 +370,8 @@ mod tests {
         let (_reg, nodes) = nodes(3);
         let t = table(1000);
         let system = "s".repeat(64); // four blocks
-        t.learn(&nodes[0], &hashes(&t, &format!("{system}{}", "a".repeat(32))), None);
-        t.learn(&nodes[1], &hashes(&t, &system[..32]), None);
+        t.learn(&nodes[0], &hashes(&t, &format!("{system}{}", "a".repeat(32))), None, 0);
+        t.learn(&nodes[1], &hashes(&t, &system[..32]), None, 0);
         let asked = hashes(&t, &format!("{system}{}", "a".repeat(48)));
         assert_eq!(t.matched(&asked, &nodes), vec![6, 2, 0]);
     }
@@ -364,11 +382,11 @@ mod tests {
         let t = table(1000);
         // Ten blocks; a capacity of 20 tokens of 4 bytes is five blocks of 16 bytes.
         let a = hashes(&t, &"a".repeat(160));
-        t.learn(&nodes[0], &a, Some(20));
+        t.learn(&nodes[0], &a, Some(20), 0);
         assert_eq!(t.blocks_of(nodes[0].generation()), 5);
         assert_eq!(t.matched(&a, &nodes), vec![5], "the head stays, the tail went first");
         let b = hashes(&t, &"b".repeat(48));
-        t.learn(&nodes[0], &b, Some(20));
+        t.learn(&nodes[0], &b, Some(20), 0);
         assert_eq!(t.matched(&b, &nodes), vec![3]);
         assert_eq!(t.matched(&a, &nodes), vec![2], "the least recently routed prompt gives way");
     }
@@ -378,8 +396,8 @@ mod tests {
         let (_reg, nodes) = nodes(2);
         let t = table(1000);
         let a = hashes(&t, &"a".repeat(64));
-        t.learn(&nodes[0], &a, None);
-        t.learn(&nodes[1], &a, None);
+        t.learn(&nodes[0], &a, None, 0);
+        t.learn(&nodes[1], &a, None, 0);
         let counters = nodes[0].counters();
         let reading = |prompt| EngineFigures { prompt_tokens: Some(prompt), ..EngineFigures::default() };
         counters.record_engine_report(&reading(100), 1);
@@ -400,13 +418,13 @@ mod tests {
         };
         node.counters().record_engine_report(&reading(1000), 1);
         let a = hashes(&t, &"a".repeat(1024));
-        t.learn(node, &a, None);
+        t.learn(node, &a, None, 0);
         assert_eq!(t.matched(&a, &nodes), vec![64]);
         // 128 KiB predicted since, and the engine found 100 tokens (400 bytes) of it: flushed.
         node.counters().predicted_cached_bytes.fetch_add(128 << 10, std::sync::atomic::Ordering::Relaxed);
         node.counters().record_engine_report(&reading(1100), 2);
         let b = hashes(&t, &"b".repeat(64));
-        t.learn(node, &b, None);
+        t.learn(node, &b, None, 0);
         assert_eq!(t.matched(&a, &nodes), vec![0], "the flushed cache holds none of it");
         assert_eq!(t.blocks_of(node.generation()), 4, "only what it took since");
     }
@@ -418,16 +436,16 @@ mod tests {
         let node = &nodes[0];
         let t = table(1 << 16);
         let a = hashes(&t, &"a".repeat(1024));
-        t.learn(node, &a, None);
+        t.learn(node, &a, None, 0);
         // Answers predicted to find 64 KiB found 16 KiB (4096 tokens of 4 bytes): the share shrinks.
         node.counters().answered_predicted_bytes.fetch_add(64 << 10, Relaxed);
         node.counters().answered_cached_tokens.fetch_add(4096, Relaxed);
-        t.learn(node, &a, None);
+        t.learn(node, &a, None, 0);
         assert_eq!(t.matched(&a, &nodes), vec![32], "cut by half at most");
         // Then answers predicted to find 64 KiB more found nothing: flushed, forgotten.
         node.counters().answered_predicted_bytes.fetch_add(64 << 10, Relaxed);
         let b = hashes(&t, &"b".repeat(64));
-        t.learn(node, &b, None);
+        t.learn(node, &b, None, 0);
         assert_eq!(t.matched(&a, &nodes), vec![0]);
         assert_eq!(t.blocks_of(node.generation()), 4, "only what it took since");
     }
@@ -438,7 +456,7 @@ mod tests {
         let t = table(200);
         for i in 0..2000 {
             let prompt = format!("{:>100}", i % 37);
-            t.learn(&nodes[i % 4], &hashes(&t, &prompt), None);
+            t.learn(&nodes[i % 4], &hashes(&t, &prompt), None, 0);
         }
         assert!(t.entries() <= 200, "{}", t.entries());
         let inner = t.inner.lock().unwrap();
@@ -461,22 +479,22 @@ mod tests {
         let prompts: Vec<Vec<u64>> =
             (0..200).map(|i| hashes(&t, &format!("prompt {i:03} ").repeat(94)[..1024])).collect();
         for prompt in &prompts {
-            t.learn(node, prompt, None); // no capacity reported: all 200 KiB kept
+            t.learn(node, prompt, None, 0); // no capacity reported: all 200 KiB kept
         }
         assert_eq!(t.blocks_of(node.generation()), 200 * 64);
         // Requests the table expected to hit 128 KiB; the engine found 8192 tokens, 32 KiB.
         let predicted = &node.counters().predicted_cached_bytes;
         predicted.fetch_add(128 << 10, std::sync::atomic::Ordering::Relaxed);
         node.counters().record_engine_report(&reading(8192), 2);
-        t.learn(node, &prompts[199], None);
+        t.learn(node, &prompts[199], None, 0);
         assert_eq!(t.blocks_of(node.generation()), 100 * 64, "cut by half at most at once");
         assert_eq!(t.matched(&prompts[0], &nodes), vec![0], "the oldest went");
         // Predictions the engine bears out let the share grow back.
-        t.learn(node, &prompts[0], None);
+        t.learn(node, &prompts[0], None, 0);
         predicted.fetch_add(128 << 10, std::sync::atomic::Ordering::Relaxed);
         node.counters().record_engine_report(&reading(8192 + 32768), 3);
-        t.learn(node, &prompts[1], None);
-        t.learn(node, &prompts[2], None);
+        t.learn(node, &prompts[1], None, 0);
+        t.learn(node, &prompts[2], None, 0);
         assert_eq!(t.blocks_of(node.generation()), 100 * 64 + 128, "{}", t.blocks_of(node.generation()));
     }
 }

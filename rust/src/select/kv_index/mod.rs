@@ -88,6 +88,16 @@ pub struct Match {
     pub tokens: u64,
     /// Bytes of the rendered prompt.
     pub bytes: u64,
+    /// Bytes of the last block held (0: none).
+    pub last_block_bytes: u64,
+}
+
+impl Match {
+    /// Whether the node holds all of a prompt of `prompt_bytes` (rendered) an engine caches:
+    /// what is left is shorter than a block.
+    pub fn is_whole(&self, prompt_bytes: usize) -> bool {
+        self.tokens > 0 && (prompt_bytes as u64).saturating_sub(self.bytes) < self.last_block_bytes
+    }
 }
 
 /// A stored event: `hashes` (the engine's) of consecutive blocks of `block_size` tokens each,
@@ -271,6 +281,7 @@ impl KvIndex {
                     Some(m) if following[i] && holds => {
                         m.tokens += u64::from(block.tokens);
                         m.bytes += u64::from(block.len);
+                        m.last_block_bytes = u64::from(block.len);
                     }
                     _ => following[i] = false,
                 }
@@ -296,6 +307,15 @@ impl KvIndex {
         }
         let prompt = render(raw_prompt, &self.template)?;
         Some(self.walk(&inner, &prompt, &slots))
+    }
+
+    /// What each of `nodes` holds of the request's prompt, and the rendered prompt's length
+    /// (for traces: it renders even when no node is live); `None` when it cannot be rendered.
+    pub fn held_of_request(&self, raw_prompt: &[u8], nodes: &[&str]) -> Option<(usize, Vec<Option<Match>>)> {
+        let prompt = render(raw_prompt, &self.template)?;
+        let inner = self.inner.read().unwrap_or_else(PoisonError::into_inner);
+        let slots = live_slots(&inner, nodes);
+        Some((prompt.len(), self.walk(&inner, &prompt, &slots)))
     }
 
     pub fn len(&self) -> usize {
@@ -517,8 +537,14 @@ mod tests {
         let whole = rendered.len() / 8 * 8;
         store(&index, "a", &rendered[..whole], 0);
         let raw = br#"[{"role":"user","content":"hello there, engine!"}]"#;
-        let held = Match { tokens: whole as u64 / 4, bytes: whole as u64 };
+        let held = Match { tokens: whole as u64 / 4, bytes: whole as u64, last_block_bytes: 8 };
         assert_eq!(index.matched_request(raw, &["a"]), Some(vec![Some(held)]));
         assert_eq!(index.matched_request(b"[1,2]", &["a"]), None);
+        let (len, found) = index.held_of_request(raw, &["a"]).expect("rendered");
+        assert_eq!(len, rendered.len());
+        assert!(found[0].expect("live").is_whole(len), "all but a partial block is held");
+        let longer = br#"[{"role":"user","content":"hello there, engine! And more words after it."}]"#;
+        let (len, found) = index.held_of_request(longer, &["a"]).expect("rendered");
+        assert!(!found[0].expect("live").is_whole(len));
     }
 }
