@@ -626,7 +626,8 @@ class EngineMetricsSettings(SettingsGroup):
         2.0,
         (
             "Seconds between readings of each node's /metrics (running and waiting requests, KV-cache usage "
-            "and prefix-cache hits, in vLLM's, SGLang's or LMDeploy's names); 0: never read them."
+            "and prefix-cache hits, in vLLM's, SGLang's or LMDeploy's names), at most 0.5 while an engine "
+            "reports requests waiting; 0: never read them."
         ),
     )
     engine_metrics_timeout: Seconds = _setting(
