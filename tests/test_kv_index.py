@@ -4,7 +4,9 @@ says in ``/nodes/status`` which nodes it prices from the events and which it can
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -55,14 +57,23 @@ def serve(tmp_path: Any, *engines: MockEngine, extra: tuple[str, ...] = ()) -> A
     )
 
 
+@contextlib.asynccontextmanager
+async def followed(
+    tmp_path: Any, *settings: dict[str, Any]
+) -> AsyncIterator[tuple[list[MockEngine], aiohttp.ClientSession, Any]]:
+    """Engines of ``settings`` behind ``pdproxy serve --kv-events auto``, once the data plane
+    prices every publishing one from its events."""
+    async with contextlib.AsyncExitStack() as stack:
+        engines = [await stack.enter_async_context(MockEngine(**s)) for s in settings]
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+        proxy = await stack.enter_async_context(serve(tmp_path, *engines))
+        publishing = sum("kv_events" in s for s in settings)
+        await eventually(lambda: _all_live(http, proxy.url, publishing), what="the publishing nodes followed live")
+        yield engines, http, proxy
+
+
 async def test_a_prompt_goes_where_the_engine_says_it_is_held(tmp_path: Any) -> None:
-    async with (
-        MockEngine(**ENGINE) as a,
-        MockEngine(**ENGINE) as b,
-        aiohttp.ClientSession() as http,
-        serve(tmp_path, a, b) as proxy,
-    ):
-        await eventually(lambda: _all_live(http, proxy.url, 2), what="both nodes' KV events followed live")
+    async with followed(tmp_path, ENGINE, ENGINE) as ((a, b), http, proxy):
         # Prompts sent to the engines directly (a batch job, another router): pdproxy never saw them.
         held = {i: (a if i % 2 else b) for i in range(6)}
         for i, engine in held.items():
@@ -85,29 +96,17 @@ async def test_a_prompt_goes_where_the_engine_says_it_is_held(tmp_path: Any) -> 
 
 
 async def test_a_flushed_engine_is_known_cold(tmp_path: Any) -> None:
-    async with (
-        MockEngine(**ENGINE) as a,
-        MockEngine(**ENGINE) as b,
-        aiohttp.ClientSession() as http,
-        serve(tmp_path, a, b) as proxy,
-    ):
-        await eventually(lambda: _all_live(http, proxy.url, 2), what="both nodes' KV events followed live")
+    async with followed(tmp_path, ENGINE, ENGINE) as ((a, _), http, proxy):
         await ask(http, a.url, prompt(1))
         await eventually(lambda: _blocks(http, proxy.url, a.url, lambda n: n > 0), what="its blocks indexed")
         async with http.post(a.url + "/reset_prefix_cache") as r:
             assert r.status == 200
-        await eventually(lambda: _blocks(http, proxy.url, a.url, lambda n: n == 0), 1.0, "the flush known")
+        await eventually(lambda: _blocks(http, proxy.url, a.url, lambda n: n == 0), what="the flush known")
 
 
 async def test_a_node_without_events_is_priced_by_the_table_and_says_so(tmp_path: Any) -> None:
     quiet = {k: v for k, v in ENGINE.items() if not k.startswith("kv_events")}
-    async with (
-        MockEngine(**ENGINE) as a,
-        MockEngine(**quiet) as b,
-        aiohttp.ClientSession() as http,
-        serve(tmp_path, a, b) as proxy,
-    ):
-        await eventually(lambda: _all_live(http, proxy.url, 1), what="the publishing node followed live")
+    async with followed(tmp_path, ENGINE, quiet) as ((a, b), http, proxy):
         nodes = await status(http, proxy.url)
         assert nodes[a.url]["kv_events"]["live"] is True
         silent = nodes[b.url]["kv_events"]
