@@ -11,7 +11,8 @@ for the requests behind it.
 ``--engine`` is one engine's simulation options for all of them, or a list with each engine's
 own (engines of unequal speed). On the oracle's port:
 
-- ``POST /fleet/reset`` empties every engine's cache and counters (between runs);
+- ``POST /fleet/reset`` empties every engine's cache and counters, and its KV events' replay
+  buffer (between runs);
 - ``POST /fleet/flush?engine=I`` empties engine I's prefix cache, as vLLM's
   ``POST /reset_prefix_cache`` does (its counters go on);
 - ``POST /fleet/restart?engine=I`` makes engine I look restarted: its cache empty and its
@@ -100,6 +101,10 @@ def oracle_app(engines: list[MockEngine]) -> web.Application:
             state.records.clear()
             if state.batcher is not None:
                 state.batcher.reset()
+            if state.kv_events is not None:
+                # As a freshly started engine: no earlier run's events kept for replay, which a
+                # router joining now would otherwise replay (thousands of batches) during its run.
+                state.kv_events.restart()
         return web.json_response({"reset": len(engines)})
 
     def target(request: web.Request) -> MockEngine:
