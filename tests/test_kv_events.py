@@ -4,6 +4,8 @@ publisher over real ZMQ sockets (gaps replayed, restarts noticed)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import aiohttp
 import msgpack
@@ -116,6 +118,18 @@ async def engine() -> MockEngine:
         yield engine
 
 
+@contextlib.asynccontextmanager
+async def following(engine: MockEngine, context: zmq.asyncio.Context) -> AsyncIterator[tuple[Mirror, Subscription]]:
+    """A subscriber mirroring ``engine``'s events, once connected; closed on the way out."""
+    mirror = Mirror()
+    subscription = follow(engine, mirror, context)
+    try:
+        await until(lambda: subscription.status.connected)
+        yield mirror, subscription
+    finally:
+        await subscription.close()
+
+
 def follow(engine: MockEngine, mirror: Mirror, context: zmq.asyncio.Context) -> Subscription:
     config = engine.state.kv_events.config()  # type: ignore[union-attr]
     endpoint = Endpoint(engine.url, 0, config["endpoint"], config["replay_endpoint"])  # type: ignore[arg-type]
@@ -146,10 +160,7 @@ async def context() -> zmq.asyncio.Context:
 async def test_a_subscriber_mirrors_the_engines_cache_and_reads_its_prompts_back(
     engine: MockEngine, context: zmq.asyncio.Context
 ) -> None:
-    mirror = Mirror()
-    subscription = follow(engine, mirror, context)
-    try:
-        await until(lambda: subscription.status.connected)
+    async with following(engine, context) as (mirror, subscription):
         bodies = [await chat(engine, f"question {i}: " + "words " * (5 + 7 * i)) for i in range(12)]
         await until(lambda: set(mirror.blocks) == cached_names(engine))
         assert engine.state.batcher.cache.evicted > 0, "a cache this small evicts: removals are followed too"  # type: ignore[union-attr]
@@ -161,17 +172,12 @@ async def test_a_subscriber_mirrors_the_engines_cache_and_reads_its_prompts_back
         assert len(mirror.text_of(last)) == len(prompt.encode()) // 16 * 16
         assert subscription.status.gaps == 0
         assert not mirror.forgotten
-    finally:
-        await subscription.close()
 
 
 async def test_a_gap_is_replayed_and_a_lost_one_drops_what_was_known(
     engine: MockEngine, context: zmq.asyncio.Context
 ) -> None:
-    mirror = Mirror()
-    subscription = follow(engine, mirror, context)
-    try:
-        await until(lambda: subscription.status.connected)
+    async with following(engine, context) as (mirror, subscription):
         await chat(engine, "first " * 10)
         await until(lambda: mirror.batches > 0)
         async with aiohttp.ClientSession() as client:
@@ -191,15 +197,10 @@ async def test_a_gap_is_replayed_and_a_lost_one_drops_what_was_known(
             assert "not replayed" in mirror.forgotten[-1]
             # Known again from the next events on, and only what they say.
             assert set(mirror.blocks) <= cached_names(engine)
-    finally:
-        await subscription.close()
 
 
 async def test_numbers_that_go_back_are_a_restarted_engine(engine: MockEngine, context: zmq.asyncio.Context) -> None:
-    mirror = Mirror()
-    subscription = follow(engine, mirror, context)
-    try:
-        await until(lambda: subscription.status.connected)
+    async with following(engine, context) as (mirror, subscription):
         for i in range(3):
             await chat(engine, f"turn {i} " * 10)
         await until(lambda: subscription.status.next_seq is not None and subscription.status.next_seq >= 2)
@@ -208,8 +209,6 @@ async def test_numbers_that_go_back_are_a_restarted_engine(engine: MockEngine, c
         await chat(engine, "after the restart " * 10)
         await until(lambda: subscription.status.restarts == 1)
         assert "restarted" in mirror.forgotten[-1]
-    finally:
-        await subscription.close()
 
 
 async def test_a_publisher_gone_is_forgotten_at_once(context: zmq.asyncio.Context) -> None:
@@ -235,13 +234,8 @@ async def test_a_publisher_gone_is_forgotten_at_once(context: zmq.asyncio.Contex
 async def test_a_late_subscriber_learns_what_the_engine_kept(engine: MockEngine, context: zmq.asyncio.Context) -> None:
     for i in range(4):
         await chat(engine, f"before anyone listened {i} " * 8)
-    mirror = Mirror()
-    subscription = follow(engine, mirror, context)
-    try:
-        await until(lambda: subscription.status.connected)
+    async with following(engine, context) as (mirror, subscription):
         await chat(engine, "now someone listens " * 8)
         await until(lambda: set(mirror.blocks) == cached_names(engine))
         assert subscription.status.replayed > 0
         assert not mirror.forgotten
-    finally:
-        await subscription.close()

@@ -76,9 +76,6 @@ class EngineReport(TypedDict):
     #: Requests sent to the node since the reading (while fresh).
     sent_since: int | None
     requests_estimate: float | None
-    #: Of the requests the engine reported, this proxy's then (while fresh): its share, beside
-    #: other routers sending to the same engine.
-    own_at_reading: int | None
     restarts: int
     failures: int
     #: Readings failed in a row.

@@ -362,6 +362,7 @@ class Fleet:
         out: dict[str, dict[str, object]] = {}
         now = time.monotonic()
         health = self.health_summaries()
+        kv_events = self.kv_events.statuses() if self.kv_events is not None else None
         for node in self.router.nodes():
             url = node["url"]
             expires = self.leases.get(url)
@@ -396,7 +397,7 @@ class Fleet:
                 },
                 "address": node["address"],
                 "found_by": found.shown() if (found := self.found.get(url)) is not None else None,
-                "kv_events": self.kv_events.status(url) if self.kv_events is not None else None,
+                "kv_events": kv_events.get(url) if kv_events is not None else None,
             }
             if isinstance(self.pd, DistServe):
                 out[url]["links"] = [

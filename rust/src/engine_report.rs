@@ -79,8 +79,6 @@ pub struct EngineLoad {
     pub sent_since: u64,
     /// pdproxy's in-flight count on the node now, minus then.
     pub in_flight_change: i64,
-    /// pdproxy's in-flight count on the node at the reading.
-    pub in_flight_then: u64,
 }
 
 impl EngineLoad {
@@ -215,7 +213,6 @@ impl EngineReport {
             kv_per_request: from_bits(self.kv_per_request.load(Ordering::Relaxed)),
             sent_since: requests.saturating_sub(self.requests_then.load(Ordering::Relaxed)),
             in_flight_change,
-            in_flight_then,
         })
     }
 

@@ -76,9 +76,12 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Publishing]:
 
 
 @pytest.fixture
-async def index(engine: Publishing) -> AsyncIterator[tuple[Router, KvEventFollower]]:
+async def index(engine: Publishing) -> AsyncIterator[tuple[Router, KvEventFollower, str]]:
+    """The data plane's index following the engine's events, once it prices the engine from
+    them; and the engine's URL."""
     assert engine.server is not None
-    router = Router([engine.server.url], policy="scored")
+    url = engine.server.url
+    router = Router([url], policy="scored")
     core = router.core
     core.start_kv_index(chat_template("role-tags"), 100_000, **index_options(str(ENGINE_DIR / "tiny-llama")))  # type: ignore[arg-type]
     plan = KvEventsPlan(f"tcp://{{host}}:{engine.events}", f"tcp://{{host}}:{engine.replay}")
@@ -86,7 +89,8 @@ async def index(engine: Publishing) -> AsyncIterator[tuple[Router, KvEventFollow
         follower = KvEventFollower(core, plan, session_of=lambda: session)
         await follower.start()
         try:
-            yield router, follower
+            await eventually(lambda: live(router, follower, url), timeout=30, what="vLLM's KV events followed live")
+            yield router, follower, url
         finally:
             await follower.aclose()
             await router.aclose()
@@ -112,7 +116,7 @@ async def ask(http: aiohttp.ClientSession, url: str, chat: list[dict[str, str]])
 
 async def live(router: Router, follower: KvEventFollower, url: str) -> bool:
     """Followed live, as the follower says and as the data plane has been told."""
-    status = follower.status(url)
+    status = follower.statuses().get(url)
     streams = router.core.kv_index_stats()["streams"]
     assert isinstance(streams, list)
     return bool(status and status["live"]) and any(s[0] == url and s[6] for s in streams)
@@ -125,12 +129,9 @@ def blocks(router: Router, url: str) -> int:
 
 
 async def test_predicted_cached_tokens_agree_with_what_vllm_found(
-    engine: Publishing, index: tuple[Router, KvEventFollower], http: aiohttp.ClientSession
+    index: tuple[Router, KvEventFollower, str], http: aiohttp.ClientSession
 ) -> None:
-    router, follower = index
-    assert engine.server is not None
-    url = engine.server.url
-    await eventually(lambda: live(router, follower, url), timeout=30, what="vLLM's KV events followed live")
+    router, _, url = index
     # Prefix-heavy: three long system prompts, each asked five questions, interleaved.
     systems = [text(600, seed) for seed in range(3)]
     chats = [messages(systems[i % 3], f"question {i}: " + text(40, 100 + i)) for i in range(15)]
@@ -148,15 +149,13 @@ async def test_predicted_cached_tokens_agree_with_what_vllm_found(
 
 
 async def test_a_restarted_engine_is_known_cold(
-    engine: Publishing, index: tuple[Router, KvEventFollower], http: aiohttp.ClientSession
+    engine: Publishing, index: tuple[Router, KvEventFollower, str], http: aiohttp.ClientSession
 ) -> None:
-    router, follower = index
-    assert engine.server is not None
-    url = engine.server.url
-    await eventually(lambda: live(router, follower, url), timeout=30, what="vLLM's KV events followed live")
+    router, follower, url = index
     chat = messages(text(600, 7), "warm")
     await ask(http, url, chat)
     await eventually(lambda: blocks(router, url) > 0, what="its blocks indexed")
+    assert engine.server is not None
     os.killpg(engine.server.proc.pid, signal.SIGKILL)  # the api_server and its engine core, at once
     gone = time.monotonic()
     await eventually(lambda: blocks(router, url) == 0, what="the restarted engine known cold")

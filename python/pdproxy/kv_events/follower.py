@@ -74,24 +74,28 @@ class KvEventFollower:
         self._subscriptions.clear()
         self._context.term()
 
-    def status(self, url: str) -> dict[str, object] | None:
-        """What ``/nodes/status`` shows of the node's events (None: not followed)."""
-        ranks = {rank: s.status.as_dict() for (node, rank), s in self._subscriptions.items() if node == url}
-        for rank, figures in ranks.items():
+    def statuses(self) -> dict[str, dict[str, object]]:
+        """What ``/nodes/status`` shows of each followed node's events (a node not followed, and
+        with no error to show, has no entry): one reading of the index for all nodes."""
+        out: dict[str, dict[str, object]] = {}
+        ranks: dict[str, dict[int, dict[str, object]]] = {}
+        for (url, rank), subscription in self._subscriptions.items():
+            figures = subscription.status.as_dict()
             # Live as the data plane prices it: what it was last told (each reconcile tells it).
             figures["live"] = self._live.get((url, rank), False)
-        stats = self._core.kv_index_stats()
-        streams = stats["streams"] if isinstance(stats["streams"], list) else []
-        for node, rank, blocks, *_ in streams:
-            if node == url and rank in ranks:
-                ranks[rank]["blocks"] = blocks
-        if not ranks and url not in self.errors:
-            return None
-        return {
-            "live": bool(ranks) and all(r["live"] for r in ranks.values()),
-            "ranks": ranks,
-            **({"error": self.errors[url]} if url in self.errors else {}),
-        }
+            ranks.setdefault(url, {})[rank] = figures
+        streams = self._core.kv_index_stats()["streams"]
+        for node, rank, blocks, *_ in streams if isinstance(streams, list) else []:
+            if rank in ranks.get(node, {}):
+                ranks[node][rank]["blocks"] = blocks
+        for url in {*ranks, *self.errors}:
+            mine = ranks.get(url, {})
+            out[url] = {
+                "live": bool(mine) and all(r["live"] for r in mine.values()),
+                "ranks": mine,
+                **({"error": self.errors[url]} if url in self.errors else {}),
+            }
+        return out
 
     async def _run(self) -> None:
         while True:

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import zmq
@@ -75,19 +75,11 @@ class StreamStatus:
         return self.connected
 
     def as_dict(self) -> dict[str, object]:
-        return {
-            "live": self.live,
-            "connected": self.connected,
-            "next_seq": self.next_seq,
-            "batches": self.batches,
-            "gaps": self.gaps,
-            "replayed": self.replayed,
-            "unfilled_gaps": self.unfilled_gaps,
-            "restarts": self.restarts,
-            "bad_messages": self.bad_messages,
-            "seconds_since_batch": None if self.last_batch_at is None else round(time.time() - self.last_batch_at, 3),
-            "last_forget": self.last_forget,
-        }
+        figures: dict[str, object] = {"live": self.live, **asdict(self)}
+        del figures["last_batch_at"]  # shown as an age
+        since = self.last_batch_at
+        figures["seconds_since_batch"] = None if since is None else round(time.time() - since, 3)
+        return figures
 
 
 class Subscription:

@@ -829,9 +829,6 @@ fn engine_stats<'py>(py: Python<'py>, node: &Node, max_age_ms: u64) -> PyResult<
     out.set_item("fresh", load.is_some())?;
     out.set_item("sent_since", load.map(|l| l.sent_since))?;
     out.set_item("requests_estimate", load.map(|l| l.requests()))?;
-    // Of the requests the engine reported, how many were this proxy's (its share, beside other
-    // routers sending to the same engine).
-    out.set_item("own_at_reading", load.map(|l| l.in_flight_then))?;
     out.set_item("restarts", report.restarts)?;
     out.set_item("failures", report.failures)?;
     out.set_item("failing", report.failing)?;

@@ -25,6 +25,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use rustc_hash::{FxHashMap, FxHasher};
 
 use super::{stable_hash, SelectCtx};
+use crate::circuit::now_ms;
 use crate::node::Node;
 
 /// The chained hashes of the first `max_blocks` blocks of `block_bytes` of the request's prompt
@@ -227,16 +228,17 @@ impl PrefixTable {
 
     /// For each candidate, how many leading blocks of `hashes` it holds.
     pub fn matched(&self, hashes: &[u64], candidates: &[Arc<Node>]) -> Vec<usize> {
-        self.matched_where(hashes, candidates, |_| true)
+        self.matched_pending(hashes, candidates, None).0
     }
 
-    /// For each candidate, how many leading blocks of `hashes` it was sent so lately that its
-    /// engine's KV events cannot have told of them yet (see `learn`'s `pending_ms`).
-    pub fn matched_pending(&self, hashes: &[u64], candidates: &[Arc<Node>], now_ms: u64) -> Vec<usize> {
-        self.matched_where(hashes, candidates, |h| h.pending_until_ms >= now_ms)
-    }
-
-    fn matched_where(&self, hashes: &[u64], candidates: &[Arc<Node>], counts: impl Fn(&Holder) -> bool) -> Vec<usize> {
+    /// `matched`, and with `now_ms`, also how many leading blocks each candidate was sent so
+    /// lately that its engine's KV events cannot have told of them yet (see `learn`): one walk.
+    pub fn matched_pending(
+        &self,
+        hashes: &[u64],
+        candidates: &[Arc<Node>],
+        now_ms: Option<u64>,
+    ) -> (Vec<usize>, Vec<usize>) {
         let mut out = vec![0; candidates.len()];
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         for node in candidates {
@@ -245,23 +247,30 @@ impl PrefixTable {
                 inner.forget(node.generation());
             }
         }
+        let mut pending = vec![0; if now_ms.is_some() { candidates.len() } else { 0 }];
         let mut matching: Vec<usize> = (0..candidates.len()).collect();
+        let mut recent: Vec<usize> = if now_ms.is_some() { matching.clone() } else { Vec::new() };
         for (depth, hash) in hashes.iter().enumerate() {
             let Some(holders) = inner.holders.get(hash) else { break };
-            matching.retain(|&i| holders.iter().any(|h| h.generation == candidates[i].generation() && counts(h)));
+            let holder = |i: usize| holders.iter().find(|h| h.generation == candidates[i].generation());
+            matching.retain(|&i| holder(i).is_some());
+            recent.retain(|&i| holder(i).is_some_and(|h| now_ms.is_some_and(|now| h.pending_until_ms >= now)));
             if matching.is_empty() {
-                break;
+                break; // the recent ones are among them
             }
             for &i in &matching {
                 out[i] = depth + 1;
             }
+            for &i in &recent {
+                pending[i] = depth + 1;
+            }
         }
-        out
+        (out, pending)
     }
 
     /// Records that `node` took a prompt with these blocks. `capacity_tokens`: what its
     /// engine's KV cache holds, when it says; `pending_until_ms`: when its engine will have
-    /// computed them and said so.
+    /// computed them and said so in its KV events (0: no events are followed).
     pub fn learn(&self, node: &Node, hashes: &[u64], capacity_tokens: Option<u64>, pending_until_ms: u64) {
         if hashes.is_empty() {
             return;
@@ -299,9 +308,11 @@ impl PrefixTable {
         // cost a write per block on every request of a hot prompt.
         let deepest = hashes[hashes.len() - 1];
         let fresh = holders.get(&deepest).and_then(|hs| hs.iter().find(|h| h.generation == generation));
+        // A pending route ran out (its blocks should be in the engine's events by now): a new
+        // one is pending again.
         let refresh = fresh.is_none_or(|h| {
             *clock - h.stamp > (blocks.live as u64 / 8).max(hashes.len() as u64)
-                || h.pending_until_ms < pending_until_ms
+                || (pending_until_ms > 0 && h.pending_until_ms < now_ms())
         });
         // Deepest first, so that the head of the prompt is the most recently used.
         for &hash in hashes.iter().rev().filter(|_| refresh) {
@@ -374,6 +385,21 @@ mod tests {
         t.learn(&nodes[1], &hashes(&t, &system[..32]), None, 0);
         let asked = hashes(&t, &format!("{system}{}", "a".repeat(48)));
         assert_eq!(t.matched(&asked, &nodes), vec![6, 2, 0]);
+    }
+
+    #[test]
+    fn a_route_is_pending_until_its_engine_can_have_told_of_it() {
+        let (_reg, nodes) = nodes(2);
+        let t = table(1000);
+        let prompt = hashes(&t, &"p".repeat(64));
+        let now = now_ms();
+        t.learn(&nodes[0], &prompt, None, now + 5_000);
+        t.learn(&nodes[1], &prompt, None, now - 1);
+        assert_eq!(t.matched_pending(&prompt, &nodes, Some(now)), (vec![4, 4], vec![4, 0]));
+        assert_eq!(t.matched_pending(&prompt, &nodes, None).1, Vec::<usize>::new(), "not asked for");
+        // Learnt again once its pending time ran out, a route is pending again.
+        t.learn(&nodes[1], &prompt, None, now + 5_000);
+        assert_eq!(t.matched_pending(&prompt, &nodes, Some(now)).1, vec![4, 4]);
     }
 
     #[test]

@@ -283,30 +283,29 @@ impl Scored {
     /// How many leading table blocks each candidate holds: from the KV index for the nodes it
     /// is live for, from the table for the others (and for prompts it cannot render).
     fn matched(&self, hashes: &[u64], candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<usize> {
-        let mut matched = self.table.matched(hashes, candidates);
         let index = self.kv_index.load();
-        let (Some(index), Some(prompt)) = (index.as_ref(), ctx.prompt) else { return matched };
+        let (Some(index), Some(prompt)) = (index.as_ref(), ctx.prompt) else {
+            return self.table.matched(hashes, candidates);
+        };
         let urls: Vec<&str> = candidates.iter().map(|n| n.url()).collect();
-        let Some(found) = index.matched_request(prompt, &urls) else {
-            index.fell_back.fetch_add(1, Ordering::Relaxed);
-            return matched;
+        let found = index.matched_request(prompt, &urls).filter(|found| found.iter().any(Option::is_some));
+        let Some(found) = found else {
+            index.fell_back.fetch_add(candidates.len() as u64, Ordering::Relaxed);
+            return self.table.matched(hashes, candidates);
         };
         // Routes the engines cannot have told of yet count as held: without them, the requests
         // that follow a popular prompt's first, before its prefill is done, would each find it
         // nowhere and prefill it again elsewhere.
-        let pending = self.table.matched_pending(hashes, candidates, now_ms());
+        let (mut matched, pending) = self.table.matched_pending(hashes, candidates, Some(now_ms()));
+        let mut used = 0;
         for ((held, found), pending) in matched.iter_mut().zip(found).zip(pending) {
-            match found {
-                Some(found) => {
-                    *held =
-                        (usize::try_from(found.bytes).unwrap_or(usize::MAX) / self.table.block_bytes()).max(pending);
-                    index.used.fetch_add(1, Ordering::Relaxed);
-                }
-                None => {
-                    index.fell_back.fetch_add(1, Ordering::Relaxed);
-                }
+            if let Some(found) = found {
+                *held = (usize::try_from(found.bytes).unwrap_or(usize::MAX) / self.table.block_bytes()).max(pending);
+                used += 1;
             }
         }
+        index.used.fetch_add(used, Ordering::Relaxed);
+        index.fell_back.fetch_add(candidates.len() as u64 - used, Ordering::Relaxed);
         matched
     }
 
@@ -473,7 +472,8 @@ impl Policy for Scored {
         // all the time), counting that as well left routes held long after the engine had
         // evicted them again (TTFT p99 972 and 810 ms against 284 and 268).
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-        let pending_until = now_ms() + prefill_ms as u64 + EVENTS_LAG_MS;
+        let pending_until =
+            if self.kv_index.load().is_some() { now_ms() + prefill_ms as u64 + EVENTS_LAG_MS } else { 0 };
         self.table.learn(node, &hashes, capacity, pending_until);
         Prediction {
             prefill: u64::try_from(uncached).unwrap_or(u64::MAX),
