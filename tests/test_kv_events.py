@@ -239,3 +239,23 @@ async def test_a_late_subscriber_learns_what_the_engine_kept(engine: MockEngine,
         await until(lambda: set(mirror.blocks) == cached_names(engine))
         assert subscription.status.replayed > 0
         assert not mirror.forgotten
+
+
+async def test_an_idle_engine_is_known_warm_on_joining(engine: MockEngine, context: zmq.asyncio.Context) -> None:
+    for i in range(4):
+        await chat(engine, f"served before pdproxy started {i} " * 8)
+    async with following(engine, context) as (mirror, subscription):
+        # No batch comes now: what the engine kept is asked for as the subscription connects.
+        await until(lambda: subscription.status.live)
+        assert mirror.blocks
+        assert set(mirror.blocks) == cached_names(engine)
+        joined = subscription.status.next_seq
+        assert joined is not None
+        assert subscription.status.replayed == joined
+        # The batches that follow are applied once, and nothing counts as a restart.
+        await chat(engine, "and then someone asks " * 8)
+        await until(lambda: set(mirror.blocks) == cached_names(engine))
+        assert subscription.status.batches == subscription.status.replayed + subscription.status.next_seq - joined
+        assert subscription.status.restarts == 0
+        assert subscription.status.gaps == 0
+        assert not mirror.forgotten

@@ -2,14 +2,16 @@
 checked, gaps filled from its replay socket, restarts noticed.
 
 An engine numbers its batches from 0 and keeps the last few thousand for replay. A subscriber
-that joins late, or misses some (ZMQ drops at its high-water mark, a reconnect), asks the replay
-socket for the missing ones (an 8-byte big-endian start sequence; the replies end with
-sequence -1). A gap that cannot be filled, numbers that go back (the engine restarted and
-counts again) or the publisher's socket closing (its engine exited, most often) make what the
-index holds for that rank untrustworthy: it is dropped (``EventSink.forget``) and rebuilt from
-the events that follow.
+joins as soon as it connects by asking the replay socket for all the engine keeps (an 8-byte
+big-endian start sequence; the replies end with sequence -1): an engine that served before
+pdproxy started, and is idle now, is then known warm without waiting for its next batch. Live
+batches the join already replayed are skipped. Batches missed later (ZMQ drops at its
+high-water mark, a reconnect) are asked for the same way. A gap that cannot be filled,
+numbers that go back (the engine restarted and counts again) or the publisher's socket closing
+(its engine exited, most often) make what the index holds for that rank untrustworthy: it is
+dropped (``EventSink.forget``) and rebuilt from the events that follow.
 
-The subscription is live while its socket is connected and no gap is open; the index falls
+The subscription is live while its socket is connected and its join done; the index falls
 back to the approximate table for a rank that is not (``status``).
 """
 
@@ -31,7 +33,9 @@ log = logging.getLogger("pdproxy.kv_events")
 
 #: How long a replay may take to answer before the gap counts as unfillable.
 REPLAY_TIMEOUT_S = 1.0
-#: Batches asked of a replay socket at most, when joining late (an engine keeps 10,000).
+#: How long the join's replay may take: all an engine keeps (vLLM: 10,000 batches).
+JOIN_TIMEOUT_S = 10.0
+#: Batches asked of a replay socket at most, when joining on a live batch (an engine keeps 10,000).
 JOIN_REPLAY = 10_000
 
 
@@ -57,6 +61,8 @@ class StreamStatus:
     """What ``/nodes/status`` shows of a subscription."""
 
     connected: bool = False
+    #: Catching up with what the engine keeps (the replay asked for on connecting).
+    joining: bool = False
     #: The next sequence number expected (None: none seen yet).
     next_seq: int | None = None
     batches: int = 0
@@ -71,8 +77,9 @@ class StreamStatus:
 
     @property
     def live(self) -> bool:
-        # An engine that published nothing yet holds nothing: an empty index is right for it.
-        return self.connected
+        # Joined: what the engine kept is in. (An engine that published nothing yet holds
+        # nothing: an empty index is right for it.)
+        return self.connected and not self.joining
 
     def as_dict(self) -> dict[str, object]:
         figures: dict[str, object] = {"live": self.live, **asdict(self)}
@@ -91,6 +98,11 @@ class Subscription:
         self.status = StreamStatus()
         self._context = context
         self._task: asyncio.Task[None] | None = None
+        #: One at a time: a join's replay, or a live batch (and the replay of its gap).
+        self._turn = asyncio.Lock()
+        #: Live batches numbered below this were replayed by the join (None: no join since the
+        #: last live batch at or past it; a number that goes back is then a restart).
+        self._joined_to: int | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"kv-events {self.endpoint.node}#{self.endpoint.rank}")
@@ -112,31 +124,60 @@ class Subscription:
         try:
             while True:
                 frames = await sub.recv_multipart()
-                await self._received(frames)
+                async with self._turn:
+                    await self._received(frames)
         finally:
             watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watch
-            sub.disable_monitor()
-            monitor.close(linger=0)
-            sub.close(linger=0)
+            try:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+            finally:
+                # Whatever the watch ended with: an open socket would hang the context's term.
+                sub.disable_monitor()
+                monitor.close(linger=0)
+                sub.close(linger=0)
 
     async def _watch(self, monitor: zmq.asyncio.Socket) -> None:
         from zmq.utils.monitor import parse_monitor_message
 
-        while True:
-            event = parse_monitor_message(await monitor.recv_multipart())
-            if event["event"] == zmq.EVENT_CONNECTED:
-                self.status.connected = True
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
-                # The publisher's socket closed: most often its engine exited, and its cache with
-                # it. Known cold now, not when the health checks or the next batch say so; once
-                # connected again, the stream joins afresh (the replay gives back what a mere
-                # network break took).
-                self.status.connected = False
+        joins: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())
+                self._connection_changed(event["event"], joins)
+        finally:
+            for join in joins:
+                join.cancel()
+
+    def _connection_changed(self, event: int, joins: set[asyncio.Task[None]]) -> None:
+        if event == zmq.EVENT_CONNECTED:
+            self.status.connected = True
+            if self.status.next_seq is None and self.endpoint.replay is not None:
+                self.status.joining = True
+                join = asyncio.create_task(self._join())
+                joins.add(join)
+                join.add_done_callback(joins.discard)
+        elif event == zmq.EVENT_DISCONNECTED:
+            # The publisher's socket closed: most often its engine exited, and its cache with
+            # it. Known cold now, not when the health checks or the next batch say so; once
+            # connected again, the stream joins afresh (the replay gives back what a mere
+            # network break took).
+            self.status.connected = False
+            if self.status.next_seq is not None:
+                self.status.next_seq = None
+                self._joined_to = None
+                self._forget("disconnected from the publisher")
+
+    async def _join(self) -> None:
+        """Everything the engine keeps, replayed before the live batches that follow."""
+        try:
+            async with self._turn:
                 if self.status.next_seq is not None:
-                    self.status.next_seq = None
-                    self._forget("disconnected from the publisher")
+                    return  # a live batch joined first
+                await self._replay(0, None, within_s=JOIN_TIMEOUT_S)
+                self._joined_to = self.status.next_seq
+        finally:
+            self.status.joining = False
 
     async def _received(self, frames: list[bytes]) -> None:
         try:
@@ -149,6 +190,10 @@ class Subscription:
             self._bad(e)
             return
         expected = self.status.next_seq
+        if self._joined_to is not None:
+            if seq < self._joined_to:
+                return  # published while the join replayed it
+            self._joined_to = None
         if expected is not None and seq < expected:
             # Numbers going back: a new engine process counting from 0 again.
             self.status.restarts += 1
@@ -156,10 +201,10 @@ class Subscription:
             expected = None
         if expected is None:
             # Joining: first what the engine still keeps of its earlier batches.
-            await self._replay(max(0, seq - JOIN_REPLAY), seq, joining=True)
+            await self._replay(max(0, seq - JOIN_REPLAY), seq)
         elif seq > expected:
             self.status.gaps += 1
-            if not await self._replay(expected, seq):
+            if not await self._replay(expected, seq, fill=True):
                 self.status.unfilled_gaps += 1
                 self._forget(f"batches {expected}-{seq - 1} missed and not replayed")
         self._apply(seq, batch)
@@ -180,10 +225,13 @@ class Subscription:
         if self.status.bad_messages <= 3:
             log.warning("KV events of %s rank %d: %s", self.endpoint.node, self.endpoint.rank, error)
 
-    async def _replay(self, start: int, end: int, *, joining: bool = False) -> bool:
-        """Applies batches ``start`` to ``end - 1`` from the replay socket; False when it has not
-        got them all (no replay socket, no answer in time, or the oldest ones gone). ``joining``:
-        the first batches seen, so whatever the engine still keeps will do."""
+    async def _replay(
+        self, start: int, end: int | None, *, fill: bool = False, within_s: float = REPLAY_TIMEOUT_S
+    ) -> bool:
+        """Applies batches ``start`` to ``end - 1`` (``None``: to the last kept) from the replay
+        socket; False when it has not got them all (no replay socket, no answer in time, or the
+        oldest ones gone). ``fill``: a gap, which batches missing at its start leave open; else
+        (joining) whatever the engine still keeps will do."""
         if self.endpoint.replay is None:
             return False
         dealer = self._context.socket(zmq.DEALER)
@@ -192,7 +240,7 @@ class Subscription:
         next_seq = start
         try:
             await dealer.send_multipart([b"", start.to_bytes(8, "big")])
-            async with asyncio.timeout(REPLAY_TIMEOUT_S):
+            async with asyncio.timeout(within_s):
                 while True:
                     frames = await dealer.recv_multipart()
                     # A DEALER receives what the ROUTER sent after the client's identity.
@@ -206,9 +254,9 @@ class Subscription:
                     if parts is None:
                         break
                     seq, payload = parts
-                    if seq < next_seq or seq >= end:
+                    if seq < next_seq or (end is not None and seq >= end):
                         continue
-                    if seq > next_seq and not joining:
+                    if seq > next_seq and fill:
                         # The oldest ones are no longer kept: the rest cannot make them up.
                         return False
                     try:
@@ -223,4 +271,4 @@ class Subscription:
             return False
         finally:
             dealer.close(linger=0)
-        return next_seq == end
+        return end is None or next_seq == end
