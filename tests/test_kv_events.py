@@ -259,3 +259,23 @@ async def test_an_idle_engine_is_known_warm_on_joining(engine: MockEngine, conte
         assert subscription.status.restarts == 0
         assert subscription.status.gaps == 0
         assert not mirror.forgotten
+
+
+async def test_a_restart_right_after_joining_is_not_taken_for_replayed_batches(
+    engine: MockEngine, context: zmq.asyncio.Context
+) -> None:
+    for i in range(3):
+        await chat(engine, f"before the join {i} " * 8)
+    async with following(engine, context) as (mirror, subscription):
+        await until(lambda: subscription.status.live)
+        assert subscription.status.replayed > 0
+        # Numbered from 0 again with the socket kept (as bench/fleet_engines.py's reset does):
+        # below the join's end, but published after it.
+        async with aiohttp.ClientSession() as client:
+            await client.post(engine.url + "/mock/kv_events", json={"restart": True})
+        await chat(engine, "after the restart " * 8)
+        await until(lambda: subscription.status.restarts == 1)
+        assert "restarted" in mirror.forgotten[-1]
+        # Known again from the restarted engine's events on, and only what they say.
+        assert mirror.blocks
+        assert set(mirror.blocks) <= cached_names(engine)

@@ -100,9 +100,11 @@ class Subscription:
         self._task: asyncio.Task[None] | None = None
         #: One at a time: a join's replay, or a live batch (and the replay of its gap).
         self._turn = asyncio.Lock()
-        #: Live batches numbered below this were replayed by the join (None: no join since the
-        #: last live batch at or past it; a number that goes back is then a restart).
-        self._joined_to: int | None = None
+        #: Where the join's replay ended: the next number, and the engine's time of the last
+        #: batch. A live batch numbered below it and no later was published as the join replayed
+        #: it; a later one is a restarted engine's (None: no join since the last live batch).
+        self._joined: tuple[int, float] | None = None
+        self._last_ts = 0.0
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"kv-events {self.endpoint.node}#{self.endpoint.rank}")
@@ -165,7 +167,7 @@ class Subscription:
             self.status.connected = False
             if self.status.next_seq is not None:
                 self.status.next_seq = None
-                self._joined_to = None
+                self._joined = None
                 self._forget("disconnected from the publisher")
 
     async def _join(self) -> None:
@@ -175,7 +177,8 @@ class Subscription:
                 if self.status.next_seq is not None:
                     return  # a live batch joined first
                 await self._replay(0, None, within_s=JOIN_TIMEOUT_S)
-                self._joined_to = self.status.next_seq
+                if self.status.next_seq is not None:
+                    self._joined = (self.status.next_seq, self._last_ts)
         finally:
             self.status.joining = False
 
@@ -190,10 +193,11 @@ class Subscription:
             self._bad(e)
             return
         expected = self.status.next_seq
-        if self._joined_to is not None:
-            if seq < self._joined_to:
+        if self._joined is not None:
+            joined_to, joined_ts = self._joined
+            if seq < joined_to and batch.ts <= joined_ts:
                 return  # published while the join replayed it
-            self._joined_to = None
+            self._joined = None
         if expected is not None and seq < expected:
             # Numbers going back: a new engine process counting from 0 again.
             self.status.restarts += 1
@@ -214,6 +218,7 @@ class Subscription:
         self.status.next_seq = seq + 1
         self.status.batches += 1
         self.status.last_batch_at = time.time()
+        self._last_ts = batch.ts
 
     def _forget(self, why: str) -> None:
         log.warning("KV events of %s rank %d: %s", self.endpoint.node, self.endpoint.rank, why)
