@@ -43,7 +43,11 @@ lint: lint-python lint-rust ## every linter
 TEST_WORKERS ?= 3
 
 test: ## the Python suite: pytest against real processes, TEST_WORKERS at a time (arguments: PYTEST_ARGS=...)
-	$(PYTHON) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(PYTHON) -m pytest -n $(TEST_WORKERS) --ignore=tests/bench $(PYTEST_ARGS)
+
+.PHONY: test-bench
+test-bench: ## the benchmark tooling's own tests (bench/fleet.py, the locustfile), apart from the product's
+	$(PYTHON) -m pytest -n 2 tests/bench
 
 .PHONY: test-real
 test-real: ## the real-engine tier: real vLLM servers on this machine's CPUs (scripts/real_engine.sh sets them up)
@@ -64,7 +68,7 @@ wheel: ## the manylinux abi3 wheel users install without Rust, into dist/ (check
 
 .PHONY: screenshot
 screenshot: ## regenerate docs/dashboard.png (the dashboard's browser test, at 1400 px, writes it)
-	SCREENSHOT_TO=docs/dashboard.png $(PYTHON) -m pytest -q tests/test_dashboard.py
+	SCREENSHOT_TO=docs/dashboard.png $(PYTHON) -m pytest -q tests/observability/test_dashboard.py
 
 .PHONY: bench
 bench: ## run every benchmark scenario and refresh bench/README.md

@@ -47,4 +47,5 @@ PYTHON="$PYTHON" scripts/peer_venvs.sh
 "$PYTHON" bench/peers.py install lmdeploy
 # The Makefile's targets: the one place the test commands are written.
 make --no-print-directory test PYTHON="$PYTHON" PYTEST_ARGS="$*"
+make --no-print-directory test-bench PYTHON="$PYTHON"
 make --no-print-directory test-rust

@@ -14,9 +14,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pdproxy.ports import free_port
+
+#: The repository's root (tests sit in folders below tests/).
+REPO = Path(__file__).resolve().parent.parent
 
 #: Upper bound for a process to become ready; polled, never slept through.
 READY_TIMEOUT = 30.0
@@ -230,8 +234,10 @@ async def raw_post(url: str, path: str, body: bytes) -> bytes:
     return answer
 
 
-async def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str = "the condition") -> None:
-    """Waits until ``check()`` (awaited when it is a coroutine) is true, at most ``timeout`` seconds."""
+async def eventually(check: Callable[[], Any], what: str = "the condition", *, timeout: float = 10.0) -> None:
+    """Waits until ``check()`` (awaited when it is a coroutine) is true, at most ``timeout`` seconds:
+    the one way the tests wait for something to happen (a fixed sleep would be too short on a
+    busy machine and too long on an idle one)."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         result = check()
@@ -239,5 +245,5 @@ async def eventually(check: Callable[[], Any], timeout: float = 10.0, what: str 
             result = await result
         if result:
             return
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
+        assert asyncio.get_running_loop().time() < deadline, f"timed out after {timeout} s waiting for {what}"
+        await asyncio.sleep(0.02)

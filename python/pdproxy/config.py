@@ -363,7 +363,7 @@ class RoutingSettings(SettingsGroup):
             "Routing policy of every role (hybrid, and prefill and decode unless their own is given): "
             "min_expected_latency (LMDeploy's default), random, min_observed_latency, "
             "min_observed_latency_per_token, min_cache_usage (LMDeploy's), round_robin, least_requests, "
-            "consistent_hash, prefix, least_engine_load, scored (or scored:prefix=N,queue=N)."
+            "consistent_hash, prefix, least_engine_load, scored (or scored:prefix=N,queue=N,hidden=N)."
         ),
         aliases=("--routing-strategy",),
     )
@@ -419,6 +419,13 @@ class RoutingSettings(SettingsGroup):
         (
             "scored: times the waits ahead of a request count in a node's cost: for a place in its engine's "
             "batch, and for the prefill owed to the requests sent there before."
+        ),
+    )
+    score_hidden_weight: Weight = _setting(
+        0.0,
+        (
+            "scored: times a node's recent lateness counts in its cost: how much later than priced its first "
+            "tokens came, the work there others sent (other replicas, traffic that bypasses pdproxy)."
         ),
     )
     retries: NotNegative = _setting(

@@ -13,6 +13,7 @@ pub mod error;
 pub mod exchange;
 pub mod forward;
 pub mod headers;
+pub mod hidden_load;
 pub mod histogram;
 pub mod inspect;
 pub mod loops;

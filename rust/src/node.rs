@@ -12,6 +12,7 @@ use crate::circuit::Circuit;
 use crate::engine_report::{CountsThen, EngineFigures, EngineLoad, EngineReport};
 use crate::engine_speed::EngineSpeed;
 use crate::error::{Error, Kind, Result};
+use crate::hidden_load::HiddenLoad;
 use crate::histogram::{Gap, Histogram, Latency};
 use crate::shared::{Binding, SharedTable};
 use crate::upstream::Target;
@@ -138,6 +139,8 @@ pub struct NodeCounters {
     pub prefill_done_at_us: AtomicU64,
     /// How fast the node's engine prefills and decodes, learnt from the requests sent to it.
     pub speed: EngineSpeed,
+    /// How much later than priced its first tokens came lately: work there pdproxy did not price.
+    pub hidden: HiddenLoad,
     /// Requests sent to the node that have not had the first byte of their answer yet: waiting
     /// in the engine's queue, or being prefilled.
     pub unanswered: AtomicU64,
@@ -251,6 +254,7 @@ impl NodeCounters {
         self.itl.reset();
         self.engine.reset();
         self.speed.reset();
+        self.hidden.reset();
     }
 
     /// Records a reading of the node's engine taken now (`now_ms`), with its own counters.

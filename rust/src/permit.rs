@@ -37,6 +37,9 @@ pub struct Prediction {
     pub cached: u64,
     /// How long the node takes to prefill `prefill` (µs, at the rate the policy priced it).
     pub prefill_us: u64,
+    /// When the first token should come (µs after the selection; 0: not priced): all the
+    /// policy knows of, so that coming later shows work there it did not know of.
+    pub first_token_us: u64,
 }
 
 /// What a streamed body showed, recorded into the node's statistics at release.
@@ -60,6 +63,8 @@ pub struct InFlightPermit {
     report: Report,
     /// Counted in the node's `unanswered` until the first byte comes.
     unanswered: AtomicBool,
+    /// When the first byte should come (`now_us`'s clock; 0: not priced, or not a first token).
+    first_token_due_us: AtomicU64,
     /// Prompt bytes the policy expected in the node's cache, added to its
     /// `predicted_cached_bytes` at the first byte.
     predicted_cached: AtomicU64,
@@ -125,6 +130,7 @@ impl InFlightPermit {
             outcome: Outcome::Cancelled,
             report: Report::default(),
             unanswered: AtomicBool::new(true),
+            first_token_due_us: AtomicU64::new(0),
             predicted_cached: AtomicU64::new(0),
             timed_bytes: AtomicU64::new(0),
             timed_since_ms: AtomicU64::new(0),
@@ -171,6 +177,9 @@ impl InFlightPermit {
         let counters = self.node.counters();
         self.own_prefill.store(prediction.prefill, Ordering::Relaxed);
         self.timed.store(timed, Ordering::Relaxed);
+        if timed && prediction.first_token_us > 0 {
+            self.first_token_due_us.store(now_us() + prediction.first_token_us, Ordering::Relaxed);
+        }
         if timed {
             #[allow(clippy::cast_precision_loss)]
             let full = counters.speed.slots().is_some_and(|slots| counters.in_flight() as f64 > slots);
@@ -225,6 +234,12 @@ impl InFlightPermit {
         // The last request owed an answer has one: the node owes no prefill from now on.
         if self.unanswered.swap(false, Ordering::Relaxed) && counters.unanswered.fetch_sub(1, Ordering::Relaxed) == 1 {
             counters.prefill_done_at_us.store(now_us(), Ordering::Relaxed);
+        }
+        let due = self.first_token_due_us.swap(0, Ordering::Relaxed);
+        if answered && due > 0 {
+            #[allow(clippy::cast_precision_loss)]
+            let late_ms = (now_us() as f64 - due as f64) / 1000.0;
+            counters.hidden.observe(late_ms, now_ms());
         }
         let timed = self.timed_bytes.swap(0, Ordering::Relaxed);
         if answered && timed > 0 {
@@ -315,8 +330,14 @@ mod tests {
         let counters = node.counters();
         let first = InFlightPermit::acquire(&node);
         let second = InFlightPermit::acquire(&node);
-        first.set_prediction(Prediction { prefill: 1024, cached: 0, prefill_us: 400_000 }, true);
-        second.set_prediction(Prediction { prefill: 1024, cached: 0, prefill_us: 300_000 }, true);
+        first.set_prediction(
+            Prediction { prefill: 1024, cached: 0, prefill_us: 400_000, ..Prediction::default() },
+            true,
+        );
+        second.set_prediction(
+            Prediction { prefill: 1024, cached: 0, prefill_us: 300_000, ..Prediction::default() },
+            true,
+        );
         let left = counters.prefill_left_ms(now_us());
         assert!((600.0..=700.0).contains(&left), "one prefill after the other: {left} ms");
         first.first_byte_seen();
@@ -325,7 +346,7 @@ mod tests {
         assert!(counters.prefill_left_ms(now_us()) <= 0.0, "nothing unanswered: nothing owed");
         // A request that predicts no prefill time leaves the clock alone.
         let quiet = InFlightPermit::acquire(&node);
-        quiet.set_prediction(Prediction { prefill: 1024, cached: 0, prefill_us: 0 }, true);
+        quiet.set_prediction(Prediction { prefill: 1024, cached: 0, prefill_us: 0, ..Prediction::default() }, true);
         assert!(counters.prefill_left_ms(now_us()) <= 0.0);
     }
 
@@ -333,7 +354,7 @@ mod tests {
     fn the_hits_an_answer_reports_are_set_against_those_predicted() {
         let node = Registry::new().add("h:1", NodeSpec::default()).unwrap();
         let mut permit = InFlightPermit::acquire(&node);
-        permit.set_prediction(Prediction { prefill: 100, cached: 4096, prefill_us: 0 }, true);
+        permit.set_prediction(Prediction { prefill: 100, cached: 4096, prefill_us: 0, ..Prediction::default() }, true);
         permit.saw(b"data: {\"choices\": []}\n\n");
         permit.saw(br#"data: {"usage": {"prompt_tokens": 1100, "prompt_tokens_details": {"cached_tokens" : 1024}}}"#);
         permit.saw(br#"{"cached_tokens": 5}"#);
@@ -347,7 +368,7 @@ mod tests {
         assert_eq!(sums, (4096, 1024), "the first report counts, once");
         // Nothing predicted, or nothing reported: nothing to set against.
         let mut quiet = InFlightPermit::acquire(&node);
-        quiet.set_prediction(Prediction { prefill: 100, cached: 4096, prefill_us: 0 }, true);
+        quiet.set_prediction(Prediction { prefill: 100, cached: 4096, prefill_us: 0, ..Prediction::default() }, true);
         quiet.set_outcome(Outcome::Succeeded);
         drop(quiet);
         assert_eq!(counters.answered_predicted_bytes.load(Ordering::Relaxed), 4096);

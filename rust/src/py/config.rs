@@ -25,6 +25,7 @@ pub struct RouterConfig {
     pub prefix_bytes_per_token: f64,
     pub score_prefix_weight: f64,
     pub score_queue_weight: f64,
+    pub score_hidden_weight: f64,
     pub engine_metrics_max_age: f64,
     pub queue_size: usize,
     pub queue_timeout: f64,
@@ -107,7 +108,11 @@ impl RouterConfig {
                     seconds("engine_metrics_max_age", self.engine_metrics_max_age)?.as_millis(),
                 )
                 .unwrap_or(u64::MAX),
-                score: ScoreWeights { prefix: self.score_prefix_weight, queue: self.score_queue_weight },
+                score: ScoreWeights {
+                    prefix: self.score_prefix_weight,
+                    queue: self.score_queue_weight,
+                    hidden: self.score_hidden_weight,
+                },
                 prefix_bytes_per_token: self.prefix_bytes_per_token,
             },
             queue_size: self.queue_size,

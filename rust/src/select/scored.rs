@@ -6,6 +6,7 @@
 //! ```text
 //! cost = queue  * (the wait for a place in the engine's batch
 //!                  + the prefill owed to the requests sent there before, at that engine's rate)
+//!      + hidden * (how much later than so priced the node's first tokens came lately)
 //!      + own    * (1 + prefix * (1 + the requests sent there still waiting for their first token))
 //! ```
 //!
@@ -18,7 +19,7 @@
 //! outgrows a prefill elsewhere, and a popular prompt spreads as its own traffic fills the
 //! queues of its nodes. (Counting only the requests waiting for a place in the batch, which a
 //! prefill delays for sure, did worse on `bench/fleet.py`'s workloads.) `prefix` (2) and
-//! `queue` (1) are the two weights; 2 was the best of 0.5, 1, 2 and 4 on the prefix-heavy
+//! `queue` (1) are the main weights; 2 was the best of 0.5, 1, 2 and 4 on the prefix-heavy
 //! workloads.
 //!
 //! - The prompt a node holds comes from the engines' own KV events where they are followed
@@ -32,6 +33,11 @@
 //!   to be free (on `bench/fleet.py`'s `no_reuse` at 80% load, counting the pending prompts
 //!   whole gave a TTFT p99 of 249 and 225 ms on two seeds against round robin's 164 and 157;
 //!   with the clock, 176 and 165 against 164 and 156).
+//! - The lateness (`hidden_load`) is the work there pdproxy did not send, or this replica did
+//!   not: with four replicas in front of the same engines, each one's clock holds a quarter of
+//!   the prefill owed. Off by default (`hidden` 0): on `bench/fleet.py` at 80% load (one
+//!   replica, two seeds) it was within the run-to-run spread of 0 on most workloads and worse
+//!   on `unequal_engines` and `flush_restart` (TTFT p99 1,033 and 1,116 ms against 812 and 761).
 //! - Engine speeds are learnt only from requests that waited for no other's prefill (see
 //!   `InFlightPermit::set_prediction`): fitted on every first token, the fixed part took in the
 //!   queue waits of a cold fleet's first seconds (277-604 ms) and the clock then counted them
@@ -84,10 +90,12 @@ pub struct ScoreWeights {
     pub prefix: f64,
     /// Times the waits ahead of it count.
     pub queue: f64,
+    /// Times the node's recent lateness counts (work there pdproxy did not price).
+    pub hidden: f64,
 }
 
 impl ScoreWeights {
-    /// `weights` with the overrides of `spec` applied: `prefix=2,queue=0.5` (either, each a
+    /// `weights` with the overrides of `spec` applied: `prefix=2,queue=0.5,hidden=1` (any, each a
     /// non-negative number).
     pub fn with_overrides(self, spec: &str) -> Result<Self> {
         let mut out = self;
@@ -100,6 +108,7 @@ impl ScoreWeights {
             match key.trim() {
                 "prefix" => out.prefix = value,
                 "queue" => out.queue = value,
+                "hidden" => out.hidden = value,
                 _ => return Err(invalid(spec)),
             }
         }
@@ -110,7 +119,9 @@ impl ScoreWeights {
 fn invalid(spec: &str) -> Error {
     Error::new(
         Kind::Config,
-        format!("scored weights {spec:?}: use prefix=N and queue=N separated by a comma (non-negative numbers)"),
+        format!(
+            "scored weights {spec:?}: use prefix=N, queue=N and hidden=N separated by commas (non-negative numbers)"
+        ),
     )
 }
 
@@ -127,10 +138,13 @@ pub struct Estimate {
     pub own: f64,
     /// Requests sent there still waiting for their first token (queued, or prefilling).
     pub behind: f64,
+    /// How much later than priced the node's first tokens have come lately (`hidden_load`):
+    /// work queued there that others sent.
+    pub hidden: f64,
 }
 
 impl Estimate {
-    /// When the request's first token would come (ms after now).
+    /// When the request's first token would come (ms after now), by what pdproxy sent.
     pub fn first_token_in_ms(&self) -> f64 {
         self.slot_wait + self.ahead + self.first_token + self.own
     }
@@ -139,7 +153,9 @@ impl Estimate {
     /// common whatever the node (a step of the batch, and waits it does not see), and a node's
     /// own speed shows in its other terms.
     fn cost(&self, w: ScoreWeights) -> f64 {
-        w.queue * (self.slot_wait + self.ahead) + self.own * (1.0 + w.prefix * (1.0 + self.behind))
+        w.queue * (self.slot_wait + self.ahead)
+            + w.hidden * self.hidden
+            + self.own * (1.0 + w.prefix * (1.0 + self.behind))
     }
 }
 
@@ -255,8 +271,9 @@ struct LastPick {
     /// Which policy, prompt and model it was for (addresses and lengths).
     key: [usize; 5],
     hashes: Vec<u64>,
-    /// Leading blocks each candidate holds, and the time its prefill would take there, by generation.
-    matched: Vec<(u64, usize, f64)>,
+    /// Leading blocks each candidate holds, the time its prefill would take there and when its
+    /// first token would come, by generation.
+    matched: Vec<(u64, usize, f64, f64)>,
 }
 
 thread_local! {
@@ -387,6 +404,7 @@ impl Scored {
                 own: own_kib * ms_per_kib,
                 #[allow(clippy::cast_precision_loss)]
                 behind: node.counters().unanswered.load(Ordering::Relaxed) as f64,
+                hidden: node.counters().hidden.ms(now).max(0.0),
             });
         }
         out
@@ -417,7 +435,11 @@ impl Policy for Scored {
             .iter()
             .zip(matched)
             .zip(&estimates)
-            .map(|((n, m), e)| (n.generation(), m, e.map_or(0.0, |e| e.first_token + e.own)))
+            .map(|((n, m), e)| {
+                let (prefill_ms, first_token_ms) =
+                    e.map_or((0.0, 0.0), |e| (e.first_token + e.own, e.first_token_in_ms()));
+                (n.generation(), m, prefill_ms, first_token_ms)
+            })
             .collect();
         let key = pick_key(self, ctx);
         LAST_PICK.with(|last| *last.borrow_mut() = Some(LastPick { key, hashes, matched }));
@@ -451,15 +473,17 @@ impl Policy for Scored {
         let key = pick_key(self, ctx);
         let picked = LAST_PICK.with(|last| {
             let mut last = last.borrow_mut();
-            let (_, matched, prefill_ms) =
+            let (_, matched, prefill_ms, first_token_ms) =
                 *last.as_ref().filter(|l| l.key == key)?.matched.iter().find(|(g, ..)| *g == node.generation())?;
-            last.take().map(|l| (l.hashes, matched, prefill_ms))
+            last.take().map(|l| (l.hashes, matched, prefill_ms, first_token_ms))
         });
-        let (hashes, matched, prefill_ms) = picked.unwrap_or_else(|| {
+        let (hashes, matched, prefill_ms, first_token_ms) = picked.unwrap_or_else(|| {
             let hashes = self.table.block_hashes(ctx);
             let matched = self.matched(&hashes, std::slice::from_ref(node), ctx)[0];
             let estimate = self.estimates_for(std::slice::from_ref(node), ctx, &[matched])[0];
-            (hashes, matched, estimate.map_or(0.0, |e| e.first_token + e.own))
+            let (prefill_ms, first_token_ms) =
+                estimate.map_or((0.0, 0.0), |e| (e.first_token + e.own, e.first_token_in_ms()));
+            (hashes, matched, prefill_ms, first_token_ms)
         });
         let capacity = node
             .engine_load(u64::MAX, now_ms())
@@ -480,6 +504,8 @@ impl Policy for Scored {
             cached: u64::try_from(prompt - uncached).unwrap_or(u64::MAX),
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
             prefill_us: (prefill_ms * 1000.0) as u64,
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            first_token_us: (first_token_ms * 1000.0) as u64,
         }
     }
 }
@@ -491,7 +517,7 @@ mod tests {
     use super::super::testing::*;
     use super::*;
 
-    const WEIGHTS: ScoreWeights = ScoreWeights { prefix: 2.0, queue: 1.0 };
+    const WEIGHTS: ScoreWeights = ScoreWeights { prefix: 2.0, queue: 1.0, hidden: 0.0 };
 
     fn scored(weights: ScoreWeights) -> Scored {
         let table = PrefixTableConfig { block_bytes: 256, max_blocks: 1024, entries: 1 << 16, bytes_per_token: 4.0 };
@@ -547,7 +573,7 @@ mod tests {
     #[test]
     fn weights_are_configurable_and_only_the_two() {
         let w = WEIGHTS.with_overrides("prefix=1, queue=0.5").unwrap();
-        assert_eq!(w, ScoreWeights { prefix: 1.0, queue: 0.5 });
+        assert_eq!(w, ScoreWeights { prefix: 1.0, queue: 0.5, hidden: 0.0 });
         for bad in ["prefix", "prefix=-1", "speed=2", "kv=1", "load=1", "queue=inf", "queue=x"] {
             assert!(WEIGHTS.with_overrides(bad).is_err(), "{bad}");
         }

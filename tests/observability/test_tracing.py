@@ -4,9 +4,7 @@ node called with the same trace."""
 
 from __future__ import annotations
 
-import asyncio
 import secrets
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +13,10 @@ import pytest
 
 from otlp_receiver import attributes, otlp_receiver
 from pdproxy.testing import MockEngine, MockSettings
-from servers import chat_body, pdproxy_serve, register
+from servers import chat_body, eventually, pdproxy_serve, register
 
 # One pipeline serves both edges: this suite runs against the Rust edge (test_proxy.py and the
 # tests marked with the `edge` fixture cover the --edge granian transport).
-
-
-async def until(check: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not check():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
 
 
 def by_id(spans: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -63,7 +54,7 @@ async def test_a_request_is_one_trace_under_the_callers_span(tmp_path: Path, htt
                 async with http.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as r:
                     assert r.status == 200
                     await r.read()
-                await until(lambda t=trace_id: bool(otlp.named(t, "pdproxy.request")), "the request's root span")
+                await eventually(lambda t=trace_id: bool(otlp.named(t, "pdproxy.request")), "the request's root span")
                 spans = by_id(otlp.trace(trace_id))
                 (root,) = otlp.named(trace_id, "pdproxy.request")
                 assert root["parentSpanId"] == caller
@@ -110,7 +101,7 @@ async def test_untraced_callers_start_a_trace_and_otel_variables_are_honoured(
                     assert r.status == 200
                 trace_id, span_id, flags = node_context(engine.state.records[-1])
                 assert flags == "01"
-                await until(lambda: bool(otlp.named(trace_id, "pdproxy.request")), "the new trace")
+                await eventually(lambda: bool(otlp.named(trace_id, "pdproxy.request")), "the new trace")
                 (root,) = otlp.named(trace_id, "pdproxy.request")
                 assert "parentSpanId" not in root, "a new trace starts at the proxy"
                 (attempt,) = otlp.named(trace_id, "pdproxy.attempt")
@@ -130,7 +121,7 @@ async def test_unsampled_traces_are_passed_on_and_not_exported(tmp_path: Path, h
                     assert r.status == 200
                 got_trace, _, got_flags = node_context(engine.state.records[-1])
                 assert (got_trace, got_flags) == (trace_id, flags), "the caller's decision travels on"
-            await until(lambda: bool(otlp.trace(kept)), "the sampled trace")
+            await eventually(lambda: bool(otlp.trace(kept)), "the sampled trace")
             assert otlp.trace(skipped) == [], "the caller did not sample it (parentbased_always_on)"
 
 
@@ -141,7 +132,7 @@ async def test_refusals_are_traced_as_errors(tmp_path: Path, http: aiohttp.Clien
         async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("nope"), headers=headers) as r:
             assert r.status in (404, 503)
             status = r.status
-        await until(lambda: bool(otlp.named(trace_id, "pdproxy.request")), "the refused request's span")
+        await eventually(lambda: bool(otlp.named(trace_id, "pdproxy.request")), "the refused request's span")
         (root,) = otlp.named(trace_id, "pdproxy.request")
         assert root["status"]["code"] == 2
         assert root["status"]["message"]
@@ -163,7 +154,7 @@ async def test_each_pd_leg_is_a_span_with_its_attempt(
         async with http.post(proxy.url + "/v1/chat/completions", json=body, headers=headers) as r:
             assert r.status == 200, await r.text()
             await r.read()
-        await until(lambda: bool(otlp.named(trace_id, "pdproxy.request")), "the request's root span")
+        await eventually(lambda: bool(otlp.named(trace_id, "pdproxy.request")), "the request's root span")
         spans = by_id(otlp.trace(trace_id))
         for leg, engine in (("pdproxy.prefill", prefill), ("pdproxy.decode", decode)):
             (span,) = otlp.named(trace_id, leg)

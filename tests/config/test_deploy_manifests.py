@@ -20,8 +20,9 @@ import yaml
 
 import pdproxy
 from pdproxy.openapi import schema
+from servers import REPO
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = REPO / "deploy"
 MANIFESTS = DEPLOY / "kubernetes"
 DOCKERFILE = DEPLOY / "Dockerfile"
 MANIFEST_FILES = sorted(MANIFESTS.glob("*.yaml"))

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 import pytest
 
 from pdproxy.testing import MockEngine
-from servers import chat_body, pdproxy_serve
+from servers import chat_body, eventually, pdproxy_serve
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -37,7 +38,7 @@ def browser():  # type: ignore[no-untyped-def]
     driver.quit()
 
 
-#: A command that regenerates docs/dashboard.png: SCREENSHOT_TO=docs/dashboard.png pytest tests/test_dashboard.py
+#: `make screenshot` regenerates docs/dashboard.png through it.
 SCREENSHOT_TO = os.environ.get("SCREENSHOT_TO")
 
 
@@ -67,19 +68,16 @@ async def test_dashboard_shows_nodes_and_updates(tmp_path: Path, browser, http: 
                     continue
             return {}
 
-        async def until(check) -> None:  # type: ignore[no-untyped-def]
-            for _ in range(300):
-                if await asyncio.to_thread(check):
-                    return
-                await asyncio.sleep(0.1)
-            raise AssertionError(f"the page never showed it: {await asyncio.to_thread(rows)}")
+        def shows(check: Callable[[], bool]) -> Callable[[], Awaitable[bool]]:
+            """The page checked off the event loop (selenium blocks)."""
+            return lambda: asyncio.to_thread(check)
 
-        await until(lambda: set(rows()) == {a.url, b.url})
+        await eventually(shows(lambda: set(rows()) == {a.url, b.url}), "the page to show it", timeout=30)
         assert await asyncio.to_thread(lambda: browser.find_element(By.ID, "nodes").text) == "2"
         before = sum((await asyncio.to_thread(rows)).values())
         async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
             assert r.status == 200
-        await until(lambda: sum(rows().values()) == before + 1)
+        await eventually(shows(lambda: sum(rows().values()) == before + 1), "the page to show it", timeout=30)
         assert await asyncio.to_thread(lambda: browser.find_element(By.ID, "error").text) == ""
 
         def engine_cells() -> list[tuple[str, str]]:
@@ -97,7 +95,7 @@ async def test_dashboard_shows_nodes_and_updates(tmp_path: Path, browser, http: 
                     continue
             return []
 
-        await until(lambda: engine_cells() == [("0", "0%"), ("0", "0%")])
+        await eventually(shows(lambda: engine_cells() == [("0", "0%"), ("0", "0%")]), "the page to show it", timeout=30)
 
         # The whole table fits a 1400 px window: no column hidden past a scroll bar.
         await asyncio.to_thread(browser.set_window_size, 1400, 700)

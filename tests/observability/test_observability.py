@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
-from servers import chat_body, free_port, get_json, pdproxy_serve
+from servers import chat_body, eventually, free_port, get_json, pdproxy_serve
 
 # One pipeline serves both edges: this suite runs against the Rust edge (test_proxy.py and the
 # tests marked with the `edge` fixture cover the --edge granian transport).
@@ -158,7 +158,7 @@ async def test_access_log_has_one_line_per_request(tmp_path: Path, http: aiohttp
             await writer.drain()
             await reader.readuntil(b"data: ")
             writer.close()
-            await asyncio.sleep(0.5)
+            await eventually(lambda: "gone" in _logged_ids(proxy.log()), "the line of the client that left")
         lines = [json.loads(line) for line in proxy.log().splitlines() if line.startswith("{")]
     by_id = {line["request_id"]: line for line in lines}
     assert sorted(by_id) == sorted([*sent, "gone"]), "exactly one line per request"
@@ -176,6 +176,10 @@ async def test_access_log_has_one_line_per_request(tmp_path: Path, http: aiohttp
         assert line["client"] == "127.0.0.1"
 
 
+def _logged_ids(log: str) -> list[str]:
+    return [json.loads(line)["request_id"] for line in log.splitlines() if line.startswith("{")]
+
+
 @pytest.mark.usefixtures("edge")
 async def test_access_log_text_lines(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     async with (
@@ -184,7 +188,7 @@ async def test_access_log_text_lines(tmp_path: Path, http: aiohttp.ClientSession
     ):
         async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
             await r.read()
-        await asyncio.sleep(0.3)
+        await eventually(lambda: "\ntime=" in "\n" + proxy.log(), "the request's line")
     (line,) = [line for line in proxy.log().splitlines() if line.startswith("time=")]
     fields = dict(pair.split("=", 1) for pair in line.split(" "))
     assert list(fields) == ACCESS_FIELDS

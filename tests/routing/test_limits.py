@@ -11,7 +11,7 @@ import pytest
 
 import pdproxy
 from pdproxy.testing import FAULT_HEADER, MockEngine
-from servers import chat_body
+from servers import chat_body, eventually
 
 SLOW = [(FAULT_HEADER.encode(), b"token_delay_ms=30")]
 
@@ -42,8 +42,7 @@ async def test_cap_is_never_exceeded_and_the_queue_drains(engine: MockEngine) ->
             return await drain(response)
 
         tasks = [asyncio.create_task(one()) for _ in range(8)]
-        await asyncio.sleep(0.05)
-        assert router.queued == 6
+        await eventually(lambda: router.queued == 6, "six requests queued behind the cap of two")
         results = await asyncio.gather(*tasks)
         assert all(r.endswith(b"data: [DONE]\n\n") for r in results)
         assert peak <= 2
@@ -97,9 +96,15 @@ async def test_raising_the_cap_admits_waiters_on_the_next_release(engine: MockEn
         router.add_node(engine.url, ["m"], max_concurrency=1)
         first = await router.forward("/v1/chat/completions", body(), headers=SLOW)
         waiting = router.forward("/v1/chat/completions", body())
+        assert router.queued == 1
         router.set_max_concurrency(engine.url, None)
+        assert router.nodes()[0]["max_concurrency"] is None
         await drain(first)
-        await drain(await waiting)
+        second = await waiting
+        assert second.status == 200
+        assert (await drain(second)).endswith(b"data: [DONE]\n\n")
+        assert router.queued == 0
+        assert router.nodes()[0]["in_flight"] == 0
 
 
 async def test_unhealthy_draining_and_sleeping_nodes_take_nothing(engine: MockEngine) -> None:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from servers import get_json, post_json, stop_process, wait_until
+from servers import REPO, get_json, post_json, stop_process, wait_until
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = REPO / "bench"
 FLEET = BENCH / "fleet.py"
 
 

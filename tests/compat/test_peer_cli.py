@@ -30,9 +30,9 @@ from pdproxy.peers import ROUTERS, Plan, Refused, read, table, whose
 from pdproxy.peers.flags import Flag
 from pdproxy.peers.rules import rule_of
 from pdproxy.testing.fake_kube import FakeKubeApi
-from servers import free_port, get_json, run_process
+from servers import REPO, free_port, get_json, run_process
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 FIXTURES = ROOT / "tests" / "fixtures" / "peer_parsers"
 PEERS = ROOT / "bench" / ".peers"
 #: The routers whose parsers install from PyPI (scripts/peer_venvs.sh).

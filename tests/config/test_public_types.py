@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from servers import REPO
+
+ROOT = REPO
 CHECK = ROOT / "scripts" / "check_public_any.py"
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
 from pdproxy.testing.generation import generate, prompt_text
-from servers import Process, chat_body, ledger, pdproxy_serve, register
+from servers import Process, chat_body, eventually, ledger, pdproxy_serve, register
 
 # One pipeline serves both edges: this suite runs against the Rust edge (test_proxy.py and the
 # tests marked with the `edge` fixture cover the --edge granian transport).
@@ -398,13 +398,6 @@ async def distserve_status(http: aiohttp.ClientSession, proxy: str) -> dict[str,
         return dict((await r.json())["ledger"])
 
 
-async def until(check: Any, what: str, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await check():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 async def test_removing_a_prefill_node_frees_the_sessions_preserved_on_it(
     fleet: Fleet, http: aiohttp.ClientSession
 ) -> None:
@@ -413,16 +406,16 @@ async def test_removing_a_prefill_node_frees_the_sessions_preserved_on_it(
     request = asyncio.ensure_future(
         http.post(fleet.proxy.url + "/v1/chat/completions", json=chat_body("m"), headers={FAULT_HEADER: "decode.hang"})
     )
-    await until(lambda: _live(http, fleet.prefill, 1), "the prefill to preserve a session")
+    await eventually(lambda: _live(http, fleet.prefill, 1), "the prefill to preserve a session")
     async with http.post(fleet.proxy.url + "/nodes/remove", json={"url": fleet.prefill.url}) as r:
         assert r.status == 200
-    await until(lambda: _live(http, fleet.prefill, 0), "the removed node's session to be freed")
+    await eventually(lambda: _live(http, fleet.prefill, 0), "the removed node's session to be freed")
     assert not request.done(), "freed while the request still waits for its decode"
     assert set((await ledger(http, fleet.prefill))["freed"].values()) == {"proxy"}
     request.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await request
-    await until(lambda: _ledger_count(http, fleet.proxy.url, "preserved", 0), "the proxy's ledger to empty")
+    await eventually(lambda: _ledger_count(http, fleet.proxy.url, "preserved", 0), "the proxy's ledger to empty")
     assert (await distserve_status(http, fleet.proxy.url))["free_failures"] == 0
     assert (await ledger(http, fleet.prefill))["double_frees"] == []
 
@@ -437,14 +430,16 @@ async def test_sessions_of_an_unreachable_removed_node_are_left_to_the_ttl_sweep
         request = asyncio.ensure_future(
             http.post(proxy.url + "/v1/chat/completions", json=chat_body("m"), headers={FAULT_HEADER: "decode.hang"})
         )
-        await until(lambda: _live(http, prefill, 1), "the prefill to preserve a session")
+        await eventually(lambda: _live(http, prefill, 1), "the prefill to preserve a session")
         await prefill.stop()  # gone: its session cannot be freed now
         async with http.post(proxy.url + "/nodes/remove", json={"url": prefill.url}) as r:
             assert r.status == 200
         await asyncio.sleep(1.5)  # the removal's attempts to free it are over (3 tries, 0.7 s of backoff)
         kept = await distserve_status(http, proxy.url)
         assert (kept["preserved"], kept["free_failures"]) == (1, 0), "kept for the sweep, not forgotten"
-        await until(lambda: _ledger_count(http, proxy.url, "free_failures", 1), "the TTL sweep to try again", 10)
+        await eventually(
+            lambda: _ledger_count(http, proxy.url, "free_failures", 1), "the TTL sweep to try again", timeout=10
+        )
         assert (await distserve_status(http, proxy.url))["preserved"] == 0
         request.cancel()
         with contextlib.suppress(asyncio.CancelledError):

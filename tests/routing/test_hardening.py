@@ -313,16 +313,7 @@ async def test_clients_that_never_read_cost_a_bounded_amount(tmp_path: Path, eng
         assert held < 8 * (4 * limit) + (16 << 20), f"{held / 1e6:.1f} MB held by 8 stalled streams"
         for writer in stalled:
             writer.transport.abort()
-        await asyncio.sleep(0.5)
-        assert engine.state.active == 0 or await _drained(engine), "the node's streams were cut"
-
-
-async def _drained(engine: MockEngine) -> bool:
-    for _ in range(100):
-        if engine.state.active == 0:
-            return True
-        await asyncio.sleep(0.1)
-    return False
+        await eventually(lambda: engine.state.active == 0, "the node's streams cut")
 
 
 async def test_an_event_larger_than_the_buffer_is_delivered(tmp_path: Path, http: aiohttp.ClientSession) -> None:
@@ -388,7 +379,7 @@ async def test_log_lines_cannot_be_forged(tmp_path: Path, engine: MockEngine, ht
         forged = "m\nrequest_id=forged method=POST path=/admin status=200"
         async with http.post(proxy.url + "/v1/chat/completions", json=chat_body(forged)) as r:
             assert r.status == 404
-        await asyncio.sleep(0.5)
+        await eventually(lambda: "status=404" in proxy.log(), "the refused request's line")
         log = proxy.log()
         assert "request_id=forged" not in [line.split(" ", 1)[0] for line in log.splitlines()]
         assert re.search(r"model=m\\nrequest_id=forged", log), log[-2000:]

@@ -3,7 +3,6 @@ what a real engine would silently accept."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
@@ -16,7 +15,7 @@ import pytest
 
 from pdproxy.testing import FAULT_HEADER, MockEngine
 from pdproxy.testing.generation import generate, prompt_text
-from servers import Process, chat_body, ledger, pdproxy_serve, register
+from servers import Process, chat_body, eventually, ledger, pdproxy_serve, register
 
 # One pipeline serves both edges: this suite runs against the Rust edge (test_proxy.py and the
 # tests marked with the `edge` fixture cover the --edge granian transport).
@@ -44,13 +43,6 @@ def text_of(raw: bytes, stream: bool, chat: bool = True) -> str:
         return str(choice["message"]["content"] if chat else choice["text"])
     chunks = [json.loads(e[6:]) for e in raw.decode().split("\n\n") if e.startswith("data: {")]
     return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
-
-
-async def eventually(check: Any, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.05)
 
 
 # vLLM

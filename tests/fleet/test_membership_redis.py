@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from pdproxy.errors import ConfigError, InvalidRequest, RegistryUnavailable
 from pdproxy.membership import Entry, from_url
 from pdproxy.membership.redis_store import RedisMembership
 from redis_server import REDIS_SERVER, RedisServer, redis_server
+from servers import eventually
 
 N1 = "http://10.0.0.1:8000"  # never contacted: only stored
 N2 = "http://10.0.0.2:8000"
@@ -45,14 +46,6 @@ class Recorder:
 
     def urls(self) -> set[str] | None:
         return {e["url"] for e in self.calls[-1]} if self.calls else None
-
-
-async def eventually(predicate: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager

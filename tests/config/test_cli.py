@@ -20,7 +20,7 @@ import pdproxy
 from pdproxy.config import Settings
 from pdproxy.node_record import NodeAttributes
 from pdproxy.testing import MockSettings
-from servers import chat_body, free_port, get_json, pdproxy_serve
+from servers import REPO, chat_body, free_port, get_json, pdproxy_serve
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -356,7 +356,7 @@ def test_there_is_a_global_cap_by_default() -> None:
 
 
 def test_the_license_is_the_one_the_package_declares() -> None:
-    root = Path(__file__).resolve().parent.parent
+    root = REPO
     declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["license"]
     assert declared == {"text": "Apache-2.0"}
     text = (root / "LICENSE").read_text()

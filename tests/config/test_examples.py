@@ -9,12 +9,12 @@ import shlex
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 from pdproxy.config import GROUPS, Settings, toml_keys
 from pdproxy.settings_checks import checked
+from servers import REPO
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = REPO / "examples"
 
 
 def test_the_example_settings_file_loads_and_sets_something_in_every_group() -> None:

@@ -11,7 +11,7 @@ import pytest
 
 import pdproxy
 from pdproxy.testing import FAULT_HEADER, MockEngine
-from servers import chat_body, free_port
+from servers import chat_body, eventually, free_port
 
 
 def body(model: str | None = "m", stream: bool = True, **extra: object) -> bytes:
@@ -20,13 +20,6 @@ def body(model: str | None = "m", stream: bool = True, **extra: object) -> bytes
 
 def in_flight(router: pdproxy.Router) -> int:
     return sum(n["in_flight"] for n in router.nodes())
-
-
-async def eventually(predicate, timeout: float = 2.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -175,7 +168,7 @@ async def test_close_while_waiting_for_a_batch(engines: list[MockEngine]) -> Non
             "/v1/chat/completions", body(), headers=[(FAULT_HEADER.encode(), b"ttft_ms=5000")]
         )
         waiting = asyncio.ensure_future(response.__anext__())
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # the reader's first turn: it waits for a batch from then on
         response.close()
         with pytest.raises(StopAsyncIteration):
             await asyncio.wait_for(waiting, 2)

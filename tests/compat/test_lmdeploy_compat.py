@@ -25,9 +25,8 @@ import trustme
 
 from pdproxy.config import LOG_LEVELS
 from pdproxy.testing import MockEngine
-from servers import chat_body, free_port, get_json, ledger, mock_engine, pdproxy_serve, run_process
+from servers import REPO, chat_body, free_port, get_json, ledger, mock_engine, pdproxy_serve, run_process
 
-REPO = Path(__file__).resolve().parent.parent
 LMDEPLOY_PYTHON = os.environ.get("LMDEPLOY_PYTHON") or str(
     REPO / "bench" / ".peers" / "lmdeploy-venv" / "bin" / "python"
 )

@@ -3,7 +3,6 @@ publisher over real ZMQ sockets (gaps replayed, restarts noticed)."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -27,6 +26,7 @@ from pdproxy.kv_events.wire import (
 from pdproxy.testing.kv_publisher import block_id, token_bytes
 from pdproxy.testing.mock_engine import MockEngine
 from pdproxy.testing.tokens import block_hashes, render_prompt
+from servers import eventually
 
 STORED = Stored((1, 2), 7, tuple(range(8)), 4)
 BATCH = Batch(12.5, (STORED, Removed((3,)), Cleared()), rank=1)
@@ -103,12 +103,6 @@ class Mirror:
         return b"".join(reversed(parts))
 
 
-async def until(check, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    async with asyncio.timeout(timeout):
-        while not check():
-            await asyncio.sleep(0.01)
-
-
 @pytest.fixture
 async def engine() -> MockEngine:
     async with MockEngine(
@@ -124,7 +118,7 @@ async def following(engine: MockEngine, context: zmq.asyncio.Context) -> AsyncIt
     mirror = Mirror()
     subscription = follow(engine, mirror, context)
     try:
-        await until(lambda: subscription.status.connected)
+        await eventually(lambda: subscription.status.connected)
         yield mirror, subscription
     finally:
         await subscription.close()
@@ -162,7 +156,7 @@ async def test_a_subscriber_mirrors_the_engines_cache_and_reads_its_prompts_back
 ) -> None:
     async with following(engine, context) as (mirror, subscription):
         bodies = [await chat(engine, f"question {i}: " + "words " * (5 + 7 * i)) for i in range(12)]
-        await until(lambda: set(mirror.blocks) == cached_names(engine))
+        await eventually(lambda: set(mirror.blocks) == cached_names(engine))
         assert engine.state.batcher.cache.evicted > 0, "a cache this small evicts: removals are followed too"  # type: ignore[union-attr]
         # A block still cached gives its prompt back, from the token ids of its chain.
         body = bodies[-1]
@@ -179,13 +173,13 @@ async def test_a_gap_is_replayed_and_a_lost_one_drops_what_was_known(
 ) -> None:
     async with following(engine, context) as (mirror, subscription):
         await chat(engine, "first " * 10)
-        await until(lambda: mirror.batches > 0)
+        await eventually(lambda: mirror.batches > 0)
         async with aiohttp.ClientSession() as client:
             await client.post(engine.url + "/mock/kv_events", json={"drop": 2})
             await chat(engine, "second " * 10)
             await chat(engine, "third " * 10)
             await chat(engine, "fourth " * 10)
-            await until(lambda: set(mirror.blocks) == cached_names(engine))
+            await eventually(lambda: set(mirror.blocks) == cached_names(engine))
             assert subscription.status.gaps == 1
             assert subscription.status.replayed == 2
             assert not mirror.forgotten
@@ -193,7 +187,7 @@ async def test_a_gap_is_replayed_and_a_lost_one_drops_what_was_known(
             await client.post(engine.url + "/mock/kv_events", json={"lose": 1})
             await chat(engine, "fifth " * 10)
             await chat(engine, "sixth " * 10)
-            await until(lambda: subscription.status.unfilled_gaps == 1)
+            await eventually(lambda: subscription.status.unfilled_gaps == 1)
             assert "not replayed" in mirror.forgotten[-1]
             # Known again from the next events on, and only what they say.
             assert set(mirror.blocks) <= cached_names(engine)
@@ -203,11 +197,11 @@ async def test_numbers_that_go_back_are_a_restarted_engine(engine: MockEngine, c
     async with following(engine, context) as (mirror, subscription):
         for i in range(3):
             await chat(engine, f"turn {i} " * 10)
-        await until(lambda: subscription.status.next_seq is not None and subscription.status.next_seq >= 2)
+        await eventually(lambda: subscription.status.next_seq is not None and subscription.status.next_seq >= 2)
         async with aiohttp.ClientSession() as client:
             await client.post(engine.url + "/mock/kv_events", json={"restart": True})
         await chat(engine, "after the restart " * 10)
-        await until(lambda: subscription.status.restarts == 1)
+        await eventually(lambda: subscription.status.restarts == 1)
         assert "restarted" in mirror.forgotten[-1]
 
 
@@ -218,12 +212,12 @@ async def test_a_publisher_gone_is_forgotten_at_once(context: zmq.asyncio.Contex
         kv_events="tcp://127.0.0.1:0", kv_events_replay="tcp://127.0.0.1:0",
     ) as engine:  # fmt: skip
         subscription = follow(engine, mirror, context)
-        await until(lambda: subscription.status.connected)
+        await eventually(lambda: subscription.status.connected)
         await chat(engine, "held until the engine exits " * 8)
-        await until(lambda: bool(mirror.blocks))
+        await eventually(lambda: bool(mirror.blocks))
     try:
         # The engine exited (its cache with it): no batch will say so.
-        await until(lambda: not subscription.status.connected)
+        await eventually(lambda: not subscription.status.connected)
         assert mirror.forgotten == ["disconnected from the publisher"]
         assert not mirror.blocks
         assert subscription.status.next_seq is None, "a publisher back is joined afresh"
@@ -236,7 +230,7 @@ async def test_a_late_subscriber_learns_what_the_engine_kept(engine: MockEngine,
         await chat(engine, f"before anyone listened {i} " * 8)
     async with following(engine, context) as (mirror, subscription):
         await chat(engine, "now someone listens " * 8)
-        await until(lambda: set(mirror.blocks) == cached_names(engine))
+        await eventually(lambda: set(mirror.blocks) == cached_names(engine))
         assert subscription.status.replayed > 0
         assert not mirror.forgotten
 
@@ -246,7 +240,7 @@ async def test_an_idle_engine_is_known_warm_on_joining(engine: MockEngine, conte
         await chat(engine, f"served before pdproxy started {i} " * 8)
     async with following(engine, context) as (mirror, subscription):
         # No batch comes now: what the engine kept is asked for as the subscription connects.
-        await until(lambda: subscription.status.live)
+        await eventually(lambda: subscription.status.live)
         assert mirror.blocks
         assert set(mirror.blocks) == cached_names(engine)
         joined = subscription.status.next_seq
@@ -254,7 +248,7 @@ async def test_an_idle_engine_is_known_warm_on_joining(engine: MockEngine, conte
         assert subscription.status.replayed == joined
         # The batches that follow are applied once, and nothing counts as a restart.
         await chat(engine, "and then someone asks " * 8)
-        await until(lambda: set(mirror.blocks) == cached_names(engine))
+        await eventually(lambda: set(mirror.blocks) == cached_names(engine))
         assert subscription.status.batches == subscription.status.replayed + subscription.status.next_seq - joined
         assert subscription.status.restarts == 0
         assert subscription.status.gaps == 0
@@ -267,14 +261,14 @@ async def test_a_restart_right_after_joining_is_not_taken_for_replayed_batches(
     for i in range(3):
         await chat(engine, f"before the join {i} " * 8)
     async with following(engine, context) as (mirror, subscription):
-        await until(lambda: subscription.status.live)
+        await eventually(lambda: subscription.status.live)
         assert subscription.status.replayed > 0
         # Numbered from 0 again with the socket kept (as bench/fleet_engines.py's reset does):
         # below the join's end, but published after it.
         async with aiohttp.ClientSession() as client:
             await client.post(engine.url + "/mock/kv_events", json={"restart": True})
         await chat(engine, "after the restart " * 8)
-        await until(lambda: subscription.status.restarts == 1)
+        await eventually(lambda: subscription.status.restarts == 1)
         assert "restarted" in mirror.forgotten[-1]
         # Known again from the restarted engine's events on, and only what they say.
         assert mirror.blocks

@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 from pdproxy.testing import MockEngine
-from servers import pdproxy_serve
+from servers import REPO, pdproxy_serve
 
-LOCUSTFILE = Path(__file__).resolve().parent.parent / "bench" / "locustfile.py"
+LOCUSTFILE = REPO / "bench" / "locustfile.py"
 
 
 async def test_locust_records_token_metrics(tmp_path: Path) -> None:
