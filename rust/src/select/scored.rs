@@ -404,7 +404,8 @@ impl Scored {
                 own: own_kib * ms_per_kib,
                 #[allow(clippy::cast_precision_loss)]
                 behind: node.counters().unanswered.load(Ordering::Relaxed) as f64,
-                hidden: node.counters().hidden.ms(now).max(0.0),
+                // Read only when it counts (off by default): an `exp` per candidate per request.
+                hidden: if self.weights.hidden > 0.0 { node.counters().hidden.ms(now).max(0.0) } else { 0.0 },
             });
         }
         out
@@ -504,8 +505,10 @@ impl Policy for Scored {
             cached: u64::try_from(prompt - uncached).unwrap_or(u64::MAX),
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
             prefill_us: (prefill_ms * 1000.0) as u64,
+            // Its lateness is learnt only where it is priced: otherwise two atomics and an `exp`
+            // per answer for nothing.
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-            first_token_us: (first_token_ms * 1000.0) as u64,
+            first_token_us: if self.weights.hidden > 0.0 { (first_token_ms * 1000.0) as u64 } else { 0 },
         }
     }
 }
@@ -544,6 +547,30 @@ mod tests {
             speed.decoded(decode_ms);
         }
         speed.reported(slots, 1);
+    }
+
+    #[test]
+    fn lateness_moves_requests_only_where_it_is_weighed() {
+        let (_reg, nodes) = nodes(2);
+        for node in &nodes {
+            learn(node, 50.0, 500.0, 4);
+        }
+        // Node 0's first tokens came 2 s later than priced: work there others sent.
+        for _ in 0..8 {
+            nodes[0].counters().hidden.observe(2000.0, now_ms());
+        }
+        let prompt = b"no prompt held anywhere".as_slice();
+        let weighed = scored(ScoreWeights { hidden: 1.0, ..WEIGHTS });
+        let [late, other] = [0, 1].map(|i| weighed.estimates(&nodes, &ctx(prompt))[i].unwrap());
+        assert!(late.hidden > 1000.0 && other.hidden.abs() < f64::EPSILON, "{late:?} {other:?}");
+        assert_eq!(weighed.pick(&nodes, &ctx(prompt)), Some(1));
+        // Off (the default): not even read, and both nodes cost the same.
+        let off = scored(WEIGHTS);
+        let costs = off.costs(&nodes, &ctx(prompt));
+        assert_eq!(costs[0], costs[1]);
+        assert!(off.estimates(&nodes, &ctx(prompt))[0].unwrap().hidden.abs() < f64::EPSILON);
+        assert_eq!(off.selected(&nodes[0], &ctx(prompt)).first_token_us, 0, "nothing to learn lateness from");
+        assert!(weighed.selected(&nodes[0], &ctx(prompt)).first_token_us > 0);
     }
 
     #[test]
