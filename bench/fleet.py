@@ -241,6 +241,11 @@ def run_one(
         elapsed = time.monotonic() - started
         cpu = {name: sum(harness.cpu_seconds(p) for p in ps) - before[name] for name, ps in watched.items()}
     result = summarize(played.outcomes, warmup(trace.workload, args), trace.duration)
+    if args.dump:
+        args.dump.mkdir(parents=True, exist_ok=True)
+        stem = f"{trace.workload}-{spec.name.replace(' ', '_')}"
+        where = args.dump / f"{stem}-{len(list(args.dump.glob(stem + '-*.jsonl'))) + 1}.jsonl"
+        where.write_text("".join(json.dumps(dataclasses.asdict(o)) + "\n" for o in played.outcomes))
     result["cpu_cores"] = {name: round(seconds / elapsed, 3) for name, seconds in cpu.items()}
     engine = fleet_.stats()
     sims = [s["simulation"] for s in engine.values()]
@@ -527,7 +532,7 @@ def charts(results: dict[str, dict[str, dict[str, Any]]], out_dir: Path) -> list
             for k, (cell_key, rows) in enumerate(sorted(cells.items())):
                 values = [rows[n][key][q] * 1000 if n in rows else 0 for n in names]
                 positions = [i + k * width for i in range(len(names))]
-                ax.bar(positions, values, width, label=cell_key.split("@")[1].replace("0.", "") + "%")
+                ax.bar(positions, values, width, label=f"{float(cell_key.split('@')[1]):.0%}")
             ax.set_xticks([i + width * (len(cells) - 1) / 2 for i in range(len(names))])
             ax.set_xticklabels([n.replace(" ", "\n", 1) for n in names], fontsize=7)
             ax.set_yscale("log")
@@ -590,6 +595,9 @@ def arguments() -> argparse.Namespace:
         action="store_true",
         help="the engines publish their KV events, and 'pdproxy scored kv-events' follows them",
     )
+    parser.add_argument(
+        "--dump", type=Path, default=None, help="a folder for each run's requests (JSON lines), to look into one"
+    )
     parser.add_argument("--write-readme", action="store_true", help="refresh the fleet section of bench/README.md")
     parser.add_argument(
         "--out", type=Path, default=RESULTS / "fleet.json", help="where the results go (charts beside it)"
@@ -607,8 +615,9 @@ def arguments() -> argparse.Namespace:
 
 def choose_routers(names: str) -> list[Router]:
     """The routers named (any other "pdproxy POLICY" is pdproxy with that policy, weights too:
-    "pdproxy scored:queue=0.5"; a pdproxy router's name ending in " xN" is N replicas of it:
-    "pdproxy scored kv-events x4"), the references added where missing."""
+    "pdproxy scored:queue=0.5", following the engines' KV events: "pdproxy scored:queue=0.5
+    kv-events"; a pdproxy router's name ending in " xN" is N replicas of it: "pdproxy scored
+    kv-events x4"), the references added where missing."""
     listed = [n for n in names.split(";" if ";" in names else ",") if n]
     listed += [n for n in REFERENCES if n not in listed]
     return [router_named(n) for n in listed]
@@ -618,7 +627,10 @@ def router_named(name: str) -> Router:
     base, replicas = name, 1
     if match := re.fullmatch(r"(pdproxy .+) x(\d+)", name):
         base, replicas = match[1], int(match[2])
-    spec = ROUTERS.get(base) or Router(base, "pdproxy", base.removeprefix("pdproxy "))
+    spec = ROUTERS.get(base)
+    if spec is None:
+        policy = base.removeprefix("pdproxy ")
+        spec = Router(base, "pdproxy", policy.removesuffix(" kv-events"), kv_events=policy.endswith(" kv-events"))
     return dataclasses.replace(spec, name=name, replicas=replicas) if replicas != 1 else spec
 
 

@@ -109,3 +109,16 @@ def test_the_fleets_control_port_flushes_and_restarts_an_engine(tmp_path: Path) 
         assert refused.value.code == 400
     finally:
         stop_process(proc)
+
+
+def test_router_names_give_policy_weights_events_and_replicas() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import fleet  # bench/ is not a package: importable only from its folder
+    finally:
+        sys.path.remove(str(BENCH))
+    named = fleet.router_named("pdproxy scored:reported=1 kv-events x4")
+    assert (named.kind, named.policy, named.kv_events, named.replicas) == ("pdproxy", "scored:reported=1", True, 4)
+    plain = fleet.router_named("pdproxy scored:queue=0.5")
+    assert (plain.policy, plain.kv_events, plain.replicas) == ("scored:queue=0.5", False, 1)
+    assert fleet.router_named("pdproxy scored kv-events") == fleet.ROUTERS["pdproxy scored kv-events"]

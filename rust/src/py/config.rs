@@ -112,6 +112,7 @@ impl RouterConfig {
                     prefix: self.score_prefix_weight,
                     queue: self.score_queue_weight,
                     hidden: self.score_hidden_weight,
+                    reported: 0.0,
                 },
                 prefix_bytes_per_token: self.prefix_bytes_per_token,
             },

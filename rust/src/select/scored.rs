@@ -38,6 +38,14 @@
 //!   the prefill owed. Off by default (`hidden` 0): on `bench/fleet.py` at 80% load (one
 //!   replica, two seeds) it was within the run-to-run spread of 0 on most workloads and worse
 //!   on `unequal_engines` and `flush_restart` (TTFT p99 1,033 and 1,116 ms against 812 and 761).
+//! - The requests waiting for a first token are those pdproxy sent (`behind`); with `reported`
+//!   (0 by default) also the queue the engine last reported, where it is longer: replicas in
+//!   front of the same engines each count only their own. On `bench/fleet.py` at 80% load with
+//!   four replicas following the KV events, `reported=1` took TTFT p99 from 3,567 and 2,894 ms
+//!   to 789 and 202 on `system_prompts` (seeds 1, 2), from 1,743 and 541 to 655 and 479 on
+//!   `flush_restart`, from 337 and 1,841 to 789 and 450 on `unequal_engines`; for one replica,
+//!   whose own count is the whole queue, it was worse (`system_prompts` 1,418 and 1,012 against
+//!   76 and 167, `unequal_engines` 1,128 and 727 against 439 and 355): a reading ages.
 //! - Engine speeds are learnt only from requests that waited for no other's prefill (see
 //!   `InFlightPermit::set_prediction`): fitted on every first token, the fixed part took in the
 //!   queue waits of a cold fleet's first seconds (277-604 ms) and the clock then counted them
@@ -92,6 +100,9 @@ pub struct ScoreWeights {
     pub queue: f64,
     /// Times the node's recent lateness counts (work there pdproxy did not price).
     pub hidden: f64,
+    /// Times the queue an engine reports counts among the requests behind, where it is longer
+    /// than pdproxy's own count.
+    pub reported: f64,
 }
 
 impl ScoreWeights {
@@ -109,6 +120,7 @@ impl ScoreWeights {
                 "prefix" => out.prefix = value,
                 "queue" => out.queue = value,
                 "hidden" => out.hidden = value,
+                "reported" => out.reported = value,
                 _ => return Err(invalid(spec)),
             }
         }
@@ -120,7 +132,7 @@ fn invalid(spec: &str) -> Error {
     Error::new(
         Kind::Config,
         format!(
-            "scored weights {spec:?}: use prefix=N, queue=N and hidden=N separated by commas (non-negative numbers)"
+            "scored weights {spec:?}: use prefix=N, queue=N, hidden=N and reported=N separated by commas (non-negative numbers)"
         ),
     )
 }
@@ -378,6 +390,19 @@ impl Scored {
         frees.max(0.0) * decode_ms / slots
     }
 
+    /// The requests at the node still waiting for their first token: those pdproxy sent, or
+    /// the queue its engine last reported (adjusted by pdproxy's traffic since) where that is
+    /// longer: other replicas' requests, and traffic that bypasses pdproxy, wait there too.
+    fn behind(&self, node: &Node, now: u64) -> f64 {
+        #[allow(clippy::cast_precision_loss)]
+        let own = node.counters().unanswered.load(Ordering::Relaxed) as f64;
+        if self.weights.reported > 0.0 {
+            node.engine_load(self.max_age_ms, now).map_or(own, |l| own.max(self.weights.reported * l.waiting()))
+        } else {
+            own
+        }
+    }
+
     /// Each available candidate's estimate for the request (`None`: not available).
     pub fn estimates(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<Estimate>> {
         let hashes = self.table.block_hashes(ctx);
@@ -403,7 +428,7 @@ impl Scored {
                 first_token: speed.first_token_ms.unwrap_or(0.0),
                 own: own_kib * ms_per_kib,
                 #[allow(clippy::cast_precision_loss)]
-                behind: node.counters().unanswered.load(Ordering::Relaxed) as f64,
+                behind: self.behind(node, now),
                 // Read only when it counts (off by default): an `exp` per candidate per request.
                 hidden: if self.weights.hidden > 0.0 { node.counters().hidden.ms(now).max(0.0) } else { 0.0 },
             });
@@ -520,7 +545,7 @@ mod tests {
     use super::super::testing::*;
     use super::*;
 
-    const WEIGHTS: ScoreWeights = ScoreWeights { prefix: 2.0, queue: 1.0, hidden: 0.0 };
+    const WEIGHTS: ScoreWeights = ScoreWeights { prefix: 2.0, queue: 1.0, hidden: 0.0, reported: 0.0 };
 
     fn scored(weights: ScoreWeights) -> Scored {
         let table = PrefixTableConfig { block_bytes: 256, max_blocks: 1024, entries: 1 << 16, bytes_per_token: 4.0 };
@@ -574,6 +599,26 @@ mod tests {
     }
 
     #[test]
+    fn an_engines_reported_queue_counts_behind_only_where_it_is_weighed() {
+        let (_reg, nodes) = nodes(2);
+        for node in &nodes {
+            learn(node, 50.0, 500.0, 4);
+        }
+        // Node 0's engine has twelve requests waiting that another replica sent; pdproxy none.
+        report(&nodes[0], 4, 12, 0.9);
+        report(&nodes[1], 4, 0, 0.5);
+        let prompt = b"no prompt held anywhere".as_slice();
+        let weighed = scored(ScoreWeights { reported: 1.0, ..WEIGHTS });
+        let [queued, idle] = [0, 1].map(|i| weighed.estimates(&nodes, &ctx(prompt))[i].unwrap());
+        assert!((queued.behind - 12.0).abs() < 1e-9 && idle.behind.abs() < 1e-9, "{queued:?} {idle:?}");
+        // Off (the default): only what pdproxy sent counts.
+        assert!(scored(WEIGHTS).estimates(&nodes, &ctx(prompt))[0].unwrap().behind.abs() < 1e-9);
+        // Where pdproxy's own count is the longer, it stands.
+        nodes[1].counters().unanswered.store(3, Ordering::Relaxed);
+        assert!((weighed.estimates(&nodes, &ctx(prompt))[1].unwrap().behind - 3.0).abs() < 1e-9);
+    }
+
+    #[test]
     fn a_cached_prompt_outweighs_a_short_wait_not_a_long_one() {
         let (_reg, nodes) = nodes(3);
         for node in &nodes {
@@ -600,7 +645,8 @@ mod tests {
     #[test]
     fn weights_are_configurable_and_only_the_two() {
         let w = WEIGHTS.with_overrides("prefix=1, queue=0.5").unwrap();
-        assert_eq!(w, ScoreWeights { prefix: 1.0, queue: 0.5, hidden: 0.0 });
+        assert_eq!(w, ScoreWeights { prefix: 1.0, queue: 0.5, hidden: 0.0, reported: 0.0 });
+        assert!((WEIGHTS.with_overrides("reported=1").unwrap().reported - 1.0).abs() < f64::EPSILON);
         for bad in ["prefix", "prefix=-1", "speed=2", "kv=1", "load=1", "queue=inf", "queue=x"] {
             assert!(WEIGHTS.with_overrides(bad).is_err(), "{bad}");
         }
