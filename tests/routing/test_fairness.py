@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 
 from pdproxy.testing import MockEngine, MockSettings
-from servers import Process, chat_body, pdproxy_serve
+from servers import Process, chat_body, eventually, pdproxy_serve
 
 # One pipeline serves both edges: this suite runs against the Rust edge (test_proxy.py and the
 # tests marked with the `edge` fixture cover the --edge granian transport).
@@ -48,6 +48,14 @@ async def full_node(tmp_path: Path, http: aiohttp.ClientSession) -> AsyncIterato
         async with http.post(proxy.url + "/nodes/add", json=body, headers={"authorization": "Bearer admin"}) as r:
             assert r.status in (200, 201), await r.text()
         yield proxy, engine
+
+
+async def queue_depth(http: aiohttp.ClientSession, url: str, at_least: int) -> bool:
+    """Whether at least ``at_least`` requests wait for a node with room (``/metrics``)."""
+    async with http.get(url + "/metrics", headers={"authorization": "Bearer admin"}) as r:
+        text = await r.text()
+    depth = next(float(line.split()[1]) for line in text.splitlines() if line.startswith("pdproxy_queue_depth "))
+    return depth >= at_least
 
 
 async def one(
@@ -110,7 +118,8 @@ async def test_an_urgent_request_overtakes_those_queued_before_it(tmp_path: Path
                 sent.append((at, await one(http, proxy.url, "k-big")))
 
         background = asyncio.gather(*(low() for _ in range(10)))
-        await asyncio.sleep(1.0)  # ten clients on a one-at-a-time node: nine waiting
+        # Ten clients on a one-at-a-time node: nine waiting.
+        await eventually(lambda: queue_depth(http, proxy.url, at_least=9), "nine requests queued")
         urgent_sent = time.monotonic()
         urgent = await one(http, proxy.url, "k-urgent", priority=-1)
         await background

@@ -164,7 +164,7 @@ async def test_a_reloaded_tenants_file_takes_effect_without_dropping_a_request(
             return [(await ask(http, proxy.url, who, stream=True))[0] for _ in range(rounds)]
 
         running = asyncio.ensure_future(steady("old", 30))
-        await asyncio.sleep(0.1)
+        await eventually(lambda: engine.state.requests > 0, "the old key in use")
         # Both keys while the old one is still in use: nothing in flight may fail.
         tenants.write_text('[tenants.team]\nkeys = ["old", "new"]\nrpm = 1000\n')
         await until_status(http, proxy.url, "new", 200)

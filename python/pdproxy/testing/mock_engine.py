@@ -233,6 +233,8 @@ class MockState:
     asleep: bool = False
     requests: int = 0
     completed: int = 0
+    #: Health probes answered (``/health``), whatever the answer.
+    health_checks: int = 0
     disconnected: int = 0
     active: int = 0
     #: The most generation requests ever served at once (what a proxy's cap must bound).
@@ -918,6 +920,7 @@ async def _models(request: web.Request) -> web.StreamResponse:
 async def _health(request: web.Request) -> web.StreamResponse:
     # LMDeploy's shape: 200 for healthy/sleeping, 503 otherwise.
     state = request.app[STATE]
+    state.health_checks += 1
     status = 200 if state.health in ("healthy", "sleeping") else 503
     payload = {"status": state.health, "message": f"engine is {state.health}"}
     return await _misbehaving(request, state.health_body, payload, status)
