@@ -22,8 +22,9 @@ use serde_json::value::RawValue;
 use tokio::sync::oneshot;
 
 use crate::error::{Error, Kind, Result};
-use crate::forward::{ForwardRequest, Forwarder, ResponseBody};
 use crate::node::Node;
+use crate::upstream::forward::{Forwarder, ResponseBody};
+use crate::upstream::ForwardRequest;
 
 /// The settings of LMDeploy's flow, from the control plane.
 #[derive(Debug, Clone)]

@@ -1,34 +1,28 @@
 //! pdproxy data plane: the node table, selection, in-flight accounting and the upstream
 //! forwarder. Plain Rust except `py/`, the only module that touches pyo3.
+//!
+//! The folders, bottom up: `node` (a node, its counters and the node table), `upstream` (the
+//! client that sends requests to nodes), `select` (the routing policies), `engine` (admission,
+//! permits, selection and forwarding with retries), `edge` (the HTTP server), `bridge` (what
+//! the Python side drives the engine with), `observe` (traces, histograms, the access log), and
+//! `py` (the Python module).
 
-pub mod admission;
-pub mod circuit;
+pub mod bridge;
+pub mod clock;
 pub mod distserve;
-pub mod doorbell;
 pub mod edge;
 pub mod engine;
-pub mod engine_report;
-pub mod engine_speed;
 pub mod error;
-pub mod exchange;
-pub mod forward;
 pub mod headers;
-pub mod hidden_load;
-pub mod histogram;
 pub mod inspect;
 pub mod loops;
 pub mod memory;
 pub mod node;
-pub mod permit;
-pub mod registry;
-pub mod retry;
-pub mod runtime;
+pub mod observe;
 pub mod select;
-pub mod shared;
 pub mod sse;
 pub mod tenants;
 pub mod tls;
-pub mod trace;
 pub mod upstream;
 
 #[cfg(feature = "python")]

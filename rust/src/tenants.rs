@@ -20,7 +20,14 @@ use http::header::{HeaderName, HeaderValue};
 
 pub use usage::{estimate_tokens, Usage, UsageMeter};
 
-use crate::admission::Class;
+/// Whose request it is, as the queue orders it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Class {
+    /// Served first when smaller (vLLM's `priority`); 0 unless the request or its key says.
+    pub priority: i32,
+    /// The tenant the request counts for; 0 for requests of no tenant.
+    pub tenant: u32,
+}
 
 /// A tenant's limits; `None`: unlimited.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

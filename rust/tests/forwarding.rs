@@ -5,13 +5,14 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use _pdproxy::bridge::exchange::{pump, Delivery, Exchange, StreamTimeouts};
 use _pdproxy::error::{Error, Kind};
-use _pdproxy::exchange::{pump, Delivery, Exchange, StreamTimeouts};
-use _pdproxy::forward::{ForwardConfig, ForwardRequest, Forwarder, ResponseBody, StreamBody, UpstreamResponse};
+use _pdproxy::node::registry::Registry;
+use _pdproxy::node::Outcome;
 use _pdproxy::node::{Node, NodeSpec};
-use _pdproxy::permit::Outcome;
-use _pdproxy::registry::Registry;
-use _pdproxy::retry::RetryBudget;
+use _pdproxy::upstream::forward::{ForwardConfig, Forwarder, ResponseBody, StreamBody, UpstreamResponse};
+use _pdproxy::upstream::retry::RetryBudget;
+use _pdproxy::upstream::ForwardRequest;
 use http::Method;
 
 fn forwarder(first_byte_timeout: Duration) -> Forwarder {
@@ -108,7 +109,7 @@ async fn small_json_is_read_before_the_head_is_handed_over() {
 
 #[tokio::test]
 async fn upstream_errors_pass_through_and_count_as_failures() {
-    use _pdproxy::permit::Outcome;
+    use _pdproxy::node::Outcome;
     let addr = common::upstream().await;
     let node = node(&addr.to_string());
     let response = send(&forwarder(Duration::from_secs(5)), &node, "/error").await.unwrap();

@@ -17,11 +17,12 @@ use super::control::ControlBody;
 use super::notes::Notes;
 use super::Stop;
 use crate::distserve::Preserved;
+use crate::engine::permit::{InFlightPermit, Report};
 use crate::engine::GatePass;
 use crate::error::{BoxError, Error, Kind};
-use crate::forward::UpstreamBody;
-use crate::permit::{InFlightPermit, Outcome, Report};
+use crate::node::Outcome;
 use crate::sse;
+use crate::upstream::forward::UpstreamBody;
 
 /// What hyper writes back to the client.
 pub enum EdgeBody {

@@ -2,7 +2,6 @@
 //! and the vLLM and SGLang prefill/decode legs) are served here end to end with no Python call;
 //! everything else goes to the control plane unchanged (`control`).
 
-pub mod access;
 pub mod answer;
 pub mod body;
 pub mod control;
@@ -30,7 +29,6 @@ use http::HeaderMap;
 use socket2::{Domain, Socket, Type};
 use tokio_util::sync::CancellationToken;
 
-use self::access::{AccessLog, Format, Record};
 use self::control::ControlPlane;
 use self::cors::Cors;
 use self::keys::Keys;
@@ -39,6 +37,7 @@ pub use self::pipeline::Strategy;
 pub use self::request::{request_id, BodyError};
 use crate::engine::Engine;
 use crate::error::{Error, Kind, Result};
+use crate::observe::access::{AccessLog, Format, Record};
 use crate::tenants::Tenant;
 
 /// Inference endpoints, routed by the body's model; other POSTs under `/v1/` are served too

@@ -10,11 +10,11 @@ use http::header::HeaderValue;
 use http::request::Parts;
 use http::HeaderMap;
 
-use super::access::Record;
 use super::answer::Fault;
 use super::EdgeState;
+use crate::observe::access::Record;
+use crate::observe::trace::{self, Trace, Traced, TRACEPARENT};
 use crate::tenants::TenantPass;
-use crate::trace::{self, Trace, Traced, TRACEPARENT};
 
 #[derive(Debug, Default)]
 pub struct Notes {

@@ -26,16 +26,17 @@ use super::request::{
 };
 use super::server::Worker;
 use super::{EdgeState, PdProtocol};
-use crate::admission::Class;
 use crate::distserve::Preserved;
 use crate::engine::{select_ctx, GatePass, Refusal as GateRefusal, Sent};
 use crate::error::{Error, Kind};
-use crate::forward::{ForwardRequest, ResponseBody, UpstreamResponse};
 use crate::inspect::{inspect, RequestInfo};
 use crate::node::Role;
+use crate::observe::trace::{OpenSpan, SpanKind, Trace};
 use crate::select::SelectCtx;
+use crate::tenants::Class;
 use crate::tenants::{estimate_tokens, Tenant};
-use crate::trace::{OpenSpan, SpanKind, Trace};
+use crate::upstream::forward::{ResponseBody, UpstreamResponse};
+use crate::upstream::ForwardRequest;
 
 /// A request's asked priority, when its body has none (smaller is served first).
 static X_PDPROXY_PRIORITY: HeaderName = HeaderName::from_static("x-pdproxy-priority");

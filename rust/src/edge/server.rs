@@ -31,7 +31,7 @@ use super::body::EdgeBody;
 use super::cors::Cors;
 use super::request::{request_id, Peer};
 use super::{pipeline, EdgeState, Route, Stop};
-use crate::forward::Forwarder;
+use crate::upstream::forward::Forwarder;
 
 /// How long open connections get to finish once the edge shuts down.
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
@@ -190,7 +190,7 @@ async fn serve_connection(worker: Arc<Worker>, stream: TcpStream, peer: SocketAd
     let _ = stream.set_nodelay(true);
     // Every buffer of a stream counts: the kernel's too (see `forward::socket_buffer`).
     let limit = worker.state.engine.config.forward.stream_buffer_limit;
-    let _ = socket2::SockRef::from(&stream).set_send_buffer_size(crate::forward::socket_buffer(limit));
+    let _ = socket2::SockRef::from(&stream).set_send_buffer_size(crate::upstream::forward::socket_buffer(limit));
     let peer = Arc::new(Peer::new(peer));
     let state = Arc::clone(&worker.state);
     state.connections.fetch_add(1, Ordering::Relaxed);

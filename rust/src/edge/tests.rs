@@ -20,10 +20,10 @@ use super::{BodyError, EdgeConfig, Embedded, PdProtocol};
 use crate::distserve::{DistServe, DistServeConfig, LinkMaker};
 use crate::engine::{Engine, EngineConfig, PolicyNames};
 use crate::error::Result;
-use crate::forward::ForwardConfig;
+use crate::node::registry::Registry;
 use crate::node::{NodeSpec, NodeState, Role};
-use crate::registry::Registry;
 use crate::select::PolicyConfig;
+use crate::upstream::forward::ForwardConfig;
 
 /// What a fake node answers: raw bytes after the request, written in pieces with a pause
 /// before each.

@@ -2,8 +2,11 @@
 //! gate, selection with its permit, the FIFO wait queue), then forwarding with retries.
 //! Plain Rust: no Python, no HTTP server; `cargo test` reaches all of it.
 
+pub mod admission;
 mod gate;
+pub mod permit;
 mod policies;
+mod selection;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -11,23 +14,28 @@ use std::time::{Duration, Instant};
 
 pub use gate::{Gate, GatePass, Refusal};
 pub use policies::{PolicyNames, PolicySet};
+pub use selection::{select, select_excluding};
 
 use arc_swap::ArcSwapOption;
 use http::HeaderMap;
 
-use crate::admission::{Admission, Class, Ticket};
+use crate::engine::admission::{Admission, Ticket};
+
 use crate::distserve::DistServe;
+use crate::engine::permit::InFlightPermit;
 use crate::error::{Error, Kind, Result};
-use crate::forward::{ForwardConfig, ForwardRequest, Forwarder, UpstreamResponse};
 use crate::inspect::RequestInfo;
+use crate::node::registry::Registry;
+use crate::node::Outcome;
 use crate::node::{Node, NodeSpec, NodeState, Role};
-use crate::permit::{InFlightPermit, Outcome};
-use crate::registry::Registry;
-use crate::retry::RetryBudget;
+use crate::observe::trace::{OpenSpan, SpanKind, Trace, Tracer, TracingConfig};
 use crate::select::kv_index::KvIndex;
-use crate::select::{select, select_excluding, PolicyConfig, SelectCtx};
+use crate::select::{PolicyConfig, SelectCtx};
+use crate::tenants::Class;
 use crate::tenants::Tenants;
-use crate::trace::{OpenSpan, SpanKind, Trace, Tracer, TracingConfig};
+use crate::upstream::forward::{ForwardConfig, Forwarder, UpstreamResponse};
+use crate::upstream::retry::RetryBudget;
+use crate::upstream::ForwardRequest;
 
 /// How often a request queued in a worker group looks for room freed by another worker.
 const GROUP_POLL: Duration = Duration::from_millis(5);

@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::{intern, IntoPyObjectExt};
 
-use crate::doorbell::Doorbell;
+use crate::bridge::doorbell::Doorbell;
 
 /// Work for the loop thread, run with the GIL held.
 pub type Completion = Box<dyn FnOnce(Python<'_>) + Send>;

@@ -7,9 +7,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::engine::{EngineConfig, PolicyNames};
-use crate::forward::ForwardConfig;
+use crate::observe::trace::{Sampler, TracingConfig};
 use crate::select::{PolicyConfig, PrefixConfig, ScoreWeights};
-use crate::trace::{Sampler, TracingConfig};
+use crate::upstream::forward::ForwardConfig;
 
 #[derive(FromPyObject)]
 pub struct RouterConfig {

@@ -9,9 +9,9 @@ use pyo3::prelude::*;
 
 use super::config::seconds;
 use super::router::Router;
-use crate::edge::access::Format;
 use crate::edge::cors::Cors;
 use crate::edge::{self, EdgeConfig, PdProtocol};
+use crate::observe::access::Format;
 use crate::tls;
 
 #[pyclass(frozen, name = "EdgeListener", module = "pdproxy._pdproxy")]

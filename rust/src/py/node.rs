@@ -9,8 +9,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::error::{Error, Kind};
+use crate::node::registry::{check_api_key, check_speed};
 use crate::node::{Node, NodeSpec, NodeUrl, Role};
-use crate::registry::{check_api_key, check_speed};
 
 /// The attributes of `pdproxy.node_record.NodeRecord`, as the data plane takes them.
 #[derive(FromPyObject)]

@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use super::bridge::{end_of_iteration, resolve, to_object, LoopBridge};
-use crate::exchange::{Delivery, Exchange, Waiter};
+use crate::bridge::exchange::{Delivery, Exchange, Waiter};
 
 #[pyclass(frozen, name = "Response", module = "pdproxy._pdproxy")]
 pub struct Response {

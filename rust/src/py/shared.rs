@@ -8,7 +8,7 @@ use std::time::Duration;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::shared;
+use crate::node::shared;
 
 #[pyclass(frozen, name = "SharedTable", module = "pdproxy._pdproxy")]
 pub struct SharedTable {

@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use crate::admission::Class;
 use crate::headers::header_pairs;
+use crate::tenants::Class;
 use crate::tenants::{Limit, Limited, Limits, Tenant, TenantPass, TenantSpec};
 
 pyo3::import_exception!(pdproxy.errors, RateLimited);

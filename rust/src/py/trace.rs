@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::prelude::*;
 
-use crate::trace::{OpenSpan, SpanKind, Trace as RequestTrace, Traced};
+use crate::observe::trace::{OpenSpan, SpanKind, Trace as RequestTrace, Traced};
 
 #[pyclass(frozen, name = "Trace", module = "pdproxy._pdproxy")]
 pub struct Trace {

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use super::{argmin_by, Policy, SelectCtx};
-use crate::circuit::now_ms;
+use crate::clock::now_ms;
 use crate::node::Node;
 
 #[derive(Debug)]

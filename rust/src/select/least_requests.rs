@@ -67,7 +67,7 @@ mod tests {
         assert_eq!(LeastRequests.pick(&nodes, &SelectCtx::default()), Some(0));
     }
 
-    fn nodes_one() -> (crate::registry::Registry, Vec<Arc<Node>>) {
+    fn nodes_one() -> (crate::node::registry::Registry, Vec<Arc<Node>>) {
         nodes(1)
     }
 }

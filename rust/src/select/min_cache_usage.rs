@@ -13,7 +13,7 @@
 use std::sync::Arc;
 
 use super::{argmin_by, available_indices, MinExpectedLatency, Policy, SelectCtx};
-use crate::circuit::now_ms;
+use crate::clock::now_ms;
 use crate::node::Node;
 
 #[derive(Debug)]

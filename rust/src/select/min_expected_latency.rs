@@ -25,8 +25,8 @@ impl Policy for MinExpectedLatency {
 mod tests {
     use super::super::testing::*;
     use super::*;
+    use crate::node::registry::Registry;
     use crate::node::NodeSpec;
-    use crate::registry::Registry;
 
     #[test]
     fn balances_load_against_speed() {

@@ -1,5 +1,5 @@
-//! Node selection: one small trait, one file per policy. Selection and taking the node's
-//! permit are one step: a node raced to its cap is skipped and the policy picks again.
+//! The routing policies: one small trait, one file per policy. The engine takes the chosen
+//! node's permit (`engine::select`).
 
 mod consistent_hash;
 pub mod kv_index;
@@ -29,12 +29,10 @@ pub use random::Random;
 pub use round_robin::RoundRobin;
 pub use scored::{ScoreWeights, Scored};
 
-use crate::admission::{Admission, Class};
 use crate::error::{Error, Kind, Result};
-use crate::node::{Node, NodeState, Role};
-use crate::permit::{InFlightPermit, Prediction};
-use crate::registry::{NoCandidates, NodeSet};
-use crate::trace::{SpanKind, Traced};
+use crate::node::{Node, Role};
+use crate::observe::trace::Traced;
+use crate::tenants::Class;
 
 /// What policies may look at besides the nodes.
 #[derive(Debug, Clone, Copy, Default)]
@@ -51,6 +49,20 @@ pub struct SelectCtx<'a> {
     pub class: Class,
     /// Where the selection's span goes, when the request is traced.
     pub trace: Option<Traced<'a>>,
+}
+
+/// What a routing policy expects a node to do for a request (prompt bytes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Prediction {
+    /// To prefill: not in the node's cache.
+    pub prefill: u64,
+    /// To be found in its cache.
+    pub cached: u64,
+    /// How long the node takes to prefill `prefill` (µs, at the rate the policy priced it).
+    pub prefill_us: u64,
+    /// When the first token should come (µs after the selection; 0: not priced): all the
+    /// policy knows of, so that coming later shows work there it did not know of.
+    pub first_token_us: u64,
 }
 
 /// A routing policy picks one of the candidates that are available now.
@@ -202,104 +214,15 @@ pub const POLICY_NAMES: [&str; 11] = [
     "scored",
 ];
 
-/// Selects a node for the request and takes its permit.
-pub fn select(
-    set: &NodeSet,
-    ctx: &SelectCtx<'_>,
-    policy: &dyn Policy,
-    admission: Option<&Arc<Admission>>,
-) -> Result<InFlightPermit> {
-    select_excluding(set, ctx, policy, admission, &[])
-}
-
-/// Like `select`, passing over the nodes of the given generations (those a retried request
-/// already tried).
-pub fn select_excluding(
-    set: &NodeSet,
-    ctx: &SelectCtx<'_>,
-    policy: &dyn Policy,
-    admission: Option<&Arc<Admission>>,
-    exclude: &[u64],
-) -> Result<InFlightPermit> {
-    let Some(traced) = ctx.trace else {
-        return pick(set, ctx, policy, admission, exclude).0;
-    };
-    let span = traced.open("pdproxy.select", SpanKind::Internal);
-    let (selected, candidates) = pick(set, ctx, policy, admission, exclude);
-    let attributes = || {
-        let mut out =
-            vec![("pdproxy.policy", policy.name().to_owned()), ("pdproxy.candidates", candidates.to_string())];
-        if let Ok(permit) = &selected {
-            out.push(("pdproxy.node", permit.node().url().to_owned()));
-        }
-        out
-    };
-    traced.trace.end(span, attributes, selected.as_ref().err().map(Error::message));
-    selected
-}
-
-/// The selection, and how many candidates it chose from.
-fn pick(
-    set: &NodeSet,
-    ctx: &SelectCtx<'_>,
-    policy: &dyn Policy,
-    admission: Option<&Arc<Admission>>,
-    exclude: &[u64],
-) -> (Result<InFlightPermit>, usize) {
-    let all = match set.candidates(ctx.role, ctx.model) {
-        Ok(candidates) => candidates,
-        Err(NoCandidates::NoNodes) => {
-            return (Err(Error::new(Kind::NoNodes, format!("no {} node is registered", ctx.role.name()))), 0);
-        }
-        Err(NoCandidates::ModelNotFound) => {
-            let message = format!("the model `{}` does not exist", ctx.model.unwrap_or_default());
-            return (Err(Error::new(Kind::ModelNotFound, message)), 0);
-        }
-        Err(NoCandidates::ModelsUnknown) => {
-            let what = ctx.model.map_or_else(|| "this request".to_owned(), |m| format!("the model `{m}`"));
-            let message = format!(
-                "no {} node is known to serve {what} yet: some nodes' models are still being discovered",
-                ctx.role.name()
-            );
-            return (Err(Error::new(Kind::NoHealthyNode, message)), 0);
-        }
-    };
-    let kept: Vec<Arc<Node>>;
-    let candidates = if exclude.is_empty() {
-        all
-    } else {
-        kept = all.iter().filter(|n| !exclude.contains(&n.generation())).cloned().collect();
-        &kept[..]
-    };
-    // A node that fills up between the policy's look and the permit is no longer available
-    // at the next pick, so this ends within one round per candidate.
-    for _ in 0..=candidates.len() {
-        let Some(i) = policy.pick(candidates, ctx) else { break };
-        if let Some(permit) = InFlightPermit::try_acquire(&candidates[i], admission) {
-            // A stream's first byte, or a prefill leg's answer, is the first token.
-            let timed = ctx.stream || ctx.role == Role::Prefill;
-            permit.set_prediction(policy.selected(&candidates[i], ctx), timed);
-            return (Ok(permit), candidates.len());
-        }
-    }
-    let error =
-        if candidates.iter().any(|n| n.counters().state() == NodeState::Healthy && n.counters().circuit.allows()) {
-            Error::new(Kind::Overloaded, "every node that serves this request is at its concurrency limit")
-        } else {
-            Error::new(Kind::NoHealthyNode, "no healthy node serves this request now")
-        };
-    (Err(error), candidates.len())
-}
-
 #[cfg(test)]
 pub(crate) mod testing {
     use std::sync::atomic::Ordering;
 
     use super::*;
-    use crate::circuit::now_ms;
-    use crate::engine_report::EngineFigures;
+    use crate::clock::now_ms;
+    use crate::node::engine_report::EngineFigures;
+    use crate::node::registry::Registry;
     use crate::node::NodeSpec;
-    use crate::registry::Registry;
 
     /// `n` hybrid nodes `h:1..=n` serving model `m`.
     pub fn nodes(n: usize) -> (Registry, Vec<Arc<Node>>) {
@@ -337,7 +260,8 @@ pub(crate) mod testing {
 mod tests {
     use super::testing::*;
     use super::*;
-    use crate::node::NodeSpec;
+    use crate::engine::select;
+    use crate::node::{NodeSpec, NodeState};
 
     fn ctx() -> SelectCtx<'static> {
         SelectCtx { model: Some("m"), ..SelectCtx::default() }

@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::prefix_table::prompt_block_hashes;
 use super::{argmin_by, available_indices, Policy, SelectCtx};
 use crate::node::Node;
-use crate::permit::Prediction;
+use crate::select::Prediction;
 
 #[derive(Debug, Clone, Copy)]
 pub struct PrefixConfig {

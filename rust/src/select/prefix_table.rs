@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use rustc_hash::{FxHashMap, FxHasher};
 
 use super::{stable_hash, SelectCtx};
-use crate::circuit::now_ms;
+use crate::clock::now_ms;
 use crate::node::Node;
 
 /// The chained hashes of the first `max_blocks` blocks of `block_bytes` of the request's prompt
@@ -366,7 +366,7 @@ impl PrefixTable {
 mod tests {
     use super::super::testing::*;
     use super::*;
-    use crate::engine_report::EngineFigures;
+    use crate::node::engine_report::EngineFigures;
 
     fn table(entries: usize) -> PrefixTable {
         PrefixTable::new(PrefixTableConfig { block_bytes: 16, max_blocks: 64, entries, bytes_per_token: 4.0 })

@@ -33,8 +33,8 @@ impl Policy for Random {
 mod tests {
     use super::super::testing::*;
     use super::*;
+    use crate::node::registry::Registry;
     use crate::node::NodeSpec;
-    use crate::registry::Registry;
 
     #[test]
     fn weighted_by_speed() {

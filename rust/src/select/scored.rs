@@ -61,11 +61,11 @@ use arc_swap::ArcSwapOption;
 use super::kv_index::KvIndex;
 use super::prefix_table::{PrefixTable, PrefixTableConfig};
 use super::{available_indices, Policy, SelectCtx};
-use crate::circuit::{now_ms, now_us};
-use crate::engine_speed::{Fit, Samples, Speed};
+use crate::clock::{now_ms, now_us};
 use crate::error::{Error, Kind, Result};
+use crate::node::engine_speed::{Fit, Samples, Speed};
 use crate::node::Node;
-use crate::permit::Prediction;
+use crate::select::Prediction;
 
 /// Costs within this share of the lowest (or `TIE_MS`, whichever is more) count as equal.
 const TIE_SHARE: f64 = 0.02;
@@ -660,7 +660,7 @@ mod tests {
         // Prompts of 4 KiB that share nothing, sent faster than they are answered.
         for i in 0..60 {
             let prompt = format!("{i:04}").repeat(1024);
-            let n = crate::select::select(&reg.load(), &ctx(prompt.as_bytes()), &policy, None).unwrap();
+            let n = crate::engine::select(&reg.load(), &ctx(prompt.as_bytes()), &policy, None).unwrap();
             picks[usize::from(n.node().url() == nodes[1].url())] += 1;
             std::mem::forget(n); // still prefilling
         }
@@ -713,12 +713,12 @@ mod tests {
         let policy = scored(WEIGHTS);
         let long = "a".repeat(8 * 1024);
         // Two different 8 KiB prompts: the second avoids the node still prefilling the first.
-        let first = crate::select::select(&reg.load(), &ctx(long.as_bytes()), &policy, None).unwrap();
+        let first = crate::engine::select(&reg.load(), &ctx(long.as_bytes()), &policy, None).unwrap();
         let unanswered = |n: &Node| n.counters().unanswered.load(Ordering::Relaxed);
         assert_eq!(unanswered(first.node()), 1);
         assert!(first.node().counters().prefill_left_ms(now_us()) > 0.0, "it owes that prefill");
         let other = "b".repeat(8 * 1024);
-        let second = crate::select::select(&reg.load(), &ctx(other.as_bytes()), &policy, None).unwrap();
+        let second = crate::engine::select(&reg.load(), &ctx(other.as_bytes()), &policy, None).unwrap();
         assert_ne!(second.node().url(), first.node().url());
         first.first_byte_seen();
         first.first_byte_seen();
@@ -737,11 +737,11 @@ mod tests {
         let prompt = "t".repeat(4096);
         let streamed = SelectCtx { stream: true, ..ctx(prompt.as_bytes()) };
         for _ in 0..5 {
-            let permit = crate::select::select(&reg.load(), &streamed, &policy, None).unwrap();
+            let permit = crate::engine::select(&reg.load(), &streamed, &policy, None).unwrap();
             permit.first_byte_seen();
         }
         assert!(nodes[0].counters().speed.speed().samples > 4.0);
-        let whole = crate::select::select(&reg.load(), &ctx(prompt.as_bytes()), &policy, None).unwrap();
+        let whole = crate::engine::select(&reg.load(), &ctx(prompt.as_bytes()), &policy, None).unwrap();
         whole.first_byte_seen();
         assert!(nodes[0].counters().speed.speed().samples < 5.0, "a whole answer's first byte times no token");
     }
@@ -752,8 +752,8 @@ mod tests {
         let policy = scored(WEIGHTS);
         let prompt = "q".repeat(4096);
         let streamed = SelectCtx { stream: true, ..ctx(prompt.as_bytes()) };
-        let first = crate::select::select(&reg.load(), &streamed, &policy, None).unwrap();
-        let behind = crate::select::select(&reg.load(), &streamed, &policy, None).unwrap();
+        let first = crate::engine::select(&reg.load(), &streamed, &policy, None).unwrap();
+        let behind = crate::engine::select(&reg.load(), &streamed, &policy, None).unwrap();
         first.first_byte_seen();
         behind.first_byte_seen();
         let samples = nodes[0].counters().speed.speed().samples;

@@ -11,10 +11,10 @@ use http::header::{HeaderName, HeaderValue, CONNECTION, CONTENT_LENGTH, TRANSFER
 use http::{HeaderMap, Method, StatusCode};
 
 use super::pool::{Connection, Stream};
-use crate::forward::ForwardRequest;
 use crate::headers::{is_hop_by_hop_name, listed_in_connection, stays_on_client_hop};
 use crate::loops::VIA;
-use crate::trace::TRACEPARENT;
+use crate::observe::trace::TRACEPARENT;
+use crate::upstream::ForwardRequest;
 
 /// Bytes asked of the socket per read at first, and at most: a read that fills what was asked
 /// doubles the next one (a large body), one that fills less than half goes back to the first
@@ -36,7 +36,7 @@ pub struct Hop<'a> {
     pub authorization: Option<&'a HeaderValue>,
     /// This proxy's id, last in `x-pdproxy-via` (see `crate::loops`).
     pub via: &'a HeaderValue,
-    /// The attempt's trace context (`crate::trace`), in place of the client's.
+    /// The attempt's trace context (`crate::observe::trace`), in place of the client's.
     pub traceparent: Option<&'a HeaderValue>,
 }
 

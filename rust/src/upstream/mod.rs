@@ -5,7 +5,10 @@
 
 mod body;
 mod codec;
+pub mod forward;
 mod pool;
+mod request;
+pub mod retry;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -23,10 +26,11 @@ pub use body::Body;
 pub use codec::Hop;
 use codec::{body_after_head, encode_request, poll_fill, read_head, Head, HeadError};
 use pool::{Connection, Pool, Stream};
+pub use request::ForwardRequest;
 
 use crate::error::{Error, Kind, Result};
-use crate::forward::ForwardRequest;
-use crate::retry::RetryBudget;
+use crate::node::Target;
+use retry::RetryBudget;
 
 /// How long a node that stopped reading a request gets to show the answer it sent before.
 const EARLY_ANSWER_WAIT: Duration = Duration::from_secs(1);
@@ -43,18 +47,6 @@ pub struct ClientConfig {
     pub ca_file: Option<PathBuf>,
     /// Silence on a connection before TCP keep-alive probes start.
     pub tcp_keepalive: Duration,
-}
-
-/// Where a request goes: the node's origin (the pool's key), the `Host` it is sent with, the
-/// `host:port` to resolve unless the address is pinned, and for `https://` nodes the name its
-/// certificate must carry.
-#[derive(Debug, Clone, Copy)]
-pub struct Target<'a> {
-    pub origin: &'a str,
-    pub authority: &'a str,
-    pub dial: &'a str,
-    pub pinned: Option<SocketAddr>,
-    pub tls_name: Option<&'a str>,
 }
 
 /// A node's answer: its head (without the headers of the node's hop), and its body still to be read.

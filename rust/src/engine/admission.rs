@@ -17,20 +17,12 @@ use std::time::Instant;
 
 use tokio::sync::oneshot;
 
-use crate::histogram::{Histogram, Latency};
 use crate::node::{Node, NodeState, Role};
+use crate::observe::histogram::{Histogram, Latency};
+use crate::tenants::Class;
 
 /// One slot in this many goes to the longest-waiting request, whatever its class.
 pub const AGING_EVERY: u64 = 8;
-
-/// Whose request it is, as the queue orders it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Class {
-    /// Served first when smaller (vLLM's `priority`); 0 unless the request or its key says.
-    pub priority: i32,
-    /// The tenant the request counts for; 0 for requests of no tenant.
-    pub tenant: u32,
-}
 
 #[derive(Debug)]
 struct Waiting {
@@ -276,9 +268,9 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::engine::permit::InFlightPermit;
+    use crate::node::registry::Registry;
     use crate::node::NodeSpec;
-    use crate::permit::InFlightPermit;
-    use crate::registry::Registry;
 
     fn capped(reg: &Registry, url: &str, model: &str) -> Arc<Node> {
         reg.add(url, NodeSpec { models: vec![model.into()], max_concurrency: Some(1), ..NodeSpec::default() }).unwrap()

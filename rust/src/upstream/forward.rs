@@ -8,20 +8,20 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE};
-use http::{Method, StatusCode};
+use http::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
+use http::StatusCode;
 use http_body::{Frame, SizeHint};
 use http_body_util::combinators::BoxBody;
 use http_body_util::BodyExt;
 
+use super::retry::RetryBudget;
+use super::{Client, ClientConfig, ForwardRequest, Hop};
 use crate::error::{BoxError, Error, Kind, Result};
 use crate::memory;
+use crate::node::registry::Registry;
 use crate::node::Node;
-use crate::permit::Outcome;
-use crate::registry::Registry;
-use crate::retry::RetryBudget;
+use crate::node::Outcome;
 use crate::sse;
-use crate::upstream::{Client, ClientConfig, Hop};
 
 /// Client settings. Values come from the control plane's settings; no defaults live here.
 #[derive(Debug, Clone)]
@@ -49,19 +49,6 @@ pub struct ForwardConfig {
     /// Longest time from an answer's head to the end of its body, for answers that are not
     /// event streams (a node that drips one is cut off), and for every answer read whole.
     pub answer_timeout: Duration,
-}
-
-/// A request to forward, as the client sent it plus the proxy's own headers.
-#[derive(Debug, Clone)]
-pub struct ForwardRequest {
-    pub method: Method,
-    pub path_and_query: String,
-    /// The client's headers; those of the client's hop are left out when the request is
-    /// written (`headers::stays_on_client_hop`), and so are those `extra` replaces.
-    pub headers: HeaderMap,
-    /// The proxy's own headers (request id, `X-Forwarded-*`).
-    pub extra: Vec<(HeaderName, HeaderValue)>,
-    pub body: Bytes,
 }
 
 /// The node's answer: head now, body either already read or still streaming.

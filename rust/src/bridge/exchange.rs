@@ -15,10 +15,11 @@ use http_body_util::BodyExt;
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 
+use crate::engine::permit::{InFlightPermit, Report};
 use crate::error::{Error, Kind};
-use crate::forward::StreamBody;
-use crate::permit::{InFlightPermit, Outcome, Report};
+use crate::node::Outcome;
 use crate::sse;
+use crate::upstream::forward::StreamBody;
 
 /// What the reader gets.
 #[derive(Debug)]
@@ -352,10 +353,10 @@ mod tests {
     use http_body_util::channel::{Channel, Sender};
 
     use super::*;
+    use crate::engine::permit::InFlightPermit;
     use crate::error::BoxError;
+    use crate::node::registry::Registry;
     use crate::node::{Counters, NodeSpec};
-    use crate::permit::InFlightPermit;
-    use crate::registry::Registry;
 
     const TIMEOUTS: StreamTimeouts = StreamTimeouts { idle: Duration::from_secs(5), stall: Duration::from_secs(5) };
 

@@ -4,43 +4,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::admission::Admission;
-use crate::circuit::{now_ms, now_us};
-use crate::node::Node;
-
-/// How a request ended, as recorded in the node's counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// The whole response was received from the node.
-    Succeeded,
-    /// The node failed: connect error, timeout, reset, broken body, or a gateway error
-    /// (502/503/504): counts toward its circuit.
-    Failed,
-    /// The node answered with another server error (a 500 a client's request can provoke):
-    /// counted as failed, but it says nothing of the node's health, so its circuit ignores it.
-    Errored,
-    /// The node refused the request as the client's error (a 4xx other than 429): neither its
-    /// success (a quick refusal would flatter its latency) nor its failure.
-    Rejected,
-    /// The caller gave up first (client disconnect, body dropped unread).
-    Cancelled,
-    /// Selected but never sent (a dry-run selection): recorded nowhere.
-    Unused,
-}
-
-/// What a routing policy expects a node to do for a request (prompt bytes).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Prediction {
-    /// To prefill: not in the node's cache.
-    pub prefill: u64,
-    /// To be found in its cache.
-    pub cached: u64,
-    /// How long the node takes to prefill `prefill` (µs, at the rate the policy priced it).
-    pub prefill_us: u64,
-    /// When the first token should come (µs after the selection; 0: not priced): all the
-    /// policy knows of, so that coming later shows work there it did not know of.
-    pub first_token_us: u64,
-}
+use super::admission::Admission;
+use crate::clock::{now_ms, now_us};
+use crate::node::{Node, Outcome};
+use crate::select::Prediction;
 
 /// What a streamed body showed, recorded into the node's statistics at release.
 #[derive(Debug, Clone, Copy, Default)]
@@ -308,8 +275,8 @@ impl Drop for InFlightPermit {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::node::registry::Registry;
     use crate::node::NodeSpec;
-    use crate::registry::Registry;
 
     #[test]
     fn counts_once_per_exit() {
@@ -387,7 +354,7 @@ mod tests {
 
     #[test]
     fn the_cap_holds_across_a_worker_group() {
-        use crate::shared::SharedTable;
+        use crate::node::shared::SharedTable;
         use std::sync::atomic::{AtomicU64, Ordering};
 
         let path = std::env::temp_dir().join(format!("pdproxy-permit-test-{}", std::process::id()));

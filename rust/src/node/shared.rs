@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use memmap2::MmapRaw;
 
-use crate::circuit::now_ms;
+use crate::clock::now_ms;
 use crate::error::{Error, Kind, Result};
 use crate::node::NodeCounters;
 

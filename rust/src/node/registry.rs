@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use arc_swap::{ArcSwap, Guard};
 
 use crate::error::{Error, Kind, Result};
+use crate::node::shared::SharedTable;
 use crate::node::{Counters, Node, NodeSpec, NodeUrl, Role};
-use crate::shared::SharedTable;
 
 /// One published version of the node table, indexed for selection.
 #[derive(Debug, Default)]

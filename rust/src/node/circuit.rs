@@ -3,23 +3,13 @@
 //! circuit, a failure opens it again. Plain atomics, like the rest of the node's counters.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
+
+use crate::clock::now_ms;
 
 const CLOSED: u8 = 0;
 const OPEN: u8 = 1;
 const HALF_OPEN: u8 = 2;
-
-/// Wall-clock microseconds: the one clock that worker processes sharing a circuit (or a
-/// node's counters) agree on (a clock step only lengthens or shortens one cooldown).
-pub(crate) fn now_us() -> u64 {
-    let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
-    u64::try_from(since_epoch.as_micros()).unwrap_or(u64::MAX)
-}
-
-/// The same clock in milliseconds.
-pub(crate) fn now_ms() -> u64 {
-    now_us() / 1000
-}
 
 #[derive(Debug, Default)]
 pub struct Circuit {
