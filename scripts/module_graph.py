@@ -143,7 +143,6 @@ def load(src: Path) -> dict[Path_, Module]:
         # one names the file's module, so the stack of them is tracked by brace depth.
         inline: list[int] = []  # brace depths at which an inline module opened
         depth = 0
-        pos = 0
         tokens = re.compile(
             r"#\[cfg\(test\)\]|[{};]|\bmod\s+\w+\s*[;{]|\buse\s+[^;]+;|\b(?:crate|super|self)(?:\s*::\s*\w+)+"
         )
@@ -153,7 +152,6 @@ def load(src: Path) -> dict[Path_, Module]:
         pending_test = False
         for m in tokens.finditer(text):
             tok = m.group(0)
-            pos = m.end()
             if tok == "#[cfg(test)]":
                 pending_test = True
                 continue
@@ -190,7 +188,7 @@ def load(src: Path) -> dict[Path_, Module]:
                     file = own_dir / f"{name}.rs"
                     if not file.exists():
                         file = own_dir / name / "mod.rs"
-                    module.children[name] = visit(module.path + (name,), file)
+                    module.children[name] = visit((*module.path, name), file)
                 elif end == "{":
                     inline.append(depth)
                     depth += 1
@@ -207,7 +205,6 @@ def load(src: Path) -> dict[Path_, Module]:
                 full = resolve(module, segs, len(inline))
                 if full is not None:
                     module.refs.add(full)
-        del pos
 
     def resolve(module: Module, segs: Path_, inline_depth: int) -> Path_ | None:
         if not segs:
@@ -227,10 +224,8 @@ def load(src: Path) -> dict[Path_, Module]:
             return tuple(base) + segs[i:]
         # A folder's `use child::...` (2018 paths): the child module declared here. Children are
         # declared before use in every file here; one not seen yet is an external crate.
-        if segs[0] in module.children or (module.file.parent / f"{segs[0]}.rs").exists() and module.file.name in (
-            "mod.rs",
-            "lib.rs",
-        ):
+        declared_here = module.file.name in ("mod.rs", "lib.rs") and (module.file.parent / f"{segs[0]}.rs").exists()
+        if segs[0] in module.children or declared_here:
             return module.path + segs
         return None
 
@@ -281,7 +276,7 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
         index[v] = low[v] = len(index)
         stack.append(v)
         on.add(v)
-        for w in sorted(edges.get(v, ())):
+        for w in sorted(edges.get(v, set())):
             if w not in index:
                 connect(w)
                 low[v] = min(low[v], low[w])
@@ -313,7 +308,7 @@ def circle_in(component: list[str], edges: dict[str, set[str]]) -> list[str]:
     queue = [start]
     while queue:
         v = queue.pop(0)
-        for w in sorted(edges.get(v, ()) & members):
+        for w in sorted(edges.get(v, set()) & members):
             if w == start:
                 return paths[v] + [start]
             if w not in paths:

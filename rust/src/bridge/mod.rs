@@ -2,6 +2,6 @@
 //! it: an exchange's relay of a node's answer, the doorbell that wakes the event loop, and the
 //! runtime the requests run on.
 
-pub mod doorbell;
-pub mod exchange;
-pub mod runtime;
+pub(crate) mod doorbell;
+pub(crate) mod exchange;
+pub(crate) mod runtime;

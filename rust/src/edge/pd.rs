@@ -34,7 +34,7 @@ const VLLM_PREFILL_PARAMS: &str = r#"{"do_remote_decode": true, "do_remote_prefi
 /// The prefill leg's body: the client's, asking for one token. LMDeploy's also keeps the KV
 /// cache for the decode's migration (`with_cache`, `preserve_cache`); vLLM's asks for it to be
 /// kept for a remote reader (`kv_transfer_params`). SGLang's legs share one body.
-pub fn prefill_body(protocol: PdProtocol, path: &str, body: &[u8]) -> Result<Vec<u8>> {
+pub(crate) fn prefill_body(protocol: PdProtocol, path: &str, body: &[u8]) -> Result<Vec<u8>> {
     match protocol {
         PdProtocol::Lmdeploy => {
             let mut changes =

@@ -16,7 +16,8 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
 use super::body::EdgeBody;
-use super::{BodyError, EdgeConfig, Embedded, PdProtocol};
+use super::request::BodyError;
+use super::{EdgeConfig, Embedded, PdProtocol};
 use crate::distserve::{DistServe, DistServeConfig, LinkMaker};
 use crate::engine::{Engine, EngineConfig, PolicyNames};
 use crate::error::Result;

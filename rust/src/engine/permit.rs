@@ -11,11 +11,11 @@ use crate::select::Prediction;
 
 /// What a streamed body showed, recorded into the node's statistics at release.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Report {
+pub(crate) struct Report {
     /// Time from sending the request to the first body byte.
-    pub first_byte: Option<Duration>,
+    pub(crate) first_byte: Option<Duration>,
     /// Server-sent events forwarded.
-    pub events: u64,
+    pub(crate) events: u64,
 }
 
 /// Holds one unit of a node's in-flight count. It travels with the request and then with
@@ -80,7 +80,8 @@ impl InFlightPermit {
     }
 
     /// Takes a permit whatever the cap (tests and tools that account by hand).
-    pub fn acquire(node: &Arc<Node>) -> Self {
+    #[cfg(test)]
+    pub(crate) fn acquire(node: &Arc<Node>) -> Self {
         node.counters().try_enter(None);
         Self::entered(node, None)
     }
@@ -118,19 +119,14 @@ impl InFlightPermit {
         self.outcome = outcome;
     }
 
-    pub fn set_report(&mut self, report: Report) {
+    pub(crate) fn set_report(&mut self, report: Report) {
         self.report = report;
     }
 
     /// Releases a permit that was never used for a request.
-    pub fn unused(mut self) {
+    pub(crate) fn unused(mut self) {
         self.node.counters().requests.fetch_sub(1, Ordering::Relaxed);
         self.outcome = Outcome::Unused;
-    }
-
-    /// When the request was admitted.
-    pub fn started(&self) -> Instant {
-        self.started
     }
 
     /// Records what the policy expects of the node for this request: `prefill` bytes of prompt
@@ -139,7 +135,7 @@ impl InFlightPermit {
     /// selection that took it). `timed`: the answer's first byte will be its first token (a
     /// stream, or a prefill leg), so its wait teaches the node's speed, unless the engine's
     /// batch looks full now (the wait would then be for a place in it, not for the prefill).
-    pub fn set_prediction(&self, prediction: Prediction, timed: bool) {
+    pub(crate) fn set_prediction(&self, prediction: Prediction, timed: bool) {
         let now = now_ms();
         let counters = self.node.counters();
         self.own_prefill.store(prediction.prefill, Ordering::Relaxed);
@@ -170,7 +166,7 @@ impl InFlightPermit {
     /// A piece of the node's answer: where the policy predicted cache hits, looks for what the
     /// engine says it found (once; a streamed answer says it in its last event, with
     /// `stream_options.include_usage`, a whole one in its body).
-    pub fn saw(&self, chunk: &[u8]) {
+    pub(crate) fn saw(&self, chunk: &[u8]) {
         if self.checked_cached.load(Ordering::Relaxed) == 0 || self.reported_cached.load(Ordering::Relaxed) != u64::MAX
         {
             return;
@@ -181,13 +177,13 @@ impl InFlightPermit {
     }
 
     /// The node's answer came whole: its first byte, and all of it seen.
-    pub fn answered_whole(&self, body: &[u8]) {
+    pub(crate) fn answered_whole(&self, body: &[u8]) {
         self.first_byte_seen();
         self.saw(body);
     }
 
     /// The answer's first byte came: the node has prefilled the prompt (once; later calls do nothing).
-    pub fn first_byte_seen(&self) {
+    pub(crate) fn first_byte_seen(&self) {
         // Called for every chunk: after the first, a load instead of four swaps.
         if self.unanswered.load(Ordering::Relaxed) {
             self.settle_prefill(true);

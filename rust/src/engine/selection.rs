@@ -23,7 +23,7 @@ pub fn select(
 
 /// Like `select`, passing over the nodes of the given generations (those a retried request
 /// already tried).
-pub fn select_excluding(
+pub(crate) fn select_excluding(
     set: &NodeSet,
     ctx: &SelectCtx<'_>,
     policy: &dyn Policy,

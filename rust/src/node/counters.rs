@@ -32,65 +32,65 @@ pub enum Outcome {
 }
 
 /// How many recent requests the latency window keeps (LMDeploy keeps 15).
-pub const LATENCY_WINDOW: usize = 15;
+pub(crate) const LATENCY_WINDOW: usize = 15;
 
 /// Per-node counters and mutable attributes. Plain fixed-size atomics with no pointers
 /// inside, all zero when new, so that they can live in the shared table of a worker group.
 #[derive(Debug, Default)]
 pub struct NodeCounters {
-    pub in_flight: AtomicU64,
-    pub requests: AtomicU64,
-    pub succeeded: AtomicU64,
-    pub failed: AtomicU64,
+    pub(crate) in_flight: AtomicU64,
+    pub(crate) requests: AtomicU64,
+    pub(crate) succeeded: AtomicU64,
+    pub(crate) failed: AtomicU64,
     /// Requests the node refused as the client's error (4xx but 429).
-    pub client_errors: AtomicU64,
+    pub(crate) client_errors: AtomicU64,
     /// Requests that never reached the node (connect refused or timed out): passive health.
-    pub connect_failures: AtomicU64,
-    pub cancelled: AtomicU64,
-    pub latency_us_sum: AtomicU64,
+    pub(crate) connect_failures: AtomicU64,
+    pub(crate) cancelled: AtomicU64,
+    pub(crate) latency_us_sum: AtomicU64,
     /// Server-sent events forwarded from this node.
-    pub events: AtomicU64,
-    pub ttft_us_sum: AtomicU64,
-    pub ttft_count: AtomicU64,
+    pub(crate) events: AtomicU64,
+    pub(crate) ttft_us_sum: AtomicU64,
+    pub(crate) ttft_count: AtomicU64,
     /// Exponentially weighted mean of time to first byte, microseconds (0: none yet).
-    pub ttft_us_ewma: AtomicU64,
+    pub(crate) ttft_us_ewma: AtomicU64,
     /// When the engine should be done prefilling the requests sent to it that have not had
     /// their first byte (µs, `now_us`'s clock): each adds its predicted prefill after the
     /// ones before, and the last one's first byte sets it to now. The time left on it is the
     /// wait ahead of the next request (the pending bytes alone would count a prefill half
     /// done as whole, and send the next request to a node about to be busy rather than to
     /// one about to be free).
-    pub prefill_done_at_us: AtomicU64,
+    pub(crate) prefill_done_at_us: AtomicU64,
     /// How fast the node's engine prefills and decodes, learnt from the requests sent to it.
-    pub speed: EngineSpeed,
+    pub(crate) speed: EngineSpeed,
     /// How much later than priced its first tokens came lately: work there pdproxy did not price.
-    pub hidden: HiddenLoad,
+    pub(crate) hidden: HiddenLoad,
     /// Requests sent to the node that have not had the first byte of their answer yet: waiting
     /// in the engine's queue, or being prefilled.
-    pub unanswered: AtomicU64,
+    pub(crate) unanswered: AtomicU64,
     /// Prompt bytes the routing policy expected the node to find in its cache, summed over
     /// the requests that had their first byte (so the engine has looked them up by then).
-    pub predicted_cached_bytes: AtomicU64,
+    pub(crate) predicted_cached_bytes: AtomicU64,
     /// Of the answers that said what the engine found in its cache: the hits the policy had
     /// predicted (bytes), and those the engine reported (tokens).
-    pub answered_predicted_bytes: AtomicU64,
-    pub answered_cached_tokens: AtomicU64,
+    pub(crate) answered_predicted_bytes: AtomicU64,
+    pub(crate) answered_cached_tokens: AtomicU64,
     /// The last `LATENCY_WINDOW` successful requests: latency (µs) and events served.
     recent_latency_us: [AtomicU32; LATENCY_WINDOW],
     recent_events: [AtomicU32; LATENCY_WINDOW],
     recent_cursor: AtomicU64,
     /// Hard cap on `in_flight`; 0 means none.
-    pub max_concurrency: AtomicU32,
-    pub circuit: Circuit,
+    pub(crate) max_concurrency: AtomicU32,
+    pub(crate) circuit: Circuit,
     state: AtomicU8,
     /// Whole requests, from admission to the end of the body.
-    pub duration: Histogram<Latency>,
+    pub(crate) duration: Histogram<Latency>,
     /// Streams: from sending the request to the first body byte.
-    pub ttft: Histogram<Latency>,
+    pub(crate) ttft: Histogram<Latency>,
     /// Streams: gaps between consecutive chunks (inter-token latency).
-    pub itl: Histogram<Gap>,
+    pub(crate) itl: Histogram<Gap>,
     /// What the node's engine last said about itself (its `/metrics`).
-    pub engine: EngineReport,
+    pub(crate) engine: EngineReport,
 }
 
 /// One point-in-time copy of a node's counters.
@@ -182,7 +182,7 @@ impl NodeCounters {
     }
 
     /// Records a reading of the node's engine taken now (`now_ms`), with its own counters.
-    pub fn record_engine_report(&self, figures: &EngineFigures, now_ms: u64) {
+    pub(crate) fn record_engine_report(&self, figures: &EngineFigures, now_ms: u64) {
         let then = CountsThen {
             in_flight: self.in_flight(),
             requests: self.requests.load(Ordering::Relaxed),
@@ -192,7 +192,7 @@ impl NodeCounters {
         self.speed.reported(figures.running, figures.waiting);
     }
 
-    pub fn state(&self) -> NodeState {
+    pub(crate) fn state(&self) -> NodeState {
         NodeState::from_u8(self.state.load(Ordering::Acquire))
     }
 
@@ -209,14 +209,14 @@ impl NodeCounters {
     }
 
     /// Adds `us` of prefill after what the node already owes (from now, if it owes nothing).
-    pub fn owe_prefill(&self, us: u64, now_us: u64) {
+    pub(crate) fn owe_prefill(&self, us: u64, now_us: u64) {
         let _ = self
             .prefill_done_at_us
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |done| Some(done.max(now_us).saturating_add(us)));
     }
 
     /// The prefill the node still owes, by its clock (ms).
-    pub fn prefill_left_ms(&self, now_us: u64) -> f64 {
+    pub(crate) fn prefill_left_ms(&self, now_us: u64) -> f64 {
         #[allow(clippy::cast_precision_loss)]
         let left = self.prefill_done_at_us.load(Ordering::Relaxed).saturating_sub(now_us) as f64;
         left / 1000.0
@@ -227,14 +227,14 @@ impl NodeCounters {
     }
 
     /// True when the node may be selected now: healthy, its circuit not open, below its cap.
-    pub fn is_available(&self) -> bool {
+    pub(crate) fn is_available(&self) -> bool {
         self.state() == NodeState::Healthy
             && self.circuit.allows()
             && self.max_concurrency().is_none_or(|max| self.in_flight() < u64::from(max))
     }
 
     /// The recent window's latencies in microseconds, oldest first.
-    pub fn recent_latencies(&self) -> Vec<f64> {
+    pub(crate) fn recent_latencies(&self) -> Vec<f64> {
         let cursor = usize::try_from(self.recent_cursor.load(Ordering::Relaxed)).unwrap_or(usize::MAX);
         let filled = cursor.min(LATENCY_WINDOW);
         (0..filled)
@@ -244,7 +244,7 @@ impl NodeCounters {
     }
 
     /// Mean latency over the recent window (optionally per event served); `None` before any.
-    pub fn recent_mean(&self, per_event: bool) -> Option<f64> {
+    pub(crate) fn recent_mean(&self, per_event: bool) -> Option<f64> {
         let filled =
             usize::try_from(self.recent_cursor.load(Ordering::Relaxed)).unwrap_or(usize::MAX).min(LATENCY_WINDOW);
         if filled == 0 {

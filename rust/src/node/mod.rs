@@ -1,26 +1,25 @@
 //! A node: one upstream inference server, its URL, its counters (which outlive any snapshot
 //! of it), what is known of its engine, and the table of registered nodes.
 
-pub mod circuit;
-pub mod counters;
-pub mod engine_report;
-pub mod engine_speed;
-pub mod hidden_load;
-mod place;
-pub mod registry;
-pub mod shared;
-mod state;
+pub(crate) mod circuit;
+pub(crate) mod counters;
+pub(crate) mod engine_report;
+pub(crate) mod engine_speed;
+pub(crate) mod hidden_load;
+pub(crate) mod place;
+pub(crate) mod registry;
+pub(crate) mod shared;
+pub(crate) mod state;
 mod url;
 
 use std::sync::atomic::Ordering;
 
 use http::uri::{Authority, Scheme};
-use http::Uri;
 
-pub use counters::{CountersSnapshot, NodeCounters, Outcome, LATENCY_WINDOW};
-pub use place::Counters;
-pub use state::NodeState;
-pub use url::{NodeUrl, Target};
+pub(crate) use counters::{NodeCounters, Outcome};
+pub(crate) use place::Counters;
+pub(crate) use state::NodeState;
+pub(crate) use url::{NodeUrl, Target};
 
 use crate::error::{Error, Kind, Result};
 use engine_report::EngineLoad;
@@ -35,10 +34,10 @@ pub enum Role {
 }
 
 impl Role {
-    pub const ALL: [Role; 3] = [Role::Hybrid, Role::Prefill, Role::Decode];
+    pub(crate) const ALL: [Role; 3] = [Role::Hybrid, Role::Prefill, Role::Decode];
 
     /// The role's place in tables indexed by role.
-    pub fn index(self) -> usize {
+    pub(crate) fn index(self) -> usize {
         match self {
             Role::Hybrid => 0,
             Role::Prefill => 1,
@@ -47,7 +46,7 @@ impl Role {
     }
 
     /// Accepts LMDeploy's integers (Hybrid=1, Prefill=2, Decode=3) and names, any case.
-    pub fn parse(raw: &str) -> Result<Self> {
+    pub(crate) fn parse(raw: &str) -> Result<Self> {
         match raw.trim().to_ascii_lowercase().as_str() {
             "hybrid" | "1" => Ok(Role::Hybrid),
             "prefill" | "2" => Ok(Role::Prefill),
@@ -56,7 +55,7 @@ impl Role {
         }
     }
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Role::Hybrid => "hybrid",
             Role::Prefill => "prefill",
@@ -128,7 +127,7 @@ impl Node {
 
     /// A node outside the table, to reach once more (a removed node that still holds something
     /// of the proxy's, such as a preserved session).
-    pub fn detached(url: &str, api_key: Option<String>) -> Result<Self> {
+    pub(crate) fn detached(url: &str, api_key: Option<String>) -> Result<Self> {
         let spec = NodeSpec { api_key, ..NodeSpec::default() };
         Ok(Self::new(&NodeUrl::parse(url)?, 0, spec, Counters::default()))
     }
@@ -139,23 +138,23 @@ impl Node {
     }
 
     /// Distinguishes successive registrations of the same URL.
-    pub fn generation(&self) -> u64 {
+    pub(crate) fn generation(&self) -> u64 {
         self.generation
     }
 
-    pub fn spec(&self) -> &NodeSpec {
+    pub(crate) fn spec(&self) -> &NodeSpec {
         &self.spec
     }
 
-    pub fn models(&self) -> &[String] {
+    pub(crate) fn models(&self) -> &[String] {
         &self.spec.models
     }
 
-    pub fn role(&self) -> Role {
+    pub(crate) fn role(&self) -> Role {
         self.spec.role
     }
 
-    pub fn speed(&self) -> Option<f64> {
+    pub(crate) fn speed(&self) -> Option<f64> {
         self.spec.speed
     }
 
@@ -164,18 +163,13 @@ impl Node {
     }
 
     /// The engine's report if it is younger than `max_age_ms`, with pdproxy's traffic since.
-    pub fn engine_load(&self, max_age_ms: u64, now_ms: u64) -> Option<EngineLoad> {
+    pub(crate) fn engine_load(&self, max_age_ms: u64, now_ms: u64) -> Option<EngineLoad> {
         let c = &self.counters;
         c.engine.fresh(max_age_ms, now_ms, c.in_flight(), c.requests.load(Ordering::Relaxed))
     }
 
-    /// `host:port` of the node, as its URL writes it.
-    pub fn authority(&self) -> &str {
-        self.authority.as_str()
-    }
-
     /// Where the upstream client sends this node's requests (TLS for `https://` nodes).
-    pub fn target(&self) -> Target<'_> {
+    pub(crate) fn target(&self) -> Target<'_> {
         Target {
             origin: &self.origin,
             authority: self.authority.as_str(),
@@ -186,7 +180,7 @@ impl Node {
     }
 
     /// The path on the node for a request's `path_and_query` (below the node's base path).
-    pub fn path_for(&self, path_and_query: &str) -> String {
+    pub(crate) fn path_for(&self, path_and_query: &str) -> String {
         let mut joined = String::with_capacity(self.base_path.len() + path_and_query.len());
         joined.push_str(&self.base_path);
         joined.push_str(path_and_query);
@@ -194,16 +188,17 @@ impl Node {
     }
 
     /// The node's host, without brackets around an IPv6 address.
-    pub fn host(&self) -> &str {
+    pub(crate) fn host(&self) -> &str {
         self.authority.host().trim_start_matches('[').trim_end_matches(']')
     }
 
     /// The absolute URI of `path_and_query` on this node.
-    pub fn uri_for(&self, path_and_query: &str) -> Result<Uri> {
+    #[cfg(test)]
+    pub(crate) fn uri_for(&self, path_and_query: &str) -> Result<http::Uri> {
         let mut joined = String::with_capacity(self.base_path.len() + path_and_query.len());
         joined.push_str(&self.base_path);
         joined.push_str(path_and_query);
-        Uri::builder()
+        http::Uri::builder()
             .scheme(self.scheme.clone())
             .authority(self.authority.clone())
             .path_and_query(joined)

@@ -43,7 +43,7 @@ impl Counters {
     }
 
     /// The shared slot and generation, in a worker group.
-    pub fn binding(&self) -> Option<Binding> {
+    pub(crate) fn binding(&self) -> Option<Binding> {
         match &self.0 {
             Place::Local(_) => None,
             Place::Shared { binding, .. } => Some(*binding),
@@ -51,13 +51,14 @@ impl Counters {
     }
 
     /// Whether both are the same counters.
-    pub fn same(&self, other: &Counters) -> bool {
+    #[cfg(test)]
+    pub(crate) fn same(&self, other: &Counters) -> bool {
         std::ptr::eq(std::ptr::from_ref::<NodeCounters>(self), std::ptr::from_ref::<NodeCounters>(other))
     }
 
     /// Takes one in-flight unit unless `cap` is reached: check and increment are one atomic
     /// step, so concurrent callers (threads or worker processes) never pass the cap.
-    pub fn try_enter(&self, cap: Option<u32>) -> bool {
+    pub(crate) fn try_enter(&self, cap: Option<u32>) -> bool {
         let taken = match cap {
             None => {
                 self.in_flight.fetch_add(1, Ordering::AcqRel);
@@ -76,7 +77,7 @@ impl Counters {
     }
 
     /// Gives back one in-flight unit.
-    pub fn exit(&self) {
+    pub(crate) fn exit(&self) {
         // Before the total, for the same reason as in `try_enter`.
         self.my_share().map(|share| share.fetch_sub(1, Ordering::AcqRel));
         self.in_flight.fetch_sub(1, Ordering::AcqRel);

@@ -17,7 +17,7 @@ pub enum NodeState {
 }
 
 impl NodeState {
-    pub fn parse(raw: &str) -> Result<Self> {
+    pub(crate) fn parse(raw: &str) -> Result<Self> {
         match raw.trim().to_ascii_lowercase().as_str() {
             "healthy" => Ok(NodeState::Healthy),
             "unhealthy" => Ok(NodeState::Unhealthy),
@@ -31,7 +31,7 @@ impl NodeState {
         }
     }
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             NodeState::Healthy => "healthy",
             NodeState::Unhealthy => "unhealthy",

@@ -12,26 +12,26 @@ use crate::error::{Error, Kind, Result};
 /// `host:port` to resolve unless the address is pinned, and for `https://` nodes the name its
 /// certificate must carry.
 #[derive(Debug, Clone, Copy)]
-pub struct Target<'a> {
-    pub origin: &'a str,
-    pub authority: &'a str,
-    pub dial: &'a str,
-    pub pinned: Option<SocketAddr>,
-    pub tls_name: Option<&'a str>,
+pub(crate) struct Target<'a> {
+    pub(crate) origin: &'a str,
+    pub(crate) authority: &'a str,
+    pub(crate) dial: &'a str,
+    pub(crate) pinned: Option<SocketAddr>,
+    pub(crate) tls_name: Option<&'a str>,
 }
 
 /// A node URL after normalisation: scheme and host lower-cased, default scheme `http`,
 /// no trailing slash, so that the same server is always the same node.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NodeUrl {
-    pub normalized: String,
+pub(crate) struct NodeUrl {
+    pub(crate) normalized: String,
     pub(super) scheme: Scheme,
     pub(super) authority: Authority,
     pub(super) base_path: String,
 }
 
 impl NodeUrl {
-    pub fn parse(raw: &str) -> Result<Self> {
+    pub(crate) fn parse(raw: &str) -> Result<Self> {
         let raw = raw.trim();
         let with_scheme = if raw.contains("://") { raw.to_owned() } else { format!("http://{raw}") };
         let uri: Uri = with_scheme

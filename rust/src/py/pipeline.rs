@@ -29,7 +29,7 @@ type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
 type Raw = (u16, Pairs, Vec<u8>);
 
 #[pyclass(frozen, name = "Pipeline", module = "pdproxy._pdproxy")]
-pub struct Pipeline {
+pub(crate) struct Pipeline {
     embedded: Arc<Embedded>,
     runtime: &'static tokio::runtime::Runtime,
     /// The loop the answers are handed to (the router's, bound on construction).

@@ -42,7 +42,7 @@ use crate::upstream::forward::{ResponseBody, UpstreamResponse};
 use crate::upstream::ForwardRequest;
 
 #[pyclass(frozen, name = "Router", module = "pdproxy._pdproxy")]
-pub struct Router {
+pub(crate) struct Router {
     pub(crate) engine: Arc<Engine>,
     pub(crate) runtime: &'static tokio::runtime::Runtime,
     /// Ends every task of this router when it closes.

@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use crate::node::shared;
 
 #[pyclass(frozen, name = "SharedTable", module = "pdproxy._pdproxy")]
-pub struct SharedTable {
+pub(crate) struct SharedTable {
     pub(crate) inner: Arc<shared::SharedTable>,
 }
 

@@ -17,9 +17,9 @@ use crate::clock::now_ms;
 use crate::node::Node;
 
 #[derive(Debug)]
-pub struct MinCacheUsage {
+pub(crate) struct MinCacheUsage {
     /// Older engine reports are ignored.
-    pub max_age_ms: u64,
+    pub(crate) max_age_ms: u64,
 }
 
 impl Policy for MinCacheUsage {

@@ -7,7 +7,7 @@ use super::{argmin_by, effective_speed, Policy, SelectCtx};
 use crate::node::Node;
 
 #[derive(Debug, Default)]
-pub struct MinExpectedLatency;
+pub(crate) struct MinExpectedLatency;
 
 impl Policy for MinExpectedLatency {
     fn name(&self) -> &'static str {

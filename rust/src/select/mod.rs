@@ -2,7 +2,7 @@
 //! node's permit (`engine::select`).
 
 mod consistent_hash;
-pub mod kv_index;
+pub(crate) mod kv_index;
 mod least_engine_load;
 mod least_requests;
 mod min_cache_usage;
@@ -17,17 +17,17 @@ mod scored;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-pub use consistent_hash::ConsistentHash;
-pub use least_engine_load::LeastEngineLoad;
-pub use least_requests::LeastRequests;
-pub use min_cache_usage::MinCacheUsage;
-pub use min_expected_latency::MinExpectedLatency;
-pub use min_observed_latency::MinObservedLatency;
-pub use prefix::{Prefix, PrefixConfig};
-pub use prefix_table::{PrefixTable, PrefixTableConfig};
-pub use random::Random;
-pub use round_robin::RoundRobin;
-pub use scored::{ScoreWeights, Scored};
+pub(crate) use consistent_hash::ConsistentHash;
+pub(crate) use least_engine_load::LeastEngineLoad;
+pub(crate) use least_requests::LeastRequests;
+pub(crate) use min_cache_usage::MinCacheUsage;
+pub(crate) use min_expected_latency::MinExpectedLatency;
+pub(crate) use min_observed_latency::MinObservedLatency;
+pub(crate) use prefix::{Prefix, PrefixConfig};
+pub(crate) use prefix_table::PrefixTableConfig;
+pub(crate) use random::Random;
+pub(crate) use round_robin::RoundRobin;
+pub(crate) use scored::{ScoreWeights, Scored};
 
 use crate::error::{Error, Kind, Result};
 use crate::node::{Node, Role};
@@ -55,14 +55,14 @@ pub struct SelectCtx<'a> {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Prediction {
     /// To prefill: not in the node's cache.
-    pub prefill: u64,
+    pub(crate) prefill: u64,
     /// To be found in its cache.
-    pub cached: u64,
+    pub(crate) cached: u64,
     /// How long the node takes to prefill `prefill` (µs, at the rate the policy priced it).
-    pub prefill_us: u64,
+    pub(crate) prefill_us: u64,
     /// When the first token should come (µs after the selection; 0: not priced): all the
     /// policy knows of, so that coming later shows work there it did not know of.
-    pub first_token_us: u64,
+    pub(crate) first_token_us: u64,
 }
 
 /// A routing policy picks one of the candidates that are available now.
@@ -84,7 +84,7 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
 }
 
 /// True when `node` may take a request now: healthy and below its cap.
-pub fn available(node: &Node) -> bool {
+pub(crate) fn available(node: &Node) -> bool {
     node.counters().is_available()
 }
 
@@ -136,15 +136,15 @@ pub(crate) fn stable_hash(parts: impl Hash) -> u64 {
 pub struct PolicyConfig {
     /// `consistent_hash`: a node takes a key's requests while its in-flight count stays
     /// below this factor times the average.
-    pub hash_load_factor: f64,
-    pub prefix: PrefixConfig,
+    pub(crate) hash_load_factor: f64,
+    pub(crate) prefix: PrefixConfig,
     /// Engine reports older than this (milliseconds) are not used.
-    pub engine_max_age_ms: u64,
+    pub(crate) engine_max_age_ms: u64,
     /// `scored`: the weights of its terms (a policy spelled `scored:prefix=2,...` overrides them).
-    pub score: ScoreWeights,
+    pub(crate) score: ScoreWeights,
     /// Prompt bytes per engine token, to size a node's share of the prefix table from the KV
     /// capacity its engine reports.
-    pub prefix_bytes_per_token: f64,
+    pub(crate) prefix_bytes_per_token: f64,
 }
 
 impl Default for PolicyConfig {
@@ -225,7 +225,7 @@ pub(crate) mod testing {
     use crate::node::NodeSpec;
 
     /// `n` hybrid nodes `h:1..=n` serving model `m`.
-    pub fn nodes(n: usize) -> (Registry, Vec<Arc<Node>>) {
+    pub(crate) fn nodes(n: usize) -> (Registry, Vec<Arc<Node>>) {
         let reg = Registry::new();
         let nodes = (1..=n)
             .map(|i| reg.add(&format!("h:{i}"), NodeSpec { models: vec!["m".into()], ..NodeSpec::default() }).unwrap())
@@ -233,21 +233,26 @@ pub(crate) mod testing {
         (reg, nodes)
     }
 
-    pub fn set_in_flight(node: &Node, n: u64) {
+    pub(crate) fn set_in_flight(node: &Node, n: u64) {
         node.counters().in_flight.store(n, Ordering::Relaxed);
     }
 
-    pub fn figures(running: u64, waiting: u64, kv_usage: f64) -> EngineFigures {
+    pub(crate) fn figures(running: u64, waiting: u64, kv_usage: f64) -> EngineFigures {
         EngineFigures { running, waiting, kv_usage: Some(kv_usage), ..EngineFigures::default() }
     }
 
     /// Records a fresh engine report for `node`, taken with its counters as they are now.
-    pub fn report(node: &Node, running: u64, waiting: u64, kv_usage: f64) {
+    pub(crate) fn report(node: &Node, running: u64, waiting: u64, kv_usage: f64) {
         node.counters().record_engine_report(&figures(running, waiting, kv_usage), now_ms());
     }
 
     /// How often each node is picked in `rounds` picks.
-    pub fn histogram(policy: &dyn Policy, nodes: &[Arc<Node>], ctx: &SelectCtx<'_>, rounds: usize) -> Vec<usize> {
+    pub(crate) fn histogram(
+        policy: &dyn Policy,
+        nodes: &[Arc<Node>],
+        ctx: &SelectCtx<'_>,
+        rounds: usize,
+    ) -> Vec<usize> {
         let mut counts = vec![0; nodes.len()];
         for _ in 0..rounds {
             counts[policy.pick(nodes, ctx).unwrap()] += 1;

@@ -6,7 +6,7 @@ use super::{available_indices, effective_speed, Policy, SelectCtx};
 use crate::node::Node;
 
 #[derive(Debug, Default)]
-pub struct Random;
+pub(crate) struct Random;
 
 impl Policy for Random {
     fn name(&self) -> &'static str {

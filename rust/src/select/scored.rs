@@ -85,19 +85,19 @@ const PRIOR_DECODE_MS: f64 = 1000.0;
 
 /// The weights of the terms.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ScoreWeights {
+pub(crate) struct ScoreWeights {
     /// Times the request's own prefill counts for each request whose first token it delays.
-    pub prefix: f64,
+    pub(crate) prefix: f64,
     /// Times the waits ahead of it count.
-    pub queue: f64,
+    pub(crate) queue: f64,
     /// Times the node's recent lateness counts (work there pdproxy did not price).
-    pub hidden: f64,
+    pub(crate) hidden: f64,
 }
 
 impl ScoreWeights {
     /// `weights` with the overrides of `spec` applied: `prefix=2,queue=0.5,hidden=1` (any, each a
     /// non-negative number).
-    pub fn with_overrides(self, spec: &str) -> Result<Self> {
+    pub(crate) fn with_overrides(self, spec: &str) -> Result<Self> {
         let mut out = self;
         for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (key, raw) = part.split_once('=').ok_or_else(|| invalid(spec))?;
@@ -127,25 +127,25 @@ fn invalid(spec: &str) -> Error {
 
 /// The figures a cost is made of for one candidate, in milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Estimate {
+pub(crate) struct Estimate {
     /// Waiting for a place in the engine's batch.
-    pub slot_wait: f64,
+    pub(crate) slot_wait: f64,
     /// Prefill still owed to the requests sent there before (the node's prefill clock).
-    pub ahead: f64,
+    pub(crate) ahead: f64,
     /// The engine's fixed time to a first token.
-    pub first_token: f64,
+    pub(crate) first_token: f64,
     /// The request's own prefill there.
-    pub own: f64,
+    pub(crate) own: f64,
     /// Requests sent there still waiting for their first token (queued, or prefilling).
-    pub behind: f64,
+    pub(crate) behind: f64,
     /// How much later than priced the node's first tokens have come lately (`hidden_load`):
     /// work queued there that others sent.
-    pub hidden: f64,
+    pub(crate) hidden: f64,
 }
 
 impl Estimate {
     /// When the request's first token would come (ms after now), by what pdproxy sent.
-    pub fn first_token_in_ms(&self) -> f64 {
+    pub(crate) fn first_token_in_ms(&self) -> f64 {
         self.slot_wait + self.ahead + self.first_token + self.own
     }
 
@@ -160,7 +160,7 @@ impl Estimate {
 }
 
 #[derive(Debug)]
-pub struct Scored {
+pub(crate) struct Scored {
     weights: ScoreWeights,
     table: PrefixTable,
     /// Older engine reports are ignored.
@@ -287,7 +287,7 @@ fn pick_key(policy: &Scored, ctx: &SelectCtx<'_>) -> [usize; 5] {
 }
 
 impl Scored {
-    pub fn new(weights: ScoreWeights, table: PrefixTableConfig, max_age_ms: u64) -> Self {
+    pub(crate) fn new(weights: ScoreWeights, table: PrefixTableConfig, max_age_ms: u64) -> Self {
         Self {
             weights,
             table: PrefixTable::new(table),
@@ -343,10 +343,6 @@ impl Scored {
         }
     }
 
-    pub fn weights(&self) -> ScoreWeights {
-        self.weights
-    }
-
     /// Bytes of the prompt a node holding `matched` leading blocks would still prefill.
     fn uncached(&self, ctx: &SelectCtx<'_>, matched: usize) -> usize {
         let prompt = ctx.prompt.map_or(0, <[u8]>::len);
@@ -379,7 +375,8 @@ impl Scored {
     }
 
     /// Each available candidate's estimate for the request (`None`: not available).
-    pub fn estimates(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<Estimate>> {
+    #[cfg(test)]
+    pub(crate) fn estimates(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<Estimate>> {
         let hashes = self.table.block_hashes(ctx);
         let matched = self.matched(&hashes, candidates, ctx);
         self.estimates_for(candidates, ctx, &matched)
@@ -412,7 +409,8 @@ impl Scored {
     }
 
     /// Each available candidate's cost for the request, in milliseconds (`None`: not available).
-    pub fn costs(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<f64>> {
+    #[cfg(test)]
+    pub(crate) fn costs(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<f64>> {
         self.estimates(candidates, ctx).into_iter().map(|e| e.map(|e| e.cost(self.weights))).collect()
     }
 }

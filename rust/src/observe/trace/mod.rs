@@ -14,7 +14,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use http::header::{HeaderName, HeaderValue};
 
-pub static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
+pub(crate) static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 
 /// Spans are sent in batches of at most this many, at most this long after the first one
 /// (OpenTelemetry's batch processor sends 512 at most, after 5 s by default).
@@ -25,7 +25,7 @@ const BACKLOG: u64 = 65_536;
 
 /// Which traces are recorded (OpenTelemetry's samplers, by their `OTEL_TRACES_SAMPLER` names).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Sampler {
+pub(crate) enum Sampler {
     AlwaysOn,
     AlwaysOff,
     /// This share of traces, decided from the trace id (so every hop decides alike).
@@ -35,7 +35,7 @@ pub enum Sampler {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Base {
+pub(crate) enum Base {
     AlwaysOn,
     AlwaysOff,
     Ratio(f64),
@@ -43,7 +43,7 @@ pub enum Base {
 
 impl Sampler {
     /// From `OTEL_TRACES_SAMPLER` and `OTEL_TRACES_SAMPLER_ARG`.
-    pub fn parse(name: &str, arg: Option<f64>) -> Option<Self> {
+    pub(crate) fn parse(name: &str, arg: Option<f64>) -> Option<Self> {
         let ratio = arg.unwrap_or(1.0).clamp(0.0, 1.0);
         Some(match name {
             "always_on" => Sampler::AlwaysOn,
@@ -81,44 +81,41 @@ impl Sampler {
 #[derive(Debug, Clone)]
 pub struct TracingConfig {
     /// The OTLP/HTTP traces URL (`http://host:port/v1/traces`).
-    pub endpoint: String,
-    pub headers: Vec<(String, String)>,
-    pub service_name: String,
-    pub sampler: Sampler,
+    pub(crate) endpoint: String,
+    pub(crate) headers: Vec<(String, String)>,
+    pub(crate) service_name: String,
+    pub(crate) sampler: Sampler,
 }
 
 /// The process's tracer: a sampler, and the queue to the exporter thread.
 #[derive(Debug)]
-pub struct Tracer {
+pub(crate) struct Tracer {
     sampler: Sampler,
     spans: Mutex<Sender<Message>>,
     backlog: Arc<AtomicU64>,
-    /// Spans exported, and spans lost (backlog full, or the collector failed).
-    pub exported: Arc<AtomicU64>,
-    pub dropped: Arc<AtomicU64>,
+    /// Spans lost (backlog full, or the collector failed).
+    pub(crate) dropped: Arc<AtomicU64>,
 }
 
 impl Tracer {
     /// Starts the exporter thread.
-    pub fn start(config: TracingConfig) -> Arc<Self> {
+    pub(crate) fn start(config: TracingConfig) -> Arc<Self> {
         let (sender, receiver) = channel();
         let backlog = Arc::new(AtomicU64::new(0));
-        let exported = Arc::new(AtomicU64::new(0));
         let dropped = Arc::new(AtomicU64::new(0));
         let writer = Exporter {
             collector: Collector::new(&config),
             config: config.clone(),
             backlog: Arc::clone(&backlog),
-            exported: Arc::clone(&exported),
             dropped: Arc::clone(&dropped),
         };
         let _ = std::thread::Builder::new().name("pdproxy-traces".into()).spawn(move || writer.run(&receiver));
-        Arc::new(Self { sampler: config.sampler, spans: Mutex::new(sender), backlog, exported, dropped })
+        Arc::new(Self { sampler: config.sampler, spans: Mutex::new(sender), backlog, dropped })
     }
 
     /// The trace of a request that came with `traceparent` (the caller's context; else a new
     /// trace). The caller's `tracestate` travels on with the client's headers unchanged.
-    pub fn begin(self: &Arc<Self>, traceparent: Option<&[u8]>, name: &'static str) -> Arc<Trace> {
+    pub(crate) fn begin(self: &Arc<Self>, traceparent: Option<&[u8]>, name: &'static str) -> Arc<Trace> {
         let caller = traceparent.and_then(parse_traceparent);
         let (trace_id, parent, caller_sampled) = match caller {
             Some((trace, span, sampled)) => (trace, Some(span), Some(sampled)),
@@ -141,7 +138,7 @@ impl Tracer {
 
     /// Exports the spans recorded so far (requests that ended), waiting at most `wait`: for a
     /// proxy that stops, so that its last traces are not lost.
-    pub fn flush(&self, wait: Duration) {
+    pub(crate) fn flush(&self, wait: Duration) {
         let (done, exported) = std::sync::mpsc::sync_channel(1);
         let sent = self.spans.lock().unwrap_or_else(PoisonError::into_inner).send(Message::Flush(done));
         if sent.is_ok() {
@@ -172,7 +169,7 @@ enum Message {
 
 /// One finished span.
 #[derive(Debug, Clone)]
-pub struct Span {
+pub(crate) struct Span {
     trace: [u8; 16],
     id: SpanId,
     parent: Option<SpanId>,
@@ -184,11 +181,11 @@ pub struct Span {
     error: Option<String>,
 }
 
-pub type SpanId = [u8; 8];
+pub(crate) type SpanId = [u8; 8];
 
 /// OTLP's span kinds (the values are the protocol's).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SpanKind {
+pub(crate) enum SpanKind {
     Internal = 1,
     /// The request as this proxy served it.
     Server = 2,
@@ -198,8 +195,8 @@ pub enum SpanKind {
 
 /// A span begun and not yet ended: plain data, so it can wait in a queue ticket.
 #[derive(Debug, Clone, Copy)]
-pub struct OpenSpan {
-    pub id: SpanId,
+pub(crate) struct OpenSpan {
+    pub(crate) id: SpanId,
     parent: SpanId,
     name: &'static str,
     kind: SpanKind,
@@ -209,19 +206,19 @@ pub struct OpenSpan {
 /// Where the spans of one part of a request go: its trace, under which span.
 #[derive(Debug, Clone, Copy)]
 pub struct Traced<'a> {
-    pub trace: &'a Trace,
-    pub parent: SpanId,
+    pub(crate) trace: &'a Trace,
+    pub(crate) parent: SpanId,
 }
 
 impl<'a> Traced<'a> {
     /// Begins a span under this one.
-    pub fn open(self, name: &'static str, kind: SpanKind) -> OpenSpan {
+    pub(crate) fn open(self, name: &'static str, kind: SpanKind) -> OpenSpan {
         OpenSpan { id: random_bytes::<8>(), parent: self.parent, name, kind, start: now_ns() }
     }
 
     /// The same trace, under `span`.
     #[must_use]
-    pub fn under(self, span: &OpenSpan) -> Traced<'a> {
+    pub(crate) fn under(self, span: &OpenSpan) -> Traced<'a> {
         Traced { trace: self.trace, parent: span.id }
     }
 }
@@ -229,7 +226,7 @@ impl<'a> Traced<'a> {
 /// The trace of one request: its root span (the request as this proxy served it) and the spans
 /// recorded under it, exported together when the request ends (the last reference is dropped).
 #[derive(Debug)]
-pub struct Trace {
+pub(crate) struct Trace {
     tracer: Arc<Tracer>,
     id: [u8; 16],
     root: SpanId,
@@ -245,35 +242,40 @@ pub struct Trace {
 
 impl Trace {
     /// Spans under the request's root span.
-    pub fn traced(&self) -> Traced<'_> {
+    pub(crate) fn traced(&self) -> Traced<'_> {
         Traced { trace: self, parent: self.root }
     }
 
     /// The trace id, as logs show it (32 hex digits).
-    pub fn id_hex(&self) -> String {
+    pub(crate) fn id_hex(&self) -> String {
         hex(&self.id)
     }
 
-    pub fn sampled(&self) -> bool {
+    pub(crate) fn sampled(&self) -> bool {
         self.sampled
     }
 
     /// The request's own attributes (on the root span); built only when the trace is recorded.
-    pub fn annotate(&self, attributes: impl FnOnce() -> Vec<(&'static str, String)>) {
+    pub(crate) fn annotate(&self, attributes: impl FnOnce() -> Vec<(&'static str, String)>) {
         if self.sampled {
             self.attributes.lock().unwrap_or_else(PoisonError::into_inner).extend(attributes());
         }
     }
 
     /// Marks the request as failed, with why.
-    pub fn fail(&self, message: &str) {
+    pub(crate) fn fail(&self, message: &str) {
         if self.sampled {
             *self.error.lock().unwrap_or_else(PoisonError::into_inner) = Some(message.to_owned());
         }
     }
 
     /// Ends `span` now; its attributes are built only when the trace is recorded.
-    pub fn end(&self, span: OpenSpan, attributes: impl FnOnce() -> Vec<(&'static str, String)>, error: Option<&str>) {
+    pub(crate) fn end(
+        &self,
+        span: OpenSpan,
+        attributes: impl FnOnce() -> Vec<(&'static str, String)>,
+        error: Option<&str>,
+    ) {
         if !self.sampled {
             return;
         }
@@ -292,7 +294,7 @@ impl Trace {
     }
 
     /// The context a node gets for the call made as `span`.
-    pub fn traceparent(&self, span: &OpenSpan) -> HeaderValue {
+    pub(crate) fn traceparent(&self, span: &OpenSpan) -> HeaderValue {
         let flags = if self.sampled { "01" } else { "00" };
         let mut value = String::with_capacity(55);
         value.push_str("00-");
@@ -327,7 +329,7 @@ impl Drop for Trace {
 }
 
 /// `00-<trace id>-<span id>-<flags>`: the trace, the caller's span and whether it sampled.
-pub fn parse_traceparent(raw: &[u8]) -> Option<([u8; 16], SpanId, bool)> {
+pub(crate) fn parse_traceparent(raw: &[u8]) -> Option<([u8; 16], SpanId, bool)> {
     let text = std::str::from_utf8(raw).ok()?.trim();
     let mut parts = text.split('-');
     let (version, trace, span, flags) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
@@ -344,7 +346,7 @@ pub fn parse_traceparent(raw: &[u8]) -> Option<([u8; 16], SpanId, bool)> {
 }
 
 /// The trace id of a `traceparent`, as logs show it.
-pub fn trace_id_of(raw: &[u8]) -> Option<String> {
+pub(crate) fn trace_id_of(raw: &[u8]) -> Option<String> {
     parse_traceparent(raw).map(|(trace, _, _)| hex(&trace))
 }
 
@@ -386,7 +388,7 @@ fn random_bytes<const N: usize>() -> [u8; N] {
 }
 
 /// Nanoseconds since the Unix epoch (spans carry wall-clock times).
-pub fn now_ns() -> u64 {
+pub(crate) fn now_ns() -> u64 {
     u64::try_from(SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_nanos()).unwrap_or(u64::MAX)
 }
 
@@ -395,7 +397,6 @@ struct Exporter {
     config: TracingConfig,
     collector: Collector,
     backlog: Arc<AtomicU64>,
-    exported: Arc<AtomicU64>,
     dropped: Arc<AtomicU64>,
 }
 
@@ -447,9 +448,7 @@ impl Exporter {
         self.backlog.fetch_sub(count, Ordering::Relaxed);
         let body = otlp_json(&self.config.service_name, batch);
         batch.clear();
-        if self.collector.post(&body).is_ok() {
-            self.exported.fetch_add(count, Ordering::Relaxed);
-        } else {
+        if self.collector.post(&body).is_err() {
             self.dropped.fetch_add(count, Ordering::Relaxed);
         }
     }
