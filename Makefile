@@ -30,8 +30,9 @@ lint-python: ## ruff (check, format), mypy strict, no Any in public signatures, 
 	cd /tmp && $(PYTHON) -m mypy.stubtest pdproxy._pdproxy --allowlist $(CURDIR)/.mypy-stubtest-allowlist
 
 .PHONY: lint-rust
-lint-rust: ## rustfmt and clippy (pedantic; warnings are errors)
+lint-rust: ## rustfmt, clippy (pedantic; warnings are errors), and no circle among the crate's modules
 	cargo fmt --all --check
+	$(PYTHON) scripts/module_graph.py
 	cargo clippy --quiet --workspace --all-targets --all-features -- -D warnings
 
 .PHONY: lint

@@ -22,35 +22,36 @@ use serde_json::value::RawValue;
 use tokio::sync::oneshot;
 
 use crate::error::{Error, Kind, Result};
-use crate::forward::{ForwardRequest, Forwarder, ResponseBody};
 use crate::node::Node;
+use crate::upstream::forward::{Forwarder, ResponseBody};
+use crate::upstream::ForwardRequest;
 
 /// The settings of LMDeploy's flow, from the control plane.
 #[derive(Debug, Clone)]
-pub struct DistServeConfig {
+pub(crate) struct DistServeConfig {
     /// LMDeploy's `MigrationProtocol` number (`--migration-protocol`).
-    pub migration_protocol: u8,
+    pub(crate) migration_protocol: u8,
     /// No prefill: decode runs from a dummy migration (LMDeploy's benchmark mode).
-    pub dummy_prefill: bool,
+    pub(crate) dummy_prefill: bool,
     /// Longest wait for one `free_cache` call.
-    pub free_timeout: Duration,
-    pub free_attempts: u32,
+    pub(crate) free_timeout: Duration,
+    pub(crate) free_attempts: u32,
     /// In a worker group: where this worker journals its sessions (one small file each).
-    pub journal: Option<PathBuf>,
+    pub(crate) journal: Option<PathBuf>,
 }
 
 /// The control plane's side of a link: connects `prefill` to `decode` (sharing a handshake in
 /// flight) and answers once it is connected, or why it could not be.
-pub trait LinkMaker: Send + Sync {
+pub(crate) trait LinkMaker: Send + Sync {
     fn connect(&self, prefill: &str, decode: &str) -> oneshot::Receiver<Result<()>>;
 }
 
-pub struct DistServe {
-    pub config: DistServeConfig,
+pub(crate) struct DistServe {
+    pub(crate) config: DistServeConfig,
     /// Decode nodes connected to each prefill node.
     connected: Mutex<HashMap<String, HashSet<String>>>,
     maker: Box<dyn LinkMaker>,
-    pub sessions: Arc<Sessions>,
+    pub(crate) sessions: Arc<Sessions>,
 }
 
 impl std::fmt::Debug for DistServe {
@@ -60,7 +61,7 @@ impl std::fmt::Debug for DistServe {
 }
 
 impl DistServe {
-    pub fn new(config: DistServeConfig, maker: Box<dyn LinkMaker>) -> Self {
+    pub(crate) fn new(config: DistServeConfig, maker: Box<dyn LinkMaker>) -> Self {
         let sessions = Arc::new(Sessions::new(&config));
         Self { config, connected: Mutex::default(), maker, sessions }
     }
@@ -72,7 +73,7 @@ impl DistServe {
 
     /// Returns once `prefill` and `decode` are linked: at once when they are, else when the
     /// control plane has connected them.
-    pub async fn link(&self, prefill: &str, decode: &str) -> Result<()> {
+    pub(crate) async fn link(&self, prefill: &str, decode: &str) -> Result<()> {
         if self.is_connected(prefill, decode) {
             return Ok(());
         }
@@ -84,7 +85,7 @@ impl DistServe {
     }
 
     /// Forgets every link of `url` (the control plane dropped them).
-    pub fn forget_links(&self, url: &str) {
+    pub(crate) fn forget_links(&self, url: &str) {
         let mut connected = self.connected.lock().unwrap_or_else(PoisonError::into_inner);
         connected.remove(url);
         for decodes in connected.values_mut() {
@@ -93,12 +94,12 @@ impl DistServe {
     }
 
     /// LMDeploy's `MigrationRequest` for a session preserved on `prefill` (JSON).
-    pub fn migration(&self, prefill: &str, handle: &SessionHandle) -> String {
+    pub(crate) fn migration(&self, prefill: &str, handle: &SessionHandle) -> String {
         self.migration_json(prefill, handle.session_id, handle.token_id, &handle.block_ids, false)
     }
 
     /// The migration of a dummy prefill: decode starts from nothing.
-    pub fn dummy_migration(&self) -> String {
+    pub(crate) fn dummy_migration(&self) -> String {
         self.migration_json("dummy:dummy", 0, 0, &[], true)
     }
 
@@ -129,11 +130,12 @@ struct MigrationRequest<'a> {
 
 /// What a prefill answer says of the session it preserved.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SessionHandle {
-    pub session_id: u64,
-    pub block_ids: Vec<i64>,
+pub(crate) struct SessionHandle {
+    /// The engine's own id of the session (`id` is the proxy's).
+    pub(crate) session_id: u64,
+    pub(crate) block_ids: Vec<i64>,
     /// The last of `remote_token_ids` (0 when there is none).
-    pub token_id: i64,
+    pub(crate) token_id: i64,
 }
 
 /// The members of a prefill answer the handle is read from, kept as raw JSON; anything else
@@ -154,7 +156,7 @@ impl SessionHandle {
     /// The handle in a prefill answer: `cache_session_id` when it is a non-negative integer,
     /// else an `id` that is a string of digits (LMDeploy's contract changed between versions;
     /// anything else is refused rather than guessed).
-    pub fn from_answer(body: &[u8]) -> Result<Self> {
+    pub(crate) fn from_answer(body: &[u8]) -> Result<Self> {
         let invalid = |message: &str| Error::new(Kind::InvalidAnswer, message.to_owned());
         if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
             let json = serde_json::from_slice::<serde::de::IgnoredAny>(body).is_ok();
@@ -195,7 +197,7 @@ fn integers(raw: Option<&RawValue>, name: &str) -> Result<Vec<i64>> {
 /// Where a preserved session is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
-pub enum SessionState {
+pub(crate) enum SessionState {
     Preserved = 0,
     Freeing = 1,
     /// Decode took it over: it frees it on the prefill node itself.
@@ -216,7 +218,7 @@ impl SessionState {
         }
     }
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Self::Preserved => "preserved",
             Self::Freeing => "freeing",
@@ -229,18 +231,18 @@ impl SessionState {
 
 /// One session preserved on a prefill node.
 #[derive(Debug)]
-pub struct Session {
-    pub id: u64,
+#[allow(clippy::struct_field_names)] // `session_id`: the engine's name for it
+pub(crate) struct Session {
+    pub(crate) id: u64,
     /// The prefill node (kept: the session is freed there even after the node was removed).
-    pub prefill: Arc<Node>,
-    pub session_id: u64,
-    pub decode: Option<String>,
-    pub created: Instant,
+    pub(crate) prefill: Arc<Node>,
+    pub(crate) session_id: u64,
+    pub(crate) created: Instant,
     state: AtomicU8,
 }
 
 impl Session {
-    pub fn state(&self) -> SessionState {
+    pub(crate) fn state(&self) -> SessionState {
         SessionState::from_u8(self.state.load(Ordering::Acquire))
     }
 
@@ -253,15 +255,15 @@ impl Session {
 
 /// The ledger: every session preserved now, and how the others ended.
 #[derive(Debug)]
-pub struct Sessions {
+pub(crate) struct Sessions {
     entries: Mutex<HashMap<u64, Arc<Session>>>,
     next_id: AtomicU64,
     free_timeout: Duration,
     free_attempts: u32,
     journal: Option<PathBuf>,
-    pub consumed: AtomicU64,
-    pub freed: AtomicU64,
-    pub free_failures: AtomicU64,
+    pub(crate) consumed: AtomicU64,
+    pub(crate) freed: AtomicU64,
+    pub(crate) free_failures: AtomicU64,
     /// Why the last session that could not be freed was not (for the control plane's log).
     last_failure: Mutex<Option<String>>,
 }
@@ -288,13 +290,12 @@ impl Sessions {
         self.entries.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Records a session preserved on `prefill` for `decode`.
-    pub fn add(&self, prefill: Arc<Node>, session_id: u64, decode: Option<&str>) -> Arc<Session> {
+    /// Records a session preserved on `prefill` for `decode` (in the journal).
+    pub(crate) fn add(&self, prefill: Arc<Node>, session_id: u64, decode: Option<&str>) -> Arc<Session> {
         let session = Arc::new(Session {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             prefill,
             session_id,
-            decode: decode.map(str::to_owned),
             created: Instant::now(),
             state: AtomicU8::new(SessionState::Preserved as u8),
         });
@@ -314,12 +315,12 @@ impl Sessions {
         }
     }
 
-    pub fn get(&self, id: u64) -> Option<Arc<Session>> {
+    pub(crate) fn get(&self, id: u64) -> Option<Arc<Session>> {
         self.entries().get(&id).cloned()
     }
 
     /// Decode has taken the session over.
-    pub fn consume(&self, session: &Session) {
+    pub(crate) fn consume(&self, session: &Session) {
         if session.advance(SessionState::Preserved, SessionState::Consumed) {
             self.consumed.fetch_add(1, Ordering::Relaxed);
             self.settle(session);
@@ -327,25 +328,30 @@ impl Sessions {
     }
 
     /// The sessions still preserved that match `keep`.
-    pub fn select(&self, keep: impl Fn(&Session) -> bool) -> Vec<Arc<Session>> {
+    pub(crate) fn select(&self, keep: impl Fn(&Session) -> bool) -> Vec<Arc<Session>> {
         self.entries().values().filter(|s| s.state() == SessionState::Preserved && keep(s)).cloned().collect()
     }
 
     /// (sessions held now, the oldest one's age in seconds).
-    pub fn held(&self) -> (usize, Option<f64>) {
+    pub(crate) fn held(&self) -> (usize, Option<f64>) {
         let entries = self.entries();
         let oldest = entries.values().map(|s| s.created.elapsed().as_secs_f64()).reduce(f64::max);
         (entries.len(), oldest)
     }
 
-    pub fn take_last_failure(&self) -> Option<String> {
+    pub(crate) fn take_last_failure(&self) -> Option<String> {
         self.last_failure.lock().unwrap_or_else(PoisonError::into_inner).take()
     }
 
     /// Frees `session` on its prefill node, once whatever the number of callers, with bounded
     /// retries. A session that cannot be freed is given up (`Lost`), or with
     /// `keep_if_unreachable` kept preserved, for the sweep to try again. Returns its state after.
-    pub async fn free(&self, session: &Arc<Session>, forwarder: &Forwarder, keep_if_unreachable: bool) -> SessionState {
+    pub(crate) async fn free(
+        &self,
+        session: &Arc<Session>,
+        forwarder: &Forwarder,
+        keep_if_unreachable: bool,
+    ) -> SessionState {
         if !session.advance(SessionState::Preserved, SessionState::Freeing) {
             return session.state();
         }
@@ -406,7 +412,7 @@ async fn free_once(forwarder: &Forwarder, node: &Node, request: &ForwardRequest)
 /// A request's session between its prefill's answer and its decode's first byte: consumed then,
 /// or freed on its prefill node when dropped before (decode refused or failed, the link failed,
 /// the client left, the proxy shut down).
-pub struct Preserved {
+pub(crate) struct Preserved {
     session: Arc<Session>,
     sessions: Arc<Sessions>,
     /// Boxed: a request's answer carries the handle, and most answers have none.
@@ -414,11 +420,11 @@ pub struct Preserved {
 }
 
 impl Preserved {
-    pub fn new(sessions: &Arc<Sessions>, session: Arc<Session>, forwarder: Forwarder) -> Self {
+    pub(crate) fn new(sessions: &Arc<Sessions>, session: Arc<Session>, forwarder: Forwarder) -> Self {
         Self { session, sessions: Arc::clone(sessions), forwarder: Box::new(forwarder) }
     }
 
-    pub fn consume(self) {
+    pub(crate) fn consume(self) {
         self.sessions.consume(&self.session);
     }
 }

@@ -3,10 +3,10 @@
 use std::error::Error as StdError;
 use std::fmt;
 
-pub type BoxError = Box<dyn StdError + Send + Sync>;
+pub(crate) type BoxError = Box<dyn StdError + Send + Sync>;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
+pub(crate) enum Kind {
     /// The request body is not a JSON object, or a field has the wrong type.
     InvalidRequest,
     /// No registered node serves the requested model.
@@ -65,42 +65,47 @@ impl Error {
 
     /// Seconds after which a retry may succeed, for errors that say so (`Retry-After`).
     #[must_use]
-    pub fn with_retry_after(mut self, seconds: u32) -> Self {
+    pub(crate) fn with_retry_after(mut self, seconds: u32) -> Self {
         self.retry_after = Some(seconds);
         self
     }
 
-    pub fn retry_after(&self) -> Option<u32> {
+    pub(crate) fn retry_after(&self) -> Option<u32> {
         self.retry_after
     }
 
     /// The error is about the request's field `name`.
     #[must_use]
-    pub fn with_param(mut self, name: &'static str) -> Self {
+    pub(crate) fn with_param(mut self, name: &'static str) -> Self {
         self.param = Some(name);
         self
     }
 
-    pub fn param(&self) -> Option<&'static str> {
+    pub(crate) fn param(&self) -> Option<&'static str> {
         self.param
     }
 
     /// The error happened at the node `url`.
     #[must_use]
-    pub fn at_node(mut self, url: &str) -> Self {
+    pub(crate) fn at_node(mut self, url: &str) -> Self {
         self.node = Some(url.to_owned());
         self
     }
 
-    pub fn node(&self) -> Option<&str> {
+    pub(crate) fn node(&self) -> Option<&str> {
         self.node.as_deref()
     }
 
-    pub fn kind(&self) -> Kind {
+    /// The node broke off or failed the exchange (hyper's style: the kind stays private).
+    pub fn is_upstream(&self) -> bool {
+        self.kind == Kind::Upstream
+    }
+
+    pub(crate) fn kind(&self) -> Kind {
         self.kind
     }
 
-    pub fn message(&self) -> &str {
+    pub(crate) fn message(&self) -> &str {
         &self.message
     }
 

@@ -13,7 +13,7 @@ fn connection_listed<'a>(values: impl Iterator<Item = &'a [u8]>) -> Vec<Vec<u8>>
 
 /// Whether a header describes one hop only (RFC 9110 §7.6.1): never passed on, in either
 /// direction. One comparison of lengths and bytes per header, no hashing.
-pub fn is_hop_by_hop_name(name: &HeaderName) -> bool {
+pub(crate) fn is_hop_by_hop_name(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
         "connection"
@@ -32,7 +32,7 @@ pub fn is_hop_by_hop_name(name: &HeaderName) -> bool {
 /// or Anthropic's `x-api-key` (the proxy's key is not the node's key), and the client's own
 /// claims of where it came from, `forwarded` and `x-real-ip` (the proxy says it in
 /// `x-forwarded-for`, which it extends with the address it saw).
-pub fn stays_on_client_hop(name: &HeaderName) -> bool {
+pub(crate) fn stays_on_client_hop(name: &HeaderName) -> bool {
     is_hop_by_hop_name(name)
         || matches!(
             name.as_str(),
@@ -41,7 +41,7 @@ pub fn stays_on_client_hop(name: &HeaderName) -> bool {
 }
 
 /// The header names a request's `Connection` header lists (only computed when it has one).
-pub fn listed_in_connection(headers: &HeaderMap) -> Vec<Vec<u8>> {
+pub(crate) fn listed_in_connection(headers: &HeaderMap) -> Vec<Vec<u8>> {
     if !headers.contains_key(header::CONNECTION) {
         return Vec::new();
     }
@@ -62,7 +62,7 @@ pub fn header_map(raw: &[(Vec<u8>, Vec<u8>)]) -> HeaderMap {
 }
 
 /// Headers as Python takes them: `(name, value)` byte pairs.
-pub fn header_pairs<N: AsRef<str>, V: AsRef<[u8]>>(
+pub(crate) fn header_pairs<N: AsRef<str>, V: AsRef<[u8]>>(
     headers: impl IntoIterator<Item = (N, V)>,
 ) -> Vec<(Vec<u8>, Vec<u8>)> {
     headers.into_iter().map(|(n, v)| (n.as_ref().as_bytes().to_vec(), v.as_ref().to_vec())).collect()
@@ -70,7 +70,7 @@ pub fn header_pairs<N: AsRef<str>, V: AsRef<[u8]>>(
 
 /// Removes from `headers` those of its own hop: hop-by-hop headers and those its `Connection`
 /// header lists.
-pub fn strip_hop_headers(headers: &mut HeaderMap) {
+pub(crate) fn strip_hop_headers(headers: &mut HeaderMap) {
     let listed = listed_in_connection(headers);
     if headers.keys().any(is_hop_by_hop_name) {
         let hop: Vec<HeaderName> = headers.keys().filter(|n| is_hop_by_hop_name(n)).cloned().collect();

@@ -11,24 +11,24 @@ use crate::error::{Error, Kind, Result};
 
 /// What the data plane needs to know about a request body.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct RequestInfo<'a> {
-    pub model: Option<Cow<'a, str>>,
-    pub stream: bool,
-    pub n: Option<u64>,
-    pub best_of: Option<u64>,
-    pub user: Option<Cow<'a, str>>,
+pub(crate) struct RequestInfo<'a> {
+    pub(crate) model: Option<Cow<'a, str>>,
+    pub(crate) stream: bool,
+    pub(crate) n: Option<u64>,
+    pub(crate) best_of: Option<u64>,
+    pub(crate) user: Option<Cow<'a, str>>,
     /// `session_id`, as LMDeploy accepts it (a string or an integer).
-    pub session_id: Option<Cow<'a, str>>,
-    pub max_tokens: Option<u64>,
+    pub(crate) session_id: Option<Cow<'a, str>>,
+    pub(crate) max_tokens: Option<u64>,
     /// The raw JSON of `messages` (chat) or `prompt` (completions), for cache-aware routing.
-    pub prompt: Option<&'a [u8]>,
+    pub(crate) prompt: Option<&'a [u8]>,
     /// vLLM's `priority` (smaller is served first), for the wait queue.
-    pub priority: Option<i32>,
+    pub(crate) priority: Option<i32>,
 }
 
 impl RequestInfo<'_> {
     /// The affinity key: `session_id`, else `user`.
-    pub fn body_affinity(&self) -> Option<&str> {
+    pub(crate) fn body_affinity(&self) -> Option<&str> {
         self.session_id.as_deref().or(self.user.as_deref())
     }
 }
@@ -158,7 +158,7 @@ fn field_error(text: &str, e: &serde_json::Error) -> Error {
 }
 
 /// Reads the routing fields of a JSON object body. Other fields are skipped unparsed.
-pub fn inspect(body: &[u8]) -> Result<RequestInfo<'_>> {
+pub(crate) fn inspect(body: &[u8]) -> Result<RequestInfo<'_>> {
     require_object(body)?;
     // UTF-8 checked once for the whole body: parsing bytes would check each string again.
     let text = std::str::from_utf8(body)
@@ -220,7 +220,7 @@ impl<'de> Deserialize<'de> for Members<'de> {
 }
 
 /// The raw JSON text of one top-level member, exactly as it appears in `body`.
-pub fn member<'a>(body: &'a [u8], key: &str) -> Result<Option<&'a str>> {
+pub(crate) fn member<'a>(body: &'a [u8], key: &str) -> Result<Option<&'a str>> {
     require_object(body)?;
     let members: Members<'_> = serde_json::from_slice(body).map_err(|e| invalid(&e))?;
     Ok(members.0.into_iter().find(|(k, _)| k == key).map(|(_, v)| v.get()))
@@ -229,7 +229,7 @@ pub fn member<'a>(body: &'a [u8], key: &str) -> Result<Option<&'a str>> {
 /// Rewrites a JSON object body: every `(key, json)` in `set` replaces or appends that member
 /// (its value given as JSON text), every key in `remove` is dropped. Other members keep their
 /// order and their exact bytes.
-pub fn patch(body: &[u8], set: &[(&str, &str)], remove: &[&str]) -> Result<Vec<u8>> {
+pub(crate) fn patch(body: &[u8], set: &[(&str, &str)], remove: &[&str]) -> Result<Vec<u8>> {
     require_object(body)?;
     let members: Members<'_> = serde_json::from_slice(body).map_err(|e| invalid(&e))?;
     let mut values: Vec<(Cow<'_, str>, Cow<'_, str>)> = Vec::with_capacity(members.0.len() + set.len());

@@ -5,15 +5,15 @@
 
 use http::header::{HeaderMap, HeaderName};
 
-pub static VIA: HeaderName = HeaderName::from_static("x-pdproxy-via");
+pub(crate) static VIA: HeaderName = HeaderName::from_static("x-pdproxy-via");
 
 /// A new proxy id: random, so that two proxies (or two workers) never share one.
-pub fn new_instance_id() -> String {
+pub(crate) fn new_instance_id() -> String {
     format!("pdproxy-{:016x}", fastrand::u64(..))
 }
 
 /// Whether the request already went through the proxy `instance`.
-pub fn came_back(headers: &HeaderMap, instance: &str) -> bool {
+pub(crate) fn came_back(headers: &HeaderMap, instance: &str) -> bool {
     headers
         .get_all(&VIA)
         .iter()

@@ -6,10 +6,10 @@
 #![allow(unsafe_code)] // one foreign call, with no preconditions
 
 /// How often the free pages are returned, in pool sweeps (one a second).
-pub const COLLECT_EVERY_SWEEPS: u32 = 10;
+pub(crate) const COLLECT_EVERY_SWEEPS: u32 = 10;
 
 /// Returns the calling thread's free pages (and abandoned ones) to the system.
-pub fn return_free_pages() {
+pub(crate) fn return_free_pages() {
     // SAFETY: mi_collect only walks the allocator's own structures; it has no preconditions.
     unsafe { libmimalloc_sys::mi_collect(true) }
 }

@@ -6,7 +6,7 @@
 
 /// Returns the length of the longest prefix of `buf` that ends exactly at an event boundary,
 /// looking for boundaries only at or after `from` (earlier bytes were scanned already).
-pub fn last_event_end(buf: &[u8], from: usize) -> Option<usize> {
+pub(crate) fn last_event_end(buf: &[u8], from: usize) -> Option<usize> {
     // A boundary may straddle the previous scan position by up to three bytes (`\r\n\r\n`).
     let start = from.saturating_sub(3);
     let region = &buf[start..];
@@ -38,12 +38,12 @@ fn ends_blank_line(buf: &[u8], pos: usize) -> bool {
 }
 
 /// True when a `content-type` header value announces an event stream.
-pub fn is_event_stream(content_type: &[u8]) -> bool {
+pub(crate) fn is_event_stream(content_type: &[u8]) -> bool {
     content_type.len() >= 17 && content_type[..17].eq_ignore_ascii_case(b"text/event-stream")
 }
 
 /// Counts event ends (a blank line) in `chunk`; `last_was_newline` carries across chunks.
-pub fn count_events(chunk: &[u8], last_was_newline: &mut bool) -> u64 {
+pub(crate) fn count_events(chunk: &[u8], last_was_newline: &mut bool) -> u64 {
     let mut events = 0;
     for pos in memchr::memchr_iter(b'\n', chunk) {
         let previous = if pos == 0 { *last_was_newline } else { chunk[pos - 1] == b'\n' };

@@ -18,34 +18,41 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use arc_swap::ArcSwap;
 use http::header::{HeaderName, HeaderValue};
 
-pub use usage::{estimate_tokens, Usage, UsageMeter};
+pub(crate) use usage::{estimate_tokens, UsageMeter};
 
-use crate::admission::Class;
+/// Whose request it is, as the queue orders it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Class {
+    /// Served first when smaller (vLLM's `priority`); 0 unless the request or its key says.
+    pub priority: i32,
+    /// The tenant the request counts for; 0 for requests of no tenant.
+    pub tenant: u32,
+}
 
 /// A tenant's limits; `None`: unlimited.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Limits {
-    pub rpm: Option<u64>,
-    pub tpm: Option<u64>,
-    pub concurrency: Option<u32>,
-    pub daily_tokens: Option<u64>,
+pub(crate) struct Limits {
+    pub(crate) rpm: Option<u64>,
+    pub(crate) tpm: Option<u64>,
+    pub(crate) concurrency: Option<u32>,
+    pub(crate) daily_tokens: Option<u64>,
     /// The priority of its requests when they do not ask (smaller is served first).
-    pub priority: i32,
+    pub(crate) priority: i32,
     /// The most urgent priority its requests may ask for.
-    pub priority_limit: i32,
+    pub(crate) priority_limit: i32,
 }
 
 /// One tenant as the tenants file describes it.
 #[derive(Debug, Clone)]
-pub struct TenantSpec {
-    pub name: String,
-    pub keys: Vec<String>,
-    pub limits: Limits,
+pub(crate) struct TenantSpec {
+    pub(crate) name: String,
+    pub(crate) keys: Vec<String>,
+    pub(crate) limits: Limits,
 }
 
 /// Which limit refused a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Limit {
+pub(crate) enum Limit {
     Requests,
     Tokens,
     Concurrency,
@@ -53,7 +60,7 @@ pub enum Limit {
 }
 
 impl Limit {
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Limit::Requests => "requests",
             Limit::Tokens => "tokens",
@@ -65,34 +72,34 @@ impl Limit {
 
 /// A refusal: the limit, when to retry, the headers of the answer.
 #[derive(Debug, Clone)]
-pub struct Limited {
-    pub limit: Limit,
-    pub message: String,
-    pub retry_after: u32,
-    pub headers: RateHeaders,
+pub(crate) struct Limited {
+    pub(crate) limit: Limit,
+    pub(crate) message: String,
+    pub(crate) retry_after: u32,
+    pub(crate) headers: RateHeaders,
 }
 
 /// Counts per tenant, for `/metrics` and `/usage`.
 #[derive(Debug, Default)]
-pub struct TenantStats {
-    pub requests: AtomicU64,
-    pub errors: AtomicU64,
-    pub prompt_tokens: AtomicU64,
-    pub completion_tokens: AtomicU64,
+pub(crate) struct TenantStats {
+    pub(crate) requests: AtomicU64,
+    pub(crate) errors: AtomicU64,
+    pub(crate) prompt_tokens: AtomicU64,
+    pub(crate) completion_tokens: AtomicU64,
     /// Requests whose tokens were estimated (the node reported no `usage`).
-    pub estimated: AtomicU64,
-    pub rejected: [AtomicU64; 4],
+    pub(crate) estimated: AtomicU64,
+    pub(crate) rejected: [AtomicU64; 4],
 }
 
 #[derive(Debug)]
-pub struct Tenant {
+pub(crate) struct Tenant {
     /// Stable for the process (kept across reloads): the queue's fairness key.
-    pub id: u32,
-    pub name: String,
+    pub(crate) id: u32,
+    pub(crate) name: String,
     limits: Mutex<Limits>,
     meters: Mutex<Meters>,
-    pub in_flight: AtomicU32,
-    pub stats: TenantStats,
+    pub(crate) in_flight: AtomicU32,
+    pub(crate) stats: TenantStats,
     /// What this process used since the last `take_local` (for the replicas' sync).
     unsynced: Mutex<(u64, u64)>,
 }
@@ -141,10 +148,10 @@ impl Bucket {
 
 /// `x-ratelimit-*` values at admission.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct RateHeaders {
+pub(crate) struct RateHeaders {
     /// Limit, remaining, seconds to full.
-    pub requests: Option<(u64, u64, f64)>,
-    pub tokens: Option<(u64, u64, f64)>,
+    pub(crate) requests: Option<(u64, u64, f64)>,
+    pub(crate) tokens: Option<(u64, u64, f64)>,
 }
 
 /// `x-ratelimit-{limit,remaining,reset}-{requests,tokens}`.
@@ -163,7 +170,7 @@ static HEADER_NAMES: [[HeaderName; 3]; 2] = [
 
 impl RateHeaders {
     /// The headers of the answer (`OpenAI`'s names and formats).
-    pub fn to_headers(&self) -> impl Iterator<Item = (HeaderName, HeaderValue)> + '_ {
+    pub(crate) fn to_headers(self) -> impl Iterator<Item = (HeaderName, HeaderValue)> {
         [self.requests, self.tokens].into_iter().zip(&HEADER_NAMES).flat_map(|(values, names)| {
             values.into_iter().flat_map(move |(limit, remaining, reset)| {
                 let values = [HeaderValue::from(limit), HeaderValue::from(remaining), duration_text(reset)];
@@ -174,7 +181,7 @@ impl RateHeaders {
 }
 
 /// A duration as `OpenAI` writes resets: `20ms`, `1.5s`, `6m0s` (to the millisecond, up).
-pub fn duration_text(seconds: f64) -> HeaderValue {
+pub(crate) fn duration_text(seconds: f64) -> HeaderValue {
     #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
     let ms = (seconds.max(0.0) * 1000.0).ceil() as u64;
     let mut out = Vec::with_capacity(16);
@@ -250,7 +257,7 @@ impl Tenant {
         }
     }
 
-    pub fn limits(&self) -> Limits {
+    pub(crate) fn limits(&self) -> Limits {
         *lock(&self.limits)
     }
 
@@ -266,13 +273,13 @@ impl Tenant {
 
     /// The priority a request runs at: the one it asked for, bounded by the tenant's limit,
     /// else the tenant's own.
-    pub fn priority(&self, asked: Option<i32>) -> i32 {
+    pub(crate) fn priority(&self, asked: Option<i32>) -> i32 {
         let limits = self.limits();
         asked.map_or(limits.priority, |p| p.max(limits.priority_limit))
     }
 
     /// Admits a request estimated at `tokens` tokens, or says which limit it is over.
-    pub fn admit(self: &Arc<Self>, tokens: u64, priority: Option<i32>) -> Result<TenantPass, Box<Limited>> {
+    pub(crate) fn admit(self: &Arc<Self>, tokens: u64, priority: Option<i32>) -> Result<TenantPass, Box<Limited>> {
         let limits = self.limits();
         let now = Instant::now();
         let mut meters = self.meters();
@@ -364,7 +371,7 @@ impl Tenant {
 
     /// Debits other replicas' use since the last sync (`requests`, `tokens`), today's budget
     /// included.
-    pub fn absorb(&self, requests: u64, tokens: u64) {
+    pub(crate) fn absorb(&self, requests: u64, tokens: u64) {
         let limits = self.limits();
         let now = Instant::now();
         let mut meters = self.meters();
@@ -383,12 +390,12 @@ impl Tenant {
     }
 
     /// This process's requests and tokens since the last call (for the replicas' sync).
-    pub fn take_local(&self) -> (u64, u64) {
+    pub(crate) fn take_local(&self) -> (u64, u64) {
         std::mem::take(&mut *lock(&self.unsynced))
     }
 
     /// The current window: headers' values, tokens used today.
-    pub fn window(&self) -> (RateHeaders, u64) {
+    pub(crate) fn window(&self) -> (RateHeaders, u64) {
         let limits = self.limits();
         let mut meters = self.meters();
         let headers = headers_of(&limits, &mut meters, Instant::now());
@@ -431,22 +438,22 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// A request's place in its tenant's limits: held until the request ends, then settled with
 /// the tokens its answer reported (or an estimate), and its slot given back.
 #[derive(Debug)]
-pub struct TenantPass {
+pub(crate) struct TenantPass {
     tenant: Arc<Tenant>,
     estimate: u64,
-    pub meter: UsageMeter,
+    pub(crate) meter: UsageMeter,
     failed: bool,
-    pub class: Class,
-    pub headers: RateHeaders,
+    pub(crate) class: Class,
+    pub(crate) headers: RateHeaders,
 }
 
 impl TenantPass {
-    pub fn tenant(&self) -> &Arc<Tenant> {
+    pub(crate) fn tenant(&self) -> &Arc<Tenant> {
         &self.tenant
     }
 
     /// The request failed (an error answer or a broken stream).
-    pub fn fail(&mut self) {
+    pub(crate) fn fail(&mut self) {
         self.failed = true;
     }
 }
@@ -470,7 +477,7 @@ impl Drop for TenantPass {
 
 /// Every tenant, by key and by name. Empty until the control plane loads a tenants file.
 #[derive(Debug, Default)]
-pub struct Tenants {
+pub(crate) struct Tenants {
     by_key: ArcSwap<HashMap<Box<[u8]>, Arc<Tenant>>>,
     by_name: Mutex<HashMap<String, Arc<Tenant>>>,
     next_id: AtomicU32,
@@ -478,21 +485,21 @@ pub struct Tenants {
 
 impl Tenants {
     /// Whether any tenant is configured (else no request pays for any of this).
-    pub fn configured(&self) -> bool {
+    pub(crate) fn configured(&self) -> bool {
         !self.by_key.load().is_empty()
     }
 
     /// The tenant whose key is `key`.
-    pub fn by_key(&self, key: &[u8]) -> Option<Arc<Tenant>> {
+    pub(crate) fn by_key(&self, key: &[u8]) -> Option<Arc<Tenant>> {
         self.by_key.load().get(key).cloned()
     }
 
-    pub fn by_name(&self, name: &str) -> Option<Arc<Tenant>> {
+    pub(crate) fn by_name(&self, name: &str) -> Option<Arc<Tenant>> {
         lock(&self.by_name).get(name).cloned()
     }
 
     /// Every configured tenant, by name.
-    pub fn all(&self) -> Vec<Arc<Tenant>> {
+    pub(crate) fn all(&self) -> Vec<Arc<Tenant>> {
         let mut all: Vec<_> = lock(&self.by_name).values().cloned().collect();
         all.sort_by(|a, b| a.name.cmp(&b.name));
         all
@@ -500,7 +507,7 @@ impl Tenants {
 
     /// Replaces the tenants with `specs`: a tenant kept by name keeps its meters and counts;
     /// requests in flight finish under the limits they were admitted with.
-    pub fn set(&self, specs: &[TenantSpec]) {
+    pub(crate) fn set(&self, specs: &[TenantSpec]) {
         let mut by_name = lock(&self.by_name);
         let mut kept = HashMap::with_capacity(specs.len());
         let mut by_key = HashMap::new();

@@ -19,7 +19,7 @@ fn config_error(what: String, e: impl std::fmt::Display) -> Error {
 }
 
 /// The edge's server side: the certificate chain and private key in PEM files.
-pub fn server_config(cert_file: &Path, key_file: &Path) -> Result<Arc<ServerConfig>> {
+pub(crate) fn server_config(cert_file: &Path, key_file: &Path) -> Result<Arc<ServerConfig>> {
     let chain = CertificateDer::pem_file_iter(cert_file)
         .and_then(Iterator::collect::<Result<Vec<_>, _>>)
         .map_err(|e| config_error(format!("cannot read the certificate {}", cert_file.display()), e))?;
@@ -39,7 +39,7 @@ pub fn server_config(cert_file: &Path, key_file: &Path) -> Result<Arc<ServerConf
 }
 
 /// The client side, for `https://` nodes: verified against `ca_file`, or the system's roots.
-pub fn client_config(ca_file: Option<&Path>) -> Result<Arc<ClientConfig>> {
+pub(crate) fn client_config(ca_file: Option<&Path>) -> Result<Arc<ClientConfig>> {
     let mut roots = RootCertStore::empty();
     if let Some(path) = ca_file {
         for cert in CertificateDer::pem_file_iter(path)
@@ -65,7 +65,7 @@ pub fn client_config(ca_file: Option<&Path>) -> Result<Arc<ClientConfig>> {
 }
 
 /// The name a node's certificate must carry: its host (an IP address, or a DNS name).
-pub fn server_name(host: &str) -> Result<ServerName<'static>> {
+pub(crate) fn server_name(host: &str) -> Result<ServerName<'static>> {
     ServerName::try_from(host.trim_start_matches('[').trim_end_matches(']').to_owned())
         .map_err(|e| Error::with_source(Kind::InvalidNode, format!("{host} is not a valid TLS server name"), e))
 }

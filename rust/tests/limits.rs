@@ -5,12 +5,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use _pdproxy::engine::{Engine, EngineConfig, PolicyNames};
-use _pdproxy::forward::ForwardConfig;
-use _pdproxy::node::{Node, NodeSpec, NodeState};
-use _pdproxy::permit::{InFlightPermit, Outcome};
-use _pdproxy::registry::Registry;
-use _pdproxy::select::{policy_from_name, select, PolicyConfig, SelectCtx, POLICY_NAMES};
+use _pdproxy::ForwardConfig;
+use _pdproxy::InFlightPermit;
+use _pdproxy::Outcome;
+use _pdproxy::Registry;
+use _pdproxy::{policy_from_name, PolicyConfig, SelectCtx, POLICY_NAMES};
+use _pdproxy::{select, Engine, EngineConfig, PolicyNames};
+use _pdproxy::{Node, NodeSpec, NodeState};
 use proptest::prelude::*;
 
 fn capped_nodes(caps: &[u32]) -> (Registry, Vec<Arc<Node>>) {

@@ -1,71 +1,68 @@
-//! Every answer the proxy makes itself: the `OpenAI` error envelope with `x-pdproxy-error` (the
-//! control plane's answers are written here too, `pdproxy/errors.py`), and the terminal event of
-//! a stream that failed.
+//! Every error the proxy answers itself: its status, `OpenAI` `type` and `code`, the `OpenAI`
+//! error envelope (the control plane's answers are written here too, `pdproxy/errors.py`), and
+//! the terminal event of a stream that failed. `error_answer` makes them responses.
 
 use bytes::Bytes;
-use http::header::{HeaderValue, CONNECTION, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
-use http::{Response, StatusCode};
 use serde::Serialize;
 
-use super::body::EdgeBody;
-use super::request::X_REQUEST_ID;
 use crate::error::{Error, Kind};
 use crate::tenants::Limit;
 
 /// One kind of error answer: its status, `OpenAI` `type` and `code`, and default `Retry-After`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Fault {
-    pub status: u16,
-    pub kind: &'static str,
-    pub code: &'static str,
-    pub retry_after: Option<u32>,
+pub(crate) struct Fault {
+    pub(crate) status: u16,
+    pub(crate) kind: &'static str,
+    pub(crate) code: &'static str,
+    pub(crate) retry_after: Option<u32>,
 }
 
 const fn fault(status: u16, kind: &'static str, code: &'static str, retry_after: Option<u32>) -> Fault {
     Fault { status, kind, code, retry_after }
 }
 
-pub const INTERNAL: Fault = fault(500, "internal_error", "internal_error", None);
-pub const INVALID_CONFIG: Fault = fault(500, "internal_error", "invalid_config", None);
-pub const INVALID_REQUEST: Fault = fault(400, "invalid_request_error", "invalid_request", None);
-pub const REQUEST_TOO_LARGE: Fault = fault(413, "invalid_request_error", "request_too_large", None);
-pub const REQUEST_TIMEOUT: Fault = fault(408, "invalid_request_error", "request_timeout", None);
-pub const UNSUPPORTED_MEDIA_TYPE: Fault = fault(415, "invalid_request_error", "unsupported_media_type", None);
-pub const NOT_FOUND: Fault = fault(404, "invalid_request_error", "not_found", None);
-pub const METHOD_NOT_ALLOWED: Fault = fault(405, "invalid_request_error", "method_not_allowed", None);
-pub const CORS_REFUSED: Fault = fault(400, "invalid_request_error", "cors_refused", None);
-pub const UNAUTHORIZED: Fault = fault(401, "authentication_error", "unauthorized", None);
-pub const FORBIDDEN: Fault = fault(403, "permission_error", "forbidden", None);
-pub const DRAINING: Fault = fault(503, "service_unavailable", "draining", Some(1));
-pub const INVALID_NODE: Fault = fault(400, "invalid_request_error", "invalid_node", None);
-pub const NODE_NOT_FOUND: Fault = fault(404, "invalid_request_error", "node_not_found", None);
-pub const REGISTRY_UNAVAILABLE: Fault = fault(503, "service_unavailable", "registry_unavailable", None);
+pub(crate) const INTERNAL: Fault = fault(500, "internal_error", "internal_error", None);
+pub(crate) const INVALID_CONFIG: Fault = fault(500, "internal_error", "invalid_config", None);
+pub(crate) const INVALID_REQUEST: Fault = fault(400, "invalid_request_error", "invalid_request", None);
+pub(crate) const REQUEST_TOO_LARGE: Fault = fault(413, "invalid_request_error", "request_too_large", None);
+pub(crate) const REQUEST_TIMEOUT: Fault = fault(408, "invalid_request_error", "request_timeout", None);
+pub(crate) const UNSUPPORTED_MEDIA_TYPE: Fault = fault(415, "invalid_request_error", "unsupported_media_type", None);
+pub(crate) const NOT_FOUND: Fault = fault(404, "invalid_request_error", "not_found", None);
+pub(crate) const METHOD_NOT_ALLOWED: Fault = fault(405, "invalid_request_error", "method_not_allowed", None);
+pub(crate) const CORS_REFUSED: Fault = fault(400, "invalid_request_error", "cors_refused", None);
+pub(crate) const UNAUTHORIZED: Fault = fault(401, "authentication_error", "unauthorized", None);
+pub(crate) const FORBIDDEN: Fault = fault(403, "permission_error", "forbidden", None);
+pub(crate) const DRAINING: Fault = fault(503, "service_unavailable", "draining", Some(1));
+pub(crate) const INVALID_NODE: Fault = fault(400, "invalid_request_error", "invalid_node", None);
+pub(crate) const NODE_NOT_FOUND: Fault = fault(404, "invalid_request_error", "node_not_found", None);
+pub(crate) const REGISTRY_UNAVAILABLE: Fault = fault(503, "service_unavailable", "registry_unavailable", None);
 /// The SGLang gateway's `POST /workers` for a URL already registered.
-pub const WORKER_EXISTS: Fault = fault(409, "invalid_request_error", "worker_already_exists", None);
-pub const DISTSERVE_OFF: Fault = fault(404, "invalid_request_error", "distserve_off", None);
-pub const NO_HEALTHY_NODE: Fault = fault(503, "service_unavailable", "no_healthy_node", Some(1));
-pub const MODEL_NOT_FOUND: Fault = fault(404, "invalid_request_error", "model_not_found", None);
-pub const OVERLOADED: Fault = fault(429, "rate_limit_error", "overloaded", Some(1));
-pub const OVER_REQUEST_RATE: Fault = fault(429, "requests", "rate_limit_exceeded", None);
-pub const OVER_TOKEN_RATE: Fault = fault(429, "tokens", "rate_limit_exceeded", None);
-pub const OVER_BUDGET: Fault = fault(429, "insufficient_quota", "insufficient_quota", None);
-pub const PROXY_OVERLOADED: Fault = fault(503, "service_unavailable", "overloaded", Some(1));
-pub const LOOP_DETECTED: Fault = fault(508, "server_error", "loop_detected", None);
-pub const UPSTREAM_ERROR: Fault = fault(502, "upstream_error", "upstream_error", None);
-pub const UPSTREAM_CONNECT_FAILED: Fault = fault(503, "upstream_error", "upstream_connect_failed", Some(1));
-pub const UPSTREAM_TIMEOUT: Fault = fault(504, "upstream_error", "upstream_timeout", None);
-pub const TERMINATE_FAILED: Fault = fault(502, "upstream_error", "terminate_failed", None);
-pub const UPSTREAM_INVALID_RESPONSE: Fault = fault(502, "upstream_error", "upstream_invalid_response", None);
-pub const PREFILL_FAILED: Fault = fault(502, "upstream_error", "prefill_failed", None);
-pub const PD_LINK_FAILED: Fault = fault(502, "upstream_error", "pd_link_failed", None);
+pub(crate) const WORKER_EXISTS: Fault = fault(409, "invalid_request_error", "worker_already_exists", None);
+pub(crate) const DISTSERVE_OFF: Fault = fault(404, "invalid_request_error", "distserve_off", None);
+pub(crate) const NO_HEALTHY_NODE: Fault = fault(503, "service_unavailable", "no_healthy_node", Some(1));
+pub(crate) const MODEL_NOT_FOUND: Fault = fault(404, "invalid_request_error", "model_not_found", None);
+pub(crate) const OVERLOADED: Fault = fault(429, "rate_limit_error", "overloaded", Some(1));
+pub(crate) const OVER_REQUEST_RATE: Fault = fault(429, "requests", "rate_limit_exceeded", None);
+pub(crate) const OVER_TOKEN_RATE: Fault = fault(429, "tokens", "rate_limit_exceeded", None);
+pub(crate) const OVER_BUDGET: Fault = fault(429, "insufficient_quota", "insufficient_quota", None);
+pub(crate) const PROXY_OVERLOADED: Fault = fault(503, "service_unavailable", "overloaded", Some(1));
+pub(crate) const LOOP_DETECTED: Fault = fault(508, "server_error", "loop_detected", None);
+pub(crate) const UPSTREAM_ERROR: Fault = fault(502, "upstream_error", "upstream_error", None);
+pub(crate) const UPSTREAM_CONNECT_FAILED: Fault = fault(503, "upstream_error", "upstream_connect_failed", Some(1));
+pub(crate) const UPSTREAM_TIMEOUT: Fault = fault(504, "upstream_error", "upstream_timeout", None);
+pub(crate) const TERMINATE_FAILED: Fault = fault(502, "upstream_error", "terminate_failed", None);
+pub(crate) const UPSTREAM_INVALID_RESPONSE: Fault = fault(502, "upstream_error", "upstream_invalid_response", None);
+pub(crate) const PREFILL_FAILED: Fault = fault(502, "upstream_error", "prefill_failed", None);
+pub(crate) const PD_LINK_FAILED: Fault = fault(502, "upstream_error", "pd_link_failed", None);
 /// Past `--max-connections`: answered at accept, before the request is read.
-pub const TOO_MANY_CONNECTIONS: Fault = fault(503, "service_unavailable", "overloaded", Some(1));
-pub const CONTROL_PLANE_UNAVAILABLE: Fault = fault(503, "service_unavailable", "control_plane_unavailable", Some(1));
+pub(crate) const TOO_MANY_CONNECTIONS: Fault = fault(503, "service_unavailable", "overloaded", Some(1));
+pub(crate) const CONTROL_PLANE_UNAVAILABLE: Fault =
+    fault(503, "service_unavailable", "control_plane_unavailable", Some(1));
 
 /// Every error the proxy answers with, by the name of the exception class the control plane
 /// raises it as (`pdproxy/errors.py` reads each class's status, type and code from here). The
 /// last two the edge alone answers with.
-pub const ERRORS: [(&str, Fault); 34] = [
+pub(crate) const ERRORS: [(&str, Fault); 34] = [
     ("PdproxyError", INTERNAL),
     ("ConfigError", INVALID_CONFIG),
     ("InvalidRequest", INVALID_REQUEST),
@@ -103,7 +100,7 @@ pub const ERRORS: [(&str, Fault); 34] = [
 ];
 
 /// The answer to a data-plane error (`py/errors.rs` raises the same as exception classes).
-pub fn fault_of(error: &Error) -> Fault {
+pub(crate) fn fault_of(error: &Error) -> Fault {
     match error.kind() {
         Kind::InvalidRequest => INVALID_REQUEST,
         Kind::InvalidNode => INVALID_NODE,
@@ -122,7 +119,7 @@ pub fn fault_of(error: &Error) -> Fault {
 }
 
 /// The answer to a tenant over one of its limits (as `errors.py`'s `RateLimited`).
-pub fn limit_fault(limit: Limit) -> Fault {
+pub(crate) fn limit_fault(limit: Limit) -> Fault {
     match limit {
         Limit::Requests | Limit::Concurrency => OVER_REQUEST_RATE,
         Limit::Tokens => OVER_TOKEN_RATE,
@@ -146,55 +143,19 @@ struct ErrorFields<'a> {
 }
 
 /// The error body of `fault`: `{"error": {"message", "type", "param", "code"}}`.
-pub fn error_body(message: &str, fault: Fault, param: Option<&str>) -> String {
+pub(crate) fn error_body(message: &str, fault: Fault, param: Option<&str>) -> String {
     envelope(message, fault.kind, fault.code, param)
 }
 
 /// The error body of any type and code (the control plane's answers come through here too).
-pub fn envelope(message: &str, kind: &str, code: &str, param: Option<&str>) -> String {
+pub(crate) fn envelope(message: &str, kind: &str, code: &str, param: Option<&str>) -> String {
     let fields = ErrorFields { message, kind, param, code };
     serde_json::to_string(&Envelope { error: fields }).unwrap_or_default()
 }
 
-/// The error answer, with `x-request-id` echoed.
-pub fn error(fault: Fault, message: &str, retry_after: Option<u32>, request_id: &HeaderValue) -> Response<EdgeBody> {
-    error_about(fault, message, retry_after, None, request_id)
-}
-
-/// The error answer about the request's field `param`.
-pub fn error_about(
-    fault: Fault,
-    message: &str,
-    retry_after: Option<u32>,
-    param: Option<&str>,
-    request_id: &HeaderValue,
-) -> Response<EdgeBody> {
-    let mut response = Response::new(EdgeBody::full(Bytes::from(error_body(message, fault, param))));
-    *response.status_mut() = StatusCode::from_u16(fault.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let headers = response.headers_mut();
-    headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    headers.insert("x-pdproxy-error", HeaderValue::from_static(fault.code));
-    if let Some(seconds) = retry_after.or(fault.retry_after) {
-        headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
-    }
-    if fault == UNAUTHORIZED {
-        headers.insert(WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
-    }
-    if fault == DRAINING {
-        headers.insert(CONNECTION, HeaderValue::from_static("close"));
-    }
-    headers.insert(X_REQUEST_ID.clone(), request_id.clone());
-    response
-}
-
-/// The answer to a data-plane error.
-pub fn from_error(error: &Error, request_id: &HeaderValue) -> Response<EdgeBody> {
-    error_about(fault_of(error), error.message(), error.retry_after(), error.param(), request_id)
-}
-
 /// The last event of a stream that failed after its head was sent: `OpenAI` clients raise on a
 /// `data:` object with an `error` key.
-pub fn stream_error_event(message: &str, fault: Fault) -> Bytes {
+pub(crate) fn stream_error_event(message: &str, fault: Fault) -> Bytes {
     let mut out = String::with_capacity(128 + message.len());
     out.push_str("data: ");
     out.push_str(&error_body(message, fault, None));
@@ -220,19 +181,5 @@ mod tests {
         assert!(body.starts_with(r#"{"error":{"message":"#), "the envelope's fields in OpenAI's order: {body}");
         let parsed: serde_json::Value = serde_json::from_str(&error_body("n", INVALID_REQUEST, Some("n"))).unwrap();
         assert_eq!(parsed["error"]["param"], "n");
-    }
-
-    #[test]
-    fn headers_follow_the_fault() {
-        let id = HeaderValue::from_static("abc");
-        let r = error(DRAINING, "draining", None, &id);
-        assert_eq!(r.status(), 503);
-        assert_eq!(r.headers()["connection"], "close");
-        assert_eq!(r.headers()["retry-after"], "1");
-        assert_eq!(r.headers()["x-pdproxy-error"], "draining");
-        assert_eq!(r.headers()["x-request-id"], "abc");
-        let r = from_error(&Error::new(Kind::Overloaded, "full").with_retry_after(7), &id);
-        assert_eq!((r.status().as_u16(), r.headers()["retry-after"].to_str().unwrap()), (429, "7"));
-        assert!(error(UNAUTHORIZED, "no", None, &id).headers().contains_key("www-authenticate"));
     }
 }

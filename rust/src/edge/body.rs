@@ -13,29 +13,30 @@ use http_body::{Body, Frame, SizeHint};
 use tokio::time::Sleep;
 
 use super::answer::{self, Fault};
-use super::control::ControlBody;
+use super::control_body::ControlBody;
 use super::notes::Notes;
 use super::Stop;
 use crate::distserve::Preserved;
+use crate::engine::permit::{InFlightPermit, Report};
 use crate::engine::GatePass;
 use crate::error::{BoxError, Error, Kind};
-use crate::forward::UpstreamBody;
-use crate::permit::{InFlightPermit, Outcome, Report};
+use crate::node::Outcome;
 use crate::sse;
+use crate::upstream::forward::UpstreamBody;
 
 /// What hyper writes back to the client.
-pub enum EdgeBody {
+pub(crate) enum EdgeBody {
     Full(Option<Bytes>),
     Relay(Box<Relay>),
     Control(Box<ControlBody>),
 }
 
 impl EdgeBody {
-    pub fn full(bytes: Bytes) -> Self {
+    pub(crate) fn full(bytes: Bytes) -> Self {
         EdgeBody::Full(Some(bytes))
     }
 
-    pub fn empty() -> Self {
+    pub(crate) fn empty() -> Self {
         EdgeBody::Full(None)
     }
 }
@@ -72,7 +73,7 @@ impl Body for EdgeBody {
 
 /// A node's body on its way to the client, with the request's permit: released when the body
 /// ends (its outcome), fails (a failure) or is dropped because the client left (cancelled).
-pub struct Relay {
+pub(crate) struct Relay {
     upstream: UpstreamBody,
     permit: Option<InFlightPermit>,
     outcome_at_end: Outcome,
@@ -103,22 +104,22 @@ pub struct Relay {
 }
 
 /// What a relay needs beyond the node's body.
-pub struct RelayParts {
-    pub permit: InFlightPermit,
-    pub outcome_at_end: Outcome,
-    pub event_stream: bool,
-    pub idle_timeout: Duration,
-    pub held_limit: usize,
-    pub deadline: Option<tokio::time::Instant>,
-    pub cut: Arc<Stop>,
-    pub started: Instant,
-    pub notes: Notes,
-    pub pass: Option<GatePass>,
-    pub session: Option<Preserved>,
+pub(crate) struct RelayParts {
+    pub(crate) permit: InFlightPermit,
+    pub(crate) outcome_at_end: Outcome,
+    pub(crate) event_stream: bool,
+    pub(crate) idle_timeout: Duration,
+    pub(crate) held_limit: usize,
+    pub(crate) deadline: Option<tokio::time::Instant>,
+    pub(crate) cut: Arc<Stop>,
+    pub(crate) started: Instant,
+    pub(crate) notes: Notes,
+    pub(crate) pass: Option<GatePass>,
+    pub(crate) session: Option<Preserved>,
 }
 
 impl Relay {
-    pub fn new(upstream: UpstreamBody, parts: RelayParts) -> Self {
+    pub(crate) fn new(upstream: UpstreamBody, parts: RelayParts) -> Self {
         Self {
             upstream,
             permit: Some(parts.permit),

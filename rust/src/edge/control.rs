@@ -5,38 +5,31 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
-use std::task::{Context, Poll};
+use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use http::header::{HeaderValue, HOST};
 use http::{Request, Response};
-use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::UnixStream;
 
-use super::answer::{self, CONTROL_PLANE_UNAVAILABLE};
+use super::answer::CONTROL_PLANE_UNAVAILABLE;
 use super::body::EdgeBody;
+use super::control_body::{ControlBody, Idle};
+use super::error_answer;
 use super::request::X_REQUEST_ID;
-use crate::error::BoxError;
 use crate::headers::strip_hop_headers;
 
 /// The header that tells the control plane the client's address (its own peer is the edge).
-pub const PEER_HEADER: &str = "x-pdproxy-peer";
-
-/// Idle connections kept to the control plane: as many as the requests it may serve at once
-/// (LMDeploy's DistServe streams all go through it), so that none has to connect anew.
-const POOL_SIZE: usize = 1024;
+pub(crate) const PEER_HEADER: &str = "x-pdproxy-peer";
 
 #[derive(Debug)]
-pub struct ControlPlane {
+pub(crate) struct ControlPlane {
     socket: PathBuf,
-    idle: Arc<Mutex<Vec<SendRequest<Incoming>>>>,
+    idle: Idle,
     /// Longest wait for the control plane's response head.
     head_timeout: Duration,
     /// Milliseconds since `epoch` of the control plane's last heartbeat (0: none yet).
@@ -47,7 +40,7 @@ pub struct ControlPlane {
 }
 
 impl ControlPlane {
-    pub fn new(socket: PathBuf, head_timeout: Duration, stale_after: Duration) -> Self {
+    pub(crate) fn new(socket: PathBuf, head_timeout: Duration, stale_after: Duration) -> Self {
         Self {
             socket,
             idle: Arc::default(),
@@ -59,7 +52,7 @@ impl ControlPlane {
     }
 
     /// The control plane's loop is alive (called by it, periodically).
-    pub fn beat(&self) {
+    pub(crate) fn beat(&self) {
         let now = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX).max(1);
         self.beat_ms.store(now, Ordering::Relaxed);
     }
@@ -71,13 +64,13 @@ impl ControlPlane {
     }
 
     /// Forwards `request` and returns the control plane's answer.
-    pub async fn forward(
+    pub(crate) async fn forward(
         &self,
         peer: SocketAddr,
         request: Request<Incoming>,
         request_id: &HeaderValue,
     ) -> Response<EdgeBody> {
-        let unavailable = |message: &str| answer::error(CONTROL_PLANE_UNAVAILABLE, message, None, request_id);
+        let unavailable = |message: &str| error_answer::error(CONTROL_PLANE_UNAVAILABLE, message, None, request_id);
         if self.stuck() {
             return unavailable("the control plane is not responding");
         }
@@ -134,60 +127,5 @@ impl ControlPlane {
             let _ = connection.await;
         });
         Ok(sender)
-    }
-}
-
-/// The control plane's answer body; its connection goes back to the pool once the body ended.
-pub struct ControlBody {
-    body: Incoming,
-    sender: Option<SendRequest<Incoming>>,
-    idle: Arc<Mutex<Vec<SendRequest<Incoming>>>>,
-}
-
-impl ControlBody {
-    pub fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    pub fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
-    }
-
-    /// Back to the pool once the connection can take the next request.
-    fn recycle(&mut self) {
-        if let Some(mut sender) = self.sender.take() {
-            let idle = Arc::clone(&self.idle);
-            tokio::spawn(async move {
-                if sender.ready().await.is_ok() {
-                    let mut idle = idle.lock().unwrap_or_else(PoisonError::into_inner);
-                    if idle.len() < POOL_SIZE {
-                        idle.push(sender);
-                    }
-                }
-            });
-        }
-    }
-}
-
-impl Body for ControlBody {
-    type Data = Bytes;
-    type Error = BoxError;
-
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        let polled = Pin::new(&mut self.body).poll_frame(cx);
-        match polled {
-            Poll::Ready(None) => {
-                self.recycle();
-                Poll::Ready(None)
-            }
-            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(Box::new(e)))),
-            Poll::Ready(Some(Ok(frame))) => {
-                if self.body.is_end_stream() {
-                    self.recycle();
-                }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Pending => Poll::Pending,
-        }
     }
 }

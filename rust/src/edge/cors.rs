@@ -10,8 +10,9 @@ use http::header::{
 };
 use http::{Method, Response, StatusCode};
 
-use super::answer::{self, Fault};
+use super::answer::Fault;
 use super::body::EdgeBody;
+use super::error_answer;
 use super::INFERENCE_PATHS;
 
 /// What `*` means in the allowed methods (Starlette's list, as LMDeploy's `api_server` uses).
@@ -26,7 +27,7 @@ const CORS_REFUSED: Fault =
 /// The settings' CORS rules (`--allow-origins`, `--allow-credentials`, `--allow-methods`,
 /// `--allow-headers`); `None` in the edge's config when no origin is allowed.
 #[derive(Debug, Clone)]
-pub struct Cors {
+pub(crate) struct Cors {
     any_origin: bool,
     origins: Vec<String>,
     credentials: bool,
@@ -37,7 +38,7 @@ pub struct Cors {
 }
 
 impl Cors {
-    pub fn new(origins: &[String], credentials: bool, methods: &[String], headers: &[String]) -> Option<Self> {
+    pub(crate) fn new(origins: &[String], credentials: bool, methods: &[String], headers: &[String]) -> Option<Self> {
         if origins.is_empty() {
             return None;
         }
@@ -61,12 +62,12 @@ impl Cors {
     }
 
     /// Whether browsers may call `path` (the `OpenAI` API and the other inference routes).
-    pub fn applies_to(path: &str) -> bool {
+    pub(crate) fn applies_to(path: &str) -> bool {
         path.starts_with("/v1/") || INFERENCE_PATHS.contains(&path)
     }
 
     /// Whether a request is a preflight (an `OPTIONS` that names the method to come).
-    pub fn is_preflight(method: &Method, headers: &HeaderMap) -> bool {
+    pub(crate) fn is_preflight(method: &Method, headers: &HeaderMap) -> bool {
         method == Method::OPTIONS && headers.contains_key(ORIGIN) && headers.contains_key(ACCESS_CONTROL_REQUEST_METHOD)
     }
 
@@ -88,15 +89,15 @@ impl Cors {
 
     /// Adds to an actual (not preflight) answer's headers the permission of `origin`, when it
     /// has one.
-    pub fn decorate(&self, headers: &mut HeaderMap, origin: &HeaderValue) {
+    pub(crate) fn decorate(&self, headers: &mut HeaderMap, origin: &HeaderValue) {
         if self.allows(origin) {
             self.add_origin(headers, origin);
         }
     }
 
     /// The answer to a preflight: 204 with what is allowed, or 400 `cors_refused`.
-    pub fn preflight(&self, headers: &HeaderMap, request_id: &HeaderValue) -> Response<EdgeBody> {
-        let refuse = |why: &str| answer::error(CORS_REFUSED, why, None, request_id);
+    pub(crate) fn preflight(&self, headers: &HeaderMap, request_id: &HeaderValue) -> Response<EdgeBody> {
+        let refuse = |why: &str| error_answer::error(CORS_REFUSED, why, None, request_id);
         let Some(origin) = headers.get(ORIGIN) else { return refuse("a preflight names its origin") };
         if !self.allows(origin) {
             return refuse("this origin may not call the proxy from a browser (see --allow-origins)");

@@ -6,26 +6,26 @@ use http::header::{HeaderName, AUTHORIZATION};
 use http::HeaderMap;
 
 /// What a request without a valid key is told.
-pub const KEY_REQUIRED: &str = "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)";
+pub(crate) const KEY_REQUIRED: &str = "a valid API key is required (Authorization: Bearer KEY, or x-api-key: KEY)";
 
 /// Anthropic's clients send their key in this header.
-pub static X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
+pub(crate) static X_API_KEY: HeaderName = HeaderName::from_static("x-api-key");
 
 #[derive(Debug, Default)]
-pub struct Keys(Vec<Vec<u8>>);
+pub(crate) struct Keys(Vec<Vec<u8>>);
 
 impl Keys {
-    pub fn new(keys: &[String]) -> Self {
+    pub(crate) fn new(keys: &[String]) -> Self {
         Self(keys.iter().map(|k| k.as_bytes().to_vec()).collect())
     }
 
     /// Whether any key is set.
-    pub fn configured(&self) -> bool {
+    pub(crate) fn configured(&self) -> bool {
         !self.0.is_empty()
     }
 
     /// Whether the request may pass: no keys configured, or a client key that is one of them.
-    pub fn allows(&self, headers: &HeaderMap) -> bool {
+    pub(crate) fn allows(&self, headers: &HeaderMap) -> bool {
         if self.0.is_empty() {
             return true;
         }
@@ -36,7 +36,7 @@ impl Keys {
 
 /// The client's key: the token of the first `Authorization` header when its scheme is
 /// `Bearer`, else the first `x-api-key`.
-pub fn client_key(headers: &HeaderMap) -> Option<&[u8]> {
+pub(crate) fn client_key(headers: &HeaderMap) -> Option<&[u8]> {
     match headers.get(AUTHORIZATION) {
         Some(value) => {
             let value = value.as_bytes();

@@ -2,13 +2,14 @@
 //! and the vLLM and SGLang prefill/decode legs) are served here end to end with no Python call;
 //! everything else goes to the control plane unchanged (`control`).
 
-pub mod access;
-pub mod answer;
-pub mod body;
-pub mod control;
-pub mod cors;
+pub(crate) mod answer;
+pub(crate) mod body;
+pub(crate) mod control;
+mod control_body;
+pub(crate) mod cors;
+mod error_answer;
 mod hybrid;
-pub mod keys;
+pub(crate) mod keys;
 mod notes;
 mod pd;
 mod pipeline;
@@ -16,6 +17,7 @@ mod request;
 mod server;
 #[cfg(test)]
 mod tests;
+mod worker;
 
 use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
 use std::path::PathBuf;
@@ -30,20 +32,23 @@ use http::HeaderMap;
 use socket2::{Domain, Socket, Type};
 use tokio_util::sync::CancellationToken;
 
-use self::access::{AccessLog, Format, Record};
 use self::control::ControlPlane;
 use self::cors::Cors;
 use self::keys::Keys;
-pub use self::pd::prefill_body;
-pub use self::pipeline::Strategy;
-pub use self::request::{request_id, BodyError};
+// What the Python module reaches the edge's parts through.
+#[cfg(feature = "python")]
+pub(crate) use self::pd::prefill_body;
+pub(crate) use self::pipeline::Strategy;
+#[cfg(feature = "python")]
+pub(crate) use self::request::{request_id, BodyError};
 use crate::engine::Engine;
 use crate::error::{Error, Kind, Result};
+use crate::observe::access::{AccessLog, Format, Record};
 use crate::tenants::Tenant;
 
 /// Inference endpoints, routed by the body's model; other POSTs under `/v1/` are served too
 /// when their body names a model (as `pdproxy/app.py` routes them).
-pub const INFERENCE_PATHS: [&str; 7] = [
+pub(crate) const INFERENCE_PATHS: [&str; 7] = [
     "/v1/chat/completions",
     "/v1/completions",
     "/v1/embeddings",
@@ -55,7 +60,7 @@ pub const INFERENCE_PATHS: [&str; 7] = [
 
 /// The prefill/decode protocol of a DistServe deployment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PdProtocol {
+pub(crate) enum PdProtocol {
     /// LMDeploy's DistServe: prefill preserving its KV, decode migrating it (the control plane
     /// makes the links and sweeps the session ledger).
     Lmdeploy,
@@ -64,16 +69,16 @@ pub enum PdProtocol {
 }
 
 impl PdProtocol {
-    pub fn parse(raw: &str) -> Result<Self> {
+    pub(crate) fn parse(raw: &str) -> Result<Self> {
         Self::ALL
             .into_iter()
             .find(|protocol| protocol.name() == raw)
             .ok_or_else(|| Error::new(Kind::Config, format!("unknown pd_protocol {raw:?}")))
     }
 
-    pub const ALL: [Self; 3] = [Self::Lmdeploy, Self::Vllm, Self::Sglang];
+    pub(crate) const ALL: [Self; 3] = [Self::Lmdeploy, Self::Vllm, Self::Sglang];
 
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Self::Lmdeploy => "lmdeploy",
             Self::Vllm => "vllm",
@@ -82,7 +87,7 @@ impl PdProtocol {
     }
 
     /// The paths that go through prefill and decode nodes.
-    pub fn paths(self) -> &'static [&'static str] {
+    pub(crate) fn paths(self) -> &'static [&'static str] {
         match self {
             Self::Lmdeploy | Self::Vllm => &["/v1/chat/completions", "/v1/completions"],
             Self::Sglang => &["/v1/chat/completions", "/v1/completions", "/generate"],
@@ -92,48 +97,48 @@ impl PdProtocol {
 
 /// The edge's settings. Values come from the control plane's settings; no defaults here.
 #[derive(Debug, Clone)]
-pub struct EdgeConfig {
-    pub api_keys: Vec<String>,
-    pub max_body_size: usize,
-    pub body_timeout: Duration,
+pub(crate) struct EdgeConfig {
+    pub(crate) api_keys: Vec<String>,
+    pub(crate) max_body_size: usize,
+    pub(crate) body_timeout: Duration,
     /// `None`: Hybrid serving; else the protocol of DistServe.
-    pub disaggregation: Option<PdProtocol>,
-    pub access_log: Option<Format>,
-    pub header_read_timeout: Duration,
-    pub control_socket: PathBuf,
+    pub(crate) disaggregation: Option<PdProtocol>,
+    pub(crate) access_log: Option<Format>,
+    pub(crate) header_read_timeout: Duration,
+    pub(crate) control_socket: PathBuf,
     /// Longest wait for the control plane's response head.
-    pub control_timeout: Duration,
+    pub(crate) control_timeout: Duration,
     /// Silence after which the control plane counts as stuck.
-    pub control_stale_after: Duration,
+    pub(crate) control_stale_after: Duration,
     /// SGLang: longest wait for a prefill node's `/server_info`.
-    pub pd_probe_timeout: Duration,
+    pub(crate) pd_probe_timeout: Duration,
     /// CORS on the inference routes; `None`: off.
-    pub cors: Option<cors::Cors>,
+    pub(crate) cors: Option<cors::Cors>,
     /// HTTPS (`--ssl`): the certificate clients get; `None`: plain HTTP.
-    pub tls: Option<Arc<rustls::ServerConfig>>,
+    pub(crate) tls: Option<Arc<rustls::ServerConfig>>,
     /// Client connections open at once; past it a new one is answered 503 at accept and closed.
-    pub max_connections: usize,
+    pub(crate) max_connections: usize,
 }
 
 /// Where a request goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Route {
+pub(crate) enum Route {
     /// Through the pipeline, its nodes chosen by the strategy.
     Inference(Strategy),
     ControlPlane,
 }
 
 /// What every edge thread shares.
-pub struct EdgeState {
-    pub engine: Arc<Engine>,
-    pub config: EdgeConfig,
+pub(crate) struct EdgeState {
+    pub(crate) engine: Arc<Engine>,
+    pub(crate) config: EdgeConfig,
     keys: Keys,
-    pub control: ControlPlane,
+    pub(crate) control: ControlPlane,
     access: Option<Arc<AccessLog>>,
     /// Set when the edge shuts down: the listener closes, streams still running end.
-    pub shutdown: Arc<Stop>,
+    pub(crate) shutdown: Arc<Stop>,
     /// Client connections open now.
-    pub connections: AtomicUsize,
+    pub(crate) connections: AtomicUsize,
 }
 
 impl EdgeState {
@@ -154,7 +159,7 @@ impl EdgeState {
     }
 
     /// Where a POST to `path` goes.
-    pub fn route(&self, path: &str) -> Route {
+    pub(crate) fn route(&self, path: &str) -> Route {
         let known = INFERENCE_PATHS.contains(&path);
         if !known && !path.starts_with("/v1/") {
             return Route::ControlPlane;
@@ -167,7 +172,7 @@ impl EdgeState {
 
     /// Whether the request may be served, and its tenant: with tenants configured, a tenant's
     /// key (or an API key, for no tenant) is required; without, an API key when any is set.
-    pub fn authorize(&self, headers: &HeaderMap) -> Result<Option<Arc<Tenant>>, Unauthorized> {
+    pub(crate) fn authorize(&self, headers: &HeaderMap) -> Result<Option<Arc<Tenant>>, Unauthorized> {
         let tenants = &self.engine.tenants;
         if !tenants.configured() {
             return if self.keys.allows(headers) { Ok(None) } else { Err(Unauthorized) };
@@ -190,34 +195,34 @@ impl EdgeState {
 
 /// A request without a valid key.
 #[derive(Debug)]
-pub struct Unauthorized;
+pub(crate) struct Unauthorized;
 
 /// A stop signal read on every poll of a stream: the flag is one atomic load (the token's own
 /// check takes a lock); the token wakes whoever waits.
 #[derive(Debug, Default)]
-pub struct Stop {
+pub(crate) struct Stop {
     flag: AtomicBool,
     token: CancellationToken,
 }
 
 impl Stop {
-    pub fn set(&self) {
+    pub(crate) fn set(&self) {
         self.flag.store(true, Ordering::Release);
         self.token.cancel();
     }
 
-    pub fn is_set(&self) -> bool {
+    pub(crate) fn is_set(&self) -> bool {
         self.flag.load(Ordering::Acquire)
     }
 
-    pub fn token(&self) -> &CancellationToken {
+    pub(crate) fn token(&self) -> &CancellationToken {
         &self.token
     }
 }
 
 /// Binds the public address now (so a busy port fails before anything else starts). No
 /// `SO_REUSEPORT`: a second proxy on the same port is refused, not handed half the traffic.
-pub fn bind(host: &str, port: u16, backlog: i32) -> Result<TcpListener> {
+pub(crate) fn bind(host: &str, port: u16, backlog: i32) -> Result<TcpListener> {
     let address: SocketAddr = (host, port)
         .to_socket_addrs()
         .map_err(|e| Error::with_source(Kind::Config, format!("cannot resolve {host}"), e))?
@@ -244,16 +249,19 @@ pub fn bind(host: &str, port: u16, backlog: i32) -> Result<TcpListener> {
 /// start to end (as nginx's workers do): a request never changes thread, and each thread keeps
 /// its own pool of connections to the nodes. The first thread also accepts, handing each new
 /// connection to the thread that serves the fewest.
-pub struct Edge {
+pub(crate) struct Edge {
     state: Arc<EdgeState>,
-    address: SocketAddr,
     threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Edge {
-    pub fn start(engine: Arc<Engine>, listener: &TcpListener, config: EdgeConfig, threads: usize) -> Result<Self> {
-        let address =
-            listener.local_addr().map_err(|e| Error::with_source(Kind::Config, "listener has no address", e))?;
+    pub(crate) fn start(
+        engine: Arc<Engine>,
+        listener: &TcpListener,
+        config: EdgeConfig,
+        threads: usize,
+    ) -> Result<Self> {
+        listener.local_addr().map_err(|e| Error::with_source(Kind::Config, "listener has no address", e))?;
         let state = Arc::new(EdgeState::new(engine, config));
         let listener =
             listener.try_clone().map_err(|e| Error::with_source(Kind::Config, "cannot use the listener", e))?;
@@ -269,21 +277,17 @@ impl Edge {
                 .map_err(|e| Error::with_source(Kind::Config, "cannot start an edge thread", e))?;
             handles.push(handle);
         }
-        Ok(Self { state, address, threads: Mutex::new(handles) })
-    }
-
-    pub fn address(&self) -> SocketAddr {
-        self.address
+        Ok(Self { state, threads: Mutex::new(handles) })
     }
 
     /// The control plane is alive.
-    pub fn heartbeat(&self) {
+    pub(crate) fn heartbeat(&self) {
         self.state.control.beat();
     }
 
     /// Stops accepting; streams still running end with a terminal `draining` event, and
     /// connections close; returns once every edge thread has ended.
-    pub fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) {
         self.state.shutdown.set();
         let threads = std::mem::take(&mut *self.threads.lock().unwrap_or_else(PoisonError::into_inner));
         for thread in threads {
@@ -291,7 +295,7 @@ impl Edge {
         }
     }
 
-    pub fn connections(&self) -> usize {
+    pub(crate) fn connections(&self) -> usize {
         self.state.connections.load(Ordering::Relaxed)
     }
 }
@@ -299,19 +303,19 @@ impl Edge {
 /// The pipeline for inference requests another server took: the control plane's ASGI app,
 /// served by granian (`--edge granian`) or mounted in someone's own server. The same phases,
 /// strategies and answers as the edge's own requests.
-pub struct Embedded {
-    worker: Arc<server::Worker>,
+pub(crate) struct Embedded {
+    worker: Arc<worker::Worker>,
 }
 
 impl Embedded {
     /// `config`'s control-plane fields are not used: the caller is the control plane.
-    pub fn new(engine: Arc<Engine>, config: EdgeConfig) -> Self {
+    pub(crate) fn new(engine: Arc<Engine>, config: EdgeConfig) -> Self {
         let forwarder = engine.forwarder.clone();
-        Self { worker: Arc::new(server::Worker::serving_for(Arc::new(EdgeState::new(engine, config)), forwarder)) }
+        Self { worker: Arc::new(worker::Worker::serving_for(Arc::new(EdgeState::new(engine, config)), forwarder)) }
     }
 
     /// How a POST to `path` is served: through the pipeline, or not an inference request.
-    pub fn strategy(&self, path: &str) -> Option<Strategy> {
+    pub(crate) fn strategy(&self, path: &str) -> Option<Strategy> {
         match self.worker.state.route(path) {
             Route::Inference(strategy) => Some(strategy),
             Route::ControlPlane => None,
@@ -319,7 +323,7 @@ impl Embedded {
     }
 
     /// Serves one request whose body the caller read (or failed to read).
-    pub async fn serve(
+    pub(crate) async fn serve(
         &self,
         parts: Parts,
         body: std::result::Result<bytes::Bytes, request::BodyError>,
@@ -333,17 +337,17 @@ impl Embedded {
     }
 
     /// Whether a request with these headers may be served (its key, or its tenant's).
-    pub fn authorizes(&self, headers: &HeaderMap) -> bool {
+    pub(crate) fn authorizes(&self, headers: &HeaderMap) -> bool {
         self.worker.state.authorize(headers).is_ok()
     }
 
     /// Whether browsers' requests get CORS answers at all (some origin is allowed).
-    pub fn cors_enabled(&self) -> bool {
+    pub(crate) fn cors_enabled(&self) -> bool {
         self.worker.state.config.cors.is_some()
     }
 
     /// The answer to a CORS preflight for `path`, when the request is one and CORS applies.
-    pub fn preflight(
+    pub(crate) fn preflight(
         &self,
         method: &http::Method,
         path: &str,
@@ -355,7 +359,7 @@ impl Embedded {
 
     /// The CORS permission an answer to a request for `path` carries (none for an origin not
     /// allowed, or no origin).
-    pub fn cors_headers(&self, path: &str, headers: &HeaderMap) -> HeaderMap {
+    pub(crate) fn cors_headers(&self, path: &str, headers: &HeaderMap) -> HeaderMap {
         let mut out = HeaderMap::new();
         let cors = self.worker.state.config.cors.as_ref().filter(|_| Cors::applies_to(path));
         if let (Some(cors), Some(origin)) = (cors, headers.get(http::header::ORIGIN)) {
@@ -365,7 +369,7 @@ impl Embedded {
     }
 
     /// Streams still running end (the proxy shuts down).
-    pub fn shutdown(&self) {
+    pub(crate) fn shutdown(&self) {
         self.worker.state.shutdown.set();
     }
 }

@@ -10,23 +10,23 @@ use http::header::HeaderValue;
 use http::request::Parts;
 use http::HeaderMap;
 
-use super::access::Record;
 use super::answer::Fault;
 use super::EdgeState;
+use crate::observe::access::Record;
+use crate::observe::trace::{self, Trace, TRACEPARENT};
 use crate::tenants::TenantPass;
-use crate::trace::{self, Trace, Traced, TRACEPARENT};
 
 #[derive(Debug, Default)]
-pub struct Notes {
-    pub record: Option<Box<Record>>,
-    pub trace: Option<Arc<Trace>>,
+pub(crate) struct Notes {
+    pub(crate) record: Option<Box<Record>>,
+    pub(crate) trace: Option<Arc<Trace>>,
     /// The tenant's pass, once admitted (the answer's tokens are counted as it goes out).
-    pub tenant: Option<TenantPass>,
+    pub(crate) tenant: Option<TenantPass>,
 }
 
 impl Notes {
     /// The notes of a request arriving with `parts` from `peer`.
-    pub fn begin(state: &EdgeState, id: &HeaderValue, parts: &Parts, peer: SocketAddr) -> Self {
+    pub(crate) fn begin(state: &EdgeState, id: &HeaderValue, parts: &Parts, peer: SocketAddr) -> Self {
         let mut record = state.record(id, parts, peer);
         if record.is_none() && state.engine.tracer.is_none() {
             return Self::default(); // nothing to note: not even a header lookup
@@ -53,7 +53,7 @@ impl Notes {
     }
 
     /// The request's tenant admitted it.
-    pub fn admitted(&mut self, pass: TenantPass) {
+    pub(crate) fn admitted(&mut self, pass: TenantPass) {
         if let Some(trace) = &self.trace {
             trace.annotate(|| vec![("pdproxy.tenant", pass.tenant().name.clone())]);
         }
@@ -61,7 +61,7 @@ impl Notes {
     }
 
     /// Adds the tenant's `x-ratelimit-*` headers to an answer.
-    pub fn decorate(&self, headers: &mut HeaderMap) {
+    pub(crate) fn decorate(&self, headers: &mut HeaderMap) {
         if let Some(pass) = &self.tenant {
             headers.reserve(6);
             for (name, value) in pass.headers.to_headers() {
@@ -70,13 +70,8 @@ impl Notes {
         }
     }
 
-    /// Where the engine's spans go.
-    pub fn traced(&self) -> Option<Traced<'_>> {
-        self.trace.as_deref().map(Trace::traced)
-    }
-
     /// The proxy answered instead of a node.
-    pub fn refused(&mut self, fault: Fault, message: &str) {
+    pub(crate) fn refused(&mut self, fault: Fault, message: &str) {
         if let Some(pass) = &mut self.tenant {
             pass.fail();
         }
@@ -91,7 +86,7 @@ impl Notes {
         }
     }
 
-    pub fn model(&mut self, model: Option<&str>) {
+    pub(crate) fn model(&mut self, model: Option<&str>) {
         if let Some(record) = &mut self.record {
             record.model = model.map(str::to_owned);
         }
@@ -101,7 +96,7 @@ impl Notes {
     }
 
     /// A node's answer head (no node: a node's answer the proxy passes on whole).
-    pub fn answered(&mut self, node: Option<&str>, status: u16) {
+    pub(crate) fn answered(&mut self, node: Option<&str>, status: u16) {
         if let (Some(pass), true) = (&mut self.tenant, status >= 500) {
             pass.fail();
         }
@@ -122,7 +117,7 @@ impl Notes {
     }
 
     /// Body bytes sent to the client, and the events they ended.
-    pub fn sent(&mut self, chunk: &[u8], events: u64) {
+    pub(crate) fn sent(&mut self, chunk: &[u8], events: u64) {
         if let Some(record) = &mut self.record {
             record.sent(chunk);
         }
@@ -132,14 +127,14 @@ impl Notes {
     }
 
     /// The whole answer was sent.
-    pub fn completed(&mut self) {
+    pub(crate) fn completed(&mut self) {
         if let Some(record) = &mut self.record {
             record.complete = true;
         }
     }
 
     /// The stream ended with a terminal error event (`event`).
-    pub fn stream_failed(&mut self, event: &[u8], message: &str) {
+    pub(crate) fn stream_failed(&mut self, event: &[u8], message: &str) {
         if let Some(pass) = &mut self.tenant {
             pass.fail();
         }

@@ -17,14 +17,16 @@ use super::answer::{INVALID_REQUEST, PREFILL_FAILED, UPSTREAM_INVALID_RESPONSE};
 use super::pipeline::{leg_name, Answer, Dispatch, Refusal, Refused};
 use super::PdProtocol;
 use crate::distserve::{Preserved, SessionHandle};
+use crate::engine::permit::InFlightPermit;
 use crate::engine::{Engine, Sent};
 use crate::error::{Error, Kind, Result};
-use crate::forward::{ForwardRequest, Forwarder, ResponseBody, UpstreamResponse};
 use crate::inspect::{member, patch, RequestInfo};
+use crate::node::Outcome;
 use crate::node::{Node, Role};
-use crate::permit::{InFlightPermit, Outcome};
+use crate::observe::trace::{OpenSpan, SpanKind, Trace};
 use crate::select::SelectCtx;
-use crate::trace::{OpenSpan, SpanKind, Trace};
+use crate::upstream::forward::{Forwarder, ResponseBody, UpstreamResponse};
+use crate::upstream::ForwardRequest;
 
 /// What the vLLM prefill leg asks for: keep the KV cache for a remote reader.
 const VLLM_PREFILL_PARAMS: &str = r#"{"do_remote_decode": true, "do_remote_prefill": false, "remote_engine_id": null, "remote_block_ids": null, "remote_host": null, "remote_port": null}"#;
@@ -32,7 +34,7 @@ const VLLM_PREFILL_PARAMS: &str = r#"{"do_remote_decode": true, "do_remote_prefi
 /// The prefill leg's body: the client's, asking for one token. LMDeploy's also keeps the KV
 /// cache for the decode's migration (`with_cache`, `preserve_cache`); vLLM's asks for it to be
 /// kept for a remote reader (`kv_transfer_params`). SGLang's legs share one body.
-pub fn prefill_body(protocol: PdProtocol, path: &str, body: &[u8]) -> Result<Vec<u8>> {
+pub(crate) fn prefill_body(protocol: PdProtocol, path: &str, body: &[u8]) -> Result<Vec<u8>> {
     match protocol {
         PdProtocol::Lmdeploy => {
             let mut changes =

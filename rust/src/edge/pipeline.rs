@@ -19,30 +19,32 @@ use hyper::body::Incoming;
 
 use super::answer::{self, Fault};
 use super::body::{EdgeBody, Relay, RelayParts};
+use super::error_answer;
 use super::keys;
 use super::notes::Notes;
 use super::request::{
     check_media_type, content_coding, linger, plain_path, proxy_headers, read_body, BodyError, Peer, X_REQUEST_ID,
 };
-use super::server::Worker;
+use super::worker::Worker;
 use super::{EdgeState, PdProtocol};
-use crate::admission::Class;
 use crate::distserve::Preserved;
 use crate::engine::{select_ctx, GatePass, Refusal as GateRefusal, Sent};
 use crate::error::{Error, Kind};
-use crate::forward::{ForwardRequest, ResponseBody, UpstreamResponse};
 use crate::inspect::{inspect, RequestInfo};
 use crate::node::Role;
+use crate::observe::trace::{OpenSpan, SpanKind, Trace};
 use crate::select::SelectCtx;
+use crate::tenants::Class;
 use crate::tenants::{estimate_tokens, Tenant};
-use crate::trace::{OpenSpan, SpanKind, Trace};
+use crate::upstream::forward::{ResponseBody, UpstreamResponse};
+use crate::upstream::ForwardRequest;
 
 /// A request's asked priority, when its body has none (smaller is served first).
 static X_PDPROXY_PRIORITY: HeaderName = HeaderName::from_static("x-pdproxy-priority");
 
 /// How the nodes of a request are chosen and its legs sent.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Strategy {
+pub(crate) enum Strategy {
     /// One node; a pass-through path (`require_model`) needs a model in the body.
     Hybrid { require_model: bool },
     /// A prefill node and a decode node, in the protocol's way.
@@ -51,24 +53,24 @@ pub enum Strategy {
 
 /// The answer a request gets instead of a node's: an OpenAI-style error.
 #[derive(Debug)]
-pub struct Refusal {
-    pub fault: Fault,
-    pub message: String,
-    pub retry_after: Option<u32>,
+pub(crate) struct Refusal {
+    pub(crate) fault: Fault,
+    pub(crate) message: String,
+    pub(crate) retry_after: Option<u32>,
     /// The request's field at fault, when one is.
-    pub param: Option<&'static str>,
+    pub(crate) param: Option<&'static str>,
     /// Headers the answer carries besides the error's (a tenant's rate-limit headers).
-    pub headers: Vec<(HeaderName, HeaderValue)>,
+    pub(crate) headers: Vec<(HeaderName, HeaderValue)>,
     /// The client's connection closes after the answer (its body was left unread).
-    pub close: bool,
+    pub(crate) close: bool,
 }
 
 /// A refusal on its way to `serve` (boxed: it is the rare path, and keeps `Result`s small).
-pub type Refused = Box<Refusal>;
+pub(crate) type Refused = Box<Refusal>;
 
 impl Refusal {
     #[allow(clippy::unnecessary_box_returns)] // a refusal travels boxed, as `Refused`
-    pub fn new(fault: Fault, message: impl Into<String>) -> Refused {
+    pub(crate) fn new(fault: Fault, message: impl Into<String>) -> Refused {
         Box::new(Self {
             fault,
             message: message.into(),
@@ -90,7 +92,7 @@ impl From<Error> for Refused {
 }
 
 /// What a strategy answers with.
-pub enum Answer {
+pub(crate) enum Answer {
     /// A node's successful head: its body is relayed, with the permit held until it ends.
     Relay {
         sent: Sent,
@@ -118,19 +120,19 @@ struct Served {
 }
 
 /// What every strategy works with: the request, its routing fields, its trace and its class.
-pub struct Dispatch<'a> {
-    pub worker: &'a Worker,
-    pub request: &'a ForwardRequest,
-    pub info: &'a RequestInfo<'a>,
-    pub trace: Option<&'a Arc<Trace>>,
-    pub class: Class,
+pub(crate) struct Dispatch<'a> {
+    pub(crate) worker: &'a Worker,
+    pub(crate) request: &'a ForwardRequest,
+    pub(crate) info: &'a RequestInfo<'a>,
+    pub(crate) trace: Option<&'a Arc<Trace>>,
+    pub(crate) class: Class,
     /// The request's time limit, if it has one.
-    pub deadline: Option<tokio::time::Instant>,
+    pub(crate) deadline: Option<tokio::time::Instant>,
 }
 
 impl Dispatch<'_> {
     /// Selection for `role`, its spans under `span` (the leg's, else the request's).
-    pub fn ctx(&self, role: Role, span: Option<&OpenSpan>) -> SelectCtx<'_> {
+    pub(crate) fn ctx(&self, role: Role, span: Option<&OpenSpan>) -> SelectCtx<'_> {
         let traced = self.trace.map(|t| t.traced());
         let trace = match span {
             Some(span) => traced.map(|t| t.under(span)),
@@ -140,7 +142,7 @@ impl Dispatch<'_> {
     }
 
     /// A leg's span, when traced.
-    pub fn open_leg(&self, role: Role) -> Option<OpenSpan> {
+    pub(crate) fn open_leg(&self, role: Role) -> Option<OpenSpan> {
         self.trace.map(|t| t.traced().open(leg_name(role), SpanKind::Internal))
     }
 
@@ -154,7 +156,7 @@ impl Dispatch<'_> {
     }
 }
 
-pub fn leg_name(role: Role) -> &'static str {
+pub(crate) fn leg_name(role: Role) -> &'static str {
     if role == Role::Prefill {
         "pdproxy.prefill"
     } else {
@@ -164,13 +166,13 @@ pub fn leg_name(role: Role) -> &'static str {
 
 /// A request's body: on the client's connection still, or already read by the server that
 /// took the request (the control plane's, which hands inference requests here).
-pub enum ClientBody {
+pub(crate) enum ClientBody {
     Incoming(Incoming),
     Read(Result<Bytes, BodyError>),
 }
 
 /// Serves one inference request through the pipeline.
-pub async fn serve(
+pub(crate) async fn serve(
     worker: &Worker,
     peer: &Peer,
     parts: Parts,
@@ -345,7 +347,7 @@ impl Pipeline<'_> {
     fn refuse(&self, refusal: &Refusal, notes: &mut Notes) -> Response<EdgeBody> {
         notes.refused(refusal.fault, &refusal.message);
         let mut response =
-            answer::error_about(refusal.fault, &refusal.message, refusal.retry_after, refusal.param, &self.id);
+            error_answer::error_about(refusal.fault, &refusal.message, refusal.retry_after, refusal.param, &self.id);
         let headers = response.headers_mut();
         notes.decorate(headers);
         for (name, value) in &refusal.headers {
@@ -439,7 +441,7 @@ impl Pipeline<'_> {
 /// Combinators rather than an `async fn`: an `async fn` keeps its argument `work` beside the
 /// timeout it moves `work` into, twice the size of the work (2.7 KiB more for every request in
 /// flight, copied whenever the request's future moves).
-pub fn within<T, E: From<Error>>(
+pub(crate) fn within<T, E: From<Error>>(
     deadline: Option<tokio::time::Instant>,
     work: impl Future<Output = Result<T, E>>,
 ) -> impl Future<Output = Result<T, E>> {

@@ -10,13 +10,13 @@ use http::HeaderMap;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
-pub static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub(crate) static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
 /// The client's `x-request-id`, or a new one (a random UUID, as hex).
-pub fn request_id(headers: &HeaderMap) -> (HeaderValue, bool) {
+pub(crate) fn request_id(headers: &HeaderMap) -> (HeaderValue, bool) {
     if let Some(id) = headers.get(&X_REQUEST_ID) {
         return (id.clone(), true);
     }
@@ -33,7 +33,7 @@ pub fn request_id(headers: &HeaderMap) -> (HeaderValue, bool) {
 
 /// Whether a declared media type is acceptable (none, JSON or a `+json` type); the type
 /// named in the refusal otherwise.
-pub fn check_media_type(headers: &HeaderMap) -> Result<(), String> {
+pub(crate) fn check_media_type(headers: &HeaderMap) -> Result<(), String> {
     let Some(value) = headers.get(CONTENT_TYPE) else { return Ok(()) };
     let raw = value.as_bytes();
     let media = raw.split(|&b| b == b';').next().unwrap_or_default().trim_ascii();
@@ -48,7 +48,7 @@ pub fn check_media_type(headers: &HeaderMap) -> Result<(), String> {
 
 /// A content coding of the body other than `identity`: the proxy routes on the body's bytes,
 /// so it does not take compressed ones.
-pub fn content_coding(headers: &HeaderMap) -> Option<String> {
+pub(crate) fn content_coding(headers: &HeaderMap) -> Option<String> {
     let value = headers.get(http::header::CONTENT_ENCODING)?.as_bytes();
     let coding = value.trim_ascii();
     (!coding.is_empty() && !coding.eq_ignore_ascii_case(b"identity"))
@@ -57,7 +57,7 @@ pub fn content_coding(headers: &HeaderMap) -> Option<String> {
 
 /// Whether a pass-through path stays under `/v1/`: no dot-segments and no encoded dots or
 /// separators that a node might decode into one (`/v1/%2e%2e/%2e%2e/start_profile`).
-pub fn plain_path(path: &str) -> bool {
+pub(crate) fn plain_path(path: &str) -> bool {
     let lowered = path.to_ascii_lowercase();
     !lowered.contains("%2e")
         && !lowered.contains("%2f")
@@ -68,7 +68,7 @@ pub fn plain_path(path: &str) -> bool {
 
 /// Why a body was not read.
 #[derive(Debug)]
-pub enum BodyError {
+pub(crate) enum BodyError {
     /// Over the limit; the rest of the body is still to be drained.
     TooLarge(Option<Incoming>),
     /// Not complete within the deadline.
@@ -78,12 +78,12 @@ pub enum BodyError {
 }
 
 /// The declared `content-length`, when valid.
-pub fn declared_length(headers: &HeaderMap) -> Option<u64> {
+pub(crate) fn declared_length(headers: &HeaderMap) -> Option<u64> {
     headers.get(CONTENT_LENGTH)?.to_str().ok()?.trim().parse().ok()
 }
 
 /// Reads the whole body, refusing it past `limit` bytes or `deadline`.
-pub async fn read_body(
+pub(crate) async fn read_body(
     headers: &HeaderMap,
     mut body: Incoming,
     limit: usize,
@@ -125,21 +125,21 @@ pub async fn read_body(
 
 /// Reads and discards the rest of a refused body, for a while, so that a client that writes its
 /// whole body before reading sees the answer instead of a reset connection.
-pub async fn linger(mut body: Incoming) {
+pub(crate) async fn linger(mut body: Incoming) {
     const LINGER: Duration = Duration::from_secs(5);
     let _ = tokio::time::timeout(LINGER, async { while let Some(Ok(_)) = body.frame().await {} }).await;
 }
 
 /// The client's address, as the headers that carry it need it (formatted once per connection).
 #[derive(Debug, Clone)]
-pub struct Peer {
-    pub address: SocketAddr,
+pub(crate) struct Peer {
+    pub(crate) address: SocketAddr,
     /// The address without its port, for `X-Forwarded-For`.
-    pub ip: HeaderValue,
+    pub(crate) ip: HeaderValue,
 }
 
 impl Peer {
-    pub fn new(address: SocketAddr) -> Self {
+    pub(crate) fn new(address: SocketAddr) -> Self {
         let ip = HeaderValue::from_str(&address.ip().to_string()).unwrap_or_else(|_| HeaderValue::from_static(""));
         Self { address, ip }
     }
@@ -148,7 +148,7 @@ impl Peer {
 /// The proxy's own headers for the node: the request id (when the client sent none) and
 /// `X-Forwarded-For/Host/Proto`, which replace whatever the client claimed in them (`https`
 /// when the client came over TLS).
-pub fn proxy_headers(
+pub(crate) fn proxy_headers(
     client: &HeaderMap,
     peer: &Peer,
     request_id: &HeaderValue,

@@ -29,48 +29,34 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 use super::answer;
 use super::body::EdgeBody;
 use super::cors::Cors;
+use super::error_answer;
 use super::request::{request_id, Peer};
+use super::worker::Worker;
 use super::{pipeline, EdgeState, Route, Stop};
-use crate::forward::Forwarder;
 
 /// How long open connections get to finish once the edge shuts down.
 const CLOSE_GRACE: Duration = Duration::from_secs(1);
 /// How far ahead the pacemaker keeps a timer (below the header timeout's smallest sane value).
 const PACE: Duration = Duration::from_millis(500);
 
-/// One edge thread: its own event loop and its own pool of connections to the nodes.
-pub struct Worker {
-    pub state: Arc<EdgeState>,
-    pub forwarder: Forwarder,
-    /// Connections this thread serves now.
-    open: Arc<AtomicUsize>,
-}
-
-impl Worker {
-    /// A worker for requests another server took (the control plane's): no connections of its own.
-    pub fn serving_for(state: Arc<EdgeState>, forwarder: Forwarder) -> Self {
-        Self { state, forwarder, open: Arc::default() }
-    }
-}
-
 /// A connection handed to an edge thread.
 type Accepted = (std::net::TcpStream, SocketAddr);
 
 /// The threads' inboxes, and how many connections each serves (the acceptor hands each new
 /// connection to the least busy thread).
-pub struct Inboxes {
+pub(crate) struct Inboxes {
     senders: Vec<UnboundedSender<Accepted>>,
     open: Vec<Arc<AtomicUsize>>,
 }
 
 /// What each edge thread starts with.
-pub struct ThreadStart {
+pub(crate) struct ThreadStart {
     inbox: UnboundedReceiver<Accepted>,
     open: Arc<AtomicUsize>,
 }
 
 /// `threads` inboxes: one for the acceptor, one start for each thread.
-pub fn inboxes(threads: usize) -> (Inboxes, Vec<ThreadStart>) {
+pub(crate) fn inboxes(threads: usize) -> (Inboxes, Vec<ThreadStart>) {
     let mut inboxes = Inboxes { senders: Vec::new(), open: Vec::new() };
     let mut starts = Vec::new();
     for _ in 0..threads {
@@ -85,7 +71,11 @@ pub fn inboxes(threads: usize) -> (Inboxes, Vec<ThreadStart>) {
 
 /// Runs one edge thread until the edge shuts down and its connections have closed; the first
 /// thread (`acceptor`) also accepts connections for all of them.
-pub fn run_thread(state: &Arc<EdgeState>, start: ThreadStart, acceptor: Option<(std::net::TcpListener, Inboxes)>) {
+pub(crate) fn run_thread(
+    state: &Arc<EdgeState>,
+    start: ThreadStart,
+    acceptor: Option<(std::net::TcpListener, Inboxes)>,
+) {
     let Ok(runtime) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return };
     runtime.block_on(async {
         let worker =
@@ -190,7 +180,7 @@ async fn serve_connection(worker: Arc<Worker>, stream: TcpStream, peer: SocketAd
     let _ = stream.set_nodelay(true);
     // Every buffer of a stream counts: the kernel's too (see `forward::socket_buffer`).
     let limit = worker.state.engine.config.forward.stream_buffer_limit;
-    let _ = socket2::SockRef::from(&stream).set_send_buffer_size(crate::forward::socket_buffer(limit));
+    let _ = socket2::SockRef::from(&stream).set_send_buffer_size(crate::upstream::forward::socket_buffer(limit));
     let peer = Arc::new(Peer::new(peer));
     let state = Arc::clone(&worker.state);
     state.connections.fetch_add(1, Ordering::Relaxed);
@@ -245,7 +235,7 @@ async fn guarded(worker: Arc<Worker>, peer: &Peer, request: Request<Incoming>) -
     let echo = id.clone();
     match AssertUnwindSafe(route(&worker, peer, request, id, had_id)).catch_unwind().await {
         Ok(response) => response,
-        Err(_) => answer::error(answer::INTERNAL, "the proxy failed while serving this request", None, &echo),
+        Err(_) => error_answer::error(answer::INTERNAL, "the proxy failed while serving this request", None, &echo),
     }
 }
 

@@ -16,14 +16,15 @@ use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
 use super::body::EdgeBody;
-use super::{BodyError, EdgeConfig, Embedded, PdProtocol};
+use super::request::BodyError;
+use super::{EdgeConfig, Embedded, PdProtocol};
 use crate::distserve::{DistServe, DistServeConfig, LinkMaker};
 use crate::engine::{Engine, EngineConfig, PolicyNames};
 use crate::error::Result;
-use crate::forward::ForwardConfig;
+use crate::node::registry::Registry;
 use crate::node::{NodeSpec, NodeState, Role};
-use crate::registry::Registry;
 use crate::select::PolicyConfig;
+use crate::upstream::forward::ForwardConfig;
 
 /// What a fake node answers: raw bytes after the request, written in pieces with a pause
 /// before each.

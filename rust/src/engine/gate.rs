@@ -8,14 +8,14 @@ use tokio::sync::Notify;
 
 /// Why the gate refused a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refusal {
+pub(crate) enum Refusal {
     Draining,
     /// `max_requests` are being served.
     Full,
 }
 
 #[derive(Debug, Default)]
-pub struct Gate {
+pub(crate) struct Gate {
     /// 0: no cap.
     max_requests: usize,
     serving: AtomicUsize,
@@ -25,12 +25,12 @@ pub struct Gate {
 }
 
 impl Gate {
-    pub fn new(max_requests: usize) -> Self {
+    pub(crate) fn new(max_requests: usize) -> Self {
         Self { max_requests, ..Self::default() }
     }
 
     /// Counts one request in, unless the proxy drains or is at its cap.
-    pub fn enter(&self) -> Result<(), Refusal> {
+    pub(crate) fn enter(&self) -> Result<(), Refusal> {
         if self.draining.load(Ordering::Acquire) {
             return Err(Refusal::Draining);
         }
@@ -42,49 +42,38 @@ impl Gate {
     }
 
     /// Counts one request out (after a successful `enter`).
-    pub fn leave(&self) {
+    pub(crate) fn leave(&self) {
         if self.serving.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.idle.notify_waiters();
         }
     }
 
     /// `enter`, as a pass that leaves when dropped.
-    pub fn pass(self: &Arc<Self>) -> Result<GatePass, Refusal> {
+    pub(crate) fn pass(self: &Arc<Self>) -> Result<GatePass, Refusal> {
         self.enter()?;
         Ok(GatePass(Arc::clone(self)))
     }
 
-    pub fn serving(&self) -> usize {
+    pub(crate) fn serving(&self) -> usize {
         self.serving.load(Ordering::Acquire)
     }
 
-    pub fn max_requests(&self) -> usize {
+    pub(crate) fn max_requests(&self) -> usize {
         self.max_requests
     }
 
-    pub fn draining(&self) -> bool {
+    pub(crate) fn draining(&self) -> bool {
         self.draining.load(Ordering::Acquire)
     }
 
-    pub fn start_draining(&self) {
+    pub(crate) fn start_draining(&self) {
         self.draining.store(true, Ordering::Release);
-    }
-
-    /// Waits until no request is being served.
-    pub async fn idle(&self) {
-        loop {
-            let notified = self.idle.notified();
-            if self.serving() == 0 {
-                return;
-            }
-            notified.await;
-        }
     }
 }
 
 /// One request counted in the gate.
 #[derive(Debug)]
-pub struct GatePass(Arc<Gate>);
+pub(crate) struct GatePass(Arc<Gate>);
 
 impl Drop for GatePass {
     fn drop(&mut self) {

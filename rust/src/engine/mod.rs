@@ -2,32 +2,40 @@
 //! gate, selection with its permit, the FIFO wait queue), then forwarding with retries.
 //! Plain Rust: no Python, no HTTP server; `cargo test` reaches all of it.
 
+pub(crate) mod admission;
 mod gate;
-mod policies;
+pub(crate) mod permit;
+pub(crate) mod policies;
+pub(crate) mod selection;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub use gate::{Gate, GatePass, Refusal};
-pub use policies::{PolicyNames, PolicySet};
+pub(crate) use gate::{Gate, GatePass, Refusal};
+pub(crate) use policies::{PolicyNames, PolicySet};
+pub(crate) use selection::{select, select_excluding};
 
 use arc_swap::ArcSwapOption;
 use http::HeaderMap;
 
-use crate::admission::{Admission, Class, Ticket};
+use crate::engine::admission::{Admission, Ticket};
+
 use crate::distserve::DistServe;
+use crate::engine::permit::InFlightPermit;
 use crate::error::{Error, Kind, Result};
-use crate::forward::{ForwardConfig, ForwardRequest, Forwarder, UpstreamResponse};
 use crate::inspect::RequestInfo;
+use crate::node::registry::Registry;
+use crate::node::Outcome;
 use crate::node::{Node, NodeSpec, NodeState, Role};
-use crate::permit::{InFlightPermit, Outcome};
-use crate::registry::Registry;
-use crate::retry::RetryBudget;
+use crate::observe::trace::{OpenSpan, SpanKind, Trace, Tracer, TracingConfig};
 use crate::select::kv_index::KvIndex;
-use crate::select::{select, select_excluding, PolicyConfig, SelectCtx};
+use crate::select::{PolicyConfig, SelectCtx};
+use crate::tenants::Class;
 use crate::tenants::Tenants;
-use crate::trace::{OpenSpan, SpanKind, Trace, Tracer, TracingConfig};
+use crate::upstream::forward::{ForwardConfig, Forwarder, UpstreamResponse};
+use crate::upstream::retry::RetryBudget;
+use crate::upstream::ForwardRequest;
 
 /// How often a request queued in a worker group looks for room freed by another worker.
 const GROUP_POLL: Duration = Duration::from_millis(5);
@@ -58,7 +66,7 @@ pub struct EngineConfig {
 
 impl EngineConfig {
     /// When a request that started at `started` runs out of time, if requests have a limit.
-    pub fn deadline(&self, started: std::time::Instant) -> Option<tokio::time::Instant> {
+    pub(crate) fn deadline(&self, started: std::time::Instant) -> Option<tokio::time::Instant> {
         self.request_timeout.map(|limit| tokio::time::Instant::from_std(started) + limit)
     }
 }
@@ -68,34 +76,34 @@ pub struct Engine {
     pub registry: Registry,
     policies: PolicySet,
     pub admission: Arc<Admission>,
-    pub retry_budget: Arc<RetryBudget>,
-    pub forwarder: Forwarder,
-    pub gate: Arc<Gate>,
-    pub config: EngineConfig,
+    pub(crate) retry_budget: Arc<RetryBudget>,
+    pub(crate) forwarder: Forwarder,
+    pub(crate) gate: Arc<Gate>,
+    pub(crate) config: EngineConfig,
     /// In a worker group: how often a queued request looks for room freed by other workers.
     group_poll: Option<Duration>,
     /// This proxy's id in `x-pdproxy-via` (see `loops`).
     instance: String,
     /// Present when requests are traced.
-    pub tracer: Option<Arc<Tracer>>,
+    pub(crate) tracer: Option<Arc<Tracer>>,
     /// Who requests count for, and their limits (empty: nobody's).
-    pub tenants: Tenants,
+    pub(crate) tenants: Tenants,
     /// LMDeploy DistServe's links and sessions, once the control plane has started its flow.
-    pub distserve: ArcSwapOption<DistServe>,
+    pub(crate) distserve: ArcSwapOption<DistServe>,
     /// The engines' KV events, once the control plane follows them (see `select::kv_index`).
     kv_index: ArcSwapOption<KvIndex>,
 }
 
 /// A permit taken at once, or a place in the queue.
 #[derive(Debug)]
-pub enum Admitted {
+pub(crate) enum Admitted {
     Now(InFlightPermit),
     Queued(Queued),
 }
 
 /// A request waiting in the queue: its ticket, and when traced its admission and queue spans.
 #[derive(Debug)]
-pub struct Queued {
+pub(crate) struct Queued {
     ticket: Ticket,
     spans: Option<(OpenSpan, OpenSpan)>,
 }
@@ -124,33 +132,33 @@ impl Engine {
     }
 
     /// This proxy's id, as its requests carry it in `x-pdproxy-via`.
-    pub fn instance(&self) -> &str {
+    pub(crate) fn instance(&self) -> &str {
         &self.instance
     }
 
     /// A forwarder with a pool of its own (an edge thread's), sharing the engine's retry budget.
-    pub fn new_forwarder(&self) -> Forwarder {
+    pub(crate) fn new_forwarder(&self) -> Forwarder {
         Forwarder::new(self.config.forward.clone(), &self.instance, Arc::clone(&self.retry_budget))
     }
 
-    pub fn policies(&self) -> &PolicySet {
+    pub(crate) fn policies(&self) -> &PolicySet {
         &self.policies
     }
 
     /// Prices cache hits from `index` where it is live (`None`: from the prefix table alone).
-    pub fn set_kv_index(&self, index: Option<Arc<KvIndex>>) {
+    pub(crate) fn set_kv_index(&self, index: Option<Arc<KvIndex>>) {
         self.policies.use_kv_index(index.as_ref());
         self.kv_index.store(index);
     }
 
-    pub fn kv_index(&self) -> Option<Arc<KvIndex>> {
+    pub(crate) fn kv_index(&self) -> Option<Arc<KvIndex>> {
         self.kv_index.load_full()
     }
 
     /// Refuses a request whose numbers would size the proxy's own work past its settings:
     /// `n` and `best_of` past `max_n` (SGLang's disaggregation sends one bootstrap entry per
     /// choice). Other numbers (`max_tokens`, `logprobs`) size nothing in the proxy.
-    pub fn check_asks(&self, info: &RequestInfo<'_>) -> Result<()> {
+    pub(crate) fn check_asks(&self, info: &RequestInfo<'_>) -> Result<()> {
         let max = self.config.max_n;
         for (field, asked) in [("n", info.n), ("best_of", info.best_of)] {
             if let Some(asked) = asked.filter(|&asked| asked > max) {
@@ -172,7 +180,7 @@ impl Engine {
     }
 
     /// The registered node at `url`.
-    pub fn node(&self, url: &str) -> Result<Arc<Node>> {
+    pub(crate) fn node(&self, url: &str) -> Result<Arc<Node>> {
         self.registry
             .load()
             .get(url)
@@ -182,7 +190,7 @@ impl Engine {
 
     /// Selects a node and takes its permit now, or queues the request when every candidate
     /// is full. Counts the request for its model.
-    pub fn admit(&self, ctx: &SelectCtx<'_>) -> Result<Admitted> {
+    pub(crate) fn admit(&self, ctx: &SelectCtx<'_>) -> Result<Admitted> {
         let set = self.registry.load();
         set.count_request(ctx.model);
         let policy = self.policies.for_request(ctx.role, ctx.model);
@@ -223,7 +231,7 @@ impl Engine {
 
     /// Takes a permit on one given node (a request whose node was chosen beforehand). It
     /// does not queue.
-    pub fn admit_on(&self, url: &str) -> Result<InFlightPermit> {
+    pub(crate) fn admit_on(&self, url: &str) -> Result<InFlightPermit> {
         let node = self.node(url)?;
         if node.counters().state() != NodeState::Healthy {
             return Err(Error::new(Kind::NoHealthyNode, format!("node {} is not healthy", node.url())));
@@ -232,7 +240,7 @@ impl Engine {
     }
 
     /// The node the policy would choose now, without taking its permit.
-    pub fn choose(&self, ctx: &SelectCtx<'_>) -> Result<Arc<Node>> {
+    pub(crate) fn choose(&self, ctx: &SelectCtx<'_>) -> Result<Arc<Node>> {
         let policy = self.policies.for_request(ctx.role, ctx.model);
         let permit = select(&self.registry.load(), ctx, policy.as_ref(), None)?;
         let node = Arc::clone(permit.node());
@@ -248,7 +256,7 @@ impl Engine {
     /// Waits in the queue until a node with room takes the request, or the wait times out.
     /// The request is queued on entry; every round first tries to select (a slot freed just
     /// before the request queued would otherwise wake nobody), then waits for a wake.
-    pub async fn wait_for_permit(&self, queued: Queued, ctx: &SelectCtx<'_>) -> Result<InFlightPermit> {
+    pub(crate) async fn wait_for_permit(&self, queued: Queued, ctx: &SelectCtx<'_>) -> Result<InFlightPermit> {
         let Queued { mut ticket, spans } = queued;
         let (admission_span, queue_span) = spans.unzip();
         let inner = SelectCtx { trace: ctx.trace.zip(admission_span.as_ref()).map(|(t, s)| t.under(s)), ..*ctx };
@@ -308,7 +316,7 @@ impl Engine {
     /// not event streams are read whole with the head. A node that has not answered by
     /// `deadline` (the request's time limit) failed it.
     #[allow(clippy::too_many_arguments)]
-    pub async fn send(
+    pub(crate) async fn send(
         &self,
         forwarder: &Forwarder,
         mut permit: InFlightPermit,
@@ -379,14 +387,14 @@ impl Engine {
 /// A node's answer, with the permit taken on it: released (with the answer's outcome) when the
 /// answer has been passed on.
 #[derive(Debug)]
-pub struct Sent {
-    pub permit: InFlightPermit,
-    pub response: UpstreamResponse,
+pub(crate) struct Sent {
+    pub(crate) permit: InFlightPermit,
+    pub(crate) response: UpstreamResponse,
 }
 
 impl Sent {
     /// The node that answered.
-    pub fn node(&self) -> &Arc<Node> {
+    pub(crate) fn node(&self) -> &Arc<Node> {
         self.permit.node()
     }
 }
@@ -400,7 +408,7 @@ enum Attempt {
 
 /// The affinity key of a request: the `x-smg-routing-key` (the SGLang gateway's), `x-session-id`
 /// or `x-user-id` header, else the body's `session_id` or `user`.
-pub fn affinity<'a>(headers: &'a HeaderMap, info: &'a RequestInfo<'_>) -> Option<&'a str> {
+pub(crate) fn affinity<'a>(headers: &'a HeaderMap, info: &'a RequestInfo<'_>) -> Option<&'a str> {
     static ROUTING_KEY: http::HeaderName = http::HeaderName::from_static("x-smg-routing-key");
     static SESSION: http::HeaderName = http::HeaderName::from_static("x-session-id");
     static USER: http::HeaderName = http::HeaderName::from_static("x-user-id");
@@ -435,7 +443,7 @@ fn end_attempt(trace: &Trace, span: OpenSpan, node: &Node, earlier: usize, answe
 }
 
 /// What selection needs of a request, from its parsed body and headers.
-pub fn select_ctx<'a>(role: Role, headers: &'a HeaderMap, info: &'a RequestInfo<'_>) -> SelectCtx<'a> {
+pub(crate) fn select_ctx<'a>(role: Role, headers: &'a HeaderMap, info: &'a RequestInfo<'_>) -> SelectCtx<'a> {
     SelectCtx {
         role,
         model: info.model.as_deref(),

@@ -18,14 +18,14 @@ pub struct PolicyNames {
 }
 
 #[derive(Debug)]
-pub struct PolicySet {
+pub(crate) struct PolicySet {
     /// Per role (`Role::index`).
     by_role: [Arc<dyn Policy>; 3],
     by_model: FxHashMap<String, Arc<dyn Policy>>,
 }
 
 impl PolicySet {
-    pub fn build(names: &PolicyNames, config: &PolicyConfig) -> Result<Self> {
+    pub(crate) fn build(names: &PolicyNames, config: &PolicyConfig) -> Result<Self> {
         let build = |name: &str| policy_from_name(name.trim(), config);
         let by_role = [build(&names.hybrid)?, build(&names.prefill)?, build(&names.decode)?];
         let mut by_model = FxHashMap::default();
@@ -38,7 +38,7 @@ impl PolicySet {
         Ok(Self { by_role, by_model })
     }
 
-    pub fn for_request(&self, role: Role, model: Option<&str>) -> &Arc<dyn Policy> {
+    pub(crate) fn for_request(&self, role: Role, model: Option<&str>) -> &Arc<dyn Policy> {
         if self.by_model.is_empty() {
             return &self.by_role[role.index()];
         }
@@ -46,14 +46,14 @@ impl PolicySet {
     }
 
     /// Every policy prices cache hits from `index` (see `Policy::use_kv_index`).
-    pub fn use_kv_index(&self, index: Option<&Arc<KvIndex>>) {
+    pub(crate) fn use_kv_index(&self, index: Option<&Arc<KvIndex>>) {
         for policy in self.by_role.iter().chain(self.by_model.values()) {
             policy.use_kv_index(index.cloned());
         }
     }
 
     /// `(role, policy)` for each role, then `("model:NAME", policy)` for each override.
-    pub fn names(&self) -> Vec<(String, &'static str)> {
+    pub(crate) fn names(&self) -> Vec<(String, &'static str)> {
         let mut out: Vec<(String, &'static str)> =
             Role::ALL.iter().map(|r| (r.name().to_owned(), self.by_role[r.index()].name())).collect();
         out.extend(self.by_model.iter().map(|(m, p)| (format!("model:{m}"), p.name())));

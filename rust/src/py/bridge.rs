@@ -11,13 +11,13 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::{intern, IntoPyObjectExt};
 
-use crate::doorbell::Doorbell;
+use crate::bridge::doorbell::Doorbell;
 
 /// Work for the loop thread, run with the GIL held.
-pub type Completion = Box<dyn FnOnce(Python<'_>) + Send>;
+pub(crate) type Completion = Box<dyn FnOnce(Python<'_>) + Send>;
 
 #[pyclass(frozen, name = "_LoopBridge", module = "pdproxy._pdproxy")]
-pub struct LoopBridge {
+pub(crate) struct LoopBridge {
     doorbell: Doorbell,
     queue: Mutex<Vec<Completion>>,
     event_loop: Py<PyAny>,
@@ -25,7 +25,7 @@ pub struct LoopBridge {
 
 impl LoopBridge {
     /// A bridge to the running loop, registered with it.
-    pub fn start(py: Python<'_>) -> PyResult<Py<Self>> {
+    pub(crate) fn start(py: Python<'_>) -> PyResult<Py<Self>> {
         let event_loop = running_loop(py)?;
         let doorbell = Doorbell::new()?;
         let fd = doorbell.fd();
@@ -35,28 +35,24 @@ impl LoopBridge {
         Ok(bridge)
     }
 
-    pub fn event_loop(&self) -> &Py<PyAny> {
-        &self.event_loop
-    }
-
     /// Queues work for the loop thread. Callable from any thread, without the GIL.
-    pub fn submit(&self, completion: Completion) {
+    pub(crate) fn submit(&self, completion: Completion) {
         self.queue.lock().unwrap_or_else(PoisonError::into_inner).push(completion);
         self.doorbell.ring();
     }
 
     /// A new future of the bridge's loop.
-    pub fn create_future<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+    pub(crate) fn create_future<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         self.event_loop.bind(py).call_method0(intern!(py, "create_future"))
     }
 
     /// True when the running loop is this bridge's loop.
-    pub fn serves_running_loop(&self, py: Python<'_>) -> PyResult<bool> {
+    pub(crate) fn serves_running_loop(&self, py: Python<'_>) -> PyResult<bool> {
         Ok(running_loop(py)?.is(self.event_loop.bind(py)))
     }
 
     /// Stops watching the doorbell (the loop may already be closed).
-    pub fn stop(&self, py: Python<'_>) {
+    pub(crate) fn stop(&self, py: Python<'_>) {
         let _ = self.event_loop.bind(py).call_method1(intern!(py, "remove_reader"), (self.doorbell.fd(),));
     }
 }
@@ -80,7 +76,7 @@ fn running_loop(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
 
 /// Completes `future` with `value`, unless it was cancelled meanwhile (then setting it
 /// fails, which is the cheaper way to find out than asking first).
-pub fn resolve(py: Python<'_>, future: &Py<PyAny>, value: PyResult<Py<PyAny>>) {
+pub(crate) fn resolve(py: Python<'_>, future: &Py<PyAny>, value: PyResult<Py<PyAny>>) {
     let future = future.bind(py);
     let _ = match value {
         Ok(value) => future.call_method1(intern!(py, "set_result"), (value,)),
@@ -89,11 +85,11 @@ pub fn resolve(py: Python<'_>, future: &Py<PyAny>, value: PyResult<Py<PyAny>>) {
 }
 
 /// The exception that ends an `async for`.
-pub fn end_of_iteration() -> PyErr {
+pub(crate) fn end_of_iteration() -> PyErr {
     PyStopAsyncIteration::new_err(())
 }
 
 /// Converts any Python-convertible value, for `resolve`.
-pub fn to_object<'py, T: IntoPyObjectExt<'py>>(py: Python<'py>, value: T) -> PyResult<Py<PyAny>> {
+pub(crate) fn to_object<'py, T: IntoPyObjectExt<'py>>(py: Python<'py>, value: T) -> PyResult<Py<PyAny>> {
     value.into_py_any(py)
 }

@@ -7,58 +7,58 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::engine::{EngineConfig, PolicyNames};
-use crate::forward::ForwardConfig;
+use crate::observe::trace::{Sampler, TracingConfig};
 use crate::select::{PolicyConfig, PrefixConfig, ScoreWeights};
-use crate::trace::{Sampler, TracingConfig};
+use crate::upstream::forward::ForwardConfig;
 
 #[derive(FromPyObject)]
-pub struct RouterConfig {
-    pub policy: String,
-    pub prefill_policy: String,
-    pub decode_policy: String,
-    pub model_policies: Vec<String>,
-    pub hash_load_factor: f64,
-    pub prefix_block_bytes: usize,
-    pub prefix_max_blocks: usize,
-    pub prefix_cache_entries: usize,
-    pub prefix_balance_threshold: u64,
-    pub prefix_bytes_per_token: f64,
-    pub score_prefix_weight: f64,
-    pub score_queue_weight: f64,
-    pub score_hidden_weight: f64,
-    pub engine_metrics_max_age: f64,
-    pub queue_size: usize,
-    pub queue_timeout: f64,
-    pub request_timeout: f64,
-    pub retries: u32,
-    pub retry_budget_ratio: f64,
-    pub retry_budget_floor: u64,
-    pub circuit_failures: u32,
-    pub circuit_cooldown: f64,
-    pub runtime_threads: usize,
-    pub connect_timeout: f64,
-    pub first_byte_timeout: f64,
-    pub pool_idle_timeout: f64,
-    pub pool_max_idle_per_node: usize,
-    pub prefetch_limit: usize,
-    pub stream_idle_timeout: f64,
-    pub stream_buffer_limit: usize,
-    pub stream_stall_timeout: f64,
-    pub node_tcp_keepalive: f64,
-    pub answer_buffer_limit: usize,
-    pub answer_timeout: f64,
-    pub max_requests: usize,
-    pub max_n: u64,
-    pub node_ca_file: String,
-    pub otlp_endpoint: String,
+pub(crate) struct RouterConfig {
+    pub(crate) policy: String,
+    pub(crate) prefill_policy: String,
+    pub(crate) decode_policy: String,
+    pub(crate) model_policies: Vec<String>,
+    pub(crate) hash_load_factor: f64,
+    pub(crate) prefix_block_bytes: usize,
+    pub(crate) prefix_max_blocks: usize,
+    pub(crate) prefix_cache_entries: usize,
+    pub(crate) prefix_balance_threshold: u64,
+    pub(crate) prefix_bytes_per_token: f64,
+    pub(crate) score_prefix_weight: f64,
+    pub(crate) score_queue_weight: f64,
+    pub(crate) score_hidden_weight: f64,
+    pub(crate) engine_metrics_max_age: f64,
+    pub(crate) queue_size: usize,
+    pub(crate) queue_timeout: f64,
+    pub(crate) request_timeout: f64,
+    pub(crate) retries: u32,
+    pub(crate) retry_budget_ratio: f64,
+    pub(crate) retry_budget_floor: u64,
+    pub(crate) circuit_failures: u32,
+    pub(crate) circuit_cooldown: f64,
+    pub(crate) runtime_threads: usize,
+    pub(crate) connect_timeout: f64,
+    pub(crate) first_byte_timeout: f64,
+    pub(crate) pool_idle_timeout: f64,
+    pub(crate) pool_max_idle_per_node: usize,
+    pub(crate) prefetch_limit: usize,
+    pub(crate) stream_idle_timeout: f64,
+    pub(crate) stream_buffer_limit: usize,
+    pub(crate) stream_stall_timeout: f64,
+    pub(crate) node_tcp_keepalive: f64,
+    pub(crate) answer_buffer_limit: usize,
+    pub(crate) answer_timeout: f64,
+    pub(crate) max_requests: usize,
+    pub(crate) max_n: u64,
+    pub(crate) node_ca_file: String,
+    pub(crate) otlp_endpoint: String,
     /// `NAME=VALUE` pairs.
-    pub otlp_headers: Vec<String>,
-    pub service_name: String,
-    pub trace_sampler: String,
-    pub trace_sampler_arg: f64,
+    pub(crate) otlp_headers: Vec<String>,
+    pub(crate) service_name: String,
+    pub(crate) trace_sampler: String,
+    pub(crate) trace_sampler_arg: f64,
 }
 
-pub fn seconds(name: &str, value: f64) -> PyResult<Duration> {
+pub(crate) fn seconds(name: &str, value: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(value)
         .ok()
         .filter(|d| !d.is_zero())
@@ -70,7 +70,7 @@ fn or_general(role_policy: &str, general: &str) -> String {
 }
 
 impl RouterConfig {
-    pub fn forward_config(&self) -> PyResult<ForwardConfig> {
+    pub(crate) fn forward_config(&self) -> PyResult<ForwardConfig> {
         Ok(ForwardConfig {
             connect_timeout: seconds("connect_timeout", self.connect_timeout)?,
             first_byte_timeout: seconds("first_byte_timeout", self.first_byte_timeout)?,
@@ -87,7 +87,7 @@ impl RouterConfig {
         })
     }
 
-    pub fn engine_config(&self) -> PyResult<EngineConfig> {
+    pub(crate) fn engine_config(&self) -> PyResult<EngineConfig> {
         Ok(EngineConfig {
             policies: PolicyNames {
                 hybrid: self.policy.clone(),

@@ -14,7 +14,7 @@ use crate::headers::header_map;
 /// One error answer: (status, `OpenAI` type, code, default `Retry-After`).
 type ErrorEntry = (u16, &'static str, &'static str, Option<u32>);
 
-pub fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
+pub(crate) fn add(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let errors: HashMap<&str, ErrorEntry> =
         ERRORS.iter().map(|(name, f)| (*name, (f.status, f.kind, f.code, f.retry_after))).collect();
     m.add("ERRORS", errors)?;

@@ -19,7 +19,7 @@ use crate::node::Node;
 
 /// What the control plane gives when it starts LMDeploy's flow.
 #[derive(FromPyObject)]
-pub struct DistServeSettings {
+pub(crate) struct DistServeSettings {
     migration_protocol: u8,
     dummy_prefill: bool,
     free_timeout: f64,
@@ -28,7 +28,7 @@ pub struct DistServeSettings {
 }
 
 #[pyclass(frozen, name = "DistServeCore", module = "pdproxy._pdproxy")]
-pub struct DistServeCore {
+pub(crate) struct DistServeCore {
     engine: Arc<Engine>,
     inner: Arc<DistServe>,
     runtime: &'static tokio::runtime::Runtime,
@@ -37,7 +37,7 @@ pub struct DistServeCore {
 
 impl DistServeCore {
     /// Starts the flow on `engine`: from now on its requests read `connect`'s links.
-    pub fn start(
+    pub(crate) fn start(
         py: Python<'_>,
         engine: &Arc<Engine>,
         runtime: &'static tokio::runtime::Runtime,
@@ -185,7 +185,7 @@ impl LinkMaker for ControlPlaneLinks {
 
 /// The answer to one link request.
 #[pyclass(frozen, name = "LinkDone", module = "pdproxy._pdproxy")]
-pub struct LinkDone(Mutex<Option<oneshot::Sender<Result<()>>>>);
+pub(crate) struct LinkDone(Mutex<Option<oneshot::Sender<Result<()>>>>);
 
 #[pymethods]
 impl LinkDone {

@@ -9,13 +9,13 @@ use pyo3::prelude::*;
 
 use super::config::seconds;
 use super::router::Router;
-use crate::edge::access::Format;
 use crate::edge::cors::Cors;
 use crate::edge::{self, EdgeConfig, PdProtocol};
+use crate::observe::access::Format;
 use crate::tls;
 
 #[pyclass(frozen, name = "EdgeListener", module = "pdproxy._pdproxy")]
-pub struct EdgeListener {
+pub(crate) struct EdgeListener {
     listener: Mutex<Option<std::net::TcpListener>>,
     #[pyo3(get)]
     host: String,
@@ -36,7 +36,7 @@ impl EdgeListener {
 
 /// The settings the edge reads from `Settings` (by attribute; no defaults here).
 #[derive(FromPyObject)]
-pub struct EdgeSettings {
+pub(crate) struct EdgeSettings {
     api_keys: Vec<String>,
     max_body_size: usize,
     body_timeout: f64,
@@ -57,7 +57,7 @@ pub struct EdgeSettings {
 }
 
 #[pyclass(frozen, name = "Edge", module = "pdproxy._pdproxy")]
-pub struct Edge {
+pub(crate) struct Edge {
     inner: edge::Edge,
 }
 
@@ -109,7 +109,7 @@ impl Edge {
 }
 
 /// The edge's settings from the control plane's.
-pub fn edge_config(
+pub(crate) fn edge_config(
     settings: EdgeSettings,
     control_socket: PathBuf,
     control_stale_after: f64,

@@ -57,7 +57,7 @@ fn exception(err: &Error) -> PyErr {
 }
 
 /// The gate's refusal as the exception the control plane answers with.
-pub fn refusal_to_pyerr(refusal: Refusal, max_requests: usize) -> PyErr {
+pub(crate) fn refusal_to_pyerr(refusal: Refusal, max_requests: usize) -> PyErr {
     match refusal {
         Refusal::Draining => Draining::new_err("the proxy is draining and takes no new requests"),
         Refusal::Full => ProxyOverloaded::new_err(format!("the proxy is serving its limit of {max_requests} requests")),

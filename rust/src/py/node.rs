@@ -9,13 +9,13 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::error::{Error, Kind};
+use crate::node::registry::{check_api_key, check_speed};
 use crate::node::{Node, NodeSpec, NodeUrl, Role};
-use crate::registry::{check_api_key, check_speed};
 
 /// The attributes of `pdproxy.node_record.NodeRecord`, as the data plane takes them.
 #[derive(FromPyObject)]
-pub struct NodeRecord {
-    pub url: String,
+pub(crate) struct NodeRecord {
+    pub(crate) url: String,
     models: Option<Vec<String>>,
     role: String,
     speed: Option<f64>,
@@ -28,7 +28,7 @@ pub struct NodeRecord {
 
 impl NodeRecord {
     /// The node's canonical URL, once every rule of the node table holds for the record.
-    pub fn check(&self) -> PyResult<String> {
+    pub(crate) fn check(&self) -> PyResult<String> {
         let url = NodeUrl::parse(&self.url)?;
         Role::parse(&self.role)?;
         check_speed(self.speed)?;
@@ -37,7 +37,7 @@ impl NodeRecord {
     }
 
     /// The spec the node table keeps, reached at `address` (`HOST:PORT`) when given.
-    pub fn into_spec(self, address: Option<&str>) -> PyResult<NodeSpec> {
+    pub(crate) fn into_spec(self, address: Option<&str>) -> PyResult<NodeSpec> {
         let address = address
             .map(str::parse::<SocketAddr>)
             .transpose()
@@ -59,7 +59,7 @@ impl NodeRecord {
 
 /// What a node was registered with (its API key only when `with_key`: status shows whether
 /// it has one, never the key), plus the models it serves and where it is reached.
-pub fn record_dict<'py>(py: Python<'py>, node: &Node, with_key: bool) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn record_dict<'py>(py: Python<'py>, node: &Node, with_key: bool) -> PyResult<Bound<'py, PyDict>> {
     let spec = node.spec();
     let out = PyDict::new(py);
     out.set_item("url", node.url())?;

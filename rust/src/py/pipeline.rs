@@ -17,10 +17,10 @@ use super::edge::{edge_config, EdgeSettings};
 use super::errors::Unauthorized;
 use super::response::{Head, Response};
 use super::router::{AbortOnCancel, Router};
+use crate::bridge::exchange::{relay, Exchange};
 use crate::edge::body::EdgeBody;
 use crate::edge::keys::KEY_REQUIRED;
 use crate::edge::{BodyError, Embedded};
-use crate::exchange::{relay, Exchange};
 use crate::headers::{header_map, header_pairs};
 
 /// Header pairs as ASGI gives and takes them.
@@ -29,7 +29,7 @@ type Pairs = Vec<(Vec<u8>, Vec<u8>)>;
 type Raw = (u16, Pairs, Vec<u8>);
 
 #[pyclass(frozen, name = "Pipeline", module = "pdproxy._pdproxy")]
-pub struct Pipeline {
+pub(crate) struct Pipeline {
     embedded: Arc<Embedded>,
     runtime: &'static tokio::runtime::Runtime,
     /// The loop the answers are handed to (the router's, bound on construction).

@@ -6,10 +6,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use super::bridge::{end_of_iteration, resolve, to_object, LoopBridge};
-use crate::exchange::{Delivery, Exchange, Waiter};
+use crate::bridge::exchange::{Delivery, Exchange, Waiter};
 
 #[pyclass(frozen, name = "Response", module = "pdproxy._pdproxy")]
-pub struct Response {
+pub(crate) struct Response {
     /// The node's HTTP status.
     #[pyo3(get)]
     status: u16,
@@ -30,17 +30,17 @@ pub struct Response {
 }
 
 /// The parts of a node's response head that reach Python.
-pub struct Head<'a> {
-    pub status: http::StatusCode,
-    pub headers: &'a http::HeaderMap,
-    pub node: &'a str,
+pub(crate) struct Head<'a> {
+    pub(crate) status: http::StatusCode,
+    pub(crate) headers: &'a http::HeaderMap,
+    pub(crate) node: &'a str,
     /// The whole body, when it was read with the head.
-    pub complete: Option<&'a [u8]>,
+    pub(crate) complete: Option<&'a [u8]>,
 }
 
 impl Response {
     /// Builds the Python response under the GIL, on the loop thread.
-    pub fn build(
+    pub(crate) fn build(
         py: Python<'_>,
         head: &Head<'_>,
         exchange: Option<Arc<Exchange>>,

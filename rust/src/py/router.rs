@@ -20,28 +20,29 @@ use super::response::{Head, Response};
 use super::shared::SharedTable;
 use super::tenants::{limited_to_pyerr, tenant_dict, TenantEntry, TenantTicket};
 use super::trace::{traced, Trace};
-use crate::admission::Class;
-use crate::circuit::now_ms;
+use crate::bridge::exchange::{pump, Exchange, StreamTimeouts};
+use crate::bridge::runtime;
+use crate::clock::now_ms;
 use crate::engine::{select_ctx, Admitted, Engine};
-use crate::engine_report::EngineFigures;
 use crate::error::{Error, Kind};
-use crate::exchange::{pump, Exchange, StreamTimeouts};
-use crate::forward::{ForwardRequest, ResponseBody, UpstreamResponse};
 use crate::headers::header_map;
-use crate::histogram::HistogramSnapshot;
 use crate::inspect::{inspect, patch};
 use crate::memory;
+use crate::node::engine_report::EngineFigures;
+use crate::node::registry::Registry;
+use crate::node::Outcome;
 use crate::node::{Node, NodeState, NodeUrl, Role};
-use crate::permit::Outcome;
-use crate::registry::Registry;
-use crate::runtime;
+use crate::observe::histogram::HistogramSnapshot;
+use crate::observe::trace::{OpenSpan, Trace as RequestTrace};
 use crate::select::kv_index::{ChatTemplate, Detokenizer, KvIndex, Stored};
 use crate::select::SelectCtx;
+use crate::tenants::Class;
 use crate::tenants::{estimate_tokens, TenantPass, TenantSpec};
-use crate::trace::{OpenSpan, Trace as RequestTrace};
+use crate::upstream::forward::{ResponseBody, UpstreamResponse};
+use crate::upstream::ForwardRequest;
 
 #[pyclass(frozen, name = "Router", module = "pdproxy._pdproxy")]
-pub struct Router {
+pub(crate) struct Router {
     pub(crate) engine: Arc<Engine>,
     pub(crate) runtime: &'static tokio::runtime::Runtime,
     /// Ends every task of this router when it closes.

@@ -8,10 +8,10 @@ use std::time::Duration;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use crate::shared;
+use crate::node::shared;
 
 #[pyclass(frozen, name = "SharedTable", module = "pdproxy._pdproxy")]
-pub struct SharedTable {
+pub(crate) struct SharedTable {
     pub(crate) inner: Arc<shared::SharedTable>,
 }
 

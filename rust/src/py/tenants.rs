@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 
-use crate::admission::Class;
 use crate::headers::header_pairs;
+use crate::tenants::Class;
 use crate::tenants::{Limit, Limited, Limits, Tenant, TenantPass, TenantSpec};
 
 pyo3::import_exception!(pdproxy.errors, RateLimited);
@@ -16,7 +16,7 @@ pyo3::import_exception!(pdproxy.errors, QuotaExceeded);
 /// One entry of the tenants file, as `pdproxy/tenants.py` reads it.
 #[derive(FromPyObject)]
 #[pyo3(from_item_all)]
-pub struct TenantEntry {
+pub(crate) struct TenantEntry {
     name: String,
     keys: Vec<String>,
     rpm: Option<u64>,
@@ -37,15 +37,15 @@ impl From<TenantEntry> for TenantSpec {
 /// A request's admission: its queue class, and its tenant's pass when it has a tenant (shared
 /// with the forwarding task, which counts the answer's tokens; settled when both let go).
 #[pyclass(frozen, name = "TenantTicket", module = "pdproxy._pdproxy")]
-pub struct TenantTicket {
-    pub pass: Arc<Mutex<Option<TenantPass>>>,
-    pub class: Class,
+pub(crate) struct TenantTicket {
+    pub(crate) pass: Arc<Mutex<Option<TenantPass>>>,
+    pub(crate) class: Class,
     tenant: Option<String>,
     headers: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
 impl TenantTicket {
-    pub fn new(pass: Option<TenantPass>, class: Class) -> Self {
+    pub(crate) fn new(pass: Option<TenantPass>, class: Class) -> Self {
         let headers = pass.as_ref().map_or_else(Vec::new, |p| header_pairs(p.headers.to_headers()));
         let tenant = pass.as_ref().map(|p| p.tenant().name.clone());
         Self { pass: Arc::new(Mutex::new(pass)), class, tenant, headers }
@@ -85,7 +85,7 @@ impl TenantTicket {
 }
 
 /// A tenant over a limit, as the exception the control plane answers with.
-pub fn limited_to_pyerr(limited: &Limited) -> PyErr {
+pub(crate) fn limited_to_pyerr(limited: &Limited) -> PyErr {
     let args = (
         limited.message.clone(),
         None::<String>,
@@ -101,7 +101,7 @@ pub fn limited_to_pyerr(limited: &Limited) -> PyErr {
 }
 
 /// One tenant's limits, window, in-flight requests and counts.
-pub fn tenant_dict<'py>(py: Python<'py>, tenant: &Tenant) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn tenant_dict<'py>(py: Python<'py>, tenant: &Tenant) -> PyResult<Bound<'py, PyDict>> {
     use std::sync::atomic::Ordering::Relaxed;
     let out = PyDict::new(py);
     let limits = tenant.limits();

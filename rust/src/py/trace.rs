@@ -7,10 +7,10 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::prelude::*;
 
-use crate::trace::{OpenSpan, SpanKind, Trace as RequestTrace, Traced};
+use crate::observe::trace::{OpenSpan, SpanKind, Trace as RequestTrace, Traced};
 
 #[pyclass(frozen, name = "Trace", module = "pdproxy._pdproxy")]
-pub struct Trace {
+pub(crate) struct Trace {
     request: Arc<RequestTrace>,
     /// `None`: the request's root span (ended when the last reference to the trace goes).
     span: Mutex<Option<OpenSpan>>,
@@ -19,18 +19,18 @@ pub struct Trace {
 }
 
 impl Trace {
-    pub fn root(trace: Arc<RequestTrace>) -> Self {
+    pub(crate) fn root(trace: Arc<RequestTrace>) -> Self {
         Self { request: trace, span: Mutex::new(None), parent: None }
     }
 
     /// The trace, and the span under which its parts go.
-    pub fn place(&self) -> (Arc<RequestTrace>, Option<OpenSpan>) {
+    pub(crate) fn place(&self) -> (Arc<RequestTrace>, Option<OpenSpan>) {
         (Arc::clone(&self.request), self.parent)
     }
 }
 
 /// Spans of a request part under `span` (or the root).
-pub fn traced<'a>(trace: &'a RequestTrace, span: Option<&OpenSpan>) -> Traced<'a> {
+pub(crate) fn traced<'a>(trace: &'a RequestTrace, span: Option<&OpenSpan>) -> Traced<'a> {
     match span {
         Some(span) => trace.traced().under(span),
         None => trace.traced(),

@@ -11,8 +11,8 @@ use super::{available_indices, stable_hash, Policy, SelectCtx};
 use crate::node::Node;
 
 #[derive(Debug)]
-pub struct ConsistentHash {
-    pub load_factor: f64,
+pub(crate) struct ConsistentHash {
+    pub(crate) load_factor: f64,
 }
 
 impl Policy for ConsistentHash {

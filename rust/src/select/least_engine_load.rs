@@ -6,13 +6,13 @@
 use std::sync::Arc;
 
 use super::{argmin_by, Policy, SelectCtx};
-use crate::circuit::now_ms;
+use crate::clock::now_ms;
 use crate::node::Node;
 
 #[derive(Debug)]
-pub struct LeastEngineLoad {
+pub(crate) struct LeastEngineLoad {
     /// Older engine reports are ignored.
-    pub max_age_ms: u64,
+    pub(crate) max_age_ms: u64,
 }
 
 /// Requests a node's engine has now: its fresh report with pdproxy's traffic since, else

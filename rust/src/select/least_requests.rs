@@ -6,7 +6,7 @@ use super::{available_indices, Policy, SelectCtx};
 use crate::node::Node;
 
 #[derive(Debug, Default)]
-pub struct LeastRequests;
+pub(crate) struct LeastRequests;
 
 /// Two distinct random available candidates (reservoir-sampled in one pass, so nodes
 /// changing state meanwhile cannot make the sample inconsistent); the one with fewer
@@ -67,7 +67,7 @@ mod tests {
         assert_eq!(LeastRequests.pick(&nodes, &SelectCtx::default()), Some(0));
     }
 
-    fn nodes_one() -> (crate::registry::Registry, Vec<Arc<Node>>) {
+    fn nodes_one() -> (crate::node::registry::Registry, Vec<Arc<Node>>) {
         nodes(1)
     }
 }

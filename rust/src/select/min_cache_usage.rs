@@ -13,13 +13,13 @@
 use std::sync::Arc;
 
 use super::{argmin_by, available_indices, MinExpectedLatency, Policy, SelectCtx};
-use crate::circuit::now_ms;
+use crate::clock::now_ms;
 use crate::node::Node;
 
 #[derive(Debug)]
-pub struct MinCacheUsage {
+pub(crate) struct MinCacheUsage {
     /// Older engine reports are ignored.
-    pub max_age_ms: u64,
+    pub(crate) max_age_ms: u64,
 }
 
 impl Policy for MinCacheUsage {

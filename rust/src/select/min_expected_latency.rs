@@ -7,7 +7,7 @@ use super::{argmin_by, effective_speed, Policy, SelectCtx};
 use crate::node::Node;
 
 #[derive(Debug, Default)]
-pub struct MinExpectedLatency;
+pub(crate) struct MinExpectedLatency;
 
 impl Policy for MinExpectedLatency {
     fn name(&self) -> &'static str {
@@ -25,8 +25,8 @@ impl Policy for MinExpectedLatency {
 mod tests {
     use super::super::testing::*;
     use super::*;
+    use crate::node::registry::Registry;
     use crate::node::NodeSpec;
-    use crate::registry::Registry;
 
     #[test]
     fn balances_load_against_speed() {

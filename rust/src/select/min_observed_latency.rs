@@ -9,8 +9,8 @@ use super::{argmin_by, Policy, SelectCtx};
 use crate::node::Node;
 
 #[derive(Debug, Default)]
-pub struct MinObservedLatency {
-    pub per_event: bool,
+pub(crate) struct MinObservedLatency {
+    pub(crate) per_event: bool,
 }
 
 impl Policy for MinObservedLatency {

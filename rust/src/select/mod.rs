@@ -1,8 +1,8 @@
-//! Node selection: one small trait, one file per policy. Selection and taking the node's
-//! permit are one step: a node raced to its cap is skipped and the policy picks again.
+//! The routing policies: one small trait, one file per policy. The engine takes the chosen
+//! node's permit (`engine::select`).
 
 mod consistent_hash;
-pub mod kv_index;
+pub(crate) mod kv_index;
 mod least_engine_load;
 mod least_requests;
 mod min_cache_usage;
@@ -17,24 +17,22 @@ mod scored;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
-pub use consistent_hash::ConsistentHash;
-pub use least_engine_load::LeastEngineLoad;
-pub use least_requests::LeastRequests;
-pub use min_cache_usage::MinCacheUsage;
-pub use min_expected_latency::MinExpectedLatency;
-pub use min_observed_latency::MinObservedLatency;
-pub use prefix::{Prefix, PrefixConfig};
-pub use prefix_table::{PrefixTable, PrefixTableConfig};
-pub use random::Random;
-pub use round_robin::RoundRobin;
-pub use scored::{ScoreWeights, Scored};
+pub(crate) use consistent_hash::ConsistentHash;
+pub(crate) use least_engine_load::LeastEngineLoad;
+pub(crate) use least_requests::LeastRequests;
+pub(crate) use min_cache_usage::MinCacheUsage;
+pub(crate) use min_expected_latency::MinExpectedLatency;
+pub(crate) use min_observed_latency::MinObservedLatency;
+pub(crate) use prefix::{Prefix, PrefixConfig};
+pub(crate) use prefix_table::PrefixTableConfig;
+pub(crate) use random::Random;
+pub(crate) use round_robin::RoundRobin;
+pub(crate) use scored::{ScoreWeights, Scored};
 
-use crate::admission::{Admission, Class};
 use crate::error::{Error, Kind, Result};
-use crate::node::{Node, NodeState, Role};
-use crate::permit::{InFlightPermit, Prediction};
-use crate::registry::{NoCandidates, NodeSet};
-use crate::trace::{SpanKind, Traced};
+use crate::node::{Node, Role};
+use crate::observe::trace::Traced;
+use crate::tenants::Class;
 
 /// What policies may look at besides the nodes.
 #[derive(Debug, Clone, Copy, Default)]
@@ -51,6 +49,20 @@ pub struct SelectCtx<'a> {
     pub class: Class,
     /// Where the selection's span goes, when the request is traced.
     pub trace: Option<Traced<'a>>,
+}
+
+/// What a routing policy expects a node to do for a request (prompt bytes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Prediction {
+    /// To prefill: not in the node's cache.
+    pub(crate) prefill: u64,
+    /// To be found in its cache.
+    pub(crate) cached: u64,
+    /// How long the node takes to prefill `prefill` (µs, at the rate the policy priced it).
+    pub(crate) prefill_us: u64,
+    /// When the first token should come (µs after the selection; 0: not priced): all the
+    /// policy knows of, so that coming later shows work there it did not know of.
+    pub(crate) first_token_us: u64,
 }
 
 /// A routing policy picks one of the candidates that are available now.
@@ -72,7 +84,7 @@ pub trait Policy: Send + Sync + std::fmt::Debug {
 }
 
 /// True when `node` may take a request now: healthy and below its cap.
-pub fn available(node: &Node) -> bool {
+pub(crate) fn available(node: &Node) -> bool {
     node.counters().is_available()
 }
 
@@ -124,15 +136,15 @@ pub(crate) fn stable_hash(parts: impl Hash) -> u64 {
 pub struct PolicyConfig {
     /// `consistent_hash`: a node takes a key's requests while its in-flight count stays
     /// below this factor times the average.
-    pub hash_load_factor: f64,
-    pub prefix: PrefixConfig,
+    pub(crate) hash_load_factor: f64,
+    pub(crate) prefix: PrefixConfig,
     /// Engine reports older than this (milliseconds) are not used.
-    pub engine_max_age_ms: u64,
+    pub(crate) engine_max_age_ms: u64,
     /// `scored`: the weights of its terms (a policy spelled `scored:prefix=2,...` overrides them).
-    pub score: ScoreWeights,
+    pub(crate) score: ScoreWeights,
     /// Prompt bytes per engine token, to size a node's share of the prefix table from the KV
     /// capacity its engine reports.
-    pub prefix_bytes_per_token: f64,
+    pub(crate) prefix_bytes_per_token: f64,
 }
 
 impl Default for PolicyConfig {
@@ -202,107 +214,18 @@ pub const POLICY_NAMES: [&str; 11] = [
     "scored",
 ];
 
-/// Selects a node for the request and takes its permit.
-pub fn select(
-    set: &NodeSet,
-    ctx: &SelectCtx<'_>,
-    policy: &dyn Policy,
-    admission: Option<&Arc<Admission>>,
-) -> Result<InFlightPermit> {
-    select_excluding(set, ctx, policy, admission, &[])
-}
-
-/// Like `select`, passing over the nodes of the given generations (those a retried request
-/// already tried).
-pub fn select_excluding(
-    set: &NodeSet,
-    ctx: &SelectCtx<'_>,
-    policy: &dyn Policy,
-    admission: Option<&Arc<Admission>>,
-    exclude: &[u64],
-) -> Result<InFlightPermit> {
-    let Some(traced) = ctx.trace else {
-        return pick(set, ctx, policy, admission, exclude).0;
-    };
-    let span = traced.open("pdproxy.select", SpanKind::Internal);
-    let (selected, candidates) = pick(set, ctx, policy, admission, exclude);
-    let attributes = || {
-        let mut out =
-            vec![("pdproxy.policy", policy.name().to_owned()), ("pdproxy.candidates", candidates.to_string())];
-        if let Ok(permit) = &selected {
-            out.push(("pdproxy.node", permit.node().url().to_owned()));
-        }
-        out
-    };
-    traced.trace.end(span, attributes, selected.as_ref().err().map(Error::message));
-    selected
-}
-
-/// The selection, and how many candidates it chose from.
-fn pick(
-    set: &NodeSet,
-    ctx: &SelectCtx<'_>,
-    policy: &dyn Policy,
-    admission: Option<&Arc<Admission>>,
-    exclude: &[u64],
-) -> (Result<InFlightPermit>, usize) {
-    let all = match set.candidates(ctx.role, ctx.model) {
-        Ok(candidates) => candidates,
-        Err(NoCandidates::NoNodes) => {
-            return (Err(Error::new(Kind::NoNodes, format!("no {} node is registered", ctx.role.name()))), 0);
-        }
-        Err(NoCandidates::ModelNotFound) => {
-            let message = format!("the model `{}` does not exist", ctx.model.unwrap_or_default());
-            return (Err(Error::new(Kind::ModelNotFound, message)), 0);
-        }
-        Err(NoCandidates::ModelsUnknown) => {
-            let what = ctx.model.map_or_else(|| "this request".to_owned(), |m| format!("the model `{m}`"));
-            let message = format!(
-                "no {} node is known to serve {what} yet: some nodes' models are still being discovered",
-                ctx.role.name()
-            );
-            return (Err(Error::new(Kind::NoHealthyNode, message)), 0);
-        }
-    };
-    let kept: Vec<Arc<Node>>;
-    let candidates = if exclude.is_empty() {
-        all
-    } else {
-        kept = all.iter().filter(|n| !exclude.contains(&n.generation())).cloned().collect();
-        &kept[..]
-    };
-    // A node that fills up between the policy's look and the permit is no longer available
-    // at the next pick, so this ends within one round per candidate.
-    for _ in 0..=candidates.len() {
-        let Some(i) = policy.pick(candidates, ctx) else { break };
-        if let Some(permit) = InFlightPermit::try_acquire(&candidates[i], admission) {
-            // A stream's first byte, or a prefill leg's answer, is the first token.
-            let timed = ctx.stream || ctx.role == Role::Prefill;
-            permit.set_prediction(policy.selected(&candidates[i], ctx), timed);
-            return (Ok(permit), candidates.len());
-        }
-    }
-    let error =
-        if candidates.iter().any(|n| n.counters().state() == NodeState::Healthy && n.counters().circuit.allows()) {
-            Error::new(Kind::Overloaded, "every node that serves this request is at its concurrency limit")
-        } else {
-            Error::new(Kind::NoHealthyNode, "no healthy node serves this request now")
-        };
-    (Err(error), candidates.len())
-}
-
 #[cfg(test)]
 pub(crate) mod testing {
     use std::sync::atomic::Ordering;
 
     use super::*;
-    use crate::circuit::now_ms;
-    use crate::engine_report::EngineFigures;
+    use crate::clock::now_ms;
+    use crate::node::engine_report::EngineFigures;
+    use crate::node::registry::Registry;
     use crate::node::NodeSpec;
-    use crate::registry::Registry;
 
     /// `n` hybrid nodes `h:1..=n` serving model `m`.
-    pub fn nodes(n: usize) -> (Registry, Vec<Arc<Node>>) {
+    pub(crate) fn nodes(n: usize) -> (Registry, Vec<Arc<Node>>) {
         let reg = Registry::new();
         let nodes = (1..=n)
             .map(|i| reg.add(&format!("h:{i}"), NodeSpec { models: vec!["m".into()], ..NodeSpec::default() }).unwrap())
@@ -310,21 +233,26 @@ pub(crate) mod testing {
         (reg, nodes)
     }
 
-    pub fn set_in_flight(node: &Node, n: u64) {
+    pub(crate) fn set_in_flight(node: &Node, n: u64) {
         node.counters().in_flight.store(n, Ordering::Relaxed);
     }
 
-    pub fn figures(running: u64, waiting: u64, kv_usage: f64) -> EngineFigures {
+    pub(crate) fn figures(running: u64, waiting: u64, kv_usage: f64) -> EngineFigures {
         EngineFigures { running, waiting, kv_usage: Some(kv_usage), ..EngineFigures::default() }
     }
 
     /// Records a fresh engine report for `node`, taken with its counters as they are now.
-    pub fn report(node: &Node, running: u64, waiting: u64, kv_usage: f64) {
+    pub(crate) fn report(node: &Node, running: u64, waiting: u64, kv_usage: f64) {
         node.counters().record_engine_report(&figures(running, waiting, kv_usage), now_ms());
     }
 
     /// How often each node is picked in `rounds` picks.
-    pub fn histogram(policy: &dyn Policy, nodes: &[Arc<Node>], ctx: &SelectCtx<'_>, rounds: usize) -> Vec<usize> {
+    pub(crate) fn histogram(
+        policy: &dyn Policy,
+        nodes: &[Arc<Node>],
+        ctx: &SelectCtx<'_>,
+        rounds: usize,
+    ) -> Vec<usize> {
         let mut counts = vec![0; nodes.len()];
         for _ in 0..rounds {
             counts[policy.pick(nodes, ctx).unwrap()] += 1;
@@ -337,7 +265,8 @@ pub(crate) mod testing {
 mod tests {
     use super::testing::*;
     use super::*;
-    use crate::node::NodeSpec;
+    use crate::engine::select;
+    use crate::node::{NodeSpec, NodeState};
 
     fn ctx() -> SelectCtx<'static> {
         SelectCtx { model: Some("m"), ..SelectCtx::default() }

@@ -14,14 +14,14 @@ use std::sync::{Arc, Mutex, PoisonError};
 use super::prefix_table::prompt_block_hashes;
 use super::{argmin_by, available_indices, Policy, SelectCtx};
 use crate::node::Node;
-use crate::permit::Prediction;
+use crate::select::Prediction;
 
 #[derive(Debug, Clone, Copy)]
-pub struct PrefixConfig {
-    pub block_bytes: usize,
-    pub max_blocks: usize,
-    pub cache_entries: usize,
-    pub balance_threshold: u64,
+pub(crate) struct PrefixConfig {
+    pub(crate) block_bytes: usize,
+    pub(crate) max_blocks: usize,
+    pub(crate) cache_entries: usize,
+    pub(crate) balance_threshold: u64,
 }
 
 impl Default for PrefixConfig {
@@ -38,13 +38,13 @@ struct Table {
 }
 
 #[derive(Debug)]
-pub struct Prefix {
+pub(crate) struct Prefix {
     config: PrefixConfig,
     table: Mutex<Table>,
 }
 
 impl Prefix {
-    pub fn new(config: PrefixConfig) -> Self {
+    pub(crate) fn new(config: PrefixConfig) -> Self {
         Self { config, table: Mutex::default() }
     }
 
@@ -53,7 +53,8 @@ impl Prefix {
     }
 
     /// Entries in the table now (for tests and stats).
-    pub fn entries(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn entries(&self) -> usize {
         let table = self.table.lock().unwrap_or_else(PoisonError::into_inner);
         table.young.len() + table.old.len()
     }

@@ -25,7 +25,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use rustc_hash::{FxHashMap, FxHasher};
 
 use super::{stable_hash, SelectCtx};
-use crate::circuit::now_ms;
+use crate::clock::now_ms;
 use crate::node::Node;
 
 /// The chained hashes of the first `max_blocks` blocks of `block_bytes` of the request's prompt
@@ -34,7 +34,7 @@ use crate::node::Node;
 /// the same in every process): a prompt of tens of KiB is hashed on every request, where the
 /// standard `SipHash` cost 3-4 instructions a byte and this costs about two thirds of one (XXH3
 /// measured more here: 256-byte blocks take its long path).
-pub fn prompt_block_hashes(ctx: &SelectCtx<'_>, block_bytes: usize, max_blocks: usize) -> Vec<u64> {
+pub(crate) fn prompt_block_hashes(ctx: &SelectCtx<'_>, block_bytes: usize, max_blocks: usize) -> Vec<u64> {
     let Some(prompt) = ctx.prompt else { return Vec::new() };
     let mut hash = stable_hash(ctx.model.unwrap_or_default());
     prompt
@@ -64,14 +64,14 @@ const FLUSHED_BELOW: f64 = 0.1;
 const MIN_SHARE: usize = 16;
 
 #[derive(Debug, Clone, Copy)]
-pub struct PrefixTableConfig {
-    pub block_bytes: usize,
+pub(crate) struct PrefixTableConfig {
+    pub(crate) block_bytes: usize,
     /// Blocks of a prompt considered (its head).
-    pub max_blocks: usize,
+    pub(crate) max_blocks: usize,
     /// Blocks remembered in all.
-    pub entries: usize,
+    pub(crate) entries: usize,
     /// Prompt bytes per engine token: converts an engine's reported KV capacity to blocks.
-    pub bytes_per_token: f64,
+    pub(crate) bytes_per_token: f64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -202,38 +202,38 @@ impl Inner {
 }
 
 #[derive(Debug)]
-pub struct PrefixTable {
+pub(crate) struct PrefixTable {
     config: PrefixTableConfig,
     inner: Mutex<Inner>,
 }
 
 impl PrefixTable {
-    pub fn new(config: PrefixTableConfig) -> Self {
+    pub(crate) fn new(config: PrefixTableConfig) -> Self {
         Self { config, inner: Mutex::default() }
     }
 
     /// The chained hashes of the head of the request's prompt, one per full or last block.
-    pub fn block_hashes(&self, ctx: &SelectCtx<'_>) -> Vec<u64> {
+    pub(crate) fn block_hashes(&self, ctx: &SelectCtx<'_>) -> Vec<u64> {
         prompt_block_hashes(ctx, self.config.block_bytes, self.config.max_blocks)
     }
 
     /// Bytes of the prompt the table looks at (its head).
-    pub fn considered_bytes(&self, ctx: &SelectCtx<'_>) -> usize {
+    pub(crate) fn considered_bytes(&self, ctx: &SelectCtx<'_>) -> usize {
         ctx.prompt.map_or(0, |p| p.len().min(self.config.block_bytes * self.config.max_blocks))
     }
 
-    pub fn block_bytes(&self) -> usize {
+    pub(crate) fn block_bytes(&self) -> usize {
         self.config.block_bytes
     }
 
     /// For each candidate, how many leading blocks of `hashes` it holds.
-    pub fn matched(&self, hashes: &[u64], candidates: &[Arc<Node>]) -> Vec<usize> {
+    pub(crate) fn matched(&self, hashes: &[u64], candidates: &[Arc<Node>]) -> Vec<usize> {
         self.matched_pending(hashes, candidates, None).0
     }
 
     /// `matched`, and with `now_ms`, also how many leading blocks each candidate was sent so
     /// lately that its engine's KV events cannot have told of them yet (see `learn`): one walk.
-    pub fn matched_pending(
+    pub(crate) fn matched_pending(
         &self,
         hashes: &[u64],
         candidates: &[Arc<Node>],
@@ -271,7 +271,7 @@ impl PrefixTable {
     /// Records that `node` took a prompt with these blocks. `capacity_tokens`: what its
     /// engine's KV cache holds, when it says; `pending_until_ms`: when its engine will have
     /// computed them and said so in its KV events (0: no events are followed).
-    pub fn learn(&self, node: &Node, hashes: &[u64], capacity_tokens: Option<u64>, pending_until_ms: u64) {
+    pub(crate) fn learn(&self, node: &Node, hashes: &[u64], capacity_tokens: Option<u64>, pending_until_ms: u64) {
         if hashes.is_empty() {
             return;
         }
@@ -350,13 +350,15 @@ impl PrefixTable {
     }
 
     /// Blocks remembered for the node with this generation.
-    pub fn blocks_of(&self, generation: u64) -> usize {
+    #[cfg(test)]
+    pub(crate) fn blocks_of(&self, generation: u64) -> usize {
         let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         inner.nodes.get(&generation).map_or(0, |n| n.live)
     }
 
     /// Blocks remembered in all (each node's copy counted).
-    pub fn entries(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn entries(&self) -> usize {
         let inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         inner.holders.values().map(Vec::len).sum()
     }
@@ -366,7 +368,7 @@ impl PrefixTable {
 mod tests {
     use super::super::testing::*;
     use super::*;
-    use crate::engine_report::EngineFigures;
+    use crate::node::engine_report::EngineFigures;
 
     fn table(entries: usize) -> PrefixTable {
         PrefixTable::new(PrefixTableConfig { block_bytes: 16, max_blocks: 64, entries, bytes_per_token: 4.0 })

@@ -6,7 +6,7 @@ use super::{available_indices, effective_speed, Policy, SelectCtx};
 use crate::node::Node;
 
 #[derive(Debug, Default)]
-pub struct Random;
+pub(crate) struct Random;
 
 impl Policy for Random {
     fn name(&self) -> &'static str {
@@ -33,8 +33,8 @@ impl Policy for Random {
 mod tests {
     use super::super::testing::*;
     use super::*;
+    use crate::node::registry::Registry;
     use crate::node::NodeSpec;
-    use crate::registry::Registry;
 
     #[test]
     fn weighted_by_speed() {

@@ -7,7 +7,7 @@ use super::{available, Policy, SelectCtx};
 use crate::node::Node;
 
 #[derive(Debug, Default)]
-pub struct RoundRobin {
+pub(crate) struct RoundRobin {
     next: AtomicUsize,
 }
 

@@ -69,11 +69,11 @@ use arc_swap::ArcSwapOption;
 use super::kv_index::KvIndex;
 use super::prefix_table::{PrefixTable, PrefixTableConfig};
 use super::{available_indices, Policy, SelectCtx};
-use crate::circuit::{now_ms, now_us};
-use crate::engine_speed::{Fit, Samples, Speed};
+use crate::clock::{now_ms, now_us};
 use crate::error::{Error, Kind, Result};
+use crate::node::engine_speed::{Fit, Samples, Speed};
 use crate::node::Node;
-use crate::permit::Prediction;
+use crate::select::Prediction;
 
 /// Costs within this share of the lowest (or `TIE_MS`, whichever is more) count as equal.
 const TIE_SHARE: f64 = 0.02;
@@ -93,22 +93,22 @@ const PRIOR_DECODE_MS: f64 = 1000.0;
 
 /// The weights of the terms.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ScoreWeights {
+pub(crate) struct ScoreWeights {
     /// Times the request's own prefill counts for each request whose first token it delays.
-    pub prefix: f64,
+    pub(crate) prefix: f64,
     /// Times the waits ahead of it count.
-    pub queue: f64,
+    pub(crate) queue: f64,
     /// Times the node's recent lateness counts (work there pdproxy did not price).
-    pub hidden: f64,
+    pub(crate) hidden: f64,
     /// Times the queue an engine reports counts among the requests behind, where it is longer
     /// than pdproxy's own count.
-    pub reported: f64,
+    pub(crate) reported: f64,
 }
 
 impl ScoreWeights {
     /// `weights` with the overrides of `spec` applied: `prefix=2,queue=0.5,hidden=1` (any, each a
     /// non-negative number).
-    pub fn with_overrides(self, spec: &str) -> Result<Self> {
+    pub(crate) fn with_overrides(self, spec: &str) -> Result<Self> {
         let mut out = self;
         for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (key, raw) = part.split_once('=').ok_or_else(|| invalid(spec))?;
@@ -139,25 +139,25 @@ fn invalid(spec: &str) -> Error {
 
 /// The figures a cost is made of for one candidate, in milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Estimate {
+pub(crate) struct Estimate {
     /// Waiting for a place in the engine's batch.
-    pub slot_wait: f64,
+    pub(crate) slot_wait: f64,
     /// Prefill still owed to the requests sent there before (the node's prefill clock).
-    pub ahead: f64,
+    pub(crate) ahead: f64,
     /// The engine's fixed time to a first token.
-    pub first_token: f64,
+    pub(crate) first_token: f64,
     /// The request's own prefill there.
-    pub own: f64,
+    pub(crate) own: f64,
     /// Requests sent there still waiting for their first token (queued, or prefilling).
-    pub behind: f64,
+    pub(crate) behind: f64,
     /// How much later than priced the node's first tokens have come lately (`hidden_load`):
     /// work queued there that others sent.
-    pub hidden: f64,
+    pub(crate) hidden: f64,
 }
 
 impl Estimate {
     /// When the request's first token would come (ms after now), by what pdproxy sent.
-    pub fn first_token_in_ms(&self) -> f64 {
+    pub(crate) fn first_token_in_ms(&self) -> f64 {
         self.slot_wait + self.ahead + self.first_token + self.own
     }
 
@@ -172,7 +172,7 @@ impl Estimate {
 }
 
 #[derive(Debug)]
-pub struct Scored {
+pub(crate) struct Scored {
     weights: ScoreWeights,
     table: PrefixTable,
     /// Older engine reports are ignored.
@@ -299,7 +299,7 @@ fn pick_key(policy: &Scored, ctx: &SelectCtx<'_>) -> [usize; 5] {
 }
 
 impl Scored {
-    pub fn new(weights: ScoreWeights, table: PrefixTableConfig, max_age_ms: u64) -> Self {
+    pub(crate) fn new(weights: ScoreWeights, table: PrefixTableConfig, max_age_ms: u64) -> Self {
         Self {
             weights,
             table: PrefixTable::new(table),
@@ -355,10 +355,6 @@ impl Scored {
         }
     }
 
-    pub fn weights(&self) -> ScoreWeights {
-        self.weights
-    }
-
     /// Bytes of the prompt a node holding `matched` leading blocks would still prefill.
     fn uncached(&self, ctx: &SelectCtx<'_>, matched: usize) -> usize {
         let prompt = ctx.prompt.map_or(0, <[u8]>::len);
@@ -404,7 +400,8 @@ impl Scored {
     }
 
     /// Each available candidate's estimate for the request (`None`: not available).
-    pub fn estimates(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<Estimate>> {
+    #[cfg(test)]
+    pub(crate) fn estimates(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<Estimate>> {
         let hashes = self.table.block_hashes(ctx);
         let matched = self.matched(&hashes, candidates, ctx);
         self.estimates_for(candidates, ctx, &matched)
@@ -437,7 +434,8 @@ impl Scored {
     }
 
     /// Each available candidate's cost for the request, in milliseconds (`None`: not available).
-    pub fn costs(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<f64>> {
+    #[cfg(test)]
+    pub(crate) fn costs(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<f64>> {
         self.estimates(candidates, ctx).into_iter().map(|e| e.map(|e| e.cost(self.weights))).collect()
     }
 }
@@ -706,7 +704,7 @@ mod tests {
         // Prompts of 4 KiB that share nothing, sent faster than they are answered.
         for i in 0..60 {
             let prompt = format!("{i:04}").repeat(1024);
-            let n = crate::select::select(&reg.load(), &ctx(prompt.as_bytes()), &policy, None).unwrap();
+            let n = crate::engine::select(&reg.load(), &ctx(prompt.as_bytes()), &policy, None).unwrap();
             picks[usize::from(n.node().url() == nodes[1].url())] += 1;
             std::mem::forget(n); // still prefilling
         }
@@ -759,12 +757,12 @@ mod tests {
         let policy = scored(WEIGHTS);
         let long = "a".repeat(8 * 1024);
         // Two different 8 KiB prompts: the second avoids the node still prefilling the first.
-        let first = crate::select::select(&reg.load(), &ctx(long.as_bytes()), &policy, None).unwrap();
+        let first = crate::engine::select(&reg.load(), &ctx(long.as_bytes()), &policy, None).unwrap();
         let unanswered = |n: &Node| n.counters().unanswered.load(Ordering::Relaxed);
         assert_eq!(unanswered(first.node()), 1);
         assert!(first.node().counters().prefill_left_ms(now_us()) > 0.0, "it owes that prefill");
         let other = "b".repeat(8 * 1024);
-        let second = crate::select::select(&reg.load(), &ctx(other.as_bytes()), &policy, None).unwrap();
+        let second = crate::engine::select(&reg.load(), &ctx(other.as_bytes()), &policy, None).unwrap();
         assert_ne!(second.node().url(), first.node().url());
         first.first_byte_seen();
         first.first_byte_seen();
@@ -783,11 +781,11 @@ mod tests {
         let prompt = "t".repeat(4096);
         let streamed = SelectCtx { stream: true, ..ctx(prompt.as_bytes()) };
         for _ in 0..5 {
-            let permit = crate::select::select(&reg.load(), &streamed, &policy, None).unwrap();
+            let permit = crate::engine::select(&reg.load(), &streamed, &policy, None).unwrap();
             permit.first_byte_seen();
         }
         assert!(nodes[0].counters().speed.speed().samples > 4.0);
-        let whole = crate::select::select(&reg.load(), &ctx(prompt.as_bytes()), &policy, None).unwrap();
+        let whole = crate::engine::select(&reg.load(), &ctx(prompt.as_bytes()), &policy, None).unwrap();
         whole.first_byte_seen();
         assert!(nodes[0].counters().speed.speed().samples < 5.0, "a whole answer's first byte times no token");
     }
@@ -798,8 +796,8 @@ mod tests {
         let policy = scored(WEIGHTS);
         let prompt = "q".repeat(4096);
         let streamed = SelectCtx { stream: true, ..ctx(prompt.as_bytes()) };
-        let first = crate::select::select(&reg.load(), &streamed, &policy, None).unwrap();
-        let behind = crate::select::select(&reg.load(), &streamed, &policy, None).unwrap();
+        let first = crate::engine::select(&reg.load(), &streamed, &policy, None).unwrap();
+        let behind = crate::engine::select(&reg.load(), &streamed, &policy, None).unwrap();
         first.first_byte_seen();
         behind.first_byte_seen();
         let samples = nodes[0].counters().speed.speed().samples;

@@ -12,16 +12,16 @@ static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage
 
 /// The tokens a node reported.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-pub struct Usage {
+pub(crate) struct Usage {
     #[serde(default, alias = "input_tokens")]
-    pub prompt_tokens: u64,
+    pub(crate) prompt_tokens: u64,
     #[serde(default, alias = "output_tokens")]
-    pub completion_tokens: u64,
+    pub(crate) completion_tokens: u64,
 }
 
 /// Watches an answer's bytes for its `usage`.
 #[derive(Debug, Default)]
-pub struct UsageMeter {
+pub(crate) struct UsageMeter {
     reported: Option<Usage>,
     events: u64,
     bytes: u64,
@@ -35,7 +35,7 @@ const MAX_CUT: usize = 4096;
 impl UsageMeter {
     /// A piece of the answer as the client gets it, and the events it ended (counted by the
     /// caller, who counts them anyway).
-    pub fn observe(&mut self, chunk: &[u8], events: u64) {
+    pub(crate) fn observe(&mut self, chunk: &[u8], events: u64) {
         self.bytes += chunk.len() as u64;
         self.events += events;
         if !self.cut.is_empty() {
@@ -57,7 +57,7 @@ impl UsageMeter {
     /// Prompt and completion tokens, and whether they were estimated: without a report, the
     /// prompt as admission estimated it, and a completion token per streamed event (less the
     /// final `[DONE]`) or per four bytes of a whole answer.
-    pub fn tokens(&self, prompt_estimate: u64) -> (u64, u64, bool) {
+    pub(crate) fn tokens(&self, prompt_estimate: u64) -> (u64, u64, bool) {
         match self.reported {
             Some(usage) => (usage.prompt_tokens, usage.completion_tokens, false),
             None if self.events > 0 => (prompt_estimate, self.events.saturating_sub(1), true),
@@ -93,7 +93,7 @@ fn usage_at(rest: &[u8]) -> Found {
 }
 
 /// A prompt's tokens estimated from its bytes (about four per token for English text).
-pub fn estimate_tokens(prompt_bytes: usize) -> u64 {
+pub(crate) fn estimate_tokens(prompt_bytes: usize) -> u64 {
     (prompt_bytes as u64).div_ceil(4)
 }
 

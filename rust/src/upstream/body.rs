@@ -12,7 +12,7 @@ use super::pool::{Connection, Returner};
 use crate::error::{BoxError, Error, Kind};
 
 #[derive(Debug)]
-pub struct Body {
+pub(crate) struct Body {
     connection: Option<Connection>,
     framing: Framing,
     reusable: bool,

@@ -11,15 +11,15 @@ use http::header::{HeaderName, HeaderValue, CONNECTION, CONTENT_LENGTH, TRANSFER
 use http::{HeaderMap, Method, StatusCode};
 
 use super::pool::{Connection, Stream};
-use crate::forward::ForwardRequest;
 use crate::headers::{is_hop_by_hop_name, listed_in_connection, stays_on_client_hop};
 use crate::loops::VIA;
-use crate::trace::TRACEPARENT;
+use crate::observe::trace::TRACEPARENT;
+use crate::upstream::ForwardRequest;
 
 /// Bytes asked of the socket per read at first, and at most: a read that fills what was asked
 /// doubles the next one (a large body), one that fills less than half goes back to the first
 /// size (events of a stream are small, and hundreds of streams each keep a buffer).
-pub const READ_SIZE: usize = 4 * 1024;
+pub(crate) const READ_SIZE: usize = 4 * 1024;
 const MAX_READ_SIZE: usize = 64 * 1024;
 /// Largest response head accepted, and most headers in it.
 const MAX_HEAD: usize = 64 * 1024;
@@ -31,23 +31,23 @@ type Span = (usize, usize, usize, usize);
 
 /// What this proxy adds to a request for one node.
 #[derive(Debug, Clone, Copy)]
-pub struct Hop<'a> {
+pub(crate) struct Hop<'a> {
     /// The node's own key.
-    pub authorization: Option<&'a HeaderValue>,
+    pub(crate) authorization: Option<&'a HeaderValue>,
     /// This proxy's id, last in `x-pdproxy-via` (see `crate::loops`).
-    pub via: &'a HeaderValue,
-    /// The attempt's trace context (`crate::trace`), in place of the client's.
-    pub traceparent: Option<&'a HeaderValue>,
+    pub(crate) via: &'a HeaderValue,
+    /// The attempt's trace context (`crate::observe::trace`), in place of the client's.
+    pub(crate) traceparent: Option<&'a HeaderValue>,
 }
 
 /// Bodies up to this size are copied behind the head, so that the usual request is one write;
 /// a larger one is written after it as it is (`body_after_head`), never copied.
-pub const INLINE_BODY: usize = 64 * 1024;
+pub(crate) const INLINE_BODY: usize = 64 * 1024;
 
 /// The request line and headers, and the body when it is small, in one buffer. The client's
 /// headers go without those of its own hop and those the proxy replaces (`extra`, the hop's);
 /// then the proxy's, and the hop's.
-pub fn encode_request(path: &str, authority: &str, request: &ForwardRequest, hop: &Hop<'_>) -> Vec<u8> {
+pub(crate) fn encode_request(path: &str, authority: &str, request: &ForwardRequest, hop: &Hop<'_>) -> Vec<u8> {
     let ForwardRequest { method, headers, extra, body, .. } = request;
     let Hop { authorization, via, traceparent } = *hop;
     let inline = if body.len() <= INLINE_BODY { body.len() } else { 0 };
@@ -94,7 +94,7 @@ pub fn encode_request(path: &str, authority: &str, request: &ForwardRequest, hop
 }
 
 /// What goes after `encode_request`'s buffer: a body too large to copy into it.
-pub fn body_after_head(request: &ForwardRequest) -> &[u8] {
+pub(crate) fn body_after_head(request: &ForwardRequest) -> &[u8] {
     if request.body.len() > INLINE_BODY {
         &request.body
     } else {
@@ -104,7 +104,7 @@ pub fn body_after_head(request: &ForwardRequest) -> &[u8] {
 
 /// How the body of an answer ends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Framing {
+pub(crate) enum Framing {
     /// So many bytes still to come.
     Length(u64),
     Chunked(Chunk),
@@ -115,7 +115,7 @@ pub enum Framing {
 
 /// Where a chunked body's decoder stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Chunk {
+pub(crate) enum Chunk {
     /// At a chunk-size line.
     Size,
     /// Inside a chunk: bytes of data left.
@@ -130,16 +130,16 @@ pub enum Chunk {
 
 /// A response head.
 #[derive(Debug)]
-pub struct Head {
-    pub status: StatusCode,
-    pub headers: HeaderMap,
-    pub framing: Framing,
+pub(crate) struct Head {
+    pub(crate) status: StatusCode,
+    pub(crate) headers: HeaderMap,
+    pub(crate) framing: Framing,
     /// Whether the connection may carry another request once the body is read.
-    pub reusable: bool,
+    pub(crate) reusable: bool,
 }
 
 #[derive(Debug)]
-pub enum HeadError {
+pub(crate) enum HeadError {
     /// The connection ended before any byte of an answer.
     Closed,
     Io(io::Error),
@@ -147,7 +147,7 @@ pub enum HeadError {
 }
 
 /// Reads from the socket into the connection's buffer; `Ok(0)` at its end.
-pub fn poll_fill(connection: &mut Connection, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+pub(crate) fn poll_fill(connection: &mut Connection, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
     connection.buffer.reserve(connection.read_size);
     let asked = connection.buffer.capacity() - connection.buffer.len();
     // `poll_read` (not `try_read`): tokio takes a short read to mean the socket is drained and
@@ -171,7 +171,7 @@ pub fn poll_fill(connection: &mut Connection, cx: &mut Context<'_>) -> Poll<io::
 
 /// Reads the answer's head (skipping interim 1xx answers), leaving the body's first bytes in
 /// the buffer.
-pub async fn read_head(connection: &mut Connection, method: &Method) -> Result<Head, HeadError> {
+pub(crate) async fn read_head(connection: &mut Connection, method: &Method) -> Result<Head, HeadError> {
     let mut any = !connection.buffer.is_empty();
     loop {
         if !connection.buffer.is_empty() {
@@ -329,14 +329,14 @@ fn has_token(value: &[u8], token: &[u8]) -> bool {
 
 /// What decoding the buffer gave.
 #[derive(Debug, Default)]
-pub struct Decoded {
+pub(crate) struct Decoded {
     /// Body bytes, all that the buffer held.
-    pub data: Option<Bytes>,
-    pub done: bool,
+    pub(crate) data: Option<Bytes>,
+    pub(crate) done: bool,
 }
 
 /// Decodes what `buffer` holds of the body; needs more bytes when it returns neither data nor done.
-pub fn decode(buffer: &mut BytesMut, framing: &mut Framing) -> Result<Decoded, &'static str> {
+pub(crate) fn decode(buffer: &mut BytesMut, framing: &mut Framing) -> Result<Decoded, &'static str> {
     match framing {
         Framing::Done => Ok(Decoded { data: None, done: true }),
         Framing::Close => Ok(Decoded { data: (!buffer.is_empty()).then(|| buffer.split().freeze()), done: false }),

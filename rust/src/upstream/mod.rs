@@ -5,7 +5,10 @@
 
 mod body;
 mod codec;
+pub(crate) mod forward;
 mod pool;
+pub(crate) mod request;
+pub(crate) mod retry;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -19,56 +22,45 @@ use tokio::io::AsyncWrite;
 use tokio::net::TcpSocket;
 use tokio_rustls::TlsConnector;
 
-pub use body::Body;
-pub use codec::Hop;
+pub(crate) use body::Body;
+pub(crate) use codec::Hop;
 use codec::{body_after_head, encode_request, poll_fill, read_head, Head, HeadError};
 use pool::{Connection, Pool, Stream};
+pub(crate) use request::ForwardRequest;
 
 use crate::error::{Error, Kind, Result};
-use crate::forward::ForwardRequest;
-use crate::retry::RetryBudget;
+use crate::node::Target;
+use retry::RetryBudget;
 
 /// How long a node that stopped reading a request gets to show the answer it sent before.
 const EARLY_ANSWER_WAIT: Duration = Duration::from_secs(1);
 
 /// Client settings; values come from the control plane's settings.
 #[derive(Debug, Clone)]
-pub struct ClientConfig {
-    pub connect_timeout: Duration,
-    pub idle_timeout: Duration,
-    pub max_idle_per_host: usize,
+pub(crate) struct ClientConfig {
+    pub(crate) connect_timeout: Duration,
+    pub(crate) idle_timeout: Duration,
+    pub(crate) max_idle_per_host: usize,
     /// `SO_RCVBUF` of each connection (a node's answer waits here when the client is slow).
-    pub receive_buffer: usize,
+    pub(crate) receive_buffer: usize,
     /// CA certificates that `https://` nodes are verified against; `None`: the system's roots.
-    pub ca_file: Option<PathBuf>,
+    pub(crate) ca_file: Option<PathBuf>,
     /// Silence on a connection before TCP keep-alive probes start.
-    pub tcp_keepalive: Duration,
-}
-
-/// Where a request goes: the node's origin (the pool's key), the `Host` it is sent with, the
-/// `host:port` to resolve unless the address is pinned, and for `https://` nodes the name its
-/// certificate must carry.
-#[derive(Debug, Clone, Copy)]
-pub struct Target<'a> {
-    pub origin: &'a str,
-    pub authority: &'a str,
-    pub dial: &'a str,
-    pub pinned: Option<SocketAddr>,
-    pub tls_name: Option<&'a str>,
+    pub(crate) tcp_keepalive: Duration,
 }
 
 /// A node's answer: its head (without the headers of the node's hop), and its body still to be read.
 #[derive(Debug)]
-pub struct Answer {
-    pub status: StatusCode,
-    pub headers: HeaderMap,
+pub(crate) struct Answer {
+    pub(crate) status: StatusCode,
+    pub(crate) headers: HeaderMap,
     /// The body's announced length, when it has one.
-    pub content_length: Option<u64>,
-    pub body: Body,
+    pub(crate) content_length: Option<u64>,
+    pub(crate) body: Body,
 }
 
 #[derive(Debug)]
-pub struct Client {
+pub(crate) struct Client {
     config: ClientConfig,
     pool: Pool,
     /// Built at the first `https://` node (loading the roots takes a while, and most fleets
@@ -77,7 +69,7 @@ pub struct Client {
 }
 
 impl Client {
-    pub fn new(config: ClientConfig) -> Self {
+    pub(crate) fn new(config: ClientConfig) -> Self {
         let pool = Pool::new(config.max_idle_per_host, config.idle_timeout);
         Self { config, pool, tls: OnceLock::new() }
     }
@@ -87,7 +79,7 @@ impl Client {
     /// had already closed or reset fails the write itself. Then it is sent once more, on a new
     /// connection, if the retry `budget` allows it. A pooled connection that closes
     /// once the request was written may have run it: that is an error, never a resend.
-    pub async fn send(
+    pub(crate) async fn send(
         &self,
         target: Target<'_>,
         path: &str,
@@ -198,7 +190,7 @@ impl Client {
     }
 
     /// Closes idle connections past their timeout, or to origins `keep` refuses (removed nodes).
-    pub fn sweep(&self, keep: &dyn Fn(&str) -> bool) {
+    pub(crate) fn sweep(&self, keep: &dyn Fn(&str) -> bool) {
         self.pool.sweep(keep);
     }
 

@@ -15,16 +15,16 @@ use tokio_rustls::client::TlsStream;
 
 /// One connection to a node, with what has been read from it and not consumed yet.
 #[derive(Debug)]
-pub struct Connection {
-    pub stream: Stream,
-    pub buffer: BytesMut,
+pub(crate) struct Connection {
+    pub(crate) stream: Stream,
+    pub(crate) buffer: BytesMut,
     /// Bytes the next read asks for (see `codec::poll_fill`).
-    pub read_size: usize,
+    pub(crate) read_size: usize,
 }
 
 /// A connection's socket: plain TCP (`http://` nodes) or TLS over it (`https://` nodes).
 #[derive(Debug)]
-pub enum Stream {
+pub(crate) enum Stream {
     Plain(TcpStream),
     Tls(Box<TlsStream<TcpStream>>),
 }
@@ -92,16 +92,16 @@ struct Shared {
 }
 
 #[derive(Debug, Clone)]
-pub struct Pool(Arc<Shared>);
+pub(crate) struct Pool(Arc<Shared>);
 
 impl Pool {
-    pub fn new(max_per_host: usize, idle_timeout: Duration) -> Self {
+    pub(crate) fn new(max_per_host: usize, idle_timeout: Duration) -> Self {
         Self(Arc::new(Shared { idle: Mutex::default(), max_per_host, idle_timeout }))
     }
 
     /// An idle connection to `host` that is still open, if any, and where the connection the
     /// request ends up on goes back once its answer has been read.
-    pub fn checkout(&self, host: &str) -> (Option<Connection>, Returner) {
+    pub(crate) fn checkout(&self, host: &str) -> (Option<Connection>, Returner) {
         let mut idle = self.0.idle.lock().unwrap_or_else(PoisonError::into_inner);
         let idles = if let Some(idles) = idle.get_mut(host) {
             idles
@@ -120,7 +120,7 @@ impl Pool {
 
     /// Closes the idle connections past the idle timeout or no longer open, and every one to
     /// an origin `keep` refuses (a removed node), whose entry goes too.
-    pub fn sweep(&self, keep: &dyn Fn(&str) -> bool) {
+    pub(crate) fn sweep(&self, keep: &dyn Fn(&str) -> bool) {
         let mut idle = self.0.idle.lock().unwrap_or_else(PoisonError::into_inner);
         idle.retain(|origin, idles| {
             if !keep(origin) {
@@ -146,13 +146,13 @@ impl Pool {
 
 /// Gives a connection back to the pool it came from.
 #[derive(Debug)]
-pub struct Returner {
+pub(crate) struct Returner {
     pool: Pool,
     host: Arc<str>,
 }
 
 impl Returner {
-    pub fn give_back(self, connection: Connection) {
+    pub(crate) fn give_back(self, connection: Connection) {
         self.pool.put(&self.host, connection);
     }
 }

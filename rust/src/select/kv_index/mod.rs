@@ -15,7 +15,7 @@
 //! Memory is bounded by `max_blocks`: past it, the blocks least recently stored or matched
 //! go first (the engines' own removals keep it well below, when none is missed).
 
-pub mod text;
+pub(crate) mod text;
 
 use std::hash::Hasher;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -23,7 +23,7 @@ use std::sync::{PoisonError, RwLock};
 
 use rustc_hash::{FxHashMap, FxHasher};
 
-pub use text::{render, ChatTemplate, Detokenizer};
+pub(crate) use text::{render, ChatTemplate, Detokenizer};
 
 /// The key of the empty chain, which first blocks extend.
 const ROOT: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -72,30 +72,30 @@ struct Inner {
 
 /// What one stream's `/nodes/status` entry shows.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StreamStats {
-    pub node: String,
-    pub rank: u32,
-    pub blocks: usize,
-    pub events: u64,
-    pub orphans: u64,
-    pub unknown_tokens: u64,
-    pub live: bool,
+pub(crate) struct StreamStats {
+    pub(crate) node: String,
+    pub(crate) rank: u32,
+    pub(crate) blocks: usize,
+    pub(crate) events: u64,
+    pub(crate) orphans: u64,
+    pub(crate) unknown_tokens: u64,
+    pub(crate) live: bool,
 }
 
 /// What a node holds of a prompt.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Match {
-    pub tokens: u64,
+pub(crate) struct Match {
+    pub(crate) tokens: u64,
     /// Bytes of the rendered prompt.
-    pub bytes: u64,
+    pub(crate) bytes: u64,
     /// Bytes of the last block held (0: none).
-    pub last_block_bytes: u64,
+    pub(crate) last_block_bytes: u64,
 }
 
 impl Match {
     /// Whether the node holds all of a prompt of `prompt_bytes` (rendered) an engine caches:
     /// what is left is shorter than a block.
-    pub fn is_whole(&self, prompt_bytes: usize) -> bool {
+    pub(crate) fn is_whole(&self, prompt_bytes: usize) -> bool {
         self.tokens > 0 && (prompt_bytes as u64).saturating_sub(self.bytes) < self.last_block_bytes
     }
 }
@@ -103,11 +103,11 @@ impl Match {
 /// A stored event: `hashes` (the engine's) of consecutive blocks of `block_size` tokens each,
 /// the first extending `parent`.
 #[derive(Debug, Clone, Copy)]
-pub struct Stored<'a> {
-    pub hashes: &'a [u64],
-    pub parent: Option<u64>,
-    pub token_ids: &'a [u64],
-    pub block_size: usize,
+pub(crate) struct Stored<'a> {
+    pub(crate) hashes: &'a [u64],
+    pub(crate) parent: Option<u64>,
+    pub(crate) token_ids: &'a [u64],
+    pub(crate) block_size: usize,
 }
 
 #[derive(Debug)]
@@ -119,12 +119,12 @@ pub struct KvIndex {
     clock: AtomicU64,
     /// Selections that priced a candidate from the index, and from the approximate table
     /// because the index was not live for it.
-    pub used: AtomicU64,
-    pub fell_back: AtomicU64,
+    pub(crate) used: AtomicU64,
+    pub(crate) fell_back: AtomicU64,
 }
 
 impl KvIndex {
-    pub fn new(detokenizer: Detokenizer, template: ChatTemplate, max_blocks: usize) -> Self {
+    pub(crate) fn new(detokenizer: Detokenizer, template: ChatTemplate, max_blocks: usize) -> Self {
         Self {
             inner: RwLock::default(),
             detokenizer,
@@ -134,10 +134,6 @@ impl KvIndex {
             used: AtomicU64::new(0),
             fell_back: AtomicU64::new(0),
         }
-    }
-
-    pub fn template(&self) -> &ChatTemplate {
-        &self.template
     }
 
     fn tick(&self) -> u64 {
@@ -159,7 +155,7 @@ impl KvIndex {
     }
 
     /// Blocks stored on `node`'s rank `rank`.
-    pub fn stored(&self, node: &str, rank: u32, event: Stored<'_>) {
+    pub(crate) fn stored(&self, node: &str, rank: u32, event: Stored<'_>) {
         let mut inner = self.inner.write().unwrap_or_else(PoisonError::into_inner);
         let inner = &mut *inner;
         let (slot, stream) = Self::stream(&mut inner.streams, node, rank);
@@ -208,7 +204,7 @@ impl KvIndex {
     }
 
     /// Blocks removed from `node`'s rank `rank` (named by the engine's hashes).
-    pub fn removed(&self, node: &str, rank: u32, hashes: &[u64]) {
+    pub(crate) fn removed(&self, node: &str, rank: u32, hashes: &[u64]) {
         let mut inner = self.inner.write().unwrap_or_else(PoisonError::into_inner);
         let inner = &mut *inner;
         let (slot, stream) = Self::stream(&mut inner.streams, node, rank);
@@ -221,7 +217,7 @@ impl KvIndex {
 
     /// Everything `node`'s rank `rank` held is gone (a cache reset), or no longer known (a gap
     /// in its events, a restart).
-    pub fn cleared(&self, node: &str, rank: u32) {
+    pub(crate) fn cleared(&self, node: &str, rank: u32) {
         let mut inner = self.inner.write().unwrap_or_else(PoisonError::into_inner);
         let inner = &mut *inner;
         let (slot, stream) = Self::stream(&mut inner.streams, node, rank);
@@ -233,13 +229,13 @@ impl KvIndex {
     }
 
     /// Whether `node`'s rank `rank` is followed with no gap (its subscriber says).
-    pub fn set_live(&self, node: &str, rank: u32, live: bool) {
+    pub(crate) fn set_live(&self, node: &str, rank: u32, live: bool) {
         let mut inner = self.inner.write().unwrap_or_else(PoisonError::into_inner);
         Self::stream(&mut inner.streams, node, rank).1.live = live;
     }
 
     /// Forgets `node` altogether (every rank): it left the fleet.
-    pub fn forget_node(&self, node: &str) {
+    pub(crate) fn forget_node(&self, node: &str) {
         let mut inner = self.inner.write().unwrap_or_else(PoisonError::into_inner);
         let inner = &mut *inner;
         for i in 0..inner.streams.len() {
@@ -253,7 +249,8 @@ impl KvIndex {
     /// For each of `nodes`, the tokens and bytes of `prompt` (rendered) its engine holds: the
     /// leading blocks one of its ranks holds, each after the one before. `None` for a node
     /// whose ranks are not all followed live (what it holds is not known).
-    pub fn matched(&self, prompt: &[u8], nodes: &[&str]) -> Vec<Option<Match>> {
+    #[cfg(test)]
+    pub(crate) fn matched(&self, prompt: &[u8], nodes: &[&str]) -> Vec<Option<Match>> {
         let inner = self.inner.read().unwrap_or_else(PoisonError::into_inner);
         let slots = live_slots(&inner, nodes);
         self.walk(&inner, prompt, &slots)
@@ -292,13 +289,14 @@ impl KvIndex {
     }
 
     /// Tokens only (tests): 0 for a node not live.
-    pub fn matched_tokens(&self, prompt: &[u8], nodes: &[&str]) -> Vec<u64> {
+    #[cfg(test)]
+    pub(crate) fn matched_tokens(&self, prompt: &[u8], nodes: &[&str]) -> Vec<u64> {
         self.matched(prompt, nodes).into_iter().map(|m| m.map_or(0, |m| m.tokens)).collect()
     }
 
     /// What each of `nodes` holds of the request's prompt (raw `messages` or `prompt` JSON);
     /// `None` when the prompt cannot be rendered.
-    pub fn matched_request(&self, raw_prompt: &[u8], nodes: &[&str]) -> Option<Vec<Option<Match>>> {
+    pub(crate) fn matched_request(&self, raw_prompt: &[u8], nodes: &[&str]) -> Option<Vec<Option<Match>>> {
         let inner = self.inner.read().unwrap_or_else(PoisonError::into_inner);
         let slots = live_slots(&inner, nodes);
         if slots.iter().all(Option::is_none) {
@@ -311,27 +309,28 @@ impl KvIndex {
 
     /// What each of `nodes` holds of the request's prompt, and the rendered prompt's length
     /// (for traces: it renders even when no node is live); `None` when it cannot be rendered.
-    pub fn held_of_request(&self, raw_prompt: &[u8], nodes: &[&str]) -> Option<(usize, Vec<Option<Match>>)> {
+    pub(crate) fn held_of_request(&self, raw_prompt: &[u8], nodes: &[&str]) -> Option<(usize, Vec<Option<Match>>)> {
         let prompt = render(raw_prompt, &self.template)?;
         let inner = self.inner.read().unwrap_or_else(PoisonError::into_inner);
         let slots = live_slots(&inner, nodes);
         Some((prompt.len(), self.walk(&inner, &prompt, &slots)))
     }
 
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.inner.read().unwrap_or_else(PoisonError::into_inner).blocks.len()
     }
 
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
     /// Blocks dropped to keep within `max_blocks`.
-    pub fn evicted(&self) -> u64 {
+    pub(crate) fn evicted(&self) -> u64 {
         self.inner.read().unwrap_or_else(PoisonError::into_inner).evicted
     }
 
-    pub fn streams(&self) -> Vec<StreamStats> {
+    pub(crate) fn streams(&self) -> Vec<StreamStats> {
         let inner = self.inner.read().unwrap_or_else(PoisonError::into_inner);
         inner
             .streams

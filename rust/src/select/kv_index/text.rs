@@ -14,7 +14,7 @@ use serde_json::value::RawValue;
 
 /// Token ids to the bytes they stand for.
 #[derive(Debug, Clone)]
-pub enum Detokenizer {
+pub(crate) enum Detokenizer {
     /// Each id's bytes (a vocabulary read from the model's `tokenizer.json`); ids whose text
     /// the prompt does not carry (a beginning-of-sequence token the tokenizer adds) map to none.
     Table(Vec<Box<[u8]>>),
@@ -25,7 +25,7 @@ pub enum Detokenizer {
 impl Detokenizer {
     /// Appends the text of `ids` to `out`; false (and `out` left part written) when an id is
     /// not in the vocabulary.
-    pub fn append(&self, ids: &[u64], out: &mut Vec<u8>) -> bool {
+    pub(crate) fn append(&self, ids: &[u64], out: &mut Vec<u8>) -> bool {
         match self {
             Self::Table(table) => {
                 for &id in ids {
@@ -49,17 +49,18 @@ impl Detokenizer {
 /// system prompt, trimming, tools) are not of this shape; their nodes are matched by the
 /// approximate table instead.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ChatTemplate {
-    pub start: Vec<u8>,
-    pub before_role: Vec<u8>,
-    pub after_role: Vec<u8>,
-    pub end: Vec<u8>,
-    pub generation: Vec<u8>,
+pub(crate) struct ChatTemplate {
+    pub(crate) start: Vec<u8>,
+    pub(crate) before_role: Vec<u8>,
+    pub(crate) after_role: Vec<u8>,
+    pub(crate) end: Vec<u8>,
+    pub(crate) generation: Vec<u8>,
 }
 
 impl ChatTemplate {
     /// The mock engine's (`pdproxy.testing.tokens.render_prompt`).
-    pub fn mock() -> Self {
+    #[cfg(test)]
+    pub(crate) fn mock() -> Self {
         Self {
             start: Vec::new(),
             before_role: b"<|".to_vec(),
@@ -104,7 +105,7 @@ fn append_content(content: &RawValue, out: &mut Vec<u8>) -> Option<()> {
 /// The prompt the engine computes, from the request's `messages` or `prompt` (raw JSON):
 /// messages through `template`, a prompt string as it is. `None`: not text this can render
 /// (token ids, several prompts, malformed).
-pub fn render(raw: &[u8], template: &ChatTemplate) -> Option<Vec<u8>> {
+pub(crate) fn render(raw: &[u8], template: &ChatTemplate) -> Option<Vec<u8>> {
     match raw.trim_ascii_start().first()? {
         b'"' => {
             let text: Cow<'_, str> = serde_json::from_slice(raw).ok()?;

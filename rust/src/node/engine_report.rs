@@ -12,33 +12,33 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// One reading of an engine's metrics (what the scraper found; `None`: not exported).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct EngineFigures {
-    pub running: u64,
-    pub waiting: u64,
+pub(crate) struct EngineFigures {
+    pub(crate) running: u64,
+    pub(crate) waiting: u64,
     /// Fraction of the KV cache held by running requests (0 to 1).
-    pub kv_usage: Option<f64>,
+    pub(crate) kv_usage: Option<f64>,
     /// Cumulative prompt tokens looked up in the prefix cache, and those found there.
-    pub prompt_tokens: Option<u64>,
-    pub cached_tokens: Option<u64>,
+    pub(crate) prompt_tokens: Option<u64>,
+    pub(crate) cached_tokens: Option<u64>,
     /// Tokens the KV cache holds in all.
-    pub kv_capacity_tokens: Option<u64>,
+    pub(crate) kv_capacity_tokens: Option<u64>,
     /// Cumulative prompt tokens whose KV came from another engine (a decode node's KV
     /// connector: vLLM counts them apart from its prefix-cache hits).
-    pub transferred_tokens: Option<u64>,
+    pub(crate) transferred_tokens: Option<u64>,
 }
 
 /// The node's own counters when a reading is recorded, to tell what changed since.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CountsThen {
-    pub in_flight: u64,
-    pub requests: u64,
+pub(crate) struct CountsThen {
+    pub(crate) in_flight: u64,
+    pub(crate) requests: u64,
     /// The node's `predicted_cached_bytes`.
-    pub predicted_cached: u64,
+    pub(crate) predicted_cached: u64,
 }
 
 /// A node's last engine report, in shared-memory-safe atomics.
 #[derive(Debug, Default)]
-pub struct EngineReport {
+pub(crate) struct EngineReport {
     /// Wall-clock milliseconds of the last good reading (0: never). Written last.
     read_at_ms: AtomicU64,
     running: AtomicU64,
@@ -67,24 +67,24 @@ pub struct EngineReport {
 
 /// The report as a policy uses it: fresh figures, with pdproxy's own traffic since.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct EngineLoad {
-    pub running: u64,
-    pub waiting: u64,
-    pub kv_usage: Option<f64>,
-    pub kv_capacity_tokens: Option<u64>,
+pub(crate) struct EngineLoad {
+    pub(crate) running: u64,
+    pub(crate) waiting: u64,
+    pub(crate) kv_usage: Option<f64>,
+    pub(crate) kv_capacity_tokens: Option<u64>,
     /// The KV-cache share of one running request: this reading's, or the last reading's that
     /// had any running.
-    pub kv_per_request: Option<f64>,
+    pub(crate) kv_per_request: Option<f64>,
     /// Requests pdproxy sent to the node since the reading.
-    pub sent_since: u64,
+    pub(crate) sent_since: u64,
     /// pdproxy's in-flight count on the node now, minus then.
-    pub in_flight_change: i64,
+    pub(crate) in_flight_change: i64,
 }
 
 impl EngineLoad {
     /// Requests the engine has now (running and waiting), as it reported them adjusted by
     /// those pdproxy started and finished since.
-    pub fn requests(&self) -> f64 {
+    pub(crate) fn requests(&self) -> f64 {
         #[allow(clippy::cast_precision_loss)]
         let reported = (self.running + self.waiting) as f64;
         #[allow(clippy::cast_precision_loss)]
@@ -95,7 +95,7 @@ impl EngineLoad {
     /// Requests waiting for a place in the engine's batch now: none if none waited at the
     /// reading (the batch had room), else those plus the ones pdproxy started since (each
     /// waits too) minus those it finished (each freed a place).
-    pub fn waiting(&self) -> f64 {
+    pub(crate) fn waiting(&self) -> f64 {
         #[allow(clippy::cast_precision_loss)]
         let change = self.in_flight_change as f64;
         #[allow(clippy::cast_precision_loss)]
@@ -110,7 +110,7 @@ impl EngineLoad {
     /// KV-cache usage now: as reported, plus the share of a running request for each request
     /// pdproxy added since (`kv_per_request`: this reading's share, or the last one seen when
     /// it read idle; else every request would go to the engines that happened to be idle then).
-    pub fn kv_usage_estimate(&self) -> Option<f64> {
+    pub(crate) fn kv_usage_estimate(&self) -> Option<f64> {
         let usage = self.kv_usage?;
         let Some(per_request) = self.kv_per_request.filter(|_| self.in_flight_change > 0) else {
             return Some(usage);
@@ -122,13 +122,13 @@ impl EngineLoad {
 
 /// Everything recorded, for status pages (stale figures included).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
-pub struct EngineReportSnapshot {
-    pub figures: Option<EngineFigures>,
+pub(crate) struct EngineReportSnapshot {
+    pub(crate) figures: Option<EngineFigures>,
     /// Milliseconds since the last good reading.
-    pub age_ms: Option<u64>,
-    pub restarts: u32,
-    pub failures: u64,
-    pub failing: u32,
+    pub(crate) age_ms: Option<u64>,
+    pub(crate) restarts: u32,
+    pub(crate) failures: u64,
+    pub(crate) failing: u32,
 }
 
 fn option_bits(value: Option<f64>) -> u64 {
@@ -150,7 +150,7 @@ fn from_u64(raw: u64) -> Option<u64> {
 
 impl EngineReport {
     /// Records a good reading taken now (`now_ms`, wall clock), with the node's own counters then.
-    pub fn record(&self, figures: &EngineFigures, then: CountsThen, now_ms: u64) {
+    pub(crate) fn record(&self, figures: &EngineFigures, then: CountsThen, now_ms: u64) {
         let old_prompt = from_u64(self.prompt_tokens.load(Ordering::Relaxed));
         if let (Some(old), Some(new)) = (old_prompt, figures.prompt_tokens) {
             if new < old {
@@ -177,27 +177,27 @@ impl EngineReport {
     }
 
     /// Counts a reading that failed (the figures already recorded age on).
-    pub fn record_failure(&self) {
+    pub(crate) fn record_failure(&self) {
         self.failures.fetch_add(1, Ordering::Relaxed);
         self.failing.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Times the engine restarted (its prefix cache then starts empty).
-    pub fn restarts(&self) -> u32 {
+    pub(crate) fn restarts(&self) -> u32 {
         self.restarts.load(Ordering::Relaxed)
     }
 
     /// When the last good reading was taken (wall-clock ms, 0: never), the engine's
     /// cumulative prefix-cache hits (tokens) then if it exports them, and the node's
     /// `predicted_cached_bytes` then.
-    pub fn cached_tokens_read(&self) -> (u64, Option<u64>, u64) {
+    pub(crate) fn cached_tokens_read(&self) -> (u64, Option<u64>, u64) {
         let read_at = self.read_at_ms.load(Ordering::Acquire);
         let hits = from_u64(self.cached_tokens.load(Ordering::Relaxed)).filter(|_| read_at != 0);
         (read_at, hits, self.predicted_then.load(Ordering::Relaxed))
     }
 
     /// The figures if read less than `max_age_ms` ago, with pdproxy's traffic since.
-    pub fn fresh(&self, max_age_ms: u64, now_ms: u64, in_flight: u64, requests: u64) -> Option<EngineLoad> {
+    pub(crate) fn fresh(&self, max_age_ms: u64, now_ms: u64, in_flight: u64, requests: u64) -> Option<EngineLoad> {
         let read_at = self.read_at_ms.load(Ordering::Acquire);
         if read_at == 0 || now_ms.saturating_sub(read_at) > max_age_ms {
             return None;
@@ -216,7 +216,7 @@ impl EngineReport {
         })
     }
 
-    pub fn snapshot(&self, now_ms: u64) -> EngineReportSnapshot {
+    pub(crate) fn snapshot(&self, now_ms: u64) -> EngineReportSnapshot {
         let read_at = self.read_at_ms.load(Ordering::Acquire);
         let figures = (read_at != 0).then(|| EngineFigures {
             running: self.running.load(Ordering::Relaxed),

@@ -15,10 +15,11 @@ use http_body_util::BodyExt;
 use tokio::sync::Notify;
 use tokio::task::AbortHandle;
 
+use crate::engine::permit::{InFlightPermit, Report};
 use crate::error::{Error, Kind};
-use crate::forward::StreamBody;
-use crate::permit::{InFlightPermit, Outcome, Report};
+use crate::node::Outcome;
 use crate::sse;
+use crate::upstream::forward::StreamBody;
 
 /// What the reader gets.
 #[derive(Debug)]
@@ -29,7 +30,7 @@ pub enum Delivery {
 }
 
 /// Completes a reader that found nothing ready. Runs on a runtime thread.
-pub type Waiter = Box<dyn FnOnce(Delivery) + Send>;
+pub(crate) type Waiter = Box<dyn FnOnce(Delivery) + Send>;
 
 #[derive(Default)]
 struct Inner {
@@ -71,7 +72,7 @@ impl Exchange {
     }
 
     /// Holds the request's permit until the exchange ends.
-    pub fn attach(&self, permit: InFlightPermit) {
+    pub(crate) fn attach(&self, permit: InFlightPermit) {
         let mut inner = self.lock();
         if inner.closed {
             drop(inner);
@@ -82,7 +83,7 @@ impl Exchange {
     }
 
     /// Releases the permit with the request's outcome (once; later calls do nothing).
-    pub fn release(&self, outcome: Outcome, report: Report) {
+    pub(crate) fn release(&self, outcome: Outcome, report: Report) {
         let permit = self.lock().permit.take();
         if let Some(mut permit) = permit {
             permit.set_outcome(outcome);
@@ -91,7 +92,7 @@ impl Exchange {
     }
 
     /// Ties the exchange to the task that forwards the request and pumps the body.
-    pub fn set_task(&self, task: AbortHandle) {
+    pub(crate) fn set_task(&self, task: AbortHandle) {
         let _ = self.task.set(task);
     }
 
@@ -119,7 +120,7 @@ impl Exchange {
 
     /// Stops the exchange now: the node's connection is dropped and its permit released.
     /// Returns a waiting reader's waiter, to be completed with `Delivery::End`.
-    pub fn close(&self) -> Option<Waiter> {
+    pub(crate) fn close(&self) -> Option<Waiter> {
         if let Some(task) = self.task.get() {
             task.abort();
         }
@@ -134,7 +135,7 @@ impl Exchange {
         waiter
     }
 
-    pub fn is_closed(&self) -> bool {
+    pub(crate) fn is_closed(&self) -> bool {
         self.lock().closed
     }
 
@@ -168,7 +169,7 @@ impl Exchange {
     /// Ends the exchange with `error` (the router shuts down, the request ran out of time):
     /// the permit is released with `outcome` and the reader gets the error after any whole
     /// events still buffered.
-    pub fn fail(&self, error: Error, outcome: Outcome) {
+    pub(crate) fn fail(&self, error: Error, outcome: Outcome) {
         self.release(outcome, Report::default());
         self.finish(Err(error));
     }
@@ -316,7 +317,7 @@ pub async fn pump(
 /// Relays a body the pipeline already accounts for (its permit, events and timers:
 /// `edge::body::Relay`) into `exchange`, holding back while the reader is behind, but not longer
 /// than `stall`. The exchange being closed aborts this task, and dropping the body ends it.
-pub async fn relay<B>(exchange: &Exchange, mut body: B, stall: Duration)
+pub(crate) async fn relay<B>(exchange: &Exchange, mut body: B, stall: Duration)
 where
     B: http_body::Body<Data = Bytes, Error = crate::error::BoxError> + Unpin,
 {
@@ -352,10 +353,10 @@ mod tests {
     use http_body_util::channel::{Channel, Sender};
 
     use super::*;
+    use crate::engine::permit::InFlightPermit;
     use crate::error::BoxError;
+    use crate::node::registry::Registry;
     use crate::node::{Counters, NodeSpec};
-    use crate::permit::InFlightPermit;
-    use crate::registry::Registry;
 
     const TIMEOUTS: StreamTimeouts = StreamTimeouts { idle: Duration::from_secs(5), stall: Duration::from_secs(5) };
 

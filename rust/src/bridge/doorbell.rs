@@ -10,14 +10,14 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 #[derive(Debug)]
-pub struct Doorbell {
+pub(crate) struct Doorbell {
     armed: AtomicBool,
     bell: UnixStream,
     listener: UnixStream,
 }
 
 impl Doorbell {
-    pub fn new() -> io::Result<Self> {
+    pub(crate) fn new() -> io::Result<Self> {
         let (bell, listener) = UnixStream::pair()?;
         bell.set_nonblocking(true)?;
         listener.set_nonblocking(true)?;
@@ -25,12 +25,12 @@ impl Doorbell {
     }
 
     /// The descriptor the event loop watches for readability.
-    pub fn fd(&self) -> RawFd {
+    pub(crate) fn fd(&self) -> RawFd {
         self.listener.as_raw_fd()
     }
 
     /// Wakes the loop unless it is already due to wake. Call after queueing the work.
-    pub fn ring(&self) {
+    pub(crate) fn ring(&self) {
         if !self.armed.swap(true, Ordering::AcqRel) {
             // A full socket buffer means the loop has bytes to read already: it will wake.
             let _ = (&self.bell).write(&[1]);
@@ -39,7 +39,7 @@ impl Doorbell {
 
     /// Called by the loop when it wakes, before it takes the queued work: rings that come
     /// after this write again, so no work is left unnoticed.
-    pub fn answer(&self) {
+    pub(crate) fn answer(&self) {
         let mut sink = [0u8; 64];
         loop {
             match (&self.listener).read(&mut sink) {

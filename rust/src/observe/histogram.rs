@@ -7,13 +7,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// The upper bounds (seconds) of a histogram's buckets, at most 15 (plus +Inf).
-pub trait Bounds {
+pub(crate) trait Bounds {
     const BOUNDS: &'static [f64];
 }
 
 /// Request durations and times to first token.
 #[derive(Debug)]
-pub struct Latency;
+pub(crate) struct Latency;
 impl Bounds for Latency {
     const BOUNDS: &'static [f64] =
         &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
@@ -21,13 +21,13 @@ impl Bounds for Latency {
 
 /// Gaps between streamed chunks (inter-token latency).
 #[derive(Debug)]
-pub struct Gap;
+pub(crate) struct Gap;
 impl Bounds for Gap {
     const BOUNDS: &'static [f64] = &[0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0];
 }
 
 #[derive(Debug)]
-pub struct Histogram<B: Bounds> {
+pub(crate) struct Histogram<B: Bounds> {
     buckets: [AtomicU64; 16],
     sum_us: AtomicU64,
     count: AtomicU64,
@@ -48,23 +48,23 @@ impl<B: Bounds> Default for Histogram<B> {
 
 /// A copy of a histogram: per-bucket (not cumulative) counts, the +Inf bucket last.
 #[derive(Debug, Clone, PartialEq)]
-pub struct HistogramSnapshot {
-    pub bounds: Vec<f64>,
-    pub counts: Vec<u64>,
-    pub sum: f64,
-    pub count: u64,
+pub(crate) struct HistogramSnapshot {
+    pub(crate) bounds: Vec<f64>,
+    pub(crate) counts: Vec<u64>,
+    pub(crate) sum: f64,
+    pub(crate) count: u64,
 }
 
 impl<B: Bounds> Histogram<B> {
     /// `n` observations of zero (events that arrived together), in two atomic steps.
-    pub fn observe_zeros(&self, n: u64) {
+    pub(crate) fn observe_zeros(&self, n: u64) {
         if n > 0 {
             self.buckets[0].fetch_add(n, Ordering::Relaxed);
             self.count.fetch_add(n, Ordering::Relaxed);
         }
     }
 
-    pub fn observe(&self, value: Duration) {
+    pub(crate) fn observe(&self, value: Duration) {
         let seconds = value.as_secs_f64();
         let bucket = B::BOUNDS.iter().position(|&b| seconds <= b).unwrap_or(B::BOUNDS.len());
         self.buckets[bucket].fetch_add(1, Ordering::Relaxed);
@@ -80,7 +80,7 @@ impl<B: Bounds> Histogram<B> {
         self.count.store(0, Ordering::Relaxed);
     }
 
-    pub fn snapshot(&self) -> HistogramSnapshot {
+    pub(crate) fn snapshot(&self) -> HistogramSnapshot {
         #[allow(clippy::cast_precision_loss)]
         let sum = self.sum_us.load(Ordering::Relaxed) as f64 / 1e6;
         HistogramSnapshot {

@@ -17,20 +17,20 @@ static EVENT_END: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
 
 /// The access log's output format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
+pub(crate) enum Format {
     Text,
     Json,
 }
 
 #[derive(Debug)]
-pub struct AccessLog {
+pub(crate) struct AccessLog {
     lines: Sender<String>,
     format: Format,
 }
 
 impl AccessLog {
     /// Starts the writer thread (standard output).
-    pub fn start(format: Format) -> Arc<Self> {
+    pub(crate) fn start(format: Format) -> Arc<Self> {
         let (lines, incoming) = channel::<String>();
         let _ = std::thread::Builder::new().name("pdproxy-access".into()).spawn(move || {
             let stdout = std::io::stdout();
@@ -50,33 +50,33 @@ impl AccessLog {
 
 /// What is known of one request, filled in as it goes; written when dropped.
 #[derive(Debug)]
-pub struct Record {
+pub(crate) struct Record {
     log: Arc<AccessLog>,
     started: Instant,
     /// When the request arrived, for the line's `time`.
     arrived: SystemTime,
     client: IpAddr,
-    pub request_id: String,
-    pub method: String,
-    pub path: String,
-    pub model: Option<String>,
-    pub node: Option<String>,
-    pub status: Option<u16>,
+    pub(crate) request_id: String,
+    pub(crate) method: String,
+    pub(crate) path: String,
+    pub(crate) model: Option<String>,
+    pub(crate) node: Option<String>,
+    pub(crate) status: Option<u16>,
     /// `x-pdproxy-error` of a proxy-made answer.
-    pub proxy_error: Option<&'static str>,
+    pub(crate) proxy_error: Option<&'static str>,
     /// The stream ended with a terminal error event.
-    pub stream_error: bool,
+    pub(crate) stream_error: bool,
     /// The whole answer was sent.
-    pub complete: bool,
-    pub bytes: u64,
-    pub events: u64,
-    pub first_byte: Option<Duration>,
+    pub(crate) complete: bool,
+    pub(crate) bytes: u64,
+    pub(crate) events: u64,
+    pub(crate) first_byte: Option<Duration>,
     /// The request's trace (its own, or the caller's when requests are not traced).
-    pub trace_id: Option<String>,
+    pub(crate) trace_id: Option<String>,
 }
 
 impl Record {
-    pub fn new(log: &Arc<AccessLog>, client: IpAddr, request_id: &str, method: &str, path: &str) -> Box<Self> {
+    pub(crate) fn new(log: &Arc<AccessLog>, client: IpAddr, request_id: &str, method: &str, path: &str) -> Box<Self> {
         Box::new(Self {
             log: Arc::clone(log),
             started: Instant::now(),
@@ -99,7 +99,7 @@ impl Record {
     }
 
     /// Body bytes sent to the client.
-    pub fn sent(&mut self, chunk: &[u8]) {
+    pub(crate) fn sent(&mut self, chunk: &[u8]) {
         if self.first_byte.is_none() {
             self.first_byte = Some(self.started.elapsed());
         }

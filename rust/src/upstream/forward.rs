@@ -8,20 +8,20 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE};
-use http::{Method, StatusCode};
+use http::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
+use http::StatusCode;
 use http_body::{Frame, SizeHint};
 use http_body_util::combinators::BoxBody;
 use http_body_util::BodyExt;
 
+use super::retry::RetryBudget;
+use super::{Client, ClientConfig, ForwardRequest, Hop};
 use crate::error::{BoxError, Error, Kind, Result};
 use crate::memory;
+use crate::node::registry::Registry;
 use crate::node::Node;
-use crate::permit::Outcome;
-use crate::registry::Registry;
-use crate::retry::RetryBudget;
+use crate::node::Outcome;
 use crate::sse;
-use crate::upstream::{Client, ClientConfig, Hop};
 
 /// Client settings. Values come from the control plane's settings; no defaults live here.
 #[derive(Debug, Clone)]
@@ -49,19 +49,6 @@ pub struct ForwardConfig {
     /// Longest time from an answer's head to the end of its body, for answers that are not
     /// event streams (a node that drips one is cut off), and for every answer read whole.
     pub answer_timeout: Duration,
-}
-
-/// A request to forward, as the client sent it plus the proxy's own headers.
-#[derive(Debug, Clone)]
-pub struct ForwardRequest {
-    pub method: Method,
-    pub path_and_query: String,
-    /// The client's headers; those of the client's hop are left out when the request is
-    /// written (`headers::stays_on_client_hop`), and so are those `extra` replaces.
-    pub headers: HeaderMap,
-    /// The proxy's own headers (request id, `X-Forwarded-*`).
-    pub extra: Vec<(HeaderName, HeaderValue)>,
-    pub body: Bytes,
 }
 
 /// The node's answer: head now, body either already read or still streaming.
@@ -97,7 +84,7 @@ pub enum ResponseBody {
 }
 
 /// The node's response body, boxed so tests can feed one from a channel.
-pub type UpstreamBody = BoxBody<Bytes, BoxError>;
+pub(crate) type UpstreamBody = BoxBody<Bytes, BoxError>;
 
 /// A body still arriving.
 #[derive(Debug)]
@@ -134,25 +121,21 @@ impl Forwarder {
         Self { client: Arc::new(client), config, via, budget }
     }
 
-    pub fn config(&self) -> &ForwardConfig {
-        &self.config
-    }
-
     /// Closes idle connections past their timeout, and those to nodes `registry` no longer has.
-    pub fn sweep(&self, registry: &Registry) {
+    pub(crate) fn sweep(&self, registry: &Registry) {
         let nodes = registry.load();
         let origins: rustc_hash::FxHashSet<&str> = nodes.nodes().iter().map(|n| n.target().origin).collect();
         self.client.sweep(&|origin| origins.contains(origin));
     }
 
     /// How often the pool is swept: every second, or more often with a shorter idle timeout.
-    pub fn sweep_interval(&self) -> Duration {
+    pub(crate) fn sweep_interval(&self) -> Duration {
         SWEEP_INTERVAL.min(self.config.pool_idle_timeout)
     }
 
     /// Sweeps the pool forever. Runs on the event loop that uses the pool (an edge thread's).
     /// Every few sweeps, it also hands this thread's freed memory back to the system.
-    pub async fn keep_swept(&self, registry: &Registry) -> std::convert::Infallible {
+    pub(crate) async fn keep_swept(&self, registry: &Registry) -> std::convert::Infallible {
         let mut sweeps = 0u32;
         loop {
             tokio::time::sleep(self.sweep_interval()).await;
@@ -261,7 +244,7 @@ fn node_failure(e: BoxError) -> Error {
 }
 
 /// A body read whole, refused past `limit` bytes.
-pub async fn read_all(
+pub(crate) async fn read_all(
     mut body: impl http_body::Body<Data = Bytes, Error = BoxError> + Unpin,
     limit: usize,
 ) -> Result<Bytes> {
@@ -290,7 +273,7 @@ pub async fn read_all(
 impl Forwarder {
     /// A node's answer body read whole, within the answer limits: `answer_buffer_limit` bytes
     /// and `answer_timeout` from now. Past either, the body (and its connection) is dropped.
-    pub async fn read_answer(&self, body: UpstreamBody) -> Result<Bytes> {
+    pub(crate) async fn read_answer(&self, body: UpstreamBody) -> Result<Bytes> {
         read_all(Timed::new(body, self.config.answer_timeout), self.config.answer_buffer_limit).await
     }
 }
@@ -378,6 +361,6 @@ impl<B: http_body::Body<Data = Bytes, Error = BoxError> + Unpin> http_body::Body
 /// The kernel buffer of one socket of a stream: a quarter of the stream's buffer limit (the
 /// kernel doubles what it is asked for), so that the proxy's buffer and both sockets together
 /// stay near the limit however slowly a client reads.
-pub fn socket_buffer(stream_buffer_limit: usize) -> usize {
+pub(crate) fn socket_buffer(stream_buffer_limit: usize) -> usize {
     (stream_buffer_limit / 4).max(16 << 10)
 }

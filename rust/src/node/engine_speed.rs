@@ -33,35 +33,35 @@ const BOUND_MIN_KIB: f64 = 1.0;
 
 /// The learnt figures of one engine (`None`: not learnt yet).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Speed {
+pub(crate) struct Speed {
     /// Milliseconds of prefill per KiB of prompt not in the engine's cache (the prompts of the
     /// requests ahead of it included).
-    pub prefill_ms_per_kib: Option<f64>,
+    pub(crate) prefill_ms_per_kib: Option<f64>,
     /// Milliseconds to a first token besides the prefill (a step of the batch, the network).
-    pub first_token_ms: Option<f64>,
+    pub(crate) first_token_ms: Option<f64>,
     /// Milliseconds from a request's first token to its end (its decoding).
-    pub decode_ms: Option<f64>,
+    pub(crate) decode_ms: Option<f64>,
     /// Requests the engine runs at once when others wait (its batch, or what its KV cache holds).
-    pub slots: Option<f64>,
+    pub(crate) slots: Option<f64>,
     /// A whole request's time per request the node had in flight when it was sent: with `n` in
     /// flight, a request sent now takes about `n + 1` times this (the engine shares its work).
-    pub ms_per_in_flight: Option<f64>,
+    pub(crate) ms_per_in_flight: Option<f64>,
     /// Whole requests' time per KiB they prefilled, from answers that tell no first token (not
     /// streamed): prefill there is no slower than this, whatever else the time held.
-    pub prefill_bound_ms_per_kib: Option<f64>,
+    pub(crate) prefill_bound_ms_per_kib: Option<f64>,
     /// Samples behind the prefill fit (weighted: recent ones count more).
-    pub samples: f64,
+    pub(crate) samples: f64,
 }
 
 /// The exponentially weighted sums of a node's first-token samples (x: KiB prefilled before
 /// the token, y: ms until it came). Sums add up: a fleet's are its nodes' added together.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct Samples {
-    pub weight: f64,
-    pub x: f64,
-    pub y: f64,
-    pub xx: f64,
-    pub xy: f64,
+pub(crate) struct Samples {
+    pub(crate) weight: f64,
+    pub(crate) x: f64,
+    pub(crate) y: f64,
+    pub(crate) xx: f64,
+    pub(crate) xy: f64,
 }
 
 impl std::ops::AddAssign for Samples {
@@ -76,14 +76,14 @@ impl std::ops::AddAssign for Samples {
 
 /// A straight line through first-token samples: milliseconds per KiB, and the fixed part.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Fit {
-    pub ms_per_kib: f64,
-    pub fixed_ms: f64,
+pub(crate) struct Fit {
+    pub(crate) ms_per_kib: f64,
+    pub(crate) fixed_ms: f64,
 }
 
 impl Fit {
     /// The time the fit gives a first token after `kib` of prefill.
-    pub fn ms(&self, kib: f64) -> f64 {
+    pub(crate) fn ms(&self, kib: f64) -> f64 {
         self.fixed_ms + self.ms_per_kib * kib
     }
 }
@@ -92,7 +92,7 @@ impl Samples {
     /// Least squares, once there are enough samples. With sizes too alike to tell the part
     /// per KiB from the fixed part, the mean time over the mean size; never below a tenth of
     /// that (a noisy fit must not make prefill free, and every cache hit worthless).
-    pub fn fit(&self) -> Option<Fit> {
+    pub(crate) fn fit(&self) -> Option<Fit> {
         let w = self.weight;
         if w < MIN_WEIGHT {
             return None;
@@ -112,7 +112,7 @@ impl Samples {
 
 /// A node's learnt speed, in shared-memory-safe atomics (`f64` bits; 0 is "none yet").
 #[derive(Debug, Default)]
-pub struct EngineSpeed {
+pub(crate) struct EngineSpeed {
     /// Exponentially weighted sums of the first-token samples (x: KiB, y: ms): weight, x, y,
     /// x², xy.
     weight: AtomicU64,
@@ -144,7 +144,7 @@ fn moving_mean(value: &AtomicU64, sample: f64, alpha: f64) {
 impl EngineSpeed {
     /// A request's first token came `ms` after it was sent, with `kib` of prompt to prefill
     /// before it (its own uncached part, and what the requests sent there before it still had).
-    pub fn first_token(&self, kib: f64, ms: f64) {
+    pub(crate) fn first_token(&self, kib: f64, ms: f64) {
         if !(kib.is_finite() && ms.is_finite() && kib >= 0.0 && ms >= 0.0) {
             return;
         }
@@ -160,7 +160,7 @@ impl EngineSpeed {
     }
 
     /// A request decoded for `ms` after its first token.
-    pub fn decoded(&self, ms: f64) {
+    pub(crate) fn decoded(&self, ms: f64) {
         if ms.is_finite() && ms >= 0.0 {
             moving_mean(&self.decode_ms, ms, DECODE_ALPHA);
         }
@@ -168,7 +168,7 @@ impl EngineSpeed {
 
     /// A whole request took `ms`, sent when the node had `in_flight` requests (itself included);
     /// `untimed_kib`: what it prefilled, when its answer told no first token.
-    pub fn served(&self, ms: f64, in_flight: u64, untimed_kib: Option<f64>) {
+    pub(crate) fn served(&self, ms: f64, in_flight: u64, untimed_kib: Option<f64>) {
         if !(ms.is_finite() && ms >= 0.0) || in_flight == 0 {
             return;
         }
@@ -185,7 +185,7 @@ impl EngineSpeed {
     /// (every engine admits at its next step), which at any load a reading sometimes catches.
     /// A batch seen running more than the slots learnt holds more: they are forgotten until a
     /// full batch shows them again.
-    pub fn reported(&self, running: u64, waiting: u64) {
+    pub(crate) fn reported(&self, running: u64, waiting: u64) {
         let most = self.most_running.fetch_max(running, Ordering::Relaxed).max(running);
         #[allow(clippy::cast_precision_loss)]
         let (running_f, most_f) = (running as f64, most as f64);
@@ -197,12 +197,12 @@ impl EngineSpeed {
     }
 
     /// Requests the engine runs at once while others wait, once a report showed it full.
-    pub fn slots(&self) -> Option<f64> {
+    pub(crate) fn slots(&self) -> Option<f64> {
         Some(load(&self.slots)).filter(|&s| s > 0.0)
     }
 
     /// The first-token samples' sums.
-    pub fn samples(&self) -> Samples {
+    pub(crate) fn samples(&self) -> Samples {
         Samples {
             weight: load(&self.weight),
             x: load(&self.sum_x),
@@ -213,7 +213,7 @@ impl EngineSpeed {
     }
 
     /// The node's figures, its first-token fit from its own samples alone.
-    pub fn speed(&self) -> Speed {
+    pub(crate) fn speed(&self) -> Speed {
         let positive = |x: f64| (x > 0.0).then_some(x);
         let samples = self.samples();
         let fit = samples.fit();
@@ -229,7 +229,7 @@ impl EngineSpeed {
     }
 
     /// Back to new (a recycled shared slot, or a restarted engine).
-    pub fn reset(&self) {
+    pub(crate) fn reset(&self) {
         for value in [
             &self.weight,
             &self.sum_x,

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use arc_swap::{ArcSwap, Guard};
 
 use crate::error::{Error, Kind, Result};
+use crate::node::shared::SharedTable;
 use crate::node::{Counters, Node, NodeSpec, NodeUrl, Role};
-use crate::shared::SharedTable;
 
 /// One published version of the node table, indexed for selection.
 #[derive(Debug, Default)]
@@ -42,7 +42,7 @@ struct RoleNodes {
 
 /// Why a request has no candidate node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum NoCandidates {
+pub(crate) enum NoCandidates {
     /// No node of the role is registered.
     NoNodes,
     ModelNotFound,
@@ -69,7 +69,7 @@ impl NodeSet {
     }
 
     /// Counts one request for `model` (see `Registry::model_requests`).
-    pub fn count_request(&self, model: Option<&str>) {
+    pub(crate) fn count_request(&self, model: Option<&str>) {
         let counter = match model {
             None => &self.tallies.none,
             Some(m) => self.tallies.by_model.get(m).unwrap_or(&self.tallies.other),
@@ -77,18 +77,18 @@ impl NodeSet {
         counter.fetch_add(1, Ordering::Relaxed);
     }
 
-    pub fn nodes(&self) -> &[Arc<Node>] {
+    pub(crate) fn nodes(&self) -> &[Arc<Node>] {
         &self.nodes
     }
 
-    pub fn get(&self, url: &str) -> Option<&Arc<Node>> {
+    pub(crate) fn get(&self, url: &str) -> Option<&Arc<Node>> {
         let url = NodeUrl::parse(url).ok()?;
         self.nodes.iter().find(|n| n.url() == url.normalized)
     }
 
     /// The nodes of `role` known to serve `model` (those whose models are known when the
     /// request names none).
-    pub fn candidates(&self, role: Role, model: Option<&str>) -> Result<&[Arc<Node>], NoCandidates> {
+    pub(crate) fn candidates(&self, role: Role, model: Option<&str>) -> Result<&[Arc<Node>], NoCandidates> {
         let nodes = &self.by_role[role.index()];
         let list = match model {
             None => Some(&nodes.known),
@@ -103,7 +103,7 @@ impl NodeSet {
     }
 
     /// Every model declared by some node, deduplicated, in registration order.
-    pub fn models(&self) -> Vec<&str> {
+    pub(crate) fn models(&self) -> Vec<&str> {
         let mut seen = Vec::new();
         for model in self.nodes.iter().flat_map(|n| n.models()) {
             if !seen.contains(&model.as_str()) {
@@ -131,12 +131,12 @@ impl Registry {
     }
 
     /// A registry whose nodes' counters live in `table`, as worker `worker` of the group.
-    pub fn in_group(table: Arc<SharedTable>, worker: usize) -> Self {
+    pub(crate) fn in_group(table: Arc<SharedTable>, worker: usize) -> Self {
         Self { group: Some((table, worker)), ..Self::default() }
     }
 
     /// Whether the nodes' counters live in a worker group's shared table.
-    pub fn in_a_group(&self) -> bool {
+    pub(crate) fn in_a_group(&self) -> bool {
         self.group.is_some()
     }
 
@@ -160,7 +160,7 @@ impl Registry {
     }
 
     /// Rebinds nodes whose shared slot was retired by another worker; returns how many.
-    pub fn refresh_bindings(&self) -> Result<usize> {
+    pub(crate) fn refresh_bindings(&self) -> Result<usize> {
         let stale: Vec<Arc<Node>> = self.load().nodes().iter().filter(|n| !self.is_current(n)).cloned().collect();
         for node in &stale {
             self.add(node.url(), node.spec().clone())?;
@@ -226,7 +226,7 @@ impl Registry {
     }
 
     /// Changes one registered node's spec in place (same generation and counters).
-    pub fn update(&self, url: &str, change: impl FnOnce(&mut NodeSpec)) -> Result<Arc<Node>> {
+    pub(crate) fn update(&self, url: &str, change: impl FnOnce(&mut NodeSpec)) -> Result<Arc<Node>> {
         let url = NodeUrl::parse(url)?;
         let _writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
         let current = self.snapshot.load_full();
@@ -246,7 +246,7 @@ impl Registry {
 
     /// Removes a node from selection. Requests in flight keep their permits (and so their
     /// counts) until they end. Returns the removed node.
-    pub fn remove(&self, url: &str) -> Result<Arc<Node>> {
+    pub(crate) fn remove(&self, url: &str) -> Result<Arc<Node>> {
         let url = NodeUrl::parse(url)?;
         let _writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
         let current = self.snapshot.load_full();
@@ -264,7 +264,7 @@ impl Registry {
 }
 
 /// A node's speed, when declared, is a positive number.
-pub fn check_speed(speed: Option<f64>) -> Result<()> {
+pub(crate) fn check_speed(speed: Option<f64>) -> Result<()> {
     match speed {
         Some(speed) if !(speed.is_finite() && speed > 0.0) => {
             Err(Error::new(Kind::InvalidNode, format!("speed must be a positive number, got {speed}")))
@@ -275,7 +275,7 @@ pub fn check_speed(speed: Option<f64>) -> Result<()> {
 
 /// A node's API key goes into a header: it must be a valid header value (no CR, LF or other
 /// control characters), or requests and health checks would fail (or carry injected headers).
-pub fn check_api_key(key: Option<&str>) -> Result<()> {
+pub(crate) fn check_api_key(key: Option<&str>) -> Result<()> {
     match key {
         Some(key) if http::HeaderValue::from_str(&format!("Bearer {key}")).is_err() => {
             Err(Error::new(Kind::InvalidNode, "the node's api_key must be printable text without line breaks"))

@@ -4,51 +4,18 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::admission::Admission;
-use crate::circuit::{now_ms, now_us};
-use crate::node::Node;
-
-/// How a request ended, as recorded in the node's counters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Outcome {
-    /// The whole response was received from the node.
-    Succeeded,
-    /// The node failed: connect error, timeout, reset, broken body, or a gateway error
-    /// (502/503/504): counts toward its circuit.
-    Failed,
-    /// The node answered with another server error (a 500 a client's request can provoke):
-    /// counted as failed, but it says nothing of the node's health, so its circuit ignores it.
-    Errored,
-    /// The node refused the request as the client's error (a 4xx other than 429): neither its
-    /// success (a quick refusal would flatter its latency) nor its failure.
-    Rejected,
-    /// The caller gave up first (client disconnect, body dropped unread).
-    Cancelled,
-    /// Selected but never sent (a dry-run selection): recorded nowhere.
-    Unused,
-}
-
-/// What a routing policy expects a node to do for a request (prompt bytes).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Prediction {
-    /// To prefill: not in the node's cache.
-    pub prefill: u64,
-    /// To be found in its cache.
-    pub cached: u64,
-    /// How long the node takes to prefill `prefill` (µs, at the rate the policy priced it).
-    pub prefill_us: u64,
-    /// When the first token should come (µs after the selection; 0: not priced): all the
-    /// policy knows of, so that coming later shows work there it did not know of.
-    pub first_token_us: u64,
-}
+use super::admission::Admission;
+use crate::clock::{now_ms, now_us};
+use crate::node::{Node, Outcome};
+use crate::select::Prediction;
 
 /// What a streamed body showed, recorded into the node's statistics at release.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct Report {
+pub(crate) struct Report {
     /// Time from sending the request to the first body byte.
-    pub first_byte: Option<Duration>,
+    pub(crate) first_byte: Option<Duration>,
     /// Server-sent events forwarded.
-    pub events: u64,
+    pub(crate) events: u64,
 }
 
 /// Holds one unit of a node's in-flight count. It travels with the request and then with
@@ -113,7 +80,8 @@ impl InFlightPermit {
     }
 
     /// Takes a permit whatever the cap (tests and tools that account by hand).
-    pub fn acquire(node: &Arc<Node>) -> Self {
+    #[cfg(test)]
+    pub(crate) fn acquire(node: &Arc<Node>) -> Self {
         node.counters().try_enter(None);
         Self::entered(node, None)
     }
@@ -151,19 +119,14 @@ impl InFlightPermit {
         self.outcome = outcome;
     }
 
-    pub fn set_report(&mut self, report: Report) {
+    pub(crate) fn set_report(&mut self, report: Report) {
         self.report = report;
     }
 
     /// Releases a permit that was never used for a request.
-    pub fn unused(mut self) {
+    pub(crate) fn unused(mut self) {
         self.node.counters().requests.fetch_sub(1, Ordering::Relaxed);
         self.outcome = Outcome::Unused;
-    }
-
-    /// When the request was admitted.
-    pub fn started(&self) -> Instant {
-        self.started
     }
 
     /// Records what the policy expects of the node for this request: `prefill` bytes of prompt
@@ -172,7 +135,7 @@ impl InFlightPermit {
     /// selection that took it). `timed`: the answer's first byte will be its first token (a
     /// stream, or a prefill leg), so its wait teaches the node's speed, unless the engine's
     /// batch looks full now (the wait would then be for a place in it, not for the prefill).
-    pub fn set_prediction(&self, prediction: Prediction, timed: bool) {
+    pub(crate) fn set_prediction(&self, prediction: Prediction, timed: bool) {
         let now = now_ms();
         let counters = self.node.counters();
         self.own_prefill.store(prediction.prefill, Ordering::Relaxed);
@@ -203,7 +166,7 @@ impl InFlightPermit {
     /// A piece of the node's answer: where the policy predicted cache hits, looks for what the
     /// engine says it found (once; a streamed answer says it in its last event, with
     /// `stream_options.include_usage`, a whole one in its body).
-    pub fn saw(&self, chunk: &[u8]) {
+    pub(crate) fn saw(&self, chunk: &[u8]) {
         if self.checked_cached.load(Ordering::Relaxed) == 0 || self.reported_cached.load(Ordering::Relaxed) != u64::MAX
         {
             return;
@@ -214,13 +177,13 @@ impl InFlightPermit {
     }
 
     /// The node's answer came whole: its first byte, and all of it seen.
-    pub fn answered_whole(&self, body: &[u8]) {
+    pub(crate) fn answered_whole(&self, body: &[u8]) {
         self.first_byte_seen();
         self.saw(body);
     }
 
     /// The answer's first byte came: the node has prefilled the prompt (once; later calls do nothing).
-    pub fn first_byte_seen(&self) {
+    pub(crate) fn first_byte_seen(&self) {
         // Called for every chunk: after the first, a load instead of four swaps.
         if self.unanswered.load(Ordering::Relaxed) {
             self.settle_prefill(true);
@@ -308,8 +271,8 @@ impl Drop for InFlightPermit {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::node::registry::Registry;
     use crate::node::NodeSpec;
-    use crate::registry::Registry;
 
     #[test]
     fn counts_once_per_exit() {
@@ -387,7 +350,7 @@ mod tests {
 
     #[test]
     fn the_cap_holds_across_a_worker_group() {
-        use crate::shared::SharedTable;
+        use crate::node::shared::SharedTable;
         use std::sync::atomic::{AtomicU64, Ordering};
 
         let path = std::env::temp_dir().join(format!("pdproxy-permit-test-{}", std::process::id()));

@@ -17,20 +17,12 @@ use std::time::Instant;
 
 use tokio::sync::oneshot;
 
-use crate::histogram::{Histogram, Latency};
 use crate::node::{Node, NodeState, Role};
+use crate::observe::histogram::{Histogram, Latency};
+use crate::tenants::Class;
 
 /// One slot in this many goes to the longest-waiting request, whatever its class.
-pub const AGING_EVERY: u64 = 8;
-
-/// Whose request it is, as the queue orders it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Class {
-    /// Served first when smaller (vLLM's `priority`); 0 unless the request or its key says.
-    pub priority: i32,
-    /// The tenant the request counts for; 0 for requests of no tenant.
-    pub tenant: u32,
-}
+pub(crate) const AGING_EVERY: u64 = 8;
 
 #[derive(Debug)]
 struct Waiting {
@@ -45,9 +37,9 @@ struct Waiting {
 
 /// A place in the queue.
 #[derive(Debug)]
-pub struct Ticket {
-    pub id: u64,
-    pub woken: oneshot::Receiver<()>,
+pub(crate) struct Ticket {
+    pub(crate) id: u64,
+    pub(crate) woken: oneshot::Receiver<()>,
     seq: u64,
     class: Class,
 }
@@ -69,11 +61,11 @@ pub struct Admission {
     next_id: AtomicU64,
     completions: RateMeter,
     /// How long queued requests waited, until served or turned away.
-    pub waited: Histogram<Latency>,
+    pub(crate) waited: Histogram<Latency>,
 }
 
 impl Admission {
-    pub fn new(capacity: usize) -> Self {
+    pub(crate) fn new(capacity: usize) -> Self {
         Self {
             queue: Mutex::default(),
             queued: AtomicUsize::new(0),
@@ -94,7 +86,7 @@ impl Admission {
     }
 
     /// Joins the queue, or `None` when it is full.
-    pub fn enqueue(&self, role: Role, model: Option<&str>, class: Class) -> Option<Ticket> {
+    pub(crate) fn enqueue(&self, role: Role, model: Option<&str>, class: Class) -> Option<Ticket> {
         let mut queue = self.lock();
         if queue.waiting.len() >= self.capacity {
             return None;
@@ -105,7 +97,7 @@ impl Admission {
 
     /// Back into the queue, in its old place, for a request that was woken but lost its slot
     /// (whatever the queue's length: it was counted in it already).
-    pub fn requeue(&self, role: Role, model: Option<&str>, ticket: &Ticket) -> Ticket {
+    pub(crate) fn requeue(&self, role: Role, model: Option<&str>, ticket: &Ticket) -> Ticket {
         let mut queue = self.lock();
         self.push(&mut queue, role, model, ticket.class, ticket.seq)
     }
@@ -121,7 +113,7 @@ impl Admission {
     /// Leaves the queue (served, timed out or cancelled). Returns false when the ticket was
     /// no longer queued because a release had woken it: if that wake goes unused, pass it on
     /// with `pass_on`, or a slot would stay idle while others wait.
-    pub fn leave(&self, id: u64) -> bool {
+    pub(crate) fn leave(&self, id: u64) -> bool {
         let mut queue = self.lock();
         let before = queue.waiting.len();
         queue.waiting.retain(|w| w.id != id);
@@ -131,7 +123,7 @@ impl Admission {
     }
 
     /// Wakes the next request of `role` (a wake its receiver did not use).
-    pub fn pass_on(&self, role: Role) {
+    pub(crate) fn pass_on(&self, role: Role) {
         let mut queue = self.lock();
         queue.wake_next(|w| w.role == role);
         self.queued.store(queue.waiting.len(), Ordering::Release);
@@ -140,7 +132,7 @@ impl Admission {
     /// True when a queued request of `role` for `model`, of a class at least as urgent as
     /// `class`, could take a slot on these nodes: newcomers then queue behind it instead of
     /// taking the slot first.
-    pub fn has_waiter_for(&self, role: Role, model: Option<&str>, class: Class) -> bool {
+    pub(crate) fn has_waiter_for(&self, role: Role, model: Option<&str>, class: Class) -> bool {
         self.queued() > 0
             && self.lock().waiting.iter().any(|w| {
                 w.role == role
@@ -162,7 +154,7 @@ impl Admission {
 
     /// Seconds a rejected client should wait: the time the queue takes to drain at the
     /// observed completion rate, between 1 and 60.
-    pub fn retry_after(&self) -> u32 {
+    pub(crate) fn retry_after(&self) -> u32 {
         let rate = self.completions.per_second().max(0.1);
         #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let seconds = ((self.queued() + 1) as f64 / rate).ceil() as u32;
@@ -276,9 +268,9 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+    use crate::engine::permit::InFlightPermit;
+    use crate::node::registry::Registry;
     use crate::node::NodeSpec;
-    use crate::permit::InFlightPermit;
-    use crate::registry::Registry;
 
     fn capped(reg: &Registry, url: &str, model: &str) -> Arc<Node> {
         reg.add(url, NodeSpec { models: vec![model.into()], max_concurrency: Some(1), ..NodeSpec::default() }).unwrap()

@@ -3,26 +3,16 @@
 //! circuit, a failure opens it again. Plain atomics, like the rest of the node's counters.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
+
+use crate::clock::now_ms;
 
 const CLOSED: u8 = 0;
 const OPEN: u8 = 1;
 const HALF_OPEN: u8 = 2;
 
-/// Wall-clock microseconds: the one clock that worker processes sharing a circuit (or a
-/// node's counters) agree on (a clock step only lengthens or shortens one cooldown).
-pub(crate) fn now_us() -> u64 {
-    let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
-    u64::try_from(since_epoch.as_micros()).unwrap_or(u64::MAX)
-}
-
-/// The same clock in milliseconds.
-pub(crate) fn now_ms() -> u64 {
-    now_us() / 1000
-}
-
 #[derive(Debug, Default)]
-pub struct Circuit {
+pub(crate) struct Circuit {
     state: AtomicU8,
     failures: AtomicU32,
     open_until_ms: AtomicU64,
@@ -32,12 +22,12 @@ pub struct Circuit {
 }
 
 impl Circuit {
-    pub fn configure(&self, threshold: u32, cooldown: Duration) {
+    pub(crate) fn configure(&self, threshold: u32, cooldown: Duration) {
         self.threshold.store(threshold, Ordering::Relaxed);
         self.cooldown_ms.store(u64::try_from(cooldown.as_millis()).unwrap_or(u64::MAX), Ordering::Relaxed);
     }
 
-    pub fn name(&self) -> &'static str {
+    pub(crate) fn name(&self) -> &'static str {
         match self.state.load(Ordering::Acquire) {
             OPEN => "open",
             HALF_OPEN => "half_open",
@@ -46,7 +36,7 @@ impl Circuit {
     }
 
     /// Whether the node may be chosen now (a cooled-down open circuit may take its probe).
-    pub fn allows(&self) -> bool {
+    pub(crate) fn allows(&self) -> bool {
         match self.state.load(Ordering::Acquire) {
             CLOSED => true,
             OPEN => now_ms() >= self.open_until_ms.load(Ordering::Acquire),
@@ -55,7 +45,7 @@ impl Circuit {
     }
 
     /// Takes the right to send: always when closed; once, as the probe, when open and cooled down.
-    pub fn admit(&self) -> bool {
+    pub(crate) fn admit(&self) -> bool {
         match self.state.load(Ordering::Acquire) {
             CLOSED => true,
             OPEN if now_ms() >= self.open_until_ms.load(Ordering::Acquire) => {
@@ -65,12 +55,12 @@ impl Circuit {
         }
     }
 
-    pub fn success(&self) {
+    pub(crate) fn success(&self) {
         self.failures.store(0, Ordering::Relaxed);
         self.state.store(CLOSED, Ordering::Release);
     }
 
-    pub fn failure(&self) {
+    pub(crate) fn failure(&self) {
         let threshold = self.threshold.load(Ordering::Relaxed);
         if threshold == 0 {
             return;
@@ -91,7 +81,7 @@ impl Circuit {
     }
 
     /// The request gave up without telling anything about the node: a probe slot is freed.
-    pub fn abandon(&self) {
+    pub(crate) fn abandon(&self) {
         let _ = self.state.compare_exchange(HALF_OPEN, OPEN, Ordering::AcqRel, Ordering::Acquire);
     }
 }

@@ -44,13 +44,13 @@ impl RetryBudget {
     }
 
     /// Counts a first attempt.
-    pub fn request(&self) {
+    pub(crate) fn request(&self) {
         self.roll();
         self.requests.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Takes one retry from the budget, if any is left.
-    pub fn spend(&self) -> bool {
+    pub(crate) fn spend(&self) -> bool {
         self.roll();
         #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let allowed = self.floor + (self.requests.load(Ordering::Relaxed) as f64 * self.ratio) as u64;
@@ -63,7 +63,7 @@ impl RetryBudget {
     }
 
     /// Retries taken since the start (for metrics).
-    pub fn total(&self) -> u64 {
+    pub(crate) fn total(&self) -> u64 {
         self.total.load(Ordering::Relaxed)
     }
 }

@@ -18,7 +18,7 @@ const WEIGHT: f64 = 0.25;
 const FADE_MS: f64 = 1000.0;
 
 #[derive(Debug, Default)]
-pub struct HiddenLoad {
+pub(crate) struct HiddenLoad {
     /// f64 bits of the mean lateness (ms) as of `at_ms`; 0 bits: 0.0.
     mean_ms: AtomicU64,
     at_ms: AtomicU64,
@@ -27,7 +27,7 @@ pub struct HiddenLoad {
 impl HiddenLoad {
     /// Lateness now: the mean, faded for the time since its last sample (may be negative:
     /// first tokens came early).
-    pub fn ms(&self, now_ms: u64) -> f64 {
+    pub(crate) fn ms(&self, now_ms: u64) -> f64 {
         let at = self.at_ms.load(Ordering::Relaxed);
         let mean = f64::from_bits(self.mean_ms.load(Ordering::Relaxed));
         #[allow(clippy::cast_precision_loss)]
@@ -36,7 +36,7 @@ impl HiddenLoad {
     }
 
     /// A first token came `late_ms` after the time priced for it (negative: before).
-    pub fn observe(&self, late_ms: f64, now_ms: u64) {
+    pub(crate) fn observe(&self, late_ms: f64, now_ms: u64) {
         if !late_ms.is_finite() {
             return;
         }
@@ -46,7 +46,7 @@ impl HiddenLoad {
         self.at_ms.store(now_ms, Ordering::Relaxed);
     }
 
-    pub fn reset(&self) {
+    pub(crate) fn reset(&self) {
         self.mean_ms.store(0, Ordering::Relaxed);
         self.at_ms.store(0, Ordering::Relaxed);
     }

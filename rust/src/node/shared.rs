@@ -23,16 +23,16 @@ use std::time::{Duration, Instant};
 
 use memmap2::MmapRaw;
 
-use crate::circuit::now_ms;
+use crate::clock::now_ms;
 use crate::error::{Error, Kind, Result};
 use crate::node::NodeCounters;
 
 /// Node slots in a table: registrations alive at once, retired ones included.
-pub const SLOTS: usize = 1024;
+pub(crate) const SLOTS: usize = 1024;
 /// Worker processes that can be attached at once (live ones plus dead ones not yet reclaimed).
-pub const MAX_WORKERS: usize = 64;
+pub(crate) const MAX_WORKERS: usize = 64;
 /// The longest node URL a slot holds.
-pub const URL_MAX: usize = 256;
+pub(crate) const URL_MAX: usize = 256;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"pdproxy\x01");
 const FREE: u32 = 0;
@@ -79,21 +79,21 @@ struct Table {
 
 /// One mapping of a table file.
 #[derive(Debug)]
-pub struct SharedTable {
+pub(crate) struct SharedTable {
     map: MmapRaw,
     /// Keeps the file open as long as the mapping lives.
     _file: File,
 }
 
 /// The slot a node's counters live in, and its generation.
-pub type Binding = (usize, u64);
+pub(crate) type Binding = (usize, u64);
 
 impl SharedTable {
     /// The size of a table file in bytes.
-    pub const SIZE: usize = std::mem::size_of::<Table>();
+    pub(crate) const SIZE: usize = std::mem::size_of::<Table>();
 
     /// Creates a table file (zeroed: every slot free, every worker entry free). Fails if it exists.
-    pub fn create(path: &Path) -> Result<Self> {
+    pub(crate) fn create(path: &Path) -> Result<Self> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -109,7 +109,7 @@ impl SharedTable {
     }
 
     /// Maps an existing table file.
-    pub fn open(path: &Path) -> Result<Self> {
+    pub(crate) fn open(path: &Path) -> Result<Self> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -152,19 +152,19 @@ impl SharedTable {
         }
     }
 
-    pub fn counters(&self, slot: usize) -> &NodeCounters {
+    pub(crate) fn counters(&self, slot: usize) -> &NodeCounters {
         &self.table().slots[slot].counters
     }
 
     /// The part of a slot's in-flight count that belongs to `worker`.
-    pub fn share(&self, slot: usize, worker: usize) -> &AtomicU32 {
+    pub(crate) fn share(&self, slot: usize, worker: usize) -> &AtomicU32 {
         &self.table().slots[slot].shares[worker]
     }
 
     // --- workers ---
 
     /// Attaches a worker process: returns its index in the table.
-    pub fn join(&self, pid: u32) -> Result<usize> {
+    pub(crate) fn join(&self, pid: u32) -> Result<usize> {
         for (index, entry) in self.table().workers.iter().enumerate() {
             if entry.compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 return Ok(index);
@@ -174,7 +174,7 @@ impl SharedTable {
     }
 
     /// Attached workers: (index, pid).
-    pub fn workers(&self) -> Vec<(usize, u32)> {
+    pub(crate) fn workers(&self) -> Vec<(usize, u32)> {
         self.table()
             .workers
             .iter()
@@ -185,14 +185,14 @@ impl SharedTable {
     }
 
     /// The in-flight units worker `index` holds now, over all slots.
-    pub fn held(&self, index: usize) -> u64 {
+    pub(crate) fn held(&self, index: usize) -> u64 {
         self.table().slots.iter().map(|slot| u64::from(slot.shares[index].load(Ordering::Relaxed))).sum()
     }
 
     /// Detaches worker `index` (which must be `pid`): every permit it still held is handed
     /// back. Call it for a worker that has exited; returns the permits handed back, or `None`
     /// when the entry is no longer `pid`'s (someone else reclaimed it).
-    pub fn reclaim(&self, index: usize, pid: u32) -> Option<u64> {
+    pub(crate) fn reclaim(&self, index: usize, pid: u32) -> Option<u64> {
         let entry = self.table().workers.get(index)?;
         entry.compare_exchange(pid, RECLAIMING, Ordering::AcqRel, Ordering::Acquire).ok()?;
         let mut returned = 0;
@@ -210,7 +210,7 @@ impl SharedTable {
     // --- slots ---
 
     /// The slot bound to `url`, binding a free one if none is.
-    pub fn bind(&self, url: &str) -> Result<Binding> {
+    pub(crate) fn bind(&self, url: &str) -> Result<Binding> {
         if url.len() > URL_MAX {
             return Err(Error::new(Kind::InvalidNode, format!("node URLs are limited to {URL_MAX} bytes")));
         }
@@ -236,13 +236,13 @@ impl SharedTable {
     }
 
     /// Whether `binding` is still the slot's current registration.
-    pub fn is_current(&self, (slot, generation): Binding) -> bool {
+    pub(crate) fn is_current(&self, (slot, generation): Binding) -> bool {
         let slot = &self.table().slots[slot];
         slot.state.load(Ordering::Acquire) == ACTIVE && slot.generation.load(Ordering::Acquire) == generation
     }
 
     /// Ends a registration: the slot takes no new binding and is reused once idle (`recycle`).
-    pub fn retire(&self, binding: Binding) {
+    pub(crate) fn retire(&self, binding: Binding) {
         let _lock = self.lock();
         if self.is_current(binding) {
             let slot = &self.table().slots[binding.0];
@@ -253,7 +253,7 @@ impl SharedTable {
 
     /// Frees retired slots with nothing in flight that were retired at least `grace` ago.
     /// Returns how many were freed.
-    pub fn recycle(&self, grace: Duration) -> usize {
+    pub(crate) fn recycle(&self, grace: Duration) -> usize {
         let _lock = self.lock();
         let cutoff = now_ms().saturating_sub(u64::try_from(grace.as_millis()).unwrap_or(u64::MAX));
         let mut freed = 0;
@@ -275,27 +275,27 @@ impl SharedTable {
     }
 
     /// Slots bound now and slots retired but not yet reusable.
-    pub fn slots_in_use(&self) -> (usize, usize) {
+    pub(crate) fn slots_in_use(&self) -> (usize, usize) {
         let count = |state| self.table().slots.iter().filter(|s| s.state.load(Ordering::Acquire) == state).count();
         (count(ACTIVE), count(RETIRED))
     }
 
     // --- group-wide signals ---
 
-    pub fn epoch(&self) -> u64 {
+    pub(crate) fn epoch(&self) -> u64 {
         self.table().header.epoch.load(Ordering::Acquire)
     }
 
     /// Tells every worker that membership changed; returns the new epoch.
-    pub fn bump_epoch(&self) -> u64 {
+    pub(crate) fn bump_epoch(&self) -> u64 {
         self.table().header.epoch.fetch_add(1, Ordering::AcqRel) + 1
     }
 
-    pub fn draining(&self) -> bool {
+    pub(crate) fn draining(&self) -> bool {
         self.table().header.drain.load(Ordering::Acquire) != 0
     }
 
-    pub fn set_draining(&self) {
+    pub(crate) fn set_draining(&self) {
         self.table().header.drain.store(1, Ordering::Release);
     }
 

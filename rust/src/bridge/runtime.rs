@@ -12,7 +12,7 @@ static RUNTIME: OnceLock<(u32, Runtime)> = OnceLock::new();
 
 /// The process's runtime, built with `worker_threads` threads on first use (later calls
 /// share it, whatever they ask for).
-pub fn get(worker_threads: usize) -> Result<&'static Runtime> {
+pub(crate) fn get(worker_threads: usize) -> Result<&'static Runtime> {
     if RUNTIME.get().is_none() {
         let runtime = Builder::new_multi_thread()
             .worker_threads(worker_threads.max(1))
