@@ -232,8 +232,11 @@ def event_figures(played: Played, received: list[int]) -> list[dict[str, Any]]:
 def run_one(
     spec: Router, fleet_: Fleet, installed: dict[str, peers.Peer], trace: Trace, args: argparse.Namespace
 ) -> dict[str, Any]:
+    # The fleet is reset before the router starts, so that no router reads the engines as the
+    # run before left them (the first reading would show every engine restarted, its figures
+    # from another run).
+    fleet_.post("/fleet/reset")
     with router(spec, fleet_, installed) as (urls, pids):
-        fleet_.post("/fleet/reset")
         started = time.monotonic()
         watched = {"engines": [fleet_.pid], "client": [os.getpid()], **({"router": pids} if pids else {})}
         before = {name: sum(harness.cpu_seconds(p) for p in ps) for name, ps in watched.items()}
