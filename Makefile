@@ -55,6 +55,22 @@ test-real: ## the real-engine tier: real vLLM servers on this machine's CPUs (sc
 	PYTHON=$(PYTHON) scripts/real_engine.sh
 	$(PYTHON) -m pytest tests/real -m real_engine --timeout 1200 $(PYTEST_ARGS)
 
+.PHONY: test-debug
+test-debug: ## the Python suite against a debug-checked build of the extension (overflow checks, debug assertions)
+	cargo build --quiet -p pdproxy --features python --profile checked
+	rm -rf target/checked-python && mkdir -p target/checked-python/pdproxy
+	cp -r python/pdproxy/. target/checked-python/pdproxy/
+	cp target/checked/lib_pdproxy.so target/checked-python/pdproxy/_pdproxy.abi3.so
+	PYTHONPATH=$(CURDIR)/target/checked-python $(PYTHON) -m pytest -n $(TEST_WORKERS) --ignore=tests/bench $(PYTEST_ARGS)
+
+.PHONY: msrv
+# What users build (the extension, the load generator); the tests' dev-dependencies (proptest)
+# ask for a newer Rust than the crate does.
+msrv: ## the crate checked with the oldest Rust it declares (rust-version in Cargo.toml; rustup installs it)
+	rustup toolchain install $(MSRV) --profile minimal
+	cargo +$(MSRV) check --quiet --workspace --all-features
+MSRV := $(shell sed -n 's/^rust-version = "\(.*\)"/\1/p' Cargo.toml)
+
 .PHONY: test-rust
 test-rust: ## the cargo tests (no Python): the data plane's, and the load generator's
 	cargo test --quiet --workspace

@@ -76,6 +76,9 @@ class EngineReport(TypedDict):
     #: Requests sent to the node since the reading (while fresh).
     sent_since: int | None
     requests_estimate: float | None
+    #: Requests the engine had at the reading that pdproxy cannot have sent (another replica's,
+    #: traffic that bypasses it), at least (while fresh).
+    others: int | None
     restarts: int
     failures: int
     #: Readings failed in a row.
@@ -283,6 +286,11 @@ class Router:
     def nodes(self) -> list[NodeSnapshot]:
         """A snapshot of each node: its record (never the key), state, counters, latencies,
         histograms, and what its engine last reported."""
+
+    def engine_reading_asked(self, url: str) -> None:
+        """Marks that a reading of a node's engine metrics is being asked for: the next
+        `record_engine_report` then tells the requests the engine had that pdproxy cannot have
+        sent (another replica's, or traffic that bypasses pdproxy). Raises `NodeNotFound`."""
 
     def record_engine_report(
         self,

@@ -95,6 +95,12 @@ class EngineScraper:
         """Reads one node; true when its engine reported requests waiting."""
         async with self._slots:
             try:
+                # pdproxy's counts as the engine is asked: what it had there at most when the
+                # engine counted, so that others' requests show (another replica's, a batch job).
+                self._router.core.engine_reading_asked(url)
+            except NodeNotFound:
+                return False  # removed meanwhile
+            try:
                 reading = await self._fetch(url)
             except _Failed as e:
                 self._failed(url, str(e))

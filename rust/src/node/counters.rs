@@ -181,6 +181,11 @@ impl NodeCounters {
         self.hidden.reset();
     }
 
+    /// Marks that a reading of the node's engine is being asked for (see `EngineReport::record`).
+    pub(crate) fn engine_reading_asked(&self) {
+        self.engine.mark_asked(self.in_flight(), self.requests.load(Ordering::Relaxed));
+    }
+
     /// Records a reading of the node's engine taken now (`now_ms`), with its own counters.
     pub(crate) fn record_engine_report(&self, figures: &EngineFigures, now_ms: u64) {
         let then = CountsThen {

@@ -54,6 +54,12 @@ pub(crate) struct EngineReport {
     transferred_tokens: AtomicU64,
     /// The node's in-flight count when the reading was recorded.
     in_flight_then: AtomicU64,
+    /// The node's in-flight count plus one and its request count when the reading was asked
+    /// for (0: not marked): what pdproxy could have had at the engine when it counted.
+    in_flight_asked: AtomicU64,
+    requests_asked: AtomicU64,
+    /// Requests the engine had at the last reading that pdproxy did not send, at least.
+    others_then: AtomicU64,
     /// The node's request count when the reading was recorded.
     requests_then: AtomicU64,
     /// The node's `predicted_cached_bytes` when the reading was recorded.
@@ -79,6 +85,8 @@ pub(crate) struct EngineLoad {
     pub(crate) sent_since: u64,
     /// pdproxy's in-flight count on the node now, minus then.
     pub(crate) in_flight_change: i64,
+    /// Requests the engine had at the reading that pdproxy did not send, at least.
+    pub(crate) others: u64,
 }
 
 impl EngineLoad {
@@ -107,6 +115,15 @@ impl EngineLoad {
         }
     }
 
+    /// Whether the reading showed requests pdproxy did not send (another replica's, or traffic
+    /// that bypasses pdproxy): more than `OTHERS_SHARE` of what the engine had. Below that, the
+    /// difference is the skew between the reading and pdproxy's count, taken a moment apart.
+    pub(crate) fn shows_others(&self) -> bool {
+        #[allow(clippy::cast_precision_loss)]
+        let share = self.others as f64 / (self.running + self.waiting).max(1) as f64;
+        self.others > 0 && share > OTHERS_SHARE
+    }
+
     /// KV-cache usage now: as reported, plus the share of a running request for each request
     /// pdproxy added since (`kv_per_request`: this reading's share, or the last one seen when
     /// it read idle; else every request would go to the engines that happened to be idle then).
@@ -119,6 +136,11 @@ impl EngineLoad {
         Some((usage + per_request * self.in_flight_change as f64).min(1.0))
     }
 }
+
+/// The share of an engine's requests beyond any pdproxy could have had there above which a
+/// reading is taken to show other senders (see `EngineLoad::shows_others`): a few requests
+/// pdproxy cancelled may still run there.
+const OTHERS_SHARE: f64 = 0.2;
 
 /// Everything recorded, for status pages (stale figures included).
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -169,11 +191,25 @@ impl EngineReport {
         self.cached_tokens.store(option_u64(figures.cached_tokens), Ordering::Relaxed);
         self.kv_capacity_tokens.store(option_u64(figures.kv_capacity_tokens), Ordering::Relaxed);
         self.transferred_tokens.store(option_u64(figures.transferred_tokens), Ordering::Relaxed);
+        // At most pdproxy's in-flight count when the reading was asked for plus those it sent
+        // while the engine answered (without the mark: its count now) can have been among the
+        // engine's; the rest came from elsewhere.
+        let asked = self.in_flight_asked.swap(0, Ordering::Relaxed);
+        let sent_while = then.requests.saturating_sub(self.requests_asked.load(Ordering::Relaxed));
+        let own_at_most = if asked == 0 { then.in_flight } else { (asked - 1).saturating_add(sent_while) };
+        let others = (figures.running + figures.waiting).saturating_sub(own_at_most);
+        self.others_then.store(others, Ordering::Relaxed);
         self.in_flight_then.store(then.in_flight, Ordering::Relaxed);
         self.requests_then.store(then.requests, Ordering::Relaxed);
         self.predicted_then.store(then.predicted_cached, Ordering::Relaxed);
         self.failing.store(0, Ordering::Relaxed);
         self.read_at_ms.store(now_ms.max(1), Ordering::Release);
+    }
+
+    /// Marks the moment a reading is asked for, with the node's counts then (see `record`).
+    pub(crate) fn mark_asked(&self, in_flight: u64, requests: u64) {
+        self.requests_asked.store(requests, Ordering::Relaxed);
+        self.in_flight_asked.store(in_flight.saturating_add(1), Ordering::Relaxed);
     }
 
     /// Counts a reading that failed (the figures already recorded age on).
@@ -213,6 +249,7 @@ impl EngineReport {
             kv_per_request: from_bits(self.kv_per_request.load(Ordering::Relaxed)),
             sent_since: requests.saturating_sub(self.requests_then.load(Ordering::Relaxed)),
             in_flight_change,
+            others: self.others_then.load(Ordering::Relaxed),
         })
     }
 
@@ -244,6 +281,9 @@ impl EngineReport {
             &self.waiting,
             &self.in_flight_then,
             &self.requests_then,
+            &self.others_then,
+            &self.in_flight_asked,
+            &self.requests_asked,
             &self.predicted_then,
             &self.failures,
         ] {
@@ -295,6 +335,24 @@ mod tests {
         let load = report.fresh(10_000, 2_100, 3, 11).unwrap();
         assert!((load.kv_usage_estimate().unwrap() - 0.15).abs() < 1e-9);
         assert!((report.fresh(10_000, 2_100, 0, 11).unwrap().kv_usage_estimate().unwrap()).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_reading_shows_others_requests_beyond_any_pdproxy_could_have_had_there() {
+        let report = EngineReport::default();
+        // Asked with five in flight; three more sent and six finished while the engine answered.
+        report.mark_asked(5, 100);
+        report.record(&figures(8, 1, 0.5, 100), then(2, 103), 1_000);
+        let load = report.fresh(10_000, 1_000, 2, 103).unwrap();
+        assert_eq!(load.others, 1, "nine at the engine, eight of them possibly pdproxy's");
+        assert!(!load.shows_others(), "one in nine: a request pdproxy cancelled may still run");
+        report.mark_asked(5, 100);
+        report.record(&figures(8, 6, 0.5, 100), then(2, 103), 2_000);
+        let load = report.fresh(10_000, 2_000, 2, 103).unwrap();
+        assert!(load.others == 6 && load.shows_others(), "{load:?}");
+        // Unmarked, the count at the recording stands in for it.
+        report.record(&figures(8, 6, 0.5, 100), then(2, 103), 3_000);
+        assert_eq!(report.fresh(10_000, 3_000, 2, 103).unwrap().others, 12);
     }
 
     #[test]

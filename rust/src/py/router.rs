@@ -170,6 +170,14 @@ impl Router {
         Ok(())
     }
 
+    /// Marks that a reading of a node's engine metrics is being asked for: the next
+    /// `record_engine_report` then tells the requests the engine had that pdproxy cannot have
+    /// sent (another replica's, or traffic that bypasses pdproxy).
+    fn engine_reading_asked(&self, url: &str) -> PyResult<()> {
+        self.lookup(url)?.counters().engine_reading_asked();
+        Ok(())
+    }
+
     /// Counts a failed reading of a node's engine metrics.
     fn record_engine_failure(&self, url: &str) -> PyResult<()> {
         self.lookup(url)?.counters().engine.record_failure();
@@ -830,6 +838,7 @@ fn engine_stats<'py>(py: Python<'py>, node: &Node, max_age_ms: u64) -> PyResult<
     out.set_item("fresh", load.is_some())?;
     out.set_item("sent_since", load.map(|l| l.sent_since))?;
     out.set_item("requests_estimate", load.map(|l| l.requests()))?;
+    out.set_item("others", load.map(|l| l.others))?;
     out.set_item("restarts", report.restarts)?;
     out.set_item("failures", report.failures)?;
     out.set_item("failing", report.failing)?;

@@ -71,6 +71,7 @@ use super::prefix_table::{PrefixTable, PrefixTableConfig};
 use super::{available_indices, Policy, SelectCtx};
 use crate::clock::{now_ms, now_us};
 use crate::error::{Error, Kind, Result};
+use crate::node::engine_report::EngineLoad;
 use crate::node::engine_speed::{Fit, Samples, Speed};
 use crate::node::Node;
 use crate::select::Prediction;
@@ -365,8 +366,7 @@ impl Scored {
     /// at once, each place freed as a running request ends its decoding. Where neither the
     /// batch's size nor a queue is known, a whole answer (not a stream) is taken to share the
     /// engine with those in flight: each of them adds what a request took per request in flight.
-    fn slot_wait_ms(&self, node: &Node, speed: &Speed, now: u64, stream: bool) -> f64 {
-        let load = node.engine_load(self.max_age_ms, now);
+    fn slot_wait_ms(node: &Node, load: Option<EngineLoad>, speed: &Speed, stream: bool) -> f64 {
         #[allow(clippy::cast_precision_loss)]
         let in_flight = node.counters().in_flight() as f64;
         let queue_known = speed.slots.is_some() || load.is_some_and(|l| l.waiting() > 0.0);
@@ -388,12 +388,14 @@ impl Scored {
 
     /// The requests at the node still waiting for their first token: those pdproxy sent, or
     /// the queue its engine last reported (adjusted by pdproxy's traffic since) where that is
-    /// longer: other replicas' requests, and traffic that bypasses pdproxy, wait there too.
-    fn behind(&self, node: &Node, now: u64) -> f64 {
+    /// longer and the reading showed requests pdproxy did not send: other replicas' requests,
+    /// and traffic that bypasses pdproxy, wait there too. Where pdproxy sent all the engine
+    /// had, its own count is the fresher of the two.
+    fn behind(&self, node: &Node, load: Option<EngineLoad>) -> f64 {
         #[allow(clippy::cast_precision_loss)]
         let own = node.counters().unanswered.load(Ordering::Relaxed) as f64;
         if self.weights.reported > 0.0 {
-            node.engine_load(self.max_age_ms, now).map_or(own, |l| own.max(self.weights.reported * l.waiting()))
+            load.filter(EngineLoad::shows_others).map_or(own, |l| own.max(self.weights.reported * l.waiting()))
         } else {
             own
         }
@@ -419,13 +421,15 @@ impl Scored {
             let ms_per_kib = speed.prefill_ms_per_kib.unwrap_or(PRIOR_MS_PER_KIB);
             #[allow(clippy::cast_precision_loss)]
             let own_kib = self.uncached(ctx, matched[i]) as f64 / 1024.0;
+            // Read once: both the batch's wait and the queue ahead come from it.
+            let load = node.engine_load(self.max_age_ms, now);
             out[i] = Some(Estimate {
-                slot_wait: self.slot_wait_ms(node, speed, now, ctx.stream),
+                slot_wait: Self::slot_wait_ms(node, load, speed, ctx.stream),
                 ahead: node.counters().prefill_left_ms(now_us),
                 first_token: speed.first_token_ms.unwrap_or(0.0),
                 own: own_kib * ms_per_kib,
                 #[allow(clippy::cast_precision_loss)]
-                behind: self.behind(node, now),
+                behind: self.behind(node, load),
                 // Read only when it counts (off by default): an `exp` per candidate per request.
                 hidden: if self.weights.hidden > 0.0 { node.counters().hidden.ms(now).max(0.0) } else { 0.0 },
             });
@@ -614,6 +618,24 @@ mod tests {
         // Where pdproxy's own count is the longer, it stands.
         nodes[1].counters().unanswered.store(3, Ordering::Relaxed);
         assert!((weighed.estimates(&nodes, &ctx(prompt))[1].unwrap().behind - 3.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn an_engines_reported_queue_is_not_counted_where_pdproxy_sent_all_it_had() {
+        let (_reg, nodes) = nodes(1);
+        learn(&nodes[0], 50.0, 500.0, 4);
+        let weighed = scored(ScoreWeights { reported: 1.0, ..WEIGHTS });
+        let behind = || weighed.estimates(&nodes, &ctx(b"a prompt".as_slice()))[0].unwrap().behind;
+        // pdproxy had the engine's sixteen requests in flight at the reading, two of them still
+        // unanswered now: the reading's twelve waiting have mostly been answered since.
+        nodes[0].counters().in_flight.store(16, Ordering::Relaxed);
+        report(&nodes[0], 4, 12, 0.9);
+        nodes[0].counters().unanswered.store(2, Ordering::Relaxed);
+        assert!((behind() - 2.0).abs() < 1e-9, "{}", behind());
+        // A reading that shows ten requests pdproxy did not send: the queue counts.
+        nodes[0].counters().in_flight.store(6, Ordering::Relaxed);
+        report(&nodes[0], 4, 12, 0.9);
+        assert!((behind() - 12.0).abs() < 1e-9, "{}", behind());
     }
 
     #[test]
