@@ -14,16 +14,17 @@ from urllib.parse import unquote
 
 from pydantic import BaseModel
 
-from . import _pdproxy, dashboard, inference
+from . import _pdproxy, inference
 from .asgi_types import Headers, HTTPReceive, HTTPScope, Receive, Scope, Send, SendMessage
 from .auth import Keys
 from .config import Settings
 from .errors import MethodNotAllowed, ModelNotFound, NotFound, PdproxyError
 from .fleet import Fleet
 from .json_types import JsonObject
-from .metrics import CONTENT_TYPE, render
-from .metrics_listener import MetricsListener
 from .nodes_api import ROUTES
+from .observability import dashboard
+from .observability.metrics import CONTENT_TYPE, render
+from .observability.metrics_listener import MetricsListener
 from .openapi import schema
 from .peer_routes import health_generate as peer_health_generate
 from .peer_routes import readiness as peer_readiness

@@ -26,8 +26,8 @@ from .config import Settings
 from .errors import ConfigError
 from .node_record import configured_nodes
 from .node_sources.selectors import SELECTORS
+from .observability.tracing import TraceIdFilter
 from .ports import free_port
-from .tracing import TraceIdFilter
 
 #: Mock engines started by --demo: how many, and how long to wait for them.
 DEMO_ENGINES = 2

@@ -15,8 +15,8 @@ from .group import MAX_WORKERS
 from .membership import check_url as check_registry_url
 from .node_record import configured_nodes
 from .node_sources import check as check_node_sources
+from .observability.tracing import otel_settings
 from .tenants import load as load_tenants
-from .tracing import otel_settings
 from .urls import check_address_node, parse_networks
 
 __all__ = ["checked"]

@@ -21,7 +21,7 @@ from .group import GROUP_ENV, Group
 from .membership import Membership
 from .membership import from_url as membership_from_url
 from .membership.group_file import GroupFileMembership
-from .metrics import registry_for
+from .observability.metrics import registry_for
 from .pd import PdAdapter, make_adapter
 from .pd.lmdeploy import DistServe
 from .router import Router

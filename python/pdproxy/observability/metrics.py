@@ -11,15 +11,15 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from . import __version__
-from .pd.lmdeploy import DistServe
+from pdproxy import __version__
+from pdproxy.pd.lmdeploy import DistServe
 
 if TYPE_CHECKING:
-    from ._pdproxy import Histogram, NodeSnapshot, TenantSnapshot
-    from .group import GroupSummary
-    from .node_sources import NodeSource
-    from .pd.lmdeploy import DistServeStatus
-    from .supervisor import Supervisor
+    from pdproxy._pdproxy import Histogram, NodeSnapshot, TenantSnapshot
+    from pdproxy.group import GroupSummary
+    from pdproxy.node_sources import NodeSource
+    from pdproxy.pd.lmdeploy import DistServeStatus
+    from pdproxy.supervisor import Supervisor
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 STATES = ("healthy", "unhealthy", "draining", "sleeping", "initializing")

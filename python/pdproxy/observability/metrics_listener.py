@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from .asgi_types import HTTPScope, Receive, ReceiveMessage, Scope, Send, SendMessage
-from .config import Settings
-from .errors import ConfigError
+from pdproxy.asgi_types import HTTPScope, Receive, ReceiveMessage, Scope, Send, SendMessage
+from pdproxy.config import Settings
+from pdproxy.errors import ConfigError
 
 __all__ = ["MetricsListener"]
 

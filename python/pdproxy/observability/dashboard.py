@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
-    from .pd import PdStatus
-    from .supervisor import Supervisor
+    from pdproxy.pd import PdStatus
+    from pdproxy.supervisor import Supervisor
 
 #: The page, shipped next to this module.
 PAGE = (Path(__file__).parent / "dashboard.html").read_bytes()

@@ -12,9 +12,9 @@ import logging
 from collections.abc import Mapping
 from urllib.parse import unquote
 
-from ._pdproxy import Response, Trace
-from .config import Settings
-from .errors import ConfigError
+from pdproxy._pdproxy import Response, Trace
+from pdproxy.config import Settings
+from pdproxy.errors import ConfigError
 
 #: The trace of the request being served (for log lines written while serving it).
 current_trace_id: contextvars.ContextVar[str | None] = contextvars.ContextVar("pdproxy_trace_id", default=None)
