@@ -21,15 +21,15 @@ from .config import Settings
 from .errors import MethodNotAllowed, ModelNotFound, NotFound, PdproxyError
 from .fleet import Fleet
 from .json_types import JsonObject
-from .nodes_api import ROUTES
+from .management.nodes_api import ROUTES
+from .management.openapi import schema
+from .management.peer_routes import health_generate as peer_health_generate
+from .management.peer_routes import readiness as peer_readiness
+from .management.route_table import PlainText, WithHeaders, template_of, templates
 from .observability import dashboard
 from .observability.metrics import CONTENT_TYPE, render
 from .observability.metrics_listener import MetricsListener
-from .openapi import schema
-from .peer_routes import health_generate as peer_health_generate
-from .peer_routes import readiness as peer_readiness
 from .responses import JSON_HEADERS, send_error, send_json, send_text
-from .route_table import PlainText, WithHeaders, template_of, templates
 from .router import Router
 from .supervisor import Supervisor
 from .tenants import usage as tenant_usage

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import pdproxy
-from pdproxy import _pdproxy, app, errors, workers_api
+from pdproxy import _pdproxy, app, errors
+from pdproxy.management import workers_api
 from pdproxy.pd import Stateless, lmdeploy
 
 #: Entries only the data plane answers with (no exception class raises them: the edge's own

@@ -17,8 +17,8 @@ import pytest
 
 import pdproxy
 from pdproxy.config import Settings
+from pdproxy.management.nodes_api import ROUTES
 from pdproxy.node_record import NodeRecord
-from pdproxy.nodes_api import ROUTES
 from pdproxy.testing import MockEngine
 from servers import pdproxy_serve
 

@@ -23,17 +23,17 @@ from urllib.parse import parse_qs
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
-from .asgi_types import HTTPReceive, HTTPScope
-from .errors import InvalidRequest, NodeNotFound, NoNodeAvailable
-from .json_types import JsonObject
-from .management import parse_body
-from .node_record import NodeRecord
-from .responses import header, parse_json, read_body
-from .route_table import PlainText, Route
-from .tls import node_session
+from pdproxy.asgi_types import HTTPReceive, HTTPScope
+from pdproxy.errors import InvalidRequest, NodeNotFound, NoNodeAvailable
+from pdproxy.json_types import JsonObject
+from pdproxy.management.models import parse_body
+from pdproxy.management.route_table import PlainText, Route
+from pdproxy.node_record import NodeRecord
+from pdproxy.responses import header, parse_json, read_body
+from pdproxy.tls import node_session
 
 if TYPE_CHECKING:
-    from .fleet import Fleet
+    from pdproxy.fleet import Fleet
 
 __all__ = ["BODY_LIMIT", "PEER_ROUTES", "health_generate", "query_param", "readiness"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from . import __version__, _pdproxy
-from .nodes_api import ROUTES
+from pdproxy import __version__, _pdproxy
+from pdproxy.management.nodes_api import ROUTES
 
 _ERROR = {
     "type": "object",

@@ -9,8 +9,8 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
-from .errors import InvalidNode, InvalidRequest
-from .node_record import INVALID_NODE, NodeAttributes, NodeRecord, validation_field, validation_message
+from pdproxy.errors import InvalidNode, InvalidRequest
+from pdproxy.node_record import INVALID_NODE, NodeAttributes, NodeRecord, validation_field, validation_message
 
 __all__ = [
     "AddNodeAnswer",

@@ -17,18 +17,18 @@ from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .asgi_types import HTTPReceive, HTTPScope
-from .errors import InvalidRequest, NodeNotFound, PdproxyError
-from .inference import path_as_sent
-from .management import parse_body
-from .node_record import NodeRecord
-from .peer_routes import BODY_LIMIT, query_param
-from .responses import read_json
-from .route_table import Route, WithHeaders
+from pdproxy.asgi_types import HTTPReceive, HTTPScope
+from pdproxy.errors import InvalidRequest, NodeNotFound, PdproxyError
+from pdproxy.inference import path_as_sent
+from pdproxy.management.models import parse_body
+from pdproxy.management.peer_routes import BODY_LIMIT, query_param
+from pdproxy.management.route_table import Route, WithHeaders
+from pdproxy.node_record import NodeRecord
+from pdproxy.responses import read_json
 
 if TYPE_CHECKING:
-    from ._pdproxy import NodeInfo, NodeSnapshot
-    from .fleet import Fleet
+    from pdproxy._pdproxy import NodeInfo, NodeSnapshot
+    from pdproxy.fleet import Fleet
 
 __all__ = ["WORKERS_ROUTES", "worker_id"]
 

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from .asgi_types import HTTPReceive, HTTPScope
+from pdproxy.asgi_types import HTTPReceive, HTTPScope
 
 if TYPE_CHECKING:
-    from .fleet import Fleet
+    from pdproxy.fleet import Fleet
 
 __all__ = ["Handler", "PlainText", "Route", "WithHeaders", "template_of", "templates"]
 

@@ -12,11 +12,11 @@ import os
 from typing import NotRequired, TypedDict
 from urllib.parse import parse_qs
 
-from .asgi_types import HTTPReceive, HTTPScope
-from .errors import DistServeOff, PdproxyError
-from .fleet import Fleet
-from .group import GroupSummary
-from .management import (
+from pdproxy.asgi_types import HTTPReceive, HTTPScope
+from pdproxy.errors import DistServeOff, PdproxyError
+from pdproxy.fleet import Fleet
+from pdproxy.group import GroupSummary
+from pdproxy.management.models import (
     AddNodeAnswer,
     AddNodeBody,
     FreedSession,
@@ -31,12 +31,12 @@ from .management import (
     UrlBody,
     parse_body,
 )
-from .pd import PdAdapter, PdStatus
-from .pd.lmdeploy import DistServe
-from .peer_routes import PEER_ROUTES
-from .responses import read_json
-from .route_table import Route
-from .workers_api import WORKERS_ROUTES
+from pdproxy.management.peer_routes import PEER_ROUTES
+from pdproxy.management.route_table import Route
+from pdproxy.management.workers_api import WORKERS_ROUTES
+from pdproxy.pd import PdAdapter, PdStatus
+from pdproxy.pd.lmdeploy import DistServe
+from pdproxy.responses import read_json
 
 #: Management request bodies are small.
 BODY_LIMIT = 64 << 10
