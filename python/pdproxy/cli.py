@@ -335,7 +335,7 @@ def _keys_on_the_command_line(context: click.Context, settings: Settings) -> lis
 @settings_options(Settings, ENV_PREFIX)
 def serve(print_config: bool, **options: object) -> None:
     """Serve the OpenAI API, routing each request to one of the nodes."""
-    from .serve import serve as run
+    from .server.serve import serve as run
 
     for name, value in options.items():
         if isinstance(value, list):

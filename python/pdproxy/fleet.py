@@ -25,7 +25,6 @@ from .background import Work
 from .config import Settings
 from .engine_scraper import EngineScraper
 from .errors import ConfigError, InvalidNode, NodeNotFound, NodeUnresolvable, RegistryUnavailable, TerminateFailed
-from .group import Group
 from .health import HealthChecker, HealthSummary
 from .json_types import JsonValue
 from .kv_events import chat_template, index_options
@@ -36,6 +35,7 @@ from .node_sources import FoundBy, NodeSource, sources_for
 from .pd import PdAdapter
 from .pd.lmdeploy import DistServe
 from .router import Router
+from .server.group import Group
 from .tls import node_session
 from .urls import check_node_url, parse_networks
 

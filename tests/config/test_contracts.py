@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 import pdproxy
-from pdproxy import _pdproxy, app, errors
+from pdproxy import _pdproxy, errors
 from pdproxy.management import workers_api
 from pdproxy.pd import Stateless, lmdeploy
+from pdproxy.server import app
 
 #: Entries only the data plane answers with (no exception class raises them: the edge's own
 #: refusals, CORS, which it answers for both planes), and the second type of a tenant's rate

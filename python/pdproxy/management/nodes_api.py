@@ -12,10 +12,8 @@ import os
 from typing import NotRequired, TypedDict
 from urllib.parse import parse_qs
 
-from pdproxy.asgi_types import HTTPReceive, HTTPScope
 from pdproxy.errors import DistServeOff, PdproxyError
 from pdproxy.fleet import Fleet
-from pdproxy.group import GroupSummary
 from pdproxy.management.models import (
     AddNodeAnswer,
     AddNodeBody,
@@ -36,7 +34,9 @@ from pdproxy.management.route_table import Route
 from pdproxy.management.workers_api import WORKERS_ROUTES
 from pdproxy.pd import PdAdapter, PdStatus
 from pdproxy.pd.lmdeploy import DistServe
-from pdproxy.responses import read_json
+from pdproxy.server.asgi_types import HTTPReceive, HTTPScope
+from pdproxy.server.group import GroupSummary
+from pdproxy.server.responses import read_json
 
 #: Management request bodies are small.
 BODY_LIMIT = 64 << 10

@@ -23,13 +23,13 @@ from urllib.parse import parse_qs
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdproxy.asgi_types import HTTPReceive, HTTPScope
 from pdproxy.errors import InvalidRequest, NodeNotFound, NoNodeAvailable
 from pdproxy.json_types import JsonObject
 from pdproxy.management.models import parse_body
 from pdproxy.management.route_table import PlainText, Route
 from pdproxy.node_record import NodeRecord
-from pdproxy.responses import header, parse_json, read_body
+from pdproxy.server.asgi_types import HTTPReceive, HTTPScope
+from pdproxy.server.responses import header, parse_json, read_body
 from pdproxy.tls import node_session
 
 if TYPE_CHECKING:

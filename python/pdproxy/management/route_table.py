@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from pdproxy.asgi_types import HTTPReceive, HTTPScope
+from pdproxy.server.asgi_types import HTTPReceive, HTTPScope
 
 if TYPE_CHECKING:
     from pdproxy.fleet import Fleet

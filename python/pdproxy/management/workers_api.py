@@ -17,14 +17,14 @@ from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdproxy.asgi_types import HTTPReceive, HTTPScope
 from pdproxy.errors import InvalidRequest, NodeNotFound, PdproxyError
-from pdproxy.inference import path_as_sent
 from pdproxy.management.models import parse_body
 from pdproxy.management.peer_routes import BODY_LIMIT, query_param
 from pdproxy.management.route_table import Route, WithHeaders
 from pdproxy.node_record import NodeRecord
-from pdproxy.responses import read_json
+from pdproxy.server.asgi_types import HTTPReceive, HTTPScope
+from pdproxy.server.inference import path_as_sent
+from pdproxy.server.responses import read_json
 
 if TYPE_CHECKING:
     from pdproxy._pdproxy import NodeInfo, NodeSnapshot

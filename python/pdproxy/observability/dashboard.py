@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
     from pdproxy.pd import PdStatus
-    from pdproxy.supervisor import Supervisor
+    from pdproxy.server.supervisor import Supervisor
 
 #: The page, shipped next to this module.
 PAGE = (Path(__file__).parent / "dashboard.html").read_bytes()

@@ -16,10 +16,10 @@ from pdproxy.pd.lmdeploy import DistServe
 
 if TYPE_CHECKING:
     from pdproxy._pdproxy import Histogram, NodeSnapshot, TenantSnapshot
-    from pdproxy.group import GroupSummary
     from pdproxy.node_sources import NodeSource
     from pdproxy.pd.lmdeploy import DistServeStatus
-    from pdproxy.supervisor import Supervisor
+    from pdproxy.server.group import GroupSummary
+    from pdproxy.server.supervisor import Supervisor
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 STATES = ("healthy", "unhealthy", "draining", "sleeping", "initializing")

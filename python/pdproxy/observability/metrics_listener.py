@@ -14,9 +14,9 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from pdproxy.asgi_types import HTTPScope, Receive, ReceiveMessage, Scope, Send, SendMessage
 from pdproxy.config import Settings
 from pdproxy.errors import ConfigError
+from pdproxy.server.asgi_types import HTTPScope, Receive, ReceiveMessage, Scope, Send, SendMessage
 
 __all__ = ["MetricsListener"]
 

@@ -22,8 +22,8 @@ from pdproxy import _pdproxy
 from pdproxy._pdproxy import LinkDone
 from pdproxy.config import Settings
 from pdproxy.errors import LinkFailed
-from pdproxy.group import alive
 from pdproxy.router import Router
+from pdproxy.server.group import alive
 
 from . import ApiKeyOf
 from .ledger import LedgerStatus, SessionLedger

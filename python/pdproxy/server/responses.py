@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import json
 
-from .asgi_types import Headers, HTTPReceive, HTTPScope, Send
-from .errors import (
+from pdproxy.errors import (
     ClientGone,
     InvalidRequest,
     PdproxyError,
     RequestTooLarge,
     UnsupportedMediaType,
 )
-from .json_types import JsonValue, loads
+from pdproxy.json_types import JsonValue, loads
+from pdproxy.server.asgi_types import Headers, HTTPReceive, HTTPScope, Send
 
 JSON_HEADERS = [(b"content-type", b"application/json")]
 

@@ -28,11 +28,11 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
-from .config import read_toml
-from .errors import ConfigError
+from pdproxy.config import read_toml
+from pdproxy.errors import ConfigError
 
 if TYPE_CHECKING:
-    from .router import Router
+    from pdproxy.router import Router
 
 log = logging.getLogger("pdproxy.tenants")
 

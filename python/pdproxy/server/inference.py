@@ -9,10 +9,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from ._pdproxy import Pipeline
-from .asgi_types import HTTPReceive, HTTPScope, Send
-from .errors import ClientGone, InvalidRequest, RequestTooLarge
-from .responses import read_body
+from pdproxy._pdproxy import Pipeline
+from pdproxy.errors import ClientGone, InvalidRequest, RequestTooLarge
+from pdproxy.server.asgi_types import HTTPReceive, HTTPScope, Send
+from pdproxy.server.responses import read_body
 
 #: Seconds a request runs before its client is watched for a disconnect (see ClientWatch).
 DISCONNECT_WATCH_DELAY = 0.01

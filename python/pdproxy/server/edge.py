@@ -25,10 +25,10 @@ from granian.constants import HTTPModes, Interfaces
 from granian.log import LogLevels
 from granian.server.embed import Server as EmbeddedServer
 
-from . import _pdproxy
-from .app import ProxyApp
-from .config import Settings
-from .errors import ConfigError
+from pdproxy import _pdproxy
+from pdproxy.config import Settings
+from pdproxy.errors import ConfigError
+from pdproxy.server.app import ProxyApp
 
 log = logging.getLogger("pdproxy")
 

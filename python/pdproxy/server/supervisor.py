@@ -14,18 +14,18 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from . import background
-from .config import Settings
-from .fleet import Fleet
-from .group import GROUP_ENV, Group
-from .membership import Membership
-from .membership import from_url as membership_from_url
-from .membership.group_file import GroupFileMembership
-from .observability.metrics import registry_for
-from .pd import PdAdapter, make_adapter
-from .pd.lmdeploy import DistServe
-from .router import Router
-from .tenants import TenantsFile, UsageSync
+from pdproxy import background
+from pdproxy.config import Settings
+from pdproxy.fleet import Fleet
+from pdproxy.membership import Membership
+from pdproxy.membership import from_url as membership_from_url
+from pdproxy.membership.group_file import GroupFileMembership
+from pdproxy.observability.metrics import registry_for
+from pdproxy.pd import PdAdapter, make_adapter
+from pdproxy.pd.lmdeploy import DistServe
+from pdproxy.router import Router
+from pdproxy.server.group import GROUP_ENV, Group
+from pdproxy.server.tenants import TenantsFile, UsageSync
 
 __all__ = ["Supervisor"]
 

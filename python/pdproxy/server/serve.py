@@ -20,14 +20,15 @@ from granian import Granian
 from granian.constants import HTTPModes, Interfaces, Loops
 from granian.log import LOGGING_CONFIG, LogLevels
 
-from . import edge, group, tls
-from .app import MAIN_PID_ENV, SETTINGS_ENV
-from .config import Settings
-from .errors import ConfigError
-from .node_record import configured_nodes
-from .node_sources.selectors import SELECTORS
-from .observability.tracing import TraceIdFilter
-from .ports import free_port
+from pdproxy import tls
+from pdproxy.config import Settings
+from pdproxy.errors import ConfigError
+from pdproxy.node_record import configured_nodes
+from pdproxy.node_sources.selectors import SELECTORS
+from pdproxy.observability.tracing import TraceIdFilter
+from pdproxy.ports import free_port
+from pdproxy.server import edge, group
+from pdproxy.server.app import MAIN_PID_ENV, SETTINGS_ENV
 
 #: Mock engines started by --demo: how many, and how long to wait for them.
 DEMO_ENGINES = 2
@@ -60,7 +61,7 @@ def serve(settings: Settings) -> int:
             os.environ[group.GROUP_ENV] = str(group_dir)
         _print_banner(settings, f"granian, {settings.workers} worker(s)")
         Granian(
-            target="pdproxy.app:app_from_environment",
+            target="pdproxy.server.app:app_from_environment",
             factory=True,
             address=settings.host,
             port=settings.port,
@@ -175,7 +176,7 @@ def _demo_engines(settings: Settings) -> Iterator[list[str]]:
     if not settings.demo:
         yield []
         return
-    from .testing import mock_engine_command  # the mock engine's stack only loads for a demo
+    from pdproxy.testing import mock_engine_command  # the mock engine's stack only loads for a demo
 
     procs: list[subprocess.Popen[bytes]] = []
     urls: list[str] = []

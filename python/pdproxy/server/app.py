@@ -14,25 +14,26 @@ from urllib.parse import unquote
 
 from pydantic import BaseModel
 
-from . import _pdproxy, inference
-from .asgi_types import Headers, HTTPReceive, HTTPScope, Receive, Scope, Send, SendMessage
-from .auth import Keys
-from .config import Settings
-from .errors import MethodNotAllowed, ModelNotFound, NotFound, PdproxyError
-from .fleet import Fleet
-from .json_types import JsonObject
-from .management.nodes_api import ROUTES
-from .management.openapi import schema
-from .management.peer_routes import health_generate as peer_health_generate
-from .management.peer_routes import readiness as peer_readiness
-from .management.route_table import PlainText, WithHeaders, template_of, templates
-from .observability import dashboard
-from .observability.metrics import CONTENT_TYPE, render
-from .observability.metrics_listener import MetricsListener
-from .responses import JSON_HEADERS, send_error, send_json, send_text
-from .router import Router
-from .supervisor import Supervisor
-from .tenants import usage as tenant_usage
+from pdproxy import _pdproxy
+from pdproxy.config import Settings
+from pdproxy.errors import MethodNotAllowed, ModelNotFound, NotFound, PdproxyError
+from pdproxy.fleet import Fleet
+from pdproxy.json_types import JsonObject
+from pdproxy.management.nodes_api import ROUTES
+from pdproxy.management.openapi import schema
+from pdproxy.management.peer_routes import health_generate as peer_health_generate
+from pdproxy.management.peer_routes import readiness as peer_readiness
+from pdproxy.management.route_table import PlainText, WithHeaders, template_of, templates
+from pdproxy.observability import dashboard
+from pdproxy.observability.metrics import CONTENT_TYPE, render
+from pdproxy.observability.metrics_listener import MetricsListener
+from pdproxy.router import Router
+from pdproxy.server import inference
+from pdproxy.server.asgi_types import Headers, HTTPReceive, HTTPScope, Receive, Scope, Send, SendMessage
+from pdproxy.server.auth import Keys
+from pdproxy.server.responses import JSON_HEADERS, send_error, send_json, send_text
+from pdproxy.server.supervisor import Supervisor
+from pdproxy.server.tenants import usage as tenant_usage
 
 __all__ = ["SETTINGS_ENV", "ProxyApp", "app_from_environment", "create_app"]
 

@@ -15,8 +15,8 @@ import socket
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from ._pdproxy import client_key
-from .errors import Forbidden, Unauthorized
+from pdproxy._pdproxy import client_key
+from pdproxy.errors import Forbidden, Unauthorized
 
 
 def _matches(token: bytes, keys: tuple[bytes, ...]) -> bool:

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import IO, TypedDict
 
-from . import _pdproxy
+from pdproxy import _pdproxy
 
 __all__ = ["GROUP_ENV", "Group", "GroupSummary", "prepared"]
 
