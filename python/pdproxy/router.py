@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, TypedDict
 
 from . import _pdproxy
 from .config import Settings
-from .discovery import ModelDiscovery
 from .errors import NoNodeAvailable
+from .fleet.model_cards import merged_card
+from .fleet.model_discovery import ModelDiscovery
+from .fleet.node_record import NodeRecord, configured_nodes
 from .json_types import JsonObject
-from .model_cards import merged_card
-from .node_record import NodeRecord, configured_nodes
 from .settings_checks import checked
 
 if TYPE_CHECKING:

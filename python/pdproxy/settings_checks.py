@@ -11,13 +11,13 @@ import os
 from . import _pdproxy
 from .config import Settings
 from .errors import ConfigError, InvalidNode
-from .membership import check_url as check_registry_url
-from .node_record import configured_nodes
-from .node_sources import check as check_node_sources
+from .fleet.membership import check_url as check_registry_url
+from .fleet.node_record import configured_nodes
+from .fleet.node_sources import check as check_node_sources
+from .fleet.urls import check_address_node, parse_networks
 from .observability.tracing import otel_settings
 from .server.group import MAX_WORKERS
 from .server.tenants import load as load_tenants
-from .urls import check_address_node, parse_networks
 
 __all__ = ["checked"]
 

@@ -18,7 +18,7 @@ import pytest
 
 import pdproxy
 from pdproxy.config import Settings
-from pdproxy.node_record import NodeAttributes
+from pdproxy.fleet.node_record import NodeAttributes
 from pdproxy.testing import MockSettings
 from servers import REPO, chat_body, free_port, get_json, pdproxy_serve
 

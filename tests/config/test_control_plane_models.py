@@ -17,8 +17,8 @@ import pytest
 
 import pdproxy
 from pdproxy.config import Settings
+from pdproxy.fleet.node_record import NodeRecord
 from pdproxy.management.nodes_api import ROUTES
-from pdproxy.node_record import NodeRecord
 from pdproxy.testing import MockEngine
 from servers import pdproxy_serve
 

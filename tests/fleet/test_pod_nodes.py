@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from pdproxy.errors import ConfigError
+from pdproxy.fleet.node_sources.pods import pod_node
+from pdproxy.fleet.node_sources.selectors import check_selector
 from pdproxy.json_types import JsonObject
-from pdproxy.node_sources.pods import pod_node
-from pdproxy.node_sources.selectors import check_selector
 
 
 def pod(

@@ -10,7 +10,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError
 
 from pdproxy.errors import InvalidNode, InvalidRequest
-from pdproxy.node_record import INVALID_NODE, NodeAttributes, NodeRecord, validation_field, validation_message
+from pdproxy.fleet.node_record import INVALID_NODE, NodeAttributes, NodeRecord, validation_field, validation_message
 
 __all__ = [
     "AddNodeAnswer",

@@ -13,7 +13,7 @@ from typing import NotRequired, TypedDict
 from urllib.parse import parse_qs
 
 from pdproxy.errors import DistServeOff, PdproxyError
-from pdproxy.fleet import Fleet
+from pdproxy.fleet.fleet import Fleet
 from pdproxy.management.models import (
     AddNodeAnswer,
     AddNodeBody,

@@ -24,16 +24,16 @@ import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdproxy.errors import InvalidRequest, NodeNotFound, NoNodeAvailable
+from pdproxy.fleet.node_record import NodeRecord
+from pdproxy.fleet.tls import node_session
 from pdproxy.json_types import JsonObject
 from pdproxy.management.models import parse_body
 from pdproxy.management.route_table import PlainText, Route
-from pdproxy.node_record import NodeRecord
 from pdproxy.server.asgi_types import HTTPReceive, HTTPScope
 from pdproxy.server.responses import header, parse_json, read_body
-from pdproxy.tls import node_session
 
 if TYPE_CHECKING:
-    from pdproxy.fleet import Fleet
+    from pdproxy.fleet.fleet import Fleet
 
 __all__ = ["BODY_LIMIT", "PEER_ROUTES", "health_generate", "query_param", "readiness"]
 

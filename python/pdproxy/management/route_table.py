@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from pdproxy.server.asgi_types import HTTPReceive, HTTPScope
 
 if TYPE_CHECKING:
-    from pdproxy.fleet import Fleet
+    from pdproxy.fleet.fleet import Fleet
 
 __all__ = ["Handler", "PlainText", "Route", "WithHeaders", "template_of", "templates"]
 

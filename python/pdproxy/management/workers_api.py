@@ -18,17 +18,17 @@ from urllib.parse import unquote
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdproxy.errors import InvalidRequest, NodeNotFound, PdproxyError
+from pdproxy.fleet.node_record import NodeRecord
 from pdproxy.management.models import parse_body
 from pdproxy.management.peer_routes import BODY_LIMIT, query_param
 from pdproxy.management.route_table import Route, WithHeaders
-from pdproxy.node_record import NodeRecord
 from pdproxy.server.asgi_types import HTTPReceive, HTTPScope
 from pdproxy.server.inference import path_as_sent
 from pdproxy.server.responses import read_json
 
 if TYPE_CHECKING:
     from pdproxy._pdproxy import NodeInfo, NodeSnapshot
-    from pdproxy.fleet import Fleet
+    from pdproxy.fleet.fleet import Fleet
 
 __all__ = ["WORKERS_ROUTES", "worker_id"]
 

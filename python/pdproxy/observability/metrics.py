@@ -16,7 +16,7 @@ from pdproxy.pd.lmdeploy import DistServe
 
 if TYPE_CHECKING:
     from pdproxy._pdproxy import Histogram, NodeSnapshot, TenantSnapshot
-    from pdproxy.node_sources import NodeSource
+    from pdproxy.fleet.node_sources import NodeSource
     from pdproxy.pd.lmdeploy import DistServeStatus
     from pdproxy.server.group import GroupSummary
     from pdproxy.server.supervisor import Supervisor

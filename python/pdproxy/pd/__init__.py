@@ -16,7 +16,7 @@ from pdproxy.config import Settings
 from pdproxy.router import Router
 
 if TYPE_CHECKING:
-    from pdproxy.fleet import Fleet
+    from pdproxy.fleet.fleet import Fleet
 
     from .lmdeploy import DistServeStatus
 

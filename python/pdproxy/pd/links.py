@@ -30,8 +30,8 @@ from typing import TypedDict
 import aiohttp
 
 from pdproxy.errors import HandshakeError, LinkFailed
+from pdproxy.fleet.tls import node_session
 from pdproxy.json_types import JsonObject, JsonValue, loads
-from pdproxy.tls import node_session
 
 log = logging.getLogger("pdproxy.pd")
 

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from pdproxy import _pdproxy
 from pdproxy.config import Settings
 from pdproxy.errors import MethodNotAllowed, ModelNotFound, NotFound, PdproxyError
-from pdproxy.fleet import Fleet
+from pdproxy.fleet.fleet import Fleet
 from pdproxy.json_types import JsonObject
 from pdproxy.management.nodes_api import ROUTES
 from pdproxy.management.openapi import schema

@@ -20,11 +20,11 @@ from granian import Granian
 from granian.constants import HTTPModes, Interfaces, Loops
 from granian.log import LOGGING_CONFIG, LogLevels
 
-from pdproxy import tls
 from pdproxy.config import Settings
 from pdproxy.errors import ConfigError
-from pdproxy.node_record import configured_nodes
-from pdproxy.node_sources.selectors import SELECTORS
+from pdproxy.fleet import tls
+from pdproxy.fleet.node_record import configured_nodes
+from pdproxy.fleet.node_sources.selectors import SELECTORS
 from pdproxy.observability.tracing import TraceIdFilter
 from pdproxy.ports import free_port
 from pdproxy.server import edge, group

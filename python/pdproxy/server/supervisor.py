@@ -16,10 +16,10 @@ from prometheus_client import CollectorRegistry
 
 from pdproxy import background
 from pdproxy.config import Settings
-from pdproxy.fleet import Fleet
-from pdproxy.membership import Membership
-from pdproxy.membership import from_url as membership_from_url
-from pdproxy.membership.group_file import GroupFileMembership
+from pdproxy.fleet.fleet import Fleet
+from pdproxy.fleet.membership import Membership
+from pdproxy.fleet.membership import from_url as membership_from_url
+from pdproxy.fleet.membership.group_file import GroupFileMembership
 from pdproxy.observability.metrics import registry_for
 from pdproxy.pd import PdAdapter, make_adapter
 from pdproxy.pd.lmdeploy import DistServe

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pdproxy.errors import ConfigError
+from pdproxy.fleet.node_record import NodeRecord
 from pdproxy.json_types import JsonObject, JsonValue
-from pdproxy.node_record import NodeRecord
 
 __all__ = ["PREFIX", "PodNode", "pod_key", "pod_node"]
 

@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from pdproxy.config import Settings
 from pdproxy.errors import ConfigError
-from pdproxy.node_sources.found import Drop, FoundBy, Owns, Put, SourceState
-from pdproxy.node_sources.selectors import SELECTORS
+from pdproxy.fleet.node_sources.found import Drop, FoundBy, Owns, Put, SourceState
+from pdproxy.fleet.node_sources.selectors import SELECTORS
 
 if TYPE_CHECKING:
-    from pdproxy.node_sources.kubernetes import KubernetesSource
+    from pdproxy.fleet.node_sources.kubernetes import KubernetesSource
 
 __all__ = ["FoundBy", "NodeSource", "SourceState", "check", "sources_for"]
 
@@ -38,7 +38,7 @@ def sources_for(settings: Settings) -> list[NodeSource]:
         source, _ = _kubernetes()
         sources.append(source(settings))
     if settings.node_dns:
-        from pdproxy.node_sources.dns import DnsSource
+        from pdproxy.fleet.node_sources.dns import DnsSource
 
         sources.append(DnsSource(settings))
     return sources
@@ -51,7 +51,7 @@ def check(settings: Settings) -> None:
         _, check_kubernetes = _kubernetes()
         check_kubernetes(settings)
     if settings.node_dns:
-        from pdproxy.node_sources.dns import check as check_dns
+        from pdproxy.fleet.node_sources.dns import check as check_dns
 
         check_dns(settings)
 
@@ -62,7 +62,7 @@ def _wants_kubernetes(settings: Settings) -> bool:
 
 def _kubernetes() -> tuple[type[KubernetesSource], Callable[[Settings], None]]:
     try:
-        from pdproxy.node_sources.kubernetes import KubernetesSource, check
+        from pdproxy.fleet.node_sources.kubernetes import KubernetesSource, check
     except ImportError as e:  # lightkube is an extra
         needs = "pip install 'pdproxy[kubernetes]'"
         raise ConfigError(f"--k8s-selector needs the Kubernetes client: {needs} ({e})") from None

@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 import aiohttp
 
-from . import background
-from .engine_report import EngineReading, parse
-from .errors import NodeNotFound
-from .router import Router
-from .tls import node_session
+from pdproxy import background
+from pdproxy.errors import NodeNotFound
+from pdproxy.fleet.engine_report import EngineReading, parse
+from pdproxy.fleet.tls import node_session
+from pdproxy.router import Router
 
 log = logging.getLogger("pdproxy.engines")
 

@@ -54,7 +54,7 @@ from redis.exceptions import RedisError
 
 from pdproxy.config import defaults
 from pdproxy.errors import ConfigError, InvalidRequest, RegistryUnavailable
-from pdproxy.membership import Entry, Membership, OnChange
+from pdproxy.fleet.membership import Entry, Membership, OnChange
 
 __all__ = ["RedisMembership"]
 

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from . import background
-from .errors import NodeNotFound
-from .json_types import JsonObject
-from .node_answers import read_json
-from .tls import node_session
+from pdproxy import background
+from pdproxy.errors import NodeNotFound
+from pdproxy.fleet.node_answers import read_json
+from pdproxy.fleet.tls import node_session
+from pdproxy.json_types import JsonObject
 
 if TYPE_CHECKING:
-    from ._pdproxy import Router as CoreRouter
+    from pdproxy._pdproxy import Router as CoreRouter
 
 log = logging.getLogger("pdproxy.discovery")
 

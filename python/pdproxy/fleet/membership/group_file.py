@@ -18,8 +18,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pdproxy import _pdproxy, background, state_file
-from pdproxy.membership import Entry, Membership, OnChange
+from pdproxy import _pdproxy, background
+from pdproxy.fleet import state_file
+from pdproxy.fleet.membership import Entry, Membership, OnChange
 
 __all__ = ["GroupFileMembership"]
 

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 from pdproxy import background
 from pdproxy.config import Settings
+from pdproxy.fleet.node_record import NodeRecord
+from pdproxy.fleet.node_sources.found import Drop, FoundNodes, Owns, Put, SourceState
+from pdproxy.fleet.node_sources.kube_api import KubeApi, KubeApiError, load_config
+from pdproxy.fleet.node_sources.pods import PodNode, pod_key, pod_node
+from pdproxy.fleet.node_sources.selectors import SELECTORS, check_selector
 from pdproxy.json_types import JsonObject
-from pdproxy.node_record import NodeRecord
-from pdproxy.node_sources.found import Drop, FoundNodes, Owns, Put, SourceState
-from pdproxy.node_sources.kube_api import KubeApi, KubeApiError, load_config
-from pdproxy.node_sources.pods import PodNode, pod_key, pod_node
-from pdproxy.node_sources.selectors import SELECTORS, check_selector
 
 log = logging.getLogger("pdproxy.kubernetes")
 

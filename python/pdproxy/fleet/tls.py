@@ -10,8 +10,8 @@ import ssl
 
 import aiohttp
 
-from .config import Settings
-from .errors import ConfigError
+from pdproxy.config import Settings
+from pdproxy.errors import ConfigError
 
 __all__ = ["check_files", "node_session"]
 

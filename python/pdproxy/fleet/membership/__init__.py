@@ -78,7 +78,7 @@ def from_url(url: str, **options: Unpack[RegistryOptions]) -> Membership:
     """The backend for a ``--registry`` URL; ``options`` go to its constructor."""
     check_url(url)
     try:
-        from pdproxy.membership.redis_store import RedisMembership
+        from pdproxy.fleet.membership.redis_store import RedisMembership
     except ImportError as e:  # redis is an optional extra
         raise ConfigError(f"--registry {url!r} needs the redis package: pip install 'pdproxy[redis]' ({e})") from None
     return RedisMembership(url, **options)

@@ -18,10 +18,10 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from . import _pdproxy
-from .config import Settings
-from .errors import ConfigError, InvalidNode
-from .json_types import JsonObject
+from pdproxy import _pdproxy
+from pdproxy.config import Settings
+from pdproxy.errors import ConfigError, InvalidNode
+from pdproxy.json_types import JsonObject
 
 __all__ = ["NodeAttributes", "NodeRecord", "configured_nodes", "validation_field", "validation_message"]
 

@@ -9,7 +9,7 @@ import socket
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
-from .errors import InvalidNode, NodeUnresolvable
+from pdproxy.errors import InvalidNode, NodeUnresolvable
 
 #: Cloud metadata and platform services, reachable from most VMs: AWS/GCP/Azure/OpenStack
 #: (169.254.169.254), ECS (169.254.170.2), AWS over IPv6, Alibaba (100.100.100.200), Azure's

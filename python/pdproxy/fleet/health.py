@@ -24,11 +24,11 @@ from typing import TypedDict
 
 import aiohttp
 
-from . import background
-from .errors import AnswerTooLarge, NodeNotFound
-from .node_answers import read_json
-from .router import Router
-from .tls import node_session
+from pdproxy import background
+from pdproxy.errors import AnswerTooLarge, NodeNotFound
+from pdproxy.fleet.node_answers import read_json
+from pdproxy.fleet.tls import node_session
+from pdproxy.router import Router
 
 log = logging.getLogger("pdproxy.health")
 

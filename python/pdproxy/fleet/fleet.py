@@ -20,27 +20,35 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from . import background, state_file
-from .background import Work
-from .config import Settings
-from .engine_scraper import EngineScraper
-from .errors import ConfigError, InvalidNode, NodeNotFound, NodeUnresolvable, RegistryUnavailable, TerminateFailed
-from .health import HealthChecker, HealthSummary
-from .json_types import JsonValue
-from .kv_events import chat_template, index_options
-from .kv_events.follower import KvEventFollower, KvEventsPlan
-from .membership import Entry, Membership
-from .node_record import NodeRecord, configured_nodes
-from .node_sources import FoundBy, NodeSource, sources_for
-from .pd import PdAdapter
-from .pd.lmdeploy import DistServe
-from .router import Router
-from .server.group import Group
-from .tls import node_session
-from .urls import check_node_url, parse_networks
+from pdproxy import background
+from pdproxy.background import Work
+from pdproxy.config import Settings
+from pdproxy.errors import (
+    ConfigError,
+    InvalidNode,
+    NodeNotFound,
+    NodeUnresolvable,
+    RegistryUnavailable,
+    TerminateFailed,
+)
+from pdproxy.fleet import state_file
+from pdproxy.fleet.engine_scraper import EngineScraper
+from pdproxy.fleet.health import HealthChecker, HealthSummary
+from pdproxy.fleet.membership import Entry, Membership
+from pdproxy.fleet.node_record import NodeRecord, configured_nodes
+from pdproxy.fleet.node_sources import FoundBy, NodeSource, sources_for
+from pdproxy.fleet.tls import node_session
+from pdproxy.fleet.urls import check_node_url, parse_networks
+from pdproxy.json_types import JsonValue
+from pdproxy.kv_events import chat_template, index_options
+from pdproxy.kv_events.follower import KvEventFollower, KvEventsPlan
+from pdproxy.pd import PdAdapter
+from pdproxy.pd.lmdeploy import DistServe
+from pdproxy.router import Router
+from pdproxy.server.group import Group
 
 if TYPE_CHECKING:
-    from ._pdproxy import NodeInfo
+    from pdproxy._pdproxy import NodeInfo
 
 log = logging.getLogger("pdproxy.fleet")
 

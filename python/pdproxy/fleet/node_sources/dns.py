@@ -27,8 +27,8 @@ from dns.rdtypes.IN.SRV import SRV
 from pdproxy import background
 from pdproxy.config import Settings
 from pdproxy.errors import ConfigError
-from pdproxy.node_record import NodeRecord
-from pdproxy.node_sources.found import Drop, FoundNodes, Owns, Put, SourceState
+from pdproxy.fleet.node_record import NodeRecord
+from pdproxy.fleet.node_sources.found import Drop, FoundNodes, Owns, Put, SourceState
 
 __all__ = ["DnsName", "DnsSource", "check", "parse_dns_name"]
 
