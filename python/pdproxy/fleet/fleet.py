@@ -22,7 +22,7 @@ import aiohttp
 
 from pdproxy import background
 from pdproxy.background import Work
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 from pdproxy.errors import (
     ConfigError,
     InvalidNode,

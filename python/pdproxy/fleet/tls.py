@@ -10,7 +10,7 @@ import ssl
 
 import aiohttp
 
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 from pdproxy.errors import ConfigError
 
 __all__ = ["check_files", "node_session"]

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 from pdproxy.errors import ConfigError
 from pdproxy.server.asgi_types import HTTPScope, Receive, ReceiveMessage, Scope, Send, SendMessage
 

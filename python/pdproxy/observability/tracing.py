@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from urllib.parse import unquote
 
 from pdproxy._pdproxy import Response, Trace
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 from pdproxy.errors import ConfigError
 
 #: The trace of the request being served (for log lines written while serving it).

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict
 
 from pdproxy import _pdproxy
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 from pdproxy.router import Router
 
 if TYPE_CHECKING:

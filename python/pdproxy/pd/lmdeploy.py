@@ -20,7 +20,7 @@ from typing import TypedDict
 
 from pdproxy import _pdproxy
 from pdproxy._pdproxy import LinkDone
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 from pdproxy.errors import LinkFailed
 from pdproxy.router import Router
 from pdproxy.server.group import alive

@@ -15,7 +15,7 @@ from urllib.parse import unquote
 from pydantic import BaseModel
 
 from pdproxy import _pdproxy
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 from pdproxy.errors import MethodNotAllowed, ModelNotFound, NotFound, PdproxyError
 from pdproxy.fleet.fleet import Fleet
 from pdproxy.json_types import JsonObject

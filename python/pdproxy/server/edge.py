@@ -26,7 +26,7 @@ from granian.log import LogLevels
 from granian.server.embed import Server as EmbeddedServer
 
 from pdproxy import _pdproxy
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 from pdproxy.errors import ConfigError
 from pdproxy.server.app import ProxyApp
 

@@ -20,7 +20,7 @@ from granian import Granian
 from granian.constants import HTTPModes, Interfaces, Loops
 from granian.log import LOGGING_CONFIG, LogLevels
 
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 from pdproxy.errors import ConfigError
 from pdproxy.fleet import tls
 from pdproxy.fleet.node_record import configured_nodes

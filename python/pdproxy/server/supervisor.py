@@ -15,7 +15,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from pdproxy import background
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 from pdproxy.fleet.fleet import Fleet
 from pdproxy.fleet.membership import Membership
 from pdproxy.fleet.membership import from_url as membership_from_url

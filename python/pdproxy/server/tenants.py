@@ -28,7 +28,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
-from pdproxy.config import read_toml
+from pdproxy.config.settings import read_toml
 from pdproxy.errors import ConfigError
 
 if TYPE_CHECKING:

@@ -52,7 +52,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from pdproxy.config import defaults
+from pdproxy.config.settings import defaults
 from pdproxy.errors import ConfigError, InvalidRequest, RegistryUnavailable
 from pdproxy.fleet.membership import Entry, Membership, OnChange
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 from pdproxy.errors import ConfigError
 from pdproxy.fleet.node_sources.found import Drop, FoundBy, Owns, Put, SourceState
 from pdproxy.fleet.node_sources.selectors import SELECTORS

@@ -25,7 +25,7 @@ from dns.rdtypes.IN.AAAA import AAAA
 from dns.rdtypes.IN.SRV import SRV
 
 from pdproxy import background
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 from pdproxy.errors import ConfigError
 from pdproxy.fleet.node_record import NodeRecord
 from pdproxy.fleet.node_sources.found import Drop, FoundNodes, Owns, Put, SourceState

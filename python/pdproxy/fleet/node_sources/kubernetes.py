@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdproxy import background
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 from pdproxy.fleet.node_record import NodeRecord
 from pdproxy.fleet.node_sources.found import Drop, FoundNodes, Owns, Put, SourceState
 from pdproxy.fleet.node_sources.kube_api import KubeApi, KubeApiError, load_config

@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import os
 
-from . import _pdproxy
-from .config import Settings
-from .errors import ConfigError, InvalidNode
-from .fleet.membership import check_url as check_registry_url
-from .fleet.node_record import configured_nodes
-from .fleet.node_sources import check as check_node_sources
-from .fleet.urls import check_address_node, parse_networks
-from .observability.tracing import otel_settings
-from .server.group import MAX_WORKERS
-from .server.tenants import load as load_tenants
+from pdproxy import _pdproxy
+from pdproxy.config.settings import Settings
+from pdproxy.errors import ConfigError, InvalidNode
+from pdproxy.fleet.membership import check_url as check_registry_url
+from pdproxy.fleet.node_record import configured_nodes
+from pdproxy.fleet.node_sources import check as check_node_sources
+from pdproxy.fleet.urls import check_address_node, parse_networks
+from pdproxy.observability.tracing import otel_settings
+from pdproxy.server.group import MAX_WORKERS
+from pdproxy.server.tenants import load as load_tenants
 
 __all__ = ["checked"]
 

@@ -37,7 +37,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
-from .errors import ConfigError
+from pdproxy.errors import ConfigError
 
 __all__ = ["ENV_PREFIX", "GROUPS", "LOG_LEVELS", "Settings", "defaults", "load_toml", "setting_flag", "setting_kind"]
 
