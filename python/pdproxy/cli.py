@@ -23,11 +23,11 @@ import click
 from pydantic.fields import FieldInfo
 
 from . import __version__
+from ._json_types import JsonObject, JsonValue, loads
 from .config.checks import checked
 from .config.settings import ENV_PREFIX, GROUPS, Settings, load_toml, setting_flag, setting_kind
 from .errors import ConfigError
 from .fleet.node_record import NodeAttributes, configured_nodes
-from .json_types import JsonObject, JsonValue, loads
 
 F = TypeVar("F", bound=Callable[..., object])
 

@@ -17,13 +17,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypedDict
 
 from . import _pdproxy
+from ._json_types import JsonObject
 from .config.checks import checked
 from .config.settings import Settings
 from .errors import NoNodeAvailable
 from .fleet.model_cards import merged_card
 from .fleet.model_discovery import ModelDiscovery
 from .fleet.node_record import NodeRecord, configured_nodes
-from .json_types import JsonObject
 
 if TYPE_CHECKING:
     from ._pdproxy import Histogram, NodeInfo, NodeSnapshot, RoutingFields

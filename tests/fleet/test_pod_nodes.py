@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from pdproxy._json_types import JsonObject
 from pdproxy.errors import ConfigError
 from pdproxy.fleet.node_sources.pods import pod_node
 from pdproxy.fleet.node_sources.selectors import check_selector
-from pdproxy.json_types import JsonObject
 
 
 def pod(

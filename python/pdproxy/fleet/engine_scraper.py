@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import aiohttp
 
-from pdproxy import background
+from pdproxy import _background
 from pdproxy.errors import NodeNotFound
 from pdproxy.fleet.engine_report import EngineReading, parse
 from pdproxy.fleet.tls import node_session
@@ -68,10 +68,10 @@ class EngineScraper:
 
     async def start(self) -> None:
         self._session = node_session(self._ca_file, self._timeout)
-        self._task = background.start(self._run(), "pdproxy-engine-metrics")
+        self._task = _background.start(self._run(), "pdproxy-engine-metrics")
 
     async def aclose(self) -> None:
-        await background.stop(self._task)
+        await _background.stop(self._task)
         self._task = None
         if self._session is not None:
             await self._session.close()

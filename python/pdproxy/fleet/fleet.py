@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from pdproxy import background
-from pdproxy.background import Work
+from pdproxy import _background
+from pdproxy._background import Work
+from pdproxy._json_types import JsonValue
 from pdproxy.config.settings import Settings
 from pdproxy.errors import (
     ConfigError,
@@ -39,7 +40,6 @@ from pdproxy.fleet.node_record import NodeRecord, configured_nodes
 from pdproxy.fleet.node_sources import FoundBy, NodeSource, sources_for
 from pdproxy.fleet.tls import node_session
 from pdproxy.fleet.urls import check_node_url, parse_networks
-from pdproxy.json_types import JsonValue
 from pdproxy.kv_events import chat_template, index_options
 from pdproxy.kv_events.follower import KvEventFollower, KvEventsPlan
 from pdproxy.pd import PdAdapter
@@ -146,7 +146,7 @@ class Fleet:
         # The models of nodes that declared none, before serving (they get no traffic until known).
         await self.router.discover()
         if self.membership is None:
-            self._lease_task = background.start(self._expire_leases(), "pdproxy-leases")
+            self._lease_task = _background.start(self._expire_leases(), "pdproxy-leases")
 
     async def start_health(self) -> None:
         """Starts the health checks and the engines' readings (once; a worker that becomes its
@@ -179,9 +179,9 @@ class Fleet:
             await self.kv_events.aclose()
         for source in self.sources:
             await source.aclose()
-        await background.stop(self._lease_task)
+        await _background.stop(self._lease_task)
         for task in list(self._chores):
-            await background.stop(task)
+            await _background.stop(task)
         if self.membership is not None:
             await self.membership.aclose()
         await self.health.aclose()
@@ -445,7 +445,7 @@ class Fleet:
 
     def _background(self, work: Work, name: str) -> None:
         """Runs ``work`` until it ends or the fleet closes."""
-        task = background.start(work, name)
+        task = _background.start(work, name)
         self._chores.add(task)
         task.add_done_callback(self._chores.discard)
 

@@ -24,7 +24,7 @@ from typing import TypedDict
 
 import aiohttp
 
-from pdproxy import background
+from pdproxy import _background
 from pdproxy.errors import AnswerTooLarge, NodeNotFound
 from pdproxy.fleet.node_answers import read_json
 from pdproxy.fleet.tls import node_session
@@ -129,10 +129,10 @@ class HealthChecker:
 
     async def start(self) -> None:
         self._session = node_session(self._ca_file, self._timeout)
-        self._task = background.start(self._run(), "pdproxy-health")
+        self._task = _background.start(self._run(), "pdproxy-health")
 
     async def aclose(self) -> None:
-        await background.stop(self._task)
+        await _background.stop(self._task)
         if self._session is not None:
             await self._session.close()
 

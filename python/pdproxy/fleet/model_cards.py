@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from pdproxy.json_types import JsonObject, JsonValue
+from pdproxy._json_types import JsonObject, JsonValue
 
 __all__ = ["merged_card"]
 

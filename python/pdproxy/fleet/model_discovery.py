@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING
 
 import aiohttp
 
-from pdproxy import background
+from pdproxy import _background
+from pdproxy._json_types import JsonObject
 from pdproxy.errors import NodeNotFound
 from pdproxy.fleet.node_answers import read_json
 from pdproxy.fleet.tls import node_session
-from pdproxy.json_types import JsonObject
 
 if TYPE_CHECKING:
     from pdproxy._pdproxy import Router as CoreRouter
@@ -76,10 +76,10 @@ class ModelDiscovery:
         """Probes every pending node once, then keeps at it in the background."""
         self._session = node_session(self._ca_file, self._timeout)
         await self.probe_pending()
-        self._task = background.start(self._run(), "pdproxy-model-discovery")
+        self._task = _background.start(self._run(), "pdproxy-model-discovery")
 
     async def aclose(self) -> None:
-        await background.stop(self._task)
+        await _background.stop(self._task)
         self._task = None
         if self._session is not None:
             await self._session.close()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import aiohttp
 
+from pdproxy._json_types import JsonValue, loads
 from pdproxy.errors import AnswerTooLarge
-from pdproxy.json_types import JsonValue, loads
 
 #: Largest answer read from a node's control endpoints.
 ANSWER_LIMIT = 1 << 20

@@ -19,9 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_core import PydanticCustomError
 
 from pdproxy import _pdproxy
+from pdproxy._json_types import JsonObject
 from pdproxy.config.settings import Settings
 from pdproxy.errors import ConfigError, InvalidNode
-from pdproxy.json_types import JsonObject
 
 __all__ = ["NodeAttributes", "NodeRecord", "configured_nodes", "validation_field", "validation_message"]
 

@@ -11,7 +11,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from pdproxy.json_types import JsonObject, loads
+from pdproxy._json_types import JsonObject, loads
 
 log = logging.getLogger("pdproxy.state")
 

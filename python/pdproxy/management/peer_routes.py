@@ -23,10 +23,10 @@ from urllib.parse import parse_qs
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdproxy._json_types import JsonObject
 from pdproxy.errors import InvalidRequest, NodeNotFound, NoNodeAvailable
 from pdproxy.fleet.node_record import NodeRecord
 from pdproxy.fleet.tls import node_session
-from pdproxy.json_types import JsonObject
 from pdproxy.management.models import parse_body
 from pdproxy.management.route_table import PlainText, Route
 from pdproxy.server.asgi_types import HTTPReceive, HTTPScope

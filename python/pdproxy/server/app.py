@@ -15,10 +15,10 @@ from urllib.parse import unquote
 from pydantic import BaseModel
 
 from pdproxy import _pdproxy
+from pdproxy._json_types import JsonObject
 from pdproxy.config.settings import Settings
 from pdproxy.errors import MethodNotAllowed, ModelNotFound, NotFound, PdproxyError
 from pdproxy.fleet.fleet import Fleet
-from pdproxy.json_types import JsonObject
 from pdproxy.management.nodes_api import ROUTES
 from pdproxy.management.openapi import schema
 from pdproxy.management.peer_routes import health_generate as peer_health_generate

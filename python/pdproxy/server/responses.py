@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from pdproxy._json_types import JsonValue, loads
 from pdproxy.errors import (
     ClientGone,
     InvalidRequest,
@@ -12,7 +13,6 @@ from pdproxy.errors import (
     RequestTooLarge,
     UnsupportedMediaType,
 )
-from pdproxy.json_types import JsonValue, loads
 from pdproxy.server.asgi_types import Headers, HTTPReceive, HTTPScope, Send
 
 JSON_HEADERS = [(b"content-type", b"application/json")]

@@ -26,7 +26,6 @@ from pdproxy.fleet import tls
 from pdproxy.fleet.node_record import configured_nodes
 from pdproxy.fleet.node_sources.selectors import SELECTORS
 from pdproxy.observability.tracing import TraceIdFilter
-from pdproxy.ports import free_port
 from pdproxy.server import edge, group
 from pdproxy.server.app import MAIN_PID_ENV, SETTINGS_ENV
 
@@ -177,6 +176,7 @@ def _demo_engines(settings: Settings) -> Iterator[list[str]]:
         yield []
         return
     from pdproxy.testing import mock_engine_command  # the mock engine's stack only loads for a demo
+    from pdproxy.testing.ports import free_port
 
     procs: list[subprocess.Popen[bytes]] = []
     urls: list[str] = []

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
-from pdproxy import background
+from pdproxy import _background
 from pdproxy.config.settings import Settings
 from pdproxy.fleet.fleet import Fleet
 from pdproxy.fleet.membership import Membership
@@ -97,9 +97,9 @@ class Supervisor:
             self.fleet.pd = self.pd
             self.fleet.on_removed.append(self.pd.node_removed)
         await self.fleet.start(check_health=self.group is None)
-        self._health_watch = background.start(self._watch_health(), "pdproxy-health-watch")
+        self._health_watch = _background.start(self._watch_health(), "pdproxy-health-watch")
         if self.group is not None:
-            self._group_task = background.start(
+            self._group_task = _background.start(
                 self.group.run(on_lead=self._lead, leader_tick=self._leader_tick, signal_tick=self._group_signals),
                 "pdproxy-group",
             )
@@ -110,8 +110,8 @@ class Supervisor:
             await self.usage_sync.aclose()
         if self.tenants is not None:
             await self.tenants.aclose()
-        await background.stop(self._health_watch)
-        await background.stop(self._group_task)
+        await _background.stop(self._health_watch)
+        await _background.stop(self._group_task)
         if self.pd is not None:
             await self.pd.aclose()
         if self.fleet is not None:

@@ -11,8 +11,8 @@ from collections.abc import Awaitable, Callable
 from typing import TypeAlias, TypedDict, Unpack
 from urllib.parse import urlsplit
 
+from pdproxy._json_types import JsonObject
 from pdproxy.errors import ConfigError, RegistryUnavailable
-from pdproxy.json_types import JsonObject
 
 __all__ = ["Entry", "Membership", "OnChange", "RegistryOptions", "RegistryUnavailable", "check_url", "from_url"]
 

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from pdproxy import _pdproxy, background
+from pdproxy import _background, _pdproxy
 from pdproxy.fleet import state_file
 from pdproxy.fleet.membership import Entry, Membership, OnChange
 
@@ -41,10 +41,10 @@ class GroupFileMembership(Membership):
     async def start(self, on_change: OnChange) -> None:
         seen = self._table.epoch
         await on_change(await self.snapshot())
-        self._task = background.start(self._watch(on_change, seen), "pdproxy-membership")
+        self._task = _background.start(self._watch(on_change, seen), "pdproxy-membership")
 
     async def aclose(self) -> None:
-        await background.stop(self._task)
+        await _background.stop(self._task)
 
     async def put(self, entry: Entry) -> None:
         url, ttl = str(entry["url"]), entry.get("lease_ttl")

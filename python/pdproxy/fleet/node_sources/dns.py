@@ -24,7 +24,7 @@ from dns.rdtypes.IN.A import A
 from dns.rdtypes.IN.AAAA import AAAA
 from dns.rdtypes.IN.SRV import SRV
 
-from pdproxy import background
+from pdproxy import _background
 from pdproxy.config.settings import Settings
 from pdproxy.errors import ConfigError
 from pdproxy.fleet.node_record import NodeRecord
@@ -104,10 +104,10 @@ class DnsSource:
     async def start(self, put: Put, drop: Drop, owns: Owns) -> None:
         self.found = FoundNodes(SOURCE, put, drop, owns)
         await self.resolve_all()  # the first answer before serving
-        self._task = background.start(self._run(), "pdproxy-dns")
+        self._task = _background.start(self._run(), "pdproxy-dns")
 
     async def aclose(self) -> None:
-        await background.stop(self._task)
+        await _background.stop(self._task)
 
     def node_count(self) -> int:
         return 0 if self.found is None else len(self.found)

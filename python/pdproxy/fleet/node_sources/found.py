@@ -6,8 +6,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from pdproxy._json_types import JsonObject
 from pdproxy.fleet.node_record import NodeRecord
-from pdproxy.json_types import JsonObject
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ from lightkube.config import client_adapter
 from lightkube.config.kubeconfig import KubeConfig, SingleConfig
 from lightkube.core.exceptions import ConfigError as LightkubeConfigError
 
+from pdproxy._json_types import JsonObject
 from pdproxy.errors import ConfigError
-from pdproxy.json_types import JsonObject
 
 __all__ = ["KubeApi", "KubeApiError", "PodList", "WatchEvent", "load_config"]
 

@@ -19,14 +19,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pdproxy import background
+from pdproxy import _background
+from pdproxy._json_types import JsonObject
 from pdproxy.config.settings import Settings
 from pdproxy.fleet.node_record import NodeRecord
 from pdproxy.fleet.node_sources.found import Drop, FoundNodes, Owns, Put, SourceState
 from pdproxy.fleet.node_sources.kube_api import KubeApi, KubeApiError, load_config
 from pdproxy.fleet.node_sources.pods import PodNode, pod_key, pod_node
 from pdproxy.fleet.node_sources.selectors import SELECTORS, check_selector
-from pdproxy.json_types import JsonObject
 
 log = logging.getLogger("pdproxy.kubernetes")
 
@@ -214,12 +214,12 @@ class KubernetesSource:
             self.namespace,
             self.api.server,
         )
-        self._tasks = [background.start(self._apply_changes(), "pdproxy-k8s-apply")]
-        self._tasks += [background.start(w.run(), f"pdproxy-k8s-watch {w.selection.selector}") for w in self.watchers]
+        self._tasks = [_background.start(self._apply_changes(), "pdproxy-k8s-apply")]
+        self._tasks += [_background.start(w.run(), f"pdproxy-k8s-watch {w.selection.selector}") for w in self.watchers]
 
     async def aclose(self) -> None:
         for task in self._tasks:
-            await background.stop(task)
+            await _background.stop(task)
         with contextlib.suppress(Exception):
             await self.api.aclose()
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pdproxy._json_types import JsonObject, JsonValue
 from pdproxy.errors import ConfigError
 from pdproxy.fleet.node_record import NodeRecord
-from pdproxy.json_types import JsonObject, JsonValue
 
 __all__ = ["PREFIX", "PodNode", "pod_key", "pod_node"]
 
