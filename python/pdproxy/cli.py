@@ -1,7 +1,7 @@
 """The `pdproxy` command: `serve` and `mock-engine`.
 
 Options are generated from the settings dataclasses, so every option has exactly one
-default (in `config.py` / `testing/mock_engine.py`) and one `PDPROXY_*` environment variable.
+default (in `config/settings.py` / `testing/mock_engine.py`) and one `PDPROXY_*` environment variable.
 """
 
 from __future__ import annotations

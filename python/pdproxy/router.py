@@ -246,7 +246,7 @@ class Router:
 
     def model_card(self, model: str) -> JsonObject:
         """OpenAI's ``Model`` for ``model``, with what the healthy nodes serving it said about it
-        in their ``/v1/models`` (``max_model_len`` and the rest), merged (see ``model_cards``)."""
+        in their ``/v1/models`` (``max_model_len`` and the rest), merged (see ``fleet.model_cards``)."""
         serving = (n["url"] for n in self._core.nodes() if n["state"] == "healthy" and model in n["models"])
         cards = (self._discovery.card(url, model) for url in serving)
         return merged_card(model, (card for card in cards if card is not None))

@@ -1,4 +1,4 @@
-"""A Kubernetes pod as a node (pdproxy.node_sources.pods): when it is one, at which URL, with
+"""A Kubernetes pod as a node (pdproxy.fleet.node_sources.pods): when it is one, at which URL, with
 which attributes, and what it says when it cannot be one."""
 
 from __future__ import annotations

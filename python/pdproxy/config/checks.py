@@ -2,7 +2,7 @@
 knows, the worker group's size (the shared table's), the shared registry's URL, the tenants
 file, each configured node (its form, and the node rules where its host is an address), and the
 tracing settings left to the ``OTEL_*`` environment. ``checked`` runs them before
-anything is served (the CLI, and every ``Router``), so that ``config`` stays a leaf."""
+anything is served (the CLI, and every ``Router``), so that ``settings`` stays a leaf."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ setting (``ConfigError``).
 
 This module depends on nothing else in pdproxy but its error class. Checks that need the rest
 (routing policies the data plane knows, the registry's URL, the tenants file, each node, the
-``OTEL_*`` environment) are ``settings_checks.checked``, run before anything is served.
+``OTEL_*`` environment) are ``checks.checked``, run before anything is served.
 """
 
 from __future__ import annotations
@@ -1102,7 +1102,7 @@ class Settings(
 
     def redacted(self) -> dict[str, object]:
         """The settings with key material hidden, for printing and logs (nodes' keys too:
-        ``settings_checks.redacted``)."""
+        ``NodeRecord.redacted``)."""
         out = self.model_dump(mode="json")
         for name in SECRET_FIELDS:
             value = out[name]
