@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from pdproxy.ports import free_port
 from pdproxy.testing import mock_engine_command
+from pdproxy.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 LOADGEN = ROOT / "target" / "release" / "pdproxy-loadgen"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdproxy.ports import free_port
+from pdproxy.testing.ports import free_port
 
 #: The repository's root (tests sit in folders below tests/).
 REPO = Path(__file__).resolve().parent.parent

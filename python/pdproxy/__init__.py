@@ -5,7 +5,7 @@ The data plane (selection, in-flight accounting, forwarding) is the Rust extensi
 """
 
 from ._pdproxy import Response, __version__
-from .config import Settings
+from .config.settings import Settings
 from .errors import (
     ConfigError,
     InvalidNode,

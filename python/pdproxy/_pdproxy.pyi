@@ -7,9 +7,9 @@ from typing import ClassVar, Literal, Protocol, TypedDict, final, type_check_onl
 
 # The data plane reads these by attribute or key (rust/src/py/config.rs, rust/src/py/node.rs,
 # rust/src/py/tenants.rs); their fields are declared once, in Python.
-from pdproxy.config import Settings
-from pdproxy.node_record import NodeRecord
-from pdproxy.tenants import TenantEntry, TenantLimits
+from .config.settings import Settings
+from .fleet.node_record import NodeRecord
+from .server.tenants import TenantEntry, TenantLimits
 
 __version__: str
 #: The routing policies the data plane knows, by name.

@@ -1,7 +1,7 @@
 """The `pdproxy` command: `serve` and `mock-engine`.
 
 Options are generated from the settings dataclasses, so every option has exactly one
-default (in `config.py` / `testing/mock_engine.py`) and one `PDPROXY_*` environment variable.
+default (in `config/settings.py` / `testing/mock_engine.py`) and one `PDPROXY_*` environment variable.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import click
 from pydantic.fields import FieldInfo
 
 from . import __version__
-from .config import ENV_PREFIX, GROUPS, Settings, load_toml, setting_flag, setting_kind
+from ._json_types import JsonObject, JsonValue, loads
+from .config.checks import checked
+from .config.settings import ENV_PREFIX, GROUPS, Settings, load_toml, setting_flag, setting_kind
 from .errors import ConfigError
-from .json_types import JsonObject, JsonValue, loads
-from .node_record import NodeAttributes, configured_nodes
-from .settings_checks import checked
+from .fleet.node_record import NodeAttributes, configured_nodes
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -335,7 +335,7 @@ def _keys_on_the_command_line(context: click.Context, settings: Settings) -> lis
 @settings_options(Settings, ENV_PREFIX)
 def serve(print_config: bool, **options: object) -> None:
     """Serve the OpenAI API, routing each request to one of the nodes."""
-    from .serve import serve as run
+    from .server.serve import serve as run
 
     for name, value in options.items():
         if isinstance(value, list):

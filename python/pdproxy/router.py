@@ -17,13 +17,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, TypedDict
 
 from . import _pdproxy
-from .config import Settings
-from .discovery import ModelDiscovery
+from ._json_types import JsonObject
+from .config.checks import checked
+from .config.settings import Settings
 from .errors import NoNodeAvailable
-from .json_types import JsonObject
-from .model_cards import merged_card
-from .node_record import NodeRecord, configured_nodes
-from .settings_checks import checked
+from .fleet.model_cards import merged_card
+from .fleet.model_discovery import ModelDiscovery
+from .fleet.node_record import NodeRecord, configured_nodes
 
 if TYPE_CHECKING:
     from ._pdproxy import Histogram, NodeInfo, NodeSnapshot, RoutingFields
@@ -246,7 +246,7 @@ class Router:
 
     def model_card(self, model: str) -> JsonObject:
         """OpenAI's ``Model`` for ``model``, with what the healthy nodes serving it said about it
-        in their ``/v1/models`` (``max_model_len`` and the rest), merged (see ``model_cards``)."""
+        in their ``/v1/models`` (``max_model_len`` and the rest), merged (see ``fleet.model_cards``)."""
         serving = (n["url"] for n in self._core.nodes() if n["state"] == "healthy" and model in n["models"])
         cards = (self._discovery.card(url, model) for url in serving)
         return merged_card(model, (card for card in cards if card is not None))

@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 import trustme
 
-from pdproxy.config import LOG_LEVELS
+from pdproxy.config.settings import LOG_LEVELS
 from pdproxy.testing import MockEngine
 from servers import REPO, chat_body, free_port, get_json, ledger, mock_engine, pdproxy_serve, run_process
 

@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 
 import pdproxy
-from pdproxy.config import Settings
-from pdproxy.node_record import NodeAttributes
+from pdproxy.config.settings import Settings
+from pdproxy.fleet.node_record import NodeAttributes
 from pdproxy.testing import MockSettings
 from servers import REPO, chat_body, free_port, get_json, pdproxy_serve
 

@@ -16,9 +16,9 @@ import aiohttp
 import pytest
 
 import pdproxy
-from pdproxy.config import Settings
-from pdproxy.node_record import NodeRecord
-from pdproxy.nodes_api import ROUTES
+from pdproxy.config.settings import Settings
+from pdproxy.fleet.node_record import NodeRecord
+from pdproxy.management.nodes_api import ROUTES
 from pdproxy.testing import MockEngine
 from servers import pdproxy_serve
 
@@ -53,7 +53,7 @@ def test_a_bad_setting_is_one_line_naming_it(values: dict[str, Any], message: st
 
 
 def test_settings_groups_hold_every_setting_once() -> None:
-    from pdproxy.config import GROUPS
+    from pdproxy.config.settings import GROUPS
 
     declared = [name for group in GROUPS for name in group.model_fields]
     assert sorted(declared) == sorted(Settings.model_fields), "each setting in exactly one group"

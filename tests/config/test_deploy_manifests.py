@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 import pdproxy
-from pdproxy.openapi import schema
+from pdproxy.management.openapi import schema
 from servers import REPO
 
 DEPLOY = REPO / "deploy"

@@ -10,8 +10,8 @@ import subprocess
 import sys
 import tomllib
 
-from pdproxy.config import GROUPS, Settings, toml_keys
-from pdproxy.settings_checks import checked
+from pdproxy.config.checks import checked
+from pdproxy.config.settings import GROUPS, Settings, toml_keys
 from servers import REPO
 
 EXAMPLES = REPO / "examples"

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from pdproxy.app import create_app
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
+from pdproxy.server.app import create_app
 from pdproxy.testing import FAULT_HEADER, MockEngine
 from servers import chat_body, eventually
 

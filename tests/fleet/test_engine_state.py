@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdproxy.engine_report import parse
+from pdproxy.fleet.engine_report import parse
 from pdproxy.testing import MockEngine
 from pdproxy.testing.batching import ContinuousBatcher, EngineModel
 from pdproxy.testing.kv_cache import PagedKvCache

@@ -16,9 +16,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdproxy.node_sources.found import SourceState
-from pdproxy.node_sources.kube_api import KubeApi, KubeApiError
-from pdproxy.node_sources.kubernetes import PodWatcher, Selection
+from pdproxy.fleet.node_sources.found import SourceState
+from pdproxy.fleet.node_sources.kube_api import KubeApi, KubeApiError
+from pdproxy.fleet.node_sources.kubernetes import PodWatcher, Selection
 from pdproxy.testing import MockEngine, MockSettings
 from pdproxy.testing.fake_kube import FakeKubeApi
 from servers import chat_body, eventually, pdproxy_serve, register

@@ -370,7 +370,7 @@ async def test_pass_through_endpoints(tmp_path: Path, engine: MockEngine, http: 
 
 
 async def test_openapi_matches_the_routes(tmp_path: Path, http: aiohttp.ClientSession) -> None:
-    from pdproxy.nodes_api import ROUTES
+    from pdproxy.management.nodes_api import ROUTES
 
     with proxy(tmp_path) as p:
         async with http.get(p.url + "/openapi.json") as r:

@@ -17,8 +17,8 @@ import redis
 import redis.asyncio
 
 from pdproxy.errors import ConfigError, InvalidRequest, RegistryUnavailable
-from pdproxy.membership import Entry, from_url
-from pdproxy.membership.redis_store import RedisMembership
+from pdproxy.fleet.membership import Entry, from_url
+from pdproxy.fleet.membership.redis_store import RedisMembership
 from redis_server import REDIS_SERVER, RedisServer, redis_server
 from servers import eventually
 

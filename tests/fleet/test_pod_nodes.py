@@ -1,4 +1,4 @@
-"""A Kubernetes pod as a node (pdproxy.node_sources.pods): when it is one, at which URL, with
+"""A Kubernetes pod as a node (pdproxy.fleet.node_sources.pods): when it is one, at which URL, with
 which attributes, and what it says when it cannot be one."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
+from pdproxy._json_types import JsonObject
 from pdproxy.errors import ConfigError
-from pdproxy.json_types import JsonObject
-from pdproxy.node_sources.pods import pod_node
-from pdproxy.node_sources.selectors import check_selector
+from pdproxy.fleet.node_sources.pods import pod_node
+from pdproxy.fleet.node_sources.selectors import check_selector
 
 
 def pod(

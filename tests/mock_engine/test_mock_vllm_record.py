@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from engine_shapes import RECORD, record_of
-from pdproxy.engine_report import _NAMES
+from pdproxy.fleet.engine_report import _NAMES
 from pdproxy.testing import MockEngine
 
 MODEL = "tiny"

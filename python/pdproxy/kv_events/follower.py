@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import zmq.asyncio
 
-from pdproxy import _pdproxy, background
+from pdproxy import _background, _pdproxy
 
 from .subscriber import Endpoint, Subscription
 from .wire import GPU, Batch, Cleared, Removed, Stored
@@ -64,10 +64,10 @@ class KvEventFollower:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._task = background.start(self._run(), "pdproxy-kv-events")
+        self._task = _background.start(self._run(), "pdproxy-kv-events")
 
     async def aclose(self) -> None:
-        await background.stop(self._task)
+        await _background.stop(self._task)
         self._task = None
         for subscription in self._subscriptions.values():
             await subscription.close()

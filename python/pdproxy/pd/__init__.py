@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict
 
 from pdproxy import _pdproxy
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 from pdproxy.router import Router
 
 if TYPE_CHECKING:
-    from pdproxy.fleet import Fleet
+    from pdproxy.fleet.fleet import Fleet
 
     from .lmdeploy import DistServeStatus
 

@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import Literal, NamedTuple, TypedDict
 
-from pdproxy import background
+from pdproxy import _background
 from pdproxy._pdproxy import DistServeCore
 
 from . import ApiKeyOf
@@ -60,10 +60,10 @@ class SessionLedger:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._task = background.start(self._sweep(), "pdproxy-pd-ledger")
+        self._task = _background.start(self._sweep(), "pdproxy-pd-ledger")
 
     async def aclose(self) -> None:
-        await background.stop(self._task)
+        await _background.stop(self._task)
         # Shutting down: what is still preserved is freed now, not left to leak.
         await self._free_all([entry for entry, _, _ in self._core.preserved()], "shutdown")
         if self._journal is not None:

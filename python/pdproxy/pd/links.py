@@ -29,9 +29,9 @@ from typing import TypedDict
 
 import aiohttp
 
+from pdproxy._json_types import JsonObject, JsonValue, loads
 from pdproxy.errors import HandshakeError, LinkFailed
-from pdproxy.json_types import JsonObject, JsonValue, loads
-from pdproxy.tls import node_session
+from pdproxy.fleet.tls import node_session
 
 log = logging.getLogger("pdproxy.pd")
 

@@ -20,10 +20,10 @@ from typing import TypedDict
 
 from pdproxy import _pdproxy
 from pdproxy._pdproxy import LinkDone
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 from pdproxy.errors import LinkFailed
-from pdproxy.group import alive
 from pdproxy.router import Router
+from pdproxy.server.group import alive
 
 from . import ApiKeyOf
 from .ledger import LedgerStatus, SessionLedger

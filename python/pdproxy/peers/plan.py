@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdproxy.cli import options_of
-from pdproxy.config import Settings
+from pdproxy.config.settings import Settings
 
 __all__ = ["Plan", "Refused", "Worker"]
 

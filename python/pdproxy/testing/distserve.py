@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TypedDict
 
-from pdproxy.json_types import JsonObject, JsonValue
+from pdproxy._json_types import JsonObject, JsonValue
 
 #: LMDeploy's integer enums (they start at 1): MigrationProtocol, RDMALinkType, the status.
 PROTOCOLS = {1: "TCP", 2: "RDMA", 3: "NVLINK"}

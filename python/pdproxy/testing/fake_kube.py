@@ -36,7 +36,7 @@ from typing import Literal, TypeVar
 
 from aiohttp import web
 
-from pdproxy.json_types import JsonObject, JsonValue, loads
+from pdproxy._json_types import JsonObject, JsonValue, loads
 
 __all__ = ["FakeKubeApi"]
 

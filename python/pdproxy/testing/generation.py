@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import random
 
-from pdproxy.json_types import JsonObject, JsonValue
+from pdproxy._json_types import JsonObject, JsonValue
 
 _WORDS = tuple(
     "the quick brown fox jumps over a lazy dog while seven bright stars watch from far away and every "

@@ -25,7 +25,7 @@ from typing import NoReturn, NotRequired, TypedDict
 import aiohttp
 from aiohttp import web
 
-from pdproxy.json_types import JsonObject, JsonValue, loads
+from pdproxy._json_types import JsonObject, JsonValue, loads
 from pdproxy.kv_events.wire import DIALECTS as KV_EVENT_DIALECTS
 
 from . import distserve, engine_metrics, vllm_fields

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 
-from pdproxy.json_types import JsonObject
+from pdproxy._json_types import JsonObject
 
 from .generation import completion_prompt, content_texts
 

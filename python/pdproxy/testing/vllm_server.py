@@ -16,7 +16,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdproxy.ports import free_port
+from pdproxy.testing.ports import free_port
 
 __all__ = ["BLOCK_TOKENS", "MAX_MODEL_LEN", "MODEL", "VllmServer", "metric", "start_vllm", "wait_ready"]
 

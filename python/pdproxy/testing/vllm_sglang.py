@@ -16,7 +16,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TypedDict
 
-from pdproxy.json_types import JsonObject, JsonValue
+from pdproxy._json_types import JsonObject, JsonValue
 
 #: Fields a decode needs to take vLLM's remote path.
 VLLM_REQUIRED = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")

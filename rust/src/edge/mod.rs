@@ -47,7 +47,7 @@ use crate::observe::access::{AccessLog, Format, Record};
 use crate::tenants::Tenant;
 
 /// Inference endpoints, routed by the body's model; other POSTs under `/v1/` are served too
-/// when their body names a model (as `pdproxy/app.py` routes them).
+/// when their body names a model (as `pdproxy/server/app.py` routes them).
 pub(crate) const INFERENCE_PATHS: [&str; 7] = [
     "/v1/chat/completions",
     "/v1/completions",

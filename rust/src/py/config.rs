@@ -1,5 +1,5 @@
 //! The router's settings, read from the Python `Settings` object by attribute. Every
-//! default lives in `pdproxy/config.py`; nothing here declares one.
+//! default lives in `pdproxy/config/settings.py`; nothing here declares one.
 
 use std::time::Duration;
 

@@ -1,5 +1,5 @@
 //! A node's record between the two planes: read by attribute from the control plane's
-//! `NodeRecord` (`pdproxy/node_record.py`), and shown back as a dict. What a node is lives in
+//! `NodeRecord` (`pdproxy/fleet/node_record.py`), and shown back as a dict. What a node is lives in
 //! `node::NodeSpec`; this file only carries it across.
 
 use std::collections::BTreeMap;
@@ -12,7 +12,7 @@ use crate::error::{Error, Kind};
 use crate::node::registry::{check_api_key, check_speed};
 use crate::node::{Node, NodeSpec, NodeUrl, Role};
 
-/// The attributes of `pdproxy.node_record.NodeRecord`, as the data plane takes them.
+/// The attributes of `pdproxy.fleet.node_record.NodeRecord`, as the data plane takes them.
 #[derive(FromPyObject)]
 pub(crate) struct NodeRecord {
     pub(crate) url: String,

@@ -13,7 +13,7 @@ use crate::tenants::{Limit, Limited, Limits, Tenant, TenantPass, TenantSpec};
 pyo3::import_exception!(pdproxy.errors, RateLimited);
 pyo3::import_exception!(pdproxy.errors, QuotaExceeded);
 
-/// One entry of the tenants file, as `pdproxy/tenants.py` reads it.
+/// One entry of the tenants file, as `pdproxy/server/tenants.py` reads it.
 #[derive(FromPyObject)]
 #[pyo3(from_item_all)]
 pub(crate) struct TenantEntry {

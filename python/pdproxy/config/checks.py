@@ -1,0 +1,70 @@
+"""The checks of a ``Settings`` that need the rest of pdproxy: routing policies the data plane
+knows, the worker group's size (the shared table's), the shared registry's URL, the tenants
+file, each configured node (its form, and the node rules where its host is an address), and the
+tracing settings left to the ``OTEL_*`` environment. ``checked`` runs them before
+anything is served (the CLI, and every ``Router``), so that ``settings`` stays a leaf."""
+
+from __future__ import annotations
+
+import os
+
+from pdproxy import _pdproxy
+from pdproxy.config.settings import Settings
+from pdproxy.errors import ConfigError, InvalidNode
+from pdproxy.fleet.membership import check_url as check_registry_url
+from pdproxy.fleet.node_record import configured_nodes
+from pdproxy.fleet.node_sources import check as check_node_sources
+from pdproxy.fleet.urls import check_address_node, parse_networks
+from pdproxy.observability.tracing import otel_settings
+from pdproxy.server.group import MAX_WORKERS
+from pdproxy.server.tenants import load as load_tenants
+
+__all__ = ["checked"]
+
+
+def checked(settings: Settings) -> Settings:
+    """``settings`` with the tracing settings the environment fills; raises ``ConfigError``
+    naming the first setting pdproxy cannot use."""
+    if settings.workers > MAX_WORKERS:
+        raise ConfigError(f"--workers is at most {MAX_WORKERS}, got {settings.workers}")
+    if settings.edge == "rust" and settings.workers != 1:
+        raise ConfigError("--workers is for --edge granian; the Rust edge uses every core in one process")
+    _check_policies(settings)
+    if settings.metrics_port and settings.metrics_port == settings.port:
+        raise ConfigError(f"--metrics-port {settings.port} is the serving port, where /metrics is served anyway")
+    if settings.registry:
+        check_registry_url(settings.registry)
+    if settings.tenants_file:
+        load_tenants(settings.tenants_file)  # a bad file stops the start, naming its problem
+    _check_configured_nodes(settings)
+    check_node_sources(settings)  # selectors, names, the Kubernetes configuration
+    filled = otel_settings(settings, os.environ)
+    return settings.replace(**filled) if filled else settings
+
+
+def _check_configured_nodes(settings: Settings) -> None:
+    """Each node of the settings parses and, when its host is an address, is one the node rules
+    allow: a refused node stops the start rather than leaving the proxy serving without it."""
+    allowed = parse_networks(settings.allow_node_cidrs)
+    for record in configured_nodes(settings):
+        try:
+            check_address_node(record.url, allowed)
+        except InvalidNode as e:
+            raise ConfigError(f"--node: {e.message}") from None
+
+
+def _check_policies(settings: Settings) -> None:
+    """Names the data plane knows (its list: `_pdproxy.POLICY_NAMES`), for every role and model."""
+    known = _pdproxy.POLICY_NAMES
+    named = [("policy", settings.policy), ("prefill_policy", settings.prefill_policy or settings.policy)]
+    named.append(("decode_policy", settings.decode_policy or settings.policy))
+    for entry in settings.model_policies:
+        model, _, name = entry.partition("=")  # its form is the setting's own check
+        named.append((f"model policy for {model.strip()}", name))
+    for what, name in named:
+        # `scored:prefix=2,queue=0.5` names the policy and its weights (the data plane checks those).
+        base, weighted, _ = name.strip().partition(":")
+        if base not in known:
+            raise ConfigError(f"unknown routing policy {name!r} ({what}); known: {', '.join(known)}")
+        if weighted and base != "scored":
+            raise ConfigError(f"routing policy {name!r} ({what}): only scored takes weights (scored:queue=0.5)")

@@ -1,0 +1,1237 @@
+"""Settings: every default of pdproxy lives here.
+
+The settings are pydantic models grouped by concern (server, shared registry, routing, limits,
+timeouts, health, PD, security, tenants, observability), each validator beside its field; ``Settings`` is all of
+them in one flat object, which the Rust data plane reads by attribute (it declares no defaults
+of its own). The CLI (`pdproxy serve`), the environment (``PDPROXY_<FIELD>``), a TOML file
+(``--config``) and the embedded ``Router`` all read these fields; precedence is CLI >
+environment > file > the defaults below. A bad value is refused with one line naming the
+setting (``ConfigError``).
+
+This module depends on nothing else in pdproxy but its error class. Checks that need the rest
+(routing policies the data plane knows, the registry's URL, the tenants file, each node, the
+``OTEL_*`` environment) are ``checks.checked``, run before anything is served.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import ipaddress
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, ClassVar, TypeVar
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticCustomError
+
+from pdproxy.errors import ConfigError
+
+__all__ = ["ENV_PREFIX", "GROUPS", "LOG_LEVELS", "Settings", "defaults", "load_toml", "setting_flag", "setting_kind"]
+
+ENV_PREFIX = "PDPROXY_"
+#: Settings that hold key material: never printed or logged.
+SECRET_FIELDS = ("api_keys", "admin_keys", "otlp_headers", "node_api_key")
+
+#: Log levels by every name LMDeploy's `--log-level` takes, as pdproxy (and granian) name them.
+LOG_LEVELS = {
+    "critical": "critical",
+    "fatal": "critical",
+    "error": "error",
+    "warning": "warning",
+    "warn": "warning",
+    "info": "info",
+    "request": "debug",  # LMDeploy's level between DEBUG and INFO
+    "debug": "debug",
+    "notset": "debug",
+}
+#: LMDeploy's DistServe transport choices (`lmdeploy serve proxy --migration-protocol/--link-type`).
+MIGRATION_PROTOCOLS = ("RDMA", "NVLINK")
+LINK_TYPES = ("RoCE", "IB")
+#: `--help` shows routing, limits and timeouts together.
+ROUTING_TITLE = "Routing, limits and timeouts"
+#: The error type of a refusal whose message already names the setting.
+REFUSED = "setting"
+
+Default = TypeVar("Default")
+
+
+def _refuse(message: str, **context: object) -> PydanticCustomError:
+    """A refusal whose ``message`` (``str.format``-ed with ``context``) names the setting."""
+    return PydanticCustomError(REFUSED, message.format(**context))
+
+
+def _setting(
+    default: Default,
+    help: str,
+    *,
+    flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+    env_aliases: tuple[str, ...] = (),
+    shown_default: str | None = None,
+) -> Default:
+    """A setting's default, help text and CLI spelling (``aliases``: LMDeploy's spellings, so
+    existing launch scripts keep working; ``env_aliases``: environment variables read after
+    ``PDPROXY_<NAME>``, such as LMDeploy's; ``shown_default``: what ``--help`` shows for a
+    default that marks "unset", "" for nothing). Typed as its default (pydantic's ``Field`` is
+    typed ``Any`` for the same reason: pydantic reads the field from it), so that mypy checks
+    each default against its setting's type."""
+    extra = {"flag": flag, "aliases": list(aliases), "env_aliases": list(env_aliases), "shown_default": shown_default}
+    field: Default = Field(default, description=help, json_schema_extra=extra)  # type: ignore[arg-type]
+    return field
+
+
+# Value types whose checks name the setting (``info.field_name``).
+def _positive_seconds(value: float, info: ValidationInfo) -> float:
+    if not value > 0:
+        raise _refuse("{name} must be a positive number of seconds, got {value}", name=info.field_name, value=value)
+    return value
+
+
+def _not_negative(value: float, info: ValidationInfo) -> float:
+    if value < 0:
+        raise _refuse("{name} must not be negative, got {value}", name=info.field_name, value=value)
+    return value
+
+
+def _at_least_one(value: int, info: ValidationInfo) -> int:
+    if value < 1:
+        raise _refuse("{name} must be at least 1, got {value}", name=info.field_name, value=value)
+    return value
+
+
+def _weight(value: float, info: ValidationInfo) -> float:
+    if not 0 <= value < float("inf"):
+        raise _refuse("{name} must be a non-negative number, got {value}", name=info.field_name, value=value)
+    return value
+
+
+def _positive(value: float, info: ValidationInfo) -> float:
+    if not 0 < value < float("inf"):
+        raise _refuse("{name} must be a positive number, got {value}", name=info.field_name, value=value)
+    return value
+
+
+def _share(value: float, info: ValidationInfo) -> float:
+    if not 0 <= value <= 1:
+        raise _refuse("{name} must be between 0 and 1, got {value}", name=info.field_name, value=value)
+    return value
+
+
+def _several(value: object) -> object:
+    """One text is one value (``nodes="http://a:1"``); a list is a tuple."""
+    return (value,) if isinstance(value, str) else tuple(value) if isinstance(value, list) else value
+
+
+Seconds = Annotated[float, AfterValidator(_positive_seconds)]
+NotNegativeSeconds = Annotated[float, AfterValidator(_not_negative)]
+AtLeastOne = Annotated[int, AfterValidator(_at_least_one)]
+NotNegative = Annotated[int, AfterValidator(_not_negative)]
+Share = Annotated[float, AfterValidator(_share)]
+Weight = Annotated[float, AfterValidator(_weight)]
+PositiveNumber = Annotated[float, AfterValidator(_positive)]
+Several = Annotated[tuple[str, ...], BeforeValidator(_several)]
+
+
+class SettingsGroup(BaseModel):
+    """A group of settings (``pdproxy serve --help`` shows each under its ``title``)."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+    title: ClassVar[str] = ""
+
+
+class ServerSettings(SettingsGroup):
+    """Who serves the public address, and how the process lives."""
+
+    title: ClassVar[str] = "Serving"
+
+    host: str = _setting(
+        "127.0.0.1",
+        "Address to listen on.",
+        aliases=("--server-name",),
+    )
+    port: int = _setting(
+        8000,
+        "Port to listen on.",
+        aliases=("--server-port",),
+    )
+    demo: bool = _setting(
+        False,
+        "Start two built-in mock engines and route to them (try pdproxy without GPUs).",
+    )
+    demo_model: str = _setting(
+        "pdproxy-demo",
+        "Model name served by the demo mock engines.",
+    )
+    edge: str = _setting(
+        "rust",
+        (
+            "Who serves the public address: rust (the data plane's HTTP server answers inference requests with no"
+            " Python per request, and hands everything else to the control plane) or granian (the Python ASGI app"
+            " serves everything, in --workers processes)."
+        ),
+    )
+    edge_threads: NotNegative = _setting(
+        0,
+        "Threads of the Rust edge, which serve every request and the upstream connections (0: one per core).",
+    )
+    workers: AtLeastOne = _setting(
+        1,
+        (
+            "With --edge granian: granian worker processes. With more than one they share one node table: "
+            "membership, health and in-flight counts (so max_concurrency holds across all of them) live in shared"
+            " memory, and one worker, the leader, runs the health checks. The Rust edge uses every core in one "
+            "process (--edge-threads)."
+        ),
+    )
+    log_level: str = _setting(
+        "info",
+        "Log level: debug, info, warning, error, critical (LMDeploy's names too, any case).",
+    )
+    drain_timeout: Seconds = _setting(
+        30.0,
+        "Seconds a drain (POST /drain, SIGTERM) waits for requests in flight before exiting.",
+    )
+    state_file: str = _setting(
+        "",
+        "JSON file where registered nodes are saved and reloaded at start (empty: off).",
+    )
+    disable_cache_status: bool = _setting(
+        False,
+        "Start without the nodes saved in --state-file (as LMDeploy's flag: forget the previous run's nodes).",
+    )
+
+    @model_validator(mode="after")
+    def _one_edge(self) -> ServerSettings:
+        if self.edge not in ("rust", "granian"):
+            raise _refuse("edge must be rust or granian, got {value!r}", value=self.edge)
+        if not 0 < self.port < 65536 and self.port != 0:
+            raise _refuse("port must be between 1 and 65535, got {value}", value=self.port)
+        level = LOG_LEVELS.get(self.log_level.lower())
+        if level is None:
+            raise _refuse(
+                "log_level must be one of {names} (any case); got {value!r}",
+                names=", ".join(LOG_LEVELS),
+                value=self.log_level,
+            )
+        object.__setattr__(self, "log_level", level)  # frozen; still its construction
+        return self
+
+
+class RegistrySettings(SettingsGroup):
+    """Node membership shared with other replicas through Redis."""
+
+    title: ClassVar[str] = "Shared membership (--registry)"
+
+    registry: str = _setting(
+        "",
+        (
+            "Share node membership with other pdproxy replicas through Redis (redis://HOST:PORT/DB): a node "
+            "registered on one is routed to by all; leases expire in Redis. Each replica keeps its own health "
+            "view and in-flight counts. Empty: membership is this proxy's own."
+        ),
+    )
+    registry_namespace: str = _setting(
+        "pdproxy",
+        "Prefix of every Redis key and channel pdproxy uses (replicas that share nodes use the same one).",
+    )
+    registry_timeout: Seconds = _setting(
+        2.0,
+        "Seconds a call to Redis may take before the registry counts as unavailable.",
+    )
+    registry_reconcile_interval: Seconds = _setting(
+        1.0,
+        "Seconds between two full reads of the membership (a missed notice or an expired lease is seen by then).",
+    )
+    registry_max_backoff: Seconds = _setting(
+        5.0,
+        "Longest wait between two attempts to reach Redis again.",
+    )
+
+    @field_validator("registry_namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        if not value:
+            raise _refuse("registry_namespace must not be empty")
+        return value
+
+
+class DiscoverySettings(SettingsGroup):
+    """Nodes found where fleets run: Kubernetes pods by label selector, DNS names."""
+
+    title: ClassVar[str] = "Finding nodes (Kubernetes, DNS)"
+
+    k8s_selector: str = _setting(
+        "",
+        (
+            "Route to the Kubernetes pods this label selector matches (e.g. app=vllm): a pod is a node while it "
+            "is Running, Ready, not terminating and has an IP. Empty: no Kubernetes discovery."
+        ),
+    )
+    k8s_prefill_selector: str = _setting(
+        "",
+        "DistServe: pods this selector matches are prefill nodes (Kubernetes discovery without --k8s-selector too).",
+    )
+    k8s_decode_selector: str = _setting(
+        "",
+        "DistServe: pods this selector matches are decode nodes.",
+    )
+    k8s_namespace: str = _setting(
+        "",
+        "Namespace to watch. Empty: the proxy's own in a cluster, else the kubeconfig context's, else default.",
+    )
+    k8s_port: str = _setting(
+        "",
+        (
+            "The pods' port: a number, or the name of a container port. Empty: the pdproxy.io/port annotation, "
+            "else the container port named http, else the pod's only container port."
+        ),
+    )
+    k8s_kubeconfig: str = _setting(
+        "",
+        "Kubeconfig file, to run outside the cluster. Empty: in-cluster config, else $KUBECONFIG or ~/.kube/config.",
+    )
+    k8s_context: str = _setting(
+        "",
+        "Kubeconfig context to use. Empty: its current context.",
+    )
+    k8s_relist_interval: Seconds = _setting(
+        60.0,
+        "Seconds between two full lists of the pods, which repair anything a watch missed.",
+    )
+    k8s_timeout: Seconds = _setting(
+        10.0,
+        "Seconds a call to the Kubernetes API may take (a list, the start of a watch).",
+    )
+    k8s_max_backoff: Seconds = _setting(
+        30.0,
+        "Longest wait between two attempts to reach the Kubernetes API again.",
+    )
+    node_dns: Several = _setting(
+        (),
+        (
+            "Nodes behind a DNS name, re-resolved every --dns-interval: NAME:PORT for its A/AAAA records (a "
+            "headless Service, a round-robin name), or srv:NAME for its SRV records (ports included); then "
+            "optional ,key=value node attributes as --node takes them, e.g. prefill.vllm.svc:8000,role=prefill. "
+            "Repeat for several."
+        ),
+    )
+    dns_interval: Seconds = _setting(
+        5.0,
+        "Seconds between two resolutions of each --node-dns name.",
+    )
+    dns_timeout: Seconds = _setting(
+        2.0,
+        "Seconds a resolution may take before it counts as failed (the last answer is kept).",
+    )
+    dns_server: str = _setting(
+        "",
+        "DNS server to ask (HOST or HOST:PORT). Empty: the system's, from /etc/resolv.conf.",
+    )
+
+
+class RoutingSettings(SettingsGroup):
+    """Which node serves a request, and what happens when one fails."""
+
+    title: ClassVar[str] = ROUTING_TITLE
+
+    nodes: Several = _setting(
+        (),
+        (
+            "An inference server (LMDeploy, vLLM, SGLang api_server): its URL, then optional ,key=value node "
+            "attributes: role (hybrid, prefill, decode), model (repeatable), speed, max_concurrency, api_key, "
+            "bootstrap_port, lease_ttl, labels.NAME=VALUE (repeatable). Repeat for several; in the environment, "
+            "separated by spaces; in TOML, strings or tables. Example: http://10.0.0.2:30000,role=prefill,model=qwen"
+        ),
+        flag="--node",
+    )
+    policy: str = _setting(
+        "scored",
+        (
+            "Routing policy of every role (hybrid, and prefill and decode unless their own is given): "
+            "min_expected_latency (LMDeploy's default), random, min_observed_latency, "
+            "min_observed_latency_per_token, min_cache_usage (LMDeploy's), round_robin, least_requests, "
+            "consistent_hash, prefix, least_engine_load, scored (or scored:prefix=N,queue=N,hidden=N,reported=N)."
+        ),
+        aliases=("--routing-strategy",),
+    )
+    prefill_policy: str = _setting(
+        "",
+        "Routing policy for prefill nodes (empty: --policy).",
+    )
+    decode_policy: str = _setting(
+        "",
+        "Routing policy for decode nodes (empty: --policy).",
+    )
+    model_policies: Several = _setting(
+        (),
+        "MODEL=POLICY: a routing policy for one model; repeat for several.",
+        flag="--model-policy",
+    )
+    hash_load_factor: float = _setting(
+        1.25,
+        "consistent_hash: a node keeps a key while its in-flight count is below this times the average.",
+    )
+    prefix_block_bytes: AtLeastOne = _setting(
+        256,
+        "prefix: prompt bytes per cached block.",
+    )
+    prefix_max_blocks: AtLeastOne = _setting(
+        1024,
+        "prefix, scored: blocks of a prompt considered (its head; 1024 blocks of 256 bytes cover about 64k tokens).",
+    )
+    prefix_cache_entries: AtLeastOne = _setting(
+        65536,
+        "prefix: prefix-to-node entries remembered.",
+    )
+    prefix_balance_threshold: NotNegative = _setting(
+        8,
+        "prefix: leave a prefix's node when it has this many more requests than the least busy one.",
+    )
+    prefix_bytes_per_token: PositiveNumber = _setting(
+        4.0,
+        (
+            "scored: prompt bytes per engine token, to size a node's share of the prefix table from the KV "
+            "capacity its engine reports."
+        ),
+    )
+    score_prefix_weight: Weight = _setting(
+        2.0,
+        (
+            "scored: times a request's own prefill (in seconds, at that engine's learnt rate) counts for each "
+            "request whose first token it delays there: the next to come, and those queued or prefilling."
+        ),
+    )
+    score_queue_weight: Weight = _setting(
+        1.0,
+        (
+            "scored: times the waits ahead of a request count in a node's cost: for a place in its engine's "
+            "batch, and for the prefill owed to the requests sent there before."
+        ),
+    )
+    score_hidden_weight: Weight = _setting(
+        0.0,
+        (
+            "scored: times a node's recent lateness counts in its cost: how much later than priced its first "
+            "tokens came, the work there others sent (other replicas, traffic that bypasses pdproxy)."
+        ),
+    )
+    retries: NotNegative = _setting(
+        2,
+        (
+            "Further nodes a request may try when one provably did not run it (connect failure, or a 429/503 "
+            "answer before any byte); never after a node started work."
+        ),
+    )
+    retry_budget_ratio: Share = _setting(
+        0.2,
+        "Retries may add at most this share of recent requests (plus the floor).",
+    )
+    retry_budget_floor: NotNegative = _setting(
+        10,
+        "Retries always allowed per 10 s, whatever the traffic.",
+    )
+    circuit_failures: NotNegative = _setting(
+        5,
+        "Consecutive failures that open a node's circuit (no traffic until a probe succeeds); 0: off.",
+    )
+    circuit_cooldown: Seconds = _setting(
+        10.0,
+        "Seconds an open circuit keeps traffic away before one request probes the node.",
+    )
+
+    @field_validator("model_policies")
+    @classmethod
+    def _model_policy_form(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for entry in value:
+            model, sep, _ = entry.partition("=")
+            if not sep or not model.strip():
+                raise _refuse("model policy {entry!r} must read MODEL=POLICY", entry=entry)
+        return value
+
+    @field_validator("hash_load_factor")
+    @classmethod
+    def _load_factor(cls, value: float) -> float:
+        if not value >= 1:
+            raise _refuse("hash_load_factor must be at least 1, got {value}", value=value)
+        return value
+
+
+class LimitsSettings(SettingsGroup):
+    """How much the proxy takes on: requests, bodies, buffers, connections."""
+
+    title: ClassVar[str] = ROUTING_TITLE
+
+    queue_size: NotNegative = _setting(
+        256,
+        "Requests that may wait when every node is at its limit (0: refuse at once with 429).",
+    )
+    max_requests: NotNegative = _setting(
+        4096,
+        (
+            "Inference requests served at once by this proxy; past it 503 with Retry-After (0: no cap). With each"
+            " stream's buffers bounded by --stream-buffer-limit, this bounds the proxy's memory."
+        ),
+    )
+    max_body_size: AtLeastOne = _setting(
+        8 << 20,
+        "Largest request body accepted, in bytes (checked while it is read).",
+    )
+    max_n: AtLeastOne = _setting(
+        128,
+        (
+            "Largest n (and best_of) a request may ask for; more is refused with 400 (OpenAI's own ceiling;"
+            " SGLang's disaggregation sends one bootstrap entry per choice)."
+        ),
+    )
+    max_connections: NotNegative = _setting(
+        0,
+        (
+            "Client connections the Rust edge keeps open at once; past it a new one is answered 503 and closed "
+            "at accept (0: half the open-file limit, less 64, which pdproxy raises to its hard limit at start)."
+        ),
+    )
+    answer_buffer_limit: AtLeastOne = _setting(
+        16 << 20,
+        (
+            "Largest node answer the proxy reads whole (a prefill's answer, an error body), in bytes; past it the"
+            " request fails with 502 and the node's connection is dropped."
+        ),
+    )
+    prefetch_limit: NotNegative = _setting(
+        1 << 20,
+        "Non-streaming responses up to this many bytes are read whole before forwarding.",
+    )
+    stream_buffer_limit: AtLeastOne = _setting(
+        1 << 20,
+        "Bytes of a stream kept for a client that reads slowly before the node's stream is held back.",
+    )
+    pool_max_idle_per_node: AtLeastOne = _setting(
+        256,
+        "Idle keep-alive connections kept per node.",
+    )
+    runtime_threads: AtLeastOne = _setting(
+        2,
+        "Threads of the data plane's I/O runtime.",
+    )
+
+
+class TimeoutSettings(SettingsGroup):
+    """How long each step may take."""
+
+    title: ClassVar[str] = ROUTING_TITLE
+
+    queue_timeout: Seconds = _setting(
+        30.0,
+        "Seconds a request may wait in the queue before 429.",
+    )
+    connect_timeout: Seconds = _setting(
+        2.0,
+        "Seconds to connect to a node.",
+    )
+    first_byte_timeout: Seconds = _setting(
+        300.0,
+        "Seconds from sending a request to a node until its response head (covers long prefills).",
+    )
+    pool_idle_timeout: Seconds = _setting(
+        4.0,
+        (
+            "Seconds an idle keep-alive connection to a node is kept: below the nodes' own keep-alive (uvicorn's"
+            " 5 s, which vLLM, SGLang and LMDeploy serve with), so a node never closes one as it is reused."
+        ),
+    )
+    request_timeout: NotNegativeSeconds = _setting(
+        0.0,
+        "Seconds a whole request may take, queueing and streaming included (0: no limit).",
+    )
+    stream_idle_timeout: Seconds = _setting(
+        120.0,
+        "Seconds a streaming response may stay silent before it is cut off.",
+    )
+    answer_timeout: Seconds = _setting(
+        60.0,
+        (
+            "Seconds from a node's answer head to the end of its body, for answers that are not event streams and"
+            " for every answer read whole (a node that drips one is cut off: 502)."
+        ),
+    )
+    body_timeout: Seconds = _setting(
+        30.0,
+        "Seconds a client may take to send its request body (then 408).",
+    )
+    header_read_timeout: Seconds = _setting(
+        10.0,
+        "Seconds a client may take to send a request's headers (Rust edge; then the connection closes).",
+    )
+    stream_stall_timeout: Seconds = _setting(
+        60.0,
+        "Seconds a client may stop reading a stream before it is cut off and the node freed.",
+    )
+    admin_timeout: Seconds = _setting(
+        5.0,
+        "Seconds for calls the management API makes to a node (/terminate).",
+    )
+    discovery_timeout: Seconds = _setting(
+        2.0,
+        "Seconds to wait for a node's /v1/models when discovering its models.",
+    )
+    node_tcp_keepalive: Seconds = _setting(
+        60.0,
+        "Seconds of silence on a connection to a node before TCP keep-alive probes check it is still there.",
+    )
+    discovery_interval: Seconds = _setting(
+        5.0,
+        "Seconds between retries of model discovery for nodes that have not answered yet.",
+    )
+
+
+class HealthSettings(SettingsGroup):
+    """Active health checks of the nodes."""
+
+    title: ClassVar[str] = "Health checks"
+
+    health_interval: Seconds = _setting(
+        5.0,
+        "Seconds between health checks of each node.",
+    )
+    health_timeout: Seconds = _setting(
+        2.0,
+        "Seconds a node's /health may take.",
+    )
+    health_fall: AtLeastOne = _setting(
+        3,
+        "Consecutive failed checks that mark a node unhealthy.",
+    )
+    health_rise: AtLeastOne = _setting(
+        2,
+        "Consecutive good checks that bring an unhealthy node back.",
+    )
+    health_remove_after: NotNegativeSeconds = _setting(
+        0.0,
+        "Remove a node unhealthy for this many seconds (0: never remove).",
+    )
+
+
+class EngineMetricsSettings(SettingsGroup):
+    """Readings of each engine's own /metrics, which the load-aware policies route by."""
+
+    title: ClassVar[str] = "Engine metrics (each node's /metrics)"
+
+    engine_metrics_interval: NotNegativeSeconds = _setting(
+        2.0,
+        (
+            "Seconds between readings of each node's /metrics (running and waiting requests, KV-cache usage "
+            "and prefix-cache hits, in vLLM's, SGLang's or LMDeploy's names), at most 0.5 while an engine "
+            "reports requests waiting; 0: never read them."
+        ),
+    )
+    engine_metrics_timeout: Seconds = _setting(
+        1.0,
+        "Seconds a node's /metrics may take.",
+    )
+    engine_metrics_max_age: Seconds = _setting(
+        10.0,
+        "Seconds after which a node's engine figures are too old to route by.",
+    )
+    engine_metrics_concurrency: AtLeastOne = _setting(
+        16,
+        "Nodes whose /metrics are read at once.",
+    )
+    engine_metrics_max_bytes: AtLeastOne = _setting(
+        4 << 20,
+        "Largest /metrics answer read from a node, in bytes (at least 1024).",
+    )
+
+    @field_validator("engine_metrics_max_bytes")
+    @classmethod
+    def _metrics_size(cls, value: int) -> int:
+        if value < 1024:
+            raise _refuse("engine_metrics_max_bytes must be at least 1024, got {value}", value=value)
+        return value
+
+
+class KvEventsSettings(SettingsGroup):
+    """The engines' own KV-cache events, which make cache-aware routing exact (``kv_events``)."""
+
+    title: ClassVar[str] = "KV events (vLLM's and SGLang's KV-cache events)"
+
+    kv_events: str = _setting(
+        "",
+        (
+            "Where each node's engine publishes its KV-cache events (ZMQ): a template of the node's host, "
+            "e.g. tcp://{host}:5557 for vLLM's --kv-events-config endpoint tcp://*:5557; 'auto': where its "
+            "/server_info says (SGLang); empty: not followed (the prefix table alone)."
+        ),
+    )
+    kv_events_replay: str = _setting(
+        "",
+        "The engines' replay endpoint, as --kv-events (e.g. tcp://{host}:5558): missed events are asked there.",
+    )
+    kv_events_ranks: AtLeastOne = _setting(
+        1,
+        "Data-parallel ranks of each engine, each publishing one port after the one before.",
+    )
+    kv_events_topic: str = _setting("", "The topic the engines publish their events under.")
+    kv_tokenizer: str = _setting(
+        "",
+        (
+            "The served model's tokenizer.json (or its directory), to read the events' token ids; "
+            "'mock': the mock engine's (pdproxy mock-engine --simulate --kv-events)."
+        ),
+    )
+    kv_chat_template: str = _setting(
+        "role-tags",
+        (
+            "How the engines render chat messages: role-tags (<|role|>content<|end|>, then <|assistant|>), "
+            "chatml (<|im_start|>role, content, <|im_end|>), or a JSON list of five strings: "
+            "[start, before-role, after-role, end, generation]."
+        ),
+    )
+    kv_index_max_blocks: AtLeastOne = _setting(
+        1_000_000,
+        "KV blocks the index keeps at most, all nodes together (about 120 bytes each).",
+    )
+
+    @model_validator(mode="after")
+    def _kv_events(self) -> KvEventsSettings:
+        if self.kv_events and not self.kv_tokenizer:
+            raise _refuse("--kv-events needs --kv-tokenizer: the events carry token ids")
+        if self.kv_events and self.kv_events != "auto" and not self.kv_events.startswith(("tcp://", "ipc://")):
+            raise _refuse(
+                "kv_events must be a tcp:// or ipc:// endpoint template, or auto, got {value}", value=self.kv_events
+            )
+        return self
+
+
+class PdSettings(SettingsGroup):
+    """Prefill/decode disaggregation."""
+
+    title: ClassVar[str] = "Prefill/decode disaggregation (--serving-strategy DistServe)"
+
+    serving_strategy: str = _setting(
+        "Hybrid",
+        (
+            "Hybrid: each request to one node. DistServe: prefill on a prefill node, decode on a decode node, the"
+            " KV cache migrated between them (LMDeploy's protocol)."
+        ),
+    )
+    pd_protocol: str = _setting(
+        "lmdeploy",
+        (
+            "Disaggregation protocol with DistServe: lmdeploy (DistServe: migration handle, link pool), vllm "
+            "(kv_transfer_params, NixlConnector) or sglang (bootstrap rendezvous, both legs at once)."
+        ),
+    )
+    dummy_prefill: bool = _setting(
+        False,
+        "DistServe without prefill nodes, to benchmark decode (as LMDeploy).",
+    )
+    migration_protocol: str = _setting(
+        "RDMA",
+        "DistServe (lmdeploy): how the engines move KV between them, as LMDeploy's proxy: RDMA or NVLINK.",
+    )
+    link_type: str = _setting(
+        "RoCE",
+        "DistServe (lmdeploy): the RDMA link type, as LMDeploy's proxy: RoCE or IB.",
+    )
+    disable_gdr: bool = _setting(
+        False,
+        "DistServe (lmdeploy): move KV through host memory instead of GPU-direct RDMA (as LMDeploy's flag).",
+    )
+    pd_link_timeout: Seconds = _setting(
+        10.0,
+        "Seconds for each call of a link handshake.",
+    )
+    pd_link_attempts: AtLeastOne = _setting(
+        3,
+        "Handshake attempts per link before it fails.",
+    )
+    pd_link_backoff: Seconds = _setting(
+        0.5,
+        "Seconds before the first handshake retry (doubling).",
+    )
+    pd_link_wait_timeout: Seconds = _setting(
+        30.0,
+        "Seconds a request waits for its link to connect.",
+    )
+    pd_session_ttl: Seconds = _setting(
+        600.0,
+        "Seconds after which a preserved prefill session is freed if decode never took it.",
+    )
+    pd_free_timeout: Seconds = _setting(
+        5.0,
+        "Seconds for each /distserve/free_cache call.",
+    )
+    pd_free_attempts: AtLeastOne = _setting(
+        3,
+        "Attempts to free a preserved session.",
+    )
+    pd_warmup_concurrency: AtLeastOne = _setting(
+        8,
+        "Handshakes run at once by /distserve/connection_warmup.",
+    )
+
+    @field_validator("serving_strategy")
+    @classmethod
+    def _strategy(cls, value: str) -> str:
+        if value not in ("Hybrid", "DistServe"):
+            raise _refuse("serving_strategy must be Hybrid or DistServe, got {value!r}", value=value)
+        return value
+
+    @field_validator("pd_protocol")
+    @classmethod
+    def _protocol(cls, value: str) -> str:
+        if value not in ("lmdeploy", "vllm", "sglang"):
+            raise _refuse("pd_protocol must be lmdeploy, vllm or sglang, got {value!r}", value=value)
+        return value
+
+    @field_validator("migration_protocol")
+    @classmethod
+    def _migration(cls, value: str) -> str:
+        if value.upper() not in MIGRATION_PROTOCOLS:
+            raise _refuse("migration_protocol must be RDMA or NVLINK, got {value!r}", value=value)
+        return value.upper()
+
+    @field_validator("link_type")
+    @classmethod
+    def _link(cls, value: str) -> str:
+        link_type = {t.lower(): t for t in LINK_TYPES}.get(value.lower())
+        if link_type is None:
+            raise _refuse("link_type must be RoCE or IB, got {value!r}", value=value)
+        return link_type
+
+
+class SecuritySettings(SettingsGroup):
+    """Keys, TLS, CORS and which nodes may be added."""
+
+    title: ClassVar[str] = "Keys, TLS and CORS"
+
+    api_keys: Several = _setting(
+        (),
+        (
+            "API key clients must send as `Authorization: Bearer KEY` for inference; repeat for several "
+            "(environment: separated by spaces). None: inference is open."
+        ),
+    )
+    admin_keys: Several = _setting(
+        (),
+        (
+            "Key for the management API (/nodes/*); repeat for several. When API keys are set and admin keys are "
+            "not, management requires an API key."
+        ),
+    )
+    api_keys_file: str = _setting(
+        "",
+        (
+            "File of API keys, one per line (# starts a comment), added to --api-keys: keys given on the command "
+            "line are visible to every user of the machine (ps)."
+        ),
+    )
+    admin_keys_file: str = _setting(
+        "",
+        "File of admin keys, one per line, added to --admin-keys.",
+    )
+    keyless_registration_cidrs: Several = _setting(
+        (),
+        (
+            "Networks (e.g. 10.0.0.0/8) whose hosts may POST /nodes/add without a key while keys guard "
+            "management, so that unchanged LMDeploy api_servers (which send none) can register; only for networks"
+            " you trust. Repeat for several."
+        ),
+        flag="--keyless-registration-from",
+    )
+    allow_node_cidrs: Several = _setting(
+        (),
+        ("Only nodes whose addresses fall in these networks may be added (e.g. 10.0.0.0/8); repeat for several."),
+        flag="--allow-node-cidr",
+    )
+    ssl: bool = _setting(
+        False,
+        (
+            "Serve HTTPS, as LMDeploy's --ssl: the certificate and key come from SSL_CERTFILE and SSL_KEYFILE "
+            "(LMDeploy's variables) or --ssl-certfile/--ssl-keyfile."
+        ),
+    )
+    ssl_certfile: str = _setting(
+        "",
+        "With --ssl: the server's certificate chain (PEM).",
+        env_aliases=("SSL_CERTFILE",),
+    )
+    ssl_keyfile: str = _setting(
+        "",
+        "With --ssl: the server's private key (PEM).",
+        env_aliases=("SSL_KEYFILE",),
+    )
+    node_ca_file: str = _setting(
+        "",
+        "CA certificates (PEM) that https:// nodes are verified against (empty: the system's roots).",
+    )
+    node_api_key: str = _setting(
+        "",
+        (
+            "Key sent as `Authorization: Bearer` to every node that has none of its own (--node without api_key=,"
+            " nodes found in Kubernetes or DNS, added by /add_worker or /nodes/add); the peers' --api-key."
+        ),
+    )
+    allow_origins: Several = _setting(
+        ("*",),
+        (
+            "CORS on the inference routes, as LMDeploy's api_server: origins browsers may call from (* for any); "
+            "several after one flag or repeated. Management routes never answer CORS."
+        ),
+    )
+    allow_credentials: bool = _setting(
+        False,
+        "CORS: allow credentials (needs explicit --allow-origins, never *).",
+    )
+    allow_methods: Several = _setting(
+        ("*",),
+        "CORS: methods browsers may use (* for any).",
+    )
+    allow_headers: Several = _setting(
+        ("*",),
+        "CORS: request headers browsers may send (* for any).",
+    )
+
+    @field_validator("allow_node_cidrs", "keyless_registration_cidrs")
+    @classmethod
+    def _networks(cls, value: tuple[str, ...], info: ValidationInfo) -> tuple[str, ...]:
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError as e:
+                why = str(e)
+                raise _refuse(
+                    "{name}: {cidr!r} is not a network ({why})", name=info.field_name, cidr=cidr, why=why
+                ) from None
+        return value
+
+    @model_validator(mode="after")
+    def _keys_and_tls(self) -> SecuritySettings:
+        for keys, path in (("api_keys", self.api_keys_file), ("admin_keys", self.admin_keys_file)):
+            if path:
+                given: tuple[str, ...] = getattr(self, keys)
+                extra = tuple(k for k in _read_keys(path) if k not in given)
+                object.__setattr__(self, keys, (*given, *extra))  # frozen; still its construction
+        if any(not key for key in (*self.api_keys, *self.admin_keys)):
+            raise _refuse("api_keys and admin_keys must not contain empty keys")
+        if self.ssl and not (self.ssl_certfile and self.ssl_keyfile):
+            raise _refuse(
+                "--ssl needs a certificate and its key: set SSL_CERTFILE and SSL_KEYFILE (as for LMDeploy) "
+                "or --ssl-certfile and --ssl-keyfile"
+            )
+        if self.allow_credentials and "*" in self.allow_origins:
+            raise _refuse("--allow-credentials needs the origins named in --allow-origins: never * with credentials")
+        return self
+
+
+class TenantSettings(SettingsGroup):
+    """Per-key limits, priorities and usage."""
+
+    title: ClassVar[str] = "Tenants: per-key limits, priorities and usage"
+
+    tenants_file: str = _setting(
+        "",
+        (
+            "TOML file of tenants: each one's API keys, limits (requests and tokens per minute, requests at once,"
+            " a daily token budget) and priority. Reloaded when it changes and on SIGHUP. With tenants, inference"
+            " needs a tenant's key or an API key."
+        ),
+    )
+    tenant_sync_interval: Seconds = _setting(
+        1.0,
+        (
+            "With --registry: seconds between two exchanges of tenant usage with the other replicas (a limit "
+            "holds across replicas within what they admit in one interval)."
+        ),
+    )
+
+
+class ObservabilitySettings(SettingsGroup):
+    """Access log and tracing."""
+
+    title: ClassVar[str] = "Metrics, access log and tracing (OpenTelemetry, OTLP/HTTP)"
+
+    metrics_port: NotNegative = _setting(
+        0,
+        (
+            "Also serve /metrics on this port, for scrapers kept apart from the traffic (the same key rules as "
+            "on the serving port). 0: only on the serving port."
+        ),
+        aliases=("--prometheus-port",),
+    )
+    metrics_host: str = _setting(
+        "",
+        "Address the --metrics-port listener binds. Empty: --host.",
+        aliases=("--prometheus-host",),
+    )
+    access_log: bool = _setting(
+        False,
+        "Write one line per inference request to stdout.",
+    )
+    access_log_format: str = _setting(
+        "text",
+        "Access log lines: text or json.",
+    )
+    otlp_endpoint: str = _setting(
+        "",
+        (
+            "Trace requests and export their spans over OTLP/HTTP (JSON) to this URL, e.g. "
+            "http://127.0.0.1:4318/v1/traces. Unset: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, or "
+            "OTEL_EXPORTER_OTLP_ENDPOINT plus /v1/traces; neither: requests are not traced (and the client's "
+            "traceparent reaches the node unchanged)."
+        ),
+    )
+    otlp_headers: Several = _setting(
+        (),
+        (
+            "NAME=VALUE header sent with every export (repeat for several). Unset: "
+            "OTEL_EXPORTER_OTLP_TRACES_HEADERS or OTEL_EXPORTER_OTLP_HEADERS."
+        ),
+        flag="--otlp-header",
+    )
+    service_name: str = _setting(
+        "",
+        "service.name of the spans. Unset: OTEL_SERVICE_NAME, else pdproxy.",
+    )
+    trace_sampler: str = _setting(
+        "",
+        (
+            "Which traces are recorded: always_on, always_off, traceidratio, parentbased_always_on, "
+            "parentbased_always_off, parentbased_traceidratio. Unset: OTEL_TRACES_SAMPLER, else "
+            "parentbased_always_on. Unrecorded traces are still passed on to the nodes."
+        ),
+    )
+    trace_sampler_arg: float = _setting(
+        -1.0,
+        "The ratio of the traceidratio samplers (0 to 1). Unset: OTEL_TRACES_SAMPLER_ARG, else 1.",
+        shown_default="",  # -1 marks it unset
+    )
+
+    @field_validator("access_log_format")
+    @classmethod
+    def _log_format(cls, value: str) -> str:
+        if value not in ("text", "json"):
+            raise _refuse("access_log_format must be text or json, got {value!r}", value=value)
+        return value
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _endpoint(cls, value: str) -> str:
+        if value and not value.startswith("http://"):
+            raise _refuse(
+                "otlp_endpoint must be an http:// URL (export to a local collector), got {value!r}", value=value
+            )
+        return value
+
+    @field_validator("otlp_headers")
+    @classmethod
+    def _headers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        if any("=" not in header for header in value):
+            raise _refuse("otlp_headers must be NAME=VALUE pairs")
+        return value
+
+    @field_validator("trace_sampler_arg")
+    @classmethod
+    def _ratio(cls, value: float) -> float:
+        if value != -1.0 and not 0 <= value <= 1:  # -1: unset, OTEL_TRACES_SAMPLER_ARG decides
+            raise _refuse("trace_sampler_arg must be between 0 and 1, got {value}", value=value)
+        return value
+
+
+#: The groups, in the order `pdproxy serve --help` shows them.
+GROUPS: tuple[type[SettingsGroup], ...] = (
+    ServerSettings,
+    DiscoverySettings,
+    RegistrySettings,
+    RoutingSettings,
+    LimitsSettings,
+    TimeoutSettings,
+    PdSettings,
+    SecuritySettings,
+    HealthSettings,
+    EngineMetricsSettings,
+    KvEventsSettings,
+    TenantSettings,
+    ObservabilitySettings,
+)
+
+
+class Settings(
+    ObservabilitySettings,
+    TenantSettings,
+    SecuritySettings,
+    PdSettings,
+    KvEventsSettings,
+    EngineMetricsSettings,
+    HealthSettings,
+    TimeoutSettings,
+    LimitsSettings,
+    RoutingSettings,
+    DiscoverySettings,
+    RegistrySettings,
+    ServerSettings,
+):
+    """Configuration of a pdproxy server or embedded router: every group's settings."""
+
+    def __init__(self, **values: object) -> None:
+        try:
+            # Values of any type: checking them is pydantic's job here, and a refusal is a ConfigError.
+            super().__init__(**values)  # type: ignore[arg-type]
+        except ValidationError as e:
+            raise ConfigError(settings_message(e)) from None
+
+    def replace(self, **changes: object) -> Settings:
+        """A copy with some fields changed (validated again)."""
+        return type(self)(**{**self.model_dump(), **changes})
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    def redacted(self) -> dict[str, object]:
+        """The settings with key material hidden, for printing and logs (nodes' keys too:
+        ``NodeRecord.redacted``)."""
+        out = self.model_dump(mode="json")
+        for name in SECRET_FIELDS:
+            value = out[name]
+            out[name] = ["<hidden>"] * len(value) if isinstance(value, list) else "<hidden>" if value else ""
+        return out
+
+    @classmethod
+    def from_json(cls, text: str) -> Settings:
+        try:
+            return cls.model_validate_json(text)
+        except ValidationError as e:
+            raise ConfigError(settings_message(e)) from None
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> Settings:
+        return cls(**load_toml(path))
+
+    @classmethod
+    def group_of(cls, name: str) -> type[SettingsGroup]:
+        """The group that declares setting ``name``."""
+        return next(group for group in GROUPS if name in group.model_fields)
+
+
+@functools.cache
+def defaults() -> Settings:
+    """Every setting at its default (for code that also runs outside ``pdproxy serve``)."""
+    return Settings()
+
+
+def settings_message(error: ValidationError) -> str:
+    """The first problem of ``error`` in one line, naming the setting."""
+    first = error.errors()[0]
+    if first["type"] == REFUSED:
+        return first["msg"]
+    where = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "extra_forbidden":
+        return f"unknown setting {where}"
+    return f"{where}: {first['msg']}" if where else first["msg"]
+
+
+def setting_flag(name: str) -> str:
+    """The command-line flag of setting ``name``: its own spelling (``--node`` for ``nodes``),
+    else its name with dashes."""
+    extra = Settings.model_fields[name].json_schema_extra
+    flag = extra.get("flag") if isinstance(extra, dict) else None
+    return str(flag) if flag else "--" + name.replace("_", "-")
+
+
+def setting_kind(field: FieldInfo) -> type:
+    """The Python type of a setting as the CLI reads it: str, int, float, bool or tuple."""
+    annotation = field.annotation
+    return tuple if getattr(annotation, "__origin__", None) is tuple else annotation  # type: ignore[return-value]
+
+
+def _read_keys(path: str) -> list[str]:
+    """Keys from a file: one per line, blank lines and `#` comments skipped."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise _refuse("cannot read the key file {path}: {why}", path=path, why=e.strerror or str(e)) from None
+    return [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+
+
+def read_toml(path: str | Path, what: str) -> dict[str, object]:
+    """The TOML file at ``path``; a file that cannot be read or parsed is one ``ConfigError``
+    naming ``what`` it is (``config file``, ``tenants file``)."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read the {what} {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"the {what} {path} is not valid TOML: {e}") from None
+
+
+@functools.cache
+def _option_keys() -> dict[str, str]:
+    """Each setting's key in a settings file, the option's name with underscores (``node`` for
+    ``--node``), and the setting it sets."""
+    return {setting_flag(name).removeprefix("--").replace("-", "_"): name for name in Settings.model_fields}
+
+
+@functools.cache
+def toml_keys() -> dict[str, str]:
+    """Each top-level key a settings file may use, and the setting it sets: the option keys, and
+    each setting's own name where that differs (``nodes``: the older spelling, and what
+    ``--print-config`` shows)."""
+    return {**{name: name for name in Settings.model_fields}, **_option_keys()}
+
+
+def _unknown_key(key: str) -> str:
+    closest = difflib.get_close_matches(key, list(_option_keys()), n=1, cutoff=0.6)
+    return f"{key} (did you mean {closest[0]}?)" if closest else key
+
+
+def load_toml(path: str | Path) -> dict[str, object]:
+    """Reads a TOML settings file: top-level keys are the options' names with underscores
+    (``node = [...]``; ``toml_keys``)."""
+    read = read_toml(path, "config file")
+    keys = toml_keys()
+    unknown = sorted(key for key in read if key not in keys)
+    if unknown:
+        raise ConfigError(f"unknown setting(s) in {path}: {', '.join(_unknown_key(k) for k in unknown)}")
+    data: dict[str, object] = {}
+    for key, value in read.items():
+        name = keys[key]
+        if name in data:
+            raise ConfigError(f"{path}: {name} is given twice (as {_spellings(name, read)})")
+        data[name] = value
+    nodes = data.get("nodes")
+    if isinstance(nodes, list):
+        # A node may be a table of what /nodes/add would say of it: kept as its one-word form.
+        data["nodes"] = [_node_text(n) if isinstance(n, Mapping) else n for n in nodes]
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+
+
+def _spellings(name: str, read: Mapping[str, object]) -> str:
+    return " and ".join(key for key, setting in toml_keys().items() if setting == name and key in read)
+
+
+def _node_text(table: Mapping[str, object]) -> str:
+    """A node table as the one-word form ``URL,key=value,...`` (checked when it is read:
+    ``NodeRecord.parse``)."""
+    parts = [str(table.get("url", ""))]
+    for key, value in table.items():
+        if isinstance(value, list):
+            parts += [f"{key}={v}" for v in value]
+        elif isinstance(value, Mapping):
+            parts += [f"{key}.{k}={v}" for k, v in value.items()]
+        elif key != "url":
+            parts.append(f"{key}={value}")
+    return ",".join(parts)

@@ -1,0 +1,494 @@
+"""The fleet: how nodes come and go. What a node is lives in the data plane's node table
+(``Router.node(url)``, one ``NodeRecord``); the fleet keeps only what is its own: when each
+lease runs out, and the state file. Every way in (the CLI's --node, /nodes/*, the state file)
+goes through here, so a node is checked, tracked and saved the same way whichever door it
+came through.
+
+With a shared ``Membership`` (the workers of a group, or replicas sharing Redis), a change is
+written there first and every process applies the membership's snapshots, its own changes
+included: one path, whichever process made the change. Leases then live in the membership,
+which drops an expired registration everywhere at once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import aiohttp
+
+from pdproxy import _background
+from pdproxy._background import Work
+from pdproxy._json_types import JsonValue
+from pdproxy.config.settings import Settings
+from pdproxy.errors import (
+    ConfigError,
+    InvalidNode,
+    NodeNotFound,
+    NodeUnresolvable,
+    RegistryUnavailable,
+    TerminateFailed,
+)
+from pdproxy.fleet import state_file
+from pdproxy.fleet.engine_scraper import EngineScraper
+from pdproxy.fleet.health import HealthChecker, HealthSummary
+from pdproxy.fleet.membership import Entry, Membership
+from pdproxy.fleet.node_record import NodeRecord, configured_nodes
+from pdproxy.fleet.node_sources import FoundBy, NodeSource, sources_for
+from pdproxy.fleet.tls import node_session
+from pdproxy.fleet.urls import check_node_url, parse_networks
+from pdproxy.kv_events import chat_template, index_options
+from pdproxy.kv_events.follower import KvEventFollower, KvEventsPlan
+from pdproxy.pd import PdAdapter
+from pdproxy.pd.lmdeploy import DistServe
+from pdproxy.router import Router
+from pdproxy.server.group import Group
+
+if TYPE_CHECKING:
+    from pdproxy._pdproxy import NodeInfo
+
+log = logging.getLogger("pdproxy.fleet")
+
+#: LMDeploy's EngineRole values, as its tooling reads and sends them.
+ROLE_NUMBERS = {"hybrid": 1, "prefill": 2, "decode": 3}
+#: How often leases are checked.
+LEASE_TICK = 1.0
+#: Longest wait between attempts to register a configured node while the registry is down.
+REGISTER_RETRY_MAX = 10.0
+
+
+class Fleet:
+    def __init__(self, router: Router, settings: Settings, membership: Membership | None = None) -> None:
+        self.router = router
+        self.settings = settings
+        self.membership = membership
+        #: When each leased node's lease runs out (monotonic seconds).
+        self.leases: dict[str, float] = {}
+        #: The nodes a node source found (Kubernetes, DNS), by URL: the source and where it
+        #: found the node. They live in this process only: not saved, not shared, and removed
+        #: by their source alone. A node added by hand is never one of them.
+        self.found: dict[str, FoundBy] = {}
+        self._allowed = parse_networks(settings.allow_node_cidrs)
+        self.health = HealthChecker(
+            router,
+            interval=settings.health_interval,
+            timeout=settings.health_timeout,
+            fall=settings.health_fall,
+            rise=settings.health_rise,
+            remove_after=settings.health_remove_after,
+            on_remove=self._remove_quietly,
+            ca_file=settings.node_ca_file,
+        )
+        #: Reads the engines' /metrics (where health checks run: in a worker group, the leader).
+        self.engines = EngineScraper(
+            router,
+            interval=settings.engine_metrics_interval,
+            timeout=settings.engine_metrics_timeout,
+            concurrency=settings.engine_metrics_concurrency,
+            max_bytes=settings.engine_metrics_max_bytes,
+            api_key_of=self.api_key_of,
+            on_sleep=self.health.engine_asleep,
+            ca_file=settings.node_ca_file,
+        )
+        #: Follows the engines' KV events into the data plane's index (``--kv-events``), in
+        #: every worker: each has its own data plane.
+        self.kv_events: KvEventFollower | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._lease_task: asyncio.Task[None] | None = None
+        #: The disaggregation flow, when serving with DistServe (for the management API).
+        self.pd: PdAdapter | None = None
+        #: This worker's group, when serving with several workers (for the management API).
+        self.group: Group | None = None
+        #: Called with a node's URL once it is removed (links and sessions to clean up).
+        self.on_removed: list[Callable[[str], None]] = []
+        self._chores: set[asyncio.Task[None]] = set()
+        #: Where nodes are found by themselves (Kubernetes, DNS); started with the fleet.
+        self.sources: list[NodeSource] = []
+
+    async def start(self, check_health: bool = True) -> None:
+        """Loads the saved and configured nodes and starts the background work; health checks
+        only with ``check_health`` (in a worker group the leader starts them, ``start_health``)."""
+        self._session = node_session(self.settings.node_ca_file, self.settings.admin_timeout)
+        if check_health:
+            await self.start_health()
+        if self.settings.kv_events:
+            await self._follow_kv_events()
+        if self.membership is not None:
+            await self.membership.start(self.apply)
+        restore = self.settings.state_file and not self.settings.disable_cache_status
+        records = []
+        for entry in state_file.load(self.settings.state_file) if restore else []:
+            try:
+                records.append(NodeRecord.of(entry, f"state file {self.settings.state_file}: node"))
+            except ConfigError as e:
+                log.error("%s; not added", e)
+        configured = configured_nodes(self.settings)
+        for record in (*records, *configured):
+            try:
+                await self.add(record, discover=False)  # all asked at once, below
+            except RegistryUnavailable:
+                # Serve with what the registry last said, and register this node once it is back.
+                self._background(self._register_when_available(record), f"pdproxy-register {record.url}")
+            except NodeUnresolvable as e:
+                # A name that may resolve later (a service still coming up): keep trying.
+                log.warning("node %s not added yet: %s; trying again", record.url, e)
+                self._background(self._register_when_available(record), f"pdproxy-register {record.url}")
+            except InvalidNode as e:
+                if record in configured:  # the operator's own setting: stop rather than serve without it
+                    raise ConfigError(f"--node: {e.message}") from None
+                log.error("node %s not added: %s", record.url, e)
+        self.sources = sources_for(self.settings)
+        for source in self.sources:
+            await source.start(self.put_found, self.drop_found, self.owns_found)
+        # The models of nodes that declared none, before serving (they get no traffic until known).
+        await self.router.discover()
+        if self.membership is None:
+            self._lease_task = _background.start(self._expire_leases(), "pdproxy-leases")
+
+    async def start_health(self) -> None:
+        """Starts the health checks and the engines' readings (once; a worker that becomes its
+        group's leader)."""
+        if not self.health.running:
+            await self.health.start()
+        if not self.engines.running and self.settings.engine_metrics_interval > 0:
+            await self.engines.start()
+
+    def session(self) -> aiohttp.ClientSession:
+        """The session calls to the nodes go through (once started)."""
+        assert self._session is not None
+        return self._session
+
+    async def _follow_kv_events(self) -> None:
+        settings = self.settings
+        self.router.core.start_kv_index(
+            chat_template(settings.kv_chat_template),
+            settings.kv_index_max_blocks,
+            **index_options(settings.kv_tokenizer),  # type: ignore[arg-type]
+        )
+        plan = KvEventsPlan(
+            settings.kv_events, settings.kv_events_replay or None, settings.kv_events_ranks, settings.kv_events_topic
+        )
+        self.kv_events = KvEventFollower(self.router.core, plan, session_of=self.session)
+        await self.kv_events.start()
+
+    async def aclose(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.aclose()
+        for source in self.sources:
+            await source.aclose()
+        await _background.stop(self._lease_task)
+        for task in list(self._chores):
+            await _background.stop(task)
+        if self.membership is not None:
+            await self.membership.aclose()
+        await self.health.aclose()
+        await self.engines.aclose()
+        if self._session is not None:
+            await self._session.close()
+
+    async def add(self, record: NodeRecord, discover: bool = True) -> tuple[str, bool]:
+        """Adds a node, or updates (and renews the lease of) a registered one. Returns its URL
+        and whether it is new; a node without models is asked for them first (``discover``).
+        A node a source found becomes one added by hand."""
+        record = self._keyed(record)
+        address = await self._checked_address(record.url)
+        created = self.state_of(record.url) is None
+        self.found.pop(record.url, None)
+        if self.membership is not None:
+            await self.membership.put(record.saved())
+        expires = time.monotonic() + record.lease_ttl if record.lease_ttl is not None else None
+        self._add_here(record, address, expires)
+        self._save()
+        if record.models is None and discover:
+            # Answered with the node's models when it tells them at once (it has no traffic till then).
+            await self.router.discover(record.url)
+        return record.url, created
+
+    async def _checked_address(self, url: str) -> str:
+        """The address ``url`` is reached at, once checked (see ``urls.check_node_url``)."""
+        return await check_node_url(url, self._allowed, own_port=self.settings.port)
+
+    def _add_here(self, record: NodeRecord, address: str, lease_expires: float | None) -> None:
+        """Adds or updates the node in this process, reached at ``address`` (checked)."""
+        state = self.state_of(record.url)
+        self.router.add(record, address=address)
+        if lease_expires is None:
+            self.leases.pop(record.url, None)
+        else:
+            self.leases[record.url] = lease_expires
+            if state == "draining":
+                self.router.set_node_state(record.url, "healthy")  # a renewed lease ends the drain
+        self.health.track(record.url)
+        log.info("node %s %s (%s)", record.url, "added" if state is None else "updated", record.role)
+
+    def _remove_here(self, url: str) -> str:
+        """Removes the node from this process. Raises ``NodeNotFound``."""
+        normalized = self.lookup(url)
+        for hook in self.on_removed:  # while the node (its API key) is still known
+            hook(normalized)
+        self.router.remove_node(normalized)
+        self.leases.pop(normalized, None)
+        self.found.pop(normalized, None)
+        self.health.forget(normalized)
+        log.info("node %s removed", normalized)
+        return normalized
+
+    async def apply(self, entries: list[Entry]) -> None:
+        """Makes this process's nodes those of a membership snapshot."""
+        wanted: dict[str, tuple[NodeRecord, float | None]] = {}
+        for entry in entries:
+            remaining = entry.get("lease_remaining")
+            try:
+                record = NodeRecord.of({k: v for k, v in entry.items() if k != "lease_remaining"}, "membership entry")
+            except ConfigError as e:
+                log.error("%s; ignored", e)
+                continue
+            expires = time.monotonic() + remaining if isinstance(remaining, int | float) else None
+            wanted[record.url] = (record, expires)
+        for url in [n["url"] for n in self.router.nodes() if n["url"] not in wanted and n["url"] not in self.found]:
+            with contextlib.suppress(NodeNotFound):
+                self._remove_here(url)
+        for url, (record, expires) in wanted.items():
+            self.found.pop(url, None)  # registered by hand somewhere: the membership's now
+            if self._record_of(url) == record:
+                if expires is not None:
+                    self.leases[url] = expires
+                continue
+            try:
+                # Entries from a shared registry pass the same checks as any registration.
+                address = await self._checked_address(url)
+                self._add_here(record, address, expires)
+            except (InvalidNode, ValueError) as e:
+                log.error("membership entry %s not applied: %s", url, e)
+        self.router.refresh_bindings()
+        self._save()
+
+    def _keyed(self, record: NodeRecord) -> NodeRecord:
+        """``record`` with the key every node without its own is sent (``--node-api-key``)."""
+        if record.api_key is None and self.settings.node_api_key:
+            return record.model_copy(update={"api_key": self.settings.node_api_key})
+        return record
+
+    def _record_of(self, url: str) -> NodeRecord | None:
+        """The record of the registered node ``url`` (what it declared), if any."""
+        try:
+            return NodeRecord.of_node(self.router.node(url))
+        except NodeNotFound:
+            return None
+
+    async def put_found(self, record: NodeRecord, found_by: FoundBy) -> bool:
+        """Adds or updates a node a source found; returns whether it did. A node registered
+        another way (by hand, or by another source) stays as it is."""
+        record = self._keyed(record)
+        if self.state_of(record.url) is not None and not self.owns_found(record.url, found_by.source):
+            return False
+        try:
+            address = await self._checked_address(record.url)
+        except InvalidNode as e:
+            log.error("%s: node %s not added: %s", found_by.describe(), record.url, e)
+            return False
+        # The node may have been registered by hand while its address was checked.
+        if self.state_of(record.url) is not None and record.url not in self.found:
+            return False
+        self.found[record.url] = found_by
+        if self._record_of(record.url) != record:
+            self._add_here(record, address, None)  # without models: discovery asks it at once
+        return True
+
+    def drop_found(self, url: str, source: str) -> bool:
+        """Removes a node ``source`` found (and no one has registered since); returns whether it did."""
+        if not self.owns_found(url, source):
+            return False
+        with contextlib.suppress(NodeNotFound):
+            self._remove_here(url)
+        self.found.pop(url, None)  # also when the node had left the table already
+        return True
+
+    def owns_found(self, url: str, source: str) -> bool:
+        """Whether the node ``url`` is in this process as one ``source`` found."""
+        owner = self.found.get(url)
+        return owner is not None and owner.source == source
+
+    async def remove(self, url: str) -> str:
+        """Removes a node everywhere. Raises ``NodeNotFound``."""
+        normalized = self.lookup(url)
+        if self.membership is not None:
+            await self.membership.delete(normalized)
+        with contextlib.suppress(NodeNotFound):  # a snapshot may have removed it meanwhile
+            self._remove_here(normalized)
+        self._save()
+        return normalized
+
+    async def terminate(self, url: str) -> str:
+        """Asks the node to stop (its ``/terminate``), then removes it. Raises ``NodeNotFound``,
+        or ``TerminateFailed`` when the node did not confirm (it is removed all the same)."""
+        normalized = self.lookup(url)
+        key = self.api_key_of(normalized)
+        headers = {"authorization": f"Bearer {key}"} if key else {}
+        failure: str | None = None
+        assert self._session is not None
+        try:
+            async with self._session.get(f"{normalized}/terminate", headers=headers, allow_redirects=False) as r:
+                if r.status != 200:
+                    failure = f"the node answered /terminate with {r.status}"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            failure = f"the node could not be reached ({type(e).__name__})"
+        await self.remove(normalized)
+        if failure is not None:
+            raise TerminateFailed(f"node {normalized} was removed but did not confirm its termination: {failure}")
+        return normalized
+
+    def api_key_of(self, url: str) -> str | None:
+        node = self._node(url)
+        return None if node is None else node["api_key"]
+
+    def bootstrap_port_of(self, url: str) -> int | None:
+        node = self._node(url)
+        return None if node is None else node["bootstrap_port"]
+
+    def _node(self, url: str) -> NodeInfo | None:
+        """The registered node ``url`` (``None`` when it is not registered)."""
+        try:
+            return self.router.node(url)
+        except NodeNotFound:
+            return None
+
+    def lookup(self, url: str) -> str:
+        """The normalised URL of a registered node. Raises ``NodeNotFound``."""
+        return self.router.node(url)["url"]
+
+    def state_of(self, url: str) -> str | None:
+        node = self._node(url)
+        return None if node is None else node["state"]
+
+    def status(self) -> dict[str, dict[str, object]]:
+        """Every node, keyed by URL: LMDeploy's keys (role as its integer, models, unfinished,
+        latency, speed) and pdproxy's (the record's fields shown, health, counts, lease, engine)."""
+        out: dict[str, dict[str, object]] = {}
+        now = time.monotonic()
+        health = self.health_summaries()
+        kv_events = self.kv_events.statuses() if self.kv_events is not None else None
+        for node in self.router.nodes():
+            url = node["url"]
+            expires = self.leases.get(url)
+            lease = None if expires is None else {"ttl": node["lease_ttl"], "expires_in": round(expires - now, 3)}
+            record: Mapping[str, object] = node  # read by field name, whichever fields a record has
+            out[url] = {
+                **{name: record[name] for name in NodeRecord.shown_fields()},
+                "role": ROLE_NUMBERS[node["role"]],
+                "models": node["models"],
+                "unfinished": node["in_flight"],
+                "latency": node["recent_latencies"],
+                "speed": node["speed"],
+                "role_name": node["role"],
+                "state": node["state"],
+                "circuit": node["circuit"],
+                "health": health.get(url),
+                "in_flight": node["in_flight"],
+                "max_concurrency": node["max_concurrency"],
+                "requests": node["requests"],
+                "succeeded": node["succeeded"],
+                "failed": node["failed"],
+                "client_errors": node["client_errors"],
+                "cancelled": node["cancelled"],
+                "mean_latency": node["mean_latency"],
+                "mean_ttft": node["mean_ttft"],
+                "generation": node["generation"],
+                "lease": lease,
+                "engine": {
+                    **node["engine"],
+                    "dialect": self.engines.dialects.get(url),
+                    "last_error": self.engines.errors.get(url),
+                },
+                "address": node["address"],
+                "found_by": found.shown() if (found := self.found.get(url)) is not None else None,
+                "kv_events": kv_events.get(url) if kv_events is not None else None,
+            }
+            if isinstance(self.pd, DistServe):
+                out[url]["links"] = [
+                    link for link in self.pd.links.status() if url in (link["prefill"], link["decode"])
+                ]
+                out[url]["preserved_sessions"] = self.pd.ledger.held_on(url)
+        return out
+
+    def sources_status(self) -> dict[str, JsonValue]:
+        """How each node source fares: whether it reaches where it looks, since when not, why."""
+        return {source.name: source.state.shown(source.node_count()) for source in self.sources}
+
+    def health_summaries(self) -> dict[str, HealthSummary | JsonValue]:
+        """What the health checks know of each node: this process's, or in a worker group the
+        leader's (as it last published them, `publish_health`)."""
+        if self.health.running:
+            return {url: h.summary() for url, h in self.health.nodes.items()}
+        if self.group is not None:
+            saved = state_file.load(str(self.group.health_path))
+            return {str(e["url"]): e["health"] for e in saved if "health" in e}
+        return {}
+
+    def publish_health(self) -> None:
+        """The leader's round: its health view, for the other workers' status."""
+        assert self.group is not None
+        summaries = [{"url": url, "health": h} for url, h in self.health_summaries().items()]
+        state_file.save(str(self.group.health_path), summaries)
+
+    def _remove_quietly(self, url: str) -> None:
+        """Removes a node in the background (the health checker's verdict)."""
+
+        async def remove() -> None:
+            with contextlib.suppress(NodeNotFound, RegistryUnavailable):
+                await self.remove(url)
+
+        self._background(remove(), f"pdproxy-remove {url}")
+
+    def _background(self, work: Work, name: str) -> None:
+        """Runs ``work`` until it ends or the fleet closes."""
+        task = _background.start(work, name)
+        self._chores.add(task)
+        task.add_done_callback(self._chores.discard)
+
+    async def _register_when_available(self, record: NodeRecord) -> None:
+        delay = 1.0
+        while True:
+            await asyncio.sleep(delay)
+            try:
+                await self.add(record)
+            except (RegistryUnavailable, NodeUnresolvable):
+                delay = min(delay * 2, REGISTER_RETRY_MAX)
+                continue
+            except InvalidNode as e:
+                log.error("node %s not added: %s", record.url, e)
+            return
+
+    def _save(self) -> None:
+        # In a worker group only the leader writes it.
+        if self.settings.state_file and (self.group is None or self.group.leader):
+            try:
+                records = [self._record_of(n["url"]) for n in self.router.nodes() if n["url"] not in self.found]
+                state_file.save(self.settings.state_file, [r.saved() for r in records if r is not None])
+            except OSError as e:
+                log.error("state file %s not written: %s", self.settings.state_file, e)
+
+    async def _expire_leases(self) -> None:
+        """A node whose lease ran out is drained; once its requests are done (or after another
+        lease period) it is removed."""
+        while True:
+            await asyncio.sleep(LEASE_TICK)
+            now = time.monotonic()
+            for url, expires in list(self.leases.items()):
+                if now < expires:
+                    continue
+                try:
+                    node = self.router.node(url)
+                except NodeNotFound:
+                    self.leases.pop(url, None)
+                    continue
+                if node["state"] != "draining":
+                    log.warning("node %s: lease expired; draining it", url)
+                    self.router.set_node_state(url, "draining")
+                overdue = now - expires >= (node["lease_ttl"] or 0)
+                if node["in_flight"] == 0 or overdue:
+                    with contextlib.suppress(NodeNotFound):
+                        await self.remove(url)
