@@ -23,7 +23,6 @@ from .membership import from_url as membership_from_url
 from .membership.group_file import GroupFileMembership
 from .metrics import registry_for
 from .pd import PdAdapter, make_adapter
-from .pd.lmdeploy import DistServe
 from .router import Router
 from .tenants import TenantsFile, UsageSync
 
@@ -146,7 +145,7 @@ class Supervisor:
         self.fleet.publish_health()
         if isinstance(self.fleet.membership, GroupFileMembership):
             self.fleet.membership.expire()
-        if isinstance(self.pd, DistServe):
+        if self.pd is not None:
             await self.pd.adopt_orphans()
 
     def _group_signals(self) -> None:
