@@ -94,7 +94,8 @@ pub struct NodeSpec {
 impl NodeSpec {
     /// Every rule a node's attributes must pass (the URL's are `NodeUrl::parse`'s, its
     /// addresses' `address::AddressRules`'): the one place the node table checks them. The
-    /// error names the attribute at fault as its `param`.
+    /// error names the attribute in its message (its `param` stays the default, `url`, as the
+    /// management API has always answered).
     pub(crate) fn check(&self) -> Result<()> {
         let refused =
             |param: &'static str, message: String| Err(Error::new(Kind::InvalidNode, message).with_param(param));
