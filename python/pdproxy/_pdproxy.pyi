@@ -202,6 +202,153 @@ class TenantSnapshot(TypedDict):
     rejected: dict[str, int]
 
 @final
+class NodeAddressRules:
+    """Where nodes may be: the allowed networks (none: any) and this proxy's own port (a
+    local address at that port is the proxy itself). The rules refuse the unspecified
+    address, cloud metadata addresses, link-local, multicast and reserved ones, IPv6 forms of
+    a refused IPv4 address (mapped, 6to4, Teredo, NAT64), and addresses outside the networks."""
+
+    def __new__(cls, allowed: list[str] = ..., own_port: int | None = None) -> NodeAddressRules:
+        """`allowed`: networks as `ADDRESS/PREFIX`. Raises `ValueError` for one that is not."""
+
+    def check(self, record: NodeRecord) -> tuple[str, str]:
+        """The canonical URL of `record` and the `HOST:PORT` its host resolves to, once every
+        rule holds (as `Router.add_node` checks them). Blocks while the name resolves.
+
+        Raises:
+            InvalidNode: a rule is broken.
+            NodeUnresolvable: the host does not resolve.
+        """
+
+    def check_literal(self, url: str) -> None:
+        """Raises `InvalidNode` when the URL's host is an address the rules refuse (a name is
+        checked once it resolves, when the node is added)."""
+
+@final
+class LearntReading:
+    """What pdproxy learnt of a node's engine from its answers (None: not yet)."""
+
+    @property
+    def prefill_seconds_per_kib(self) -> float | None: ...
+    @property
+    def first_token_seconds(self) -> float | None: ...
+    @property
+    def decode_seconds(self) -> float | None: ...
+    @property
+    def batch_slots(self) -> float | None: ...
+    @property
+    def seconds_per_request_in_flight(self) -> float | None: ...
+    @property
+    def prefill_bound_seconds_per_kib(self) -> float | None: ...
+    @property
+    def samples(self) -> float: ...
+    @property
+    def predicted_cached_bytes(self) -> int: ...
+    @property
+    def reported_cached_tokens(self) -> int: ...
+
+@final
+class EngineReading:
+    """What a node's engine last reported about itself (see `EngineReport`)."""
+
+    @property
+    def running(self) -> int | None: ...
+    @property
+    def waiting(self) -> int | None: ...
+    @property
+    def kv_usage(self) -> float | None: ...
+    @property
+    def prompt_tokens(self) -> int | None: ...
+    @property
+    def cached_tokens(self) -> int | None: ...
+    @property
+    def kv_capacity_tokens(self) -> int | None: ...
+    @property
+    def transferred_tokens(self) -> int | None: ...
+    @property
+    def age(self) -> float | None:
+        """Seconds since the last good reading."""
+    @property
+    def fresh(self) -> bool:
+        """Younger than `engine_metrics_max_age`: policies use it."""
+    @property
+    def sent_since(self) -> int | None: ...
+    @property
+    def requests_estimate(self) -> float | None: ...
+    @property
+    def others(self) -> int | None:
+        """Requests the engine had at the reading that pdproxy cannot have sent, at least."""
+    @property
+    def restarts(self) -> int: ...
+    @property
+    def failures(self) -> int: ...
+    @property
+    def failing(self) -> int:
+        """Readings failed in a row."""
+    @property
+    def learnt(self) -> LearntReading: ...
+
+@final
+class NodeView:
+    """One node as the control plane shows it, copied at one moment: what it was registered
+    with (never its key: `has_api_key` only), its state and counters, its engine."""
+
+    @property
+    def url(self) -> str: ...
+    @property
+    def generation(self) -> int: ...
+    @property
+    def role(self) -> str:
+        """hybrid, prefill or decode."""
+    @property
+    def models(self) -> list[str]:
+        """The models it serves (its own `/v1/models` once discovered)."""
+    @property
+    def declared_models(self) -> list[str] | None:
+        """The models it was registered with (None: ask the node)."""
+    @property
+    def speed(self) -> float | None: ...
+    @property
+    def max_concurrency(self) -> int | None: ...
+    @property
+    def has_api_key(self) -> bool: ...
+    @property
+    def bootstrap_port(self) -> int | None: ...
+    @property
+    def lease_ttl(self) -> float | None: ...
+    @property
+    def labels(self) -> dict[str, str]: ...
+    @property
+    def address(self) -> str | None:
+        """`HOST:PORT` it is connected to, when not resolved from the URL."""
+    @property
+    def state(self) -> str | None: ...
+    @property
+    def circuit(self) -> str: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def requests(self) -> int: ...
+    @property
+    def succeeded(self) -> int: ...
+    @property
+    def failed(self) -> int: ...
+    @property
+    def client_errors(self) -> int: ...
+    @property
+    def cancelled(self) -> int: ...
+    @property
+    def mean_latency(self) -> float | None:
+        """Seconds (None until a request has succeeded)."""
+    @property
+    def mean_ttft(self) -> float | None: ...
+    @property
+    def recent_latencies(self) -> list[float]:
+        """Recent request durations, seconds."""
+    @property
+    def engine(self) -> EngineReading: ...
+
+@final
 class Router:
     """The node table, selection, admission and forwarding. Every method but `forward`
     returns at once."""
@@ -248,13 +395,41 @@ class Router:
 
     @property
     def draining(self) -> bool: ...
-    def add_node(self, record: NodeRecord, address: str | None = None) -> str:
-        """Adds a node (or updates a registered one) from its record; returns its normalised URL.
-        `address` (`HOST:PORT`): where to connect, instead of resolving the URL's host.
+    def add_node(
+        self,
+        record: NodeRecord,
+        address: str | None = None,
+        rules: NodeAddressRules | None = None,
+        end_drain: bool = False,
+    ) -> tuple[NodeView, bool]:
+        """Adds a node (or updates a registered one) from its record, in one call: the URL
+        parsed once, every rule of the node table checked once, without `address` the host
+        resolved and its addresses checked by `rules` (the GIL released meanwhile: call it off
+        the event loop), the node registered. Returns the node's view and whether it is new.
+
+        Args:
+            record: the node (its URL may be unnormalised: the view has the canonical one).
+            address: `HOST:PORT` to connect to instead of resolving the URL's host (then
+                `rules` are not applied).
+            rules: where nodes may be; without them (and without `address`) the host is
+                resolved at connect time.
+            end_drain: a draining node takes requests again (its lease was renewed).
 
         Raises:
-            InvalidNode: the URL is not a usable http URL, or the role or speed is invalid.
+            InvalidNode: the URL is not a usable http URL, an attribute is invalid, or an
+                address of the host is one the rules refuse.
+            NodeUnresolvable: the host does not resolve.
         """
+
+    def view(self, url: str) -> NodeView:
+        """One node's view.
+
+        Raises:
+            NodeNotFound: no node with this URL is registered.
+        """
+
+    def views(self) -> list[NodeView]:
+        """Every node's view, in the table's order."""
 
     def node(self, url: str) -> NodeInfo:
         """One node: its record (with the key), state, circuit and requests in flight.
@@ -263,8 +438,8 @@ class Router:
             NodeNotFound: no node with this URL is registered.
         """
 
-    def set_models(self, url: str, models: list[str]) -> None:
-        """Replaces the models of a registered node, keeping everything else."""
+    def set_models(self, url: str, models: list[str]) -> NodeView:
+        """Replaces the models of a registered node, keeping everything else; returns its view."""
 
     def remove_node(self, url: str) -> str:
         """Stops routing to a node; requests in flight run to their end.

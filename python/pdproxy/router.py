@@ -26,7 +26,7 @@ from .fleet.model_discovery import ModelDiscovery
 from .fleet.node_record import NodeRecord, configured_nodes
 
 if TYPE_CHECKING:
-    from ._pdproxy import Histogram, NodeInfo, NodeSnapshot, RoutingFields
+    from ._pdproxy import Histogram, NodeAddressRules, NodeInfo, NodeSnapshot, NodeView, RoutingFields
 
 __all__ = ["NodeSummary", "Router", "RouterStats"]
 
@@ -166,12 +166,35 @@ class Router:
         ``models`` are checked against the node's ``/v1/models`` once (``verify``), and the
         node's answer wins. ``address`` (``HOST:PORT``) is where to connect instead of resolving
         the URL's host."""
-        url = self._core.add_node(record, address)
-        if record.models is None or verify:
+        view, _ = self._core.add_node(record, address)
+        self._watch(view.url, record.models is None or verify)
+        return view.url
+
+    async def register(
+        self,
+        record: NodeRecord,
+        *,
+        address: str | None = None,
+        rules: NodeAddressRules | None = None,
+        end_drain: bool = False,
+        verify: bool = True,
+    ) -> tuple[NodeView, bool]:
+        """``add`` in one call to the data plane that answers with the node's view and whether
+        it is new: the record (which may be unchecked) is checked there, and without
+        ``address`` its host is resolved and its addresses checked by ``rules`` (off the event
+        loop). ``end_drain``: a draining node takes requests again (its lease was renewed)."""
+        if address is None and rules is not None:
+            view, created = await asyncio.to_thread(self._core.add_node, record, None, rules, end_drain)
+        else:
+            view, created = self._core.add_node(record, address, None, end_drain)
+        self._watch(view.url, record.models is None or verify)
+        return view, created
+
+    def _watch(self, url: str, unknown_or_verified: bool) -> None:
+        if unknown_or_verified:
             self._discovery.watch(url)
         else:
             self._discovery.forget(url)
-        return url
 
     def node(self, url: str) -> NodeInfo:
         """One node: its record (``api_key`` included, ``declared_models`` as registered,
@@ -179,13 +202,14 @@ class Router:
         ``NodeNotFound``."""
         return self._core.node(url)
 
-    async def discover(self, url: str | None = None) -> None:
+    async def discover(self, url: str | None = None) -> NodeView | None:
         """Asks the node (without ``url``: every node) whose models are still unknown for them
-        now (one probe each, concurrently, within ``discovery_timeout``)."""
+        now (one probe each, concurrently, within ``discovery_timeout``). With ``url``: the
+        node's view once it told its models (``None`` when it did not)."""
         if url is None:
             await self._discovery.probe_pending(unknown_only=True)
-        else:
-            await self._discovery.probe(url)
+            return None
+        return await self._discovery.probe(url)
 
     def models_unknown_because(self, url: str) -> str | None:
         """Why the node at ``url`` did not tell its models when asked (it takes no traffic until

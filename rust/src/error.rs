@@ -21,6 +21,8 @@ pub(crate) enum Kind {
     NodeNotFound,
     /// The node URL given to the registry cannot be used.
     InvalidNode,
+    /// The node's host name does not resolve (yet: a service still coming up).
+    NodeUnresolvable,
     /// The connection to the node could not be made: the request never ran.
     Connect,
     /// The node did not answer in time.

@@ -14,7 +14,7 @@ from pdproxy.errors import ConfigError, InvalidNode
 from pdproxy.fleet.membership import check_url as check_registry_url
 from pdproxy.fleet.node_record import configured_nodes
 from pdproxy.fleet.node_sources import check as check_node_sources
-from pdproxy.fleet.urls import check_address_node, parse_networks
+from pdproxy.fleet.urls import parse_networks
 from pdproxy.observability.tracing import otel_settings
 from pdproxy.server.group import MAX_WORKERS
 from pdproxy.server.tenants import load as load_tenants
@@ -45,10 +45,10 @@ def checked(settings: Settings) -> Settings:
 def _check_configured_nodes(settings: Settings) -> None:
     """Each node of the settings parses and, when its host is an address, is one the node rules
     allow: a refused node stops the start rather than leaving the proxy serving without it."""
-    allowed = parse_networks(settings.allow_node_cidrs)
+    rules = _pdproxy.NodeAddressRules([str(network) for network in parse_networks(settings.allow_node_cidrs)])
     for record in configured_nodes(settings):
         try:
-            check_address_node(record.url, allowed)
+            rules.check_literal(record.url)
         except InvalidNode as e:
             raise ConfigError(f"--node: {e.message}") from None
 

@@ -15,12 +15,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 import aiohttp
 
-from pdproxy import _background
+from pdproxy import _background, _pdproxy
 from pdproxy._background import Work
 from pdproxy._json_types import JsonValue
 from pdproxy.config.settings import Settings
@@ -39,16 +39,16 @@ from pdproxy.fleet.membership import Entry, Membership
 from pdproxy.fleet.node_record import NodeRecord, configured_nodes
 from pdproxy.fleet.node_sources import FoundBy, NodeSource, sources_for
 from pdproxy.fleet.tls import node_session
-from pdproxy.fleet.urls import check_node_url, parse_networks
+from pdproxy.fleet.urls import parse_networks
 from pdproxy.kv_events import chat_template, index_options
 from pdproxy.kv_events.follower import KvEventFollower, KvEventsPlan
 from pdproxy.pd import PdAdapter
-from pdproxy.pd.lmdeploy import DistServe
 from pdproxy.router import Router
 from pdproxy.server.group import Group
 
 if TYPE_CHECKING:
-    from pdproxy._pdproxy import NodeInfo
+    from pdproxy._pdproxy import NodeInfo, NodeView
+    from pdproxy.pd.links import LinkSummary
 
 log = logging.getLogger("pdproxy.fleet")
 
@@ -58,6 +58,89 @@ ROLE_NUMBERS = {"hybrid": 1, "prefill": 2, "decode": 3}
 LEASE_TICK = 1.0
 #: Longest wait between attempts to register a configured node while the registry is down.
 REGISTER_RETRY_MAX = 10.0
+
+
+class LearntStatus(TypedDict):
+    """What pdproxy learnt of a node's engine from its answers (see ``_pdproxy.LearntSpeed``)."""
+
+    prefill_seconds_per_kib: float | None
+    first_token_seconds: float | None
+    decode_seconds: float | None
+    batch_slots: float | None
+    seconds_per_request_in_flight: float | None
+    prefill_bound_seconds_per_kib: float | None
+    samples: float
+    predicted_cached_bytes: int
+    reported_cached_tokens: int
+
+
+class EngineStatus(TypedDict):
+    """A node's engine in ``/nodes/status``: the data plane's reading (``_pdproxy.EngineReading``),
+    then the scraper's dialect and last error."""
+
+    running: int | None
+    waiting: int | None
+    kv_usage: float | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    kv_capacity_tokens: int | None
+    transferred_tokens: int | None
+    age: float | None
+    fresh: bool
+    sent_since: int | None
+    requests_estimate: float | None
+    #: Requests the engine had at the reading that pdproxy cannot have sent (another replica's,
+    #: traffic that bypasses it), at least.
+    others: int | None
+    restarts: int
+    failures: int
+    failing: int
+    learnt: LearntStatus
+    dialect: str | None
+    last_error: str | None
+
+
+class LeaseStatus(TypedDict):
+    ttl: float | None
+    expires_in: float
+
+
+class NodeStatusRow(TypedDict):
+    """One node in ``/nodes/status``, every key in the order it is sent: the record's shown
+    fields (``NodeRecord.shown_fields``), LMDeploy's keys (role as its integer, models,
+    unfinished, latency; speed is among the record's), then pdproxy's (health, counts, lease,
+    engine, where it is reached and who found it); ``links`` and ``preserved_sessions`` only
+    with a flow that keeps them (``PdAdapter.node_status``)."""
+
+    speed: float | None
+    max_concurrency: int | None
+    bootstrap_port: int | None
+    lease_ttl: float | None
+    labels: dict[str, str]
+    role: int
+    models: list[str]
+    unfinished: int
+    latency: list[float]
+    role_name: str
+    state: str | None
+    circuit: str
+    health: HealthSummary | JsonValue
+    in_flight: int
+    requests: int
+    succeeded: int
+    failed: int
+    client_errors: int
+    cancelled: int
+    mean_latency: float | None
+    mean_ttft: float | None
+    generation: int
+    lease: LeaseStatus | None
+    engine: EngineStatus
+    address: str | None
+    found_by: JsonValue
+    kv_events: dict[str, object] | None
+    links: NotRequired[list[LinkSummary]]
+    preserved_sessions: NotRequired[int]
 
 
 class Fleet:
@@ -71,7 +154,10 @@ class Fleet:
         #: found the node. They live in this process only: not saved, not shared, and removed
         #: by their source alone. A node added by hand is never one of them.
         self.found: dict[str, FoundBy] = {}
-        self._allowed = parse_networks(settings.allow_node_cidrs)
+        #: Where nodes may be (the data plane resolves a node's host by them as it adds it).
+        self.address_rules = _pdproxy.NodeAddressRules(
+            [str(network) for network in parse_networks(settings.allow_node_cidrs)], settings.port
+        )
         self.health = HealthChecker(
             router,
             interval=settings.health_interval,
@@ -189,40 +275,47 @@ class Fleet:
         if self._session is not None:
             await self._session.close()
 
-    async def add(self, record: NodeRecord, discover: bool = True) -> tuple[str, bool]:
-        """Adds a node, or updates (and renews the lease of) a registered one. Returns its URL
+    async def add(self, record: NodeRecord, discover: bool = True) -> tuple[NodeView, bool]:
+        """Adds a node, or updates (and renews the lease of) a registered one. Returns its view
         and whether it is new; a node without models is asked for them first (``discover``).
-        A node a source found becomes one added by hand."""
+        A node a source found becomes one added by hand.
+
+        ``record`` may be unchecked (``NodeRecord.unchecked``): the data plane checks it as it
+        adds it, in one call that parses its URL, checks every rule, resolves its host and
+        checks the addresses (``_pdproxy.Router.add_node``). With a shared membership the
+        record is checked first (one more call), since the membership is written before."""
         record = self._keyed(record)
-        address = await self._checked_address(record.url)
-        created = self.state_of(record.url) is None
-        self.found.pop(record.url, None)
+        address = None
         if self.membership is not None:
+            url, address = await asyncio.to_thread(self.address_rules.check, record)
+            record = record.model_copy(update={"url": url})
             await self.membership.put(record.saved())
         expires = time.monotonic() + record.lease_ttl if record.lease_ttl is not None else None
-        self._add_here(record, address, expires)
+        view, created = await self._add_here(record, address, expires)
+        self.found.pop(view.url, None)
         self._save()
         if record.models is None and discover:
             # Answered with the node's models when it tells them at once (it has no traffic till then).
-            await self.router.discover(record.url)
-        return record.url, created
+            view = await self.router.discover(view.url) or view
+        return view, created
 
-    async def _checked_address(self, url: str) -> str:
-        """The address ``url`` is reached at, once checked (see ``urls.check_node_url``)."""
-        return await check_node_url(url, self._allowed, own_port=self.settings.port)
-
-    def _add_here(self, record: NodeRecord, address: str, lease_expires: float | None) -> None:
-        """Adds or updates the node in this process, reached at ``address`` (checked)."""
-        state = self.state_of(record.url)
-        self.router.add(record, address=address)
+    async def _add_here(
+        self, record: NodeRecord, address: str | None, lease_expires: float | None
+    ) -> tuple[NodeView, bool]:
+        """Adds or updates the node in this process, reached at ``address`` when it was checked
+        already, else at the address its host resolves to, once the rules pass."""
+        rules = self.address_rules if address is None else None
+        view, created = await self.router.register(
+            record, address=address, rules=rules, end_drain=lease_expires is not None
+        )
+        url = view.url
         if lease_expires is None:
-            self.leases.pop(record.url, None)
+            self.leases.pop(url, None)
         else:
-            self.leases[record.url] = lease_expires
-            if state == "draining":
-                self.router.set_node_state(record.url, "healthy")  # a renewed lease ends the drain
-        self.health.track(record.url)
-        log.info("node %s %s (%s)", record.url, "added" if state is None else "updated", record.role)
+            self.leases[url] = lease_expires  # a renewed lease ended a drain (`end_drain`)
+        self.health.track(url)
+        log.info("node %s %s (%s)", url, "added" if created else "updated", record.role)
+        return view, created
 
     def _remove_here(self, url: str) -> str:
         """Removes the node from this process. Raises ``NodeNotFound``."""
@@ -259,8 +352,7 @@ class Fleet:
                 continue
             try:
                 # Entries from a shared registry pass the same checks as any registration.
-                address = await self._checked_address(url)
-                self._add_here(record, address, expires)
+                await self._add_here(record, None, expires)
             except (InvalidNode, ValueError) as e:
                 log.error("membership entry %s not applied: %s", url, e)
         self.router.refresh_bindings()
@@ -286,7 +378,7 @@ class Fleet:
         if self.state_of(record.url) is not None and not self.owns_found(record.url, found_by.source):
             return False
         try:
-            address = await self._checked_address(record.url)
+            _, address = await asyncio.to_thread(self.address_rules.check, record)
         except InvalidNode as e:
             log.error("%s: node %s not added: %s", found_by.describe(), record.url, e)
             return False
@@ -295,7 +387,7 @@ class Fleet:
             return False
         self.found[record.url] = found_by
         if self._record_of(record.url) != record:
-            self._add_here(record, address, None)  # without models: discovery asks it at once
+            await self._add_here(record, address, None)  # without models: discovery asks it at once
         return True
 
     def drop_found(self, url: str, source: str) -> bool:
@@ -364,55 +456,91 @@ class Fleet:
         node = self._node(url)
         return None if node is None else node["state"]
 
-    def status(self) -> dict[str, dict[str, object]]:
+    def status(self) -> dict[str, NodeStatusRow]:
         """Every node, keyed by URL: LMDeploy's keys (role as its integer, models, unfinished,
         latency, speed) and pdproxy's (the record's fields shown, health, counts, lease, engine)."""
-        out: dict[str, dict[str, object]] = {}
-        now = time.monotonic()
         health = self.health_summaries()
         kv_events = self.kv_events.statuses() if self.kv_events is not None else None
-        for node in self.router.nodes():
-            url = node["url"]
-            expires = self.leases.get(url)
-            lease = None if expires is None else {"ttl": node["lease_ttl"], "expires_in": round(expires - now, 3)}
-            record: Mapping[str, object] = node  # read by field name, whichever fields a record has
-            out[url] = {
-                **{name: record[name] for name in NodeRecord.shown_fields()},
-                "role": ROLE_NUMBERS[node["role"]],
-                "models": node["models"],
-                "unfinished": node["in_flight"],
-                "latency": node["recent_latencies"],
-                "speed": node["speed"],
-                "role_name": node["role"],
-                "state": node["state"],
-                "circuit": node["circuit"],
-                "health": health.get(url),
-                "in_flight": node["in_flight"],
-                "max_concurrency": node["max_concurrency"],
-                "requests": node["requests"],
-                "succeeded": node["succeeded"],
-                "failed": node["failed"],
-                "client_errors": node["client_errors"],
-                "cancelled": node["cancelled"],
-                "mean_latency": node["mean_latency"],
-                "mean_ttft": node["mean_ttft"],
-                "generation": node["generation"],
-                "lease": lease,
-                "engine": {
-                    **node["engine"],
-                    "dialect": self.engines.dialects.get(url),
-                    "last_error": self.engines.errors.get(url),
-                },
-                "address": node["address"],
-                "found_by": found.shown() if (found := self.found.get(url)) is not None else None,
-                "kv_events": kv_events.get(url) if kv_events is not None else None,
-            }
-            if isinstance(self.pd, DistServe):
-                out[url]["links"] = [
-                    link for link in self.pd.links.status() if url in (link["prefill"], link["decode"])
-                ]
-                out[url]["preserved_sessions"] = self.pd.ledger.held_on(url)
-        return out
+        return {view.url: self._row(view, health, kv_events) for view in self.router.core.views()}
+
+    def node_status(self, view: NodeView) -> NodeStatusRow:
+        """One node as ``status`` shows it, from its view (``add``'s answer)."""
+        kv_events = self.kv_events.statuses() if self.kv_events is not None else None
+        return self._row(view, self.health_summaries(), kv_events)
+
+    def _row(
+        self,
+        view: NodeView,
+        health: dict[str, HealthSummary | JsonValue],
+        kv_events: dict[str, dict[str, object]] | None,
+    ) -> NodeStatusRow:
+        url = view.url
+        expires = self.leases.get(url)
+        engine, learnt = view.engine, view.engine.learnt
+        row = NodeStatusRow(
+            speed=view.speed,
+            max_concurrency=view.max_concurrency,
+            bootstrap_port=view.bootstrap_port,
+            lease_ttl=view.lease_ttl,
+            labels=view.labels,
+            role=ROLE_NUMBERS[view.role],
+            models=view.models,
+            unfinished=view.in_flight,
+            latency=view.recent_latencies,
+            role_name=view.role,
+            state=view.state,
+            circuit=view.circuit,
+            health=health.get(url),
+            in_flight=view.in_flight,
+            requests=view.requests,
+            succeeded=view.succeeded,
+            failed=view.failed,
+            client_errors=view.client_errors,
+            cancelled=view.cancelled,
+            mean_latency=view.mean_latency,
+            mean_ttft=view.mean_ttft,
+            generation=view.generation,
+            lease=None
+            if expires is None
+            else LeaseStatus(ttl=view.lease_ttl, expires_in=round(expires - time.monotonic(), 3)),
+            engine=EngineStatus(
+                running=engine.running,
+                waiting=engine.waiting,
+                kv_usage=engine.kv_usage,
+                prompt_tokens=engine.prompt_tokens,
+                cached_tokens=engine.cached_tokens,
+                kv_capacity_tokens=engine.kv_capacity_tokens,
+                transferred_tokens=engine.transferred_tokens,
+                age=engine.age,
+                fresh=engine.fresh,
+                sent_since=engine.sent_since,
+                requests_estimate=engine.requests_estimate,
+                others=engine.others,
+                restarts=engine.restarts,
+                failures=engine.failures,
+                failing=engine.failing,
+                learnt=LearntStatus(
+                    prefill_seconds_per_kib=learnt.prefill_seconds_per_kib,
+                    first_token_seconds=learnt.first_token_seconds,
+                    decode_seconds=learnt.decode_seconds,
+                    batch_slots=learnt.batch_slots,
+                    seconds_per_request_in_flight=learnt.seconds_per_request_in_flight,
+                    prefill_bound_seconds_per_kib=learnt.prefill_bound_seconds_per_kib,
+                    samples=learnt.samples,
+                    predicted_cached_bytes=learnt.predicted_cached_bytes,
+                    reported_cached_tokens=learnt.reported_cached_tokens,
+                ),
+                dialect=self.engines.dialects.get(url),
+                last_error=self.engines.errors.get(url),
+            ),
+            address=view.address,
+            found_by=found.shown() if (found := self.found.get(url)) is not None else None,
+            kv_events=kv_events.get(url) if kv_events is not None else None,
+        )
+        if self.pd is not None and (held := self.pd.node_status(url)) is not None:
+            row["links"] = held["links"]
+            row["preserved_sessions"] = held["preserved_sessions"]
+        return row
 
     def sources_status(self) -> dict[str, JsonValue]:
         """How each node source fares: whether it reaches where it looks, since when not, why."""

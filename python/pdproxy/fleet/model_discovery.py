@@ -24,6 +24,7 @@ from pdproxy.fleet.node_answers import read_json
 from pdproxy.fleet.tls import node_session
 
 if TYPE_CHECKING:
+    from pdproxy._pdproxy import NodeView
     from pdproxy._pdproxy import Router as CoreRouter
 
 log = logging.getLogger("pdproxy.discovery")
@@ -85,11 +86,13 @@ class ModelDiscovery:
             await self._session.close()
             self._session = None
 
-    async def probe(self, url: str) -> None:
-        """Probes ``url`` now if it is still pending (one attempt, within the timeout)."""
+    async def probe(self, url: str) -> NodeView | None:
+        """Probes ``url`` now if it is still pending (one attempt, within the timeout); the
+        node's view once it told its models."""
         pending = self._pending.get(url)
         if pending is not None and self._session is not None:
-            await self._probe(url, pending)
+            return await self._probe(url, pending)
+        return None
 
     async def probe_pending(self, unknown_only: bool = False) -> None:
         """Probes every pending node concurrently (``unknown_only``: those that declared no models,
@@ -113,13 +116,13 @@ class ModelDiscovery:
             return self._core.node(url)["declared_models"] is not None
         return False
 
-    async def _probe(self, url: str, pending: _Pending) -> None:
+    async def _probe(self, url: str, pending: _Pending) -> NodeView | None:
         assert self._session is not None
         try:
             node = self._core.node(url)
         except NodeNotFound:
             self._pending.pop(url, None)
-            return
+            return None
         declared: list[str] | None = node["declared_models"]
         headers = {"authorization": f"Bearer {node['api_key']}"} if node["api_key"] else {}
         status: int | str
@@ -132,7 +135,7 @@ class ModelDiscovery:
         models = _model_ids(payload)
         # The node may have been removed or re-added while it was being probed.
         if self._pending.get(url) is not pending:
-            return
+            return None
         if models is None:
             if declared is not None:
                 # No probe possible: trust what the node declared, and stop probing.
@@ -141,13 +144,14 @@ class ModelDiscovery:
             else:
                 pending.failure = f"/v1/models failed ({status})"
                 log.info("node %s: model discovery failed (%s); will retry", url, status)
-            return
+            return None
         del self._pending[url]
         self._cards[url] = _cards(payload)
         if declared is not None and sorted(declared) != sorted(models):
             log.warning("node %s declared models %s but serves %s; using what it serves", url, declared, models)
-        self._core.set_models(url, models)
+        view = self._core.set_models(url, models)
         log.info("node %s serves %s", url, ", ".join(models) or "no models")
+        return view
 
 
 def _cards(payload: object) -> dict[str, JsonObject]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from pdproxy import _pdproxy
@@ -31,6 +31,8 @@ ROLES = {"hybrid": "hybrid", "1": "hybrid", "prefill": "prefill", "2": "prefill"
 MAX_CONCURRENCY = 2**32 - 1
 #: Error type of a value the node table refuses (a 400 ``invalid_node``, not ``invalid_request``).
 INVALID_NODE = "invalid_node"
+#: The validation context's key for a record whose data-plane rules are checked as it is added.
+_UNCHECKED = "unchecked"
 
 
 class NodeAttributes(BaseModel):
@@ -90,12 +92,15 @@ class NodeAttributes(BaseModel):
 class NodeRecord(NodeAttributes):
     """A node: its URL (in the canonical form the data plane gives it) and its attributes.
     Building one applies every rule of the node table (``_pdproxy.Router.check_node``), so a
-    record that exists can be added."""
+    record that exists can be added; an ``unchecked`` one leaves them to the data plane, which
+    applies them as it adds the node (in the same call)."""
 
     url: str = Field(description="The node's base URL, e.g. http://10.0.0.5:23333")
 
     @model_validator(mode="after")
-    def _canonical(self) -> NodeRecord:
+    def _canonical(self, info: ValidationInfo) -> NodeRecord:
+        if info.context is not None and info.context.get(_UNCHECKED):
+            return self
         try:
             canonical = _pdproxy.Router.check_node(self)
         except InvalidNode as e:
@@ -121,6 +126,15 @@ class NodeRecord(NodeAttributes):
         """A record from ``fields``; raises ``InvalidNode`` naming the field (its ``param``)."""
         try:
             return cls.model_validate(fields)
+        except ValidationError as e:
+            raise InvalidNode(validation_message(e), param=validation_field(e)) from None
+
+    @classmethod
+    def unchecked(cls, fields: Mapping[str, object]) -> NodeRecord:
+        """``checked`` without the data plane's rules (its URL as given): for a record about to
+        be added (``Fleet.add``), which checks them and answers with the canonical URL."""
+        try:
+            return cls.model_validate(fields, context={_UNCHECKED: True})
         except ValidationError as e:
             raise InvalidNode(validation_message(e), param=validation_field(e)) from None
 

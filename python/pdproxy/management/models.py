@@ -45,14 +45,16 @@ class AddNodeBody(LmdeployNodeStatus):
     status: LmdeployNodeStatus | None = Field(None, description="LMDeploy's node status")
 
     def record(self) -> NodeRecord:
-        """The node this body registers. Raises ``InvalidNode`` naming the field."""
+        """The node this body registers, its data-plane rules (URL, speed, key) left to the
+        data plane, which checks them as it adds the node (``Fleet.add``). Raises
+        ``InvalidNode`` naming the field."""
         fields: dict[str, object] = {}
         for part in (self.status, self):
             if part is not None:
                 given = part.model_fields_set & NodeAttributes.model_fields.keys()
                 fields.update((name, getattr(part, name)) for name in given)
         fields["models"] = fields.get("models") or None  # LMDeploy's empty list: ask the node
-        return NodeRecord.checked({**fields, "url": self.url})
+        return NodeRecord.unchecked({**fields, "url": self.url})
 
 
 class UrlBody(BaseModel):

@@ -33,7 +33,6 @@ from pdproxy.management.peer_routes import PEER_ROUTES
 from pdproxy.management.route_table import Route
 from pdproxy.management.workers_api import WORKERS_ROUTES
 from pdproxy.pd import PdAdapter, PdStatus
-from pdproxy.pd.lmdeploy import DistServe
 from pdproxy.server.asgi_types import HTTPReceive, HTTPScope
 from pdproxy.server.group import GroupSummary
 from pdproxy.server.responses import read_json
@@ -53,13 +52,13 @@ async def _url_body(scope: HTTPScope, receive: HTTPReceive) -> str:
 
 async def add(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     body = parse_body(AddNodeBody, await read_json(scope, receive, BODY_LIMIT))
-    url, created = await fleet.add(body.record())
-    status = fleet.status().get(url)
+    # One call to the data plane checks, adds and answers with the node's view.
+    view, created = await fleet.add(body.record())
     return 200, AddNodeAnswer(
-        url=url,
+        url=view.url,
         created=created,
-        status=None if status is None else NodeStatus.model_validate(status),
-        models_unknown=fleet.router.models_unknown_because(url),
+        status=NodeStatus.model_validate(fleet.node_status(view)),
+        models_unknown=fleet.router.models_unknown_because(view.url),
     )
 
 
@@ -95,21 +94,14 @@ def _pd(fleet: Fleet) -> PdAdapter:
     return fleet.pd
 
 
-def _lmdeploy(fleet: Fleet) -> DistServe:
-    pd = _pd(fleet)
-    if not isinstance(pd, DistServe):
-        raise DistServeOff("links and preserved sessions exist only with --pd-protocol lmdeploy")
-    return pd
-
-
 async def connection_warmup(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
-    return 200, await _lmdeploy(fleet).warmup()
+    return 200, await _pd(fleet).warmup()
 
 
 async def distserve_gc(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     payload = await read_json(scope, receive, BODY_LIMIT)
     body = parse_body(GcBody, payload if isinstance(payload, dict) else {})
-    freed = await _lmdeploy(fleet).ledger.gc(body.older_than)
+    freed = await _pd(fleet).gc(body.older_than)
     return 200, GcAnswer(freed=[FreedSession(prefill=e.prefill, session_id=e.session_id, state=e.state) for e in freed])
 
 

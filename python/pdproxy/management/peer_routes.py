@@ -59,8 +59,8 @@ def _url_param(scope: HTTPScope) -> str:
 
 
 async def add_worker(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
-    url, _ = await fleet.add(NodeRecord.checked({"url": _url_param(scope)}))
-    return 200, PlainText(f"Successfully added worker: {url}")
+    view, _ = await fleet.add(NodeRecord.checked({"url": _url_param(scope)}))
+    return 200, PlainText(f"Successfully added worker: {view.url}")
 
 
 async def remove_worker(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:

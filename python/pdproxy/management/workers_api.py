@@ -248,7 +248,8 @@ async def create_worker(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) ->
         raise WorkerExists(
             f"a worker is registered at {record.url} (id {worker_id(record.url)}): PUT or PATCH /workers/ID changes it"
         )
-    url, _ = await fleet.add(record)
+    view, _ = await fleet.add(record)
+    url = view.url
     location = WORKERS_PREFIX + worker_id(url)
     answer = _accepted(url, "Worker registered (pdproxy adds it at once: GET location shows it)", spec)
     answer["url"], answer["location"] = url, location

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
 if TYPE_CHECKING:
+    from pdproxy.fleet.fleet import NodeStatusRow
     from pdproxy.pd import PdStatus
     from pdproxy.server.supervisor import Supervisor
 
@@ -21,7 +22,7 @@ class DashboardData(TypedDict):
 
     time: float
     #: As ``/nodes/status`` shows them.
-    nodes: dict[str, dict[str, object]]
+    nodes: dict[str, NodeStatusRow]
     queued: int
     in_flight: int
     draining: bool

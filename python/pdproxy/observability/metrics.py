@@ -12,7 +12,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from pdproxy import __version__
-from pdproxy.pd.lmdeploy import DistServe
 
 if TYPE_CHECKING:
     from pdproxy._pdproxy import Histogram, NodeSnapshot, TenantSnapshot
@@ -125,9 +124,9 @@ class PdproxyCollector(Collector):
         if fleet is not None and fleet.kv_events is not None:
             yield from _kv_index_metrics(router.core.kv_index_stats())
 
-        pd = fleet.pd if fleet is not None else None
-        if isinstance(pd, DistServe):
-            yield from _pd_metrics(pd.status())
+        kept = fleet.pd.kept() if fleet is not None and fleet.pd is not None else None
+        if kept is not None:
+            yield from _pd_metrics(kept)
         if self.app.group is not None:
             yield from _group_metrics(self.app.group.summary())
         tenants = router.core.tenants()

@@ -13,14 +13,17 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias, TypedDict
 
 from pdproxy import _pdproxy
 from pdproxy.config.settings import Settings
+from pdproxy.errors import DistServeOff
 from pdproxy.router import Router
 
 if TYPE_CHECKING:
     from pdproxy.fleet.fleet import Fleet
 
+    from .ledger import Swept
+    from .links import LinkSummary, WarmupAnswer
     from .lmdeploy import DistServeStatus
 
-__all__ = ["ApiKeyOf", "PdAdapter", "PdStatus", "make_adapter"]
+__all__ = ["ApiKeyOf", "NodePdStatus", "PdAdapter", "PdStatus", "make_adapter"]
 
 #: A node's API key by its URL (the fleet's ``api_key_of``).
 ApiKeyOf = Callable[[str], str | None]
@@ -32,6 +35,19 @@ class StatelessStatus(TypedDict):
 
 #: What a flow shows of itself (``/distserve/status``, ``/debug/state``, the dashboard).
 PdStatus: TypeAlias = "DistServeStatus | StatelessStatus"
+
+
+class NodePdStatus(TypedDict):
+    """What a flow keeps of one node, in its ``/nodes/status`` entry."""
+
+    #: The prefill-decode links the node is on.
+    links: list[LinkSummary]
+    #: Sessions preserved on it (a prefill node) for a decode to take over.
+    preserved_sessions: int
+
+
+#: What a flow that keeps nothing across requests answers for its links and sessions.
+NOTHING_KEPT = "links and preserved sessions exist only with --pd-protocol lmdeploy"
 
 
 class PdAdapter(Protocol):
@@ -55,6 +71,23 @@ class PdAdapter(Protocol):
     def status(self) -> PdStatus:
         """What ``/distserve/status`` and ``/debug/state`` show of it."""
 
+    def kept(self) -> DistServeStatus | None:
+        """What it keeps across requests (links, the ledger of preserved sessions), for the
+        metrics; ``None`` when it keeps nothing."""
+
+    def node_status(self, url: str) -> NodePdStatus | None:
+        """What it keeps of the node ``url`` (``/nodes/status``); ``None`` when it keeps nothing."""
+
+    async def adopt_orphans(self) -> int:
+        """A worker group's leader's round: frees what workers that died left; how many."""
+
+    async def warmup(self) -> WarmupAnswer:
+        """Connects every prefill-decode pair now. Raises ``DistServeOff`` when it keeps no links."""
+
+    async def gc(self, older_than: float) -> list[Swept]:
+        """Frees the sessions preserved longer than ``older_than`` seconds. Raises
+        ``DistServeOff`` when it preserves none."""
+
 
 class Stateless:
     """vLLM's and SGLang's protocols: the pipeline runs them whole, and nothing outlives a
@@ -75,6 +108,21 @@ class Stateless:
 
     def status(self) -> StatelessStatus:
         return StatelessStatus(protocol=self.protocol)
+
+    def kept(self) -> None:
+        return None
+
+    def node_status(self, url: str) -> None:
+        return None
+
+    async def adopt_orphans(self) -> int:
+        return 0
+
+    async def warmup(self) -> WarmupAnswer:
+        raise DistServeOff(NOTHING_KEPT)
+
+    async def gc(self, older_than: float) -> list[Swept]:
+        raise DistServeOff(NOTHING_KEPT)
 
 
 def make_adapter(router: Router, settings: Settings, fleet: Fleet, group_dir: Path | None = None) -> PdAdapter:

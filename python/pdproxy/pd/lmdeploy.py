@@ -25,8 +25,8 @@ from pdproxy.errors import LinkFailed
 from pdproxy.router import Router
 from pdproxy.server.group import alive
 
-from . import ApiKeyOf
-from .ledger import LedgerStatus, SessionLedger
+from . import ApiKeyOf, NodePdStatus
+from .ledger import LedgerStatus, SessionLedger, Swept
 from .links import LinkPool, LinkSummary, Transport, WarmupAnswer
 
 log = logging.getLogger("pdproxy.pd")
@@ -127,6 +127,16 @@ class DistServe:
 
     def status(self) -> DistServeStatus:
         return DistServeStatus(links=self.links.status(), ledger=self.ledger.status())
+
+    def kept(self) -> DistServeStatus:
+        return self.status()
+
+    def node_status(self, url: str) -> NodePdStatus:
+        links = [link for link in self.links.status() if url in (link["prefill"], link["decode"])]
+        return NodePdStatus(links=links, preserved_sessions=self.ledger.held_on(url))
+
+    async def gc(self, older_than: float) -> list[Swept]:
+        return await self.ledger.gc(older_than)
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,7 +22,6 @@ from pdproxy.fleet.membership import from_url as membership_from_url
 from pdproxy.fleet.membership.group_file import GroupFileMembership
 from pdproxy.observability.metrics import registry_for
 from pdproxy.pd import PdAdapter, make_adapter
-from pdproxy.pd.lmdeploy import DistServe
 from pdproxy.router import Router
 from pdproxy.server.group import GROUP_ENV, Group
 from pdproxy.server.tenants import TenantsFile, UsageSync
@@ -146,7 +145,7 @@ class Supervisor:
         self.fleet.publish_health()
         if isinstance(self.fleet.membership, GroupFileMembership):
             self.fleet.membership.expire()
-        if isinstance(self.pd, DistServe):
+        if self.pd is not None:
             await self.pd.adopt_orphans()
 
     def _group_signals(self) -> None:

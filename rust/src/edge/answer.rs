@@ -103,7 +103,7 @@ pub(crate) const ERRORS: [(&str, Fault); 34] = [
 pub(crate) fn fault_of(error: &Error) -> Fault {
     match error.kind() {
         Kind::InvalidRequest => INVALID_REQUEST,
-        Kind::InvalidNode => INVALID_NODE,
+        Kind::InvalidNode | Kind::NodeUnresolvable => INVALID_NODE,
         Kind::NodeNotFound => NODE_NOT_FOUND,
         Kind::ModelNotFound => MODEL_NOT_FOUND,
         Kind::NoNodes | Kind::NoHealthyNode => NO_HEALTHY_NODE,

@@ -27,7 +27,7 @@ use crate::error::{Error, Kind, Result};
 use crate::inspect::RequestInfo;
 use crate::node::registry::Registry;
 use crate::node::Outcome;
-use crate::node::{Node, NodeSpec, NodeState, Role};
+use crate::node::{Node, NodeSpec, NodeState, NodeUrl, Role};
 use crate::observe::trace::{OpenSpan, SpanKind, Trace, Tracer, TracingConfig};
 use crate::select::kv_index::KvIndex;
 use crate::select::{PolicyConfig, SelectCtx};
@@ -174,9 +174,14 @@ impl Engine {
 
     /// Adds a node, or updates a registered one.
     pub fn add_node(&self, url: &str, spec: NodeSpec) -> Result<Arc<Node>> {
-        let node = self.registry.add(url, spec)?;
+        Ok(self.add_parsed(&NodeUrl::parse(url)?, spec)?.0)
+    }
+
+    /// `add_node` for a URL parsed already; also says whether the node is new.
+    pub(crate) fn add_parsed(&self, url: &NodeUrl, spec: NodeSpec) -> Result<(Arc<Node>, bool)> {
+        let (node, created) = self.registry.add_parsed(url, spec)?;
         node.counters().circuit.configure(self.config.circuit_failures, self.config.circuit_cooldown);
-        Ok(node)
+        Ok((node, created))
     }
 
     /// The registered node at `url`.

@@ -1,6 +1,7 @@
 //! A node: one upstream inference server, its URL, its counters (which outlive any snapshot
 //! of it), what is known of its engine, and the table of registered nodes.
 
+pub(crate) mod address;
 pub(crate) mod circuit;
 pub(crate) mod counters;
 pub(crate) mod engine_report;
@@ -88,6 +89,34 @@ pub struct NodeSpec {
     /// Where the node is reached: the address its name resolved to when it was checked, so
     /// that a name whose answer changes later cannot send requests elsewhere. `None`: resolve.
     pub address: Option<std::net::SocketAddr>,
+}
+
+impl NodeSpec {
+    /// Every rule a node's attributes must pass (the URL's are `NodeUrl::parse`'s, its
+    /// addresses' `address::AddressRules`'): the one place the node table checks them. The
+    /// error names the attribute in its message (its `param` stays the default, `url`, as the
+    /// management API has always answered).
+    pub(crate) fn check(&self) -> Result<()> {
+        let refused =
+            |param: &'static str, message: String| Err(Error::new(Kind::InvalidNode, message).with_param(param));
+        if let Some(speed) = self.speed.filter(|s| !(s.is_finite() && *s > 0.0)) {
+            return refused("speed", format!("speed must be a positive number, got {speed}"));
+        }
+        // The key goes into a header: it must be a valid header value (no CR, LF or other
+        // control characters), or requests and health checks would fail (or carry injected headers).
+        if let Some(key) = &self.api_key {
+            if http::HeaderValue::from_str(&format!("Bearer {key}")).is_err() {
+                return refused("api_key", "the node's api_key must be printable text without line breaks".to_owned());
+            }
+        }
+        if self.bootstrap_port == Some(0) {
+            return refused("bootstrap_port", "bootstrap_port must be a port number".to_owned());
+        }
+        if self.lease_ttl.is_some_and(|ttl| ttl.is_nan() || ttl <= 0.0) {
+            return refused("lease_ttl", "lease_ttl must be a positive number of seconds".to_owned());
+        }
+        Ok(())
+    }
 }
 
 /// An immutable description of a node plus its shared counters. Changing a node's spec

@@ -201,9 +201,12 @@ impl Registry {
 
     /// Adds a node, or updates the spec of a registered one (same generation and counters).
     pub fn add(&self, url: &str, spec: NodeSpec) -> Result<Arc<Node>> {
-        let url = NodeUrl::parse(url)?;
-        check_speed(spec.speed)?;
-        check_api_key(spec.api_key.as_deref())?;
+        Ok(self.add_parsed(&NodeUrl::parse(url)?, spec)?.0)
+    }
+
+    /// `add` for a URL parsed already; also says whether the node is new.
+    pub(crate) fn add_parsed(&self, url: &NodeUrl, spec: NodeSpec) -> Result<(Arc<Node>, bool)> {
+        spec.check()?;
         let spec = NodeSpec { models: dedup(spec.models), ..spec };
         let _writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
         let current = self.snapshot.load_full();
@@ -211,15 +214,15 @@ impl Registry {
         let node = if let Some(pos) = nodes.iter().position(|n| n.url() == url.normalized) {
             let old = &nodes[pos];
             let (counters, generation) =
-                if self.is_current(old) { (old.counters().clone(), old.generation()) } else { self.fresh(&url)? };
-            let updated = Arc::new(Node::new(&url, generation, spec, counters));
+                if self.is_current(old) { (old.counters().clone(), old.generation()) } else { self.fresh(url)? };
+            let updated = Arc::new(Node::new(url, generation, spec, counters));
             nodes[pos] = Arc::clone(&updated);
-            updated
+            (updated, false)
         } else {
-            let (counters, generation) = self.fresh(&url)?;
-            let added = Arc::new(Node::new(&url, generation, spec, counters));
+            let (counters, generation) = self.fresh(url)?;
+            let added = Arc::new(Node::new(url, generation, spec, counters));
             nodes.push(Arc::clone(&added));
-            added
+            (added, true)
         };
         self.publish(nodes);
         Ok(node)
@@ -260,27 +263,6 @@ impl Registry {
             table.retire(binding);
         }
         Ok(removed)
-    }
-}
-
-/// A node's speed, when declared, is a positive number.
-pub(crate) fn check_speed(speed: Option<f64>) -> Result<()> {
-    match speed {
-        Some(speed) if !(speed.is_finite() && speed > 0.0) => {
-            Err(Error::new(Kind::InvalidNode, format!("speed must be a positive number, got {speed}")))
-        }
-        _ => Ok(()),
-    }
-}
-
-/// A node's API key goes into a header: it must be a valid header value (no CR, LF or other
-/// control characters), or requests and health checks would fail (or carry injected headers).
-pub(crate) fn check_api_key(key: Option<&str>) -> Result<()> {
-    match key {
-        Some(key) if http::HeaderValue::from_str(&format!("Bearer {key}")).is_err() => {
-            Err(Error::new(Kind::InvalidNode, "the node's api_key must be printable text without line breaks"))
-        }
-        _ => Ok(()),
     }
 }
 

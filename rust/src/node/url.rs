@@ -65,6 +65,15 @@ impl NodeUrl {
         let normalized = format!("{scheme}://{authority}{base_path}");
         Ok(Self { normalized, scheme, authority, base_path })
     }
+
+    /// The port a URL without one means: 443 for `https`, else 80.
+    pub(crate) fn default_port(&self) -> u16 {
+        if self.scheme == Scheme::HTTPS {
+            443
+        } else {
+            80
+        }
+    }
 }
 
 #[cfg(test)]

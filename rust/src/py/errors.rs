@@ -12,6 +12,7 @@ use crate::error::{Error, Kind};
 pyo3::import_exception!(pdproxy.errors, ConfigError);
 pyo3::import_exception!(pdproxy.errors, InvalidRequest);
 pyo3::import_exception!(pdproxy.errors, InvalidNode);
+pyo3::import_exception!(pdproxy.errors, NodeUnresolvable);
 pyo3::import_exception!(pdproxy.errors, NodeNotFound);
 pyo3::import_exception!(pdproxy.errors, NoNodeAvailable);
 pyo3::import_exception!(pdproxy.errors, ModelNotFound);
@@ -42,6 +43,7 @@ fn exception(err: &Error) -> PyErr {
     match err.kind() {
         Kind::InvalidRequest => InvalidRequest::new_err(args),
         Kind::InvalidNode => InvalidNode::new_err(args),
+        Kind::NodeUnresolvable => NodeUnresolvable::new_err(args),
         Kind::NodeNotFound => NodeNotFound::new_err(args),
         Kind::ModelNotFound => ModelNotFound::new_err(args),
         Kind::NoNodes | Kind::NoHealthyNode => NoNodeAvailable::new_err(args),

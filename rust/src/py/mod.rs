@@ -23,6 +23,10 @@ fn _pdproxy(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("POLICY_NAMES", pyo3::types::PyTuple::new(m.py(), crate::select::POLICY_NAMES)?)?;
     contracts::add(m)?;
     m.add_class::<router::Router>()?;
+    m.add_class::<node::NodeView>()?;
+    m.add_class::<node::EngineView>()?;
+    m.add_class::<node::LearntView>()?;
+    m.add_class::<node::NodeAddressRules>()?;
     m.add_class::<response::Response>()?;
     m.add_class::<bridge::LoopBridge>()?;
     m.add_class::<shared::SharedTable>()?;

@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use super::bridge::{resolve, LoopBridge};
 use super::config::RouterConfig;
 use super::distserve::{DistServeCore, DistServeSettings};
-use super::node::{record_dict, NodeRecord};
+use super::node::{record_dict, EngineView, NodeAddressRules, NodeRecord, NodeView};
 use super::response::{Head, Response};
 use super::shared::SharedTable;
 use super::tenants::{limited_to_pyerr, tenant_dict, TenantEntry, TenantTicket};
@@ -92,13 +92,42 @@ impl Router {
         self.engine.policies().names()
     }
 
-    /// Adds a node (or updates a registered one) from its record; returns its normalised URL.
-    /// `address` (`HOST:PORT`): where to connect, instead of resolving the URL's host.
-    #[pyo3(signature = (record, address=None))]
-    fn add_node(&self, record: NodeRecord, address: Option<&str>) -> PyResult<String> {
-        let url = record.url.clone();
-        let node = self.engine.add_node(&url, record.into_spec(address)?)?;
-        Ok(node.url().to_owned())
+    /// Adds a node (or updates a registered one) from its record, in one call: the URL parsed
+    /// once, every rule checked once, the host resolved and its addresses checked by `rules`
+    /// (with the GIL released: call it off the event loop), the node registered. Returns the
+    /// node's view and whether it is new. `address` (`HOST:PORT`): where to connect, instead
+    /// of resolving the URL's host (then `rules` are not applied). `end_drain`: a draining node
+    /// takes requests again (its lease was renewed).
+    #[pyo3(signature = (record, address=None, rules=None, end_drain=false))]
+    fn add_node(
+        &self,
+        py: Python<'_>,
+        record: NodeRecord,
+        address: Option<&str>,
+        rules: Option<Bound<'_, NodeAddressRules>>,
+        end_drain: bool,
+    ) -> PyResult<(NodeView, bool)> {
+        let (url, mut spec) = record.checked(address)?;
+        if let (None, Some(rules)) = (address, &rules) {
+            let rules = &rules.get().rules;
+            spec.address = Some(py.detach(|| rules.resolve(&url))?);
+        }
+        let (node, created) = self.engine.add_parsed(&url, spec)?;
+        if end_drain && !created && node.counters().state() == NodeState::Draining {
+            node.counters().set_state(NodeState::Healthy);
+        }
+        Ok((NodeView::of(&node, self.engine.config.policy.engine_max_age_ms), created))
+    }
+
+    /// One node's view (`NodeView`). Raises `NodeNotFound`.
+    fn view(&self, url: &str) -> PyResult<NodeView> {
+        Ok(NodeView::of(&self.lookup(url)?, self.engine.config.policy.engine_max_age_ms))
+    }
+
+    /// Every node's view, in the table's order.
+    fn views(&self) -> Vec<NodeView> {
+        let max_age_ms = self.engine.config.policy.engine_max_age_ms;
+        self.engine.registry.load().nodes().iter().map(|node| NodeView::of(node, max_age_ms)).collect()
     }
 
     /// One node: its record (API key included), state, circuit and requests in flight.
@@ -112,10 +141,10 @@ impl Router {
         Ok(out)
     }
 
-    /// Replaces the models of a registered node, keeping everything else.
-    fn set_models(&self, url: &str, models: Vec<String>) -> PyResult<()> {
-        self.engine.registry.update(url, |spec| spec.models = models)?;
-        Ok(())
+    /// Replaces the models of a registered node, keeping everything else; returns its view.
+    fn set_models(&self, url: &str, models: Vec<String>) -> PyResult<NodeView> {
+        let node = self.engine.registry.update(url, |spec| spec.models = models)?;
+        Ok(NodeView::of(&node, self.engine.config.policy.engine_max_age_ms))
     }
 
     /// In a worker group: rebinds nodes whose shared slot another worker retired (it removed
@@ -369,7 +398,7 @@ impl Router {
     /// Raises `InvalidNode` for a node the table would refuse, without adding it.
     #[staticmethod]
     fn check_node(record: NodeRecord) -> PyResult<String> {
-        record.check()
+        Ok(record.checked(None)?.0.normalized)
     }
 
     /// The canonical form of a node URL (scheme and host lower-cased, no trailing slash).
@@ -818,49 +847,37 @@ fn node_stats<'py>(py: Python<'py>, node: &Arc<Node>) -> PyResult<Bound<'py, PyD
     Ok(stats)
 }
 
-/// What the node's engine last reported, as the status pages show it.
+/// What the node's engine last reported, as the status pages show it (`EngineView` as a dict).
 fn engine_stats<'py>(py: Python<'py>, node: &Node, max_age_ms: u64) -> PyResult<Bound<'py, PyDict>> {
-    let now = now_ms();
-    let report = node.counters().engine.snapshot(now);
+    let view = EngineView::of(node, max_age_ms);
     let out = PyDict::new(py);
-    let figures = report.figures.unwrap_or_default();
-    let known = report.figures.is_some();
-    out.set_item("running", known.then_some(figures.running))?;
-    out.set_item("waiting", known.then_some(figures.waiting))?;
-    out.set_item("kv_usage", figures.kv_usage)?;
-    out.set_item("prompt_tokens", figures.prompt_tokens)?;
-    out.set_item("cached_tokens", figures.cached_tokens)?;
-    out.set_item("kv_capacity_tokens", figures.kv_capacity_tokens)?;
-    out.set_item("transferred_tokens", figures.transferred_tokens)?;
-    #[allow(clippy::cast_precision_loss)]
-    out.set_item("age", report.age_ms.map(|ms| ms as f64 / 1e3))?;
-    let load = node.engine_load(max_age_ms, now);
-    out.set_item("fresh", load.is_some())?;
-    out.set_item("sent_since", load.map(|l| l.sent_since))?;
-    out.set_item("requests_estimate", load.map(|l| l.requests()))?;
-    out.set_item("others", load.map(|l| l.others))?;
-    out.set_item("restarts", report.restarts)?;
-    out.set_item("failures", report.failures)?;
-    out.set_item("failing", report.failing)?;
-    out.set_item("learnt", learnt_speed(py, node)?)?;
-    Ok(out)
-}
-
-/// What pdproxy learnt of the engine's speed from its answers (`scored` prices with it).
-fn learnt_speed<'py>(py: Python<'py>, node: &Node) -> PyResult<Bound<'py, PyDict>> {
-    let speed = node.counters().speed.speed();
-    let out = PyDict::new(py);
-    let seconds = |ms: Option<f64>| ms.map(|ms| ms / 1e3);
-    out.set_item("prefill_seconds_per_kib", seconds(speed.prefill_ms_per_kib))?;
-    out.set_item("first_token_seconds", seconds(speed.first_token_ms))?;
-    out.set_item("decode_seconds", seconds(speed.decode_ms))?;
-    out.set_item("batch_slots", speed.slots)?;
-    out.set_item("seconds_per_request_in_flight", seconds(speed.ms_per_in_flight))?;
-    out.set_item("prefill_bound_seconds_per_kib", seconds(speed.prefill_bound_ms_per_kib))?;
-    out.set_item("samples", speed.samples)?;
-    let counters = node.counters();
-    out.set_item("predicted_cached_bytes", counters.answered_predicted_bytes.load(Ordering::Relaxed))?;
-    out.set_item("reported_cached_tokens", counters.answered_cached_tokens.load(Ordering::Relaxed))?;
+    out.set_item("running", view.running)?;
+    out.set_item("waiting", view.waiting)?;
+    out.set_item("kv_usage", view.kv_usage)?;
+    out.set_item("prompt_tokens", view.prompt_tokens)?;
+    out.set_item("cached_tokens", view.cached_tokens)?;
+    out.set_item("kv_capacity_tokens", view.kv_capacity_tokens)?;
+    out.set_item("transferred_tokens", view.transferred_tokens)?;
+    out.set_item("age", view.age)?;
+    out.set_item("fresh", view.fresh)?;
+    out.set_item("sent_since", view.sent_since)?;
+    out.set_item("requests_estimate", view.requests_estimate)?;
+    out.set_item("others", view.others)?;
+    out.set_item("restarts", view.restarts)?;
+    out.set_item("failures", view.failures)?;
+    out.set_item("failing", view.failing)?;
+    let learnt = view.learnt;
+    let speed = PyDict::new(py);
+    speed.set_item("prefill_seconds_per_kib", learnt.prefill_seconds_per_kib)?;
+    speed.set_item("first_token_seconds", learnt.first_token_seconds)?;
+    speed.set_item("decode_seconds", learnt.decode_seconds)?;
+    speed.set_item("batch_slots", learnt.batch_slots)?;
+    speed.set_item("seconds_per_request_in_flight", learnt.seconds_per_request_in_flight)?;
+    speed.set_item("prefill_bound_seconds_per_kib", learnt.prefill_bound_seconds_per_kib)?;
+    speed.set_item("samples", learnt.samples)?;
+    speed.set_item("predicted_cached_bytes", learnt.predicted_cached_bytes)?;
+    speed.set_item("reported_cached_tokens", learnt.reported_cached_tokens)?;
+    out.set_item("learnt", speed)?;
     Ok(out)
 }
 
