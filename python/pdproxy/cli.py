@@ -25,7 +25,7 @@ from pydantic.fields import FieldInfo
 from . import __version__
 from ._json_types import JsonObject, JsonValue, loads
 from .config.checks import checked
-from .config.settings import ENV_PREFIX, GROUPS, Settings, load_toml, setting_flag, setting_kind
+from .config.settings import ENV_PREFIX, FIELDS, GROUPS, Settings, load_toml, setting_flag, setting_kind
 from .errors import ConfigError
 from .fleet.node_record import NodeAttributes, configured_nodes
 
@@ -62,7 +62,7 @@ def options_of(cls: type) -> list[Option]:
     title) or a settings dataclass (the mock engine's)."""
     if issubclass(cls, Settings):
         out = []
-        for name, info in cls.model_fields.items():
+        for name, info in FIELDS.items():
             extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
             aliases = tuple(str(a) for a in extra.get("aliases") or ())  # type: ignore[union-attr]
             env_aliases = tuple(str(a) for a in extra.get("env_aliases") or ())  # type: ignore[union-attr]
@@ -315,7 +315,7 @@ def _keys_on_the_command_line(context: click.Context, settings: Settings) -> lis
     ]
     if "otlp_headers" in given:
         found.append(("--otlp-header", "OTEL_EXPORTER_OTLP_HEADERS or PDPROXY_OTLP_HEADERS"))
-    if "nodes" in given and any("api_key=" in node for node in settings.nodes):
+    if "nodes" in given and any("api_key=" in node for node in settings.routing.nodes):
         found.append(("--node ...,api_key=", "a --config file (mode 0600) or PDPROXY_NODES"))
     return found
 

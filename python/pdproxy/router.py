@@ -61,7 +61,7 @@ class Router:
 
     Args:
         nodes: nodes (base URLs, optionally with ``,key=value`` pairs as ``--node`` takes them),
-            added to those in ``settings.nodes``.
+            added to those in ``settings.routing.nodes``.
         settings: the configuration; keyword ``overrides`` replace single fields of it.
     """
 
@@ -79,7 +79,10 @@ class Router:
         # group's shared table, as this worker's index.
         self._core = _pdproxy.Router(self.settings, group)
         self._discovery = ModelDiscovery(
-            self._core, self.settings.discovery_timeout, self.settings.discovery_interval, self.settings.node_ca_file
+            self._core,
+            self.settings.timeouts.discovery_timeout,
+            self.settings.timeouts.discovery_interval,
+            self.settings.security.node_ca_file,
         )
         for record in (*configured_nodes(self.settings), *(NodeRecord.parse(n) for n in nodes)):
             self.add(record)

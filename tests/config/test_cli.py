@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 import pdproxy
-from pdproxy.config.settings import Settings
+from pdproxy.config.settings import FIELDS, Settings
 from pdproxy.fleet.node_record import NodeAttributes
 from pdproxy.testing import MockSettings
 from servers import REPO, chat_body, free_port, get_json, pdproxy_serve
@@ -43,7 +43,7 @@ def test_version() -> None:
 
 def test_every_setting_is_an_option_with_an_env_var() -> None:
     help_text = run("serve", "--help").stdout
-    for name, field in Settings.model_fields.items():
+    for name, field in FIELDS.items():
         flag = (field.json_schema_extra or {}).get("flag") or "--" + name.replace("_", "-")  # type: ignore[union-attr]
         assert flag in help_text, flag
         assert f"PDPROXY_{name.upper()}" in help_text, name
@@ -63,7 +63,7 @@ def test_precedence_cli_over_env_over_file_over_defaults(tmp_path: Path) -> None
     config.write_text(
         'port = 9001\npolicy = "round_robin"\nnodes = ["http://a:1", "http://b:2"]\nconnect_timeout = 3.5\n'
     )
-    assert effective()["port"] == Settings().port
+    assert effective()["port"] == Settings().server.port
     from_file = effective("--config", str(config))
     assert (from_file["port"], from_file["nodes"], from_file["connect_timeout"]) == (
         9001,
@@ -328,7 +328,7 @@ def test_settings_validate_types() -> None:
         Settings(port="80")  # type: ignore[arg-type]
     with pytest.raises(pdproxy.ConfigError, match="log_level"):
         Settings(log_level="loud")
-    assert Settings(nodes="http://a:1").nodes == ("http://a:1",)  # type: ignore[arg-type]
+    assert Settings(nodes="http://a:1").routing.nodes == ("http://a:1",)  # type: ignore[arg-type]
     assert Settings.from_json(Settings(nodes=("x",)).to_json()) == Settings(nodes=("x",))
 
 
@@ -352,7 +352,7 @@ async def test_demo_serves_a_streaming_chat_and_cleans_up(tmp_path: Path, http: 
 
 
 def test_there_is_a_global_cap_by_default() -> None:
-    assert Settings().max_requests > 0
+    assert Settings().limits.max_requests > 0
 
 
 def test_the_license_is_the_one_the_package_declares() -> None:

@@ -245,7 +245,7 @@ def test_grace_period_outlasts_the_drain(manifests: dict[str, list[Doc]], tmp_pa
     """Kubernetes kills the pod terminationGracePeriodSeconds after its deletion, preStop
     included: the preStop sleep plus drain_timeout must fit in it, or SIGKILL cuts requests."""
     given = tomllib.loads(config_toml(manifests))
-    drain_timeout = given.get("drain_timeout", pdproxy.Settings().drain_timeout)
+    drain_timeout = given.get("drain_timeout", pdproxy.Settings().server.drain_timeout)
     assert drain_timeout == effective_settings(config_toml(manifests), tmp_path)["drain_timeout"]
     pod = proxy(manifests)["spec"]["template"]["spec"]
     pre_stop = prestop_seconds(only_container(proxy(manifests)))

@@ -23,8 +23,8 @@ def test_the_example_settings_file_loads_and_sets_something_in_every_group() -> 
     written = {toml_keys()[key] for key in tomllib.loads(path.read_text())}
     for group in GROUPS:
         assert written & set(group.model_fields), f"examples/pdproxy.toml sets nothing under {group.title}"
-    assert len(settings.nodes) == 2
-    assert "labels.zone=eu" in settings.nodes[1], "a node written as a table"
+    assert len(settings.routing.nodes) == 2
+    assert "labels.zone=eu" in settings.routing.nodes[1], "a node written as a table"
 
 
 def test_the_example_unit_starts_pdproxy_with_a_command_line_it_reads() -> None:

@@ -25,17 +25,17 @@ __all__ = ["checked"]
 def checked(settings: Settings) -> Settings:
     """``settings`` with the tracing settings the environment fills; raises ``ConfigError``
     naming the first setting pdproxy cannot use."""
-    if settings.workers > MAX_WORKERS:
-        raise ConfigError(f"--workers is at most {MAX_WORKERS}, got {settings.workers}")
-    if settings.edge == "rust" and settings.workers != 1:
+    if settings.server.workers > MAX_WORKERS:
+        raise ConfigError(f"--workers is at most {MAX_WORKERS}, got {settings.server.workers}")
+    if settings.server.edge == "rust" and settings.server.workers != 1:
         raise ConfigError("--workers is for --edge granian; the Rust edge uses every core in one process")
     _check_policies(settings)
-    if settings.metrics_port and settings.metrics_port == settings.port:
-        raise ConfigError(f"--metrics-port {settings.port} is the serving port, where /metrics is served anyway")
-    if settings.registry:
-        check_registry_url(settings.registry)
-    if settings.tenants_file:
-        load_tenants(settings.tenants_file)  # a bad file stops the start, naming its problem
+    if settings.observability.metrics_port and settings.observability.metrics_port == settings.server.port:
+        raise ConfigError(f"--metrics-port {settings.server.port} is the serving port, where /metrics is served anyway")
+    if settings.membership.registry:
+        check_registry_url(settings.membership.registry)
+    if settings.tenants.tenants_file:
+        load_tenants(settings.tenants.tenants_file)  # a bad file stops the start, naming its problem
     _check_configured_nodes(settings)
     check_node_sources(settings)  # selectors, names, the Kubernetes configuration
     filled = otel_settings(settings, os.environ)
@@ -45,7 +45,7 @@ def checked(settings: Settings) -> Settings:
 def _check_configured_nodes(settings: Settings) -> None:
     """Each node of the settings parses and, when its host is an address, is one the node rules
     allow: a refused node stops the start rather than leaving the proxy serving without it."""
-    rules = _pdproxy.NodeAddressRules([str(network) for network in parse_networks(settings.allow_node_cidrs)])
+    rules = _pdproxy.NodeAddressRules([str(network) for network in parse_networks(settings.security.allow_node_cidrs)])
     for record in configured_nodes(settings):
         try:
             rules.check_literal(record.url)
@@ -56,9 +56,12 @@ def _check_configured_nodes(settings: Settings) -> None:
 def _check_policies(settings: Settings) -> None:
     """Names the data plane knows (its list: `_pdproxy.POLICY_NAMES`), for every role and model."""
     known = _pdproxy.POLICY_NAMES
-    named = [("policy", settings.policy), ("prefill_policy", settings.prefill_policy or settings.policy)]
-    named.append(("decode_policy", settings.decode_policy or settings.policy))
-    for entry in settings.model_policies:
+    named = [
+        ("policy", settings.routing.policy),
+        ("prefill_policy", settings.routing.prefill_policy or settings.routing.policy),
+    ]
+    named.append(("decode_policy", settings.routing.decode_policy or settings.routing.policy))
+    for entry in settings.routing.model_policies:
         model, _, name = entry.partition("=")  # its form is the setting's own check
         named.append((f"model policy for {model.strip()}", name))
     for what, name in named:

@@ -1,12 +1,13 @@
 """Settings: every default of pdproxy lives here.
 
 The settings are pydantic models grouped by concern (server, shared registry, routing, limits,
-timeouts, health, PD, security, tenants, observability), each validator beside its field; ``Settings`` is all of
-them in one flat object, which the Rust data plane reads by attribute (it declares no defaults
-of its own). The CLI (`pdproxy serve`), the environment (``PDPROXY_<FIELD>``), a TOML file
-(``--config``) and the embedded ``Router`` all read these fields; precedence is CLI >
-environment > file > the defaults below. A bad value is refused with one line naming the
-setting (``ConfigError``).
+timeouts, health, PD, security, tenants, observability), each validator beside its field.
+``Settings`` holds one of each (``settings.health``, ``settings.timeouts``), and components take
+the groups they need; the Rust data plane reads the groups by attribute (it declares no defaults
+of its own). Each setting keeps one flat name (``health_interval``; ``FLAT`` maps it to its
+group), which the CLI (`pdproxy serve`), the environment (``PDPROXY_<NAME>``), a TOML file
+(``--config``) and ``Settings(**flat)`` use; precedence is CLI > environment > file > the
+defaults below. A bad value is refused with one line naming the setting (``ConfigError``).
 
 This module depends on nothing else in pdproxy but its error class. Checks that need the rest
 (routing policies the data plane knows, the registry's URL, the tenants file, each node, the
@@ -39,7 +40,18 @@ from pydantic_core import PydanticCustomError
 
 from pdproxy.errors import ConfigError
 
-__all__ = ["ENV_PREFIX", "GROUPS", "LOG_LEVELS", "Settings", "defaults", "load_toml", "setting_flag", "setting_kind"]
+__all__ = [
+    "ENV_PREFIX",
+    "FIELDS",
+    "FLAT",
+    "GROUPS",
+    "LOG_LEVELS",
+    "Settings",
+    "defaults",
+    "load_toml",
+    "setting_flag",
+    "setting_kind",
+]
 
 ENV_PREFIX = "PDPROXY_"
 #: Settings that hold key material: never printed or logged.
@@ -1069,41 +1081,65 @@ GROUPS: tuple[type[SettingsGroup], ...] = (
 )
 
 
-class Settings(
-    ObservabilitySettings,
-    TenantSettings,
-    SecuritySettings,
-    PdSettings,
-    KvEventsSettings,
-    EngineMetricsSettings,
-    HealthSettings,
-    TimeoutSettings,
-    LimitsSettings,
-    RoutingSettings,
-    DiscoverySettings,
-    RegistrySettings,
-    ServerSettings,
-):
-    """Configuration of a pdproxy server or embedded router: every group's settings."""
+class Settings(BaseModel):
+    """Configuration of a pdproxy server or embedded router: one attribute per group
+    (``settings.health.health_interval``, ``settings.timeouts.connect_timeout``).
+
+    Built from the settings' own names, flat (``Settings(health_interval=1.0)``, as the CLI, the
+    environment and the TOML file spell them; ``FLAT`` says which group holds each), or from
+    whole groups (``Settings(health=HealthSettings(...))``)."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    # The order of the flat settings (``flat``, ``--print-config``) follows these.
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    membership: RegistrySettings = Field(default_factory=RegistrySettings)
+    discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    timeouts: TimeoutSettings = Field(default_factory=TimeoutSettings)
+    health: HealthSettings = Field(default_factory=HealthSettings)
+    engine_metrics: EngineMetricsSettings = Field(default_factory=EngineMetricsSettings)
+    kv: KvEventsSettings = Field(default_factory=KvEventsSettings)
+    pd: PdSettings = Field(default_factory=PdSettings)
+    security: SecuritySettings = Field(default_factory=SecuritySettings)
+    tenants: TenantSettings = Field(default_factory=TenantSettings)
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
 
     def __init__(self, **values: object) -> None:
         try:
             # Values of any type: checking them is pydantic's job here, and a refusal is a ConfigError.
-            super().__init__(**values)  # type: ignore[arg-type]
+            super().__init__(**_grouped(values, None))
         except ValidationError as e:
             raise ConfigError(settings_message(e)) from None
 
     def replace(self, **changes: object) -> Settings:
-        """A copy with some fields changed (validated again)."""
-        return type(self)(**{**self.model_dump(), **changes})
+        """A copy with some settings changed (flat names or whole groups; the groups they touch
+        validated again)."""
+        try:
+            groups = _grouped(changes, self)
+        except ValidationError as e:
+            raise ConfigError(settings_message(e)) from None
+        unknown = [name for name in groups if name not in GROUP_ATTRS]
+        if unknown:
+            raise ConfigError(f"unknown setting {unknown[0]}")
+        return self.model_copy(update=groups)
+
+    def flat(self, mode: str = "python") -> dict[str, object]:
+        """Every setting by its own name (``health_interval``), as the CLI, the environment and
+        the TOML file name them."""
+        out: dict[str, object] = {}
+        for attr in GROUP_ATTRS:
+            out.update(getattr(self, attr).model_dump(mode=mode))
+        return out
 
     def to_json(self) -> str:
         return self.model_dump_json()
 
     def redacted(self) -> dict[str, object]:
-        """The settings with key material hidden, for printing and logs (nodes' keys too:
+        """The settings, flat, with key material hidden, for printing and logs (nodes' keys too:
         ``NodeRecord.redacted``)."""
-        out = self.model_dump(mode="json")
+        out = self.flat(mode="json")
         for name in SECRET_FIELDS:
             value = out[name]
             out[name] = ["<hidden>"] * len(value) if isinstance(value, list) else "<hidden>" if value else ""
@@ -1123,7 +1159,41 @@ class Settings(
     @classmethod
     def group_of(cls, name: str) -> type[SettingsGroup]:
         """The group that declares setting ``name``."""
-        return next(group for group in GROUPS if name in group.model_fields)
+        return GROUP_CLASSES[FLAT[name]]
+
+
+#: Each group's attribute on ``Settings`` and its class.
+GROUP_CLASSES: dict[str, type[SettingsGroup]] = {
+    attr: field.annotation  # type: ignore[misc]
+    for attr, field in Settings.model_fields.items()
+}
+GROUP_ATTRS = tuple(GROUP_CLASSES)
+#: Each setting's own name and the attribute of the group that holds it (``health_interval``:
+#: ``health``), built once from the groups.
+FLAT: dict[str, str] = {name: attr for attr, group in GROUP_CLASSES.items() for name in group.model_fields}
+#: Each setting's own name and its field (default, help, CLI spelling).
+FIELDS: dict[str, FieldInfo] = {
+    name: field for group in GROUP_CLASSES.values() for name, field in group.model_fields.items()
+}
+
+
+def _grouped(values: Mapping[str, object], base: Settings | None) -> dict[str, object]:
+    """``values`` by group: each group given by setting names built (over ``base``'s, if any),
+    groups given whole kept, and unknown names passed on for pydantic to refuse."""
+    out: dict[str, object] = {}
+    fields: dict[str, dict[str, object]] = {}
+    for name, value in values.items():
+        attr = FLAT.get(name)
+        if attr is None:
+            out[name] = value
+        else:
+            fields.setdefault(attr, {})[name] = value
+    for attr, given in fields.items():
+        if attr in out:
+            raise ConfigError(f"{attr} is given whole and by its settings ({', '.join(given)})")
+        current = getattr(base, attr).model_dump() if base is not None else {}
+        out[attr] = GROUP_CLASSES[attr](**{**current, **given})
+    return out
 
 
 @functools.cache
@@ -1137,7 +1207,10 @@ def settings_message(error: ValidationError) -> str:
     first = error.errors()[0]
     if first["type"] == REFUSED:
         return first["msg"]
-    where = ".".join(str(part) for part in first["loc"])
+    loc = first["loc"]
+    if len(loc) > 1 and loc[0] in GROUP_ATTRS:
+        loc = loc[1:]  # a setting is named by its own name, not its group's
+    where = ".".join(str(part) for part in loc)
     if first["type"] == "extra_forbidden":
         return f"unknown setting {where}"
     return f"{where}: {first['msg']}" if where else first["msg"]
@@ -1146,7 +1219,7 @@ def settings_message(error: ValidationError) -> str:
 def setting_flag(name: str) -> str:
     """The command-line flag of setting ``name``: its own spelling (``--node`` for ``nodes``),
     else its name with dashes."""
-    extra = Settings.model_fields[name].json_schema_extra
+    extra = FIELDS[name].json_schema_extra
     flag = extra.get("flag") if isinstance(extra, dict) else None
     return str(flag) if flag else "--" + name.replace("_", "-")
 
@@ -1182,7 +1255,7 @@ def read_toml(path: str | Path, what: str) -> dict[str, object]:
 def _option_keys() -> dict[str, str]:
     """Each setting's key in a settings file, the option's name with underscores (``node`` for
     ``--node``), and the setting it sets."""
-    return {setting_flag(name).removeprefix("--").replace("-", "_"): name for name in Settings.model_fields}
+    return {setting_flag(name).removeprefix("--").replace("-", "_"): name for name in FIELDS}
 
 
 @functools.cache
@@ -1190,7 +1263,7 @@ def toml_keys() -> dict[str, str]:
     """Each top-level key a settings file may use, and the setting it sets: the option keys, and
     each setting's own name where that differs (``nodes``: the older spelling, and what
     ``--print-config`` shows)."""
-    return {**{name: name for name in Settings.model_fields}, **_option_keys()}
+    return {**{name: name for name in FIELDS}, **_option_keys()}
 
 
 def _unknown_key(key: str) -> str:

@@ -156,28 +156,28 @@ class Fleet:
         self.found: dict[str, FoundBy] = {}
         #: Where nodes may be (the data plane resolves a node's host by them as it adds it).
         self.address_rules = _pdproxy.NodeAddressRules(
-            [str(network) for network in parse_networks(settings.allow_node_cidrs)], settings.port
+            [str(network) for network in parse_networks(settings.security.allow_node_cidrs)], settings.server.port
         )
         self.health = HealthChecker(
             router,
-            interval=settings.health_interval,
-            timeout=settings.health_timeout,
-            fall=settings.health_fall,
-            rise=settings.health_rise,
-            remove_after=settings.health_remove_after,
+            interval=settings.health.health_interval,
+            timeout=settings.health.health_timeout,
+            fall=settings.health.health_fall,
+            rise=settings.health.health_rise,
+            remove_after=settings.health.health_remove_after,
             on_remove=self._remove_quietly,
-            ca_file=settings.node_ca_file,
+            ca_file=settings.security.node_ca_file,
         )
         #: Reads the engines' /metrics (where health checks run: in a worker group, the leader).
         self.engines = EngineScraper(
             router,
-            interval=settings.engine_metrics_interval,
-            timeout=settings.engine_metrics_timeout,
-            concurrency=settings.engine_metrics_concurrency,
-            max_bytes=settings.engine_metrics_max_bytes,
+            interval=settings.engine_metrics.engine_metrics_interval,
+            timeout=settings.engine_metrics.engine_metrics_timeout,
+            concurrency=settings.engine_metrics.engine_metrics_concurrency,
+            max_bytes=settings.engine_metrics.engine_metrics_max_bytes,
             api_key_of=self.api_key_of,
             on_sleep=self.health.engine_asleep,
-            ca_file=settings.node_ca_file,
+            ca_file=settings.security.node_ca_file,
         )
         #: Follows the engines' KV events into the data plane's index (``--kv-events``), in
         #: every worker: each has its own data plane.
@@ -197,18 +197,18 @@ class Fleet:
     async def start(self, check_health: bool = True) -> None:
         """Loads the saved and configured nodes and starts the background work; health checks
         only with ``check_health`` (in a worker group the leader starts them, ``start_health``)."""
-        self._session = node_session(self.settings.node_ca_file, self.settings.admin_timeout)
+        self._session = node_session(self.settings.security.node_ca_file, self.settings.timeouts.admin_timeout)
         if check_health:
             await self.start_health()
-        if self.settings.kv_events:
+        if self.settings.kv.kv_events:
             await self._follow_kv_events()
         if self.membership is not None:
             await self.membership.start(self.apply)
-        restore = self.settings.state_file and not self.settings.disable_cache_status
+        restore = self.settings.server.state_file and not self.settings.server.disable_cache_status
         records = []
-        for entry in state_file.load(self.settings.state_file) if restore else []:
+        for entry in state_file.load(self.settings.server.state_file) if restore else []:
             try:
-                records.append(NodeRecord.of(entry, f"state file {self.settings.state_file}: node"))
+                records.append(NodeRecord.of(entry, f"state file {self.settings.server.state_file}: node"))
             except ConfigError as e:
                 log.error("%s; not added", e)
         configured = configured_nodes(self.settings)
@@ -239,7 +239,7 @@ class Fleet:
         group's leader)."""
         if not self.health.running:
             await self.health.start()
-        if not self.engines.running and self.settings.engine_metrics_interval > 0:
+        if not self.engines.running and self.settings.engine_metrics.engine_metrics_interval > 0:
             await self.engines.start()
 
     def session(self) -> aiohttp.ClientSession:
@@ -250,12 +250,15 @@ class Fleet:
     async def _follow_kv_events(self) -> None:
         settings = self.settings
         self.router.core.start_kv_index(
-            chat_template(settings.kv_chat_template),
-            settings.kv_index_max_blocks,
-            **index_options(settings.kv_tokenizer),  # type: ignore[arg-type]
+            chat_template(settings.kv.kv_chat_template),
+            settings.kv.kv_index_max_blocks,
+            **index_options(settings.kv.kv_tokenizer),  # type: ignore[arg-type]
         )
         plan = KvEventsPlan(
-            settings.kv_events, settings.kv_events_replay or None, settings.kv_events_ranks, settings.kv_events_topic
+            settings.kv.kv_events,
+            settings.kv.kv_events_replay or None,
+            settings.kv.kv_events_ranks,
+            settings.kv.kv_events_topic,
         )
         self.kv_events = KvEventFollower(self.router.core, plan, session_of=self.session)
         await self.kv_events.start()
@@ -360,8 +363,8 @@ class Fleet:
 
     def _keyed(self, record: NodeRecord) -> NodeRecord:
         """``record`` with the key every node without its own is sent (``--node-api-key``)."""
-        if record.api_key is None and self.settings.node_api_key:
-            return record.model_copy(update={"api_key": self.settings.node_api_key})
+        if record.api_key is None and self.settings.security.node_api_key:
+            return record.model_copy(update={"api_key": self.settings.security.node_api_key})
         return record
 
     def _record_of(self, url: str) -> NodeRecord | None:
@@ -592,12 +595,12 @@ class Fleet:
 
     def _save(self) -> None:
         # In a worker group only the leader writes it.
-        if self.settings.state_file and (self.group is None or self.group.leader):
+        if self.settings.server.state_file and (self.group is None or self.group.leader):
             try:
                 records = [self._record_of(n["url"]) for n in self.router.nodes() if n["url"] not in self.found]
-                state_file.save(self.settings.state_file, [r.saved() for r in records if r is not None])
+                state_file.save(self.settings.server.state_file, [r.saved() for r in records if r is not None])
             except OSError as e:
-                log.error("state file %s not written: %s", self.settings.state_file, e)
+                log.error("state file %s not written: %s", self.settings.server.state_file, e)
 
     async def _expire_leases(self) -> None:
         """A node whose lease ran out is drained; once its requests are done (or after another

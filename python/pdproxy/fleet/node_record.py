@@ -199,7 +199,7 @@ class NodeRecord(NodeAttributes):
 
 def configured_nodes(settings: Settings) -> tuple[NodeRecord, ...]:
     """The nodes of the static configuration (``--node``, ``PDPROXY_NODES``, TOML ``nodes``)."""
-    return tuple(NodeRecord.parse(text) for text in settings.nodes)
+    return tuple(NodeRecord.parse(text) for text in settings.routing.nodes)
 
 
 def _shape(model: type[BaseModel], name: str) -> type | None:

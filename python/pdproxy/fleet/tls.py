@@ -36,17 +36,18 @@ def node_session(ca_file: str, timeout: float) -> aiohttp.ClientSession:
 def check_files(settings: Settings) -> None:
     """Raises ``ConfigError`` naming the file when the server certificate and key (``--ssl``) or
     the nodes' CA file cannot be used."""
-    if settings.ssl:
+    if settings.security.ssl:
         try:
             ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-                settings.ssl_certfile, settings.ssl_keyfile
+                settings.security.ssl_certfile, settings.security.ssl_keyfile
             )
         except (OSError, ssl.SSLError) as e:
+            security = settings.security
             raise ConfigError(
-                f"--ssl: the certificate {settings.ssl_certfile} and key {settings.ssl_keyfile} cannot be used ({e})"
+                f"--ssl: the certificate {security.ssl_certfile} and key {security.ssl_keyfile} cannot be used ({e})"
             ) from None
-    if settings.node_ca_file:
+    if settings.security.node_ca_file:
         try:
-            _node_context(settings.node_ca_file)
+            _node_context(settings.security.node_ca_file)
         except (OSError, ssl.SSLError) as e:
-            raise ConfigError(f"--node-ca-file {settings.node_ca_file} cannot be used ({e})") from None
+            raise ConfigError(f"--node-ca-file {settings.security.node_ca_file} cannot be used ({e})") from None

@@ -40,13 +40,15 @@ class MetricsListener:
         server.router.add_route("*", "/{path:.*}", self._answer)
         self._runner = web.AppRunner(server, access_log=None, handle_signals=False)
         await self._runner.setup()
-        host = settings.metrics_host or settings.host
-        site = web.TCPSite(self._runner, host, settings.metrics_port, ssl_context=_tls(settings), reuse_port=True)
+        host = settings.observability.metrics_host or settings.server.host
+        site = web.TCPSite(
+            self._runner, host, settings.observability.metrics_port, ssl_context=_tls(settings), reuse_port=True
+        )
         try:
             await site.start()
         except OSError as e:
             await self.aclose()
-            where = f"{host}:{settings.metrics_port}"
+            where = f"{host}:{settings.observability.metrics_port}"
             raise ConfigError(f"--metrics-port: cannot listen on {where}: {e.strerror}") from None
 
     async def aclose(self) -> None:
@@ -93,8 +95,8 @@ class MetricsListener:
 
 def _tls(settings: Settings) -> ssl.SSLContext | None:
     """The serving port's certificate, when it serves HTTPS (keys travel on this port too)."""
-    if not settings.ssl:
+    if not settings.security.ssl:
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile)
+    context.load_cert_chain(settings.security.ssl_certfile, settings.security.ssl_keyfile)
     return context

@@ -34,27 +34,27 @@ def otel_settings(settings: Settings, env: Mapping[str, str]) -> dict[str, objec
     defaults (``OTEL_SDK_DISABLED=true`` turns tracing off)."""
     out: dict[str, object] = {}
     disabled = env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
-    if not settings.otlp_endpoint and not disabled:
+    if not settings.observability.otlp_endpoint and not disabled:
         if env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
             out["otlp_endpoint"] = env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"].strip()
         elif env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
             out["otlp_endpoint"] = env["OTEL_EXPORTER_OTLP_ENDPOINT"].strip().rstrip("/") + "/v1/traces"
-    if not settings.otlp_headers:
+    if not settings.observability.otlp_headers:
         raw = env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS") or env.get("OTEL_EXPORTER_OTLP_HEADERS") or ""
         # W3C baggage format: name=value pairs separated by commas, values percent-encoded.
         pairs = [p.split("=", 1) for p in raw.split(",") if "=" in p]
         if pairs:
             out["otlp_headers"] = tuple(f"{name.strip()}={unquote(value.strip())}" for name, value in pairs)
-    if not settings.service_name:
+    if not settings.observability.service_name:
         out["service_name"] = env.get("OTEL_SERVICE_NAME", "").strip() or "pdproxy"
-    if not settings.trace_sampler:
+    if not settings.observability.trace_sampler:
         out["trace_sampler"] = env.get("OTEL_TRACES_SAMPLER", "").strip() or "parentbased_always_on"
-    if settings.trace_sampler_arg < 0:
+    if settings.observability.trace_sampler_arg < 0:
         try:
             out["trace_sampler_arg"] = min(max(float(env.get("OTEL_TRACES_SAMPLER_ARG", "1")), 0.0), 1.0)
         except ValueError:
             out["trace_sampler_arg"] = 1.0
-    sampler = out.get("trace_sampler", settings.trace_sampler)
+    sampler = out.get("trace_sampler", settings.observability.trace_sampler)
     if sampler not in SAMPLERS:
         raise ConfigError(f"trace_sampler must be one of {', '.join(SAMPLERS)}; got {sampler!r}")
     return out

@@ -49,14 +49,16 @@ class DistServe:
         self.router = router
         self.settings = settings
         self.links = LinkPool(
-            timeout=settings.pd_link_timeout,
-            attempts=settings.pd_link_attempts,
-            backoff=settings.pd_link_backoff,
-            wait_timeout=settings.pd_link_wait_timeout,
+            timeout=settings.pd.pd_link_timeout,
+            attempts=settings.pd.pd_link_attempts,
+            backoff=settings.pd.pd_link_backoff,
+            wait_timeout=settings.pd.pd_link_wait_timeout,
             api_key_of=api_key_of,
-            transport=Transport(settings.migration_protocol, settings.link_type, with_gdr=not settings.disable_gdr),
+            transport=Transport(
+                settings.pd.migration_protocol, settings.pd.link_type, with_gdr=not settings.pd.disable_gdr
+            ),
             group_dir=group_dir,
-            ca_file=settings.node_ca_file,
+            ca_file=settings.security.node_ca_file,
         )
         self._group_dir = group_dir
         self._api_key_of = api_key_of
@@ -67,14 +69,14 @@ class DistServe:
         self.core = router.core.start_distserve(
             CoreSettings(
                 migration_protocol=self.links.transport.protocol_number,
-                dummy_prefill=settings.dummy_prefill,
-                free_timeout=settings.pd_free_timeout,
-                free_attempts=settings.pd_free_attempts,
+                dummy_prefill=settings.pd.dummy_prefill,
+                free_timeout=settings.pd.pd_free_timeout,
+                free_attempts=settings.pd.pd_free_attempts,
                 journal=journal,
             ),
             self._link_for_data_plane,
         )
-        self.ledger = SessionLedger(self.core, ttl=settings.pd_session_ttl, api_key_of=api_key_of, journal=journal)
+        self.ledger = SessionLedger(self.core, ttl=settings.pd.pd_session_ttl, api_key_of=api_key_of, journal=journal)
 
     async def start(self) -> None:
         await self.links.start()
@@ -123,7 +125,7 @@ class DistServe:
         nodes = [n for n in self.router.nodes() if n["state"] == "healthy"]
         prefills = [n["url"] for n in nodes if n["role"] == "prefill"]
         decodes = [n["url"] for n in nodes if n["role"] == "decode"]
-        return await self.links.warmup(prefills, decodes, self.settings.pd_warmup_concurrency)
+        return await self.links.warmup(prefills, decodes, self.settings.pd.pd_warmup_concurrency)
 
     def status(self) -> DistServeStatus:
         return DistServeStatus(links=self.links.status(), ledger=self.ledger.status())

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdproxy.cli import options_of
-from pdproxy.config.settings import Settings
+from pdproxy.config.settings import FIELDS, Settings
 
 __all__ = ["Plan", "Refused", "Worker"]
 
@@ -53,7 +53,7 @@ class Plan:
     pd_protocol: str | None = None
 
     def set(self, name: str, value: object) -> None:
-        if name not in Settings.model_fields:
+        if name not in FIELDS:
             raise KeyError(f"no pdproxy setting {name!r}")  # a rule's mistake, not the user's
         self.settings[name] = value
 

@@ -63,7 +63,12 @@ class ProxyApp:
         self.supervisor = Supervisor(settings, tune_gc=tune_gc, exit_when_drained=exit_when_drained)
         #: Served by the Rust edge over a private socket: it tells the client's address (PEER_HEADER).
         self.behind_edge = behind_edge
-        self.keys = Keys(settings.api_keys, settings.admin_keys, settings.host, settings.keyless_registration_cidrs)
+        self.keys = Keys(
+            settings.security.api_keys,
+            settings.security.admin_keys,
+            settings.server.host,
+            settings.security.keyless_registration_cidrs,
+        )
         self._admin = {(route.method, route.path): route for route in ROUTES}
         self._metrics_listener: MetricsListener | None = None
         #: The data plane's pipeline, for the inference requests this app takes itself.
@@ -90,7 +95,7 @@ class ProxyApp:
         await self.supervisor.start()
         assert self.supervisor.router is not None
         self.pipeline = _pdproxy.Pipeline(self.supervisor.router.core, self.settings)
-        if self.settings.metrics_port:
+        if self.settings.observability.metrics_port:
             self._metrics_listener = MetricsListener(self, self.settings)
             await self._metrics_listener.start()
 
@@ -126,13 +131,15 @@ class ProxyApp:
 
     async def _http(self, scope: HTTPScope, receive: HTTPReceive, send: Send) -> None:
         supervisor = self.supervisor
-        _take_peer(scope, trusted=self.behind_edge, https=self.settings.ssl)
+        _take_peer(scope, trusted=self.behind_edge, https=self.settings.security.ssl)
         path, method = inference.path_as_sent(scope), scope["method"]
         pipeline = self.pipeline
         assert pipeline is not None
         if method == "POST" and pipeline.serves(path):
             settings = self.settings
-            await inference.serve(pipeline, scope, receive, send, settings.max_body_size, settings.body_timeout)
+            await inference.serve(
+                pipeline, scope, receive, send, settings.limits.max_body_size, settings.timeouts.body_timeout
+            )
             return
         if (method, path) == ("POST", "/drain"):
             self.keys.check_admin(scope["headers"])

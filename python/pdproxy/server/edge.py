@@ -45,12 +45,12 @@ CLOSE_GRACE = 2.0
 
 def bind(settings: Settings) -> _pdproxy.EdgeListener:
     """The public listener, bound now: a taken port fails before anything starts."""
-    return _pdproxy.EdgeListener(settings.host, settings.port, BACKLOG)
+    return _pdproxy.EdgeListener(settings.server.host, settings.server.port, BACKLOG)
 
 
 def threads(settings: Settings) -> int:
     """The edge's threads: one per core unless set."""
-    return settings.edge_threads or os.cpu_count() or 1
+    return settings.server.edge_threads or os.cpu_count() or 1
 
 
 #: Descriptors kept aside from the client connections' share: logs, sockets of the control plane.
@@ -74,8 +74,8 @@ def raise_open_file_limit() -> int:
 def max_connections(settings: Settings) -> int:
     """The cap on client connections: the setting, or half the open-file limit less a reserve,
     so that every client connection may hold a connection to its node as well."""
-    if settings.max_connections:
-        return settings.max_connections
+    if settings.limits.max_connections:
+        return settings.limits.max_connections
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if limit == resource.RLIM_INFINITY:
         limit = UNLIMITED_FILES
@@ -98,7 +98,7 @@ async def _supervise(settings: Settings, listener: _pdproxy.EdgeListener, loggin
         interface=Interfaces.ASGINL,  # the app's lifespan is run here, not by granian
         http=HTTPModes.http1,
         # granian's notices about its private socket are noise here; its warnings and errors are not.
-        log_level=max(LogLevels(settings.log_level.lower()), LogLevels.warning, key=_severity),
+        log_level=max(LogLevels(settings.server.log_level.lower()), LogLevels.warning, key=_severity),
         log_dictconfig=logging_config,
         log_access=False,
     )

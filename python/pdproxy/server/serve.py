@@ -42,56 +42,56 @@ def serve(settings: Settings) -> int:
     tls.check_files(settings)  # before anything listens
     _warn_if_open(settings)
     edge.raise_open_file_limit()
-    if settings.edge == "rust":
+    if settings.server.edge == "rust":
         listener = edge.bind(settings)  # first: a taken port fails before anything starts
         _refuse_taken_port(settings, serving=False)
         with _demo_engines(settings) as demo_nodes:
             if demo_nodes:
-                settings = settings.replace(nodes=(*settings.nodes, *demo_nodes))
+                settings = settings.replace(nodes=(*settings.routing.nodes, *demo_nodes))
             _print_banner(settings, f"Rust edge, {edge.threads(settings)} thread(s)")
-            return edge.serve(settings, listener, _logging_config(settings.log_level, behind_edge=True))
+            return edge.serve(settings, listener, _logging_config(settings.server.log_level, behind_edge=True))
     _refuse_taken_port(settings)
-    with _demo_engines(settings) as demo_nodes, group.prepared(settings.workers) as group_dir:
+    with _demo_engines(settings) as demo_nodes, group.prepared(settings.server.workers) as group_dir:
         if demo_nodes:
-            settings = settings.replace(nodes=(*settings.nodes, *demo_nodes))
+            settings = settings.replace(nodes=(*settings.routing.nodes, *demo_nodes))
         os.environ[SETTINGS_ENV] = settings.to_json()
         os.environ[MAIN_PID_ENV] = str(os.getpid())
         if group_dir is not None:
             os.environ[group.GROUP_ENV] = str(group_dir)
-        _print_banner(settings, f"granian, {settings.workers} worker(s)")
+        _print_banner(settings, f"granian, {settings.server.workers} worker(s)")
         Granian(
             target="pdproxy.server.app:app_from_environment",
             factory=True,
-            address=settings.host,
-            port=settings.port,
+            address=settings.server.host,
+            port=settings.server.port,
             interface=Interfaces.ASGI,
-            workers=settings.workers,
+            workers=settings.server.workers,
             loop=Loops.uvloop,
             http=HTTPModes.http1,
-            log_level=LogLevels(settings.log_level.lower()),
-            log_dictconfig=_logging_config(settings.log_level),
+            log_level=LogLevels(settings.server.log_level.lower()),
+            log_dictconfig=_logging_config(settings.server.log_level),
             log_access=False,
             backlog=2048,
             # SIGTERM drains: granian stops accepting and lets requests in flight finish, this long at most.
-            workers_kill_timeout=max(1, round(settings.drain_timeout)),
+            workers_kill_timeout=max(1, round(settings.server.drain_timeout)),
             # A worker that dies is replaced; the group's leader hands back the permits it held.
             respawn_failed_workers=True,
             respawn_interval=RESPAWN_INTERVAL,
             # HTTPS with the same certificate as the Rust edge would serve (``--ssl``).
-            ssl_cert=Path(settings.ssl_certfile) if settings.ssl else None,
-            ssl_key=Path(settings.ssl_keyfile) if settings.ssl else None,
+            ssl_cert=Path(settings.security.ssl_certfile) if settings.security.ssl else None,
+            ssl_key=Path(settings.security.ssl_keyfile) if settings.security.ssl else None,
         ).serve()
     return 0
 
 
 def _warn_if_open(settings: Settings) -> None:
     """Says it loudly when anyone on the network may manage the fleet."""
-    loopback = settings.host in ("localhost", "::1") or settings.host.startswith("127.")
-    if loopback or settings.admin_keys or settings.api_keys:
+    loopback = settings.server.host in ("localhost", "::1") or settings.server.host.startswith("127.")
+    if loopback or settings.security.admin_keys or settings.security.api_keys:
         return
     print(
-        f"pdproxy: WARNING: listening on {settings.host} without --admin-keys: anyone who can reach port "
-        f"{settings.port} can add, remove and terminate nodes and drain this proxy. Set --admin-keys (or "
+        f"pdproxy: WARNING: listening on {settings.server.host} without --admin-keys: anyone who can reach port "
+        f"{settings.server.port} can add, remove and terminate nodes and drain this proxy. Set --admin-keys (or "
         "--admin-keys-file), or listen on 127.0.0.1.",
         file=sys.stderr,
     )
@@ -103,9 +103,13 @@ def _refuse_taken_port(settings: Settings, serving: bool = True) -> None:
     metrics port's too, whose listener shares it among a group's workers; ``serving``: the
     serving port as well, which the Rust edge binds itself)."""
     if serving:
-        _refuse_taken(settings.host, settings.port, "")
-    if settings.metrics_port:
-        _refuse_taken(settings.metrics_host or settings.host, settings.metrics_port, "--metrics-port: ")
+        _refuse_taken(settings.server.host, settings.server.port, "")
+    if settings.observability.metrics_port:
+        _refuse_taken(
+            settings.observability.metrics_host or settings.server.host,
+            settings.observability.metrics_port,
+            "--metrics-port: ",
+        )
 
 
 def _refuse_taken(host: str, port: int, flag: str) -> None:
@@ -141,16 +145,18 @@ class _NoEmbedNotice:
 
 
 def _print_banner(settings: Settings, how: str) -> None:
-    base = f"{'https' if settings.ssl else 'http'}://{settings.host}:{settings.port}"
+    base = f"{'https' if settings.security.ssl else 'http'}://{settings.server.host}:{settings.server.port}"
     nodes = [record.url for record in configured_nodes(settings)]  # never a node's key
-    selectors = (getattr(settings, name) for name, _ in SELECTORS)
-    nodes += [f"pods {selector!r}" for selector in selectors if selector] + [f"dns {n}" for n in settings.node_dns]
+    selectors = (getattr(settings.discovery, name) for name, _ in SELECTORS)
+    nodes += [f"pods {selector!r}" for selector in selectors if selector] + [
+        f"dns {n}" for n in settings.discovery.node_dns
+    ]
     if not nodes:
         print("pdproxy: no nodes yet; pass --node URL (or --demo to try it with mock engines)", file=sys.stderr)
     print(f"pdproxy: serving on {base} ({how}) -> {', '.join(nodes) or 'no nodes'}", file=sys.stderr)
-    if settings.demo:
+    if settings.server.demo:
         body = json.dumps(
-            {"model": settings.demo_model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+            {"model": settings.server.demo_model, "stream": True, "messages": [{"role": "user", "content": "hi"}]}
         )
         print(
             f"pdproxy: try  curl -N {base}/v1/chat/completions -H 'content-type: application/json' -d '{body}'",
@@ -172,7 +178,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline: float) -> N
 @contextlib.contextmanager
 def _demo_engines(settings: Settings) -> Iterator[list[str]]:
     """With --demo, runs mock engines next to the proxy for its lifetime."""
-    if not settings.demo:
+    if not settings.server.demo:
         yield []
         return
     from pdproxy.testing import mock_engine_command  # the mock engine's stack only loads for a demo
@@ -184,8 +190,8 @@ def _demo_engines(settings: Settings) -> Iterator[list[str]]:
         for _ in range(DEMO_ENGINES):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            print(f"pdproxy: starting demo mock engine {url} (model {settings.demo_model})", file=sys.stderr)
-            cmd = mock_engine_command(port, settings.demo_model, "--token-delay-ms", str(DEMO_TOKEN_DELAY_MS))
+            print(f"pdproxy: starting demo mock engine {url} (model {settings.server.demo_model})", file=sys.stderr)
+            cmd = mock_engine_command(port, settings.server.demo_model, "--token-delay-ms", str(DEMO_TOKEN_DELAY_MS))
             procs.append(subprocess.Popen(cmd))
             urls.append(url)
         deadline = time.monotonic() + DEMO_STARTUP_TIMEOUT

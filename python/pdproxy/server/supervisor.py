@@ -78,18 +78,22 @@ class Supervisor:
         # The fleet adds the configured nodes, so that they are checked and tracked like any other.
         self.router = Router(settings=self.settings.replace(nodes=()), group=group)
         await self.router.start()
-        if self.settings.tenants_file:
-            self.tenants = TenantsFile(self.router, self.settings.tenants_file)
+        if self.settings.tenants.tenants_file:
+            self.tenants = TenantsFile(self.router, self.settings.tenants.tenants_file)
             self.tenants.start()
-            if self.settings.registry:
+            if self.settings.membership.registry:
                 s = self.settings
                 self.usage_sync = UsageSync(
-                    self.router, s.registry, s.tenant_sync_interval, s.registry_namespace, s.registry_timeout
+                    self.router,
+                    s.membership.registry,
+                    s.tenants.tenant_sync_interval,
+                    s.membership.registry_namespace,
+                    s.membership.registry_timeout,
                 )
                 await self.usage_sync.start()
         self.fleet = Fleet(self.router, self.settings, self._membership())
         self.fleet.group = self.group
-        if self.settings.serving_strategy == "DistServe":
+        if self.settings.pd.serving_strategy == "DistServe":
             # Before the fleet starts, so that it sees every node the fleet adds and removes.
             self.pd = make_adapter(self.router, self.settings, self.fleet, self.group.directory if self.group else None)
             await self.pd.start()
@@ -122,14 +126,14 @@ class Supervisor:
 
     def _membership(self) -> Membership | None:
         """Where node membership is shared: Redis (--registry), else the worker group's document."""
-        if self.settings.registry:
+        if self.settings.membership.registry:
             s = self.settings
             return membership_from_url(
-                s.registry,
-                namespace=s.registry_namespace,
-                reconcile_interval=s.registry_reconcile_interval,
-                timeout=s.registry_timeout,
-                max_backoff=s.registry_max_backoff,
+                s.membership.registry,
+                namespace=s.membership.registry_namespace,
+                reconcile_interval=s.membership.registry_reconcile_interval,
+                timeout=s.membership.registry_timeout,
+                max_backoff=s.membership.registry_max_backoff,
             )
         if self.group is not None:
             return GroupFileMembership(self.group.directory, self.group.table)
@@ -162,7 +166,7 @@ class Supervisor:
         assert self.fleet is not None
         warned = False
         while True:
-            await asyncio.sleep(self.settings.health_interval)
+            await asyncio.sleep(self.settings.health.health_interval)
             stale = self.fleet.health.stale()
             if stale is not None and not warned:
                 log.warning("health checks have not completed for %.0f s: node states may be out of date", stale)
@@ -194,7 +198,7 @@ class Supervisor:
 
     async def _finish_drain(self, initiator: bool) -> None:
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.settings.drain_timeout):
+            async with asyncio.timeout(self.settings.server.drain_timeout):
                 # The edge's requests and other workers' show only as counts: poll them.
                 while self.in_flight or (self.group is not None and self._group_in_flight()):  # noqa: ASYNC110
                     await asyncio.sleep(0.05)
@@ -215,7 +219,7 @@ class Supervisor:
         assert self.router is not None
         healthy = [n["role"] for n in self.router.nodes() if n["state"] == "healthy"]
         needed = ("prefill", "decode") if self.pd is not None else ("hybrid",)
-        if self.pd is not None and self.settings.dummy_prefill:
+        if self.pd is not None and self.settings.pd.dummy_prefill:
             needed = ("decode",)
         ready = all(role in healthy for role in needed) and not self.draining
         return ready, {

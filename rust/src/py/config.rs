@@ -1,5 +1,6 @@
-//! The router's settings, read from the Python `Settings` object by attribute. Every
-//! default lives in `pdproxy/config/settings.py`; nothing here declares one.
+//! The router's settings, read from the Python `Settings` object group by group
+//! (`settings.routing`, `settings.timeouts`...), each group by attribute. Every default lives
+//! in `pdproxy/config/settings.py`; nothing here declares one.
 
 use std::time::Duration;
 
@@ -11,8 +12,21 @@ use crate::observe::trace::{Sampler, TracingConfig};
 use crate::select::{PolicyConfig, PrefixConfig, ScoreWeights};
 use crate::upstream::forward::ForwardConfig;
 
+/// What the data plane's router reads of `Settings`: the groups it needs, each by its
+/// attribute (`settings.routing`, `settings.timeouts`...).
 #[derive(FromPyObject)]
 pub(crate) struct RouterConfig {
+    pub(crate) routing: RoutingGroup,
+    pub(crate) limits: LimitsGroup,
+    pub(crate) timeouts: TimeoutsGroup,
+    pub(crate) engine_metrics: EngineMetricsGroup,
+    pub(crate) security: NodeTlsGroup,
+    pub(crate) observability: TracingGroup,
+}
+
+/// `settings.routing`: policies, retries, circuits.
+#[derive(FromPyObject)]
+pub(crate) struct RoutingGroup {
     pub(crate) policy: String,
     pub(crate) prefill_policy: String,
     pub(crate) decode_policy: String,
@@ -26,30 +40,55 @@ pub(crate) struct RouterConfig {
     pub(crate) score_prefix_weight: f64,
     pub(crate) score_queue_weight: f64,
     pub(crate) score_hidden_weight: f64,
-    pub(crate) engine_metrics_max_age: f64,
-    pub(crate) queue_size: usize,
-    pub(crate) queue_timeout: f64,
-    pub(crate) request_timeout: f64,
     pub(crate) retries: u32,
     pub(crate) retry_budget_ratio: f64,
     pub(crate) retry_budget_floor: u64,
     pub(crate) circuit_failures: u32,
     pub(crate) circuit_cooldown: f64,
+}
+
+/// `settings.limits`: queue, caps, buffers, pools, threads.
+#[derive(FromPyObject)]
+pub(crate) struct LimitsGroup {
+    pub(crate) queue_size: usize,
+    pub(crate) max_requests: usize,
+    pub(crate) max_n: u64,
+    pub(crate) answer_buffer_limit: usize,
+    pub(crate) prefetch_limit: usize,
+    pub(crate) stream_buffer_limit: usize,
+    pub(crate) pool_max_idle_per_node: usize,
     pub(crate) runtime_threads: usize,
+}
+
+/// `settings.timeouts`: the data plane's steps.
+#[derive(FromPyObject)]
+pub(crate) struct TimeoutsGroup {
+    pub(crate) queue_timeout: f64,
+    pub(crate) request_timeout: f64,
     pub(crate) connect_timeout: f64,
     pub(crate) first_byte_timeout: f64,
     pub(crate) pool_idle_timeout: f64,
-    pub(crate) pool_max_idle_per_node: usize,
-    pub(crate) prefetch_limit: usize,
     pub(crate) stream_idle_timeout: f64,
-    pub(crate) stream_buffer_limit: usize,
     pub(crate) stream_stall_timeout: f64,
     pub(crate) node_tcp_keepalive: f64,
-    pub(crate) answer_buffer_limit: usize,
     pub(crate) answer_timeout: f64,
-    pub(crate) max_requests: usize,
-    pub(crate) max_n: u64,
+}
+
+/// `settings.engine_metrics`: how old an engine's figures may be to route by.
+#[derive(FromPyObject)]
+pub(crate) struct EngineMetricsGroup {
+    pub(crate) engine_metrics_max_age: f64,
+}
+
+/// `settings.security`: the CA that https:// nodes are verified against.
+#[derive(FromPyObject)]
+pub(crate) struct NodeTlsGroup {
     pub(crate) node_ca_file: String,
+}
+
+/// `settings.observability`: tracing.
+#[derive(FromPyObject)]
+pub(crate) struct TracingGroup {
     pub(crate) otlp_endpoint: String,
     /// `NAME=VALUE` pairs.
     pub(crate) otlp_headers: Vec<String>,
@@ -71,68 +110,72 @@ fn or_general(role_policy: &str, general: &str) -> String {
 
 impl RouterConfig {
     pub(crate) fn forward_config(&self) -> PyResult<ForwardConfig> {
+        let (limits, timeouts) = (&self.limits, &self.timeouts);
         Ok(ForwardConfig {
-            connect_timeout: seconds("connect_timeout", self.connect_timeout)?,
-            first_byte_timeout: seconds("first_byte_timeout", self.first_byte_timeout)?,
-            pool_idle_timeout: seconds("pool_idle_timeout", self.pool_idle_timeout)?,
-            pool_max_idle_per_node: self.pool_max_idle_per_node,
-            prefetch_limit: self.prefetch_limit,
-            stream_idle_timeout: seconds("stream_idle_timeout", self.stream_idle_timeout)?,
-            stream_buffer_limit: self.stream_buffer_limit.max(1),
-            stream_stall_timeout: seconds("stream_stall_timeout", self.stream_stall_timeout)?,
-            node_ca_file: (!self.node_ca_file.is_empty()).then(|| self.node_ca_file.clone().into()),
-            tcp_keepalive: seconds("node_tcp_keepalive", self.node_tcp_keepalive)?,
-            answer_buffer_limit: self.answer_buffer_limit.max(1),
-            answer_timeout: seconds("answer_timeout", self.answer_timeout)?,
+            connect_timeout: seconds("connect_timeout", timeouts.connect_timeout)?,
+            first_byte_timeout: seconds("first_byte_timeout", timeouts.first_byte_timeout)?,
+            pool_idle_timeout: seconds("pool_idle_timeout", timeouts.pool_idle_timeout)?,
+            pool_max_idle_per_node: limits.pool_max_idle_per_node,
+            prefetch_limit: limits.prefetch_limit,
+            stream_idle_timeout: seconds("stream_idle_timeout", timeouts.stream_idle_timeout)?,
+            stream_buffer_limit: limits.stream_buffer_limit.max(1),
+            stream_stall_timeout: seconds("stream_stall_timeout", timeouts.stream_stall_timeout)?,
+            node_ca_file: (!self.security.node_ca_file.is_empty()).then(|| self.security.node_ca_file.clone().into()),
+            tcp_keepalive: seconds("node_tcp_keepalive", timeouts.node_tcp_keepalive)?,
+            answer_buffer_limit: limits.answer_buffer_limit.max(1),
+            answer_timeout: seconds("answer_timeout", timeouts.answer_timeout)?,
         })
     }
 
     pub(crate) fn engine_config(&self) -> PyResult<EngineConfig> {
+        let (routing, limits, timeouts) = (&self.routing, &self.limits, &self.timeouts);
         Ok(EngineConfig {
             policies: PolicyNames {
-                hybrid: self.policy.clone(),
+                hybrid: routing.policy.clone(),
                 // A role without a policy of its own takes the general one (`--routing-strategy`).
-                prefill: or_general(&self.prefill_policy, &self.policy),
-                decode: or_general(&self.decode_policy, &self.policy),
-                by_model: self.model_policies.clone(),
+                prefill: or_general(&routing.prefill_policy, &routing.policy),
+                decode: or_general(&routing.decode_policy, &routing.policy),
+                by_model: routing.model_policies.clone(),
             },
             policy: PolicyConfig {
-                hash_load_factor: self.hash_load_factor,
+                hash_load_factor: routing.hash_load_factor,
                 prefix: PrefixConfig {
-                    block_bytes: self.prefix_block_bytes,
-                    max_blocks: self.prefix_max_blocks,
-                    cache_entries: self.prefix_cache_entries,
-                    balance_threshold: self.prefix_balance_threshold,
+                    block_bytes: routing.prefix_block_bytes,
+                    max_blocks: routing.prefix_max_blocks,
+                    cache_entries: routing.prefix_cache_entries,
+                    balance_threshold: routing.prefix_balance_threshold,
                 },
                 engine_max_age_ms: u64::try_from(
-                    seconds("engine_metrics_max_age", self.engine_metrics_max_age)?.as_millis(),
+                    seconds("engine_metrics_max_age", self.engine_metrics.engine_metrics_max_age)?.as_millis(),
                 )
                 .unwrap_or(u64::MAX),
                 score: ScoreWeights {
-                    prefix: self.score_prefix_weight,
-                    queue: self.score_queue_weight,
-                    hidden: self.score_hidden_weight,
+                    prefix: routing.score_prefix_weight,
+                    queue: routing.score_queue_weight,
+                    hidden: routing.score_hidden_weight,
                     reported: 0.0,
                 },
-                prefix_bytes_per_token: self.prefix_bytes_per_token,
+                prefix_bytes_per_token: routing.prefix_bytes_per_token,
             },
-            queue_size: self.queue_size,
-            queue_timeout: seconds("queue_timeout", self.queue_timeout)?,
-            request_timeout: (self.request_timeout > 0.0)
-                .then(|| seconds("request_timeout", self.request_timeout))
+            queue_size: limits.queue_size,
+            queue_timeout: seconds("queue_timeout", timeouts.queue_timeout)?,
+            request_timeout: (timeouts.request_timeout > 0.0)
+                .then(|| seconds("request_timeout", timeouts.request_timeout))
                 .transpose()?,
-            retries: self.retries,
-            retry_budget_ratio: self.retry_budget_ratio,
-            retry_budget_floor: self.retry_budget_floor,
-            circuit_failures: self.circuit_failures,
-            circuit_cooldown: seconds("circuit_cooldown", self.circuit_cooldown)?,
+            retries: routing.retries,
+            retry_budget_ratio: routing.retry_budget_ratio,
+            retry_budget_floor: routing.retry_budget_floor,
+            circuit_failures: routing.circuit_failures,
+            circuit_cooldown: seconds("circuit_cooldown", routing.circuit_cooldown)?,
             forward: self.forward_config()?,
-            max_requests: self.max_requests,
-            max_n: self.max_n,
-            tracing: self.tracing_config()?,
+            max_requests: limits.max_requests,
+            max_n: limits.max_n,
+            tracing: self.observability.tracing_config()?,
         })
     }
+}
 
+impl TracingGroup {
     /// Tracing, when an OTLP endpoint is set.
     fn tracing_config(&self) -> PyResult<Option<TracingConfig>> {
         if self.otlp_endpoint.is_empty() {

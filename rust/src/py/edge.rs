@@ -34,19 +34,21 @@ impl EdgeListener {
     }
 }
 
-/// The settings the edge reads from `Settings` (by attribute; no defaults here).
+/// The settings the edge reads from `Settings`: the groups it needs, each by attribute (no
+/// defaults here).
 #[derive(FromPyObject)]
 pub(crate) struct EdgeSettings {
+    security: EdgeSecurity,
+    limits: EdgeLimits,
+    timeouts: EdgeTimeouts,
+    pd: EdgePd,
+    observability: EdgeLog,
+}
+
+/// `settings.security`: keys, CORS, TLS.
+#[derive(FromPyObject)]
+struct EdgeSecurity {
     api_keys: Vec<String>,
-    max_body_size: usize,
-    body_timeout: f64,
-    serving_strategy: String,
-    pd_protocol: String,
-    access_log: bool,
-    access_log_format: String,
-    first_byte_timeout: f64,
-    pd_link_timeout: f64,
-    header_read_timeout: f64,
     allow_origins: Vec<String>,
     allow_credentials: bool,
     allow_methods: Vec<String>,
@@ -54,6 +56,36 @@ pub(crate) struct EdgeSettings {
     ssl: bool,
     ssl_certfile: PathBuf,
     ssl_keyfile: PathBuf,
+}
+
+/// `settings.limits`.
+#[derive(FromPyObject)]
+struct EdgeLimits {
+    max_body_size: usize,
+}
+
+/// `settings.timeouts`.
+#[derive(FromPyObject)]
+#[allow(clippy::struct_field_names)] // the settings' own names, which pyo3 reads
+struct EdgeTimeouts {
+    body_timeout: f64,
+    first_byte_timeout: f64,
+    header_read_timeout: f64,
+}
+
+/// `settings.pd`.
+#[derive(FromPyObject)]
+struct EdgePd {
+    serving_strategy: String,
+    pd_protocol: String,
+    pd_link_timeout: f64,
+}
+
+/// `settings.observability`: the access log.
+#[derive(FromPyObject)]
+struct EdgeLog {
+    access_log: bool,
+    access_log_format: String,
 }
 
 #[pyclass(frozen, name = "Edge", module = "pdproxy._pdproxy")]
@@ -115,32 +147,33 @@ pub(crate) fn edge_config(
     control_stale_after: f64,
     max_connections: usize,
 ) -> PyResult<EdgeConfig> {
-    let disaggregation = match settings.serving_strategy.as_str() {
-        "DistServe" => Some(PdProtocol::parse(&settings.pd_protocol)?),
+    let EdgeSettings { security, limits, timeouts, pd, observability } = settings;
+    let disaggregation = match pd.serving_strategy.as_str() {
+        "DistServe" => Some(PdProtocol::parse(&pd.pd_protocol)?),
         _ => None,
     };
     Ok(EdgeConfig {
-        api_keys: settings.api_keys,
-        max_body_size: settings.max_body_size,
-        body_timeout: seconds("body_timeout", settings.body_timeout)?,
+        api_keys: security.api_keys,
+        max_body_size: limits.max_body_size,
+        body_timeout: seconds("body_timeout", timeouts.body_timeout)?,
         disaggregation,
-        access_log: settings.access_log.then_some(if settings.access_log_format == "json" {
+        access_log: observability.access_log.then_some(if observability.access_log_format == "json" {
             Format::Json
         } else {
             Format::Text
         }),
-        header_read_timeout: seconds("header_read_timeout", settings.header_read_timeout)?,
+        header_read_timeout: seconds("header_read_timeout", timeouts.header_read_timeout)?,
         control_socket,
-        control_timeout: seconds("first_byte_timeout", settings.first_byte_timeout)?,
+        control_timeout: seconds("first_byte_timeout", timeouts.first_byte_timeout)?,
         control_stale_after: seconds("control_stale_after", control_stale_after)?,
-        pd_probe_timeout: seconds("pd_link_timeout", settings.pd_link_timeout)?,
+        pd_probe_timeout: seconds("pd_link_timeout", pd.pd_link_timeout)?,
         cors: Cors::new(
-            &settings.allow_origins,
-            settings.allow_credentials,
-            &settings.allow_methods,
-            &settings.allow_headers,
+            &security.allow_origins,
+            security.allow_credentials,
+            &security.allow_methods,
+            &security.allow_headers,
         ),
-        tls: settings.ssl.then(|| tls::server_config(&settings.ssl_certfile, &settings.ssl_keyfile)).transpose()?,
+        tls: security.ssl.then(|| tls::server_config(&security.ssl_certfile, &security.ssl_keyfile)).transpose()?,
         max_connections: max_connections.max(1),
     })
 }

@@ -69,7 +69,7 @@ impl Router {
         let engine_config = config.engine_config()?;
         // Built on first use; the first router's thread count wins.
         let runtime =
-            runtime::get(config.runtime_threads).map_err(|e| PyRuntimeError::new_err(e.message().to_owned()))?;
+            runtime::get(config.limits.runtime_threads).map_err(|e| PyRuntimeError::new_err(e.message().to_owned()))?;
         let registry = match group {
             Some((table, worker)) => Registry::in_group(Arc::clone(&table.inner), worker),
             None => Registry::new(),

@@ -120,10 +120,10 @@ class RedisMembership(Membership):
         self,
         url: str,
         *,
-        namespace: str = defaults().registry_namespace,
-        reconcile_interval: float = defaults().registry_reconcile_interval,
-        timeout: float = defaults().registry_timeout,
-        max_backoff: float = defaults().registry_max_backoff,
+        namespace: str = defaults().membership.registry_namespace,
+        reconcile_interval: float = defaults().membership.registry_reconcile_interval,
+        timeout: float = defaults().membership.registry_timeout,
+        max_backoff: float = defaults().membership.registry_max_backoff,
     ) -> None:
         for name, value in (
             ("reconcile_interval", reconcile_interval),

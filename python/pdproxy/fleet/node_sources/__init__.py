@@ -37,7 +37,7 @@ def sources_for(settings: Settings) -> list[NodeSource]:
     if _wants_kubernetes(settings):
         source, _ = _kubernetes()
         sources.append(source(settings))
-    if settings.node_dns:
+    if settings.discovery.node_dns:
         from pdproxy.fleet.node_sources.dns import DnsSource
 
         sources.append(DnsSource(settings))
@@ -50,14 +50,14 @@ def check(settings: Settings) -> None:
     if _wants_kubernetes(settings):
         _, check_kubernetes = _kubernetes()
         check_kubernetes(settings)
-    if settings.node_dns:
+    if settings.discovery.node_dns:
         from pdproxy.fleet.node_sources.dns import check as check_dns
 
         check_dns(settings)
 
 
 def _wants_kubernetes(settings: Settings) -> bool:
-    return any(getattr(settings, name) for name, _ in SELECTORS)
+    return any(getattr(settings.discovery, name) for name, _ in SELECTORS)
 
 
 def _kubernetes() -> tuple[type[KubernetesSource], Callable[[Settings], None]]:

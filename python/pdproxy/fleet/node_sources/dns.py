@@ -92,10 +92,10 @@ class DnsSource:
 
     def __init__(self, settings: Settings) -> None:
         """Raises ``ConfigError`` for an entry or a server that cannot be used."""
-        self.names = [parse_dns_name(text) for text in settings.node_dns]
-        self.interval = settings.dns_interval
+        self.names = [parse_dns_name(text) for text in settings.discovery.node_dns]
+        self.interval = settings.discovery.dns_interval
         self.state = SourceState(SOURCE)
-        self.resolver = _resolver(settings.dns_server, settings.dns_timeout)
+        self.resolver = _resolver(settings.discovery.dns_server, settings.discovery.dns_timeout)
         self.found: FoundNodes | None = None
         self._task: asyncio.Task[None] | None = None
         #: The names whose last resolution failed (logged once per outage).
@@ -183,9 +183,9 @@ class DnsSource:
 
 def check(settings: Settings) -> None:
     """Raises ``ConfigError`` for an entry or a server that cannot be used."""
-    for text in settings.node_dns:
+    for text in settings.discovery.node_dns:
         parse_dns_name(text)
-    _resolver(settings.dns_server, settings.dns_timeout)
+    _resolver(settings.discovery.dns_server, settings.discovery.dns_timeout)
 
 
 def _resolver(server: str, timeout: float) -> dns.asyncresolver.Resolver:

@@ -185,8 +185,10 @@ class KubernetesSource:
         self.selections = _selections(settings)
         self.settings = settings
         self.state = SourceState(SOURCE)
-        self.api = KubeApi(settings.k8s_kubeconfig, settings.k8s_context, settings.k8s_timeout)
-        self.namespace = settings.k8s_namespace or self.api.namespace
+        self.api = KubeApi(
+            settings.discovery.k8s_kubeconfig, settings.discovery.k8s_context, settings.discovery.k8s_timeout
+        )
+        self.namespace = settings.discovery.k8s_namespace or self.api.namespace
         self.watchers: list[PodWatcher] = []
         #: Pods whose entry changed since they were last applied, in order of arrival.
         self._changed: dict[str, None] = {}
@@ -200,9 +202,9 @@ class KubernetesSource:
                 self.api,
                 self.namespace,
                 selection,
-                self.settings.k8s_port,
-                self.settings.k8s_relist_interval,
-                self.settings.k8s_max_backoff,
+                self.settings.discovery.k8s_port,
+                self.settings.discovery.k8s_relist_interval,
+                self.settings.discovery.k8s_max_backoff,
                 self.state,
                 self._note,
             )
@@ -258,13 +260,13 @@ class KubernetesSource:
 def check(settings: Settings) -> None:
     """Raises ``ConfigError``: a selector that does not parse, no usable configuration."""
     _selections(settings)
-    load_config(settings.k8s_kubeconfig, settings.k8s_context)
+    load_config(settings.discovery.k8s_kubeconfig, settings.discovery.k8s_context)
 
 
 def _selections(settings: Settings) -> list[Selection]:
     selections = []
     for name, role in SELECTORS:
-        selector = getattr(settings, name)
+        selector = getattr(settings.discovery, name)
         if selector:
             check_selector(selector, "--" + name.replace("_", "-"))
             selections.append(Selection(selector, role))
