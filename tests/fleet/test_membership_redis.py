@@ -16,6 +16,7 @@ import pytest
 import redis
 import redis.asyncio
 
+from pdproxy.config.settings import RegistrySettings
 from pdproxy.errors import ConfigError, InvalidRequest, RegistryUnavailable
 from pdproxy.fleet.membership import Entry, from_url
 from pdproxy.fleet.membership.redis_store import RedisMembership
@@ -51,7 +52,7 @@ class Recorder:
 @contextlib.asynccontextmanager
 async def replica(url: str, **options: Any) -> AsyncIterator[tuple[RedisMembership, Recorder]]:
     options = {"reconcile_interval": 0.2, "timeout": 1.0, "max_backoff": 0.3, **options}
-    store = RedisMembership(url, **options)
+    store = RedisMembership(RegistrySettings(registry=url, **{f"registry_{k}": v for k, v in options.items()}))
     recorder = Recorder()
     try:
         await store.start(recorder)
@@ -163,7 +164,7 @@ async def test_outage_keeps_the_last_known_nodes_and_refuses_writes(
         assert (len(seen_a.calls), len(seen_b.calls)) == before, "on_change called because of an error"
 
     # A store that never read Redis has nothing to fall back on.
-    never = RedisMembership(server.url, timeout=1.0)
+    never = RedisMembership(RegistrySettings(registry=server.url, registry_timeout=1.0))
     try:
         with pytest.raises(RegistryUnavailable):
             await never.snapshot()
@@ -213,12 +214,12 @@ async def test_put_rejects_unusable_entries(server: RedisServer) -> None:
 )
 def test_from_url_rejects(url: str) -> None:
     with pytest.raises(ConfigError):
-        from_url(url)
+        from_url(RegistrySettings(registry=url))
 
 
 @pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/0", "rediss://user:secret@127.0.0.1:6380", "redis://h"])
 async def test_from_url_accepts_redis(url: str) -> None:
-    store = from_url(url, namespace="t")
+    store = from_url(RegistrySettings(registry=url, registry_namespace="t"))
     try:
         assert isinstance(store, RedisMembership)
         assert "secret" not in store.url

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import aiohttp
 
 from pdproxy import _background
+from pdproxy.config.settings import EngineMetricsSettings
 from pdproxy.errors import NodeNotFound
 from pdproxy.fleet.engine_report import EngineReading, parse
 from pdproxy.fleet.tls import node_session
@@ -37,21 +38,18 @@ class EngineScraper:
     def __init__(
         self,
         router: Router,
+        settings: EngineMetricsSettings,
         *,
-        interval: float,
-        timeout: float,
-        concurrency: int,
-        max_bytes: int,
         api_key_of: Callable[[str], str | None],
         on_sleep: Callable[[str, bool], None] = lambda url, asleep: None,
         ca_file: str = "",
     ) -> None:
         self._router = router
-        self._interval = interval
-        self._timeout = timeout
+        self._interval = settings.engine_metrics_interval
+        self._timeout = settings.engine_metrics_timeout
         self._ca_file = ca_file
-        self._slots = asyncio.Semaphore(concurrency)
-        self._max_bytes = max_bytes
+        self._slots = asyncio.Semaphore(settings.engine_metrics_concurrency)
+        self._max_bytes = settings.engine_metrics_max_bytes
         self._api_key_of = api_key_of
         #: The last failure of each node whose last reading failed.
         self.errors: dict[str, str] = {}

@@ -160,21 +160,14 @@ class Fleet:
         )
         self.health = HealthChecker(
             router,
-            interval=settings.health.health_interval,
-            timeout=settings.health.health_timeout,
-            fall=settings.health.health_fall,
-            rise=settings.health.health_rise,
-            remove_after=settings.health.health_remove_after,
+            settings.health,
             on_remove=self._remove_quietly,
             ca_file=settings.security.node_ca_file,
         )
         #: Reads the engines' /metrics (where health checks run: in a worker group, the leader).
         self.engines = EngineScraper(
             router,
-            interval=settings.engine_metrics.engine_metrics_interval,
-            timeout=settings.engine_metrics.engine_metrics_timeout,
-            concurrency=settings.engine_metrics.engine_metrics_concurrency,
-            max_bytes=settings.engine_metrics.engine_metrics_max_bytes,
+            settings.engine_metrics,
             api_key_of=self.api_key_of,
             on_sleep=self.health.engine_asleep,
             ca_file=settings.security.node_ca_file,

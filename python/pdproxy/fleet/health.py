@@ -25,6 +25,7 @@ from typing import TypedDict
 import aiohttp
 
 from pdproxy import _background
+from pdproxy.config.settings import HealthSettings
 from pdproxy.errors import AnswerTooLarge, NodeNotFound
 from pdproxy.fleet.node_answers import read_json
 from pdproxy.fleet.tls import node_session
@@ -75,22 +76,18 @@ class HealthChecker:
     def __init__(
         self,
         router: Router,
+        settings: HealthSettings,
         *,
-        interval: float,
-        timeout: float,
-        fall: int,
-        rise: int,
-        remove_after: float,
         on_remove: Callable[[str], None],
         ca_file: str = "",
     ) -> None:
         self._router = router
-        self._interval = interval
-        self._timeout = timeout
+        self._interval = settings.health_interval
+        self._timeout = settings.health_timeout
         self._ca_file = ca_file
-        self._fall = fall
-        self._rise = rise
-        self._remove_after = remove_after
+        self._fall = settings.health_fall
+        self._rise = settings.health_rise
+        self._remove_after = settings.health_remove_after
         self._on_remove = on_remove
         self.nodes: dict[str, NodeHealth] = {}
         #: The nodes whose engine's metrics say it is asleep (see ``engine_asleep``).

@@ -30,6 +30,7 @@ from typing import TypedDict
 import aiohttp
 
 from pdproxy._json_types import JsonObject, JsonValue, loads
+from pdproxy.config.settings import PdSettings
 from pdproxy.errors import HandshakeError, LinkFailed
 from pdproxy.fleet.tls import node_session
 
@@ -134,11 +135,8 @@ def parse_engine_info(payload: JsonValue) -> JsonObject:
 class LinkPool:
     def __init__(
         self,
+        settings: PdSettings,
         *,
-        timeout: float,
-        attempts: int,
-        backoff: float,
-        wait_timeout: float,
         api_key_of: Callable[[str], str | None],
         transport: Transport,
         group_dir: Path | None = None,
@@ -148,11 +146,11 @@ class LinkPool:
         self.transport = transport
         #: In a worker group: where the pairs' lock files and connected markers live.
         self._shared = group_dir / "links" if group_dir is not None else None
-        self._timeout = timeout
+        self._timeout = settings.pd_link_timeout
         self._ca_file = ca_file
-        self._attempts = attempts
-        self._backoff = backoff
-        self._wait_timeout = wait_timeout
+        self._attempts = settings.pd_link_attempts
+        self._backoff = settings.pd_link_backoff
+        self._wait_timeout = settings.pd_link_wait_timeout
         self._api_key_of = api_key_of
         self._session: aiohttp.ClientSession | None = None
 

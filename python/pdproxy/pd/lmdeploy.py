@@ -49,10 +49,7 @@ class DistServe:
         self.router = router
         self.settings = settings
         self.links = LinkPool(
-            timeout=settings.pd.pd_link_timeout,
-            attempts=settings.pd.pd_link_attempts,
-            backoff=settings.pd.pd_link_backoff,
-            wait_timeout=settings.pd.pd_link_wait_timeout,
+            settings.pd,
             api_key_of=api_key_of,
             transport=Transport(
                 settings.pd.migration_protocol, settings.pd.link_type, with_gdr=not settings.pd.disable_gdr

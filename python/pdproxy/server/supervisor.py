@@ -127,14 +127,7 @@ class Supervisor:
     def _membership(self) -> Membership | None:
         """Where node membership is shared: Redis (--registry), else the worker group's document."""
         if self.settings.membership.registry:
-            s = self.settings
-            return membership_from_url(
-                s.membership.registry,
-                namespace=s.membership.registry_namespace,
-                reconcile_interval=s.membership.registry_reconcile_interval,
-                timeout=s.membership.registry_timeout,
-                max_backoff=s.membership.registry_max_backoff,
-            )
+            return membership_from_url(self.settings.membership)
         if self.group is not None:
             return GroupFileMembership(self.group.directory, self.group.table)
         return None

@@ -8,27 +8,19 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Awaitable, Callable
-from typing import TypeAlias, TypedDict, Unpack
+from typing import TypeAlias
 from urllib.parse import urlsplit
 
 from pdproxy._json_types import JsonObject
+from pdproxy.config.settings import RegistrySettings
 from pdproxy.errors import ConfigError, RegistryUnavailable
 
-__all__ = ["Entry", "Membership", "OnChange", "RegistryOptions", "RegistryUnavailable", "check_url", "from_url"]
+__all__ = ["Entry", "Membership", "OnChange", "RegistryUnavailable", "check_url", "from_url"]
 
 #: One node registration (a saved ``NodeRecord``): at least "url" (str); may have "lease_ttl"
 #: (seconds or None).
 Entry: TypeAlias = JsonObject
 OnChange: TypeAlias = Callable[[list[Entry]], Awaitable[None]]
-
-
-class RegistryOptions(TypedDict, total=False):
-    """How a shared registry is used (the ``registry_*`` settings; each has its default)."""
-
-    namespace: str
-    reconcile_interval: float
-    timeout: float
-    max_backoff: float
 
 
 class Membership(abc.ABC):
@@ -74,11 +66,12 @@ def check_url(url: str) -> None:
         raise ConfigError(f"--registry {url!r} needs the redis package: pip install 'pdproxy[redis]' ({e})") from None
 
 
-def from_url(url: str, **options: Unpack[RegistryOptions]) -> Membership:
-    """The backend for a ``--registry`` URL; ``options`` go to its constructor."""
+def from_url(settings: RegistrySettings) -> Membership:
+    """The backend for the ``--registry`` URL of ``settings`` (the shared-membership group)."""
+    url = settings.registry
     check_url(url)
     try:
         from pdproxy.fleet.membership.redis_store import RedisMembership
     except ImportError as e:  # redis is an optional extra
         raise ConfigError(f"--registry {url!r} needs the redis package: pip install 'pdproxy[redis]' ({e})") from None
-    return RedisMembership(url, **options)
+    return RedisMembership(settings)

@@ -52,8 +52,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from pdproxy.config.settings import defaults
-from pdproxy.errors import ConfigError, InvalidRequest, RegistryUnavailable
+from pdproxy.config.settings import RegistrySettings
+from pdproxy.errors import InvalidRequest, RegistryUnavailable
 from pdproxy.fleet.membership import Entry, Membership, OnChange
 
 __all__ = ["RedisMembership"]
@@ -116,24 +116,11 @@ def _redacted(url: str) -> str:
 
 
 class RedisMembership(Membership):
-    def __init__(
-        self,
-        url: str,
-        *,
-        namespace: str = defaults().membership.registry_namespace,
-        reconcile_interval: float = defaults().membership.registry_reconcile_interval,
-        timeout: float = defaults().membership.registry_timeout,
-        max_backoff: float = defaults().membership.registry_max_backoff,
-    ) -> None:
-        for name, value in (
-            ("reconcile_interval", reconcile_interval),
-            ("timeout", timeout),
-            ("max_backoff", max_backoff),
-        ):
-            if not value > 0:
-                raise ConfigError(f"registry {name} must be positive, not {value!r}")
-        if not namespace:
-            raise ConfigError("registry namespace must not be empty")
+    def __init__(self, settings: RegistrySettings) -> None:
+        """Membership in the Redis at ``settings.registry`` (the group's checks hold: a
+        namespace, positive seconds)."""
+        url, namespace, timeout = settings.registry, settings.registry_namespace, settings.registry_timeout
+        reconcile_interval, max_backoff = settings.registry_reconcile_interval, settings.registry_max_backoff
         self.url = _redacted(url)
         self._nodes = f"{namespace}:nodes"
         self._lease_prefix = f"{namespace}:lease:"
