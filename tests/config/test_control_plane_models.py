@@ -149,3 +149,25 @@ async def test_labels_come_from_static_config_and_registration(tmp_path: Path, h
                 assert (await r.json())[registered.url]["labels"] == {"rack": "r8", "row": "2"}
         saved = {entry["url"]: entry for entry in json.loads(state.read_text())["nodes"]}
         assert saved[registered.url]["labels"] == {"rack": "r8", "row": "2"}, "the state file keeps the whole record"
+
+
+def test_settings_hold_groups_and_take_flat_names() -> None:
+    from pdproxy.config.settings import FIELDS, FLAT, HealthSettings
+
+    assert set(FLAT) == set(FIELDS), "each setting's group, from the groups themselves"
+    settings = Settings(health_interval=1.5, connect_timeout=3.0, port=9001)
+    assert (settings.health.health_interval, settings.timeouts.connect_timeout, settings.server.port) == (
+        1.5,
+        3.0,
+        9001,
+    )
+    assert settings.health == HealthSettings(health_interval=1.5), "a group built from its flat names"
+    changed = settings.replace(health_fall=5)
+    assert (changed.health.health_fall, changed.health.health_interval) == (5, 1.5), "replace keeps the group's others"
+    assert changed.timeouts is settings.timeouts, "an untouched group is kept as it is"
+    assert Settings(health=HealthSettings(health_rise=4)).health.health_rise == 4, "a group given whole"
+    assert list(settings.flat()) == list(FIELDS), "--print-config shows the flat names"
+    with pytest.raises(pdproxy.ConfigError, match=r"^health_interval must be a positive number of seconds"):
+        settings.replace(health_interval=0)
+    with pytest.raises(pdproxy.ConfigError, match=r"^unknown setting nope"):
+        settings.replace(nope=1)
