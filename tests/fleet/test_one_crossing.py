@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from pdproxy import Router, Settings, _pdproxy
-from pdproxy.fleet import node_record
-from pdproxy.management import nodes_api
 from pdproxy.errors import InvalidNode
+from pdproxy.fleet import node_record
 from pdproxy.fleet.fleet import Fleet, NodeStatusRow
 from pdproxy.fleet.node_record import NodeRecord
+from pdproxy.management import nodes_api
 
 
 class Counting:
