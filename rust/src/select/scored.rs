@@ -39,13 +39,12 @@
 //!   replica, two seeds) it was within the run-to-run spread of 0 on most workloads and worse
 //!   on `unequal_engines` and `flush_restart` (TTFT p99 1,033 and 1,116 ms against 812 and 761).
 //! - The requests waiting for a first token are those pdproxy sent (`behind`); with `reported`
-//!   (0 by default) also the queue the engine last reported, where it is longer: replicas in
-//!   front of the same engines each count only their own. On `bench/fleet.py` at 80% load with
-//!   four replicas following the KV events, `reported=1` took TTFT p99 from 3,567 and 2,894 ms
-//!   to 789 and 202 on `system_prompts` (seeds 1, 2), from 1,743 and 541 to 655 and 479 on
-//!   `flush_restart`, from 337 and 1,841 to 789 and 450 on `unequal_engines`; for one replica,
-//!   whose own count is the whole queue, it was worse (`system_prompts` 1,418 and 1,012 against
-//!   76 and 167, `unequal_engines` 1,128 and 727 against 439 and 355): a reading ages.
+//!   (0 by default) also the queue the engine last reported, where it is longer and the reading
+//!   showed requests pdproxy cannot have sent (`EngineLoad::shows_others`): replicas in front of
+//!   the same engines each count only their own, and one replica's own count is fresher than a
+//!   reading. On `bench/fleet.py` at 80% load, four replicas following the KV events, two seeds
+//!   (bench/results/2026-12-06-0047-fleet-replicas-clean.md): TTFT p99 on `system_prompts` 980 ms
+//!   against 3,281 without it, on `unequal_engines` 661 against 1,160; one replica 172 and 372.
 //! - Engine speeds are learnt only from requests that waited for no other's prefill (see
 //!   `InFlightPermit::set_prediction`): fitted on every first token, the fixed part took in the
 //!   queue waits of a cold fleet's first seconds (277-604 ms) and the clock then counted them
