@@ -45,6 +45,7 @@ import peers
 from fleet_client import EVENT_WINDOW, Outcome, Played
 from fleet_client import run as play
 from fleet_workloads import WORKLOADS, EngineShape, Trace, Workload, engine_options, ideal_capacity, stats
+from pdproxy.testing.ports import free_port_range
 
 MODEL = "fleet-model"
 HERE = Path(__file__).resolve().parent
@@ -133,7 +134,7 @@ def fleet(shapes: tuple[EngineShape, ...], dialects: str, kv_events: bool = Fals
     """The engines of ``shapes`` (one each) and the oracle, in one process; ``kv_events``: the
     engines publish their KV events."""
     count = len(shapes)
-    first = harness.free_port_range(count + 1)
+    first = free_port_range(count + 1)
     oracle_port = first + count
     engines = json.dumps([engine_options(shape) for shape in shapes])
     args = [sys.executable, str(HERE / "fleet_engines.py"), "--port", str(first), "--count", str(count)]

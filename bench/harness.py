@@ -6,9 +6,7 @@ import contextlib
 import http.client
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -45,25 +43,6 @@ def say(message: str) -> None:
 def build_loadgen() -> None:
     say("building the load generator and the floor proxy (cargo build --release -p pdproxy-loadgen)")
     subprocess.run(["cargo", "build", "--release", "-q", "-p", "pdproxy-loadgen"], cwd=ROOT, check=True)
-
-
-def free_port_range(count: int) -> int:
-    """The first of ``count`` consecutive free ports, below Linux's ephemeral range (where the
-    load generator's closed connections linger)."""
-    for _ in range(200):
-        first = random.randrange(20000, 32000 - count)
-        if all(_port_free(first + i) for i in range(count)):
-            return first
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def process_tree(pid: int) -> list[int]:

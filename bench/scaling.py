@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import harness
 from pdproxy.testing import mock_engine_command
+from pdproxy.testing.ports import free_port_range
 from run import CHAT, MODEL, chat
 
 STREAMS = (64, 256, 1024, 4096)
@@ -29,7 +30,7 @@ WORKERS = (1, 2, 4)
 @contextlib.contextmanager
 def engines_in_one_process(count: int) -> Iterator[list[str]]:
     """``count`` mock engines served by one process (so 128 nodes cost one process)."""
-    port = harness.free_port_range(count)
+    port = free_port_range(count)
     args = mock_engine_command(port, MODEL, "--count", str(count))
     url = f"http://127.0.0.1:{port}"
     with harness.service(f"{count} engines", args, url + "/health", url):

@@ -7,7 +7,6 @@ cache flushed, an engine restarted, as the benchmark's events do them mid-run.""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from pdproxy.testing.ports import free_port_range
 from servers import REPO, get_json, post_json, stop_process, wait_until
 
 BENCH = REPO / "bench"
@@ -42,27 +42,9 @@ def test_the_oracle_answers_first_in_a_short_fleet_run(tmp_path: Path) -> None:
     assert oracle["engine_cache_hit_rate"] > rr["engine_cache_hit_rate"] > 0
 
 
-def consecutive_free_ports(count: int) -> int:
-    for _ in range(100):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            first = probe.getsockname()[1]
-        sockets = [socket.socket() for _ in range(count)]
-        try:
-            for i, s in enumerate(sockets):
-                s.bind(("127.0.0.1", first + i))
-            return first
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise AssertionError(f"no {count} consecutive free ports")
-
-
 @pytest.mark.timeout(60)
 def test_the_fleets_control_port_flushes_and_restarts_an_engine(tmp_path: Path) -> None:
-    first = consecutive_free_ports(3)
+    first = free_port_range(3)
     shape = {"kv_blocks": 256, "kv_block_tokens": 16, "max_batch": 4, "decode_step_ms": 5.0}
     engines = json.dumps([shape, {**shape, "prefill_ms_per_token": 0.4, "decode_step_ms": 10.0}])
     oracle = f"http://127.0.0.1:{first + 2}"
