@@ -5,7 +5,7 @@
 
 A table keeps what reading a command line needs (option strings, dest, action, nargs, value
 type, default, choices, the parser's prog) and nothing else: no help text. Run it after
-regenerating a dump; tests/compat/test_peer_cli.py checks the tables match the dumps.
+regenerating a dump; tests/peers/test_peer_cli.py checks the tables match the dumps.
 
     python scripts/peer_flag_tables.py
 """

@@ -1,6 +1,6 @@
 """What each flag of the peer routers becomes in pdproxy: a setting, a note (taken, with no
 effect of its own, and why), or a refusal (and why). Every dest of every router's parser has a
-rule here (tests/compat/test_peer_cli.py walks them all); a flag's rule is the same for every router
+rule here (tests/peers/test_peer_cli.py walks them all); a flag's rule is the same for every router
 that has it, except where one router gives it another meaning (``BY_ROUTER``)."""
 
 from __future__ import annotations
