@@ -27,6 +27,7 @@ import zmq.asyncio
 
 from pdproxy.kv_events.wire import DIALECTS, Batch, Cleared, Event, Removed, Stored, encode_batch
 
+from .batching import EngineModel
 from .tokens import TOKEN_BYTES
 
 #: Batches kept for replay (vLLM's and SGLang's default ``buffer_steps``).
@@ -55,20 +56,18 @@ class KvEventPublisher:
         endpoint: str,
         replay_endpoint: str | None,
         *,
-        block_tokens: int,
-        kv_blocks: int,
+        model: EngineModel,
         dialect: str = "vllm",
-        rank: int | None = None,
-        topic: str = "",
     ) -> None:
         if dialect not in DIALECTS:
             raise ValueError(f"unknown KV event dialect {dialect!r}: {', '.join(DIALECTS)}")
-        self.block_tokens = block_tokens
+        self.block_tokens = model.kv_block_tokens
         #: Texts kept at most: those of blocks long gone go first.
-        self._contents_limit = 4 * kv_blocks
+        self._contents_limit = 4 * model.kv_blocks
         self.dialect = dialect
-        self.rank = rank
-        self._topic = topic.encode()
+        #: One engine, no data-parallel ranks: its batches carry none, under no topic.
+        self.rank: int | None = None
+        self._topic = b""
         self._context = zmq.asyncio.Context()
         self._pub = self._context.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)

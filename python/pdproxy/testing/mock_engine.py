@@ -1016,8 +1016,7 @@ async def _start_kv_events(app: web.Application) -> None:
     publisher = KvEventPublisher(
         settings.kv_events,
         settings.kv_events_replay or None,
-        block_tokens=settings.kv_block_tokens,
-        kv_blocks=settings.kv_blocks,
+        model=state.batcher.model,
         dialect=settings.kv_events_dialect,
     )
     publisher.start()
