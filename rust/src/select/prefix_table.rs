@@ -60,6 +60,13 @@ const SHRINK_BELOW: f64 = 0.9;
 const GROW_ABOVE: f64 = 0.97;
 /// Hits found over hits predicted below which the engine is taken to have emptied its cache.
 const FLUSHED_BELOW: f64 = 0.1;
+/// Predicted hits (bytes) of answers in a row that found next to nothing of them, past which
+/// the engine is taken to have emptied its cache without waiting for a whole check: about
+/// three answers to long prompts. A check's window holds the hits from before the flush too.
+const FLUSH_STREAK_BYTES: u64 = 24 << 10;
+/// Predicted hits (bytes) the answers since the last look must add up to before they count in
+/// a streak, so that one short prompt's miss does not.
+const STREAK_STEP_BYTES: u64 = 4 << 10;
 /// The smallest share a node is cut to (blocks).
 const MIN_SHARE: usize = 16;
 
@@ -105,6 +112,11 @@ struct NodeBlocks {
     /// `answered_cached_tokens`.
     answers_predicted: u64,
     answers_tokens: u64,
+    /// The answers' counters at the last look, and the predicted hits of the answers since
+    /// the last that found a good part of its prediction (see `FLUSH_STREAK_BYTES`).
+    seen_predicted: u64,
+    seen_tokens: u64,
+    missed_in_a_row: u64,
 }
 
 impl NodeBlocks {
@@ -118,11 +130,15 @@ impl NodeBlocks {
         let counters = node.counters();
         let answered = counters.answered_predicted_bytes.load(Ordering::Relaxed);
         if answered > 0 {
+            let tokens = counters.answered_cached_tokens.load(Ordering::Relaxed);
+            if self.missed_in_a_row(answered, tokens, bytes_per_token) {
+                (self.answers_predicted, self.answers_tokens) = (answered, tokens);
+                return true;
+            }
             let predicted = answered.saturating_sub(self.answers_predicted);
             if predicted < CHECK_AFTER_BYTES {
                 return false;
             }
-            let tokens = counters.answered_cached_tokens.load(Ordering::Relaxed);
             #[allow(clippy::cast_precision_loss)]
             let found = tokens.saturating_sub(self.answers_tokens) as f64 * bytes_per_token;
             (self.answers_predicted, self.answers_tokens) = (answered, tokens);
@@ -150,6 +166,27 @@ impl NodeBlocks {
         self.checked_hits = Some(hits);
         self.checked_predicted = predicted_now;
         flushed
+    }
+
+    /// Follows the answers since the last look (cumulative counters `answered` bytes predicted,
+    /// `tokens` found); true when those in a row that found next to nothing of what they were
+    /// predicted to find add up to `FLUSH_STREAK_BYTES`.
+    fn missed_in_a_row(&mut self, answered: u64, tokens: u64, bytes_per_token: f64) -> bool {
+        let predicted = answered.saturating_sub(self.seen_predicted);
+        if predicted < STREAK_STEP_BYTES {
+            return false;
+        }
+        #[allow(clippy::cast_precision_loss)]
+        let found = tokens.saturating_sub(self.seen_tokens) as f64 * bytes_per_token;
+        (self.seen_predicted, self.seen_tokens) = (answered, tokens);
+        #[allow(clippy::cast_precision_loss)]
+        let missed = found < FLUSHED_BELOW * predicted as f64;
+        self.missed_in_a_row = if missed { self.missed_in_a_row + predicted } else { 0 };
+        if self.missed_in_a_row < FLUSH_STREAK_BYTES {
+            return false;
+        }
+        self.missed_in_a_row = 0;
+        true
     }
 
     /// Moves the node's share after a check found `ratio` of the predicted hits; true: flushed.
@@ -190,12 +227,27 @@ impl Inner {
         }
     }
 
+    /// Drops the node and its blocks.
     fn forget(&mut self, generation: u64) {
         if let Some(node) = self.nodes.remove(&generation) {
-            for (hash, stamp) in node.order {
-                if self.holds(hash, generation, Some(stamp)) {
-                    self.drop_block(hash, generation);
-                }
+            self.drop_blocks(generation, node.order);
+        }
+    }
+
+    /// Drops the node's blocks (its engine restarted, now `restarts` times, or emptied its
+    /// cache), keeping where its checks are: the answers and readings before it are not judged again.
+    fn clear(&mut self, generation: u64, restarts: u32) {
+        if let Some(node) = self.nodes.get_mut(&generation) {
+            let order = std::mem::take(&mut node.order);
+            (node.live, node.share, node.restarts, node.missed_in_a_row) = (0, None, restarts, 0);
+            self.drop_blocks(generation, order);
+        }
+    }
+
+    fn drop_blocks(&mut self, generation: u64, order: VecDeque<(u64, u64)>) {
+        for (hash, stamp) in order {
+            if self.holds(hash, generation, Some(stamp)) {
+                self.drop_block(hash, generation);
             }
         }
     }
@@ -244,7 +296,7 @@ impl PrefixTable {
         for node in candidates {
             let restarts = node.counters().engine.restarts();
             if inner.nodes.get(&node.generation()).is_some_and(|n| n.restarts != restarts) {
-                inner.forget(node.generation());
+                inner.clear(node.generation(), restarts);
             }
         }
         let mut pending = vec![0; if now_ms.is_some() { candidates.len() } else { 0 }];
@@ -279,7 +331,7 @@ impl PrefixTable {
         let restarts = node.counters().engine.restarts();
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         if inner.nodes.get(&generation).is_some_and(|n| n.restarts != restarts) {
-            inner.forget(generation);
+            inner.clear(generation, restarts);
         }
         if !inner.nodes.contains_key(&generation) && inner.nodes.len() >= MAX_NODES {
             let oldest = inner.nodes.iter().min_by_key(|(_, n)| n.last_used).map(|(g, _)| *g);
@@ -297,7 +349,7 @@ impl PrefixTable {
 
         let bytes_per_token = self.config.bytes_per_token;
         if inner.nodes.get_mut(&generation).is_some_and(|b| b.check(node, bytes_per_token, ceiling)) {
-            inner.forget(generation);
+            inner.clear(generation, restarts);
         }
         let Inner { holders, nodes, clock } = &mut *inner;
         let blocks = nodes.entry(generation).or_insert_with(|| NodeBlocks { restarts, ..NodeBlocks::default() });
@@ -475,6 +527,34 @@ mod tests {
         let b = hashes(&t, &"b".repeat(64));
         t.learn(node, &b, None, 0);
         assert_eq!(t.matched(&a, &nodes), vec![0]);
+        assert_eq!(t.blocks_of(node.generation()), 4, "only what it took since");
+    }
+
+    #[test]
+    fn answers_in_a_row_that_found_nothing_tell_a_flush_before_a_whole_check() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let (_reg, nodes) = nodes(1);
+        let node = &nodes[0];
+        let t = table(1 << 16);
+        let a = hashes(&t, &"a".repeat(1024));
+        let answer = |predicted: u64, found_tokens: u64| {
+            node.counters().answered_predicted_bytes.fetch_add(predicted, Relaxed);
+            node.counters().answered_cached_tokens.fetch_add(found_tokens, Relaxed);
+            t.learn(node, &a, None, 0);
+        };
+        t.learn(node, &a, None, 0);
+        // Misses between hits (an eviction here and there) are no flush.
+        for found in [0, 0, 2048, 0, 0, 2048] {
+            answer(8 << 10, found);
+        }
+        assert_eq!(t.matched(&a, &nodes), vec![64], "still held");
+        // Three long prompts in a row found nothing: flushed, long before 64 KiB of them.
+        for _ in 0..3 {
+            node.counters().answered_predicted_bytes.fetch_add(8 << 10, Relaxed);
+            let b = hashes(&t, &"b".repeat(64));
+            t.learn(node, &b, None, 0);
+        }
+        assert_eq!(t.matched(&a, &nodes), vec![0], "forgotten");
         assert_eq!(t.blocks_of(node.generation()), 4, "only what it took since");
     }
 
