@@ -1,14 +1,14 @@
 """The `pdproxy` command: `serve` and `mock-engine`.
 
-Options are generated from the settings dataclasses, so every option has exactly one
-default (in `config/settings.py` / `testing/mock_engine.py`) and one `PDPROXY_*` environment variable.
+Options are generated from the settings' pydantic models, so every option has exactly one
+default (in `config/settings.py` / `testing/mock_settings.py`), and each of `serve`'s one `PDPROXY_*`
+environment variable.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from typing import TypedDict, TypeVar
 
 import click
+from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from . import __version__
 from ._json_types import JsonObject, JsonValue, loads
 from .config.checks import checked
-from .config.settings import ENV_PREFIX, FIELDS, GROUPS, Settings, load_toml, setting_flag, setting_kind
+from .config.settings import ENV_PREFIX, GROUPS, Settings, SettingsGroup, load_toml, setting_flag, setting_kind
 from .errors import ConfigError
 from .fleet.node_record import NodeAttributes, configured_nodes
 
@@ -57,50 +58,36 @@ class Option:
     shown_default: str | None = None
 
 
-def options_of(cls: type) -> list[Option]:
-    """The options of a settings class: the pydantic ``Settings`` (each under its group's
-    title) or a settings dataclass (the mock engine's)."""
-    if issubclass(cls, Settings):
-        out = []
-        for name, info in FIELDS.items():
-            extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
-            aliases = tuple(str(a) for a in extra.get("aliases") or ())  # type: ignore[union-attr]
-            env_aliases = tuple(str(a) for a in extra.get("env_aliases") or ())  # type: ignore[union-attr]
-            kind = setting_kind(info)
-            shown = extra.get("shown_default")
-            out.append(
-                Option(
-                    name,
-                    kind,
-                    info.default,
-                    info.description or "",
-                    (setting_flag(name), *aliases),
-                    env_aliases,
-                    cls.group_of(name).title,
-                    None if shown is None else str(shown),
-                )
+def options_of(cls: type[BaseModel]) -> list[Option]:
+    """The options of a pydantic settings model, one per setting: the mock engine's, or
+    ``Settings``'s, whose fields are groups of settings (each shown under its group's title)."""
+    section = cls.title if issubclass(cls, SettingsGroup) else ""
+    out: list[Option] = []
+    for name, info in cls.model_fields.items():
+        group = info.annotation
+        if isinstance(group, type) and issubclass(group, BaseModel):  # settings.health and the like
+            out += options_of(group)
+            continue
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        aliases = tuple(str(a) for a in extra.get("aliases") or ())  # type: ignore[union-attr]
+        env_aliases = tuple(str(a) for a in extra.get("env_aliases") or ())  # type: ignore[union-attr]
+        shown = extra.get("shown_default")
+        out.append(
+            Option(
+                name,
+                setting_kind(info),
+                info.default,
+                info.description or "",
+                (setting_flag(name, info), *aliases),
+                env_aliases,
+                section,
+                None if shown is None else str(shown),
             )
-        return out
-    if not dataclasses.is_dataclass(cls):
-        raise TypeError(f"{cls.__name__} is neither Settings nor a settings dataclass")
-    return [
-        Option(
-            f.name,
-            _DATACLASS_KINDS[str(f.type)],
-            f.default,
-            f.metadata.get("help", ""),
-            ("--" + f.name.replace("_", "-"),),
-            (),
-            "",
         )
-        for f in dataclasses.fields(cls)
-    ]
+    return out
 
 
-_DATACLASS_KINDS: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
-
-
-def settings_options(cls: type, envvar_prefix: str | None) -> Callable[[F], F]:
+def settings_options(cls: type[BaseModel], envvar_prefix: str | None) -> Callable[[F], F]:
     """Adds one click option per setting of ``cls``."""
 
     def decorate(fn: F) -> F:
@@ -170,7 +157,7 @@ class SettingsCommand(click.Command):
 
     context_class = _Context
 
-    def settings_class(self) -> type:
+    def settings_class(self) -> type[BaseModel]:
         """The settings whose options the command takes."""
         return Settings
 
@@ -209,8 +196,8 @@ def _help_of(option: Option, param: click.Parameter) -> str:
 class MockEngineCommand(SettingsCommand):
     """`pdproxy mock-engine`: its options are the mock engine's settings."""
 
-    def settings_class(self) -> type:
-        from .testing.mock_engine import MockSettings
+    def settings_class(self) -> type[BaseModel]:
+        from .testing.mock_settings import MockSettings
 
         return MockSettings
 
@@ -365,7 +352,7 @@ def serve(print_config: bool, **options: object) -> None:
 
 
 def _mock_settings_options(fn: F) -> F:
-    from .testing.mock_engine import MockSettings
+    from .testing.mock_settings import MockSettings
 
     return settings_options(MockSettings, None)(fn)
 
@@ -383,11 +370,12 @@ def mock_engine(count: int, **options: object) -> None:
     """Run a mock OpenAI-compatible inference engine (no GPU) for demos, tests and benchmarks."""
     import uvloop
 
-    from .testing.mock_engine import MockEngine, MockSettings
+    from .testing.mock_engine import MockEngine
+    from .testing.mock_settings import MockSettings
 
     try:
         settings = MockSettings.of(options)
-    except ValueError as e:
+    except ConfigError as e:
         raise click.UsageError(str(e)) from e
     ports = [settings.port + i if settings.port else 0 for i in range(count)]
     engines = [MockEngine(settings, port=port) for port in ports]

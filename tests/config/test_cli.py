@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import signal
@@ -48,8 +47,8 @@ def test_every_setting_is_an_option_with_an_env_var() -> None:
         assert flag in help_text, flag
         assert f"PDPROXY_{name.upper()}" in help_text, name
     mock_help = run("mock-engine", "--help").stdout
-    for field in dataclasses.fields(MockSettings):
-        assert "--" + field.name.replace("_", "-") in mock_help, field.name
+    for name in MockSettings.model_fields:
+        assert "--" + name.replace("_", "-") in mock_help, name
 
 
 def effective(*args: str, env: dict[str, str] | None = None) -> dict:

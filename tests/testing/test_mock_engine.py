@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
+from pdproxy.errors import ConfigError
 from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings, parse_faults
 from pdproxy.testing.faults import FaultSpecError
 from servers import chat_body
@@ -213,6 +214,25 @@ def test_fault_spec_parsing() -> None:
     for bad in ("status=abc", "status=42", "nope", "fragment=0"):
         with pytest.raises(FaultSpecError):
             parse_faults(bad)
+
+
+def test_settings_refuse_in_one_line_naming_the_setting() -> None:
+    base = MockSettings(port=0, model="m")
+    assert MockSettings.of({"ttft_ms": 5}, base) == MockSettings(port=0, model="m", ttft_ms=5.0), "an int is a float"
+    for values, message in (
+        ({"port": "8001"}, "port: Input should be a valid integer"),
+        ({"max_batch": True}, "max_batch: Input should be a valid integer"),
+        ({"simulate": 1}, "simulate: Input should be a valid boolean"),
+        ({"role": "chef"}, "role must be one of hybrid, prefill, decode, got 'chef'"),
+        ({"kv_blocks": 0}, "kv_blocks must be at least 1, got 0"),
+        ({"decode_step_ms": -1.0}, "decode_step_ms must not be negative, got -1.0"),
+        ({"fault": "nope"}, "unknown fault knob 'nope'"),
+        ({"ssl_keyfile": "k.pem"}, "ssl_certfile and ssl_keyfile go together"),
+        ({"nope": 1}, "unknown setting nope"),
+    ):
+        with pytest.raises(ConfigError) as refused:
+            MockSettings.of(values, base)
+        assert str(refused.value) == message
 
 
 async def test_p2p_initialize_takes_what_lmdeploy_engines_take(engine: MockEngine, http: aiohttp.ClientSession) -> None:

@@ -149,6 +149,7 @@ def _several(value: object) -> object:
 
 Seconds = Annotated[float, AfterValidator(_positive_seconds)]
 NotNegativeSeconds = Annotated[float, AfterValidator(_not_negative)]
+NotNegativeNumber = Annotated[float, AfterValidator(_not_negative)]
 AtLeastOne = Annotated[int, AfterValidator(_at_least_one)]
 NotNegative = Annotated[int, AfterValidator(_not_negative)]
 Share = Annotated[float, AfterValidator(_share)]
@@ -1216,10 +1217,10 @@ def settings_message(error: ValidationError) -> str:
     return f"{where}: {first['msg']}" if where else first["msg"]
 
 
-def setting_flag(name: str) -> str:
-    """The command-line flag of setting ``name``: its own spelling (``--node`` for ``nodes``),
-    else its name with dashes."""
-    extra = FIELDS[name].json_schema_extra
+def setting_flag(name: str, field: FieldInfo) -> str:
+    """The command-line flag of setting ``name`` (``field``, of any settings model): its own
+    spelling (``--node`` for ``nodes``), else its name with dashes."""
+    extra = field.json_schema_extra
     flag = extra.get("flag") if isinstance(extra, dict) else None
     return str(flag) if flag else "--" + name.replace("_", "-")
 
@@ -1255,7 +1256,7 @@ def read_toml(path: str | Path, what: str) -> dict[str, object]:
 def _option_keys() -> dict[str, str]:
     """Each setting's key in a settings file, the option's name with underscores (``node`` for
     ``--node``), and the setting it sets."""
-    return {setting_flag(name).removeprefix("--").replace("-", "_"): name for name in FIELDS}
+    return {setting_flag(name, field).removeprefix("--").replace("-", "_"): name for name, field in FIELDS.items()}
 
 
 @functools.cache

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import hashlib
 import itertools
 import json
@@ -26,147 +25,24 @@ import aiohttp
 from aiohttp import web
 
 from pdproxy._json_types import JsonObject, JsonValue, loads
-from pdproxy.kv_events.wire import DIALECTS as KV_EVENT_DIALECTS
 
 from . import distserve, engine_metrics, vllm_fields
 from .batching import ContinuousBatcher, EngineModel, PromptTooLong
-from .distserve import ID_FORMATS, KvLedger, Links
-from .engine_metrics import DIALECTS, EngineFigures
-from .faults import FAULT_HEADER, FAULT_HELP, NO_FAULTS, Faults, FaultSpecError, parse_faults
+from .distserve import KvLedger, Links
+from .engine_metrics import EngineFigures
+from .faults import FAULT_HEADER, NO_FAULTS, Faults, FaultSpecError, parse_faults
 from .generation import count_tokens, generate, prompt_text, token_id
 from .kv_publisher import KvEventPublisher
+from .mock_settings import MockSettings
 from .tokens import TOKEN_BYTES, block_hashes, render_prompt
 from .tokens import count_tokens as sim_tokens
 from .vllm_sglang import Rendezvous, check_vllm_prefill_shape, vllm_remote_path
 
 __all__ = ["MockEngine", "MockSettings", "build_app"]
 
-ROLES = ("hybrid", "prefill", "decode")
 HEALTH_STATES = ("healthy", "sleeping", "unhealthy", "initializing")
 #: How many received requests `/mock/requests` remembers.
 RECORD_LIMIT = 256
-
-
-@dataclass(frozen=True, kw_only=True)
-class MockSettings:
-    """Every default of the mock engine lives here (`pdproxy mock-engine --help`)."""
-
-    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on."})
-    port: int = field(default=8001, metadata={"help": "Port to listen on (0: any free port)."})
-    model: str = field(default="mock-model", metadata={"help": "Model name served."})
-    max_model_len: int = field(
-        default=4096,
-        metadata={"help": "The context length its /v1/models card reports (playing vLLM, also the most it takes)."},
-    )
-    prompt_tokens_details: bool = field(
-        default=False,
-        metadata={"help": "Playing vLLM: usage.prompt_tokens_details, as vLLM's --enable-prompt-tokens-details."},
-    )
-    role: str = field(default="hybrid", metadata={"help": "Engine role: hybrid, prefill or decode."})
-    ttft_ms: float = field(default=0.0, metadata={"help": "Milliseconds before the first token."})
-    token_delay_ms: float = field(default=0.0, metadata={"help": "Milliseconds between tokens."})
-    fault: str = field(default="", metadata={"help": FAULT_HELP})
-    allow_terminate: bool = field(
-        default=False, metadata={"help": "Let GET /terminate stop the engine (LMDeploy's --allow-terminate-by-client)."}
-    )
-    tp_size: int = field(default=1, metadata={"help": "Tensor-parallel size reported by /distserve/engine_info."})
-    bootstrap_timeout_ms: float = field(
-        default=3000.0, metadata={"help": "SGLang: how long prefill and decode wait for each other in a room."}
-    )
-    block_size: int = field(default=64, metadata={"help": "Tokens per KV block (DistServe)."})
-    id_format: str = field(
-        default="legacy",
-        metadata={
-            "help": "How a prefill answer names its session, as LMDeploy versions did: legacy (id is the "
-            "session number), cache_session_id, chat (id chatcmpl-...), completions (id is the request's "
-            "session_id, -1 by default)."
-        },
-    )
-    metrics_dialect: str = field(
-        default="lmdeploy",
-        metadata={"help": "The engine it plays: lmdeploy, vllm or sglang (its /metrics; as vllm, its answers too)."},
-    )
-    simulate: bool = field(
-        default=False,
-        metadata={
-            "help": "Behave like a serving engine (hybrid role): a paged KV cache with prefix reuse and LRU "
-            "eviction, continuous batching with a waiting queue, prefill time from the uncached prompt tokens "
-            "and decode steps that grow with the batch (the options below); --ttft-ms and --token-delay-ms do "
-            "not apply then."
-        },
-    )
-    kv_blocks: int = field(default=2048, metadata={"help": "Simulation: KV-cache blocks."})
-    kv_block_tokens: int = field(default=16, metadata={"help": "Simulation: tokens per KV-cache block."})
-    max_batch: int = field(default=32, metadata={"help": "Simulation: requests running at once (the rest wait)."})
-    max_step_tokens: int = field(
-        default=2048, metadata={"help": "Simulation: prompt tokens prefilled per step (chunked prefill)."}
-    )
-    prefill_ms_per_token: float = field(
-        default=0.2, metadata={"help": "Simulation: milliseconds of a step per prompt token prefilled."}
-    )
-    decode_step_ms: float = field(default=20.0, metadata={"help": "Simulation: milliseconds of every step."})
-    decode_step_ms_per_seq: float = field(
-        default=0.5, metadata={"help": "Simulation: milliseconds a step takes longer per request decoding."}
-    )
-    kv_events: str = field(
-        default="",
-        metadata={
-            "help": "Simulation: publish KV-cache events on this ZMQ endpoint (tcp://127.0.0.1:0: any free "
-            "port), as vLLM's --kv-events-config and SGLang's do; /server_info says where."
-        },
-    )
-    kv_events_replay: str = field(
-        default="", metadata={"help": "Simulation: the ZMQ endpoint replaying the KV events it keeps."}
-    )
-    kv_events_dialect: str = field(
-        default="vllm", metadata={"help": "Simulation: the KV events' encoding: vllm, vllm-array or sglang."}
-    )
-
-    ssl_certfile: str = field(
-        default="", metadata={"help": "Serve HTTPS with this certificate chain (PEM; with --ssl-keyfile)."}
-    )
-    ssl_keyfile: str = field(default="", metadata={"help": "Serve HTTPS with this private key (PEM)."})
-
-    def __post_init__(self) -> None:
-        for setting in dataclasses.fields(self):
-            value = getattr(self, setting.name)
-            if not _of_kind(value, str(setting.type)):
-                raise ValueError(f"{setting.name} must be of type {setting.type}, got {value!r}")
-        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
-            raise ValueError("ssl_certfile and ssl_keyfile go together")
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.metrics_dialect not in DIALECTS:
-            raise ValueError(f"metrics_dialect must be one of {', '.join(DIALECTS)}, got {self.metrics_dialect!r}")
-        if self.kv_events_dialect not in KV_EVENT_DIALECTS:
-            raise ValueError(
-                f"kv_events_dialect must be one of {', '.join(KV_EVENT_DIALECTS)}, got {self.kv_events_dialect!r}"
-            )
-        for name in ("kv_blocks", "kv_block_tokens", "max_batch", "max_step_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("prefill_ms_per_token", "decode_step_ms", "decode_step_ms_per_seq"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
-        if self.id_format not in ID_FORMATS:
-            raise ValueError(f"id_format must be one of {', '.join(ID_FORMATS)}, got {self.id_format!r}")
-        parse_faults(self.fault)  # fail at startup, not per request
-
-    @classmethod
-    def of(cls, values: Mapping[str, object], base: MockSettings | None = None) -> MockSettings:
-        """Settings with ``values`` (by field name) over ``base``'s, or the defaults; raises
-        ``ValueError`` for a value of the wrong type."""
-        # Of any type: __post_init__ checks each against its field's.
-        return dataclasses.replace(base or cls(), **values)  # type: ignore[arg-type]
-
-
-def _of_kind(value: object, kind: str) -> bool:
-    """Whether ``value`` is of a settings field's type (an int is a float too, a bool is not a number)."""
-    if kind == "bool":
-        return isinstance(value, bool)
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, {"str": str, "int": int, "float": int | float}[kind])
 
 
 class MockRecord(TypedDict):
