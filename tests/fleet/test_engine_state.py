@@ -19,7 +19,7 @@ from pdproxy.fleet.engine_report import parse
 from pdproxy.testing import MockEngine
 from pdproxy.testing.batching import ContinuousBatcher, EngineModel
 from pdproxy.testing.kv_cache import PagedKvCache
-from servers import Process, pdproxy_serve
+from servers import Process, eventually, pdproxy_serve
 
 MODEL = "m"
 
@@ -144,8 +144,7 @@ async def test_the_oracles_estimate_waits_for_room_in_the_kv_cache() -> None:
     batcher = ContinuousBatcher(model)
     try:
         running = batcher.submit([b"%d" % i for i in range(40)], [], prompt_tokens=640, output_tokens=128)
-        while not running.admitted:
-            await asyncio.sleep(0.005)
+        await eventually(lambda: running.admitted, "the long request admitted")
         assert batcher.cache.used == 48
         fits = batcher.estimate_ttft([], prompt_tokens=16, output_tokens=16)
         waits = batcher.estimate_ttft([], prompt_tokens=320, output_tokens=16)

@@ -180,7 +180,7 @@ async def test_a_body_that_fails_at_once_is_a_502(node: RawNode, proxy: Process,
             f"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {big}\r\n\r\n".encode()
         )
         await request.writer.drain()
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # a fixed wait, the node's behaviour: the head, a pause, then a reset
         sock = request.writer.get_extra_info("socket")
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         return False
@@ -247,7 +247,7 @@ async def test_a_slow_drip_is_cut_off(tmp_path: Path, http: aiohttp.ClientSessio
         for _ in range(100000):
             request.writer.write(b" ")
             await request.writer.drain()
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.2)  # a fixed pace, the node's behaviour: a byte every 0.2 s
         return False
 
     async with RawNode(drip) as node, pdproxy_serve(tmp_path, "--answer-timeout", "2") as proxy:

@@ -169,7 +169,7 @@ async def test_a_lost_delete_is_repaired_by_the_next_list(
     await eventually(lambda: nodes_are(http, proxy, {a.url, b.url}), what="two nodes")
     api.drop_events(1, "DELETED")
     api.delete_pod(NS, "a")
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.5)  # a fixed wait for a negative assertion: without its event, nothing removes it
     assert a.url in await nodes(http, proxy), "the watch never said so"
     # The relist period is 3 s: the ghost is gone within one period.
     took = await measured(lambda: nodes_are(http, proxy, {b.url}), "the relist to remove the ghost", budget=3.5)
@@ -253,7 +253,7 @@ async def test_the_api_server_gone_for_a_minute_loses_no_node_and_no_request(
         async with http.post(proxy.url + CHAT, json=chat_body("m")) as r:
             if r.status != 200:
                 failures.append(r.status)
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # a fixed pace: a steady trickle of requests through the outage
     assert failures == []
     assert await nodes(http, proxy) == {a.url, b.url}, "the fleet is kept while the API server is gone"
     async with http.get(proxy.url + "/health") as r:
@@ -471,7 +471,7 @@ async def test_a_thousand_pods_with_churn_end_as_the_cluster_is(
                 api.delete_pod(NS, f"p{index}")
                 generations[index] += 1
                 add(index, generations[index])
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.005)  # a fixed pace: the churn comes as a stream of events, not one batch
         expected = set()
         for pod in api.pods(NS):
             ready = any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"]["conditions"])

@@ -240,7 +240,7 @@ async def test_lease_expires_and_renews(tmp_path: Path, engine: MockEngine, http
         lease = (await status(http, p.url))[engine.url]["lease"]
         assert lease["ttl"] == 1.0
         for _ in range(3):  # renewing keeps it
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # a fixed wait: a node that renews every half of its TTL is the case
             async with http.post(p.url + "/nodes/add", json=registration) as r:
                 assert r.status == 200
         assert engine.url in await status(http, p.url)

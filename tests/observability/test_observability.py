@@ -36,8 +36,7 @@ async def test_a_nodes_client_errors_are_neither_its_successes_nor_its_failures(
     tmp_path: Path, http: aiohttp.ClientSession
 ) -> None:
     async with MockEngine(model="m") as engine, pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m") as proxy:
-        while not await serves(http, proxy.url, "m"):
-            await asyncio.sleep(0.05)
+        await eventually(lambda: serves(http, proxy.url, "m"), "the node's models discovered")
         for fault, stream in (("", False), ("status=400", False), ("status=422", True), ("status=429", False)):
             headers = {FAULT_HEADER: fault} if fault else {}
             body = chat_body("m", stream=stream)
@@ -55,8 +54,7 @@ async def test_a_nodes_client_errors_are_neither_its_successes_nor_its_failures(
 
 async def test_metrics_parse_and_count(tmp_path: Path, http: aiohttp.ClientSession) -> None:
     async with MockEngine(model="m") as engine, pdproxy_serve(tmp_path, "--node", f"{engine.url},model=m") as proxy:
-        while not await serves(http, proxy.url, "m"):  # the node's models are discovered
-            await asyncio.sleep(0.05)
+        await eventually(lambda: serves(http, proxy.url, "m"), "the node's models discovered")
         for stream in (False, True, True):
             async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m", stream=stream)) as r:
                 await r.read()

@@ -291,8 +291,9 @@ async def test_client_disconnect_in_each_phase(fleet: Fleet, http: aiohttp.Clien
         seen = b""
         while seen.count(b"data: ") < 2:
             seen += await asyncio.wait_for(reader.read(65536), 5)
-    else:
-        await asyncio.sleep(0.2)
+    else:  # the engine of that phase has the request (for 400 or 600 ms)
+        working = fleet.prefill if phase == "prefill" else fleet.decode
+        await eventually(lambda: working.state.active > 0, f"the request in its {phase} phase")
     writer.close()
     await writer.wait_closed()
     await settle(http, [fleet.prefill, fleet.decode], fleet.proxy.url)
@@ -376,8 +377,7 @@ async def test_node_removed_mid_request(fleet: Fleet, http: aiohttp.ClientSessio
             fleet.proxy.url + "/v1/chat/completions", json=chat_body("m"), headers={FAULT_HEADER: "prefill.ttft_ms=400"}
         )
     )
-    while not fleet.prefill.state.active:
-        await asyncio.sleep(0.01)
+    await eventually(lambda: fleet.prefill.state.active > 0, "the prefill at work")
     async with http.post(fleet.proxy.url + "/nodes/remove", json={"url": fleet.prefill.url}) as r:
         assert r.status == 200
     async with await request as r:
@@ -434,7 +434,8 @@ async def test_sessions_of_an_unreachable_removed_node_are_left_to_the_ttl_sweep
         await prefill.stop()  # gone: its session cannot be freed now
         async with http.post(proxy.url + "/nodes/remove", json={"url": prefill.url}) as r:
             assert r.status == 200
-        await asyncio.sleep(1.5)  # the removal's attempts to free it are over (3 tries, 0.7 s of backoff)
+        # The removal's attempts to free it are over (3 tries, 0.7 s of backoff): it says so.
+        await eventually(lambda: "not freed yet" in proxy.log(), "the removal to give the session up")
         kept = await distserve_status(http, proxy.url)
         assert (kept["preserved"], kept["free_failures"]) == (1, 0), "kept for the sweep, not forgotten"
         await eventually(

@@ -290,7 +290,9 @@ async def test_pass_through_refuses_dot_segments_and_encoded_separators(
 # 9. Memory: every buffer of a stream counts, and what a stream held is given back.
 
 
-async def test_clients_that_never_read_cost_a_bounded_amount(tmp_path: Path, engine: MockEngine) -> None:
+async def test_clients_that_never_read_cost_a_bounded_amount(
+    tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
+) -> None:
     limit = 256 << 10
     async with pdproxy_serve(tmp_path, "--node", engine.url, "--stream-buffer-limit", str(limit)) as proxy:
         host, port = proxy.url.removeprefix("http://").split(":")
@@ -299,7 +301,7 @@ async def test_clients_that_never_read_cost_a_bounded_amount(tmp_path: Path, eng
             f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             f"{FAULT_HEADER}: endless\r\ncontent-length: {len(body)}\r\n\r\n"
         ).encode() + body
-        await asyncio.sleep(0.5)
+        await eventually(lambda: _routes(http, proxy.url), "the node discovered")  # the start's work in the baseline
         before = rss(proxy.proc.pid)
         stalled = []
         for _ in range(8):
@@ -307,7 +309,9 @@ async def test_clients_that_never_read_cost_a_bounded_amount(tmp_path: Path, eng
             writer.transport.pause_reading()  # a client that never reads
             writer.write(request)
             stalled.append(writer)
-        await asyncio.sleep(3)  # the engines write 16 events every 10 ms until held back
+        # A fixed wait for a bound that must hold meanwhile: for 3 s the engine offers 16 events
+        # every 10 ms on each stream, and the proxy must hold it back rather than buffer it all.
+        await asyncio.sleep(3)
         held = rss(proxy.proc.pid) - before
         # The documented bound is the buffer limit per stream, plus the kernel's socket
         # buffers, which pdproxy sizes from the same limit; mimalloc rounds up a little.
@@ -360,11 +364,13 @@ async def test_huge_health_and_model_answers_are_not_read_whole(
 ) -> None:
     await configure(http, engine, health_body="huge", models_body="huge")
     async with pdproxy_serve(tmp_path, *FAST_HEALTH) as proxy:
-        await asyncio.sleep(0.5)
+        await status(http, proxy.url)  # the control plane's first answer in the baseline
         before = rss(proxy.proc.pid)
+        checks = engine.state.health_checks
         async with http.post(proxy.url + "/nodes/add", json={"url": engine.url}) as r:
             assert r.status == 200
-        await asyncio.sleep(2.0)  # discovery and ten health rounds over 64 MB answers
+        # Discovery and ten health rounds over 64 MB answers.
+        await eventually(lambda: engine.state.health_checks >= checks + 10, "ten health rounds")
         grown = rss(proxy.proc.pid) - before
         assert grown < 32 << 20, f"RSS grew by {grown / 1e6:.0f} MB"
         node = (await status(http, proxy.url))[engine.url]

@@ -11,7 +11,7 @@ import pytest
 
 import pdproxy
 from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings
-from servers import chat_body, free_port
+from servers import chat_body, eventually, free_port
 
 
 def body(stream: bool = False) -> bytes:
@@ -106,6 +106,7 @@ async def test_circuit_opens_probes_and_closes(live: MockEngine) -> None:
         assert node(router, dead)["connect_failures"] == 2, "an open circuit keeps requests away"
         # The node comes back; after the cooldown one request probes it and closes the circuit.
         async with MockEngine(MockSettings(port=port, model="m")):
+            # A fixed wait: the cooldown (0.3 s) is time itself, and it ends unseen until a request probes.
             await asyncio.sleep(0.35)
             for _ in range(6):
                 assert (await call(router)).status == 200
@@ -140,8 +141,7 @@ async def test_global_cap(tmp_path: Path, live: MockEngine, http: aiohttp.Client
         slow = asyncio.ensure_future(
             http.post(proxy.url + "/v1/chat/completions", json=chat_body("m"), headers={FAULT_HEADER: "ttft_ms=500"})
         )
-        while not live.state.active:
-            await asyncio.sleep(0.01)
+        await eventually(lambda: live.state.active > 0, "the slow request at the node")
         async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
             assert r.status == 503
             assert r.headers["x-pdproxy-error"] == "overloaded"

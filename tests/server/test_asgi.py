@@ -133,8 +133,8 @@ async def test_full_node_without_queue_is_429_with_retry_after(engine: MockEngin
         app.supervisor.router.set_max_concurrency(engine.url, 1)
         slow = [(FAULT_HEADER.encode(), b"token_delay_ms=100")]
         first = asyncio.create_task(run(app, chat_body("m", stream=True), slow))
-        while app.supervisor.router.nodes()[0]["in_flight"] == 0:
-            await asyncio.sleep(0.005)
+        router = app.supervisor.router
+        await eventually(lambda: router.nodes()[0]["in_flight"] > 0, "the first request at the node")
         client = await run(app, chat_body("m"))
         status, headers = head(client)
         assert status == 429

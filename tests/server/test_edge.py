@@ -25,7 +25,7 @@ import pdproxy
 from pdproxy import _pdproxy
 from pdproxy.errors import ProxyOverloaded
 from pdproxy.testing import MockEngine, MockSettings
-from servers import chat_body, pdproxy_serve, stop_process
+from servers import chat_body, eventually, pdproxy_serve, stop_process
 
 
 def write_all_then_read(url: str, head: bytes, body: bytes, timeout: float = 10.0) -> bytes:
@@ -84,7 +84,12 @@ async def test_sigterm_drains_streams_then_exits_cleanly(tmp_path: Path, http: a
             async with http.post(proxy.url + "/v1/chat/completions", json=body) as stream:
                 assert (await stream.content.readline()).startswith(b"data: ")
                 proxy.proc.send_signal(signal.SIGTERM)
-                await asyncio.sleep(0.3)
+
+                async def draining() -> bool:  # readiness is withdrawn as the drain starts
+                    async with http.get(proxy.url + "/ready") as r:
+                        return r.status == 503
+
+                await eventually(draining, "the drain to start")
                 async with http.post(proxy.url + "/v1/chat/completions", json=chat_body("m")) as r:
                     assert (r.status, r.headers["x-pdproxy-error"]) == (503, "draining")
                 rest = await stream.read()
@@ -163,7 +168,8 @@ async def test_a_control_plane_that_stopped_answering_gets_a_503_not_a_hang(http
                 async with http.get(url + "/health") as r:
                     assert r.status == 503
                 assert 1.5 < time.monotonic() - started < 5, "bounded by first_byte_timeout"
-                # No beat for longer than stale_after: answered at once.
+                # No beat for longer than stale_after: answered at once. A fixed wait, as the
+                # staleness is time itself: nothing but the clock marks the control plane stale.
                 await asyncio.sleep(0.7)
                 started = time.monotonic()
                 async with http.get(url + "/metrics") as r:
@@ -183,8 +189,7 @@ async def test_the_edge_counts_in_the_global_gate_with_the_control_plane(http: a
             url = f"http://127.0.0.1:{listener.port}"
             try:
                 slow = asyncio.ensure_future(http.post(url + "/v1/chat/completions", json=chat_body("m")))
-                while router.serving == 0:
-                    await asyncio.sleep(0.01)
+                await eventually(lambda: router.serving > 0, "the edge's request in the gate")
                 with pytest.raises(ProxyOverloaded):
                     router.enter_request()  # the control plane's side sees the edge's request
                 async with await slow as r:

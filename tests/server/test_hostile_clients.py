@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import resource
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ import pytest
 
 from pdproxy.testing import MockEngine
 from pdproxy.testing.hostile_clients import idle_connections
-from servers import chat_body, eventually, pdproxy_serve, raw_post, register
+from servers import Process, chat_body, eventually, pdproxy_serve, raw_post, register
 
 # Against both edges (see the `edge` fixture).
 pytestmark = pytest.mark.usefixtures("edge")
@@ -91,6 +93,50 @@ def _with_nofile(soft: int, hard: int) -> Any:
     return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
+def flood_taken_in(proxy: Process, flood: list[socket.socket]) -> bool:
+    """Whether the proxy has taken in all of ``flood`` that it can: every connection accepted (held,
+    or refused at the cap), none left in its listen queue, or else it is out of descriptors."""
+    port = int(proxy.url.rsplit(":", 1)[1])
+    ports = {s.getsockname()[1] for s in flood}
+    accepted = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+        if int(local.split(":")[1], 16) != port or int(remote.split(":")[1], 16) not in ports:
+            continue
+        # Established with a descriptor (one still in the listen queue has none), or closed by the proxy.
+        if (state == "01" and inode != "0") or state in ("04", "05", "06", "07", "0B"):
+            accepted += 1
+    return accepted == len(flood) or any(
+        len(os.listdir(f"/proc/{pid}/fd")) >= _open_file_limit(pid) for pid in _tree(proxy.proc.pid)
+    )
+
+
+def connections_to(url: str) -> set[int]:
+    """The local ports of the open connections to ``url`` (a node; only the proxy connects to it)."""
+    port = int(url.rsplit(":", 1)[1])
+    ports = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "01" and int(fields[2].split(":")[1], 16) == port:
+            ports.add(int(fields[1].split(":")[1], 16))
+    return ports
+
+
+def _tree(pid: int) -> list[int]:
+    """``pid`` and its children (granian's worker)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                children.append(int(entry.name))
+    return [pid, *children]
+
+
 async def test_the_soft_descriptor_limit_is_raised_to_the_hard_one(
     tmp_path: Path, engine: MockEngine, http: aiohttp.ClientSession
 ) -> None:
@@ -100,7 +146,7 @@ async def test_the_soft_descriptor_limit_is_raised_to_the_hard_one(
         assert _open_file_limit(proxy.proc.pid) == hard
         idle = idle_connections(int(proxy.url.rsplit(":", 1)[1]), 1100)
         try:
-            await asyncio.sleep(0.5)
+            await eventually(lambda: flood_taken_in(proxy, idle), "the 1,100 connections taken in")
             # A new client, its connection after the 1,100 others, and its request a new node connection.
             async with (
                 aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as fresh,
@@ -127,13 +173,14 @@ async def test_a_flood_of_connections_is_refused_at_accept_and_opens_no_circuit(
                 assert r.status == 200
             idle = idle_connections(int(proxy.url.rsplit(":", 1)[1]), 400)
             try:
-                await asyncio.sleep(0.5)
+                await eventually(lambda: flood_taken_in(proxy, idle), "the flood taken in")
                 for _ in range(5):
                     async with kept.post(proxy.url + CHAT, json=chat_body("m")) as r:
                         assert r.status == 200, await r.text()
             finally:
                 for s in idle:
                     s.close()
+        # A fixed wait for a negative assertion: whatever the flood did to the node is counted by now.
         await asyncio.sleep(0.5)
         async with http.get(proxy.url + "/nodes/status") as r:
             node = (await r.json())[engine.url]
@@ -153,11 +200,17 @@ async def test_running_out_of_descriptors_is_not_a_node_failure(
         await eventually(lambda: serves_m(http, proxy.url))
         answers = []
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as kept:
+            before = connections_to(engine.url)  # the control plane's (discovery, health checks)
             async with kept.post(proxy.url + CHAT, json=chat_body("m")) as r:
                 assert r.status == 200
+            pooled = connections_to(engine.url) - before
+            assert pooled, "the request opened a node connection"
             idle = idle_connections(int(proxy.url.rsplit(":", 1)[1]), 400)
             try:
-                await asyncio.sleep(1.0)
+                await eventually(
+                    lambda: flood_taken_in(proxy, idle) and not pooled & connections_to(engine.url),
+                    "the flood to take every descriptor, the pooled node connection closed (idle 0.3 s)",
+                )
                 for _ in range(4):
                     async with kept.post(proxy.url + CHAT, json=chat_body("m")) as r:
                         answers.append((r.status, (await r.json())["error"]["code"] if r.status != 200 else None))

@@ -272,8 +272,8 @@ async def test_sessions_preserved_by_a_dead_worker_are_freed(tmp_path: Path) -> 
 
             await asyncio.to_thread(wait_until, a_worker_holds_sessions, 10, "a worker holding preserved sessions")
             os.kill(victim["pid"], signal.SIGKILL)
+            await asyncio.to_thread(wait_until, lambda: not _alive(victim["pid"]), 10, "the worker killed")
             # The survivor's requests are abandoned by their client: it frees those itself.
-            await asyncio.sleep(0.2)
             for task in requests:
                 task.cancel()
             await asyncio.gather(*requests, return_exceptions=True)
