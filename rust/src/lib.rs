@@ -13,6 +13,7 @@
 
 mod bridge;
 mod clock;
+mod coalesce;
 mod distserve;
 mod edge;
 mod engine;

@@ -16,6 +16,7 @@ use super::answer::{self, Fault};
 use super::control_body::ControlBody;
 use super::notes::Notes;
 use super::Stop;
+use crate::coalesce::Coalescer;
 use crate::distserve::Preserved;
 use crate::engine::permit::{InFlightPermit, Report};
 use crate::engine::GatePass;
@@ -167,8 +168,7 @@ impl Relay {
             return self.finish(Err(Error::new(Kind::Timeout, "the request took longer than its time limit")));
         }
         // Take every frame that is ready: one write carries them all.
-        let mut first: Option<Bytes> = None;
-        let mut joined: Option<BytesMut> = None;
+        let mut joined = Coalescer::default();
         loop {
             match Pin::new(&mut self.upstream).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
@@ -176,16 +176,7 @@ impl Relay {
                     if data.is_empty() {
                         continue;
                     }
-                    match (&first, &mut joined) {
-                        (None, _) => first = Some(data),
-                        (Some(head), None) => {
-                            let mut all = BytesMut::with_capacity((head.len() + data.len()) * 2);
-                            all.extend_from_slice(head);
-                            all.extend_from_slice(&data);
-                            joined = Some(all);
-                        }
-                        (Some(_), Some(all)) => all.extend_from_slice(&data),
-                    }
+                    joined.push(data);
                 }
                 Poll::Ready(Some(Err(e))) => {
                     self.ended = Some(Err(Error::with_source(Kind::Upstream, "the node broke off the response", e)));
@@ -198,7 +189,7 @@ impl Relay {
                 Poll::Pending => break,
             }
         }
-        if let Some(data) = joined.map(BytesMut::freeze).or(first) {
+        if let Some(data) = joined.take() {
             let out = self.arrived(data);
             if !out.is_empty() {
                 return Poll::Ready(Some(Ok(Frame::data(out))));

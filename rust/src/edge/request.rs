@@ -4,11 +4,13 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, HOST};
 use http::HeaderMap;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
+
+use crate::coalesce::Coalescer;
 
 pub(crate) static X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -93,12 +95,9 @@ pub(crate) async fn read_body(
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(BodyError::TooLarge(Some(body)));
     }
-    // A declared length is the buffer's size at once: growing it by doubling would leave a
-    // trail of freed buffers behind a large body, which the allocator cannot always give back.
     let declared = declared.and_then(|n| usize::try_from(n).ok()).unwrap_or(0);
     let read = async move {
-        let mut first: Option<Bytes> = None;
-        let mut joined: Option<BytesMut> = None;
+        let mut joined = Coalescer::expecting(declared);
         let mut size = 0usize;
         while let Some(frame) = body.frame().await {
             let Ok(frame) = frame else { return Err(BodyError::Broken) };
@@ -107,18 +106,9 @@ pub(crate) async fn read_body(
             if size > limit {
                 return Err(BodyError::TooLarge(Some(body)));
             }
-            match (&mut first, &mut joined) {
-                (None, _) => first = Some(data),
-                (Some(head), None) => {
-                    let mut all = BytesMut::with_capacity(declared.max(size).max(head.len() * 2));
-                    all.extend_from_slice(head);
-                    all.extend_from_slice(&data);
-                    joined = Some(all);
-                }
-                (Some(_), Some(all)) => all.extend_from_slice(&data),
-            }
+            joined.push(data);
         }
-        Ok(joined.map(BytesMut::freeze).or(first).unwrap_or_default())
+        Ok(joined.take().unwrap_or_default())
     };
     tokio::time::timeout(deadline, read).await.unwrap_or(Err(BodyError::Timeout))
 }

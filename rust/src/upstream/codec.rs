@@ -11,6 +11,7 @@ use http::header::{HeaderName, HeaderValue, CONNECTION, CONTENT_LENGTH, TRANSFER
 use http::{HeaderMap, Method, StatusCode};
 
 use super::pool::{Connection, Stream};
+use crate::coalesce::Coalescer;
 use crate::headers::{is_hop_by_hop_name, listed_in_connection, stays_on_client_hop};
 use crate::loops::VIA;
 use crate::observe::trace::TRACEPARENT;
@@ -351,7 +352,7 @@ pub(crate) fn decode(buffer: &mut BytesMut, framing: &mut Framing) -> Result<Dec
             Ok(Decoded { data, done })
         }
         Framing::Chunked(state) => {
-            let mut out = Chunks::default();
+            let mut out = Coalescer::default();
             let done = decode_chunks(buffer, state, &mut out)?;
             if done {
                 *framing = Framing::Done;
@@ -361,37 +362,11 @@ pub(crate) fn decode(buffer: &mut BytesMut, framing: &mut Framing) -> Result<Dec
     }
 }
 
-/// The data of the chunks decoded in one go: the first as a slice of the buffer, more joined.
-#[derive(Default)]
-struct Chunks {
-    first: Option<Bytes>,
-    joined: Option<BytesMut>,
-}
-
-impl Chunks {
-    fn push(&mut self, data: Bytes) {
-        match (&self.first, &mut self.joined) {
-            (None, _) => self.first = Some(data),
-            (Some(first), None) => {
-                let mut all = BytesMut::with_capacity((first.len() + data.len()) * 2);
-                all.extend_from_slice(first);
-                all.extend_from_slice(&data);
-                self.joined = Some(all);
-            }
-            (Some(_), Some(all)) => all.extend_from_slice(&data),
-        }
-    }
-
-    fn take(self) -> Option<Bytes> {
-        self.joined.map(BytesMut::freeze).or(self.first)
-    }
-}
-
 /// Decodes every whole piece of a chunked body in `buffer`; true at the end of the body. The data
 /// decoded before a broken piece is delivered first; the error comes with the next decode.
-fn decode_chunks(buffer: &mut BytesMut, state: &mut Chunk, out: &mut Chunks) -> Result<bool, &'static str> {
+fn decode_chunks(buffer: &mut BytesMut, state: &mut Chunk, out: &mut Coalescer) -> Result<bool, &'static str> {
     match decode_pieces(buffer, state, out) {
-        Err(why) if out.first.is_some() => {
+        Err(why) if !out.is_empty() => {
             *state = Chunk::Broken(why);
             Ok(false)
         }
@@ -399,7 +374,7 @@ fn decode_chunks(buffer: &mut BytesMut, state: &mut Chunk, out: &mut Chunks) -> 
     }
 }
 
-fn decode_pieces(buffer: &mut BytesMut, state: &mut Chunk, out: &mut Chunks) -> Result<bool, &'static str> {
+fn decode_pieces(buffer: &mut BytesMut, state: &mut Chunk, out: &mut Coalescer) -> Result<bool, &'static str> {
     loop {
         match *state {
             Chunk::Size => {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use http::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
 use http::StatusCode;
 use http_body::{Frame, SizeHint};
@@ -16,6 +16,7 @@ use http_body_util::BodyExt;
 
 use super::retry::RetryBudget;
 use super::{Client, ClientConfig, ForwardRequest, Hop};
+use crate::coalesce::Coalescer;
 use crate::error::{BoxError, Error, Kind, Result};
 use crate::memory;
 use crate::node::registry::Registry;
@@ -248,26 +249,16 @@ pub(crate) async fn read_all(
     mut body: impl http_body::Body<Data = Bytes, Error = BoxError> + Unpin,
     limit: usize,
 ) -> Result<Bytes> {
-    let mut first: Option<Bytes> = None;
-    let mut joined: Option<BytesMut> = None;
+    let mut joined = Coalescer::default();
     let mut size = 0usize;
     while let Some(data) = read_frame(&mut body).await? {
         size += data.len();
         if size > limit {
             return Err(too_large(limit));
         }
-        match (&first, &mut joined) {
-            (None, _) => first = Some(data),
-            (Some(head), None) => {
-                let mut all = BytesMut::with_capacity(size.max(head.len() * 2));
-                all.extend_from_slice(head);
-                all.extend_from_slice(&data);
-                joined = Some(all);
-            }
-            (Some(_), Some(all)) => all.extend_from_slice(&data),
-        }
+        joined.push(data);
     }
-    Ok(joined.map(BytesMut::freeze).or(first).unwrap_or_default())
+    Ok(joined.take().unwrap_or_default())
 }
 
 impl Forwarder {
