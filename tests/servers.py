@@ -67,6 +67,20 @@ class Process:
         return stop_process(self.proc, sig)
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (granian's workers under `pdproxy serve`)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
 def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM) -> int:
     """Stops a process this test started: ``sig``, then a kill after 10 s. Its exit status."""
     if proc.poll() is None:

@@ -19,7 +19,7 @@ import pytest
 
 from pdproxy.testing import MockEngine
 from pdproxy.testing.hostile_clients import idle_connections
-from servers import Process, chat_body, eventually, pdproxy_serve, raw_post, register
+from servers import Process, chat_body, child_pids, eventually, pdproxy_serve, raw_post, register
 
 # Against both edges (see the `edge` fixture).
 pytestmark = pytest.mark.usefixtures("edge")
@@ -107,8 +107,9 @@ def flood_taken_in(proxy: Process, flood: list[socket.socket]) -> bool:
         # Established with a descriptor (one still in the listen queue has none), or closed by the proxy.
         if (state == "01" and inode != "0") or state in ("04", "05", "06", "07", "0B"):
             accepted += 1
+    processes = [proxy.proc.pid, *child_pids(proxy.proc.pid)]
     return accepted == len(flood) or any(
-        len(os.listdir(f"/proc/{pid}/fd")) >= _open_file_limit(pid) for pid in _tree(proxy.proc.pid)
+        len(os.listdir(f"/proc/{pid}/fd")) >= _open_file_limit(pid) for pid in processes
     )
 
 
@@ -121,20 +122,6 @@ def connections_to(url: str) -> set[int]:
         if fields[3] == "01" and int(fields[2].split(":")[1], 16) == port:
             ports.add(int(fields[1].split(":")[1], 16))
     return ports
-
-
-def _tree(pid: int) -> list[int]:
-    """``pid`` and its children (granian's worker)."""
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                children.append(int(entry.name))
-    return [pid, *children]
 
 
 async def test_the_soft_descriptor_limit_is_raised_to_the_hard_one(

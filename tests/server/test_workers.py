@@ -20,7 +20,7 @@ import pytest
 
 from pdproxy.testing.faults import FAULT_HEADER
 from redis_server import REDIS_SERVER, redis_server
-from servers import Process, chat_body, get_json, mock_engine, pdproxy_serve, post_json, wait_until
+from servers import Process, chat_body, child_pids, get_json, mock_engine, pdproxy_serve, post_json, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -306,7 +306,7 @@ def test_the_leadership_passes_on_when_the_leader_dies(group: Process, engine: P
 def test_a_worker_ends_with_its_main_process(tmp_path: Path) -> None:
     """A worker whose main process was killed stops serving (it would otherwise keep the port)."""
     with pdproxy_serve(tmp_path, "--edge", "granian") as proxy:
-        workers = _children(proxy.proc.pid)
+        workers = child_pids(proxy.proc.pid)
         assert workers, "granian runs its worker as a child process"
         os.kill(proxy.proc.pid, signal.SIGKILL)
         proxy.proc.wait()
@@ -317,19 +317,6 @@ def test_a_worker_ends_with_its_main_process(tmp_path: Path) -> None:
         for pid in orphans:
             os.kill(pid, signal.SIGKILL)
         assert not orphans, "the worker kept serving after its main process died"
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry.name))
-    return out
 
 
 def _alive(pid: int) -> bool:
