@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from pdproxy.testing import FAULT_HEADER, MockEngine
-from servers import chat_body, eventually, free_port, pdproxy_serve, raw_post
+from servers import chat_body, child_pids, eventually, free_port, pdproxy_serve, raw_post
 
 # Against both edges (see the `edge` fixture).
 pytestmark = pytest.mark.usefixtures("edge")
@@ -50,7 +50,10 @@ async def configure(http: aiohttp.ClientSession, engine: MockEngine, **knobs: st
 
 
 def rss(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """The resident memory of `pdproxy serve` (pid) and its children: under `--edge granian` the
+    worker that serves and health-checks is a child."""
+    pages = sum(int(Path(f"/proc/{p}/statm").read_text().split()[1]) for p in [pid, *child_pids(pid)])
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 # 1. One bad node must not stop health checks for the whole fleet.
