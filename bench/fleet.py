@@ -4,7 +4,7 @@ real fleets see (see ``fleet_workloads``), with open-loop arrivals at fractions 
     python bench/fleet.py                  # every workload at 50%, 80% and 95% load, every router
     python bench/fleet.py --quick          # 80% load only, shorter runs
     python bench/fleet.py --repeat 3       # each cell three times (seeds 1, 2, 3): medians and spread
-    python bench/fleet.py --write-readme   # also refresh the fleet section of bench/README.md
+    python bench/fleet.py --write-readme   # also refresh bench/README.md's verdicts (tables: bench/results)
 
 Simulated engines (``pdproxy mock-engine --simulate``: paged KV cache with prefix reuse,
 continuous batching; ``fleet_engines.py``) run in one process, as the workload's fleet declares
@@ -602,7 +602,11 @@ def arguments() -> argparse.Namespace:
     parser.add_argument(
         "--dump", type=Path, default=None, help="a folder for each run's requests (JSON lines), to look into one"
     )
-    parser.add_argument("--write-readme", action="store_true", help="refresh the fleet section of bench/README.md")
+    parser.add_argument(
+        "--write-readme",
+        action="store_true",
+        help="refresh the fleet section of bench/README.md (the verdicts; the tables to a dated file in bench/results)",
+    )
     parser.add_argument(
         "--out", type=Path, default=RESULTS / "fleet.json", help="where the results go (charts beside it)"
     )
@@ -753,7 +757,8 @@ def main() -> None:
         for load in loads:
             if f"{workload}@{load}" in results:
                 markdown += [*table(workload, load, capacities[workload], results[f"{workload}@{load}"]), ""]
-    markdown += [f"#### Against the targets ({TARGET_LOAD:.0%} load)", "", *verdicts(results, workloads), ""]
+    targets = [f"#### Against the targets ({TARGET_LOAD:.0%} load)", "", *verdicts(results, workloads), ""]
+    markdown += targets
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out = {
         "fleets": {w: [engine_options(shape) for shape in WORKLOADS[w].fleet] for w in workloads},
@@ -768,7 +773,12 @@ def main() -> None:
     text = "\n".join(markdown)
     print(text)
     if args.write_readme:
-        update_readme(text)
+        # The tables go to a dated file; the README keeps the verdicts and the charts.
+        tables = RESULTS / time.strftime("%Y-%m-%d-%H%M-fleet.md", time.gmtime())
+        tables.write_text(f"# Fleet benchmark\n\n{text}\n")
+        link = f"The tables of every cell: [{tables.name}]({os.path.relpath(tables, HERE)})."
+        pictures = [line for line in markdown if line.startswith("![")]
+        update_readme("\n".join([markdown[0], "", link, "", *targets, *pictures]))
 
 
 if __name__ == "__main__":
