@@ -442,11 +442,12 @@ class RoutingSettings(SettingsGroup):
         ),
     )
     score_reported_weight: Weight = _setting(
-        1.0,
+        0.0,
         (
             "scored: times the queue a node's engine last reported counts among the requests waiting there, "
             "where it is longer than pdproxy's own count and the reading showed requests pdproxy cannot have "
-            "sent (other replicas in front of the same engines); 0: pdproxy's own count alone."
+            "sent (other replicas in front of the same engines: 1 helps them from a cold start); 0: pdproxy's own "
+            "count alone."
         ),
     )
     retries: NotNegative = _setting(

@@ -39,13 +39,15 @@
 //!   replica, two seeds) it was within the run-to-run spread of 0 on most workloads and worse
 //!   on `unequal_engines` and `flush_restart` (TTFT p99 1,033 and 1,116 ms against 812 and 761).
 //! - The requests waiting for a first token are those pdproxy sent (`behind`); with `reported`
-//!   (1 by default, `score_reported_weight`) also the queue the engine last reported, where it is
+//!   (`score_reported_weight`, 0 by default) also the queue the engine last reported, where it is
 //!   longer and the reading showed requests pdproxy cannot have sent (`EngineLoad::shows_others`):
 //!   replicas in front of the same engines each count only their own, and one replica's own count
-//!   is fresher than a reading (behind one replica the gate keeps the reading out). On
-//!   `bench/fleet.py` at 80% load, four replicas following the KV events, two seeds
-//!   (bench/results/2026-12-06-0047-fleet-replicas-clean.md): TTFT p99 on `system_prompts` 980 ms
-//!   against 3,281 without it, on `unequal_engines` 661 against 1,160; one replica 172 and 372.
+//!   is fresher than a reading. On `bench/fleet.py` at 80% load, four replicas following the KV
+//!   events, two seeds (bench/results/2026-12-06-0047-fleet-replicas-clean.md): TTFT p99 on
+//!   `system_prompts` 980 ms against 3,281 without it, on `unequal_engines` 661 against 1,160; one
+//!   replica 172 and 372. Not the default: one replica with it had a worse TTFT p99 on six of the
+//!   nine workloads (bench/results/2026-12-06-0318-fleet-nine-workloads-peers.md; `flush_restart`
+//!   960 ms against 585, `evict_restart` 510 against 319).
 //! - Engine speeds are learnt only from requests that waited for no other's prefill (see
 //!   `InFlightPermit::set_prediction`): fitted on every first token, the fixed part took in the
 //!   queue waits of a cold fleet's first seconds (277-604 ms) and the clock then counted them
