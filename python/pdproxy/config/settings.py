@@ -4,10 +4,11 @@ The settings are pydantic models grouped by concern (server, shared registry, ro
 timeouts, health, PD, security, tenants, observability), each validator beside its field.
 ``Settings`` holds one of each (``settings.health``, ``settings.timeouts``), and components take
 the groups they need; the Rust data plane reads the groups by attribute (it declares no defaults
-of its own). Each setting keeps one flat name (``health_interval``; ``FLAT`` maps it to its
-group), which the CLI (`pdproxy serve`), the environment (``PDPROXY_<NAME>``), a TOML file
-(``--config``) and ``Settings(**flat)`` use; precedence is CLI > environment > file > the
-defaults below. A bad value is refused with one line naming the setting (``ConfigError``).
+of its own). Each setting keeps one flat name (``health_interval``: its field's ``name=``, else
+the field's own; ``FLAT`` maps it to its group), which the CLI (`pdproxy serve`), the
+environment (``PDPROXY_<NAME>``), a TOML file (``--config``), ``Settings(**flat)``,
+``--print-config`` and every refusal use; precedence is CLI > environment > file > the defaults
+below. A bad value is refused with one line naming the setting (``ConfigError``).
 
 This module depends on nothing else in pdproxy but its error class. Checks that need the rest
 (routing policies the data plane knows, the registry's URL, the tenants file, each node, the
@@ -48,6 +49,7 @@ __all__ = [
     "LOG_LEVELS",
     "Settings",
     "defaults",
+    "flat_name",
     "load_toml",
     "setting_flag",
     "setting_kind",
@@ -76,6 +78,10 @@ LINK_TYPES = ("RoCE", "IB")
 ROUTING_TITLE = "Routing, limits and timeouts"
 #: The error type of a refusal whose message already names the setting.
 REFUSED = "setting"
+#: The error type of a refusal of a value whose message the setting's name goes before: the
+#: name the error's location holds, the setting's flat one (a check shared by many settings
+#: sees only its field's name, ``interval`` for ``health_interval``).
+REFUSED_VALUE = "setting_value"
 
 Default = TypeVar("Default")
 
@@ -85,60 +91,68 @@ def _refuse(message: str, **context: object) -> PydanticCustomError:
     return PydanticCustomError(REFUSED, message.format(**context))
 
 
+def _refuse_value(message: str, **context: object) -> PydanticCustomError:
+    """A refusal of a value: ``message`` (``str.format``-ed with ``context``) says what is wrong
+    with it, and ``settings_message`` puts the setting's flat name before it."""
+    return PydanticCustomError(REFUSED_VALUE, message.format(**context))
+
+
 def _setting(
     default: Default,
     help: str,
     *,
+    name: str | None = None,
     flag: str | None = None,
     aliases: tuple[str, ...] = (),
     env_aliases: tuple[str, ...] = (),
     shown_default: str | None = None,
 ) -> Default:
-    """A setting's default, help text and CLI spelling (``aliases``: LMDeploy's spellings, so
-    existing launch scripts keep working; ``env_aliases``: environment variables read after
-    ``PDPROXY_<NAME>``, such as LMDeploy's; ``shown_default``: what ``--help`` shows for a
-    default that marks "unset", "" for nothing). Typed as its default (pydantic's ``Field`` is
-    typed ``Any`` for the same reason: pydantic reads the field from it), so that mypy checks
-    each default against its setting's type."""
+    """A setting's default, help text and CLI spelling (``name``: the setting's flat name, where
+    its field's is shorter: ``health_interval`` for ``health.interval``, the field's pydantic
+    alias; ``aliases``: LMDeploy's spellings, so existing launch scripts keep working;
+    ``env_aliases``: environment variables read after ``PDPROXY_<NAME>``, such as LMDeploy's;
+    ``shown_default``: what ``--help`` shows for a default that marks "unset", "" for nothing).
+    Typed as its default (pydantic's ``Field`` is typed ``Any`` for the same reason: pydantic
+    reads the field from it), so that mypy checks each default against its setting's type."""
     extra = {"flag": flag, "aliases": list(aliases), "env_aliases": list(env_aliases), "shown_default": shown_default}
-    field: Default = Field(default, description=help, json_schema_extra=extra)  # type: ignore[arg-type]
+    field: Default = Field(default, alias=name, description=help, json_schema_extra=extra)  # type: ignore[arg-type]
     return field
 
 
-# Value types whose checks name the setting (``info.field_name``).
-def _positive_seconds(value: float, info: ValidationInfo) -> float:
+# Value types whose refusals the setting's flat name goes before (``settings_message``).
+def _positive_seconds(value: float) -> float:
     if not value > 0:
-        raise _refuse("{name} must be a positive number of seconds, got {value}", name=info.field_name, value=value)
+        raise _refuse_value("must be a positive number of seconds, got {value}", value=value)
     return value
 
 
-def _not_negative(value: float, info: ValidationInfo) -> float:
+def _not_negative(value: float) -> float:
     if value < 0:
-        raise _refuse("{name} must not be negative, got {value}", name=info.field_name, value=value)
+        raise _refuse_value("must not be negative, got {value}", value=value)
     return value
 
 
-def _at_least_one(value: int, info: ValidationInfo) -> int:
+def _at_least_one(value: int) -> int:
     if value < 1:
-        raise _refuse("{name} must be at least 1, got {value}", name=info.field_name, value=value)
+        raise _refuse_value("must be at least 1, got {value}", value=value)
     return value
 
 
-def _weight(value: float, info: ValidationInfo) -> float:
+def _weight(value: float) -> float:
     if not 0 <= value < float("inf"):
-        raise _refuse("{name} must be a non-negative number, got {value}", name=info.field_name, value=value)
+        raise _refuse_value("must be a non-negative number, got {value}", value=value)
     return value
 
 
-def _positive(value: float, info: ValidationInfo) -> float:
+def _positive(value: float) -> float:
     if not 0 < value < float("inf"):
-        raise _refuse("{name} must be a positive number, got {value}", name=info.field_name, value=value)
+        raise _refuse_value("must be a positive number, got {value}", value=value)
     return value
 
 
-def _share(value: float, info: ValidationInfo) -> float:
+def _share(value: float) -> float:
     if not 0 <= value <= 1:
-        raise _refuse("{name} must be between 0 and 1, got {value}", name=info.field_name, value=value)
+        raise _refuse_value("must be between 0 and 1, got {value}", value=value)
     return value
 
 
@@ -159,9 +173,18 @@ Several = Annotated[tuple[str, ...], BeforeValidator(_several)]
 
 
 class SettingsGroup(BaseModel):
-    """A group of settings (``pdproxy serve --help`` shows each under its ``title``)."""
+    """A group of settings (``pdproxy serve --help`` shows each under its ``title``). Built and
+    dumped by the settings' flat names (``HealthSettings(health_interval=1.0)``); built by its
+    fields' names too (``HealthSettings(interval=1.0)``)."""
 
-    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+    model_config = ConfigDict(
+        frozen=True,
+        strict=True,
+        extra="forbid",
+        validate_by_alias=True,
+        validate_by_name=True,
+        serialize_by_alias=True,
+    )
     title: ClassVar[str] = ""
 
 
@@ -1177,12 +1200,22 @@ GROUP_CLASSES: dict[str, type[SettingsGroup]] = {
     for attr, field in Settings.model_fields.items()
 }
 GROUP_ATTRS = tuple(GROUP_CLASSES)
-#: Each setting's own name and the attribute of the group that holds it (``health_interval``:
+
+
+def flat_name(name: str, field: FieldInfo) -> str:
+    """The flat name of the setting that a group declares as field ``name``: its alias
+    (``health_interval`` for ``interval``), else the field's name."""
+    return field.alias or name
+
+
+#: Each setting's flat name and the attribute of the group that holds it (``health_interval``:
 #: ``health``), built once from the groups.
-FLAT: dict[str, str] = {name: attr for attr, group in GROUP_CLASSES.items() for name in group.model_fields}
-#: Each setting's own name and its field (default, help, CLI spelling).
+FLAT: dict[str, str] = {
+    flat_name(name, field): attr for attr, group in GROUP_CLASSES.items() for name, field in group.model_fields.items()
+}
+#: Each setting's flat name and its field (default, help, CLI spelling).
 FIELDS: dict[str, FieldInfo] = {
-    name: field for group in GROUP_CLASSES.values() for name, field in group.model_fields.items()
+    flat_name(name, field): field for group in GROUP_CLASSES.values() for name, field in group.model_fields.items()
 }
 
 
@@ -1220,6 +1253,8 @@ def settings_message(error: ValidationError) -> str:
     if len(loc) > 1 and loc[0] in GROUP_ATTRS:
         loc = loc[1:]  # a setting is named by its own name, not its group's
     where = ".".join(str(part) for part in loc)
+    if first["type"] == REFUSED_VALUE:
+        return f"{where} {first['msg']}"
     if first["type"] == "extra_forbidden":
         return f"unknown setting {where}"
     return f"{where}: {first['msg']}" if where else first["msg"]
