@@ -4,11 +4,13 @@ The settings are pydantic models grouped by concern (server, shared registry, ro
 timeouts, health, PD, security, tenants, observability), each validator beside its field.
 ``Settings`` holds one of each (``settings.health``, ``settings.timeouts``), and components take
 the groups they need; the Rust data plane reads the groups by attribute (it declares no defaults
-of its own). Each setting keeps one flat name (``health_interval``: its field's ``name=``, else
-the field's own; ``FLAT`` maps it to its group), which the CLI (`pdproxy serve`), the
-environment (``PDPROXY_<NAME>``), a TOML file (``--config``), ``Settings(**flat)``,
-``--print-config`` and every refusal use; precedence is CLI > environment > file > the defaults
-below. A bad value is refused with one line naming the setting (``ConfigError``).
+of its own). Inside its group a setting's field drops what the group's name already says
+(``settings.health.interval``, ``settings.timeouts.connect``), but each setting keeps one flat
+name (``health_interval``: its field's ``name=``, else the field's own; ``FLAT`` maps it to its
+group), which the CLI (`pdproxy serve`), the environment (``PDPROXY_<NAME>``), a TOML file
+(``--config``), ``Settings(**flat)``, ``--print-config`` and every refusal use; precedence is
+CLI > environment > file > the defaults below. A bad value is refused with one line naming the
+setting (``ConfigError``).
 
 This module depends on nothing else in pdproxy but its error class. Checks that need the rest
 (routing policies the data plane knows, the registry's URL, the tenants file, each node, the
@@ -279,24 +281,28 @@ class RegistrySettings(SettingsGroup):
             "view and in-flight counts. Empty: membership is this proxy's own."
         ),
     )
-    registry_namespace: str = _setting(
+    namespace: str = _setting(
         "pdproxy",
         "Prefix of every Redis key and channel pdproxy uses (replicas that share nodes use the same one).",
+        name="registry_namespace",
     )
-    registry_timeout: Seconds = _setting(
+    timeout: Seconds = _setting(
         2.0,
         "Seconds a call to Redis may take before the registry counts as unavailable.",
+        name="registry_timeout",
     )
-    registry_reconcile_interval: Seconds = _setting(
+    reconcile_interval: Seconds = _setting(
         1.0,
         "Seconds between two full reads of the membership (a missed notice or an expired lease is seen by then).",
+        name="registry_reconcile_interval",
     )
-    registry_max_backoff: Seconds = _setting(
+    max_backoff: Seconds = _setting(
         5.0,
         "Longest wait between two attempts to reach Redis again.",
+        name="registry_max_backoff",
     )
 
-    @field_validator("registry_namespace")
+    @field_validator("namespace")
     @classmethod
     def _namespace(cls, value: str) -> str:
         if not value:
@@ -547,20 +553,23 @@ class LimitsSettings(SettingsGroup):
             "at accept (0: half the open-file limit, less 64, which pdproxy raises to its hard limit at start)."
         ),
     )
-    answer_buffer_limit: AtLeastOne = _setting(
+    answer_buffer: AtLeastOne = _setting(
         16 << 20,
         (
             "Largest node answer the proxy reads whole (a prefill's answer, an error body), in bytes; past it the"
             " request fails with 502 and the node's connection is dropped."
         ),
+        name="answer_buffer_limit",
     )
-    prefetch_limit: NotNegative = _setting(
+    prefetch: NotNegative = _setting(
         1 << 20,
         "Non-streaming responses up to this many bytes are read whole before forwarding.",
+        name="prefetch_limit",
     )
-    stream_buffer_limit: AtLeastOne = _setting(
+    stream_buffer: AtLeastOne = _setting(
         1 << 20,
         "Bytes of a stream kept for a client that reads slowly before the node's stream is held back.",
+        name="stream_buffer_limit",
     )
     pool_max_idle_per_node: AtLeastOne = _setting(
         256,
@@ -577,59 +586,71 @@ class TimeoutSettings(SettingsGroup):
 
     title: ClassVar[str] = ROUTING_TITLE
 
-    queue_timeout: Seconds = _setting(
+    queue: Seconds = _setting(
         30.0,
         "Seconds a request may wait in the queue before 429.",
+        name="queue_timeout",
     )
-    connect_timeout: Seconds = _setting(
+    connect: Seconds = _setting(
         2.0,
         "Seconds to connect to a node.",
+        name="connect_timeout",
     )
-    first_byte_timeout: Seconds = _setting(
+    first_byte: Seconds = _setting(
         300.0,
         "Seconds from sending a request to a node until its response head (covers long prefills).",
+        name="first_byte_timeout",
     )
-    pool_idle_timeout: Seconds = _setting(
+    pool_idle: Seconds = _setting(
         4.0,
         (
             "Seconds an idle keep-alive connection to a node is kept: below the nodes' own keep-alive (uvicorn's"
             " 5 s, which vLLM, SGLang and LMDeploy serve with), so a node never closes one as it is reused."
         ),
+        name="pool_idle_timeout",
     )
-    request_timeout: NotNegativeSeconds = _setting(
+    request: NotNegativeSeconds = _setting(
         0.0,
         "Seconds a whole request may take, queueing and streaming included (0: no limit).",
+        name="request_timeout",
     )
-    stream_idle_timeout: Seconds = _setting(
+    stream_idle: Seconds = _setting(
         120.0,
         "Seconds a streaming response may stay silent before it is cut off.",
+        name="stream_idle_timeout",
     )
-    answer_timeout: Seconds = _setting(
+    answer: Seconds = _setting(
         60.0,
         (
             "Seconds from a node's answer head to the end of its body, for answers that are not event streams and"
             " for every answer read whole (a node that drips one is cut off: 502)."
         ),
+        name="answer_timeout",
     )
-    body_timeout: Seconds = _setting(
+    body: Seconds = _setting(
         30.0,
         "Seconds a client may take to send its request body (then 408).",
+        name="body_timeout",
     )
-    header_read_timeout: Seconds = _setting(
+    header_read: Seconds = _setting(
         10.0,
         "Seconds a client may take to send a request's headers (Rust edge; then the connection closes).",
+        name="header_read_timeout",
     )
-    stream_stall_timeout: Seconds = _setting(
+    stream_stall: Seconds = _setting(
         60.0,
         "Seconds a client may stop reading a stream before it is cut off and the node freed.",
+        name="stream_stall_timeout",
     )
-    admin_timeout: Seconds = _setting(
+    admin: Seconds = _setting(
         5.0,
         "Seconds for calls the management API makes to a node (/terminate).",
+        name="admin_timeout",
     )
-    discovery_timeout: Seconds = _setting(
+    discovery: Seconds = _setting(
         2.0,
         "Seconds to wait for a node's /v1/models when discovering its models.",
+        name="discovery_timeout",
     )
     node_tcp_keepalive: Seconds = _setting(
         60.0,
@@ -646,25 +667,30 @@ class HealthSettings(SettingsGroup):
 
     title: ClassVar[str] = "Health checks"
 
-    health_interval: Seconds = _setting(
+    interval: Seconds = _setting(
         5.0,
         "Seconds between health checks of each node.",
+        name="health_interval",
     )
-    health_timeout: Seconds = _setting(
+    timeout: Seconds = _setting(
         2.0,
         "Seconds a node's /health may take.",
+        name="health_timeout",
     )
-    health_fall: AtLeastOne = _setting(
+    fall: AtLeastOne = _setting(
         3,
         "Consecutive failed checks that mark a node unhealthy.",
+        name="health_fall",
     )
-    health_rise: AtLeastOne = _setting(
+    rise: AtLeastOne = _setting(
         2,
         "Consecutive good checks that bring an unhealthy node back.",
+        name="health_rise",
     )
-    health_remove_after: NotNegativeSeconds = _setting(
+    remove_after: NotNegativeSeconds = _setting(
         0.0,
         "Remove a node unhealthy for this many seconds (0: never remove).",
+        name="health_remove_after",
     )
 
 
@@ -673,32 +699,37 @@ class EngineMetricsSettings(SettingsGroup):
 
     title: ClassVar[str] = "Engine metrics (each node's /metrics)"
 
-    engine_metrics_interval: NotNegativeSeconds = _setting(
+    interval: NotNegativeSeconds = _setting(
         2.0,
         (
             "Seconds between readings of each node's /metrics (running and waiting requests, KV-cache usage "
             "and prefix-cache hits, in vLLM's, SGLang's or LMDeploy's names), at most 0.5 while an engine "
             "reports requests waiting; 0: never read them."
         ),
+        name="engine_metrics_interval",
     )
-    engine_metrics_timeout: Seconds = _setting(
+    timeout: Seconds = _setting(
         1.0,
         "Seconds a node's /metrics may take.",
+        name="engine_metrics_timeout",
     )
-    engine_metrics_max_age: Seconds = _setting(
+    max_age: Seconds = _setting(
         10.0,
         "Seconds after which a node's engine figures are too old to route by.",
+        name="engine_metrics_max_age",
     )
-    engine_metrics_concurrency: AtLeastOne = _setting(
+    concurrency: AtLeastOne = _setting(
         16,
         "Nodes whose /metrics are read at once.",
+        name="engine_metrics_concurrency",
     )
-    engine_metrics_max_bytes: AtLeastOne = _setting(
+    max_bytes: AtLeastOne = _setting(
         4 << 20,
         "Largest /metrics answer read from a node, in bytes (at least 1024).",
+        name="engine_metrics_max_bytes",
     )
 
-    @field_validator("engine_metrics_max_bytes")
+    @field_validator("max_bytes")
     @classmethod
     def _metrics_size(cls, value: int) -> int:
         if value < 1024:
@@ -711,50 +742,56 @@ class KvEventsSettings(SettingsGroup):
 
     title: ClassVar[str] = "KV events (vLLM's and SGLang's KV-cache events)"
 
-    kv_events: str = _setting(
+    events: str = _setting(
         "",
         (
             "Where each node's engine publishes its KV-cache events (ZMQ): a template of the node's host, "
             "e.g. tcp://{host}:5557 for vLLM's --kv-events-config endpoint tcp://*:5557; 'auto': where its "
             "/server_info says (SGLang); empty: not followed (the prefix table alone)."
         ),
+        name="kv_events",
     )
-    kv_events_replay: str = _setting(
+    events_replay: str = _setting(
         "",
         "The engines' replay endpoint, as --kv-events (e.g. tcp://{host}:5558): missed events are asked there.",
+        name="kv_events_replay",
     )
-    kv_events_ranks: AtLeastOne = _setting(
+    events_ranks: AtLeastOne = _setting(
         1,
         "Data-parallel ranks of each engine, each publishing one port after the one before.",
+        name="kv_events_ranks",
     )
-    kv_events_topic: str = _setting("", "The topic the engines publish their events under.")
-    kv_tokenizer: str = _setting(
+    events_topic: str = _setting("", "The topic the engines publish their events under.", name="kv_events_topic")
+    tokenizer: str = _setting(
         "",
         (
             "The served model's tokenizer.json (or its directory), to read the events' token ids; "
             "'mock': the mock engine's (pdproxy mock-engine --simulate --kv-events)."
         ),
+        name="kv_tokenizer",
     )
-    kv_chat_template: str = _setting(
+    chat_template: str = _setting(
         "role-tags",
         (
             "How the engines render chat messages: role-tags (<|role|>content<|end|>, then <|assistant|>), "
             "chatml (<|im_start|>role, content, <|im_end|>), or a JSON list of five strings: "
             "[start, before-role, after-role, end, generation]."
         ),
+        name="kv_chat_template",
     )
-    kv_index_max_blocks: AtLeastOne = _setting(
+    index_max_blocks: AtLeastOne = _setting(
         1_000_000,
         "KV blocks the index keeps at most, all nodes together (about 120 bytes each).",
+        name="kv_index_max_blocks",
     )
 
     @model_validator(mode="after")
     def _kv_events(self) -> KvEventsSettings:
-        if self.kv_events and not self.kv_tokenizer:
+        if self.events and not self.tokenizer:
             raise _refuse("--kv-events needs --kv-tokenizer: the events carry token ids")
-        if self.kv_events and self.kv_events != "auto" and not self.kv_events.startswith(("tcp://", "ipc://")):
+        if self.events and self.events != "auto" and not self.events.startswith(("tcp://", "ipc://")):
             raise _refuse(
-                "kv_events must be a tcp:// or ipc:// endpoint template, or auto, got {value}", value=self.kv_events
+                "kv_events must be a tcp:// or ipc:// endpoint template, or auto, got {value}", value=self.events
             )
         return self
 
@@ -771,12 +808,13 @@ class PdSettings(SettingsGroup):
             " KV cache migrated between them (LMDeploy's protocol)."
         ),
     )
-    pd_protocol: str = _setting(
+    protocol: str = _setting(
         "lmdeploy",
         (
             "Disaggregation protocol with DistServe: lmdeploy (DistServe: migration handle, link pool), vllm "
             "(kv_transfer_params, NixlConnector) or sglang (bootstrap rendezvous, both legs at once)."
         ),
+        name="pd_protocol",
     )
     dummy_prefill: bool = _setting(
         False,
@@ -794,37 +832,45 @@ class PdSettings(SettingsGroup):
         False,
         "DistServe (lmdeploy): move KV through host memory instead of GPU-direct RDMA (as LMDeploy's flag).",
     )
-    pd_link_timeout: Seconds = _setting(
+    link_timeout: Seconds = _setting(
         10.0,
         "Seconds for each call of a link handshake.",
+        name="pd_link_timeout",
     )
-    pd_link_attempts: AtLeastOne = _setting(
+    link_attempts: AtLeastOne = _setting(
         3,
         "Handshake attempts per link before it fails.",
+        name="pd_link_attempts",
     )
-    pd_link_backoff: Seconds = _setting(
+    link_backoff: Seconds = _setting(
         0.5,
         "Seconds before the first handshake retry (doubling).",
+        name="pd_link_backoff",
     )
-    pd_link_wait_timeout: Seconds = _setting(
+    link_wait_timeout: Seconds = _setting(
         30.0,
         "Seconds a request waits for its link to connect.",
+        name="pd_link_wait_timeout",
     )
-    pd_session_ttl: Seconds = _setting(
+    session_ttl: Seconds = _setting(
         600.0,
         "Seconds after which a preserved prefill session is freed if decode never took it.",
+        name="pd_session_ttl",
     )
-    pd_free_timeout: Seconds = _setting(
+    free_timeout: Seconds = _setting(
         5.0,
         "Seconds for each /distserve/free_cache call.",
+        name="pd_free_timeout",
     )
-    pd_free_attempts: AtLeastOne = _setting(
+    free_attempts: AtLeastOne = _setting(
         3,
         "Attempts to free a preserved session.",
+        name="pd_free_attempts",
     )
-    pd_warmup_concurrency: AtLeastOne = _setting(
+    warmup_concurrency: AtLeastOne = _setting(
         8,
         "Handshakes run at once by /distserve/connection_warmup.",
+        name="pd_warmup_concurrency",
     )
 
     @field_validator("serving_strategy")
@@ -834,7 +880,7 @@ class PdSettings(SettingsGroup):
             raise _refuse("serving_strategy must be Hybrid or DistServe, got {value!r}", value=value)
         return value
 
-    @field_validator("pd_protocol")
+    @field_validator("protocol")
     @classmethod
     def _protocol(cls, value: str) -> str:
         if value not in ("lmdeploy", "vllm", "sglang"):
@@ -986,20 +1032,22 @@ class TenantSettings(SettingsGroup):
 
     title: ClassVar[str] = "Tenants: per-key limits, priorities and usage"
 
-    tenants_file: str = _setting(
+    file: str = _setting(
         "",
         (
             "TOML file of tenants: each one's API keys, limits (requests and tokens per minute, requests at once,"
             " a daily token budget) and priority. Reloaded when it changes and on SIGHUP. With tenants, inference"
             " needs a tenant's key or an API key."
         ),
+        name="tenants_file",
     )
-    tenant_sync_interval: Seconds = _setting(
+    sync_interval: Seconds = _setting(
         1.0,
         (
             "With --registry: seconds between two exchanges of tenant usage with the other replicas (a limit "
             "holds across replicas within what they admit in one interval)."
         ),
+        name="tenant_sync_interval",
     )
 
 
@@ -1115,11 +1163,11 @@ GROUPS: tuple[type[SettingsGroup], ...] = (
 
 class Settings(BaseModel):
     """Configuration of a pdproxy server or embedded router: one attribute per group
-    (``settings.health.health_interval``, ``settings.timeouts.connect_timeout``).
+    (``settings.health.interval``, ``settings.timeouts.connect``).
 
     Built from the settings' own names, flat (``Settings(health_interval=1.0)``, as the CLI, the
     environment and the TOML file spell them; ``FLAT`` says which group holds each), or from
-    whole groups (``Settings(health=HealthSettings(...))``)."""
+    whole groups (``Settings(health=HealthSettings(interval=1.0))``)."""
 
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
