@@ -26,7 +26,16 @@ from pydantic.fields import FieldInfo
 from . import __version__
 from ._json_types import JsonObject, JsonValue, loads
 from .config.checks import checked
-from .config.settings import ENV_PREFIX, GROUPS, Settings, SettingsGroup, load_toml, setting_flag, setting_kind
+from .config.settings import (
+    ENV_PREFIX,
+    GROUPS,
+    Settings,
+    SettingsGroup,
+    flat_name,
+    load_toml,
+    setting_flag,
+    setting_kind,
+)
 from .errors import ConfigError
 from .fleet.node_record import NodeAttributes, configured_nodes
 
@@ -59,15 +68,17 @@ class Option:
 
 
 def options_of(cls: type[BaseModel]) -> list[Option]:
-    """The options of a pydantic settings model, one per setting: the mock engine's, or
-    ``Settings``'s, whose fields are groups of settings (each shown under its group's title)."""
+    """The options of a pydantic settings model, one per setting, by its flat name: the mock
+    engine's, or ``Settings``'s, whose fields are groups of settings (each shown under its
+    group's title)."""
     section = cls.title if issubclass(cls, SettingsGroup) else ""
     out: list[Option] = []
-    for name, info in cls.model_fields.items():
+    for field_name, info in cls.model_fields.items():
         group = info.annotation
         if isinstance(group, type) and issubclass(group, BaseModel):  # settings.health and the like
             out += options_of(group)
             continue
+        name = flat_name(field_name, info)  # health_interval, for settings.health.interval
         extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
         aliases = tuple(str(a) for a in extra.get("aliases") or ())  # type: ignore[union-attr]
         env_aliases = tuple(str(a) for a in extra.get("env_aliases") or ())  # type: ignore[union-attr]

@@ -80,7 +80,7 @@ class Router:
         self._core = _pdproxy.Router(self.settings, group)
         self._discovery = ModelDiscovery(
             self._core,
-            self.settings.timeouts.discovery_timeout,
+            self.settings.timeouts.discovery,
             self.settings.timeouts.discovery_interval,
             self.settings.security.node_ca_file,
         )

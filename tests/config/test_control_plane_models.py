@@ -53,9 +53,9 @@ def test_a_bad_setting_is_one_line_naming_it(values: dict[str, Any], message: st
 
 
 def test_settings_groups_hold_every_setting_once() -> None:
-    from pdproxy.config.settings import FIELDS, GROUPS
+    from pdproxy.config.settings import FIELDS, GROUPS, flat_name
 
-    declared = [name for group in GROUPS for name in group.model_fields]
+    declared = [flat_name(name, field) for group in GROUPS for name, field in group.model_fields.items()]
     assert sorted(declared) == sorted(FIELDS), "each setting in exactly one group"
     assert Settings.group_of("health_interval").title == "Health checks"
     assert Settings(log_level="WARN").server.log_level == "warning", "a validator may also normalise"
@@ -156,18 +156,25 @@ def test_settings_hold_groups_and_take_flat_names() -> None:
 
     assert set(FLAT) == set(FIELDS), "each setting's group, from the groups themselves"
     settings = Settings(health_interval=1.5, connect_timeout=3.0, port=9001)
-    assert (settings.health.health_interval, settings.timeouts.connect_timeout, settings.server.port) == (
+    assert (settings.health.interval, settings.timeouts.connect, settings.server.port) == (
         1.5,
         3.0,
         9001,
     )
     assert settings.health == HealthSettings(health_interval=1.5), "a group built from its flat names"
+    assert settings.health == HealthSettings(interval=1.5), "or from its fields' names"
+    assert settings.health.model_dump()["health_interval"] == 1.5, "a group dumped by its flat names"
+    assert Settings.from_json(settings.to_json()) == settings, "the JSON a granian worker reads"
     changed = settings.replace(health_fall=5)
-    assert (changed.health.health_fall, changed.health.health_interval) == (5, 1.5), "replace keeps the group's others"
+    assert (changed.health.fall, changed.health.interval) == (5, 1.5), "replace keeps the group's others"
     assert changed.timeouts is settings.timeouts, "an untouched group is kept as it is"
-    assert Settings(health=HealthSettings(health_rise=4)).health.health_rise == 4, "a group given whole"
+    assert Settings(health=HealthSettings(health_rise=4)).health.rise == 4, "a group given whole"
     assert list(settings.flat()) == list(FIELDS), "--print-config shows the flat names"
     with pytest.raises(pdproxy.ConfigError, match=r"^health_interval must be a positive number of seconds"):
         settings.replace(health_interval=0)
+    with pytest.raises(pdproxy.ConfigError, match=r"^connect_timeout must be a positive number of seconds"):
+        Settings(health=HealthSettings(), connect_timeout=-1.0)
+    with pytest.raises(pdproxy.ConfigError, match=r"^health_interval: Input should be a valid number"):
+        Settings(health_interval="often")
     with pytest.raises(pdproxy.ConfigError, match=r"^unknown setting nope"):
         settings.replace(nope=1)

@@ -34,8 +34,8 @@ def checked(settings: Settings) -> Settings:
         raise ConfigError(f"--metrics-port {settings.server.port} is the serving port, where /metrics is served anyway")
     if settings.membership.registry:
         check_registry_url(settings.membership.registry)
-    if settings.tenants.tenants_file:
-        load_tenants(settings.tenants.tenants_file)  # a bad file stops the start, naming its problem
+    if settings.tenants.file:
+        load_tenants(settings.tenants.file)  # a bad file stops the start, naming its problem
     _check_configured_nodes(settings)
     check_node_sources(settings)  # selectors, names, the Kubernetes configuration
     filled = otel_settings(settings, os.environ)

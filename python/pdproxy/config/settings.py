@@ -4,10 +4,13 @@ The settings are pydantic models grouped by concern (server, shared registry, ro
 timeouts, health, PD, security, tenants, observability), each validator beside its field.
 ``Settings`` holds one of each (``settings.health``, ``settings.timeouts``), and components take
 the groups they need; the Rust data plane reads the groups by attribute (it declares no defaults
-of its own). Each setting keeps one flat name (``health_interval``; ``FLAT`` maps it to its
+of its own). Inside its group a setting's field drops what the group's name already says
+(``settings.health.interval``, ``settings.timeouts.connect``), but each setting keeps one flat
+name (``health_interval``: its field's ``name=``, else the field's own; ``FLAT`` maps it to its
 group), which the CLI (`pdproxy serve`), the environment (``PDPROXY_<NAME>``), a TOML file
-(``--config``) and ``Settings(**flat)`` use; precedence is CLI > environment > file > the
-defaults below. A bad value is refused with one line naming the setting (``ConfigError``).
+(``--config``), ``Settings(**flat)``, ``--print-config`` and every refusal use; precedence is
+CLI > environment > file > the defaults below. A bad value is refused with one line naming the
+setting (``ConfigError``).
 
 This module depends on nothing else in pdproxy but its error class. Checks that need the rest
 (routing policies the data plane knows, the registry's URL, the tenants file, each node, the
@@ -48,6 +51,7 @@ __all__ = [
     "LOG_LEVELS",
     "Settings",
     "defaults",
+    "flat_name",
     "load_toml",
     "setting_flag",
     "setting_kind",
@@ -76,6 +80,10 @@ LINK_TYPES = ("RoCE", "IB")
 ROUTING_TITLE = "Routing, limits and timeouts"
 #: The error type of a refusal whose message already names the setting.
 REFUSED = "setting"
+#: The error type of a refusal of a value whose message the setting's name goes before: the
+#: name the error's location holds, the setting's flat one (a check shared by many settings
+#: sees only its field's name, ``interval`` for ``health_interval``).
+REFUSED_VALUE = "setting_value"
 
 Default = TypeVar("Default")
 
@@ -85,60 +93,68 @@ def _refuse(message: str, **context: object) -> PydanticCustomError:
     return PydanticCustomError(REFUSED, message.format(**context))
 
 
+def _refuse_value(message: str, **context: object) -> PydanticCustomError:
+    """A refusal of a value: ``message`` (``str.format``-ed with ``context``) says what is wrong
+    with it, and ``settings_message`` puts the setting's flat name before it."""
+    return PydanticCustomError(REFUSED_VALUE, message.format(**context))
+
+
 def _setting(
     default: Default,
     help: str,
     *,
+    name: str | None = None,
     flag: str | None = None,
     aliases: tuple[str, ...] = (),
     env_aliases: tuple[str, ...] = (),
     shown_default: str | None = None,
 ) -> Default:
-    """A setting's default, help text and CLI spelling (``aliases``: LMDeploy's spellings, so
-    existing launch scripts keep working; ``env_aliases``: environment variables read after
-    ``PDPROXY_<NAME>``, such as LMDeploy's; ``shown_default``: what ``--help`` shows for a
-    default that marks "unset", "" for nothing). Typed as its default (pydantic's ``Field`` is
-    typed ``Any`` for the same reason: pydantic reads the field from it), so that mypy checks
-    each default against its setting's type."""
+    """A setting's default, help text and CLI spelling (``name``: the setting's flat name, where
+    its field's is shorter: ``health_interval`` for ``health.interval``, the field's pydantic
+    alias; ``aliases``: LMDeploy's spellings, so existing launch scripts keep working;
+    ``env_aliases``: environment variables read after ``PDPROXY_<NAME>``, such as LMDeploy's;
+    ``shown_default``: what ``--help`` shows for a default that marks "unset", "" for nothing).
+    Typed as its default (pydantic's ``Field`` is typed ``Any`` for the same reason: pydantic
+    reads the field from it), so that mypy checks each default against its setting's type."""
     extra = {"flag": flag, "aliases": list(aliases), "env_aliases": list(env_aliases), "shown_default": shown_default}
-    field: Default = Field(default, description=help, json_schema_extra=extra)  # type: ignore[arg-type]
+    field: Default = Field(default, alias=name, description=help, json_schema_extra=extra)  # type: ignore[arg-type]
     return field
 
 
-# Value types whose checks name the setting (``info.field_name``).
-def _positive_seconds(value: float, info: ValidationInfo) -> float:
+# Value types whose refusals the setting's flat name goes before (``settings_message``).
+def _positive_seconds(value: float) -> float:
     if not value > 0:
-        raise _refuse("{name} must be a positive number of seconds, got {value}", name=info.field_name, value=value)
+        raise _refuse_value("must be a positive number of seconds, got {value}", value=value)
     return value
 
 
-def _not_negative(value: float, info: ValidationInfo) -> float:
+def _not_negative(value: float) -> float:
     if value < 0:
-        raise _refuse("{name} must not be negative, got {value}", name=info.field_name, value=value)
+        raise _refuse_value("must not be negative, got {value}", value=value)
     return value
 
 
-def _at_least_one(value: int, info: ValidationInfo) -> int:
+def _at_least_one(value: int) -> int:
     if value < 1:
-        raise _refuse("{name} must be at least 1, got {value}", name=info.field_name, value=value)
+        raise _refuse_value("must be at least 1, got {value}", value=value)
     return value
 
 
-def _weight(value: float, info: ValidationInfo) -> float:
+def _weight(value: float) -> float:
     if not 0 <= value < float("inf"):
-        raise _refuse("{name} must be a non-negative number, got {value}", name=info.field_name, value=value)
+        raise _refuse_value("must be a non-negative number, got {value}", value=value)
     return value
 
 
-def _positive(value: float, info: ValidationInfo) -> float:
+def _positive(value: float) -> float:
     if not 0 < value < float("inf"):
-        raise _refuse("{name} must be a positive number, got {value}", name=info.field_name, value=value)
+        raise _refuse_value("must be a positive number, got {value}", value=value)
     return value
 
 
-def _share(value: float, info: ValidationInfo) -> float:
+def _share(value: float) -> float:
     if not 0 <= value <= 1:
-        raise _refuse("{name} must be between 0 and 1, got {value}", name=info.field_name, value=value)
+        raise _refuse_value("must be between 0 and 1, got {value}", value=value)
     return value
 
 
@@ -159,9 +175,18 @@ Several = Annotated[tuple[str, ...], BeforeValidator(_several)]
 
 
 class SettingsGroup(BaseModel):
-    """A group of settings (``pdproxy serve --help`` shows each under its ``title``)."""
+    """A group of settings (``pdproxy serve --help`` shows each under its ``title``). Built and
+    dumped by the settings' flat names (``HealthSettings(health_interval=1.0)``); built by its
+    fields' names too (``HealthSettings(interval=1.0)``)."""
 
-    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+    model_config = ConfigDict(
+        frozen=True,
+        strict=True,
+        extra="forbid",
+        validate_by_alias=True,
+        validate_by_name=True,
+        serialize_by_alias=True,
+    )
     title: ClassVar[str] = ""
 
 
@@ -256,24 +281,28 @@ class RegistrySettings(SettingsGroup):
             "view and in-flight counts. Empty: membership is this proxy's own."
         ),
     )
-    registry_namespace: str = _setting(
+    namespace: str = _setting(
         "pdproxy",
         "Prefix of every Redis key and channel pdproxy uses (replicas that share nodes use the same one).",
+        name="registry_namespace",
     )
-    registry_timeout: Seconds = _setting(
+    timeout: Seconds = _setting(
         2.0,
         "Seconds a call to Redis may take before the registry counts as unavailable.",
+        name="registry_timeout",
     )
-    registry_reconcile_interval: Seconds = _setting(
+    reconcile_interval: Seconds = _setting(
         1.0,
         "Seconds between two full reads of the membership (a missed notice or an expired lease is seen by then).",
+        name="registry_reconcile_interval",
     )
-    registry_max_backoff: Seconds = _setting(
+    max_backoff: Seconds = _setting(
         5.0,
         "Longest wait between two attempts to reach Redis again.",
+        name="registry_max_backoff",
     )
 
-    @field_validator("registry_namespace")
+    @field_validator("namespace")
     @classmethod
     def _namespace(cls, value: str) -> str:
         if not value:
@@ -525,20 +554,23 @@ class LimitsSettings(SettingsGroup):
             "at accept (0: half the open-file limit, less 64, which pdproxy raises to its hard limit at start)."
         ),
     )
-    answer_buffer_limit: AtLeastOne = _setting(
+    answer_buffer: AtLeastOne = _setting(
         16 << 20,
         (
             "Largest node answer the proxy reads whole (a prefill's answer, an error body), in bytes; past it the"
             " request fails with 502 and the node's connection is dropped."
         ),
+        name="answer_buffer_limit",
     )
-    prefetch_limit: NotNegative = _setting(
+    prefetch: NotNegative = _setting(
         1 << 20,
         "Non-streaming responses up to this many bytes are read whole before forwarding.",
+        name="prefetch_limit",
     )
-    stream_buffer_limit: AtLeastOne = _setting(
+    stream_buffer: AtLeastOne = _setting(
         1 << 20,
         "Bytes of a stream kept for a client that reads slowly before the node's stream is held back.",
+        name="stream_buffer_limit",
     )
     pool_max_idle_per_node: AtLeastOne = _setting(
         256,
@@ -555,59 +587,71 @@ class TimeoutSettings(SettingsGroup):
 
     title: ClassVar[str] = ROUTING_TITLE
 
-    queue_timeout: Seconds = _setting(
+    queue: Seconds = _setting(
         30.0,
         "Seconds a request may wait in the queue before 429.",
+        name="queue_timeout",
     )
-    connect_timeout: Seconds = _setting(
+    connect: Seconds = _setting(
         2.0,
         "Seconds to connect to a node.",
+        name="connect_timeout",
     )
-    first_byte_timeout: Seconds = _setting(
+    first_byte: Seconds = _setting(
         300.0,
         "Seconds from sending a request to a node until its response head (covers long prefills).",
+        name="first_byte_timeout",
     )
-    pool_idle_timeout: Seconds = _setting(
+    pool_idle: Seconds = _setting(
         4.0,
         (
             "Seconds an idle keep-alive connection to a node is kept: below the nodes' own keep-alive (uvicorn's"
             " 5 s, which vLLM, SGLang and LMDeploy serve with), so a node never closes one as it is reused."
         ),
+        name="pool_idle_timeout",
     )
-    request_timeout: NotNegativeSeconds = _setting(
+    request: NotNegativeSeconds = _setting(
         0.0,
         "Seconds a whole request may take, queueing and streaming included (0: no limit).",
+        name="request_timeout",
     )
-    stream_idle_timeout: Seconds = _setting(
+    stream_idle: Seconds = _setting(
         120.0,
         "Seconds a streaming response may stay silent before it is cut off.",
+        name="stream_idle_timeout",
     )
-    answer_timeout: Seconds = _setting(
+    answer: Seconds = _setting(
         60.0,
         (
             "Seconds from a node's answer head to the end of its body, for answers that are not event streams and"
             " for every answer read whole (a node that drips one is cut off: 502)."
         ),
+        name="answer_timeout",
     )
-    body_timeout: Seconds = _setting(
+    body: Seconds = _setting(
         30.0,
         "Seconds a client may take to send its request body (then 408).",
+        name="body_timeout",
     )
-    header_read_timeout: Seconds = _setting(
+    header_read: Seconds = _setting(
         10.0,
         "Seconds a client may take to send a request's headers (Rust edge; then the connection closes).",
+        name="header_read_timeout",
     )
-    stream_stall_timeout: Seconds = _setting(
+    stream_stall: Seconds = _setting(
         60.0,
         "Seconds a client may stop reading a stream before it is cut off and the node freed.",
+        name="stream_stall_timeout",
     )
-    admin_timeout: Seconds = _setting(
+    admin: Seconds = _setting(
         5.0,
         "Seconds for calls the management API makes to a node (/terminate).",
+        name="admin_timeout",
     )
-    discovery_timeout: Seconds = _setting(
+    discovery: Seconds = _setting(
         2.0,
         "Seconds to wait for a node's /v1/models when discovering its models.",
+        name="discovery_timeout",
     )
     node_tcp_keepalive: Seconds = _setting(
         60.0,
@@ -624,25 +668,30 @@ class HealthSettings(SettingsGroup):
 
     title: ClassVar[str] = "Health checks"
 
-    health_interval: Seconds = _setting(
+    interval: Seconds = _setting(
         5.0,
         "Seconds between health checks of each node.",
+        name="health_interval",
     )
-    health_timeout: Seconds = _setting(
+    timeout: Seconds = _setting(
         2.0,
         "Seconds a node's /health may take.",
+        name="health_timeout",
     )
-    health_fall: AtLeastOne = _setting(
+    fall: AtLeastOne = _setting(
         3,
         "Consecutive failed checks that mark a node unhealthy.",
+        name="health_fall",
     )
-    health_rise: AtLeastOne = _setting(
+    rise: AtLeastOne = _setting(
         2,
         "Consecutive good checks that bring an unhealthy node back.",
+        name="health_rise",
     )
-    health_remove_after: NotNegativeSeconds = _setting(
+    remove_after: NotNegativeSeconds = _setting(
         0.0,
         "Remove a node unhealthy for this many seconds (0: never remove).",
+        name="health_remove_after",
     )
 
 
@@ -651,32 +700,37 @@ class EngineMetricsSettings(SettingsGroup):
 
     title: ClassVar[str] = "Engine metrics (each node's /metrics)"
 
-    engine_metrics_interval: NotNegativeSeconds = _setting(
+    interval: NotNegativeSeconds = _setting(
         2.0,
         (
             "Seconds between readings of each node's /metrics (running and waiting requests, KV-cache usage "
             "and prefix-cache hits, in vLLM's, SGLang's or LMDeploy's names), at most 0.5 while an engine "
             "reports requests waiting; 0: never read them."
         ),
+        name="engine_metrics_interval",
     )
-    engine_metrics_timeout: Seconds = _setting(
+    timeout: Seconds = _setting(
         1.0,
         "Seconds a node's /metrics may take.",
+        name="engine_metrics_timeout",
     )
-    engine_metrics_max_age: Seconds = _setting(
+    max_age: Seconds = _setting(
         10.0,
         "Seconds after which a node's engine figures are too old to route by.",
+        name="engine_metrics_max_age",
     )
-    engine_metrics_concurrency: AtLeastOne = _setting(
+    concurrency: AtLeastOne = _setting(
         16,
         "Nodes whose /metrics are read at once.",
+        name="engine_metrics_concurrency",
     )
-    engine_metrics_max_bytes: AtLeastOne = _setting(
+    max_bytes: AtLeastOne = _setting(
         4 << 20,
         "Largest /metrics answer read from a node, in bytes (at least 1024).",
+        name="engine_metrics_max_bytes",
     )
 
-    @field_validator("engine_metrics_max_bytes")
+    @field_validator("max_bytes")
     @classmethod
     def _metrics_size(cls, value: int) -> int:
         if value < 1024:
@@ -689,50 +743,56 @@ class KvEventsSettings(SettingsGroup):
 
     title: ClassVar[str] = "KV events (vLLM's and SGLang's KV-cache events)"
 
-    kv_events: str = _setting(
+    events: str = _setting(
         "",
         (
             "Where each node's engine publishes its KV-cache events (ZMQ): a template of the node's host, "
             "e.g. tcp://{host}:5557 for vLLM's --kv-events-config endpoint tcp://*:5557; 'auto': where its "
             "/server_info says (SGLang); empty: not followed (the prefix table alone)."
         ),
+        name="kv_events",
     )
-    kv_events_replay: str = _setting(
+    events_replay: str = _setting(
         "",
         "The engines' replay endpoint, as --kv-events (e.g. tcp://{host}:5558): missed events are asked there.",
+        name="kv_events_replay",
     )
-    kv_events_ranks: AtLeastOne = _setting(
+    events_ranks: AtLeastOne = _setting(
         1,
         "Data-parallel ranks of each engine, each publishing one port after the one before.",
+        name="kv_events_ranks",
     )
-    kv_events_topic: str = _setting("", "The topic the engines publish their events under.")
-    kv_tokenizer: str = _setting(
+    events_topic: str = _setting("", "The topic the engines publish their events under.", name="kv_events_topic")
+    tokenizer: str = _setting(
         "",
         (
             "The served model's tokenizer.json (or its directory), to read the events' token ids; "
             "'mock': the mock engine's (pdproxy mock-engine --simulate --kv-events)."
         ),
+        name="kv_tokenizer",
     )
-    kv_chat_template: str = _setting(
+    chat_template: str = _setting(
         "role-tags",
         (
             "How the engines render chat messages: role-tags (<|role|>content<|end|>, then <|assistant|>), "
             "chatml (<|im_start|>role, content, <|im_end|>), or a JSON list of five strings: "
             "[start, before-role, after-role, end, generation]."
         ),
+        name="kv_chat_template",
     )
-    kv_index_max_blocks: AtLeastOne = _setting(
+    index_max_blocks: AtLeastOne = _setting(
         1_000_000,
         "KV blocks the index keeps at most, all nodes together (about 120 bytes each).",
+        name="kv_index_max_blocks",
     )
 
     @model_validator(mode="after")
     def _kv_events(self) -> KvEventsSettings:
-        if self.kv_events and not self.kv_tokenizer:
+        if self.events and not self.tokenizer:
             raise _refuse("--kv-events needs --kv-tokenizer: the events carry token ids")
-        if self.kv_events and self.kv_events != "auto" and not self.kv_events.startswith(("tcp://", "ipc://")):
+        if self.events and self.events != "auto" and not self.events.startswith(("tcp://", "ipc://")):
             raise _refuse(
-                "kv_events must be a tcp:// or ipc:// endpoint template, or auto, got {value}", value=self.kv_events
+                "kv_events must be a tcp:// or ipc:// endpoint template, or auto, got {value}", value=self.events
             )
         return self
 
@@ -749,12 +809,13 @@ class PdSettings(SettingsGroup):
             " KV cache migrated between them (LMDeploy's protocol)."
         ),
     )
-    pd_protocol: str = _setting(
+    protocol: str = _setting(
         "lmdeploy",
         (
             "Disaggregation protocol with DistServe: lmdeploy (DistServe: migration handle, link pool), vllm "
             "(kv_transfer_params, NixlConnector) or sglang (bootstrap rendezvous, both legs at once)."
         ),
+        name="pd_protocol",
     )
     dummy_prefill: bool = _setting(
         False,
@@ -772,37 +833,45 @@ class PdSettings(SettingsGroup):
         False,
         "DistServe (lmdeploy): move KV through host memory instead of GPU-direct RDMA (as LMDeploy's flag).",
     )
-    pd_link_timeout: Seconds = _setting(
+    link_timeout: Seconds = _setting(
         10.0,
         "Seconds for each call of a link handshake.",
+        name="pd_link_timeout",
     )
-    pd_link_attempts: AtLeastOne = _setting(
+    link_attempts: AtLeastOne = _setting(
         3,
         "Handshake attempts per link before it fails.",
+        name="pd_link_attempts",
     )
-    pd_link_backoff: Seconds = _setting(
+    link_backoff: Seconds = _setting(
         0.5,
         "Seconds before the first handshake retry (doubling).",
+        name="pd_link_backoff",
     )
-    pd_link_wait_timeout: Seconds = _setting(
+    link_wait_timeout: Seconds = _setting(
         30.0,
         "Seconds a request waits for its link to connect.",
+        name="pd_link_wait_timeout",
     )
-    pd_session_ttl: Seconds = _setting(
+    session_ttl: Seconds = _setting(
         600.0,
         "Seconds after which a preserved prefill session is freed if decode never took it.",
+        name="pd_session_ttl",
     )
-    pd_free_timeout: Seconds = _setting(
+    free_timeout: Seconds = _setting(
         5.0,
         "Seconds for each /distserve/free_cache call.",
+        name="pd_free_timeout",
     )
-    pd_free_attempts: AtLeastOne = _setting(
+    free_attempts: AtLeastOne = _setting(
         3,
         "Attempts to free a preserved session.",
+        name="pd_free_attempts",
     )
-    pd_warmup_concurrency: AtLeastOne = _setting(
+    warmup_concurrency: AtLeastOne = _setting(
         8,
         "Handshakes run at once by /distserve/connection_warmup.",
+        name="pd_warmup_concurrency",
     )
 
     @field_validator("serving_strategy")
@@ -812,7 +881,7 @@ class PdSettings(SettingsGroup):
             raise _refuse("serving_strategy must be Hybrid or DistServe, got {value!r}", value=value)
         return value
 
-    @field_validator("pd_protocol")
+    @field_validator("protocol")
     @classmethod
     def _protocol(cls, value: str) -> str:
         if value not in ("lmdeploy", "vllm", "sglang"):
@@ -964,20 +1033,22 @@ class TenantSettings(SettingsGroup):
 
     title: ClassVar[str] = "Tenants: per-key limits, priorities and usage"
 
-    tenants_file: str = _setting(
+    file: str = _setting(
         "",
         (
             "TOML file of tenants: each one's API keys, limits (requests and tokens per minute, requests at once,"
             " a daily token budget) and priority. Reloaded when it changes and on SIGHUP. With tenants, inference"
             " needs a tenant's key or an API key."
         ),
+        name="tenants_file",
     )
-    tenant_sync_interval: Seconds = _setting(
+    sync_interval: Seconds = _setting(
         1.0,
         (
             "With --registry: seconds between two exchanges of tenant usage with the other replicas (a limit "
             "holds across replicas within what they admit in one interval)."
         ),
+        name="tenant_sync_interval",
     )
 
 
@@ -1093,11 +1164,11 @@ GROUPS: tuple[type[SettingsGroup], ...] = (
 
 class Settings(BaseModel):
     """Configuration of a pdproxy server or embedded router: one attribute per group
-    (``settings.health.health_interval``, ``settings.timeouts.connect_timeout``).
+    (``settings.health.interval``, ``settings.timeouts.connect``).
 
     Built from the settings' own names, flat (``Settings(health_interval=1.0)``, as the CLI, the
     environment and the TOML file spell them; ``FLAT`` says which group holds each), or from
-    whole groups (``Settings(health=HealthSettings(...))``)."""
+    whole groups (``Settings(health=HealthSettings(interval=1.0))``)."""
 
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
@@ -1178,12 +1249,22 @@ GROUP_CLASSES: dict[str, type[SettingsGroup]] = {
     for attr, field in Settings.model_fields.items()
 }
 GROUP_ATTRS = tuple(GROUP_CLASSES)
-#: Each setting's own name and the attribute of the group that holds it (``health_interval``:
+
+
+def flat_name(name: str, field: FieldInfo) -> str:
+    """The flat name of the setting that a group declares as field ``name``: its alias
+    (``health_interval`` for ``interval``), else the field's name."""
+    return field.alias or name
+
+
+#: Each setting's flat name and the attribute of the group that holds it (``health_interval``:
 #: ``health``), built once from the groups.
-FLAT: dict[str, str] = {name: attr for attr, group in GROUP_CLASSES.items() for name in group.model_fields}
-#: Each setting's own name and its field (default, help, CLI spelling).
+FLAT: dict[str, str] = {
+    flat_name(name, field): attr for attr, group in GROUP_CLASSES.items() for name, field in group.model_fields.items()
+}
+#: Each setting's flat name and its field (default, help, CLI spelling).
 FIELDS: dict[str, FieldInfo] = {
-    name: field for group in GROUP_CLASSES.values() for name, field in group.model_fields.items()
+    flat_name(name, field): field for group in GROUP_CLASSES.values() for name, field in group.model_fields.items()
 }
 
 
@@ -1221,6 +1302,8 @@ def settings_message(error: ValidationError) -> str:
     if len(loc) > 1 and loc[0] in GROUP_ATTRS:
         loc = loc[1:]  # a setting is named by its own name, not its group's
     where = ".".join(str(part) for part in loc)
+    if first["type"] == REFUSED_VALUE:
+        return f"{where} {first['msg']}"
     if first["type"] == "extra_forbidden":
         return f"unknown setting {where}"
     return f"{where}: {first['msg']}" if where else first["msg"]

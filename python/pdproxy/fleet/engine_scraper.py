@@ -45,11 +45,11 @@ class EngineScraper:
         ca_file: str = "",
     ) -> None:
         self._router = router
-        self._interval = settings.engine_metrics_interval
-        self._timeout = settings.engine_metrics_timeout
+        self._interval = settings.interval
+        self._timeout = settings.timeout
         self._ca_file = ca_file
-        self._slots = asyncio.Semaphore(settings.engine_metrics_concurrency)
-        self._max_bytes = settings.engine_metrics_max_bytes
+        self._slots = asyncio.Semaphore(settings.concurrency)
+        self._max_bytes = settings.max_bytes
         self._api_key_of = api_key_of
         #: The last failure of each node whose last reading failed.
         self.errors: dict[str, str] = {}

@@ -190,10 +190,10 @@ class Fleet:
     async def start(self, check_health: bool = True) -> None:
         """Loads the saved and configured nodes and starts the background work; health checks
         only with ``check_health`` (in a worker group the leader starts them, ``start_health``)."""
-        self._session = node_session(self.settings.security.node_ca_file, self.settings.timeouts.admin_timeout)
+        self._session = node_session(self.settings.security.node_ca_file, self.settings.timeouts.admin)
         if check_health:
             await self.start_health()
-        if self.settings.kv.kv_events:
+        if self.settings.kv.events:
             await self._follow_kv_events()
         if self.membership is not None:
             await self.membership.start(self.apply)
@@ -232,7 +232,7 @@ class Fleet:
         group's leader)."""
         if not self.health.running:
             await self.health.start()
-        if not self.engines.running and self.settings.engine_metrics.engine_metrics_interval > 0:
+        if not self.engines.running and self.settings.engine_metrics.interval > 0:
             await self.engines.start()
 
     def session(self) -> aiohttp.ClientSession:
@@ -243,15 +243,15 @@ class Fleet:
     async def _follow_kv_events(self) -> None:
         settings = self.settings
         self.router.core.start_kv_index(
-            chat_template(settings.kv.kv_chat_template),
-            settings.kv.kv_index_max_blocks,
-            **index_options(settings.kv.kv_tokenizer),  # type: ignore[arg-type]
+            chat_template(settings.kv.chat_template),
+            settings.kv.index_max_blocks,
+            **index_options(settings.kv.tokenizer),  # type: ignore[arg-type]
         )
         plan = KvEventsPlan(
-            settings.kv.kv_events,
-            settings.kv.kv_events_replay or None,
-            settings.kv.kv_events_ranks,
-            settings.kv.kv_events_topic,
+            settings.kv.events,
+            settings.kv.events_replay or None,
+            settings.kv.events_ranks,
+            settings.kv.events_topic,
         )
         self.kv_events = KvEventFollower(self.router.core, plan, session_of=self.session)
         await self.kv_events.start()

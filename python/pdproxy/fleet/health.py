@@ -82,12 +82,12 @@ class HealthChecker:
         ca_file: str = "",
     ) -> None:
         self._router = router
-        self._interval = settings.health_interval
-        self._timeout = settings.health_timeout
+        self._interval = settings.interval
+        self._timeout = settings.timeout
         self._ca_file = ca_file
-        self._fall = settings.health_fall
-        self._rise = settings.health_rise
-        self._remove_after = settings.health_remove_after
+        self._fall = settings.fall
+        self._rise = settings.rise
+        self._remove_after = settings.remove_after
         self._on_remove = on_remove
         self.nodes: dict[str, NodeHealth] = {}
         #: The nodes whose engine's metrics say it is asleep (see ``engine_asleep``).

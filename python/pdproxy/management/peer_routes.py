@@ -80,7 +80,7 @@ async def get_loads(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tup
 async def flush_cache(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     """Asks every node to flush its prefix cache (SGLang's and vLLM's ``POST /flush_cache``)."""
     urls = [node["url"] for node in fleet.router.nodes()]
-    async with node_session(fleet.settings.security.node_ca_file, fleet.settings.timeouts.admin_timeout) as session:
+    async with node_session(fleet.settings.security.node_ca_file, fleet.settings.timeouts.admin) as session:
         answers = await asyncio.gather(*(_flush(session, url, fleet.api_key_of(url)) for url in urls))
     results = dict(zip(urls, answers, strict=True))
     failed = [url for url, result in results.items() if "error" in result]
@@ -136,12 +136,12 @@ async def health_generate(fleet: Fleet) -> tuple[int, HealthGenerateAnswer]:
     generates answers: one stuck node does not make a working proxy look broken."""
     groups = _generate_groups(fleet)
     settings = fleet.settings
-    async with node_session(settings.security.node_ca_file, settings.timeouts.admin_timeout) as session:
+    async with node_session(settings.security.node_ca_file, settings.timeouts.admin) as session:
         try:
-            async with asyncio.timeout(settings.timeouts.admin_timeout):
+            async with asyncio.timeout(settings.timeouts.admin):
                 failures = await asyncio.gather(*(_some_generates(session, fleet, urls) for _, urls in groups))
         except TimeoutError:
-            failures = [[f"no node generated within {settings.timeouts.admin_timeout:g} s"]] * len(groups)
+            failures = [[f"no node generated within {settings.timeouts.admin:g} s"]] * len(groups)
     failed = [(what, urls, why) for (what, urls), why in zip(groups, failures, strict=True) if why or not urls]
     if failed:
         message = "; ".join(_shortfall(what, urls) for what, urls, _ in failed)

@@ -126,10 +126,10 @@ class Stateless:
 
 
 def make_adapter(router: Router, settings: Settings, fleet: Fleet, group_dir: Path | None = None) -> PdAdapter:
-    """The disaggregation flow for ``settings.pd.pd_protocol`` (``group_dir``: a worker group's,
+    """The disaggregation flow for ``settings.pd.protocol`` (``group_dir``: a worker group's,
     whose workers share the prefill-decode links)."""
-    if settings.pd.pd_protocol != "lmdeploy":
-        return Stateless(settings.pd.pd_protocol)
+    if settings.pd.protocol != "lmdeploy":
+        return Stateless(settings.pd.protocol)
     from .lmdeploy import DistServe
 
     return DistServe(router, settings, fleet.api_key_of, group_dir)

@@ -146,11 +146,11 @@ class LinkPool:
         self.transport = transport
         #: In a worker group: where the pairs' lock files and connected markers live.
         self._shared = group_dir / "links" if group_dir is not None else None
-        self._timeout = settings.pd_link_timeout
+        self._timeout = settings.link_timeout
         self._ca_file = ca_file
-        self._attempts = settings.pd_link_attempts
-        self._backoff = settings.pd_link_backoff
-        self._wait_timeout = settings.pd_link_wait_timeout
+        self._attempts = settings.link_attempts
+        self._backoff = settings.link_backoff
+        self._wait_timeout = settings.link_wait_timeout
         self._api_key_of = api_key_of
         self._session: aiohttp.ClientSession | None = None
 

@@ -67,13 +67,13 @@ class DistServe:
             CoreSettings(
                 migration_protocol=self.links.transport.protocol_number,
                 dummy_prefill=settings.pd.dummy_prefill,
-                free_timeout=settings.pd.pd_free_timeout,
-                free_attempts=settings.pd.pd_free_attempts,
+                free_timeout=settings.pd.free_timeout,
+                free_attempts=settings.pd.free_attempts,
                 journal=journal,
             ),
             self._link_for_data_plane,
         )
-        self.ledger = SessionLedger(self.core, ttl=settings.pd.pd_session_ttl, api_key_of=api_key_of, journal=journal)
+        self.ledger = SessionLedger(self.core, ttl=settings.pd.session_ttl, api_key_of=api_key_of, journal=journal)
 
     async def start(self) -> None:
         await self.links.start()
@@ -122,7 +122,7 @@ class DistServe:
         nodes = [n for n in self.router.nodes() if n["state"] == "healthy"]
         prefills = [n["url"] for n in nodes if n["role"] == "prefill"]
         decodes = [n["url"] for n in nodes if n["role"] == "decode"]
-        return await self.links.warmup(prefills, decodes, self.settings.pd.pd_warmup_concurrency)
+        return await self.links.warmup(prefills, decodes, self.settings.pd.warmup_concurrency)
 
     def status(self) -> DistServeStatus:
         return DistServeStatus(links=self.links.status(), ledger=self.ledger.status())

@@ -137,9 +137,7 @@ class ProxyApp:
         assert pipeline is not None
         if method == "POST" and pipeline.serves(path):
             settings = self.settings
-            await inference.serve(
-                pipeline, scope, receive, send, settings.limits.max_body_size, settings.timeouts.body_timeout
-            )
+            await inference.serve(pipeline, scope, receive, send, settings.limits.max_body_size, settings.timeouts.body)
             return
         if (method, path) == ("POST", "/drain"):
             self.keys.check_admin(scope["headers"])

@@ -78,17 +78,17 @@ class Supervisor:
         # The fleet adds the configured nodes, so that they are checked and tracked like any other.
         self.router = Router(settings=self.settings.replace(nodes=()), group=group)
         await self.router.start()
-        if self.settings.tenants.tenants_file:
-            self.tenants = TenantsFile(self.router, self.settings.tenants.tenants_file)
+        if self.settings.tenants.file:
+            self.tenants = TenantsFile(self.router, self.settings.tenants.file)
             self.tenants.start()
             if self.settings.membership.registry:
                 s = self.settings
                 self.usage_sync = UsageSync(
                     self.router,
                     s.membership.registry,
-                    s.tenants.tenant_sync_interval,
-                    s.membership.registry_namespace,
-                    s.membership.registry_timeout,
+                    s.tenants.sync_interval,
+                    s.membership.namespace,
+                    s.membership.timeout,
                 )
                 await self.usage_sync.start()
         self.fleet = Fleet(self.router, self.settings, self._membership())
@@ -159,7 +159,7 @@ class Supervisor:
         assert self.fleet is not None
         warned = False
         while True:
-            await asyncio.sleep(self.settings.health.health_interval)
+            await asyncio.sleep(self.settings.health.interval)
             stale = self.fleet.health.stale()
             if stale is not None and not warned:
                 log.warning("health checks have not completed for %.0f s: node states may be out of date", stale)

@@ -54,9 +54,9 @@ pub(crate) struct LimitsGroup {
     pub(crate) queue_size: usize,
     pub(crate) max_requests: usize,
     pub(crate) max_n: u64,
-    pub(crate) answer_buffer_limit: usize,
-    pub(crate) prefetch_limit: usize,
-    pub(crate) stream_buffer_limit: usize,
+    pub(crate) answer_buffer: usize,
+    pub(crate) prefetch: usize,
+    pub(crate) stream_buffer: usize,
     pub(crate) pool_max_idle_per_node: usize,
     pub(crate) runtime_threads: usize,
 }
@@ -64,21 +64,21 @@ pub(crate) struct LimitsGroup {
 /// `settings.timeouts`: the data plane's steps.
 #[derive(FromPyObject)]
 pub(crate) struct TimeoutsGroup {
-    pub(crate) queue_timeout: f64,
-    pub(crate) request_timeout: f64,
-    pub(crate) connect_timeout: f64,
-    pub(crate) first_byte_timeout: f64,
-    pub(crate) pool_idle_timeout: f64,
-    pub(crate) stream_idle_timeout: f64,
-    pub(crate) stream_stall_timeout: f64,
+    pub(crate) queue: f64,
+    pub(crate) request: f64,
+    pub(crate) connect: f64,
+    pub(crate) first_byte: f64,
+    pub(crate) pool_idle: f64,
+    pub(crate) stream_idle: f64,
+    pub(crate) stream_stall: f64,
     pub(crate) node_tcp_keepalive: f64,
-    pub(crate) answer_timeout: f64,
+    pub(crate) answer: f64,
 }
 
 /// `settings.engine_metrics`: how old an engine's figures may be to route by.
 #[derive(FromPyObject)]
 pub(crate) struct EngineMetricsGroup {
-    pub(crate) engine_metrics_max_age: f64,
+    pub(crate) max_age: f64,
 }
 
 /// `settings.security`: the CA that https:// nodes are verified against.
@@ -113,18 +113,18 @@ impl RouterConfig {
     pub(crate) fn forward_config(&self) -> PyResult<ForwardConfig> {
         let (limits, timeouts) = (&self.limits, &self.timeouts);
         Ok(ForwardConfig {
-            connect_timeout: seconds("connect_timeout", timeouts.connect_timeout)?,
-            first_byte_timeout: seconds("first_byte_timeout", timeouts.first_byte_timeout)?,
-            pool_idle_timeout: seconds("pool_idle_timeout", timeouts.pool_idle_timeout)?,
+            connect_timeout: seconds("connect_timeout", timeouts.connect)?,
+            first_byte_timeout: seconds("first_byte_timeout", timeouts.first_byte)?,
+            pool_idle_timeout: seconds("pool_idle_timeout", timeouts.pool_idle)?,
             pool_max_idle_per_node: limits.pool_max_idle_per_node,
-            prefetch_limit: limits.prefetch_limit,
-            stream_idle_timeout: seconds("stream_idle_timeout", timeouts.stream_idle_timeout)?,
-            stream_buffer_limit: limits.stream_buffer_limit.max(1),
-            stream_stall_timeout: seconds("stream_stall_timeout", timeouts.stream_stall_timeout)?,
+            prefetch_limit: limits.prefetch,
+            stream_idle_timeout: seconds("stream_idle_timeout", timeouts.stream_idle)?,
+            stream_buffer_limit: limits.stream_buffer.max(1),
+            stream_stall_timeout: seconds("stream_stall_timeout", timeouts.stream_stall)?,
             node_ca_file: (!self.security.node_ca_file.is_empty()).then(|| self.security.node_ca_file.clone().into()),
             tcp_keepalive: seconds("node_tcp_keepalive", timeouts.node_tcp_keepalive)?,
-            answer_buffer_limit: limits.answer_buffer_limit.max(1),
-            answer_timeout: seconds("answer_timeout", timeouts.answer_timeout)?,
+            answer_buffer_limit: limits.answer_buffer.max(1),
+            answer_timeout: seconds("answer_timeout", timeouts.answer)?,
         })
     }
 
@@ -147,7 +147,7 @@ impl RouterConfig {
                     balance_threshold: routing.prefix_balance_threshold,
                 },
                 engine_max_age_ms: u64::try_from(
-                    seconds("engine_metrics_max_age", self.engine_metrics.engine_metrics_max_age)?.as_millis(),
+                    seconds("engine_metrics_max_age", self.engine_metrics.max_age)?.as_millis(),
                 )
                 .unwrap_or(u64::MAX),
                 score: ScoreWeights {
@@ -159,9 +159,9 @@ impl RouterConfig {
                 prefix_bytes_per_token: routing.prefix_bytes_per_token,
             },
             queue_size: limits.queue_size,
-            queue_timeout: seconds("queue_timeout", timeouts.queue_timeout)?,
-            request_timeout: (timeouts.request_timeout > 0.0)
-                .then(|| seconds("request_timeout", timeouts.request_timeout))
+            queue_timeout: seconds("queue_timeout", timeouts.queue)?,
+            request_timeout: (timeouts.request > 0.0)
+                .then(|| seconds("request_timeout", timeouts.request))
                 .transpose()?,
             retries: routing.retries,
             retry_budget_ratio: routing.retry_budget_ratio,

@@ -66,19 +66,18 @@ struct EdgeLimits {
 
 /// `settings.timeouts`.
 #[derive(FromPyObject)]
-#[allow(clippy::struct_field_names)] // the settings' own names, which pyo3 reads
 struct EdgeTimeouts {
-    body_timeout: f64,
-    first_byte_timeout: f64,
-    header_read_timeout: f64,
+    body: f64,
+    first_byte: f64,
+    header_read: f64,
 }
 
 /// `settings.pd`.
 #[derive(FromPyObject)]
 struct EdgePd {
     serving_strategy: String,
-    pd_protocol: String,
-    pd_link_timeout: f64,
+    protocol: String,
+    link_timeout: f64,
 }
 
 /// `settings.observability`: the access log.
@@ -149,24 +148,24 @@ pub(crate) fn edge_config(
 ) -> PyResult<EdgeConfig> {
     let EdgeSettings { security, limits, timeouts, pd, observability } = settings;
     let disaggregation = match pd.serving_strategy.as_str() {
-        "DistServe" => Some(PdProtocol::parse(&pd.pd_protocol)?),
+        "DistServe" => Some(PdProtocol::parse(&pd.protocol)?),
         _ => None,
     };
     Ok(EdgeConfig {
         api_keys: security.api_keys,
         max_body_size: limits.max_body_size,
-        body_timeout: seconds("body_timeout", timeouts.body_timeout)?,
+        body_timeout: seconds("body_timeout", timeouts.body)?,
         disaggregation,
         access_log: observability.access_log.then_some(if observability.access_log_format == "json" {
             Format::Json
         } else {
             Format::Text
         }),
-        header_read_timeout: seconds("header_read_timeout", timeouts.header_read_timeout)?,
+        header_read_timeout: seconds("header_read_timeout", timeouts.header_read)?,
         control_socket,
-        control_timeout: seconds("first_byte_timeout", timeouts.first_byte_timeout)?,
+        control_timeout: seconds("first_byte_timeout", timeouts.first_byte)?,
         control_stale_after: seconds("control_stale_after", control_stale_after)?,
-        pd_probe_timeout: seconds("pd_link_timeout", pd.pd_link_timeout)?,
+        pd_probe_timeout: seconds("pd_link_timeout", pd.link_timeout)?,
         cors: Cors::new(
             &security.allow_origins,
             security.allow_credentials,

@@ -119,8 +119,8 @@ class RedisMembership(Membership):
     def __init__(self, settings: RegistrySettings) -> None:
         """Membership in the Redis at ``settings.registry`` (the group's checks hold: a
         namespace, positive seconds)."""
-        url, namespace, timeout = settings.registry, settings.registry_namespace, settings.registry_timeout
-        reconcile_interval, max_backoff = settings.registry_reconcile_interval, settings.registry_max_backoff
+        url, namespace, timeout = settings.registry, settings.namespace, settings.timeout
+        reconcile_interval, max_backoff = settings.reconcile_interval, settings.max_backoff
         self.url = _redacted(url)
         self._nodes = f"{namespace}:nodes"
         self._lease_prefix = f"{namespace}:lease:"
