@@ -514,6 +514,20 @@ def verdicts(results: dict[str, dict[str, dict[str, Any]]], workloads: list[str]
     return lines
 
 
+def verdicts_in_short(rows: list[str]) -> list[str]:
+    """How many of ``verdicts``' rows are met, and the rows that are not."""
+    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows if row.startswith("| ")]
+    met = [c for c in cells if c[3] == "yes"]
+    beyond = [c for c in met if c[4].startswith("yes")]
+    spread = f"{len(beyond)} beyond the run-to-run spread"
+    out = [f"Targets at {TARGET_LOAD:.0%} load: {len(met)} of {len(cells)} met, {spread}."]
+    missed = [c for c in cells if c[3] != "yes"]
+    if missed:
+        out += ["", "| workload | target missed | figures |", "|---|---|---|"]
+        out += [f"| {c[0]} | {c[1]} | {c[2]} |" for c in missed]
+    return out
+
+
 def charts(results: dict[str, dict[str, dict[str, Any]]], out_dir: Path) -> list[Path]:
     """One PNG per workload: TTFT p99 per router at each load (matplotlib, if installed)."""
     try:
@@ -776,9 +790,8 @@ def main() -> None:
         # The tables go to a dated file; the README keeps the verdicts and the charts.
         tables = RESULTS / time.strftime("%Y-%m-%d-%H%M-fleet.md", time.gmtime())
         tables.write_text(f"# Fleet benchmark\n\n{text}\n")
-        link = f"The tables of every cell: [{tables.name}]({os.path.relpath(tables, HERE)})."
-        pictures = [line for line in markdown if line.startswith("![")]
-        update_readme("\n".join([markdown[0], "", link, "", *targets, *pictures]))
+        link = f"The tables of every cell and every verdict: [{tables.name}]({os.path.relpath(tables, HERE)})."
+        update_readme("\n".join([markdown[0], "", link, "", *verdicts_in_short(targets[4:])]))
 
 
 if __name__ == "__main__":
