@@ -228,6 +228,7 @@ def test_settings_refuse_in_one_line_naming_the_setting() -> None:
         ({"decode_step_ms": -1.0}, "decode_step_ms must not be negative, got -1.0"),
         ({"fault": "nope"}, "unknown fault knob 'nope'"),
         ({"ssl_keyfile": "k.pem"}, "ssl_certfile and ssl_keyfile go together"),
+        ({"kv_events": "tcp://127.0.0.1:0"}, "kv_events needs simulate: the events follow the simulated KV cache"),
         ({"nope": 1}, "unknown setting nope"),
     ):
         with pytest.raises(ConfigError) as refused:

@@ -1148,9 +1148,7 @@ def build_app(settings: MockSettings) -> web.Application:
     app[STATE] = MockState(settings=settings, faults=faults, ledger=KvLedger(settings.block_size))
     if settings.simulate:
         app[STATE].batcher = ContinuousBatcher(engine_model(settings))
-    if settings.kv_events:
-        if not settings.simulate:
-            raise ValueError("--kv-events needs --simulate: the events follow the simulated KV cache")
+    if settings.kv_events:  # with simulate, as the settings check
         app.on_startup.append(_start_kv_events)
 
     async def chat(request: web.Request) -> web.StreamResponse:

@@ -125,6 +125,12 @@ class MockSettings(BaseModel):
             raise PydanticCustomError(REFUSED, "ssl_certfile and ssl_keyfile go together")
         return self
 
+    @model_validator(mode="after")
+    def _events_follow_the_simulation(self) -> MockSettings:
+        if self.kv_events and not self.simulate:
+            raise PydanticCustomError(REFUSED, "kv_events needs simulate: the events follow the simulated KV cache")
+        return self
+
     @classmethod
     def of(cls, values: Mapping[str, object], base: MockSettings | None = None) -> MockSettings:
         """Settings with ``values`` (by field name) over ``base``'s, or the defaults; raises
