@@ -64,6 +64,9 @@ const FLUSHED_BELOW: f64 = 0.1;
 /// the engine is taken to have emptied its cache without waiting for a whole check: about
 /// three answers to long prompts. A check's window holds the hits from before the flush too.
 const FLUSH_STREAK_BYTES: u64 = 24 << 10;
+/// ... and the looks at the answers (each at least `STREAK_STEP_BYTES`, mostly one answer) they
+/// came in: one long prompt whose blocks the engine evicted is no flush.
+const FLUSH_STREAK_LOOKS: u32 = 3;
 /// Predicted hits (bytes) the answers since the last look must add up to before they count in
 /// a streak, so that one short prompt's miss does not.
 const STREAK_STEP_BYTES: u64 = 4 << 10;
@@ -117,6 +120,7 @@ struct NodeBlocks {
     seen_predicted: u64,
     seen_tokens: u64,
     missed_in_a_row: u64,
+    missed_looks: u32,
 }
 
 impl NodeBlocks {
@@ -181,11 +185,12 @@ impl NodeBlocks {
         (self.seen_predicted, self.seen_tokens) = (answered, tokens);
         #[allow(clippy::cast_precision_loss)]
         let missed = found < FLUSHED_BELOW * predicted as f64;
-        self.missed_in_a_row = if missed { self.missed_in_a_row + predicted } else { 0 };
-        if self.missed_in_a_row < FLUSH_STREAK_BYTES {
+        (self.missed_in_a_row, self.missed_looks) =
+            if missed { (self.missed_in_a_row + predicted, self.missed_looks + 1) } else { (0, 0) };
+        if self.missed_in_a_row < FLUSH_STREAK_BYTES || self.missed_looks < FLUSH_STREAK_LOOKS {
             return false;
         }
-        self.missed_in_a_row = 0;
+        (self.missed_in_a_row, self.missed_looks) = (0, 0);
         true
     }
 
@@ -239,7 +244,8 @@ impl Inner {
     fn clear(&mut self, generation: u64, restarts: u32) {
         if let Some(node) = self.nodes.get_mut(&generation) {
             let order = std::mem::take(&mut node.order);
-            (node.live, node.share, node.restarts, node.missed_in_a_row) = (0, None, restarts, 0);
+            (node.live, node.share, node.restarts) = (0, None, restarts);
+            (node.missed_in_a_row, node.missed_looks) = (0, 0);
             self.drop_blocks(generation, order);
         }
     }
@@ -548,6 +554,10 @@ mod tests {
             answer(8 << 10, found);
         }
         assert_eq!(t.matched(&a, &nodes), vec![64], "still held");
+        // One long prompt that found nothing (its blocks evicted) is no flush either.
+        answer(48 << 10, 0);
+        assert!(t.matched(&a, &nodes)[0] > 0, "still held after one long miss");
+        answer(8 << 10, 2048);
         // Three long prompts in a row found nothing: flushed, long before 64 KiB of them.
         for _ in 0..3 {
             node.counters().answered_predicted_bytes.fetch_add(8 << 10, Relaxed);
