@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -146,6 +147,22 @@ def fleet(shapes: tuple[EngineShape, ...], dialects: str, kv_events: bool = Fals
         yield Fleet([f"http://127.0.0.1:{first + i}" for i in range(count)], oracle, svc.proc.pid)
 
 
+def routes_taken(fleet_: Fleet) -> list[dict[str, object]]:
+    """Which engine took each conversation's turns, from the engines' own records of the
+    requests they received (their last few hundred each): a conversation is named by its first
+    two messages, a turn by how many messages came before it."""
+    routes: list[dict[str, object]] = []
+    for index, engine in enumerate(fleet_.engines):
+        with urllib.request.urlopen(engine + "/mock/requests", timeout=10) as r:
+            records = json.loads(r.read())
+        for record in records:
+            messages = (record.get("body") or {}).get("messages") or []
+            head = json.dumps(messages[:2], sort_keys=True).encode()
+            conversation = hashlib.sha1(head).hexdigest()[:12]
+            routes.append({"engine": index, "conversation": conversation, "turn": len(messages) // 2})
+    return routes
+
+
 @contextlib.contextmanager
 def router(spec: Router, fleet_: Fleet, installed: dict[str, peers.Peer]) -> Iterator[tuple[list[str], list[int]]]:
     """The router running in front of the fleet (pdproxy: its replicas); yields its base URLs
@@ -250,6 +267,7 @@ def run_one(
         stem = f"{trace.workload}-{spec.name.replace(' ', '_')}"
         where = args.dump / f"{stem}-{len(list(args.dump.glob(stem + '-*.jsonl'))) + 1}.jsonl"
         where.write_text("".join(json.dumps(dataclasses.asdict(o)) + "\n" for o in played.outcomes))
+        where.with_suffix(".engines.jsonl").write_text("".join(json.dumps(r) + "\n" for r in routes_taken(fleet_)))
     result["cpu_cores"] = {name: round(seconds / elapsed, 3) for name, seconds in cpu.items()}
     engine = fleet_.stats()
     sims = [s["simulation"] for s in engine.values()]
