@@ -489,10 +489,24 @@ def compare(mine: dict[str, Any], theirs: dict[str, Any], figure: str, factor: f
     return Comparison(met, runs_met, len(seeds), beyond)
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """One target held on one workload."""
+
+    workload: str
+    target: str
+    figures: str
+    result: Comparison
+
+    def row(self) -> str:
+        met = "yes" if self.result.met else "no"
+        return f"| {self.workload} | {self.target} | {self.figures} | {met} | {self.result.spread_cell()} |"
+
+
 def _target(
     workload: str, target: str, mine: dict[str, Any], theirs: dict[str, Any], figure: str, factor: float = 1.0
-) -> str:
-    """One line of the verdicts: ``mine`` (pdproxy scored's row) held against ``theirs``."""
+) -> Verdict:
+    """``mine`` (pdproxy scored's row) held against ``theirs``."""
     result = compare(mine, theirs, figure, factor, HIT_RATE_MARGIN)
     if figure == "ttft_p99":
         ratio = mine["ttft_s"]["p99"] / theirs["ttft_s"]["p99"]
@@ -500,19 +514,16 @@ def _target(
     else:
         points = (mine["cache_hit_rate"] - theirs["cache_hit_rate"]) * 100
         figures = f"{_hit_rate(mine)} against {_hit_rate(theirs)} ({points:+.1f} points)"
-    return f"| {workload} | {target} | {figures} | {'yes' if result.met else 'no'} | {result.spread_cell()} |"
+    return Verdict(workload, target, figures, result)
 
 
-def verdicts(results: dict[str, dict[str, dict[str, Any]]], workloads: list[str]) -> list[str]:
+def verdicts(results: dict[str, dict[str, dict[str, Any]]], workloads: list[str]) -> list[Verdict]:
     """Issue 35's targets at 80% load, on every workload: `pdproxy scored`'s TTFT p99 no worse
     than round robin's, at most 1.5x the oracle's, no worse than any peer router's; its cache hit
     rate within 3 points of the oracle's. Each judged on the medians of the runs, and said
     whether it holds beyond their spread (every run of one router on the same side of the
     target as the medians) and in how many of the runs (paired by seed)."""
-    lines = [
-        "| workload | target | figures | met | beyond the run-to-run spread |",
-        "|---|---|---|---|---|",
-    ]
+    lines: list[Verdict] = []
     for workload in workloads:
         rows = results.get(f"{workload}@{TARGET_LOAD}", {})
         mine = rows.get(SCORED)
@@ -532,17 +543,20 @@ def verdicts(results: dict[str, dict[str, dict[str, Any]]], workloads: list[str]
     return lines
 
 
-def verdicts_in_short(rows: list[str]) -> list[str]:
-    """How many of ``verdicts``' rows are met, and the rows that are not."""
-    cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows if row.startswith("| ")]
-    met = [c for c in cells if c[3] == "yes"]
-    beyond = [c for c in met if c[4].startswith("yes")]
-    spread = f"{len(beyond)} beyond the run-to-run spread"
-    out = [f"Targets at {TARGET_LOAD:.0%} load: {len(met)} of {len(cells)} met, {spread}."]
-    missed = [c for c in cells if c[3] != "yes"]
+def verdicts_table(judged: list[Verdict]) -> list[str]:
+    header = ["| workload | target | figures | met | beyond the run-to-run spread |", "|---|---|---|---|---|"]
+    return header + [v.row() for v in judged]
+
+
+def verdicts_in_short(judged: list[Verdict]) -> list[str]:
+    """How many targets are met (and beyond the spread), and the ones that are not."""
+    met = [v for v in judged if v.result.met]
+    spread = f"{sum(1 for v in met if v.result.beyond_spread)} beyond the run-to-run spread"
+    out = [f"Targets at {TARGET_LOAD:.0%} load: {len(met)} of {len(judged)} met, {spread}."]
+    missed = [v for v in judged if not v.result.met]
     if missed:
         out += ["", "| workload | target missed | figures |", "|---|---|---|"]
-        out += [f"| {c[0]} | {c[1]} | {c[2]} |" for c in missed]
+        out += [f"| {v.workload} | {v.target} | {v.figures} |" for v in missed]
     return out
 
 
@@ -789,7 +803,8 @@ def main() -> None:
         for load in loads:
             if f"{workload}@{load}" in results:
                 markdown += [*table(workload, load, capacities[workload], results[f"{workload}@{load}"]), ""]
-    targets = [f"#### Against the targets ({TARGET_LOAD:.0%} load)", "", *verdicts(results, workloads), ""]
+    judged = verdicts(results, workloads)
+    targets = [f"#### Against the targets ({TARGET_LOAD:.0%} load)", "", *verdicts_table(judged), ""]
     markdown += targets
     args.out.parent.mkdir(parents=True, exist_ok=True)
     out = {
@@ -809,7 +824,7 @@ def main() -> None:
         tables = RESULTS / time.strftime("%Y-%m-%d-%H%M-fleet.md", time.gmtime())
         tables.write_text(f"# Fleet benchmark\n\n{text}\n")
         link = f"The tables of every cell and every verdict: [{tables.name}]({os.path.relpath(tables, HERE)})."
-        update_readme("\n".join([markdown[0], "", link, "", *verdicts_in_short(targets[4:])]))
+        update_readme("\n".join([markdown[0], "", link, "", *verdicts_in_short(judged)]))
 
 
 if __name__ == "__main__":
