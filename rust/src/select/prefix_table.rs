@@ -111,16 +111,36 @@ struct NodeBlocks {
     checked_at: u64,
     checked_hits: Option<u64>,
     checked_predicted: u64,
-    /// At the last check on the answers' reports: the node's `answered_predicted_bytes` and
-    /// `answered_cached_tokens`.
-    answers_predicted: u64,
-    answers_tokens: u64,
-    /// The answers' counters at the last look, and the predicted hits of the answers since
-    /// the last that found a good part of its prediction (see `FLUSH_STREAK_BYTES`).
-    seen_predicted: u64,
-    seen_tokens: u64,
+    /// The answers at the last check on their reports.
+    answers_checked: AnswersMark,
+    /// The answers at the last look, and the predicted hits of the answers since the last that
+    /// found a good part of its prediction (see `FLUSH_STREAK_BYTES`), in how many looks.
+    answers_seen: AnswersMark,
     missed_in_a_row: u64,
     missed_looks: u32,
+}
+
+/// Where the node's answer counters (`answered_predicted_bytes`, `answered_cached_tokens`)
+/// stood when last taken into account.
+#[derive(Debug, Default, Clone, Copy)]
+struct AnswersMark {
+    predicted: u64,
+    tokens: u64,
+}
+
+impl AnswersMark {
+    /// The hits predicted (bytes) and found (bytes, at `bytes_per_token`) since the mark, once
+    /// at least `at_least` bytes were predicted; the mark then moves to the counters `now`.
+    fn advance(&mut self, now: AnswersMark, at_least: u64, bytes_per_token: f64) -> Option<(u64, f64)> {
+        let predicted = now.predicted.saturating_sub(self.predicted);
+        if predicted < at_least {
+            return None;
+        }
+        #[allow(clippy::cast_precision_loss)]
+        let found = now.tokens.saturating_sub(self.tokens) as f64 * bytes_per_token;
+        *self = now;
+        Some((predicted, found))
+    }
 }
 
 impl NodeBlocks {
@@ -134,18 +154,15 @@ impl NodeBlocks {
         let counters = node.counters();
         let answered = counters.answered_predicted_bytes.load(Ordering::Relaxed);
         if answered > 0 {
-            let tokens = counters.answered_cached_tokens.load(Ordering::Relaxed);
-            if self.missed_in_a_row(answered, tokens, bytes_per_token) {
-                (self.answers_predicted, self.answers_tokens) = (answered, tokens);
+            let now =
+                AnswersMark { predicted: answered, tokens: counters.answered_cached_tokens.load(Ordering::Relaxed) };
+            if self.missed_in_a_row(now, bytes_per_token) {
+                self.answers_checked = now;
                 return true;
             }
-            let predicted = answered.saturating_sub(self.answers_predicted);
-            if predicted < CHECK_AFTER_BYTES {
+            let Some((predicted, found)) = self.answers_checked.advance(now, CHECK_AFTER_BYTES, bytes_per_token) else {
                 return false;
-            }
-            #[allow(clippy::cast_precision_loss)]
-            let found = tokens.saturating_sub(self.answers_tokens) as f64 * bytes_per_token;
-            (self.answers_predicted, self.answers_tokens) = (answered, tokens);
+            };
             #[allow(clippy::cast_precision_loss)]
             return self.judge(found / predicted as f64, ceiling);
         }
@@ -172,17 +189,13 @@ impl NodeBlocks {
         flushed
     }
 
-    /// Follows the answers since the last look (cumulative counters `answered` bytes predicted,
-    /// `tokens` found); true when those in a row that found next to nothing of what they were
-    /// predicted to find add up to `FLUSH_STREAK_BYTES`.
-    fn missed_in_a_row(&mut self, answered: u64, tokens: u64, bytes_per_token: f64) -> bool {
-        let predicted = answered.saturating_sub(self.seen_predicted);
-        if predicted < STREAK_STEP_BYTES {
+    /// Follows the answers since the last look (the counters `now`); true when those in a row
+    /// that found next to nothing of what they were predicted to find add up to
+    /// `FLUSH_STREAK_BYTES` in `FLUSH_STREAK_LOOKS` looks.
+    fn missed_in_a_row(&mut self, now: AnswersMark, bytes_per_token: f64) -> bool {
+        let Some((predicted, found)) = self.answers_seen.advance(now, STREAK_STEP_BYTES, bytes_per_token) else {
             return false;
-        }
-        #[allow(clippy::cast_precision_loss)]
-        let found = tokens.saturating_sub(self.seen_tokens) as f64 * bytes_per_token;
-        (self.seen_predicted, self.seen_tokens) = (answered, tokens);
+        };
         #[allow(clippy::cast_precision_loss)]
         let missed = found < FLUSHED_BELOW * predicted as f64;
         (self.missed_in_a_row, self.missed_looks) =
