@@ -12,7 +12,7 @@ from .fleet.node_record import NodeRecord
 from .server.tenants import TenantEntry, TenantLimits
 
 __version__: str
-#: The routing policies the data plane knows, by name.
+#: The routing policies the data plane knows, by name (the settings' ``POLICY_KINDS``).
 POLICY_NAMES: tuple[str, ...]
 #: Every error the proxy answers with, by its exception class's name: (status, type, code,
 #: default Retry-After); ``pdproxy.errors`` reads its classes' answers from here.

@@ -36,7 +36,7 @@ mod py;
 // The public surface: what the integration tests (rust/tests) drive the data plane with.
 pub use bridge::exchange::{pump, Delivery, Exchange, StreamTimeouts};
 pub use engine::permit::InFlightPermit;
-pub use engine::policies::PolicyNames;
+pub use engine::policies::RolePolicies;
 pub use engine::selection::select;
 pub use engine::{Engine, EngineConfig};
 pub use error::{Error, Result};
@@ -45,7 +45,7 @@ pub use node::counters::Outcome;
 pub use node::registry::Registry;
 pub use node::state::NodeState;
 pub use node::{Node, NodeSpec};
-pub use select::{policy_from_name, PolicyConfig, SelectCtx, POLICY_NAMES};
+pub use select::{policy_from_spec, PolicySpec, SelectCtx, POLICY_NAMES};
 pub use upstream::forward::{ForwardConfig, Forwarder, ResponseBody, StreamBody, UpstreamResponse};
 pub use upstream::request::ForwardRequest;
 pub use upstream::retry::RetryBudget;
@@ -59,6 +59,7 @@ pub use observe::trace::spans::Traced;
 pub use observe::trace::TracingConfig;
 pub use select::kv_index::KvIndex;
 pub use select::{Policy, Prediction};
+pub use select::{PrefixConfig, PrefixTableConfig, ScoreWeights};
 pub use tenants::Class;
 
 /// Rust's allocations in this library (Python's own are untouched): the edge allocates and

@@ -9,8 +9,8 @@ use _pdproxy::ForwardConfig;
 use _pdproxy::InFlightPermit;
 use _pdproxy::Outcome;
 use _pdproxy::Registry;
-use _pdproxy::{policy_from_name, PolicyConfig, SelectCtx, POLICY_NAMES};
-use _pdproxy::{select, Engine, EngineConfig, PolicyNames};
+use _pdproxy::{policy_from_spec, PolicySpec, SelectCtx, POLICY_NAMES};
+use _pdproxy::{select, Engine, EngineConfig, RolePolicies};
 use _pdproxy::{Node, NodeSpec, NodeState};
 use proptest::prelude::*;
 
@@ -88,11 +88,10 @@ proptest! {
 /// each acquisition, never exceeds its cap, and everything returns to zero.
 #[test]
 fn concurrent_selection_never_exceeds_caps() {
-    let config = PolicyConfig::default();
     for name in POLICY_NAMES {
         let (reg, nodes) = capped_nodes(&[1, 2, 3]);
         let reg = Arc::new(reg);
-        let policy = policy_from_name(name, &config).unwrap();
+        let policy = policy_from_spec(&PolicySpec::for_tests(name).unwrap(), 10_000);
         let violations = Arc::new(AtomicU64::new(0));
         let admitted = Arc::new(AtomicU64::new(0));
         std::thread::scope(|scope| {
@@ -134,13 +133,8 @@ fn concurrent_selection_never_exceeds_caps() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn queued_requests_are_all_served_within_the_cap() {
     let config = EngineConfig {
-        policies: PolicyNames {
-            hybrid: "least_requests".into(),
-            prefill: "least_requests".into(),
-            decode: "least_requests".into(),
-            by_model: Vec::new(),
-        },
-        policy: PolicyConfig::default(),
+        policies: RolePolicies::every_role(PolicySpec::LeastRequests),
+        engine_max_age_ms: 10_000,
         queue_size: 1000,
         queue_timeout: Duration::from_secs(5),
         request_timeout: None,
@@ -167,7 +161,7 @@ async fn queued_requests_are_all_served_within_the_cap() {
         max_n: 128,
         tracing: None,
     };
-    let engine = Arc::new(Engine::new(config, Registry::new()).unwrap());
+    let engine = Arc::new(Engine::new(config, Registry::new()));
     let spec = NodeSpec { models: vec!["m".into()], max_concurrency: Some(2), ..NodeSpec::default() };
     let node = engine.add_node("h:1", spec).unwrap();
     let peak = Arc::new(AtomicU64::new(0));

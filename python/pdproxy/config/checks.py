@@ -1,8 +1,9 @@
-"""The checks of a ``Settings`` that need the rest of pdproxy: routing policies the data plane
-knows, the worker group's size (the shared table's), the shared registry's URL, the tenants
-file, each configured node (its form, and the node rules where its host is an address), and the
-tracing settings left to the ``OTEL_*`` environment. ``checked`` runs them before
-anything is served (the CLI, and every ``Router``), so that ``settings`` stays a leaf."""
+"""The checks of a ``Settings`` that need the rest of pdproxy: the worker group's size (the
+shared table's), the shared registry's URL, the tenants file, each configured node (its form,
+and the node rules where its host is an address), and the tracing settings left to the
+``OTEL_*`` environment. ``checked`` runs them before anything is served (the CLI, and every
+``Router``), so that ``settings`` stays a leaf. (Routing policies are the settings' own check:
+``RoutingSettings.policies``.)"""
 
 from __future__ import annotations
 
@@ -29,7 +30,6 @@ def checked(settings: Settings) -> Settings:
         raise ConfigError(f"--workers is at most {MAX_WORKERS}, got {settings.server.workers}")
     if settings.server.edge == "rust" and settings.server.workers != 1:
         raise ConfigError("--workers is for --edge granian; the Rust edge uses every core in one process")
-    _check_policies(settings)
     if settings.observability.metrics_port and settings.observability.metrics_port == settings.server.port:
         raise ConfigError(f"--metrics-port {settings.server.port} is the serving port, where /metrics is served anyway")
     if settings.membership.registry:
@@ -51,23 +51,3 @@ def _check_configured_nodes(settings: Settings) -> None:
             rules.check_literal(record.url)
         except InvalidNode as e:
             raise ConfigError(f"--node: {e.message}") from None
-
-
-def _check_policies(settings: Settings) -> None:
-    """Names the data plane knows (its list: `_pdproxy.POLICY_NAMES`), for every role and model."""
-    known = _pdproxy.POLICY_NAMES
-    named = [
-        ("policy", settings.routing.policy),
-        ("prefill_policy", settings.routing.prefill_policy or settings.routing.policy),
-    ]
-    named.append(("decode_policy", settings.routing.decode_policy or settings.routing.policy))
-    for entry in settings.routing.model_policies:
-        model, _, name = entry.partition("=")  # its form is the setting's own check
-        named.append((f"model policy for {model.strip()}", name))
-    for what, name in named:
-        # `scored:prefix=2,queue=0.5` names the policy and its weights (the data plane checks those).
-        base, weighted, _ = name.strip().partition(":")
-        if base not in known:
-            raise ConfigError(f"unknown routing policy {name!r} ({what}); known: {', '.join(known)}")
-        if weighted and base != "scored":
-            raise ConfigError(f"routing policy {name!r} ({what}): only scored takes weights (scored:queue=0.5)")

@@ -12,9 +12,10 @@ group), which the CLI (`pdproxy serve`), the environment (``PDPROXY_<NAME>``), a
 CLI > environment > file > the defaults below. A bad value is refused with one line naming the
 setting (``ConfigError``).
 
-This module depends on nothing else in pdproxy but its error class. Checks that need the rest
-(routing policies the data plane knows, the registry's URL, the tenants file, each node, the
-``OTEL_*`` environment) are ``checks.checked``, run before anything is served.
+This module depends on nothing else in pdproxy but its error class and the policies' models
+(``policies``: ``settings.routing.policies`` is each role's policy with its own knobs, built from
+the routing settings). Checks that need the rest (the registry's URL, the tenants file, each
+node, the ``OTEL_*`` environment) are ``checks.checked``, run before anything is served.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -41,6 +43,15 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
+from pdproxy.config.policies import (
+    ConsistentHashPolicy,
+    Policy,
+    PolicyRefused,
+    PrefixPolicy,
+    RolePolicies,
+    ScoredPolicy,
+)
+from pdproxy.config.policies import parse as parse_policy
 from pdproxy.errors import ConfigError
 
 __all__ = [
@@ -518,6 +529,52 @@ class RoutingSettings(SettingsGroup):
         if not value >= 1:
             raise _refuse("hash_load_factor must be at least 1, got {value}", value=value)
         return value
+
+    _policies: RolePolicies = PrivateAttr()
+
+    @model_validator(mode="after")
+    def _parse_policies(self) -> RoutingSettings:
+        """Each role's policy and each model's, parsed once, with the knobs of its kind."""
+        configured: dict[str, Policy] = {
+            "consistent_hash": ConsistentHashPolicy(load_factor=self.hash_load_factor),
+            "prefix": PrefixPolicy(
+                block_bytes=self.prefix_block_bytes,
+                max_blocks=self.prefix_max_blocks,
+                cache_entries=self.prefix_cache_entries,
+                balance_threshold=self.prefix_balance_threshold,
+            ),
+            "scored": ScoredPolicy(
+                prefix=self.score_prefix_weight,
+                queue=self.score_queue_weight,
+                hidden=self.score_hidden_weight,
+                reported=self.score_reported_weight,
+                block_bytes=self.prefix_block_bytes,
+                max_blocks=self.prefix_max_blocks,
+                cache_entries=self.prefix_cache_entries,
+                bytes_per_token=self.prefix_bytes_per_token,
+            ),
+        }
+        try:
+            by_model: dict[str, Policy] = {}
+            for entry in self.model_policies:
+                model, _, name = entry.partition("=")  # its form: `_model_policy_form`
+                by_model[model.strip()] = parse_policy(name, configured, f"model policy for {model.strip()}")
+            self._policies = RolePolicies(
+                hybrid=parse_policy(self.policy, configured, "policy"),
+                # A role without a policy of its own takes the general one (`--routing-strategy`).
+                prefill=parse_policy(self.prefill_policy or self.policy, configured, "prefill_policy"),
+                decode=parse_policy(self.decode_policy or self.policy, configured, "decode_policy"),
+                by_model=by_model,
+            )
+        except PolicyRefused as e:
+            raise _refuse("{refusal}", refusal=str(e)) from None
+        return self
+
+    @property
+    def policies(self) -> RolePolicies:
+        """The policy of each role and model, each with its own knobs
+        (``settings.routing.policies.hybrid``: ``ScoredPolicy(prefix=2.0, queue=1.0, ...)``)."""
+        return self._policies
 
 
 class LimitsSettings(SettingsGroup):

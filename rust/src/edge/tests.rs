@@ -19,11 +19,11 @@ use super::body::EdgeBody;
 use super::request::BodyError;
 use super::{EdgeConfig, Embedded, PdProtocol};
 use crate::distserve::{DistServe, DistServeConfig, LinkMaker};
-use crate::engine::{Engine, EngineConfig, PolicyNames};
+use crate::engine::{Engine, EngineConfig, RolePolicies};
 use crate::error::Result;
 use crate::node::registry::Registry;
 use crate::node::{NodeSpec, NodeState, Role};
-use crate::select::PolicyConfig;
+use crate::select::PolicySpec;
 use crate::upstream::forward::ForwardConfig;
 
 /// What a fake node answers: raw bytes after the request, written in pieces with a pause
@@ -131,10 +131,9 @@ fn engine(idle: Duration) -> Arc<Engine> {
         answer_buffer_limit: 1 << 20,
         answer_timeout: Duration::from_secs(5),
     };
-    let policy = "round_robin".to_owned();
     let config = EngineConfig {
-        policies: PolicyNames { hybrid: policy.clone(), prefill: policy.clone(), decode: policy, by_model: Vec::new() },
-        policy: PolicyConfig::default(),
+        policies: RolePolicies::every_role(PolicySpec::RoundRobin),
+        engine_max_age_ms: 10_000,
         queue_size: 16,
         queue_timeout: Duration::from_secs(1),
         request_timeout: None,
@@ -148,7 +147,7 @@ fn engine(idle: Duration) -> Arc<Engine> {
         max_n: 16,
         tracing: None,
     };
-    Arc::new(Engine::new(config, Registry::new()).unwrap())
+    Arc::new(Engine::new(config, Registry::new()))
 }
 
 fn embedded(engine: &Arc<Engine>, api_keys: &[&str], disaggregation: Option<PdProtocol>) -> Embedded {

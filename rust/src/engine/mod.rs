@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub(crate) use gate::{Gate, GatePass, Refusal};
-pub(crate) use policies::{PolicyNames, PolicySet};
+pub(crate) use policies::{PolicySet, RolePolicies};
 pub(crate) use selection::{select, select_excluding};
 
 use arc_swap::ArcSwapOption;
@@ -30,7 +30,7 @@ use crate::node::Outcome;
 use crate::node::{Node, NodeSpec, NodeState, NodeUrl, Role};
 use crate::observe::trace::{OpenSpan, SpanKind, Trace, Tracer, TracingConfig};
 use crate::select::kv_index::KvIndex;
-use crate::select::{PolicyConfig, SelectCtx};
+use crate::select::SelectCtx;
 use crate::tenants::Class;
 use crate::tenants::Tenants;
 use crate::upstream::forward::{ForwardConfig, Forwarder, UpstreamResponse};
@@ -43,8 +43,9 @@ const GROUP_POLL: Duration = Duration::from_millis(5);
 /// The engine's settings. Values come from the control plane's settings; no defaults here.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    pub policies: PolicyNames,
-    pub policy: PolicyConfig,
+    pub policies: RolePolicies,
+    /// Engine reports older than this (milliseconds) are not used.
+    pub engine_max_age_ms: u64,
     pub queue_size: usize,
     pub queue_timeout: Duration,
     /// Limit on a whole exchange, queueing included; `None`: no limit.
@@ -109,12 +110,12 @@ pub(crate) struct Queued {
 }
 
 impl Engine {
-    pub fn new(config: EngineConfig, registry: Registry) -> Result<Self> {
-        let policies = PolicySet::build(&config.policies, &config.policy)?;
+    pub fn new(config: EngineConfig, registry: Registry) -> Self {
+        let policies = PolicySet::build(&config.policies, config.engine_max_age_ms);
         let group_poll = registry.in_a_group().then_some(GROUP_POLL);
         let instance = crate::loops::new_instance_id();
         let retry_budget = Arc::new(RetryBudget::new(config.retry_budget_ratio, config.retry_budget_floor));
-        Ok(Self {
+        Self {
             registry,
             policies,
             admission: Arc::new(Admission::new(config.queue_size)),
@@ -128,7 +129,7 @@ impl Engine {
             config,
             group_poll,
             instance,
-        })
+        }
     }
 
     /// This proxy's id, as its requests carry it in `x-pdproxy-via`.

@@ -3,18 +3,24 @@
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 
-use crate::error::{Error, Kind, Result};
 use crate::node::Role;
 use crate::select::kv_index::KvIndex;
-use crate::select::{policy_from_name, Policy, PolicyConfig};
+use crate::select::{policy_from_spec, Policy, PolicySpec};
 
-/// Names of the policies to build: one per role, plus `MODEL=POLICY` overrides.
-#[derive(Debug, Clone, Default)]
-pub struct PolicyNames {
-    pub hybrid: String,
-    pub prefill: String,
-    pub decode: String,
-    pub by_model: Vec<String>,
+/// The policies to build: one per role, plus per-model overrides.
+#[derive(Debug, Clone)]
+pub struct RolePolicies {
+    pub hybrid: PolicySpec,
+    pub prefill: PolicySpec,
+    pub decode: PolicySpec,
+    pub by_model: Vec<(String, PolicySpec)>,
+}
+
+impl RolePolicies {
+    /// `spec` for every role, and no per-model override.
+    pub fn every_role(spec: PolicySpec) -> Self {
+        Self { hybrid: spec, prefill: spec, decode: spec, by_model: Vec::new() }
+    }
 }
 
 #[derive(Debug)]
@@ -25,17 +31,13 @@ pub(crate) struct PolicySet {
 }
 
 impl PolicySet {
-    pub(crate) fn build(names: &PolicyNames, config: &PolicyConfig) -> Result<Self> {
-        let build = |name: &str| policy_from_name(name.trim(), config);
-        let by_role = [build(&names.hybrid)?, build(&names.prefill)?, build(&names.decode)?];
-        let mut by_model = FxHashMap::default();
-        for entry in &names.by_model {
-            let Some((model, name)) = entry.split_once('=') else {
-                return Err(Error::new(Kind::Config, format!("model policy {entry:?} must read MODEL=POLICY")));
-            };
-            by_model.insert(model.trim().to_owned(), build(name)?);
-        }
-        Ok(Self { by_role, by_model })
+    /// The policies `specs` says; those that read the engines' reports ignore reports older than
+    /// `engine_max_age_ms`.
+    pub(crate) fn build(specs: &RolePolicies, engine_max_age_ms: u64) -> Self {
+        let build = |spec: &PolicySpec| policy_from_spec(spec, engine_max_age_ms);
+        let by_role = [build(&specs.hybrid), build(&specs.prefill), build(&specs.decode)];
+        let by_model = specs.by_model.iter().map(|(model, spec)| (model.clone(), build(spec))).collect();
+        Self { by_role, by_model }
     }
 
     pub(crate) fn for_request(&self, role: Role, model: Option<&str>) -> &Arc<dyn Policy> {

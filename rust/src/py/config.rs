@@ -2,14 +2,16 @@
 //! (`settings.routing`, `settings.timeouts`...), each group by attribute. Every default lives
 //! in `pdproxy/config/settings.py`; nothing here declares one.
 
+use std::collections::HashMap;
 use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
+use pyo3::intern;
 use pyo3::prelude::*;
 
-use crate::engine::{EngineConfig, PolicyNames};
+use crate::engine::{EngineConfig, RolePolicies};
 use crate::observe::trace::{Sampler, TracingConfig};
-use crate::select::{PolicyConfig, PrefixConfig, ScoreWeights};
+use crate::select::{PolicySpec, PrefixConfig, PrefixTableConfig, ScoreWeights};
 use crate::upstream::forward::ForwardConfig;
 
 /// What the data plane's router reads of `Settings`: the groups it needs, each by its
@@ -27,20 +29,9 @@ pub(crate) struct RouterConfig {
 /// `settings.routing`: policies, retries, circuits.
 #[derive(FromPyObject)]
 pub(crate) struct RoutingGroup {
-    pub(crate) policy: String,
-    pub(crate) prefill_policy: String,
-    pub(crate) decode_policy: String,
-    pub(crate) model_policies: Vec<String>,
-    pub(crate) hash_load_factor: f64,
-    pub(crate) prefix_block_bytes: usize,
-    pub(crate) prefix_max_blocks: usize,
-    pub(crate) prefix_cache_entries: usize,
-    pub(crate) prefix_balance_threshold: u64,
-    pub(crate) prefix_bytes_per_token: f64,
-    pub(crate) score_prefix_weight: f64,
-    pub(crate) score_queue_weight: f64,
-    pub(crate) score_hidden_weight: f64,
-    pub(crate) score_reported_weight: f64,
+    /// The policy of each role and model, each with its own knobs, as the settings parsed them.
+    #[pyo3(from_py_with = role_policies)]
+    pub(crate) policies: RolePolicies,
     pub(crate) retries: u32,
     pub(crate) retry_budget_ratio: f64,
     pub(crate) retry_budget_floor: u64,
@@ -105,8 +96,69 @@ pub(crate) fn seconds(name: &str, value: f64) -> PyResult<Duration> {
         .ok_or_else(|| PyValueError::new_err(format!("{name} must be a positive number of seconds, got {value}")))
 }
 
-fn or_general(role_policy: &str, general: &str) -> String {
-    if role_policy.is_empty() { general } else { role_policy }.to_owned()
+/// `settings.routing.policies` (`RolePolicies`, `pdproxy/config/policies.py`).
+fn role_policies(policies: &Bound<'_, PyAny>) -> PyResult<RolePolicies> {
+    let py = policies.py();
+    let by_model: HashMap<String, Bound<'_, PyAny>> = policies.getattr(intern!(py, "by_model"))?.extract()?;
+    Ok(RolePolicies {
+        hybrid: policy_spec(&policies.getattr(intern!(py, "hybrid"))?)?,
+        prefill: policy_spec(&policies.getattr(intern!(py, "prefill"))?)?,
+        decode: policy_spec(&policies.getattr(intern!(py, "decode"))?)?,
+        by_model: by_model.into_iter().map(|(model, p)| Ok((model, policy_spec(&p)?))).collect::<PyResult<_>>()?,
+    })
+}
+
+/// One policy of the settings: its `kind`, and that kind's own knobs.
+fn policy_spec(policy: &Bound<'_, PyAny>) -> PyResult<PolicySpec> {
+    let kind: String = policy.getattr(intern!(policy.py(), "kind"))?.extract()?;
+    Ok(match kind.as_str() {
+        "consistent_hash" => PolicySpec::ConsistentHash { load_factor: policy.getattr("load_factor")?.extract()? },
+        "prefix" => {
+            let p: PrefixPolicy = policy.extract()?;
+            PolicySpec::Prefix(PrefixConfig {
+                block_bytes: p.block_bytes,
+                max_blocks: p.max_blocks,
+                cache_entries: p.cache_entries,
+                balance_threshold: p.balance_threshold,
+            })
+        }
+        "scored" => {
+            let p: ScoredPolicy = policy.extract()?;
+            PolicySpec::Scored {
+                weights: ScoreWeights { prefix: p.prefix, queue: p.queue, hidden: p.hidden, reported: p.reported },
+                table: PrefixTableConfig {
+                    block_bytes: p.block_bytes,
+                    max_blocks: p.max_blocks,
+                    entries: p.cache_entries,
+                    bytes_per_token: p.bytes_per_token,
+                },
+            }
+        }
+        other => PolicySpec::basic(other)
+            .ok_or_else(|| PyValueError::new_err(format!("unknown routing policy {other:?}")))?,
+    })
+}
+
+/// `PrefixPolicy`'s knobs.
+#[derive(FromPyObject)]
+struct PrefixPolicy {
+    block_bytes: usize,
+    max_blocks: usize,
+    cache_entries: usize,
+    balance_threshold: u64,
+}
+
+/// `ScoredPolicy`'s knobs: the weights of its terms, then its prefix table's.
+#[derive(FromPyObject)]
+struct ScoredPolicy {
+    prefix: f64,
+    queue: f64,
+    hidden: f64,
+    reported: f64,
+    block_bytes: usize,
+    max_blocks: usize,
+    cache_entries: usize,
+    bytes_per_token: f64,
 }
 
 impl RouterConfig {
@@ -131,33 +183,11 @@ impl RouterConfig {
     pub(crate) fn engine_config(&self) -> PyResult<EngineConfig> {
         let (routing, limits, timeouts) = (&self.routing, &self.limits, &self.timeouts);
         Ok(EngineConfig {
-            policies: PolicyNames {
-                hybrid: routing.policy.clone(),
-                // A role without a policy of its own takes the general one (`--routing-strategy`).
-                prefill: or_general(&routing.prefill_policy, &routing.policy),
-                decode: or_general(&routing.decode_policy, &routing.policy),
-                by_model: routing.model_policies.clone(),
-            },
-            policy: PolicyConfig {
-                hash_load_factor: routing.hash_load_factor,
-                prefix: PrefixConfig {
-                    block_bytes: routing.prefix_block_bytes,
-                    max_blocks: routing.prefix_max_blocks,
-                    cache_entries: routing.prefix_cache_entries,
-                    balance_threshold: routing.prefix_balance_threshold,
-                },
-                engine_max_age_ms: u64::try_from(
-                    seconds("engine_metrics_max_age", self.engine_metrics.max_age)?.as_millis(),
-                )
-                .unwrap_or(u64::MAX),
-                score: ScoreWeights {
-                    prefix: routing.score_prefix_weight,
-                    queue: routing.score_queue_weight,
-                    hidden: routing.score_hidden_weight,
-                    reported: routing.score_reported_weight,
-                },
-                prefix_bytes_per_token: routing.prefix_bytes_per_token,
-            },
+            policies: routing.policies.clone(),
+            engine_max_age_ms: u64::try_from(
+                seconds("engine_metrics_max_age", self.engine_metrics.max_age)?.as_millis(),
+            )
+            .unwrap_or(u64::MAX),
             queue_size: limits.queue_size,
             queue_timeout: seconds("queue_timeout", timeouts.queue)?,
             request_timeout: (timeouts.request > 0.0)

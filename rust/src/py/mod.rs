@@ -19,7 +19,8 @@ use pyo3::prelude::*;
 #[pymodule(gil_used = false)]
 fn _pdproxy(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    // The one list of routing policies; the settings check names against it before serving.
+    // The routing policies by name: the kinds of the settings' policies (`pdproxy/config/policies.py`,
+    // tested to be these, in this order), which `config` reads each role's policy by.
     m.add("POLICY_NAMES", pyo3::types::PyTuple::new(m.py(), crate::select::POLICY_NAMES)?)?;
     contracts::add(m)?;
     m.add_class::<router::Router>()?;

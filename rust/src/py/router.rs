@@ -74,7 +74,7 @@ impl Router {
             Some((table, worker)) => Registry::in_group(Arc::clone(&table.inner), worker),
             None => Registry::new(),
         };
-        let engine = Arc::new(Engine::new(engine_config, registry)?);
+        let engine = Arc::new(Engine::new(engine_config, registry));
         let shutdown = CancellationToken::new();
         runtime.spawn(keep_swept(Arc::downgrade(&engine), shutdown.clone()));
         Ok(Self { engine, runtime, shutdown, bridge: OnceLock::new() })
@@ -116,17 +116,17 @@ impl Router {
         if end_drain && !created && node.counters().state() == NodeState::Draining {
             node.counters().set_state(NodeState::Healthy);
         }
-        Ok((NodeView::of(&node, self.engine.config.policy.engine_max_age_ms), created))
+        Ok((NodeView::of(&node, self.engine.config.engine_max_age_ms), created))
     }
 
     /// One node's view (`NodeView`). Raises `NodeNotFound`.
     fn view(&self, url: &str) -> PyResult<NodeView> {
-        Ok(NodeView::of(&self.lookup(url)?, self.engine.config.policy.engine_max_age_ms))
+        Ok(NodeView::of(&self.lookup(url)?, self.engine.config.engine_max_age_ms))
     }
 
     /// Every node's view, in the table's order.
     fn views(&self) -> Vec<NodeView> {
-        let max_age_ms = self.engine.config.policy.engine_max_age_ms;
+        let max_age_ms = self.engine.config.engine_max_age_ms;
         self.engine.registry.load().nodes().iter().map(|node| NodeView::of(node, max_age_ms)).collect()
     }
 
@@ -144,7 +144,7 @@ impl Router {
     /// Replaces the models of a registered node, keeping everything else; returns its view.
     fn set_models(&self, url: &str, models: Vec<String>) -> PyResult<NodeView> {
         let node = self.engine.registry.update(url, |spec| spec.models = models)?;
-        Ok(NodeView::of(&node, self.engine.config.policy.engine_max_age_ms))
+        Ok(NodeView::of(&node, self.engine.config.engine_max_age_ms))
     }
 
     /// In a worker group: rebinds nodes whose shared slot another worker retired (it removed
@@ -326,7 +326,7 @@ impl Router {
     fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let set = self.engine.registry.load();
         let list = PyList::empty(py);
-        let max_age_ms = self.engine.config.policy.engine_max_age_ms;
+        let max_age_ms = self.engine.config.engine_max_age_ms;
         for node in set.nodes() {
             let stats = node_stats(py, node)?;
             stats.set_item("engine", engine_stats(py, node, max_age_ms)?)?;

@@ -23,13 +23,14 @@ pub(crate) use least_requests::LeastRequests;
 pub(crate) use min_cache_usage::MinCacheUsage;
 pub(crate) use min_expected_latency::MinExpectedLatency;
 pub(crate) use min_observed_latency::MinObservedLatency;
-pub(crate) use prefix::{Prefix, PrefixConfig};
-pub(crate) use prefix_table::PrefixTableConfig;
+pub(crate) use prefix::Prefix;
+pub use prefix::PrefixConfig;
+pub use prefix_table::PrefixTableConfig;
 pub(crate) use random::Random;
 pub(crate) use round_robin::RoundRobin;
-pub(crate) use scored::{ScoreWeights, Scored};
+pub use scored::ScoreWeights;
+pub(crate) use scored::Scored;
 
-use crate::error::{Error, Kind, Result};
 use crate::node::{Node, Role};
 use crate::observe::trace::Traced;
 use crate::tenants::Class;
@@ -131,75 +132,84 @@ pub(crate) fn stable_hash(parts: impl Hash) -> u64 {
     hasher.finish()
 }
 
-/// Policy tuning; every value comes from the control plane's settings.
-#[derive(Debug, Clone, Copy)]
-pub struct PolicyConfig {
-    /// `consistent_hash`: a node takes a key's requests while its in-flight count stays
-    /// below this factor times the average.
-    pub(crate) hash_load_factor: f64,
-    pub(crate) prefix: PrefixConfig,
-    /// Engine reports older than this (milliseconds) are not used.
-    pub(crate) engine_max_age_ms: u64,
-    /// `scored`: the weights of its terms (a policy spelled `scored:prefix=2,...` overrides them).
-    pub(crate) score: ScoreWeights,
-    /// Prompt bytes per engine token, to size a node's share of the prefix table from the KV
-    /// capacity its engine reports.
-    pub(crate) prefix_bytes_per_token: f64,
+/// A routing policy and its own knobs, as the settings give it (`settings.routing.policies`,
+/// read once at the boundary: `py::config`); `policy_from_spec` builds it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PolicySpec {
+    RoundRobin,
+    Random,
+    LeastRequests,
+    MinExpectedLatency,
+    MinObservedLatency,
+    MinObservedLatencyPerToken,
+    MinCacheUsage,
+    LeastEngineLoad,
+    /// A node takes a key's requests while its in-flight count stays below `load_factor` times
+    /// the average.
+    ConsistentHash {
+        load_factor: f64,
+    },
+    Prefix(PrefixConfig),
+    /// The weights of its terms, and the prefix table it keeps.
+    Scored {
+        weights: ScoreWeights,
+        table: PrefixTableConfig,
+    },
 }
 
-impl Default for PolicyConfig {
-    /// Test defaults only; the served values come from the settings.
-    fn default() -> Self {
-        Self {
-            hash_load_factor: 1.25,
-            prefix: PrefixConfig::default(),
-            engine_max_age_ms: 10_000,
-            score: ScoreWeights { prefix: 2.0, queue: 1.0, hidden: 0.0, reported: 0.0 },
-            prefix_bytes_per_token: 4.0,
-        }
+impl PolicySpec {
+    /// The policy named `name` among those without knobs of their own.
+    pub fn basic(name: &str) -> Option<Self> {
+        Some(match name {
+            "round_robin" => Self::RoundRobin,
+            "random" => Self::Random,
+            "least_requests" => Self::LeastRequests,
+            "min_expected_latency" => Self::MinExpectedLatency,
+            "min_observed_latency" => Self::MinObservedLatency,
+            "min_observed_latency_per_token" => Self::MinObservedLatencyPerToken,
+            "min_cache_usage" => Self::MinCacheUsage,
+            "least_engine_load" => Self::LeastEngineLoad,
+            _ => return None,
+        })
+    }
+
+    /// The policy named `name` (any of `POLICY_NAMES`) with knobs made up for tests; the served
+    /// ones come from the settings.
+    #[doc(hidden)]
+    pub fn for_tests(name: &str) -> Option<Self> {
+        Self::basic(name).or(match name {
+            "consistent_hash" => Some(Self::ConsistentHash { load_factor: 1.25 }),
+            "prefix" => Some(Self::Prefix(PrefixConfig::default())),
+            "scored" => Some(Self::Scored {
+                weights: ScoreWeights { prefix: 2.0, queue: 1.0, hidden: 0.0, reported: 0.0 },
+                table: PrefixTableConfig { block_bytes: 256, max_blocks: 1024, entries: 1 << 16, bytes_per_token: 4.0 },
+            }),
+            _ => None,
+        })
     }
 }
 
-/// Builds a policy from its configured name (`scored` may carry weights: `scored:prefix=2,queue=0.5`).
-pub fn policy_from_name(name: &str, config: &PolicyConfig) -> Result<Arc<dyn Policy>> {
-    let (base, params) = match name.split_once(':') {
-        Some((base, params)) => (base.trim(), Some(params)),
-        None => (name.trim(), None),
-    };
-    if params.is_some() && base != "scored" {
-        return Err(Error::new(Kind::Config, format!("routing policy {base:?} takes no parameters (in {name:?})")));
+/// Builds the policy `spec` says; those that read the engines' reports ignore reports older
+/// than `engine_max_age_ms`.
+pub fn policy_from_spec(spec: &PolicySpec, engine_max_age_ms: u64) -> Arc<dyn Policy> {
+    let max_age_ms = engine_max_age_ms;
+    match *spec {
+        PolicySpec::RoundRobin => Arc::new(RoundRobin::default()),
+        PolicySpec::Random => Arc::new(Random),
+        PolicySpec::LeastRequests => Arc::new(LeastRequests),
+        PolicySpec::MinExpectedLatency => Arc::new(MinExpectedLatency),
+        PolicySpec::MinObservedLatency => Arc::new(MinObservedLatency { per_event: false }),
+        PolicySpec::MinObservedLatencyPerToken => Arc::new(MinObservedLatency { per_event: true }),
+        PolicySpec::MinCacheUsage => Arc::new(MinCacheUsage { max_age_ms }),
+        PolicySpec::LeastEngineLoad => Arc::new(LeastEngineLoad { max_age_ms }),
+        PolicySpec::ConsistentHash { load_factor } => Arc::new(ConsistentHash { load_factor }),
+        PolicySpec::Prefix(config) => Arc::new(Prefix::new(config)),
+        PolicySpec::Scored { weights, table } => Arc::new(Scored::new(weights, table, max_age_ms)),
     }
-    let max_age_ms = config.engine_max_age_ms;
-    Ok(match base {
-        "round_robin" => Arc::new(RoundRobin::default()),
-        "random" => Arc::new(Random),
-        "least_requests" => Arc::new(LeastRequests),
-        "min_expected_latency" => Arc::new(MinExpectedLatency),
-        "min_observed_latency" => Arc::new(MinObservedLatency { per_event: false }),
-        "min_observed_latency_per_token" => Arc::new(MinObservedLatency { per_event: true }),
-        "consistent_hash" => Arc::new(ConsistentHash { load_factor: config.hash_load_factor }),
-        "prefix" => Arc::new(Prefix::new(config.prefix)),
-        "min_cache_usage" => Arc::new(MinCacheUsage { max_age_ms }),
-        "least_engine_load" => Arc::new(LeastEngineLoad { max_age_ms }),
-        "scored" => {
-            let weights = config.score.with_overrides(params.unwrap_or_default())?;
-            let table = PrefixTableConfig {
-                block_bytes: config.prefix.block_bytes,
-                max_blocks: config.prefix.max_blocks,
-                entries: config.prefix.cache_entries,
-                bytes_per_token: config.prefix_bytes_per_token,
-            };
-            Arc::new(Scored::new(weights, table, max_age_ms))
-        }
-        other => {
-            return Err(Error::new(
-                Kind::Config,
-                format!("unknown routing policy {other:?}; known: {}", POLICY_NAMES.join(", ")),
-            ))
-        }
-    })
 }
 
+/// Every policy's name, as users configure it (`Policy::name`); the control plane's settings
+/// know the same ones (`pdproxy/config/policies.py`, checked by its tests).
 pub const POLICY_NAMES: [&str; 11] = [
     "round_robin",
     "random",
@@ -207,10 +217,10 @@ pub const POLICY_NAMES: [&str; 11] = [
     "min_expected_latency",
     "min_observed_latency",
     "min_observed_latency_per_token",
-    "consistent_hash",
-    "prefix",
     "min_cache_usage",
     "least_engine_load",
+    "consistent_hash",
+    "prefix",
     "scored",
 ];
 
@@ -266,6 +276,7 @@ mod tests {
     use super::testing::*;
     use super::*;
     use crate::engine::select;
+    use crate::error::Kind;
     use crate::node::{NodeSpec, NodeState};
 
     fn ctx() -> SelectCtx<'static> {
@@ -297,16 +308,16 @@ mod tests {
         nodes[0].counters().set_state(NodeState::Unhealthy);
         nodes[1].counters().set_state(NodeState::Draining);
         nodes[2].counters().set_state(NodeState::Sleeping);
-        let config = PolicyConfig::default();
         for name in POLICY_NAMES {
-            let policy = policy_from_name(name, &config).unwrap();
+            let policy = policy_from_spec(&PolicySpec::for_tests(name).unwrap(), 10_000);
+            assert_eq!(policy.name(), name);
             for _ in 0..50 {
                 let ctx = SelectCtx { affinity: Some("user-1"), prompt: Some(b"[{\"content\":\"hi\"}]"), ..ctx() };
                 let permit = select(&reg.load(), &ctx, policy.as_ref(), None).unwrap();
                 assert_eq!(permit.node().url(), "http://h:4", "{name}");
             }
         }
-        assert!(policy_from_name("fastest", &config).is_err());
+        assert_eq!(PolicySpec::for_tests("fastest"), None);
     }
 
     #[test]

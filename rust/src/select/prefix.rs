@@ -16,8 +16,8 @@ use super::{argmin_by, available_indices, Policy, SelectCtx};
 use crate::node::Node;
 use crate::select::Prediction;
 
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct PrefixConfig {
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefixConfig {
     pub(crate) block_bytes: usize,
     pub(crate) max_blocks: usize,
     pub(crate) cache_entries: usize,

@@ -73,8 +73,9 @@ const STREAK_STEP_BYTES: u64 = 4 << 10;
 /// The smallest share a node is cut to (blocks).
 const MIN_SHARE: usize = 16;
 
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct PrefixTableConfig {
+/// The table `scored` keeps of what each node holds.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrefixTableConfig {
     pub(crate) block_bytes: usize,
     /// Blocks of a prompt considered (its head).
     pub(crate) max_blocks: usize,

@@ -72,7 +72,6 @@ use super::kv_index::KvIndex;
 use super::prefix_table::{PrefixTable, PrefixTableConfig};
 use super::{available_indices, Policy, SelectCtx};
 use crate::clock::{now_ms, now_us};
-use crate::error::{Error, Kind, Result};
 use crate::node::engine_report::EngineLoad;
 use crate::node::engine_speed::{Fit, Samples, Speed};
 use crate::node::Node;
@@ -94,9 +93,10 @@ const PRIOR_MS_PER_KIB: f64 = 25.0;
 /// requests all go where their prompts are, whatever waits there.
 const PRIOR_DECODE_MS: f64 = 1000.0;
 
-/// The weights of the terms.
+/// The weights of the terms (`scored:prefix=2,queue=0.5` overrides the settings' for one role:
+/// `pdproxy/config/policies.py`).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct ScoreWeights {
+pub struct ScoreWeights {
     /// Times the request's own prefill counts for each request whose first token it delays.
     pub(crate) prefix: f64,
     /// Times the waits ahead of it count.
@@ -106,38 +106,6 @@ pub(crate) struct ScoreWeights {
     /// Times the queue an engine reports counts among the requests behind, where it is longer
     /// than pdproxy's own count.
     pub(crate) reported: f64,
-}
-
-impl ScoreWeights {
-    /// `weights` with the overrides of `spec` applied: `prefix=2,queue=0.5,hidden=1` (any, each a
-    /// non-negative number).
-    pub(crate) fn with_overrides(self, spec: &str) -> Result<Self> {
-        let mut out = self;
-        for part in spec.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-            let (key, raw) = part.split_once('=').ok_or_else(|| invalid(spec))?;
-            let value: f64 = raw.trim().parse().map_err(|_| invalid(spec))?;
-            if !(value.is_finite() && value >= 0.0) {
-                return Err(invalid(spec));
-            }
-            match key.trim() {
-                "prefix" => out.prefix = value,
-                "queue" => out.queue = value,
-                "hidden" => out.hidden = value,
-                "reported" => out.reported = value,
-                _ => return Err(invalid(spec)),
-            }
-        }
-        Ok(out)
-    }
-}
-
-fn invalid(spec: &str) -> Error {
-    Error::new(
-        Kind::Config,
-        format!(
-            "scored weights {spec:?}: use prefix=N, queue=N, hidden=N and reported=N separated by commas (non-negative numbers)"
-        ),
-    )
 }
 
 /// The figures a cost is made of for one candidate, in milliseconds.
@@ -665,19 +633,13 @@ mod tests {
     }
 
     #[test]
-    fn weights_are_configurable_and_only_the_two() {
-        let w = WEIGHTS.with_overrides("prefix=1, queue=0.5").unwrap();
-        assert_eq!(w, ScoreWeights { prefix: 1.0, queue: 0.5, hidden: 0.0, reported: 0.0 });
-        assert!((WEIGHTS.with_overrides("reported=1").unwrap().reported - 1.0).abs() < f64::EPSILON);
-        for bad in ["prefix", "prefix=-1", "speed=2", "kv=1", "load=1", "queue=inf", "queue=x"] {
-            assert!(WEIGHTS.with_overrides(bad).is_err(), "{bad}");
-        }
+    fn without_the_queue_weight_a_prompt_stays_home() {
         // Waits not counted: the node holding the prompt wins however long its queue.
         let (_reg, nodes) = nodes(2);
         for node in &nodes {
             learn(node, 50.0, 500.0, 4);
         }
-        let blind = scored(WEIGHTS.with_overrides("queue=0").unwrap());
+        let blind = scored(ScoreWeights { queue: 0.0, ..WEIGHTS });
         let prompt = "p".repeat(4096);
         let home = route(&blind, &nodes, prompt.as_bytes());
         set_in_flight(&nodes[home], 100);
