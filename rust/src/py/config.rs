@@ -155,6 +155,7 @@ impl RouterConfig {
                     queue: routing.score_queue_weight,
                     hidden: routing.score_hidden_weight,
                     reported: routing.score_reported_weight,
+                    future: 0.0,
                 },
                 prefix_bytes_per_token: routing.prefix_bytes_per_token,
             },

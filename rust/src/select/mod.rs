@@ -154,7 +154,7 @@ impl Default for PolicyConfig {
             hash_load_factor: 1.25,
             prefix: PrefixConfig::default(),
             engine_max_age_ms: 10_000,
-            score: ScoreWeights { prefix: 2.0, queue: 1.0, hidden: 0.0, reported: 0.0 },
+            score: ScoreWeights { prefix: 2.0, queue: 1.0, hidden: 0.0, reported: 0.0, future: 0.0 },
             prefix_bytes_per_token: 4.0,
         }
     }
