@@ -532,7 +532,7 @@ mod tests {
         assert!((rates[0].unwrap() - kib(24.0)).abs() < kib(1.0), "{rates:?}");
         assert!((rates[1].unwrap() - kib(8.0)).abs() < kib(1.0), "{rates:?}");
         assert_eq!(rates[2], None, "not followed");
-        let later = index.prefilled_kib_per_ms(&["a"], now + 4 * FADE_MS as u64)[0].unwrap();
+        let later = index.prefilled_kib_per_ms(&["a"], now + 16_000)[0].unwrap();
         assert!(later < kib(1.0), "it fades: {later}");
     }
 
