@@ -71,13 +71,14 @@ class PrefixPolicy(_PolicyModel):
 
 class ScoredPolicy(_PolicyModel):
     """``scored``: the weights of its terms (the ``score_*_weight`` settings, or the name's own:
-    ``scored:prefix=N,queue=N,hidden=N,reported=N``), then its prefix table (``prefix_*``)."""
+    ``scored:prefix=N,queue=N,hidden=N,reported=N,future=N``), then its prefix table (``prefix_*``)."""
 
     kind: Literal["scored"] = "scored"
     prefix: float
     queue: float
     hidden: float
     reported: float
+    future: float
     block_bytes: int
     max_blocks: int
     cache_entries: int
@@ -95,7 +96,7 @@ POLICY_KINDS: tuple[str, ...] = (
     "scored",
 )
 #: The weights ``scored:...`` may set, and the number each takes (a non-negative decimal).
-_WEIGHTS = ("prefix", "queue", "hidden", "reported")
+_WEIGHTS = ("prefix", "queue", "hidden", "reported", "future")
 _NUMBER = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?")
 
 
@@ -130,8 +131,8 @@ def parse(name: str, configured: Mapping[str, Policy], what: str) -> Policy:
         return policy.model_copy(update=_weights(weights))
     except ValueError:
         raise PolicyRefused(
-            f"routing policy {name!r} ({what}): scored weights {weights!r}: use prefix=N, queue=N, hidden=N and"
-            " reported=N separated by commas (non-negative numbers)"
+            f"routing policy {name!r} ({what}): scored weights {weights!r}: use prefix=N, queue=N, hidden=N,"
+            " reported=N and future=N separated by commas (non-negative numbers)"
         ) from None
 
 

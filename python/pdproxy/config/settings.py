@@ -416,7 +416,8 @@ class RoutingSettings(SettingsGroup):
             "Routing policy of every role (hybrid, and prefill and decode unless their own is given): "
             "min_expected_latency (LMDeploy's default), random, min_observed_latency, "
             "min_observed_latency_per_token, min_cache_usage (LMDeploy's), round_robin, least_requests, "
-            "consistent_hash, prefix, least_engine_load, scored (or scored:prefix=N,queue=N,hidden=N,reported=N)."
+            "consistent_hash, prefix, least_engine_load, scored "
+            "(or scored:prefix=N,queue=N,hidden=N,reported=N,future=N)."
         ),
         aliases=("--routing-strategy",),
     )
@@ -490,6 +491,15 @@ class RoutingSettings(SettingsGroup):
             "count alone."
         ),
     )
+    score_future_weight: Weight = _setting(
+        0.0,
+        (
+            "scored: times the wait that a node's recent traffic, kept up, makes a request meet counts in its "
+            "cost, for the share of the prompt no node holds (a new session's first turn: its next turns follow "
+            "it there); the traffic is the prefill pdproxy sent there lately, or what the engine's KV events show "
+            "it computed, where more."
+        ),
+    )
     retries: NotNegative = _setting(
         2,
         (
@@ -548,6 +558,7 @@ class RoutingSettings(SettingsGroup):
                 queue=self.score_queue_weight,
                 hidden=self.score_hidden_weight,
                 reported=self.score_reported_weight,
+                future=self.score_future_weight,
                 block_bytes=self.prefix_block_bytes,
                 max_blocks=self.prefix_max_blocks,
                 cache_entries=self.prefix_cache_entries,

@@ -158,6 +158,8 @@ impl InFlightPermit {
         }
         if prediction.prefill_us > 0 {
             counters.owe_prefill(prediction.prefill_us, now_us());
+            #[allow(clippy::cast_precision_loss)]
+            counters.recent_work.add(prediction.prefill_us as f64 / 1000.0, now);
         }
         self.predicted_cached.store(prediction.cached, Ordering::Relaxed);
         self.checked_cached.store(prediction.cached, Ordering::Relaxed);

@@ -8,6 +8,7 @@ use super::circuit::Circuit;
 use super::engine_report::{CountsThen, EngineFigures, EngineReport};
 use super::engine_speed::EngineSpeed;
 use super::hidden_load::HiddenLoad;
+use super::recent_work::RecentWork;
 use super::state::NodeState;
 use crate::observe::histogram::{Gap, Histogram, Latency};
 
@@ -65,6 +66,8 @@ pub struct NodeCounters {
     pub(crate) speed: EngineSpeed,
     /// How much later than priced its first tokens came lately: work there pdproxy did not price.
     pub(crate) hidden: HiddenLoad,
+    /// The prefill work sent to the node lately, as the wait it makes the next requests meet.
+    pub(crate) recent_work: RecentWork,
     /// Requests sent to the node that have not had the first byte of their answer yet: waiting
     /// in the engine's queue, or being prefilled.
     pub(crate) unanswered: AtomicU64,
@@ -179,6 +182,7 @@ impl NodeCounters {
         self.engine.reset();
         self.speed.reset();
         self.hidden.reset();
+        self.recent_work.reset();
     }
 
     /// Marks that a reading of the node's engine is being asked for (see `EngineReport::record`).

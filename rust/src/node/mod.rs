@@ -8,6 +8,7 @@ pub(crate) mod engine_report;
 pub(crate) mod engine_speed;
 pub(crate) mod hidden_load;
 pub(crate) mod place;
+pub(crate) mod recent_work;
 pub(crate) mod registry;
 pub(crate) mod shared;
 pub(crate) mod state;

@@ -125,7 +125,13 @@ fn policy_spec(policy: &Bound<'_, PyAny>) -> PyResult<PolicySpec> {
         "scored" => {
             let p: ScoredPolicy = policy.extract()?;
             PolicySpec::Scored {
-                weights: ScoreWeights { prefix: p.prefix, queue: p.queue, hidden: p.hidden, reported: p.reported },
+                weights: ScoreWeights {
+                    prefix: p.prefix,
+                    queue: p.queue,
+                    hidden: p.hidden,
+                    reported: p.reported,
+                    future: p.future,
+                },
                 table: PrefixTableConfig {
                     block_bytes: p.block_bytes,
                     max_blocks: p.max_blocks,
@@ -155,6 +161,7 @@ struct ScoredPolicy {
     queue: f64,
     hidden: f64,
     reported: f64,
+    future: f64,
     block_bytes: usize,
     max_blocks: usize,
     cache_entries: usize,

@@ -181,7 +181,7 @@ impl PolicySpec {
             "consistent_hash" => Some(Self::ConsistentHash { load_factor: 1.25 }),
             "prefix" => Some(Self::Prefix(PrefixConfig::default())),
             "scored" => Some(Self::Scored {
-                weights: ScoreWeights { prefix: 2.0, queue: 1.0, hidden: 0.0, reported: 0.0 },
+                weights: ScoreWeights { prefix: 2.0, queue: 1.0, hidden: 0.0, reported: 0.0, future: 0.0 },
                 table: PrefixTableConfig { block_bytes: 256, max_blocks: 1024, entries: 1 << 16, bytes_per_token: 4.0 },
             }),
             _ => None,

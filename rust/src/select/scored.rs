@@ -74,6 +74,7 @@ use super::{available_indices, Policy, SelectCtx};
 use crate::clock::{now_ms, now_us};
 use crate::node::engine_report::EngineLoad;
 use crate::node::engine_speed::{Fit, Samples, Speed};
+use crate::node::recent_work::queue_wait_ms;
 use crate::node::Node;
 use crate::select::Prediction;
 
@@ -106,6 +107,9 @@ pub struct ScoreWeights {
     /// Times the queue an engine reports counts among the requests behind, where it is longer
     /// than pdproxy's own count.
     pub(crate) reported: f64,
+    /// Times the wait that the node's recent traffic, kept up, makes a request meet counts
+    /// (`recent_work`): what the requests that follow this one there will meet.
+    pub(crate) future: f64,
 }
 
 /// The figures a cost is made of for one candidate, in milliseconds.
@@ -124,6 +128,8 @@ pub(crate) struct Estimate {
     /// How much later than priced the node's first tokens have come lately (`hidden_load`):
     /// work queued there that others sent.
     pub(crate) hidden: f64,
+    /// The wait for the node's prefill that its recent traffic makes a request meet.
+    pub(crate) future: f64,
 }
 
 impl Estimate {
@@ -138,6 +144,7 @@ impl Estimate {
     fn cost(&self, w: ScoreWeights) -> f64 {
         w.queue * (self.slot_wait + self.ahead)
             + w.hidden * self.hidden
+            + w.queue * w.future * self.future
             + self.own * (1.0 + w.prefix * (1.0 + self.behind))
     }
 }
@@ -332,6 +339,43 @@ impl Scored {
         prompt - (matched * self.table.block_bytes()).min(self.table.considered_bytes(ctx))
     }
 
+    /// For each candidate, the KiB a millisecond its engine prefilled lately by its KV events
+    /// (empty when they are not followed, or the term is off).
+    fn prefilled_by_events(&self, candidates: &[Arc<Node>], now_ms: u64) -> Vec<Option<f64>> {
+        let index = self.kv_index.load();
+        match index.as_ref().filter(|_| self.weights.future > 0.0) {
+            Some(index) => {
+                let urls: Vec<&str> = candidates.iter().map(|n| n.url()).collect();
+                index.prefilled_kib_per_ms(&urls, now_ms)
+            }
+            None => Vec::new(),
+        }
+    }
+
+    /// The wait for the node's prefill that its recent traffic, kept up, makes a request meet:
+    /// by the prefill pdproxy sent there, or, where more, by what its engine's KV events show
+    /// it computed (`prefilled_kib_per_ms`): with several replicas in front of the same engines,
+    /// each sends a share of the traffic, while the events count all of it.
+    fn future_wait_ms(node: &Node, ms_per_kib: f64, prefilled_kib_per_ms: Option<f64>, now_ms: u64) -> f64 {
+        let (own_busy, mean_ms) = node.counters().recent_work.busy_and_mean(now_ms);
+        let busy = prefilled_kib_per_ms.map_or(own_busy, |kib| own_busy.max(kib * ms_per_kib));
+        queue_wait_ms(busy, mean_ms)
+    }
+
+    /// The share of the prompt no candidate holds: what the request starts that nothing has
+    /// drawn anywhere yet (a new session, a new document), whose followers will come where it
+    /// goes. A prompt held somewhere commits nothing new: its followers go where it is held.
+    fn fresh_share(&self, ctx: &SelectCtx<'_>, matched: &[usize]) -> f64 {
+        let prompt = ctx.prompt.map_or(0, <[u8]>::len);
+        if prompt == 0 {
+            return 1.0;
+        }
+        let best = matched.iter().copied().max().unwrap_or(0);
+        #[allow(clippy::cast_precision_loss)]
+        let fresh = self.uncached(ctx, best) as f64 / prompt as f64;
+        fresh
+    }
+
     /// The wait for a place in the node's batch (ms): the requests it has beyond those it runs
     /// at once, each place freed as a running request ends its decoding. Where neither the
     /// batch's size nor a queue is known, a whole answer (not a stream) is taken to share the
@@ -384,6 +428,8 @@ impl Scored {
         let speeds = speeds(candidates);
         let now_us = now_us();
         let now = now_us / 1000;
+        let fresh = self.fresh_share(ctx, matched);
+        let prefilled = self.prefilled_by_events(candidates, now);
         let mut out = vec![None; candidates.len()];
         for i in available_indices(candidates) {
             let node = &candidates[i];
@@ -402,6 +448,11 @@ impl Scored {
                 behind: self.behind(node, load),
                 // Read only when it counts (off by default): an `exp` per candidate per request.
                 hidden: if self.weights.hidden > 0.0 { node.counters().hidden.ms(now).max(0.0) } else { 0.0 },
+                future: if self.weights.future > 0.0 {
+                    fresh * Self::future_wait_ms(node, ms_per_kib, prefilled.get(i).copied().flatten(), now)
+                } else {
+                    0.0
+                },
             });
         }
         out
@@ -517,7 +568,7 @@ mod tests {
     use super::super::testing::*;
     use super::*;
 
-    const WEIGHTS: ScoreWeights = ScoreWeights { prefix: 2.0, queue: 1.0, hidden: 0.0, reported: 0.0 };
+    const WEIGHTS: ScoreWeights = ScoreWeights { prefix: 2.0, queue: 1.0, hidden: 0.0, reported: 0.0, future: 0.0 };
 
     fn scored(weights: ScoreWeights) -> Scored {
         let table = PrefixTableConfig { block_bytes: 256, max_blocks: 1024, entries: 1 << 16, bytes_per_token: 4.0 };
@@ -717,6 +768,69 @@ mod tests {
             set_in_flight(node, 14);
         }
         assert_eq!(route(&policy, &nodes, shared.as_bytes()), 2);
+    }
+
+    #[test]
+    fn a_new_session_goes_where_recent_traffic_is_lighter_its_next_turns_where_it_is() {
+        let (_reg, nodes) = nodes(2);
+        for node in &nodes {
+            learn(node, 50.0, 500.0, 16);
+        }
+        // Node 0 holds the short head every session shares and its sessions' turns keep it busy
+        // (a 100 ms prefill every 150 ms); nothing waits at either node right now.
+        let head = "h".repeat(1024);
+        let off = scored(WEIGHTS);
+        off.selected(&nodes[0], &ctx(head.as_bytes()));
+        let start = now_ms().saturating_sub(8_000);
+        for i in 0..54 {
+            nodes[0].counters().recent_work.add(100.0, start + i * 150);
+        }
+        let session = format!("{head}{}", "s".repeat(8192));
+        assert_eq!(off.pick(&nodes, &ctx(session.as_bytes())), Some(0), "without the term, the head draws it");
+        let weighed = scored(ScoreWeights { future: 3.0, ..WEIGHTS });
+        weighed.selected(&nodes[0], &ctx(head.as_bytes()));
+        let estimates = weighed.estimates(&nodes, &ctx(session.as_bytes()));
+        assert!(estimates[0].unwrap().future > 50.0, "{estimates:?}");
+        assert!(estimates[1].unwrap().future.abs() < f64::EPSILON, "{estimates:?}");
+        assert_eq!(weighed.pick(&nodes, &ctx(session.as_bytes())), Some(1));
+        // A session held at node 0 keeps its next turn there: what is held commits nothing new.
+        weighed.selected(&nodes[0], &ctx(session.as_bytes()));
+        let next_turn = format!("{session}{}", "t".repeat(1024));
+        let estimates = weighed.estimates(&nodes, &ctx(next_turn.as_bytes()));
+        assert!(estimates[0].unwrap().future < 20.0, "{estimates:?}");
+        assert_eq!(weighed.pick(&nodes, &ctx(next_turn.as_bytes())), Some(0));
+    }
+
+    #[test]
+    fn what_an_engines_kv_events_show_it_prefilled_for_others_counts_in_its_future_wait() {
+        use crate::select::kv_index::{ChatTemplate, Detokenizer, Stored};
+        let (_reg, nodes) = nodes(2);
+        for node in &nodes {
+            learn(node, 50.0, 500.0, 16);
+        }
+        // This replica sent each node the same light traffic...
+        let start = now_ms().saturating_sub(4_000);
+        for node in &nodes {
+            for i in 0..8 {
+                node.counters().recent_work.add(100.0, start + i * 500);
+            }
+        }
+        let policy = scored(ScoreWeights { future: 3.0, ..WEIGHTS });
+        let miss = "m".repeat(4096);
+        let costs = policy.costs(&nodes, &ctx(miss.as_bytes()));
+        assert_eq!(costs[0], costs[1]);
+        // ...but node 0's engine stored 64 KiB of blocks lately: other replicas' prompts.
+        let index = Arc::new(KvIndex::new(Detokenizer::FixedWidth(4), ChatTemplate::mock(), 1 << 16));
+        for node in &nodes {
+            index.set_live(node.url(), 0, true);
+        }
+        let ids: Vec<u64> = (0..16_384u64).map(|i| 0x6161_0000 + i % 1000).collect();
+        let hashes: Vec<u64> = (0..8_192).collect();
+        index.stored(nodes[0].url(), 0, Stored { hashes: &hashes, parent: None, token_ids: &ids, block_size: 2 });
+        policy.use_kv_index(Some(index));
+        let estimates = policy.estimates(&nodes, &ctx(miss.as_bytes()));
+        assert!(estimates[0].unwrap().future > 2.0 * estimates[1].unwrap().future, "{estimates:?}");
+        assert_eq!(policy.pick(&nodes, &ctx(miss.as_bytes())), Some(1));
     }
 
     #[test]

@@ -23,6 +23,9 @@ use std::sync::{PoisonError, RwLock};
 
 use rustc_hash::{FxHashMap, FxHasher};
 
+use crate::clock::now_ms;
+use crate::node::recent_work::{faded, FADE_MS};
+
 pub(crate) use text::{render, ChatTemplate, Detokenizer};
 
 /// The key of the empty chain, which first blocks extend.
@@ -59,6 +62,10 @@ struct Stream {
     events: u64,
     /// Its subscriber follows it with no gap: what it holds is known.
     live: bool,
+    /// Bytes of text in the blocks it stored lately (faded, `recent_work::faded`, as of
+    /// `stored_at_ms`): the prefill its engine did, whoever sent the requests.
+    stored_bytes: f64,
+    stored_at_ms: u64,
 }
 
 #[derive(Debug, Default)]
@@ -170,6 +177,7 @@ impl KvIndex {
         }
         let now = self.tick();
         let mut text = Vec::new();
+        let mut new_bytes = 0usize;
         for (i, &hash) in event.hashes.iter().enumerate() {
             let Some(ids) = event.token_ids.get(i * event.block_size..(i + 1) * event.block_size) else {
                 break;
@@ -194,10 +202,15 @@ impl KvIndex {
             });
             if !block.holders.contains(&slot) {
                 block.holders.push(slot);
+                new_bytes += text.len();
             }
             block.touched.store(now, Ordering::Relaxed);
             parent = key;
         }
+        let at = now_ms();
+        #[allow(clippy::cast_precision_loss)]
+        let bytes = faded(stream.stored_bytes, stream.stored_at_ms, at) + new_bytes as f64;
+        (stream.stored_bytes, stream.stored_at_ms) = (bytes, at);
         if inner.blocks.len() > self.max_blocks {
             evict_oldest(inner, self.max_blocks);
         }
@@ -314,6 +327,21 @@ impl KvIndex {
         let inner = self.inner.read().unwrap_or_else(PoisonError::into_inner);
         let slots = live_slots(&inner, nodes);
         Some((prompt.len(), self.walk(&inner, &prompt, &slots)))
+    }
+
+    /// For each of `nodes`, the KiB of prompt its engine has prefilled a millisecond lately,
+    /// from the blocks its events stored (whoever sent the requests: other replicas, traffic
+    /// that bypasses pdproxy); `None` for a node not followed live.
+    pub(crate) fn prefilled_kib_per_ms(&self, nodes: &[&str], now_ms: u64) -> Vec<Option<f64>> {
+        let inner = self.inner.read().unwrap_or_else(PoisonError::into_inner);
+        live_slots(&inner, nodes)
+            .into_iter()
+            .map(|slots| {
+                let streams = slots?.into_iter().filter_map(|slot| inner.streams[slot as usize].as_ref());
+                let bytes: f64 = streams.map(|s| faded(s.stored_bytes, s.stored_at_ms, now_ms)).sum();
+                Some(bytes / 1024.0 / FADE_MS)
+            })
+            .collect()
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -490,6 +518,22 @@ mod tests {
         index.cleared("a", 0);
         assert!(index.is_empty());
         assert_eq!(index.matched_tokens(b"the cat sat on the mat", &["a"]), vec![0]);
+    }
+
+    #[test]
+    fn the_bytes_a_node_newly_stored_lately_tell_how_fast_it_prefilled() {
+        let index = index(1000);
+        store(&index, "a", "the cat sat on the mat!!", 0);
+        store(&index, "a", "the cat sat on the mat!!", 0); // held already: no new work
+        store(&index, "b", "the cat ", 100);
+        let now = now_ms();
+        let rates = index.prefilled_kib_per_ms(&["a", "b", "c"], now);
+        let kib = |bytes: f64| bytes / 1024.0 / FADE_MS;
+        assert!((rates[0].unwrap() - kib(24.0)).abs() < kib(1.0), "{rates:?}");
+        assert!((rates[1].unwrap() - kib(8.0)).abs() < kib(1.0), "{rates:?}");
+        assert_eq!(rates[2], None, "not followed");
+        let later = index.prefilled_kib_per_ms(&["a"], now + 16_000)[0].unwrap();
+        assert!(later < kib(1.0), "it fades: {later}");
     }
 
     #[test]
