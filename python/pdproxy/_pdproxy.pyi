@@ -6,9 +6,11 @@ from pathlib import Path
 from typing import ClassVar, Literal, Protocol, TypedDict, final, type_check_only
 
 # The data plane reads these by attribute or key (rust/src/py/config.rs, rust/src/py/node.rs,
-# rust/src/py/tenants.rs); their fields are declared once, in Python.
+# rust/src/py/tenants.rs), or answers in their shape (`NodeFields`, for `Router.node`); their
+# fields are declared once, in Python.
 from .config.settings import Settings
 from .fleet.node_record import NodeRecord
+from .fleet.node_snapshot import NodeFields
 from .server.tenants import TenantEntry, TenantLimits
 
 __version__: str
@@ -41,127 +43,13 @@ def pd_prefill_body(protocol: str, path: str, body: bytes) -> bytes:
 # checker only: import them under `typing.TYPE_CHECKING`.
 
 @type_check_only
-class Histogram(TypedDict):
-    """A histogram: per-bucket `counts` (one more than `bounds`: +Inf last), `sum`, `count`."""
-
-    bounds: list[float]
-    counts: list[int]
-    sum: float
-    count: int
-
-@type_check_only
-class NodeHistograms(TypedDict):
-    """Seconds from admission to the end of the body, to the first byte, between chunks."""
-
-    duration: Histogram
-    ttft: Histogram
-    itl: Histogram
-
-@type_check_only
-class EngineReport(TypedDict):
-    """What a node's engine last reported about itself (None: never read, or not reported)."""
-
-    running: int | None
-    waiting: int | None
-    kv_usage: float | None
-    prompt_tokens: int | None
-    cached_tokens: int | None
-    kv_capacity_tokens: int | None
-    #: Prompt tokens whose KV came over a KV connector (a decode node's), apart from cache hits.
-    transferred_tokens: int | None
-    #: Seconds since the last good reading.
-    age: float | None
-    #: Younger than `engine_metrics_max_age`: policies use it.
-    fresh: bool
-    #: Requests sent to the node since the reading (while fresh).
-    sent_since: int | None
-    requests_estimate: float | None
-    #: Requests the engine had at the reading that pdproxy cannot have sent (another replica's,
-    #: traffic that bypasses it), at least (while fresh).
-    others: int | None
-    restarts: int
-    failures: int
-    #: Readings failed in a row.
-    failing: int
-    learnt: LearntSpeed
-
-@type_check_only
-class LearntSpeed(TypedDict):
-    """What pdproxy learnt of a node's engine from its answers (None: not yet); `scored` prices
-    each choice with it."""
-
-    #: Seconds of prefill per KiB of prompt not in the engine's cache.
-    prefill_seconds_per_kib: float | None
-    #: Seconds to a first token besides the prefill.
-    first_token_seconds: float | None
-    #: Seconds a request decodes after its first token.
-    decode_seconds: float | None
-    #: Requests the engine runs at once while others wait.
-    batch_slots: float | None
-    #: A whole request's seconds per request in flight when it was sent.
-    seconds_per_request_in_flight: float | None
-    #: Prefill is no slower than this (seconds per KiB), from whole answers.
-    prefill_bound_seconds_per_kib: float | None
-    #: Of the answers that said what the engine found in its cache: the hits the routing
-    #: policy predicted for them (prompt bytes), and those the engine reported (tokens).
-    predicted_cached_bytes: int
-    reported_cached_tokens: int
-    #: First tokens behind the prefill figures (weighted: recent ones count more).
-    samples: float
-
-@type_check_only
-class _NodeFields(TypedDict):
-    """What a node was registered with (rust/src/py/node.rs `record_dict`), and where it is reached."""
-
-    url: str
-    generation: int
-    role: str
-    #: The models it serves (its own `/v1/models` once discovered).
-    models: list[str]
-    #: The models it was registered with (None: ask the node).
-    declared_models: list[str] | None
-    speed: float | None
-    max_concurrency: int | None
-    has_api_key: bool
-    bootstrap_port: int | None
-    lease_ttl: float | None
-    labels: dict[str, str]
-    #: `HOST:PORT` it is connected to, when not resolved from the URL.
-    address: str | None
-
-@type_check_only
-class NodeInfo(_NodeFields):
+class NodeInfo(NodeFields):
     """One node, as `Router.node(url)` answers: its record with the key, and its state."""
 
     api_key: str | None
     state: str
     circuit: str
     in_flight: int
-
-@type_check_only
-class NodeSnapshot(_NodeFields):
-    """One node in `Router.nodes()`: its record (never the key), state and counters."""
-
-    state: str
-    circuit: str
-    in_flight: int
-    requests: int
-    succeeded: int
-    failed: int
-    #: Refused by the node as the client's error (4xx but 429): neither succeeded nor failed.
-    client_errors: int
-    connect_failures: int
-    cancelled: int
-    events: int
-    #: Seconds (None until a request has succeeded).
-    mean_latency: float | None
-    recent_latency: float | None
-    recent_latencies: list[float]
-    recent_latency_per_token: float | None
-    mean_ttft: float | None
-    ttft_ewma: float | None
-    histograms: NodeHistograms
-    engine: EngineReport
 
 @type_check_only
 class RoutingFields(TypedDict):
@@ -225,6 +113,32 @@ class NodeAddressRules:
         checked once it resolves, when the node is added)."""
 
 @final
+class HistogramReading:
+    """A histogram, copied: per-bucket (not cumulative) `counts`, one more than `bounds` (+Inf
+    last), in seconds; `sum` and `count` of the observations."""
+
+    @property
+    def bounds(self) -> list[float]: ...
+    @property
+    def counts(self) -> list[int]: ...
+    @property
+    def sum(self) -> float: ...
+    @property
+    def count(self) -> int: ...
+
+@final
+class LatencyHistograms:
+    """A node's histograms: seconds from admission to the end of the body (`duration`), to the
+    first byte (`ttft`), and between chunks (`itl`)."""
+
+    @property
+    def duration(self) -> HistogramReading: ...
+    @property
+    def ttft(self) -> HistogramReading: ...
+    @property
+    def itl(self) -> HistogramReading: ...
+
+@final
 class LearntReading:
     """What pdproxy learnt of a node's engine from its answers (None: not yet)."""
 
@@ -249,7 +163,7 @@ class LearntReading:
 
 @final
 class EngineReading:
-    """What a node's engine last reported about itself (see `EngineReport`)."""
+    """What a node's engine last reported about itself (None: never read, or not reported)."""
 
     @property
     def running(self) -> int | None: ...
@@ -264,7 +178,8 @@ class EngineReading:
     @property
     def kv_capacity_tokens(self) -> int | None: ...
     @property
-    def transferred_tokens(self) -> int | None: ...
+    def transferred_tokens(self) -> int | None:
+        """Prompt tokens whose KV came over a KV connector (a decode node's), apart from cache hits."""
     @property
     def age(self) -> float | None:
         """Seconds since the last good reading."""
@@ -322,7 +237,8 @@ class NodeView:
     def address(self) -> str | None:
         """`HOST:PORT` it is connected to, when not resolved from the URL."""
     @property
-    def state(self) -> str | None: ...
+    def state(self) -> str:
+        """healthy, unhealthy, draining, sleeping or initializing."""
     @property
     def circuit(self) -> str: ...
     @property
@@ -334,17 +250,33 @@ class NodeView:
     @property
     def failed(self) -> int: ...
     @property
-    def client_errors(self) -> int: ...
+    def client_errors(self) -> int:
+        """Refused by the node as the client's error (4xx but 429): neither succeeded nor failed."""
+    @property
+    def connect_failures(self) -> int: ...
     @property
     def cancelled(self) -> int: ...
+    @property
+    def events(self) -> int:
+        """Server-sent events forwarded."""
     @property
     def mean_latency(self) -> float | None:
         """Seconds (None until a request has succeeded)."""
     @property
-    def mean_ttft(self) -> float | None: ...
+    def recent_latency(self) -> float | None:
+        """Mean of the recent durations, seconds."""
     @property
     def recent_latencies(self) -> list[float]:
         """Recent request durations, seconds."""
+    @property
+    def recent_latency_per_token(self) -> float | None:
+        """Mean of the recent durations per event, seconds."""
+    @property
+    def mean_ttft(self) -> float | None: ...
+    @property
+    def ttft_ewma(self) -> float | None: ...
+    @property
+    def histograms(self) -> LatencyHistograms: ...
     @property
     def engine(self) -> EngineReading: ...
 
@@ -365,7 +297,7 @@ class Router:
     def queued(self) -> int:
         """Requests waiting for a node with room."""
 
-    def queue_wait(self) -> Histogram:
+    def queue_wait(self) -> HistogramReading:
         """How long queued requests waited, in seconds."""
 
     @property
@@ -457,10 +389,6 @@ class Router:
 
     def models(self) -> list[str]:
         """Models served by the registered nodes, deduplicated."""
-
-    def nodes(self) -> list[NodeSnapshot]:
-        """A snapshot of each node: its record (never the key), state, counters, latencies,
-        histograms, and what its engine last reported."""
 
     def engine_reading_asked(self, url: str) -> None:
         """Marks that a reading of a node's engine metrics is being asked for: the next

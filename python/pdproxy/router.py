@@ -24,9 +24,10 @@ from .errors import NoNodeAvailable
 from .fleet.model_cards import merged_card
 from .fleet.model_discovery import ModelDiscovery
 from .fleet.node_record import NodeRecord, configured_nodes
+from .fleet.node_snapshot import Histogram, NodeSnapshot, histogram, node_snapshot
 
 if TYPE_CHECKING:
-    from ._pdproxy import Histogram, NodeAddressRules, NodeInfo, NodeSnapshot, NodeView, RoutingFields
+    from ._pdproxy import NodeAddressRules, NodeInfo, NodeView, RoutingFields
 
 __all__ = ["NodeSummary", "Router", "RouterStats"]
 
@@ -138,7 +139,7 @@ class Router:
     def queue_wait(self) -> Histogram:
         """How long queued requests waited (a histogram: ``bounds`` in seconds, per-bucket
         ``counts`` with +Inf last, ``sum``, ``count``)."""
-        return self._core.queue_wait()
+        return histogram(self._core.queue_wait())
 
     @property
     def retries(self) -> int:
@@ -242,30 +243,36 @@ class Router:
         """Sets (or with ``None`` lifts) a node's hard cap on requests in flight."""
         self._core.set_max_concurrency(url, max_concurrency)
 
+    def views(self) -> list[NodeView]:
+        """Every node, typed (``_pdproxy.NodeView``), copied at one moment: its record (never the
+        key), state, counters, latencies, histograms, and what its engine last reported."""
+        return self._core.views()
+
     def nodes(self) -> list[NodeSnapshot]:
-        """One snapshot of every node: url, role, models, state, in_flight, counts, latencies."""
-        return self._core.nodes()
+        """The same as ``views()``, as dicts: url, role, models, state, in_flight, counts,
+        latencies, histograms, engine."""
+        return [node_snapshot(view) for view in self._core.views()]
 
     def summary(self) -> list[NodeSummary]:
         """Per node, what a person reads first (``nodes()`` has everything, histograms included)."""
         return [
             NodeSummary(
-                url=node["url"],
-                role=node["role"],
-                state=node["state"],
-                models=node["models"],
-                in_flight=node["in_flight"],
-                requests=node["requests"],
-                succeeded=node["succeeded"],
-                failed=node["failed"],
-                mean_latency=node["mean_latency"],
+                url=node.url,
+                role=node.role,
+                state=node.state,
+                models=node.models,
+                in_flight=node.in_flight,
+                requests=node.requests,
+                succeeded=node.succeeded,
+                failed=node.failed,
+                mean_latency=node.mean_latency,
             )
-            for node in self._core.nodes()
+            for node in self.views()
         ]
 
     def stats(self) -> RouterStats:
         """Nodes, queue and policies in one snapshot."""
-        return RouterStats(nodes=self._core.nodes(), queued=self._core.queued, policies=self.policies)
+        return RouterStats(nodes=self.nodes(), queued=self._core.queued, policies=self.policies)
 
     def models(self) -> list[str]:
         """The models served by the registered nodes, deduplicated."""
@@ -274,7 +281,7 @@ class Router:
     def model_card(self, model: str) -> JsonObject:
         """OpenAI's ``Model`` for ``model``, with what the healthy nodes serving it said about it
         in their ``/v1/models`` (``max_model_len`` and the rest), merged (see ``fleet.model_cards``)."""
-        serving = (n["url"] for n in self._core.nodes() if n["state"] == "healthy" and model in n["models"])
+        serving = (n.url for n in self.views() if n.state == "healthy" and model in n.models)
         cards = (self._discovery.card(url, model) for url in serving)
         return merged_card(model, (card for card in cards if card is not None))
 

@@ -49,18 +49,6 @@ pub use select::{policy_from_spec, PolicySpec, SelectCtx, POLICY_NAMES};
 pub use upstream::forward::{ForwardConfig, Forwarder, ResponseBody, StreamBody, UpstreamResponse};
 pub use upstream::request::ForwardRequest;
 pub use upstream::retry::RetryBudget;
-// Types the items above name in their signatures and public fields.
-pub use engine::admission::Admission;
-pub use node::counters::{CountersSnapshot, NodeCounters};
-pub use node::place::Counters;
-pub use node::registry::NodeSet;
-pub use node::Role;
-pub use observe::trace::spans::Traced;
-pub use observe::trace::TracingConfig;
-pub use select::kv_index::KvIndex;
-pub use select::{Policy, Prediction};
-pub use select::{PrefixConfig, PrefixTableConfig, ScoreWeights};
-pub use tenants::Class;
 
 /// Rust's allocations in this library (Python's own are untouched): the edge allocates and
 /// frees small buffers for every request on several threads, where mimalloc is much cheaper.

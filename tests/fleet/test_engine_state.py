@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -44,16 +43,6 @@ def body(prompt: str, max_tokens: int = 4, stream: bool = False) -> dict[str, An
         "ignore_eos": True,
         "stream": stream,
     }
-
-
-async def poll(what: str, check: Callable[[], Awaitable[bool]], timeout: float = 15.0) -> None:
-    """Awaits ``check`` until it holds (the engines in this loop keep serving meanwhile)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if await check():
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 async def status(http: aiohttp.ClientSession, proxy: Process, url: str) -> dict[str, Any]:
@@ -214,7 +203,7 @@ async def test_a_simulated_engine_reuses_cached_prompts_and_queues_past_its_batc
                 assert reading is not None
                 return (reading.running, reading.waiting) == (2, 3)
 
-            await poll("2 running and 3 waiting", two_running_three_waiting)
+            await eventually(two_running_three_waiting, "2 running and 3 waiting", timeout=15)
 
 
 # -- reading the engines' /metrics ----------------------------------------------------------------
@@ -234,7 +223,7 @@ async def test_engine_figures_are_read_in_each_engines_dialect(
                     s = await status(http, proxy, e.url)
                     return s["fresh"] and (s["running"], s["waiting"]) == (2, 1)
 
-                await poll("the engine's 2 running and 1 waiting in /nodes/status", read)
+                await eventually(read, "the engine's 2 running and 1 waiting in /nodes/status", timeout=15)
                 s = await status(http, proxy, e.url)
                 assert s["dialect"] == dialect
                 assert s["last_error"] is None
@@ -260,10 +249,10 @@ async def test_an_engine_put_to_sleep_gets_no_traffic_until_it_wakes(
                 async with http.get(proxy.url + "/nodes/status") as r:
                     return bool((await r.json())[sleeper.url]["state"] == wanted)
 
-            await poll("both nodes healthy", lambda: state_is("healthy"))
+            await eventually(lambda: state_is("healthy"), "both nodes healthy", timeout=15)
             async with http.post(sleeper.url + "/sleep", params={"level": "1"}) as r:
                 assert r.status == 200
-            await poll("the sleeping engine out of routing", lambda: state_is("sleeping"))
+            await eventually(lambda: state_is("sleeping"), "the sleeping engine out of routing", timeout=15)
             async with http.get(sleeper.url + "/mock/stats") as r:
                 before = (await r.json())["requests"]
             for _ in range(6):
@@ -275,7 +264,7 @@ async def test_an_engine_put_to_sleep_gets_no_traffic_until_it_wakes(
             assert await state_is("sleeping")
             async with http.post(sleeper.url + "/wake_up") as r:
                 assert r.status == 200
-            await poll("the woken engine back in routing", lambda: state_is("healthy"))
+            await eventually(lambda: state_is("healthy"), "the woken engine back in routing", timeout=15)
 
 
 def test_vllms_sleep_state_is_read() -> None:
@@ -304,7 +293,7 @@ async def test_failing_readings_are_counted_shown_and_their_figures_expire(
                 s = await status(http, proxy, e.url)
                 return bool(s["fresh"]) and s["last_error"] is None
 
-            await poll("a first reading", fresh)
+            await eventually(fresh, "a first reading", timeout=15)
             for knobs, error in (
                 ({"metrics_status": 500}, "/metrics answered 500"),
                 ({"metrics_status": 200, "metrics_body": "foreign"}, "no vLLM, SGLang or LMDeploy engine metrics"),
@@ -318,14 +307,14 @@ async def test_failing_readings_are_counted_shown_and_their_figures_expire(
                     s = await status(http, proxy, e.url)
                     return s["failures"] > before and error in (s["last_error"] or "")
 
-                await poll(f"the failure {error!r} shown", failing)
+                await eventually(failing, f"the failure {error!r} shown", timeout=15)
 
             # A second past the last good reading, its figures are no longer routed by (nor shown
             # as current on the dashboard), but the last ones are kept for the status page.
             async def expired() -> bool:
                 return not (await status(http, proxy, e.url))["fresh"]
 
-            await poll("the figures to expire", expired, timeout=5)
+            await eventually(expired, "the figures to expire", timeout=5)
             s = await status(http, proxy, e.url)
             assert s["running"] == 0
             assert s["age"] >= 1
@@ -335,7 +324,7 @@ async def test_failing_readings_are_counted_shown_and_their_figures_expire(
             assert f'pdproxy_engine_report_failures_total{{node="{e.url}"}}' in text
             async with http.post(e.url + "/mock/config", json={"metrics_body": "prometheus"}) as r:
                 assert r.status == 200
-            await poll("a good reading again", fresh)
+            await eventually(fresh, "a good reading again", timeout=15)
             assert (await status(http, proxy, e.url))["failing"] == 0
 
 
@@ -355,7 +344,7 @@ async def test_the_engine_aware_policies_avoid_an_engine_busy_with_others_traffi
                     s = await status(http, proxy, loaded.url)
                     return bool(s["fresh"]) and s["waiting"] == 2
 
-                await poll("the busy engine's queue in /nodes/status", seen)
+                await eventually(seen, "the busy engine's queue in /nodes/status", timeout=15)
                 before = idle.state.requests
                 for i in range(6):
                     async with http.post(proxy.url + "/v1/chat/completions", json=body(f"question {i}")) as r:

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from pdproxy.config.settings import DiscoverySettings
 from pdproxy.fleet.node_sources.found import SourceState
 from pdproxy.fleet.node_sources.kube_api import KubeApi, KubeApiError
 from pdproxy.fleet.node_sources.kubernetes import PodWatcher, Selection
@@ -214,7 +215,8 @@ async def test_a_watch_from_a_forgotten_version_gets_410_and_lists_again(tmp_pat
     kube = KubeApi(str(kubeconfig(tmp_path / "kubeconfig", api)))
     changed: list[str] = []
     state = SourceState("kubernetes")
-    watcher = PodWatcher(kube, NS, Selection("app=vllm", None), "", 30.0, 1.0, state, changed.append)
+    discovery = DiscoverySettings(k8s_port="", k8s_relist_interval=30.0, k8s_max_backoff=1.0)
+    watcher = PodWatcher(kube, NS, Selection("app=vllm", None), discovery, state, changed.append)
     try:
         api.add_pod(NS, "a", ip="10.0.0.1", phase="Running", ready=True, labels={"app": "vllm"})
         listed = await kube.list_pods(NS, "app=vllm")

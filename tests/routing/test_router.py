@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 import pdproxy
+from pdproxy.fleet.node_snapshot import EngineReport, LearntSpeed, NodeSnapshot
 from pdproxy.testing import FAULT_HEADER, MockEngine
 from servers import chat_body, eventually, free_port
 
@@ -134,6 +135,32 @@ async def test_integer_roles_and_a_short_summary(engines: list[MockEngine]) -> N
         assert (served["requests"], served["succeeded"], served["in_flight"], served["models"]) == (1, 1, 0, ["m"])
         assert served["mean_latency"] > 0
         assert len(repr(summary)) < 250 * len(summary), "a summary, not the histograms"
+
+
+async def test_nodes_is_the_views_as_the_documented_dicts(engines: list[MockEngine]) -> None:
+    """`Router.nodes()` (public, read by key) carries every key its TypedDicts declare, in their
+    order, with the values of the typed views the control plane reads."""
+    async with pdproxy.Router(nodes=[engines[0].url]) as router:
+        response = await router.forward("/v1/chat/completions", body())
+        _ = [chunk async for chunk in response]
+        [node], [view] = router.nodes(), router.views()
+        assert list(node) == list(NodeSnapshot.__annotations__)
+        assert list(node["engine"]) == list(EngineReport.__annotations__)
+        assert list(node["engine"]["learnt"]) == list(LearntSpeed.__annotations__)
+        assert list(node["histograms"]) == ["duration", "ttft", "itl"]
+        assert (node["url"], node["succeeded"], node["events"]) == (view.url, view.succeeded, view.events)
+        assert node["succeeded"] == 1
+        assert node["events"] > 0
+        duration = node["histograms"]["duration"]
+        assert duration == {
+            "bounds": view.histograms.duration.bounds,
+            "counts": view.histograms.duration.counts,
+            "sum": view.histograms.duration.sum,
+            "count": 1,
+        }
+        assert len(duration["counts"]) == len(duration["bounds"]) + 1
+        assert node["engine"]["failures"] == view.engine.failures
+        assert router.stats()["nodes"] == router.nodes()
 
 
 async def test_first_byte_timeout(engines: list[MockEngine]) -> None:

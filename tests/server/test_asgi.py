@@ -71,10 +71,7 @@ async def test_disconnect_mid_stream_releases_the_node(engine: MockEngine) -> No
         router = app.supervisor.router
         await eventually(lambda: router.nodes()[0]["in_flight"] == 0, timeout=2, what="the node released")
         assert router.nodes()[0]["cancelled"] == 1
-        for _ in range(100):
-            if engine.state.disconnected:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: engine.state.disconnected, "the engine to see the client leave", timeout=2)
         assert engine.state.disconnected == 1
         # The app never claimed a normal end of the stream.
         assert not any(m["type"] == "http.response.body" and not m.get("more_body") for m in client.sent)

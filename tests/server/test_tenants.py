@@ -141,11 +141,10 @@ async def usage_of(http: aiohttp.ClientSession, proxy: str) -> dict[str, Any]:
 
 
 async def until_in_flight(http: aiohttp.ClientSession, proxy: str, tenant: str, count: int) -> None:
-    for _ in range(200):
-        if (await usage_of(http, proxy))[tenant]["in_flight"] == count:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"tenant {tenant} never had {count} request(s) in flight")
+    async def reached() -> bool:
+        return bool((await usage_of(http, proxy))[tenant]["in_flight"] == count)
+
+    await eventually(reached, f"tenant {tenant} to have {count} request(s) in flight", timeout=4)
 
 
 async def test_a_reloaded_tenants_file_takes_effect_without_dropping_a_request(
@@ -191,11 +190,10 @@ def proxy_edge() -> str:
 
 
 async def until_status(http: aiohttp.ClientSession, proxy: str, who: str, status: int) -> None:
-    for _ in range(100):
-        if (await ask(http, proxy, who))[0] == status:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"key {who} never got {status}")
+    async def answered() -> bool:
+        return bool((await ask(http, proxy, who))[0] == status)
+
+    await eventually(answered, f"key {who} to get {status}", timeout=5)
 
 
 async def test_two_replicas_share_a_limit_through_redis(tmp_path: Path, http: aiohttp.ClientSession) -> None:

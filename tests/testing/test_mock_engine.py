@@ -15,7 +15,7 @@ import pytest
 from pdproxy.errors import ConfigError
 from pdproxy.testing import FAULT_HEADER, MockEngine, MockSettings, parse_faults
 from pdproxy.testing.faults import FaultSpecError
-from servers import chat_body
+from servers import chat_body, eventually
 
 
 @pytest.fixture
@@ -186,10 +186,7 @@ async def test_fault_hang_then_client_leaves(engine: MockEngine, http: aiohttp.C
         ):
             pass
     # The engine sees the closed connection and stops working on the request.
-    for _ in range(200):
-        if engine.state.disconnected == 1:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: engine.state.disconnected == 1, "the engine to see the closed connection", timeout=2)
     assert engine.state.disconnected == 1
     assert engine.state.active == 0
 

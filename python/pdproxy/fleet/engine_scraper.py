@@ -77,7 +77,7 @@ class EngineScraper:
     async def read_all(self) -> bool:
         """One round: every node read, at most ``concurrency`` at once. True when some engine
         reported requests waiting."""
-        urls = [node["url"] for node in self._router.nodes()]
+        urls = [node.url for node in self._router.views()]
         queued = await asyncio.gather(*(self._read(url) for url in urls))
         for known in (self.errors, self.dialects):
             for url in set(known) - set(urls):

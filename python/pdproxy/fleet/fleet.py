@@ -37,6 +37,7 @@ from pdproxy.fleet.engine_scraper import EngineScraper
 from pdproxy.fleet.health import HealthChecker, HealthSummary
 from pdproxy.fleet.membership import Entry, Membership
 from pdproxy.fleet.node_record import NodeRecord, configured_nodes
+from pdproxy.fleet.node_snapshot import EngineReport, engine_report
 from pdproxy.fleet.node_sources import FoundBy, NodeSource, sources_for
 from pdproxy.fleet.tls import node_session
 from pdproxy.fleet.urls import parse_networks
@@ -60,42 +61,10 @@ LEASE_TICK = 1.0
 REGISTER_RETRY_MAX = 10.0
 
 
-class LearntStatus(TypedDict):
-    """What pdproxy learnt of a node's engine from its answers (see ``_pdproxy.LearntSpeed``)."""
-
-    prefill_seconds_per_kib: float | None
-    first_token_seconds: float | None
-    decode_seconds: float | None
-    batch_slots: float | None
-    seconds_per_request_in_flight: float | None
-    prefill_bound_seconds_per_kib: float | None
-    samples: float
-    predicted_cached_bytes: int
-    reported_cached_tokens: int
-
-
-class EngineStatus(TypedDict):
+class EngineStatus(EngineReport):
     """A node's engine in ``/nodes/status``: the data plane's reading (``_pdproxy.EngineReading``),
     then the scraper's dialect and last error."""
 
-    running: int | None
-    waiting: int | None
-    kv_usage: float | None
-    prompt_tokens: int | None
-    cached_tokens: int | None
-    kv_capacity_tokens: int | None
-    transferred_tokens: int | None
-    age: float | None
-    fresh: bool
-    sent_since: int | None
-    requests_estimate: float | None
-    #: Requests the engine had at the reading that pdproxy cannot have sent (another replica's,
-    #: traffic that bypasses it), at least.
-    others: int | None
-    restarts: int
-    failures: int
-    failing: int
-    learnt: LearntStatus
     dialect: str | None
     last_error: str | None
 
@@ -337,7 +306,7 @@ class Fleet:
                 continue
             expires = time.monotonic() + remaining if isinstance(remaining, int | float) else None
             wanted[record.url] = (record, expires)
-        for url in [n["url"] for n in self.router.nodes() if n["url"] not in wanted and n["url"] not in self.found]:
+        for url in [n.url for n in self.router.views() if n.url not in wanted and n.url not in self.found]:
             with contextlib.suppress(NodeNotFound):
                 self._remove_here(url)
         for url, (record, expires) in wanted.items():
@@ -472,7 +441,6 @@ class Fleet:
     ) -> NodeStatusRow:
         url = view.url
         expires = self.leases.get(url)
-        engine, learnt = view.engine, view.engine.learnt
         row = NodeStatusRow(
             speed=view.speed,
             max_concurrency=view.max_concurrency,
@@ -500,32 +468,7 @@ class Fleet:
             if expires is None
             else LeaseStatus(ttl=view.lease_ttl, expires_in=round(expires - time.monotonic(), 3)),
             engine=EngineStatus(
-                running=engine.running,
-                waiting=engine.waiting,
-                kv_usage=engine.kv_usage,
-                prompt_tokens=engine.prompt_tokens,
-                cached_tokens=engine.cached_tokens,
-                kv_capacity_tokens=engine.kv_capacity_tokens,
-                transferred_tokens=engine.transferred_tokens,
-                age=engine.age,
-                fresh=engine.fresh,
-                sent_since=engine.sent_since,
-                requests_estimate=engine.requests_estimate,
-                others=engine.others,
-                restarts=engine.restarts,
-                failures=engine.failures,
-                failing=engine.failing,
-                learnt=LearntStatus(
-                    prefill_seconds_per_kib=learnt.prefill_seconds_per_kib,
-                    first_token_seconds=learnt.first_token_seconds,
-                    decode_seconds=learnt.decode_seconds,
-                    batch_slots=learnt.batch_slots,
-                    seconds_per_request_in_flight=learnt.seconds_per_request_in_flight,
-                    prefill_bound_seconds_per_kib=learnt.prefill_bound_seconds_per_kib,
-                    samples=learnt.samples,
-                    predicted_cached_bytes=learnt.predicted_cached_bytes,
-                    reported_cached_tokens=learnt.reported_cached_tokens,
-                ),
+                **engine_report(view.engine),
                 dialect=self.engines.dialects.get(url),
                 last_error=self.engines.errors.get(url),
             ),
@@ -590,7 +533,7 @@ class Fleet:
         # In a worker group only the leader writes it.
         if self.settings.server.state_file and (self.group is None or self.group.leader):
             try:
-                records = [self._record_of(n["url"]) for n in self.router.nodes() if n["url"] not in self.found]
+                records = [self._record_of(n.url) for n in self.router.views() if n.url not in self.found]
                 state_file.save(self.settings.server.state_file, [r.saved() for r in records if r is not None])
             except OSError as e:
                 log.error("state file %s not written: %s", self.settings.server.state_file, e)

@@ -136,7 +136,7 @@ class HealthChecker:
     async def check_all(self) -> None:
         """One round: every node probed concurrently, passive failures counted. Each node's
         check stands alone: whatever one node answers, the others are checked."""
-        passive = {n["url"]: n["connect_failures"] for n in self._router.nodes()}
+        passive = {n.url: n.connect_failures for n in self._router.views()}
         checks = []
         for url, health in list(self.nodes.items()):
             seen = passive.get(url)

@@ -29,6 +29,8 @@ __all__ = ["NodeAttributes", "NodeRecord", "configured_nodes", "validation_field
 ROLES = {"hybrid": "hybrid", "1": "hybrid", "prefill": "prefill", "2": "prefill", "decode": "decode", "3": "decode"}
 #: The largest cap on a node's requests in flight (the data plane counts in 32 bits).
 MAX_CONCURRENCY = 2**32 - 1
+#: The largest port (the data plane keeps a bootstrap port in 16 bits).
+MAX_PORT = 2**16 - 1
 #: Error type of a value the node table refuses (a 400 ``invalid_node``, not ``invalid_request``).
 INVALID_NODE = "invalid_node"
 #: The validation context's key for a record whose data-plane rules are checked as it is added.
@@ -37,7 +39,13 @@ _UNCHECKED = "unchecked"
 
 class NodeAttributes(BaseModel):
     """Everything a node is registered with besides its URL. Values keep their JSON types
-    (``strict``): a management body's ``"speed": "fast"`` is refused, never guessed at."""
+    (``strict``): a management body's ``"speed": "fast"`` is refused, never guessed at.
+
+    The validators here give each value the form the record keeps (a role's name, no cap or
+    key for 0 or empty) and refuse integers the data plane's types cannot hold; the node
+    table's rules (a positive speed and lease, a non-zero port, a key fit for a header, the
+    URL's) are the data plane's alone (``NodeSpec::check`` in ``rust/src/node/mod.rs``),
+    applied as a record is built (``NodeRecord``) or, for an unchecked one, as it is added."""
 
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
@@ -77,16 +85,9 @@ class NodeAttributes(BaseModel):
     @field_validator("bootstrap_port")
     @classmethod
     def _port(cls, value: int | None) -> int | None:
-        if value is not None and not 0 < value < 65536:
+        if value is not None and not 0 <= value <= MAX_PORT:
             raise PydanticCustomError(INVALID_NODE, "bootstrap_port must be a port number")
-        return value
-
-    @field_validator("lease_ttl")
-    @classmethod
-    def _lease(cls, value: float | None) -> float | None:
-        if value is not None and not value > 0:
-            raise PydanticCustomError(INVALID_NODE, "lease_ttl must be a positive number of seconds")
-        return value
+        return value  # 0 is the data plane's to refuse, with the node's other rules
 
 
 class NodeRecord(NodeAttributes):

@@ -103,8 +103,8 @@ class KvEventFollower:
             await asyncio.sleep(RECONCILE_S)
 
     async def reconcile(self) -> None:
-        nodes = {n["url"]: n for n in self._core.nodes()}
-        healthy = {url for url, n in nodes.items() if n.get("state") == "healthy"}
+        nodes = {n.url: n.state for n in self._core.views()}
+        healthy = {url for url, state in nodes.items() if state == "healthy"}
         for key in [k for k in self._subscriptions if k[0] not in healthy]:
             await self._drop(key, "not healthy" if key[0] in nodes else "removed")
         for url in set(self.errors) - set(nodes):

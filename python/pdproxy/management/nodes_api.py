@@ -78,7 +78,7 @@ async def terminate(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tup
 
 async def terminate_all(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     results: dict[str, TerminateResult] = {}
-    for url in [n["url"] for n in fleet.router.nodes()]:
+    for url in [n.url for n in fleet.router.views()]:
         try:
             await fleet.terminate(url)
             results[url] = TerminateResult(terminated=True)
@@ -142,8 +142,7 @@ async def debug_state(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> t
     resources that must not grow."""
     state = DebugState(
         nodes={
-            n["url"]: NodeCounts(in_flight=n["in_flight"], circuit=n["circuit"], state=n["state"])
-            for n in fleet.router.nodes()
+            n.url: NodeCounts(in_flight=n.in_flight, circuit=n.circuit, state=n.state) for n in fleet.router.views()
         },
         queued=fleet.router.queued,
         policies=fleet.router.policies,

@@ -69,17 +69,17 @@ async def remove_worker(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) ->
 
 
 async def list_workers(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
-    return 200, {"urls": [node["url"] for node in fleet.router.nodes()]}
+    return 200, {"urls": [node.url for node in fleet.router.views()]}
 
 
 async def get_loads(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     # The load is what pdproxy itself counts: the worker's requests in flight through it.
-    return 200, {"workers": [{"worker": n["url"], "load": n["in_flight"]} for n in fleet.router.nodes()]}
+    return 200, {"workers": [{"worker": n.url, "load": n.in_flight} for n in fleet.router.views()]}
 
 
 async def flush_cache(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     """Asks every node to flush its prefix cache (SGLang's and vLLM's ``POST /flush_cache``)."""
-    urls = [node["url"] for node in fleet.router.nodes()]
+    urls = [node.url for node in fleet.router.views()]
     async with node_session(fleet.settings.security.node_ca_file, fleet.settings.timeouts.admin) as session:
         answers = await asyncio.gather(*(_flush(session, url, fleet.api_key_of(url)) for url in urls))
     results = dict(zip(urls, answers, strict=True))
@@ -107,9 +107,9 @@ async def _flush(session: aiohttp.ClientSession, url: str, key: str | None) -> J
 def readiness(fleet: Fleet) -> tuple[int, JsonObject]:
     """vllm-router's and the SGLang gateway's ``/readiness``: ready with a healthy node (with
     DistServe, a healthy prefill node and a healthy decode node)."""
-    nodes = fleet.router.nodes()
-    healthy = [n for n in nodes if n["state"] == "healthy"]
-    roles = {n["role"] for n in healthy}
+    nodes = fleet.router.views()
+    healthy = [n for n in nodes if n.state == "healthy"]
+    roles = {n.role for n in healthy}
     ready = {"prefill", "decode"} <= roles if fleet.pd is not None else bool(healthy)
     if ready:
         return 200, {"status": "ready", "healthy_workers": len(healthy), "total_workers": len(nodes)}
@@ -156,12 +156,12 @@ def _generate_groups(fleet: Fleet) -> list[tuple[str, list[str]]]:
     """Which nodes to ask, in groups of which one must generate: any healthy node, or with
     DistServe a prefill node and a decode node. Least busy first, as a probe should not queue
     behind traffic; an open circuit takes no traffic, so it does not count as healthy here."""
-    nodes = sorted(fleet.router.nodes(), key=lambda n: n["in_flight"])
-    usable = [n for n in nodes if n["state"] == "healthy" and n["circuit"] != "open"]
+    nodes = sorted(fleet.router.views(), key=lambda n: n.in_flight)
+    usable = [n for n in nodes if n.state == "healthy" and n.circuit != "open"]
     if fleet.pd is None:
-        return [("healthy node", [n["url"] for n in usable][:GENERATE_TRIES])]
+        return [("healthy node", [n.url for n in usable][:GENERATE_TRIES])]
     return [
-        (f"healthy {role} node", [n["url"] for n in usable if n["role"] == role][:GENERATE_TRIES])
+        (f"healthy {role} node", [n.url for n in usable if n.role == role][:GENERATE_TRIES])
         for role in ("prefill", "decode")
     ]
 

@@ -27,7 +27,7 @@ from pdproxy.server.inference import path_as_sent
 from pdproxy.server.responses import read_json
 
 if TYPE_CHECKING:
-    from pdproxy._pdproxy import NodeInfo, NodeSnapshot
+    from pdproxy._pdproxy import NodeView
     from pdproxy.fleet.fleet import Fleet
 
 __all__ = ["WORKERS_ROUTES", "worker_id"]
@@ -176,24 +176,24 @@ class WorkerAccepted(TypedDict):
     ignored: NotRequired[list[str]]
 
 
-def _worker_info(node: NodeInfo | NodeSnapshot, dialect: str | None) -> WorkerInfo:
+def _worker_info(node: NodeView, dialect: str | None) -> WorkerInfo:
     info = WorkerInfo(
-        id=worker_id(node["url"]),
-        url=node["url"],
-        worker_type=WORKER_TYPES[node["role"]],
+        id=worker_id(node.url),
+        url=node.url,
+        worker_type=WORKER_TYPES[node.role],
         connection_mode="http",
         runtime_type=dialect if dialect in RUNTIMES else "unspecified",
-        is_healthy=node["state"] == "healthy",
-        status=STATUSES.get(node["state"], "not_ready"),
-        load=node["in_flight"],
+        is_healthy=node.state == "healthy",
+        status=STATUSES.get(node.state, "not_ready"),
+        load=node.in_flight,
     )
-    if node["models"]:
-        info["model_id"] = node["models"][0]
-        info["models"] = [ModelCardAnswer(id=model) for model in node["models"]]
-    if node["labels"]:
-        info["labels"] = dict(node["labels"])
-    if node["bootstrap_port"] is not None:
-        info["bootstrap_port"] = node["bootstrap_port"]
+    if node.models:
+        info["model_id"] = node.models[0]
+        info["models"] = [ModelCardAnswer(id=model) for model in node.models]
+    if node.labels:
+        info["labels"] = dict(node.labels)
+    if node.bootstrap_port is not None:
+        info["bootstrap_port"] = node.bootstrap_port
     return info
 
 
@@ -210,9 +210,9 @@ def _addressed(fleet: Fleet, scope: HTTPScope) -> str:
         raise InvalidRequest(
             f"{raw!r} is neither a worker id (a UUID, as GET /workers gives) nor a worker's URL", param="worker_id"
         ) from None
-    for node in fleet.router.nodes():
-        if worker_id(node["url"]) == wanted:
-            return node["url"]
+    for node in fleet.router.views():
+        if worker_id(node.url) == wanted:
+            return node.url
     raise NodeNotFound(f"no worker has the id {wanted}")
 
 
@@ -231,8 +231,8 @@ async def list_workers_rest(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive
     """``GET /workers[?model=M]``: every worker, or those serving ``M`` (a worker whose models
     are not known yet serves none: pdproxy sends it nothing until they are)."""
     model = query_param(scope, "model")
-    nodes = [n for n in fleet.router.nodes() if model is None or model in n["models"]]
-    workers = [_worker_info(n, fleet.engines.dialects.get(n["url"])) for n in nodes]
+    nodes = [n for n in fleet.router.views() if model is None or model in n.models]
+    workers = [_worker_info(n, fleet.engines.dialects.get(n.url)) for n in nodes]
     counts = Counter(w["worker_type"] for w in workers)
     stats = WorkerCounts(
         prefill_count=counts["prefill"], decode_count=counts["decode"], regular_count=counts["regular"]
@@ -258,7 +258,7 @@ async def create_worker(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) ->
 
 async def get_worker(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:
     url = _addressed(fleet, scope)
-    return 200, _worker_info(fleet.router.node(url), fleet.engines.dialects.get(url))
+    return 200, _worker_info(fleet.router.core.view(url), fleet.engines.dialects.get(url))
 
 
 async def replace_worker(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> tuple[int, object]:

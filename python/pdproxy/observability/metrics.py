@@ -14,7 +14,7 @@ from prometheus_client.registry import Collector
 from pdproxy import __version__
 
 if TYPE_CHECKING:
-    from pdproxy._pdproxy import Histogram, NodeSnapshot, TenantSnapshot
+    from pdproxy._pdproxy import HistogramReading, NodeView, TenantSnapshot
     from pdproxy.fleet.node_sources import NodeSource
     from pdproxy.pd.lmdeploy import DistServeStatus
     from pdproxy.server.group import GroupSummary
@@ -22,13 +22,6 @@ if TYPE_CHECKING:
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 STATES = ("healthy", "unhealthy", "draining", "sleeping", "initializing")
-#: How a request sent to a node ended (the node's counts of each).
-OUTCOMES: tuple[Literal["succeeded", "failed", "client_errors", "cancelled"], ...] = (
-    "succeeded",
-    "failed",
-    "client_errors",
-    "cancelled",
-)
 #: A tenant's windows, by what they count.
 WINDOWS: tuple[Literal["requests", "tokens"], ...] = ("requests", "tokens")
 #: The shared table's node slots, by use.
@@ -37,22 +30,31 @@ SLOT_USES: tuple[Literal["bound", "retired", "total"], ...] = ("bound", "retired
 SESSION_ENDS: tuple[Literal["consumed", "freed", "free_failures"], ...] = ("consumed", "freed", "free_failures")
 
 
-def _histogram(
-    name: str, help: str, nodes: list[NodeSnapshot], key: Literal["duration", "ttft", "itl"]
-) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(name, help, labels=["node", "role"])
+def _histograms(nodes: list[NodeView]) -> Iterator[HistogramMetricFamily]:
+    """Per node, its three histograms (one reading of each per node)."""
+    labels = ["node", "role"]
+    duration = HistogramMetricFamily(
+        "pdproxy_request_duration_seconds", "Requests from admission to the end of the body", labels=labels
+    )
+    ttft = HistogramMetricFamily("pdproxy_ttft_seconds", "Streams: time to the first byte of the body", labels=labels)
+    itl = HistogramMetricFamily(
+        "pdproxy_itl_seconds", "Streams: gaps between chunks (inter-token latency)", labels=labels
+    )
     for node in nodes:
-        _add_histogram(family, [node["url"], node["role"]], node["histograms"][key])
-    return family
+        histograms = node.histograms
+        _add_histogram(duration, [node.url, node.role], histograms.duration)
+        _add_histogram(ttft, [node.url, node.role], histograms.ttft)
+        _add_histogram(itl, [node.url, node.role], histograms.itl)
+    yield from (duration, ttft, itl)
 
 
-def _add_histogram(family: HistogramMetricFamily, labels: list[str], h: Histogram) -> None:
-    """One series from the data plane's snapshot (per-bucket counts, +Inf last)."""
+def _add_histogram(family: HistogramMetricFamily, labels: list[str], h: HistogramReading) -> None:
+    """One series from the data plane's reading (per-bucket counts, +Inf last)."""
     cumulative, buckets = 0, []
-    for bound, count in zip([*h["bounds"], float("inf")], h["counts"], strict=True):
+    for bound, count in zip([*h.bounds, float("inf")], h.counts, strict=True):
         cumulative += count
         buckets.append(("+Inf" if bound == float("inf") else repr(bound), cumulative))
-    family.add_metric(labels, buckets, h["sum"])
+    family.add_metric(labels, buckets, h.sum)
 
 
 class PdproxyCollector(Collector):
@@ -63,7 +65,7 @@ class PdproxyCollector(Collector):
         router, fleet = self.app.router, self.app.fleet
         if router is None:
             return
-        nodes = router.nodes()
+        nodes = router.core.views()
         info = GaugeMetricFamily("pdproxy_build_info", "pdproxy's version", labels=["version"])
         info.add_metric([__version__], 1)
         yield info
@@ -81,21 +83,24 @@ class PdproxyCollector(Collector):
             "pdproxy_node_circuit_open", "1 when the node's circuit is open or half-open", labels=["node"]
         )
         for n in nodes:
-            for outcome in OUTCOMES:
-                requests.add_metric([n["url"], n["role"], outcome], n[outcome])
-            connect.add_metric([n["url"]], n["connect_failures"])
-            events.add_metric([n["url"]], n["events"])
-            in_flight.add_metric([n["url"], n["role"]], n["in_flight"])
+            # How the requests sent to the node ended.
+            outcomes = (
+                ("succeeded", n.succeeded),
+                ("failed", n.failed),
+                ("client_errors", n.client_errors),
+                ("cancelled", n.cancelled),
+            )
+            for outcome, count in outcomes:
+                requests.add_metric([n.url, n.role, outcome], count)
+            connect.add_metric([n.url], n.connect_failures)
+            events.add_metric([n.url], n.events)
+            in_flight.add_metric([n.url, n.role], n.in_flight)
             for s in STATES:
-                state.add_metric([n["url"], s], 1 if n["state"] == s else 0)
-            circuit.add_metric([n["url"]], 0 if n["circuit"] == "closed" else 1)
+                state.add_metric([n.url, s], 1 if n.state == s else 0)
+            circuit.add_metric([n.url], 0 if n.circuit == "closed" else 1)
         yield from (requests, connect, events, in_flight, state, circuit)
         yield from _engine_metrics(nodes)
-        yield _histogram(
-            "pdproxy_request_duration_seconds", "Requests from admission to the end of the body", nodes, "duration"
-        )
-        yield _histogram("pdproxy_ttft_seconds", "Streams: time to the first byte of the body", nodes, "ttft")
-        yield _histogram("pdproxy_itl_seconds", "Streams: gaps between chunks (inter-token latency)", nodes, "itl")
+        yield from _histograms(nodes)
 
         queued = GaugeMetricFamily("pdproxy_queue_depth", "Requests waiting for a node with room")
         queued.add_metric([], router.queued)
@@ -109,7 +114,7 @@ class PdproxyCollector(Collector):
         waited = HistogramMetricFamily(
             "pdproxy_queue_wait_seconds", "Time queued requests waited for a node with room, served or not"
         )
-        _add_histogram(waited, [], router.queue_wait())
+        _add_histogram(waited, [], router.core.queue_wait())
         yield from (queued, waited, retries, serving, by_model)
 
         if fleet is not None and fleet.health.last_round is not None:
@@ -217,7 +222,7 @@ def _tenant_metrics(tenants: list[TenantSnapshot]) -> Iterator[Metric]:
     yield from (requests, errors, tokens, rejected, in_flight, today, remaining)
 
 
-def _engine_metrics(nodes: list[NodeSnapshot]) -> Iterator[Metric]:
+def _engine_metrics(nodes: list[NodeView]) -> Iterator[Metric]:
     """What each node's engine last reported (its /metrics, read by pdproxy)."""
     labels = ["node"]
     running = GaugeMetricFamily("pdproxy_engine_running", "Requests the node's engine reports running", labels=labels)
@@ -243,21 +248,21 @@ def _engine_metrics(nodes: list[NodeSnapshot]) -> Iterator[Metric]:
         "pdproxy_engine_restarts", "Times the engine's counters went back (a restart)", labels=labels
     )
     for n in nodes:
-        e, url = n["engine"], [n["url"]]
-        failures.add_metric(url, e["failures"])
-        restarts.add_metric(url, e["restarts"])
-        reported, running_now, waiting_now = e["age"], e["running"], e["waiting"]
+        e, url = n.engine, [n.url]
+        failures.add_metric(url, e.failures)
+        restarts.add_metric(url, e.restarts)
+        reported, running_now, waiting_now = e.age, e.running, e.waiting
         if reported is None or running_now is None or waiting_now is None:
             continue  # never read (the three are known together)
         age.add_metric(url, reported)
         running.add_metric(url, running_now)
         waiting.add_metric(url, waiting_now)
-        if e["kv_usage"] is not None:
-            kv.add_metric(url, e["kv_usage"])
-        if e["prompt_tokens"] and e["cached_tokens"] is not None:
-            hit.add_metric(url, e["cached_tokens"] / e["prompt_tokens"])
-        if e["transferred_tokens"] is not None:
-            transferred.add_metric(url, e["transferred_tokens"])
+        if e.kv_usage is not None:
+            kv.add_metric(url, e.kv_usage)
+        if e.prompt_tokens and e.cached_tokens is not None:
+            hit.add_metric(url, e.cached_tokens / e.prompt_tokens)
+        if e.transferred_tokens is not None:
+            transferred.add_metric(url, e.transferred_tokens)
     yield from (running, waiting, kv, hit, transferred, age, failures, restarts)
 
 

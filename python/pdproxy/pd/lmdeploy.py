@@ -119,9 +119,9 @@ class DistServe:
             self._spawn(self.ledger.free(entry, reason))
 
     async def warmup(self) -> WarmupAnswer:
-        nodes = [n for n in self.router.nodes() if n["state"] == "healthy"]
-        prefills = [n["url"] for n in nodes if n["role"] == "prefill"]
-        decodes = [n["url"] for n in nodes if n["role"] == "decode"]
+        nodes = [n for n in self.router.views() if n.state == "healthy"]
+        prefills = [n.url for n in nodes if n.role == "prefill"]
+        decodes = [n.url for n in nodes if n.role == "decode"]
         return await self.links.warmup(prefills, decodes, self.settings.pd.warmup_concurrency)
 
     def status(self) -> DistServeStatus:

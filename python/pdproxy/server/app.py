@@ -323,9 +323,9 @@ def _take_peer(scope: HTTPScope, trusted: bool, https: bool) -> None:
 def _served_models(router: Router) -> list[str]:
     """Every model some healthy node serves, in registration order."""
     seen: list[str] = []
-    for node in router.nodes():
-        if node["state"] == "healthy":
-            seen.extend(m for m in node["models"] if m not in seen)
+    for node in router.views():
+        if node.state == "healthy":
+            seen.extend(m for m in node.models if m not in seen)
     return seen
 
 

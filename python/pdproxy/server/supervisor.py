@@ -106,7 +106,7 @@ class Supervisor:
                 self.group.run(on_lead=self._lead, leader_tick=self._leader_tick, signal_tick=self._group_signals),
                 "pdproxy-group",
             )
-        log.info("pdproxy routing to %d node(s); policies %s", len(self.router.nodes()), self.router.policies)
+        log.info("pdproxy routing to %d node(s); policies %s", len(self.router.views()), self.router.policies)
 
     async def stop(self) -> None:
         if self.usage_sync is not None:
@@ -204,13 +204,13 @@ class Supervisor:
     def _group_in_flight(self) -> int:
         """Requests in flight on any node, from any worker of the group."""
         assert self.router is not None
-        return sum(n["in_flight"] for n in self.router.nodes())
+        return sum(n.in_flight for n in self.router.views())
 
     def readiness(self) -> tuple[bool, dict[str, object]]:
         """Ready when a request could be routed now: a healthy node; with DistServe, a healthy
         prefill node and a healthy decode node. Returns the verdict and what ``/ready`` says."""
         assert self.router is not None
-        healthy = [n["role"] for n in self.router.nodes() if n["state"] == "healthy"]
+        healthy = [n.role for n in self.router.views() if n.state == "healthy"]
         needed = ("prefill", "decode") if self.pd is not None else ("hybrid",)
         if self.pd is not None and self.settings.pd.dummy_prefill:
             needed = ("decode",)

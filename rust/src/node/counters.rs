@@ -115,7 +115,7 @@ pub struct CountersSnapshot {
     /// Mean of latency per event over the recent window, microseconds.
     pub recent_latency_per_event_us: Option<f64>,
     pub max_concurrency: Option<u32>,
-    pub state: Option<&'static str>,
+    pub state: &'static str,
     pub circuit: &'static str,
 }
 
@@ -141,7 +141,7 @@ impl NodeCounters {
             recent_latency_us: self.recent_mean(false),
             recent_latency_per_event_us: self.recent_mean(true),
             max_concurrency: self.max_concurrency(),
-            state: Some(self.state().name()),
+            state: self.state().name(),
             circuit: self.circuit.name(),
         }
     }

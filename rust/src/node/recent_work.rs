@@ -69,7 +69,8 @@ impl RecentWork {
     }
 
     /// The mean wait (ms) for the node's prefill that its recent traffic, kept up, makes a
-    /// request meet.
+    /// request meet (`scored` composes it from `busy_and_mean`; the tests read it whole).
+    #[cfg(test)]
     pub(crate) fn wait_ms(&self, now_ms: u64) -> f64 {
         let (busy, mean) = self.busy_and_mean(now_ms);
         queue_wait_ms(busy, mean)

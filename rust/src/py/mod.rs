@@ -27,6 +27,8 @@ fn _pdproxy(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<node::NodeView>()?;
     m.add_class::<node::EngineView>()?;
     m.add_class::<node::LearntView>()?;
+    m.add_class::<node::HistogramsView>()?;
+    m.add_class::<node::HistogramView>()?;
     m.add_class::<node::NodeAddressRules>()?;
     m.add_class::<response::Response>()?;
     m.add_class::<bridge::LoopBridge>()?;

@@ -1,6 +1,6 @@
 //! A node's record between the two planes: read by attribute from the control plane's
-//! `NodeRecord` (`pdproxy/fleet/node_record.py`), and shown back as a frozen `NodeView` (or, for the
-//! older snapshots, a dict). What a node is lives in `node::NodeSpec`, and the rules it must
+//! `NodeRecord` (`pdproxy/fleet/node_record.py`), and shown back as a frozen `NodeView` (or, for
+//! `Router.node`, which carries the key, a dict). What a node is lives in `node::NodeSpec`, and the rules it must
 //! pass in `NodeSpec::check`, `NodeUrl::parse` and `node::address`; this file only carries
 //! them across.
 
@@ -17,6 +17,7 @@ use crate::clock::now_ms;
 use crate::error::{Error, Kind};
 use crate::node::address::{AddressRules, Network};
 use crate::node::{Node, NodeSpec, NodeUrl, Role};
+use crate::observe::histogram::HistogramSnapshot;
 
 /// The attributes of `pdproxy.fleet.node_record.NodeRecord`, as the data plane takes them.
 #[derive(FromPyObject)]
@@ -62,9 +63,9 @@ impl NodeRecord {
     }
 }
 
-/// What a node was registered with (its API key only when `with_key`: status shows whether
-/// it has one, never the key), plus the models it serves and where it is reached.
-pub(crate) fn record_dict<'py>(py: Python<'py>, node: &Node, with_key: bool) -> PyResult<Bound<'py, PyDict>> {
+/// What a node was registered with, its API key included (`Router.node`; views show only
+/// whether it has one), plus the models it serves and where it is reached.
+pub(crate) fn record_dict<'py>(py: Python<'py>, node: &Node) -> PyResult<Bound<'py, PyDict>> {
     let spec = node.spec();
     let out = PyDict::new(py);
     out.set_item("url", node.url())?;
@@ -75,9 +76,7 @@ pub(crate) fn record_dict<'py>(py: Python<'py>, node: &Node, with_key: bool) -> 
     out.set_item("speed", spec.speed)?;
     out.set_item("max_concurrency", node.counters().max_concurrency())?;
     out.set_item("has_api_key", spec.api_key.is_some())?;
-    if with_key {
-        out.set_item("api_key", &spec.api_key)?;
-    }
+    out.set_item("api_key", &spec.api_key)?;
     out.set_item("bootstrap_port", spec.bootstrap_port)?;
     out.set_item("lease_ttl", spec.lease_ttl)?;
     out.set_item("labels", &spec.labels)?;
@@ -119,6 +118,33 @@ impl NodeAddressRules {
     fn check_literal(&self, url: &str) -> PyResult<()> {
         Ok(self.rules.check_literal(&NodeUrl::parse(url)?)?)
     }
+}
+
+/// A histogram, copied: per-bucket (not cumulative) `counts`, one more than `bounds` (+Inf
+/// last), in seconds; `sum` and `count` of the observations.
+#[pyclass(frozen, get_all, name = "HistogramReading", module = "pdproxy._pdproxy")]
+#[derive(Clone)]
+pub(crate) struct HistogramView {
+    pub(crate) bounds: Vec<f64>,
+    pub(crate) counts: Vec<u64>,
+    pub(crate) sum: f64,
+    pub(crate) count: u64,
+}
+
+impl From<HistogramSnapshot> for HistogramView {
+    fn from(h: HistogramSnapshot) -> Self {
+        Self { bounds: h.bounds, counts: h.counts, sum: h.sum, count: h.count }
+    }
+}
+
+/// A node's histograms: seconds from admission to the end of the body, to the first byte, and
+/// between chunks.
+#[pyclass(frozen, get_all, name = "LatencyHistograms", module = "pdproxy._pdproxy")]
+#[derive(Clone)]
+pub(crate) struct HistogramsView {
+    pub(crate) duration: HistogramView,
+    pub(crate) ttft: HistogramView,
+    pub(crate) itl: HistogramView,
 }
 
 /// What pdproxy learnt of a node's engine from its answers (`scored` prices with it).
@@ -218,17 +244,23 @@ pub(crate) struct NodeView {
     pub(crate) lease_ttl: Option<f64>,
     pub(crate) labels: BTreeMap<String, String>,
     pub(crate) address: Option<String>,
-    pub(crate) state: Option<&'static str>,
+    pub(crate) state: &'static str,
     pub(crate) circuit: &'static str,
     pub(crate) in_flight: u64,
     pub(crate) requests: u64,
     pub(crate) succeeded: u64,
     pub(crate) failed: u64,
     pub(crate) client_errors: u64,
+    pub(crate) connect_failures: u64,
     pub(crate) cancelled: u64,
+    pub(crate) events: u64,
     pub(crate) mean_latency: Option<f64>,
-    pub(crate) mean_ttft: Option<f64>,
+    pub(crate) recent_latency: Option<f64>,
     pub(crate) recent_latencies: Vec<f64>,
+    pub(crate) recent_latency_per_token: Option<f64>,
+    pub(crate) mean_ttft: Option<f64>,
+    pub(crate) ttft_ewma: Option<f64>,
+    pub(crate) histograms: HistogramsView,
     pub(crate) engine: EngineView,
 }
 
@@ -257,11 +289,21 @@ impl NodeView {
             succeeded: c.succeeded,
             failed: c.failed,
             client_errors: c.client_errors,
+            connect_failures: c.connect_failures,
             cancelled: c.cancelled,
+            events: c.events,
             #[allow(clippy::cast_precision_loss)] // microsecond sums stay far below 2^52
             mean_latency: (c.succeeded > 0).then(|| c.latency_us_sum as f64 / c.succeeded as f64 / 1e6),
-            mean_ttft: c.mean_ttft_us.map(|us| us / 1e6),
+            recent_latency: c.recent_latency_us.map(|us| us / 1e6),
             recent_latencies: counters.recent_latencies().iter().map(|us| us / 1e6).collect(),
+            recent_latency_per_token: c.recent_latency_per_event_us.map(|us| us / 1e6),
+            mean_ttft: c.mean_ttft_us.map(|us| us / 1e6),
+            ttft_ewma: c.ttft_us_ewma.map(|us| us / 1e6),
+            histograms: HistogramsView {
+                duration: counters.duration.snapshot().into(),
+                ttft: counters.ttft.snapshot().into(),
+                itl: counters.itl.snapshot().into(),
+            },
             engine: EngineView::of(node, max_age_ms),
         }
     }

@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 use super::bridge::{resolve, LoopBridge};
 use super::config::RouterConfig;
 use super::distserve::{DistServeCore, DistServeSettings};
-use super::node::{record_dict, EngineView, NodeAddressRules, NodeRecord, NodeView};
+use super::node::{record_dict, HistogramView, NodeAddressRules, NodeRecord, NodeView};
 use super::response::{Head, Response};
 use super::shared::SharedTable;
 use super::tenants::{limited_to_pyerr, tenant_dict, TenantEntry, TenantTicket};
@@ -32,7 +32,6 @@ use crate::node::engine_report::EngineFigures;
 use crate::node::registry::Registry;
 use crate::node::Outcome;
 use crate::node::{Node, NodeState, NodeUrl, Role};
-use crate::observe::histogram::HistogramSnapshot;
 use crate::observe::trace::{OpenSpan, Trace as RequestTrace};
 use crate::select::kv_index::{ChatTemplate, Detokenizer, KvIndex, Stored};
 use crate::select::SelectCtx;
@@ -133,7 +132,7 @@ impl Router {
     /// One node: its record (API key included), state, circuit and requests in flight.
     fn node<'py>(&self, py: Python<'py>, url: &str) -> PyResult<Bound<'py, PyDict>> {
         let node = self.lookup(url)?;
-        let out = record_dict(py, &node, true)?;
+        let out = record_dict(py, &node)?;
         let counters = node.counters().snapshot();
         out.set_item("state", counters.state)?;
         out.set_item("circuit", counters.circuit)?;
@@ -322,19 +321,6 @@ impl Router {
         self.engine.registry.load().models().into_iter().map(str::to_owned).collect()
     }
 
-    /// One snapshot of every node and its counters.
-    fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let set = self.engine.registry.load();
-        let list = PyList::empty(py);
-        let max_age_ms = self.engine.config.engine_max_age_ms;
-        for node in set.nodes() {
-            let stats = node_stats(py, node)?;
-            stats.set_item("engine", engine_stats(py, node, max_age_ms)?)?;
-            list.append(stats)?;
-        }
-        Ok(list)
-    }
-
     /// Requests waiting for a node with room.
     #[getter]
     fn queued(&self) -> usize {
@@ -342,8 +328,8 @@ impl Router {
     }
 
     /// How long requests waited in the queue for a node with room (those that queued).
-    fn queue_wait<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        histogram_dict(py, self.engine.admission.waited.snapshot())
+    fn queue_wait(&self) -> HistogramView {
+        self.engine.admission.waited.snapshot().into()
     }
 
     /// Retries taken since the start.
@@ -808,85 +794,4 @@ impl AbortOnCancel {
         }
         Ok(())
     }
-}
-
-fn node_stats<'py>(py: Python<'py>, node: &Arc<Node>) -> PyResult<Bound<'py, PyDict>> {
-    let c = node.counters().snapshot();
-    let stats = record_dict(py, node, false)?;
-    stats.set_item("state", c.state)?;
-    stats.set_item("circuit", c.circuit)?;
-    stats.set_item("in_flight", c.in_flight)?;
-    stats.set_item("requests", c.requests)?;
-    stats.set_item("succeeded", c.succeeded)?;
-    stats.set_item("failed", c.failed)?;
-    stats.set_item("client_errors", c.client_errors)?;
-    stats.set_item("connect_failures", c.connect_failures)?;
-    stats.set_item("cancelled", c.cancelled)?;
-    stats.set_item("events", c.events)?;
-    #[allow(clippy::cast_precision_loss)] // microsecond sums stay far below 2^52
-    let mean = (c.succeeded > 0).then(|| c.latency_us_sum as f64 / c.succeeded as f64 / 1e6);
-    stats.set_item("mean_latency", mean)?;
-    stats.set_item("recent_latency", c.recent_latency_us.map(|us| us / 1e6))?;
-    stats.set_item(
-        "recent_latencies",
-        node.counters().recent_latencies().iter().map(|us| us / 1e6).collect::<Vec<_>>(),
-    )?;
-    stats.set_item("recent_latency_per_token", c.recent_latency_per_event_us.map(|us| us / 1e6))?;
-    stats.set_item("mean_ttft", c.mean_ttft_us.map(|us| us / 1e6))?;
-    stats.set_item("ttft_ewma", c.ttft_us_ewma.map(|us| us / 1e6))?;
-    let histograms = PyDict::new(py);
-    let counters = node.counters();
-    for (name, snapshot) in [
-        ("duration", counters.duration.snapshot()),
-        ("ttft", counters.ttft.snapshot()),
-        ("itl", counters.itl.snapshot()),
-    ] {
-        histograms.set_item(name, histogram_dict(py, snapshot)?)?;
-    }
-    stats.set_item("histograms", histograms)?;
-    Ok(stats)
-}
-
-/// What the node's engine last reported, as the status pages show it (`EngineView` as a dict).
-fn engine_stats<'py>(py: Python<'py>, node: &Node, max_age_ms: u64) -> PyResult<Bound<'py, PyDict>> {
-    let view = EngineView::of(node, max_age_ms);
-    let out = PyDict::new(py);
-    out.set_item("running", view.running)?;
-    out.set_item("waiting", view.waiting)?;
-    out.set_item("kv_usage", view.kv_usage)?;
-    out.set_item("prompt_tokens", view.prompt_tokens)?;
-    out.set_item("cached_tokens", view.cached_tokens)?;
-    out.set_item("kv_capacity_tokens", view.kv_capacity_tokens)?;
-    out.set_item("transferred_tokens", view.transferred_tokens)?;
-    out.set_item("age", view.age)?;
-    out.set_item("fresh", view.fresh)?;
-    out.set_item("sent_since", view.sent_since)?;
-    out.set_item("requests_estimate", view.requests_estimate)?;
-    out.set_item("others", view.others)?;
-    out.set_item("restarts", view.restarts)?;
-    out.set_item("failures", view.failures)?;
-    out.set_item("failing", view.failing)?;
-    let learnt = view.learnt;
-    let speed = PyDict::new(py);
-    speed.set_item("prefill_seconds_per_kib", learnt.prefill_seconds_per_kib)?;
-    speed.set_item("first_token_seconds", learnt.first_token_seconds)?;
-    speed.set_item("decode_seconds", learnt.decode_seconds)?;
-    speed.set_item("batch_slots", learnt.batch_slots)?;
-    speed.set_item("seconds_per_request_in_flight", learnt.seconds_per_request_in_flight)?;
-    speed.set_item("prefill_bound_seconds_per_kib", learnt.prefill_bound_seconds_per_kib)?;
-    speed.set_item("samples", learnt.samples)?;
-    speed.set_item("predicted_cached_bytes", learnt.predicted_cached_bytes)?;
-    speed.set_item("reported_cached_tokens", learnt.reported_cached_tokens)?;
-    out.set_item("learnt", speed)?;
-    Ok(out)
-}
-
-/// A histogram as Python sees it: `bounds`, per-bucket `counts` (+Inf last), `sum`, `count`.
-fn histogram_dict(py: Python<'_>, snapshot: HistogramSnapshot) -> PyResult<Bound<'_, PyDict>> {
-    let h = PyDict::new(py);
-    h.set_item("bounds", snapshot.bounds)?;
-    h.set_item("counts", snapshot.counts)?;
-    h.set_item("sum", snapshot.sum)?;
-    h.set_item("count", snapshot.count)?;
-    Ok(h)
 }

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from pdproxy import _background
 from pdproxy._json_types import JsonObject
-from pdproxy.config.settings import Settings
+from pdproxy.config.settings import DiscoverySettings, Settings
 from pdproxy.fleet.node_record import NodeRecord
 from pdproxy.fleet.node_sources.found import Drop, FoundNodes, Owns, Put, SourceState
 from pdproxy.fleet.node_sources.kube_api import KubeApi, KubeApiError, load_config
@@ -56,18 +56,16 @@ class PodWatcher:
         api: KubeApi,
         namespace: str,
         selection: Selection,
-        port: str,
-        relist_interval: float,
-        max_backoff: float,
+        discovery: DiscoverySettings,
         state: SourceState,
         on_change: Callable[[str], None],
     ) -> None:
         self.api = api
         self.namespace = namespace
         self.selection = selection
-        self.port = port
-        self.relist_interval = relist_interval
-        self.max_backoff = max_backoff
+        self.port = discovery.k8s_port
+        self.relist_interval = discovery.k8s_relist_interval
+        self.max_backoff = discovery.k8s_max_backoff
         self.state = state
         self.on_change = on_change
         self.nodes: dict[str, PodNode] = {}
@@ -202,9 +200,7 @@ class KubernetesSource:
                 self.api,
                 self.namespace,
                 selection,
-                self.settings.discovery.k8s_port,
-                self.settings.discovery.k8s_relist_interval,
-                self.settings.discovery.k8s_max_backoff,
+                self.settings.discovery,
                 self.state,
                 self._note,
             )
