@@ -416,8 +416,8 @@ class RoutingSettings(SettingsGroup):
             "Routing policy of every role (hybrid, and prefill and decode unless their own is given): "
             "min_expected_latency (LMDeploy's default), random, min_observed_latency, "
             "min_observed_latency_per_token, min_cache_usage (LMDeploy's), round_robin, least_requests, "
-            "consistent_hash, prefix, least_engine_load, scored "
-            "(or scored:prefix=N,queue=N,hidden=N,reported=N,future=N)."
+            "consistent_hash, prefix, least_engine_load, scored (or with weights of its own: "
+            "scored:prefix=N,queue=N, and hidden, reported, future)."
         ),
         aliases=("--routing-strategy",),
     )

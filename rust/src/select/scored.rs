@@ -48,6 +48,16 @@
 //!   replica 172 and 372. Not the default: one replica with it had a worse TTFT p99 on six of the
 //!   nine workloads (bench/results/2026-12-06-0318-fleet-nine-workloads-peers.md; `flush_restart`
 //!   960 ms against 585, `evict_restart` 510 against 319).
+//! - The future wait (`future`, `score_future_weight`, 0 by default) is what the node's recent
+//!   traffic, kept up, makes a request meet (`recent_work`: its prefill's busy share over the
+//!   last seconds, from what pdproxy sent there or, where more, what the engine's KV events show
+//!   it stored), for the share of the prompt no candidate holds: a new session's next turns
+//!   follow its cache, so its first turn commits them to that node's queue, which the queue of
+//!   this instant (engines between their sessions' turns look idle) does not tell. On
+//!   `bench/fleet.py` at 80% load, seeds 1-2 (bench/results/2026-12-06-0531-fleet-future-term.md):
+//!   with 3, `agent_sessions` TTFT p99 563 and 646 ms against 1,123 and 1,722 (sglang-router's
+//!   cache_aware 719 and 1,204 in a run beside it), but worse on `unequal_engines` (642 and 709
+//!   against 438 and 412), `system_prompts`, `bursts` and `evict_restart`; hence not the default.
 //! - Engine speeds are learnt only from requests that waited for no other's prefill (see
 //!   `InFlightPermit::set_prediction`): fitted on every first token, the fixed part took in the
 //!   queue waits of a cold fleet's first seconds (277-604 ms) and the clock then counted them
