@@ -56,7 +56,7 @@
 //!   this instant (engines between their sessions' turns look idle) does not tell. On
 //!   `bench/fleet.py` at 80% load, seeds 1-2 (bench/results/2026-12-06-0531-fleet-future-term.md):
 //!   with 3, `agent_sessions` TTFT p99 563 and 646 ms against 1,123 and 1,722 (sglang-router's
-//!   cache_aware 719 and 1,204 in a run beside it), but worse on `unequal_engines` (642 and 709
+//!   `cache_aware` 719 and 1,204 in a run beside it), but worse on `unequal_engines` (642 and 709
 //!   against 438 and 412), `system_prompts`, `bursts` and `evict_restart`; hence not the default.
 //! - Engine speeds are learnt only from requests that waited for no other's prefill (see
 //!   `InFlightPermit::set_prediction`): fitted on every first token, the fixed part took in the
