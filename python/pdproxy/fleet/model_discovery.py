@@ -88,10 +88,15 @@ class ModelDiscovery:
 
     async def probe(self, url: str) -> NodeView | None:
         """Probes ``url`` now if it is still pending (one attempt, within the timeout); the
-        node's view once it told its models."""
+        node's view once its models are known (by this probe or an earlier one), else ``None``."""
         pending = self._pending.get(url)
         if pending is not None and self._session is not None:
-            return await self._probe(url, pending)
+            await self._probe(url, pending)
+        # The background loop's probe may have told them first, before or during this one.
+        if url in self._pending:
+            return None
+        with contextlib.suppress(NodeNotFound):
+            return self._core.view(url)
         return None
 
     async def probe_pending(self, unknown_only: bool = False) -> None:
