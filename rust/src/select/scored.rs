@@ -57,7 +57,11 @@
 //!   `bench/fleet.py` at 80% load, seeds 1-2 (bench/results/2026-12-06-0531-fleet-future-term.md):
 //!   with 3, `agent_sessions` TTFT p99 563 and 646 ms against 1,123 and 1,722 (sglang-router's
 //!   `cache_aware` 719 and 1,204 in a run beside it), but worse on `unequal_engines` (642 and 709
-//!   against 438 and 412), `system_prompts`, `bursts` and `evict_restart`; hence not the default.
+//!   against 438 and 412), `system_prompts`, `bursts` and `evict_restart`. Counted since only
+//!   where half the prompt or more is new to the fleet (`FUTURE_MIN_FRESH`): in one run
+//!   (bench/results/2026-12-06-2009-fleet-future-gate.md) it then beat weight 0 on
+//!   `system_prompts` and `bursts` too, but `unequal_engines` stayed worse (521 ms against 415);
+//!   hence not the default.
 //! - Engine speeds are learnt only from requests that waited for no other's prefill (see
 //!   `InFlightPermit::set_prediction`): fitted on every first token, the fixed part took in the
 //!   queue waits of a cold fleet's first seconds (277-604 ms) and the clock then counted them
@@ -98,6 +102,9 @@ const EVENTS_LAG_MS: u64 = 1000;
 /// second at 4 bytes a token. Only the first requests see it; it sets no ratio that matters,
 /// since the prefill owed and the request's own are both priced with it.
 const PRIOR_MS_PER_KIB: f64 = 25.0;
+/// The least share of a prompt no candidate holds for the future term to count it (see
+/// `fresh_share`).
+const FUTURE_MIN_FRESH: f64 = 0.5;
 
 /// How long a request holds its place in an engine's batch, before any answer has shown it
 /// (only the first seconds of a fleet see it): a queue must count from the start, or the first
@@ -383,7 +390,14 @@ impl Scored {
         let best = matched.iter().copied().max().unwrap_or(0);
         #[allow(clippy::cast_precision_loss)]
         let fresh = self.uncached(ctx, best) as f64 / prompt as f64;
-        fresh
+        // Only a prompt mostly new to the fleet (a session's first turn) commits its node to the
+        // turns that follow; a held prompt's small new tail does not, and pricing the node's
+        // recent traffic for it only pulls requests off their cache.
+        if fresh < FUTURE_MIN_FRESH {
+            0.0
+        } else {
+            fresh
+        }
     }
 
     /// The wait for a place in the node's batch (ms): the requests it has beyond those it runs
@@ -803,11 +817,11 @@ mod tests {
         assert!(estimates[0].unwrap().future > 50.0, "{estimates:?}");
         assert!(estimates[1].unwrap().future.abs() < f64::EPSILON, "{estimates:?}");
         assert_eq!(weighed.pick(&nodes, &ctx(session.as_bytes())), Some(1));
-        // A session held at node 0 keeps its next turn there: what is held commits nothing new.
+        // A session held at node 0 keeps its next turn there: a prompt mostly held is not priced.
         weighed.selected(&nodes[0], &ctx(session.as_bytes()));
         let next_turn = format!("{session}{}", "t".repeat(1024));
         let estimates = weighed.estimates(&nodes, &ctx(next_turn.as_bytes()));
-        assert!(estimates[0].unwrap().future < 20.0, "{estimates:?}");
+        assert!(estimates[0].unwrap().future.abs() < f64::EPSILON, "a held prompt's tail: {estimates:?}");
         assert_eq!(weighed.pick(&nodes, &ctx(next_turn.as_bytes())), Some(0));
     }
 
