@@ -339,12 +339,15 @@ async def test_the_engine_aware_policies_avoid_an_engine_busy_with_others_traffi
     async with engine("vllm") as loaded, engine("lmdeploy") as idle:
         with serve(tmp_path, [loaded, idle], "--policy", policy) as proxy:
             async with busy(http, loaded, 4):
-
+                # Both engines' reports: a node with none yet has no cache usage to compare, and
+                # under a loaded machine the idle engine's first reading can come after the busy one's.
                 async def seen() -> bool:
                     s = await status(http, proxy, loaded.url)
-                    return bool(s["fresh"]) and s["waiting"] == 2
+                    return (
+                        bool(s["fresh"]) and s["waiting"] == 2 and bool((await status(http, proxy, idle.url))["fresh"])
+                    )
 
-                await eventually(seen, "the busy engine's queue in /nodes/status", timeout=15)
+                await eventually(seen, "both engines' reports, the busy one's queue, in /nodes/status", timeout=15)
                 before = idle.state.requests
                 for i in range(6):
                     async with http.post(proxy.url + "/v1/chat/completions", json=body(f"question {i}")) as r:
