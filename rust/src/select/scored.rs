@@ -60,8 +60,9 @@
 //!   against 438 and 412), `system_prompts`, `bursts` and `evict_restart`. Counted since only
 //!   where half the prompt or more is new to the fleet (`FUTURE_MIN_FRESH`): in one run
 //!   (bench/results/2026-12-06-2009-fleet-future-gate.md) it then beat weight 0 on
-//!   `system_prompts` and `bursts` too, but `unequal_engines` stayed worse (521 ms against 415);
-//!   hence not the default.
+//!   `system_prompts` and `bursts` too, and on `unequal_engines` over seeds 1-3 its TTFT p99 was
+//!   407 ms (379-479) against 478 (407-643). Not the default until all nine workloads have run
+//!   with repeats.
 //! - Engine speeds are learnt only from requests that waited for no other's prefill (see
 //!   `InFlightPermit::set_prediction`): fitted on every first token, the fixed part took in the
 //!   queue waits of a cold fleet's first seconds (277-604 ms) and the clock then counted them
