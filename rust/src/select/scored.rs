@@ -61,8 +61,8 @@
 //!   where half the prompt or more is new to the fleet (`FUTURE_MIN_FRESH`): in one run
 //!   (bench/results/2026-12-06-2009-fleet-future-gate.md) it then beat weight 0 on
 //!   `system_prompts` and `bursts` too, and on `unequal_engines` over seeds 1-3 its TTFT p99 was
-//!   407 ms (379-479) against 478 (407-643). Not the default until all nine workloads have run
-//!   with repeats.
+//!   407 ms (379-479) against 478 (407-643); but worse on `multi_turn` (159 ms against 133 over
+//!   two seeds), whose early turns it moves off their node. Hence not the default.
 //! - Engine speeds are learnt only from requests that waited for no other's prefill (see
 //!   `InFlightPermit::set_prediction`): fitted on every first token, the fixed part took in the
 //!   queue waits of a cold fleet's first seconds (277-604 ms) and the clock then counted them
