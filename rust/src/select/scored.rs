@@ -104,7 +104,7 @@ const EVENTS_LAG_MS: u64 = 1000;
 /// since the prefill owed and the request's own are both priced with it.
 const PRIOR_MS_PER_KIB: f64 = 25.0;
 /// The least share of a prompt no candidate holds for the future term to count it (see
-/// `fresh_share`).
+/// `committed_share`).
 const FUTURE_MIN_FRESH: f64 = 0.5;
 
 /// How long a request holds its place in an engine's batch, before any answer has shown it
@@ -380,10 +380,12 @@ impl Scored {
         queue_wait_ms(busy, mean_ms)
     }
 
-    /// The share of the prompt no candidate holds: what the request starts that nothing has
-    /// drawn anywhere yet (a new session, a new document), whose followers will come where it
-    /// goes. A prompt held somewhere commits nothing new: its followers go where it is held.
-    fn fresh_share(&self, ctx: &SelectCtx<'_>, matched: &[usize]) -> f64 {
+    /// The share of the prompt that commits the node it goes to: the share no candidate holds,
+    /// what the request starts that nothing has drawn anywhere yet (a new session, a new
+    /// document), whose followers will come where it goes; 0 where that is less than
+    /// `FUTURE_MIN_FRESH` of the prompt. A prompt mostly held somewhere commits nothing new: its
+    /// followers go where it is held.
+    fn committed_share(&self, ctx: &SelectCtx<'_>, matched: &[usize]) -> f64 {
         let prompt = ctx.prompt.map_or(0, <[u8]>::len);
         if prompt == 0 {
             return 1.0;
@@ -391,9 +393,8 @@ impl Scored {
         let best = matched.iter().copied().max().unwrap_or(0);
         #[allow(clippy::cast_precision_loss)]
         let fresh = self.uncached(ctx, best) as f64 / prompt as f64;
-        // Only a prompt mostly new to the fleet (a session's first turn) commits its node to the
-        // turns that follow; a held prompt's small new tail does not, and pricing the node's
-        // recent traffic for it only pulls requests off their cache.
+        // Pricing a node's recent traffic for a held prompt's small new tail only pulls requests
+        // off their cache.
         if fresh < FUTURE_MIN_FRESH {
             0.0
         } else {
@@ -453,7 +454,7 @@ impl Scored {
         let speeds = speeds(candidates);
         let now_us = now_us();
         let now = now_us / 1000;
-        let fresh = self.fresh_share(ctx, matched);
+        let committed = if self.weights.future > 0.0 { self.committed_share(ctx, matched) } else { 0.0 };
         let prefilled = self.prefilled_by_events(candidates, now);
         let mut out = vec![None; candidates.len()];
         for i in available_indices(candidates) {
@@ -474,7 +475,7 @@ impl Scored {
                 // Read only when it counts (off by default): an `exp` per candidate per request.
                 hidden: if self.weights.hidden > 0.0 { node.counters().hidden.ms(now).max(0.0) } else { 0.0 },
                 future: if self.weights.future > 0.0 {
-                    fresh * Self::future_wait_ms(node, ms_per_kib, prefilled.get(i).copied().flatten(), now)
+                    committed * Self::future_wait_ms(node, ms_per_kib, prefilled.get(i).copied().flatten(), now)
                 } else {
                     0.0
                 },
