@@ -4,8 +4,9 @@
 //! The folders, bottom up: `node` (a node, its counters and the node table), `upstream` (the
 //! client that sends requests to nodes), `select` (the routing policies), `engine` (admission,
 //! permits, selection and forwarding with retries), `edge` (the HTTP server), `bridge` (what
-//! the Python side drives the engine with), `observe` (traces, histograms, the access log), and
-//! `py` (the Python module).
+//! the Python side drives the engine with), `observe` (traces, histograms, the access log),
+//! `replica_share` (replicas telling each other their load on the nodes), and `py` (the Python
+//! module).
 
 // Without the Python module much of the data plane is reached from `py/` alone; its dead code
 // is checked with the feature on (`make lint-rust` builds with every feature).
@@ -24,6 +25,7 @@ mod loops;
 mod memory;
 mod node;
 mod observe;
+mod replica_share;
 mod select;
 mod sse;
 mod tenants;

@@ -150,7 +150,9 @@ impl InFlightPermit {
             // behind others waits for what is left of theirs, which no count of their bytes
             // tells (half done, or sharing its step), and such samples flattened the fit's
             // slope and swelled its fixed part.
-            let alone = counters.unanswered.load(Ordering::Relaxed) <= 1;
+            // (Other replicas' requests there count too: `replica_share`.)
+            let alone = counters.unanswered.load(Ordering::Relaxed) <= 1
+                && counters.peer_unanswered.load(Ordering::Relaxed) == 0;
             if !full && alone {
                 self.timed_bytes.store(prediction.prefill + 1, Ordering::Relaxed);
                 self.timed_since_ms.store(now, Ordering::Relaxed);

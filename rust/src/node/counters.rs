@@ -71,6 +71,12 @@ pub struct NodeCounters {
     /// Requests sent to the node that have not had the first byte of their answer yet: waiting
     /// in the engine's queue, or being prefilled.
     pub(crate) unanswered: AtomicU64,
+    /// The other replicas' `unanswered` here, summed over those still sending (`replica_share`;
+    /// 0 without it).
+    pub(crate) peer_unanswered: AtomicU64,
+    /// When the node should be done with the prefill the other replicas expect it to owe them,
+    /// summed (µs, `now_us`'s clock; 0: nothing).
+    pub(crate) peer_prefill_done_at_us: AtomicU64,
     /// Prompt bytes the routing policy expected the node to find in its cache, summed over
     /// the requests that had their first byte (so the engine has looked them up by then).
     pub(crate) predicted_cached_bytes: AtomicU64,
@@ -163,6 +169,8 @@ impl NodeCounters {
             &self.ttft_us_ewma,
             &self.prefill_done_at_us,
             &self.unanswered,
+            &self.peer_unanswered,
+            &self.peer_prefill_done_at_us,
             &self.predicted_cached_bytes,
             &self.answered_predicted_bytes,
             &self.answered_cached_tokens,
@@ -228,6 +236,13 @@ impl NodeCounters {
     pub(crate) fn prefill_left_ms(&self, now_us: u64) -> f64 {
         #[allow(clippy::cast_precision_loss)]
         let left = self.prefill_done_at_us.load(Ordering::Relaxed).saturating_sub(now_us) as f64;
+        left / 1000.0
+    }
+
+    /// The prefill the other replicas expect the node to still owe them (ms; 0 without them).
+    pub(crate) fn peer_prefill_left_ms(&self, now_us: u64) -> f64 {
+        #[allow(clippy::cast_precision_loss)]
+        let left = self.peer_prefill_done_at_us.load(Ordering::Relaxed).saturating_sub(now_us) as f64;
         left / 1000.0
     }
 

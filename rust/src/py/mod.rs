@@ -8,6 +8,7 @@ mod edge;
 mod errors;
 mod node;
 mod pipeline;
+mod replica_share;
 mod response;
 mod router;
 mod shared;
@@ -40,5 +41,6 @@ fn _pdproxy(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<distserve::DistServeCore>()?;
     m.add_class::<distserve::LinkDone>()?;
     m.add_class::<pipeline::Pipeline>()?;
+    m.add_class::<replica_share::ReplicaShare>()?;
     Ok(())
 }

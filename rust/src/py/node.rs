@@ -13,7 +13,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::clock::now_ms;
+use crate::clock::{now_ms, now_us};
 use crate::error::{Error, Kind};
 use crate::node::address::{AddressRules, Network};
 use crate::node::{Node, NodeSpec, NodeUrl, Role};
@@ -262,6 +262,10 @@ pub(crate) struct NodeView {
     pub(crate) ttft_ewma: Option<f64>,
     pub(crate) histograms: HistogramsView,
     pub(crate) engine: EngineView,
+    /// The other replicas' requests here still waiting for their first byte (`replica_share`).
+    pub(crate) peer_unanswered: u64,
+    /// The prefill they expect the node to still owe them, milliseconds.
+    pub(crate) peer_prefill_ms_left: f64,
 }
 
 impl NodeView {
@@ -305,6 +309,8 @@ impl NodeView {
                 itl: counters.itl.snapshot().into(),
             },
             engine: EngineView::of(node, max_age_ms),
+            peer_unanswered: counters.peer_unanswered.load(Ordering::Relaxed),
+            peer_prefill_ms_left: counters.peer_prefill_left_ms(now_us()),
         }
     }
 }

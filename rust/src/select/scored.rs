@@ -32,13 +32,15 @@
 //!   prefill half done counts half: of nodes all busy, the next request goes to the one about
 //!   to be free (on `bench/fleet.py`'s `no_reuse` at 80% load, counting the pending prompts
 //!   whole gave a TTFT p99 of 249 and 225 ms on two seeds against round robin's 164 and 157;
-//!   with the clock, 176 and 165 against 164 and 156).
+//!   with the clock, 176 and 165 against 164 and 156). With `replica_share`, the other replicas'
+//!   clocks (as they last said, time left) count after this one's.
 //! - The lateness (`hidden_load`) is the work there pdproxy did not send, or this replica did
 //!   not: with four replicas in front of the same engines, each one's clock holds a quarter of
 //!   the prefill owed. Off by default (`hidden` 0): on `bench/fleet.py` at 80% load (one
 //!   replica, two seeds) it was within the run-to-run spread of 0 on most workloads and worse
 //!   on `unequal_engines` and `flush_restart` (TTFT p99 1,033 and 1,116 ms against 812 and 761).
-//! - The requests waiting for a first token are those pdproxy sent (`behind`); with `reported`
+//! - The requests waiting for a first token are those pdproxy sent (`behind`), this replica and,
+//!   with `replica_share`, the others that say so; with `reported`
 //!   (`score_reported_weight`, 0 by default) also the queue the engine last reported, where it is
 //!   longer and the reading showed requests pdproxy cannot have sent (`EngineLoad::shows_others`):
 //!   replicas in front of the same engines each count only their own, and one replica's own count
@@ -432,8 +434,11 @@ impl Scored {
     /// and traffic that bypasses pdproxy, wait there too. Where pdproxy sent all the engine
     /// had, its own count is the fresher of the two.
     fn behind(&self, node: &Node, load: Option<EngineLoad>) -> f64 {
+        let counters = node.counters();
+        // The other replicas' own (`replica_share`): they wait at the same engine.
         #[allow(clippy::cast_precision_loss)]
-        let own = node.counters().unanswered.load(Ordering::Relaxed) as f64;
+        let own =
+            (counters.unanswered.load(Ordering::Relaxed) + counters.peer_unanswered.load(Ordering::Relaxed)) as f64;
         if self.weights.reported > 0.0 {
             load.filter(EngineLoad::shows_others).map_or(own, |l| own.max(self.weights.reported * l.waiting()))
         } else {
@@ -467,7 +472,7 @@ impl Scored {
             let load = node.engine_load(self.max_age_ms, now);
             out[i] = Some(Estimate {
                 slot_wait: Self::slot_wait_ms(node, load, speed, ctx.stream),
-                ahead: node.counters().prefill_left_ms(now_us),
+                ahead: node.counters().prefill_left_ms(now_us) + node.counters().peer_prefill_left_ms(now_us),
                 first_token: speed.first_token_ms.unwrap_or(0.0),
                 own: own_kib * ms_per_kib,
                 #[allow(clippy::cast_precision_loss)]
@@ -857,6 +862,30 @@ mod tests {
         let estimates = policy.estimates(&nodes, &ctx(miss.as_bytes()));
         assert!(estimates[0].unwrap().future > 2.0 * estimates[1].unwrap().future, "{estimates:?}");
         assert_eq!(policy.pick(&nodes, &ctx(miss.as_bytes())), Some(1));
+    }
+
+    #[test]
+    fn other_replicas_load_counts_as_this_ones() {
+        let (_reg, nodes) = nodes(2);
+        for node in &nodes {
+            learn(node, 50.0, 500.0, 16);
+        }
+        let policy = scored(WEIGHTS);
+        let miss = "p".repeat(4096);
+        let alone = policy.estimates(&nodes, &ctx(miss.as_bytes()));
+        assert!(alone[0].unwrap().behind.abs() < f64::EPSILON && alone[0].unwrap().ahead.abs() < f64::EPSILON);
+        // Another replica has two requests waiting at node 0, with 300 ms of prefill left.
+        nodes[0].counters().peer_unanswered.store(2, Ordering::Relaxed);
+        nodes[0].counters().peer_prefill_done_at_us.store(now_us() + 300_000, Ordering::Relaxed);
+        nodes[0].counters().unanswered.store(1, Ordering::Relaxed);
+        let shared = policy.estimates(&nodes, &ctx(miss.as_bytes()));
+        let busy = shared[0].unwrap();
+        assert!((busy.behind - 3.0).abs() < f64::EPSILON, "its own and the peers': {busy:?}");
+        assert!(busy.ahead > 250.0 && busy.ahead <= 300.0, "{busy:?}");
+        assert_eq!(route(&policy, &nodes, miss.as_bytes()), 1);
+        // A prefill clock of the peers' in the past counts nothing.
+        nodes[0].counters().peer_prefill_done_at_us.store(now_us() - 1000, Ordering::Relaxed);
+        assert!(policy.estimates(&nodes, &ctx(miss.as_bytes()))[0].unwrap().ahead.abs() < f64::EPSILON);
     }
 
     #[test]

@@ -1,0 +1,227 @@
+//! Replicas of pdproxy in front of the same engines tell each other their own load on every
+//! node, so that each prices a node by all the prefill work waiting there, not only its own
+//! share of it (with four replicas, each saw a quarter, and sent new prompts to engines busy
+//! with the others').
+//!
+//! Every interval one task sends each peer (UDP, `wire`) this replica's own figures per node:
+//! the requests it sent there still waiting for their first byte, and the prefill it expects
+//! the node to still owe them (time left, so no clock is shared between hosts). Figures
+//! received are never sent on, so nothing is counted twice. The same task receives the
+//! peers' datagrams, keeps each peer's latest snapshot (`peers`), and stores the live peers'
+//! sums in each node's `peer_unanswered` and `peer_prefill_done_at_us`: the request path only
+//! reads two more atomics. A peer that stops sending stops counting after
+//! `FRESH_INTERVALS` intervals, checked on every tick, not only when a datagram comes.
+
+mod peers;
+mod wire;
+
+use std::net::{SocketAddr, ToSocketAddrs, UdpSocket as StdUdpSocket};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use tokio::net::UdpSocket;
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::now_us;
+use crate::engine::Engine;
+use crate::error::{Error, Kind, Result};
+use crate::node::Node;
+use peers::PeerTable;
+use wire::{decode, encode, node_key, Figures, MAX_DATAGRAM};
+
+/// A peer counts while its last snapshot is younger than this many intervals: a lost
+/// datagram or two do not drop it, a stopped peer is gone within a tenth of a second.
+const FRESH_INTERVALS: u32 = 5;
+/// How often the peers' names are resolved again (one may move).
+const RESOLVE_EVERY: Duration = Duration::from_secs(10);
+
+/// What the task did, for `/metrics`.
+#[derive(Debug, Default)]
+pub(crate) struct ShareStats {
+    pub(crate) sent: AtomicU64,
+    pub(crate) received: AtomicU64,
+    pub(crate) malformed: AtomicU64,
+    pub(crate) live_peers: AtomicU64,
+}
+
+/// The running share: stops when dropped or stopped.
+pub(crate) struct ReplicaShare {
+    pub(crate) stats: Arc<ShareStats>,
+    /// The address it listens on (the port chosen, when asked for 0).
+    pub(crate) local: SocketAddr,
+    stop: CancellationToken,
+}
+
+impl ReplicaShare {
+    /// Binds `listen` (`HOST:PORT`) now, then shares `engine`'s nodes' load with `peers`
+    /// (`HOST:PORT` each) every `interval`, on `runtime`, until `stop` is cancelled.
+    pub(crate) fn start(
+        engine: &Arc<Engine>,
+        listen: &str,
+        peers: Vec<String>,
+        interval: Duration,
+        runtime: &tokio::runtime::Runtime,
+        stop: CancellationToken,
+    ) -> Result<Self> {
+        let socket = bind(listen)?;
+        let local = socket.local_addr().map_err(|e| Error::with_source(Kind::Config, "replica_listen", e))?;
+        let socket = {
+            let _entered = runtime.enter();
+            UdpSocket::from_std(socket).map_err(|e| Error::with_source(Kind::Config, "replica_listen", e))?
+        };
+        let stats = Arc::new(ShareStats::default());
+        let task = Task {
+            engine: Arc::downgrade(engine),
+            socket,
+            peers: peers.into_iter().map(|name| Peer { name, address: None }).collect(),
+            interval,
+            stats: Arc::clone(&stats),
+            me: fastrand::u64(..),
+        };
+        runtime.spawn(task.run(stop.clone()));
+        Ok(Self { stats, local, stop })
+    }
+
+    pub(crate) fn stop(&self) {
+        self.stop.cancel();
+    }
+}
+
+impl Drop for ReplicaShare {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+fn bind(listen: &str) -> Result<StdUdpSocket> {
+    let address = listen
+        .to_socket_addrs()
+        .map_err(|e| Error::with_source(Kind::Config, format!("replica_listen: cannot resolve {listen}"), e))?
+        .next()
+        .ok_or_else(|| Error::new(Kind::Config, format!("replica_listen: {listen} resolves to no address")))?;
+    let socket = StdUdpSocket::bind(address)
+        .map_err(|e| Error::new(Kind::Config, format!("replica_listen: cannot listen on {address}: {e}")))?;
+    socket
+        .set_nonblocking(true)
+        .map_err(|e| Error::new(Kind::Config, format!("replica_listen: cannot listen on {address}: {e}")))?;
+    Ok(socket)
+}
+
+/// A peer as configured, and where its name last resolved.
+struct Peer {
+    name: String,
+    address: Option<SocketAddr>,
+}
+
+struct Task {
+    engine: Weak<Engine>,
+    socket: UdpSocket,
+    peers: Vec<Peer>,
+    interval: Duration,
+    stats: Arc<ShareStats>,
+    /// This replica's id in its datagrams: random at each start, so a restarted replica is a
+    /// new peer and its sequence numbers start over safely.
+    me: u64,
+}
+
+impl Task {
+    async fn run(mut self, stop: CancellationToken) {
+        let fresh_for = u64::try_from((self.interval * FRESH_INTERVALS).as_micros()).unwrap_or(u64::MAX);
+        let mut table = PeerTable::new(self.me, fresh_for);
+        let mut tick = tokio::time::interval(self.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+        let mut resolved_at: Option<Instant> = None;
+        let mut seq = 0u64;
+        let mut buf = vec![0u8; MAX_DATAGRAM * 2];
+        loop {
+            tokio::select! {
+                () = stop.cancelled() => break,
+                _ = tick.tick() => {
+                    let Some(engine) = self.engine.upgrade() else { break };
+                    if resolved_at.is_none_or(|at| at.elapsed() >= RESOLVE_EVERY) {
+                        self.resolve().await;
+                        resolved_at = Some(Instant::now());
+                    }
+                    seq += 1;
+                    self.send(&engine, seq).await;
+                    let now = now_us();
+                    table.expire(now);
+                    self.apply(&engine, &table, now);
+                }
+                received = self.socket.recv_from(&mut buf) => {
+                    // An error here is the kernel's word on an earlier datagram (a peer's port
+                    // closed): nothing to do but carry on.
+                    let Ok((len, _from)) = received else { continue };
+                    let Some(datagram) = decode(&buf[..len]) else {
+                        self.stats.malformed.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    };
+                    self.stats.received.fetch_add(1, Ordering::Relaxed);
+                    let now = now_us();
+                    if table.accept(datagram, now) {
+                        let Some(engine) = self.engine.upgrade() else { break };
+                        self.apply(&engine, &table, now);
+                    }
+                }
+            }
+        }
+        // Stopped: the peers' load must not outlive the share.
+        if let Some(engine) = self.engine.upgrade() {
+            self.apply(&engine, &PeerTable::new(self.me, 0), now_us());
+        }
+    }
+
+    /// Resolves each peer's name (a name that does not resolve now keeps its last address).
+    async fn resolve(&mut self) {
+        for peer in &mut self.peers {
+            if let Ok(mut addresses) = tokio::net::lookup_host(peer.name.as_str()).await {
+                peer.address = addresses.next().or(peer.address);
+            }
+        }
+    }
+
+    /// Sends every peer this replica's own figures (never what it heard from the others).
+    async fn send(&self, engine: &Engine, seq: u64) {
+        let now = now_us();
+        let own: Vec<(u64, Figures)> = engine.registry.load().nodes().iter().map(|n| own_figures(n, now)).collect();
+        let datagrams = encode(self.me, seq, &own);
+        for address in self.peers.iter().filter_map(|p| p.address) {
+            for datagram in &datagrams {
+                if self.socket.send_to(datagram, address).await.is_ok() {
+                    self.stats.sent.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    /// Stores the live peers' sums in every node's counters.
+    fn apply(&self, engine: &Engine, table: &PeerTable, now: u64) {
+        let sums = table.sums(now);
+        for node in engine.registry.load().nodes() {
+            let load = sums.get(&node_key(node.url())).copied().unwrap_or_default();
+            let counters = node.counters();
+            counters.peer_unanswered.store(load.unanswered, Ordering::Relaxed);
+            let done_at = if load.prefill_left_us > 0 { now + load.prefill_left_us } else { 0 };
+            counters.peer_prefill_done_at_us.store(done_at, Ordering::Relaxed);
+        }
+        self.stats.live_peers.store(table.live(now) as u64, Ordering::Relaxed);
+    }
+}
+
+/// This replica's own load on `node`, by its key.
+fn own_figures(node: &Node, now_us: u64) -> (u64, Figures) {
+    let counters = node.counters();
+    let unanswered = counters.unanswered.load(Ordering::Relaxed);
+    let left = counters.prefill_done_at_us.load(Ordering::Relaxed).saturating_sub(now_us);
+    (
+        node_key(node.url()),
+        Figures {
+            unanswered: u32::try_from(unanswered).unwrap_or(u32::MAX),
+            prefill_left_us: u32::try_from(left).unwrap_or(u32::MAX),
+        },
+    )
+}
+
+#[cfg(test)]
+mod tests;

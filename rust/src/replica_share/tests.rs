@@ -1,0 +1,110 @@
+//! Two shares over real UDP sockets on this host: each stores the other's load in its nodes'
+//! counters, and a share that stops is forgotten by the other's own tick.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use super::ReplicaShare;
+use crate::clock::now_us;
+use crate::engine::{Engine, EngineConfig, RolePolicies};
+use crate::node::registry::Registry;
+use crate::node::{Node, NodeSpec};
+use crate::select::PolicySpec;
+use crate::upstream::forward::ForwardConfig;
+
+const NODE: &str = "http://127.0.0.1:9001";
+const INTERVAL: Duration = Duration::from_millis(10);
+
+fn engine() -> (Arc<Engine>, Arc<Node>) {
+    let forward = ForwardConfig {
+        connect_timeout: Duration::from_secs(2),
+        first_byte_timeout: Duration::from_secs(5),
+        pool_idle_timeout: Duration::from_secs(30),
+        pool_max_idle_per_node: 8,
+        prefetch_limit: 64 * 1024,
+        stream_idle_timeout: Duration::from_secs(5),
+        stream_buffer_limit: 1 << 20,
+        stream_stall_timeout: Duration::from_secs(5),
+        node_ca_file: None,
+        tcp_keepalive: Duration::from_secs(30),
+        answer_buffer_limit: 1 << 20,
+        answer_timeout: Duration::from_secs(5),
+    };
+    let config = EngineConfig {
+        policies: RolePolicies::every_role(PolicySpec::RoundRobin),
+        engine_max_age_ms: 10_000,
+        queue_size: 16,
+        queue_timeout: Duration::from_secs(1),
+        request_timeout: None,
+        retries: 1,
+        retry_budget_ratio: 0.2,
+        retry_budget_floor: 10,
+        circuit_failures: 5,
+        circuit_cooldown: Duration::from_secs(10),
+        forward,
+        max_requests: 0,
+        max_n: 16,
+        tracing: None,
+    };
+    let engine = Arc::new(Engine::new(config, Registry::new()));
+    let node = engine.registry.add(NODE, NodeSpec::default()).unwrap();
+    (engine, node)
+}
+
+/// Polls `holds` for up to five seconds.
+fn eventually(what: &str, holds: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !holds() {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn peers_see_each_others_load_until_one_stops() {
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let (engine_a, node_a) = engine();
+    let (engine_b, node_b) = engine();
+    let start = |engine: &Arc<Engine>, peer: &str| {
+        ReplicaShare::start(engine, "127.0.0.1:0", vec![peer.to_owned()], INTERVAL, &runtime, CancellationToken::new())
+            .unwrap()
+    };
+    // B's address is known once it is bound; A's is told to B after (a peer may come later).
+    let b_probe = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let b_listen = b_probe.local_addr().unwrap().to_string();
+    drop(b_probe);
+    let a = start(&engine_a, &b_listen);
+    let b = ReplicaShare::start(
+        &engine_b,
+        &b_listen,
+        vec![a.local.to_string()],
+        INTERVAL,
+        &runtime,
+        CancellationToken::new(),
+    )
+    .unwrap();
+    node_a.counters().unanswered.store(2, Ordering::Relaxed);
+    node_a.counters().prefill_done_at_us.store(now_us() + 2_000_000, Ordering::Relaxed);
+    let b_counters = node_b.counters();
+    eventually("B to hear A's two requests", || b_counters.peer_unanswered.load(Ordering::Relaxed) == 2);
+    let left = b_counters.peer_prefill_left_ms(now_us());
+    assert!(left > 1000.0 && left <= 2000.0, "A's prefill left, by B's clock: {left}");
+    assert_eq!(node_a.counters().peer_unanswered.load(Ordering::Relaxed), 0, "B has nothing there");
+    assert_eq!(b.stats.live_peers.load(Ordering::Relaxed), 1);
+    assert!(a.stats.sent.load(Ordering::Relaxed) > 0 && b.stats.received.load(Ordering::Relaxed) > 0);
+    // A's request answered: B sees it within a few intervals.
+    node_a.counters().unanswered.store(0, Ordering::Relaxed);
+    eventually("B to see A's requests answered", || b_counters.peer_unanswered.load(Ordering::Relaxed) == 0);
+    // A stops while it has a request waiting: B forgets it by its own tick, no datagram needed.
+    node_a.counters().unanswered.store(1, Ordering::Relaxed);
+    eventually("B to hear the new one", || b_counters.peer_unanswered.load(Ordering::Relaxed) == 1);
+    a.stop();
+    eventually("B to forget A", || {
+        b_counters.peer_unanswered.load(Ordering::Relaxed) == 0 && b.stats.live_peers.load(Ordering::Relaxed) == 0
+    });
+    assert!(b_counters.peer_prefill_left_ms(now_us()) <= 0.0, "nor its prefill");
+    assert_eq!(b.stats.malformed.load(Ordering::Relaxed), 0);
+}
