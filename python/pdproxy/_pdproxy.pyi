@@ -279,6 +279,12 @@ class NodeView:
     def histograms(self) -> LatencyHistograms: ...
     @property
     def engine(self) -> EngineReading: ...
+    @property
+    def peer_unanswered(self) -> int:
+        """The other replicas' requests here still waiting for their first byte (``--replica-listen``)."""
+    @property
+    def peer_prefill_ms_left(self) -> float:
+        """The prefill the other replicas expect the node to still owe them, milliseconds."""
 
 @final
 class Router:
@@ -871,3 +877,22 @@ class Edge:
     @property
     def connections(self) -> int:
         """Client connections open now."""
+
+@final
+class ReplicaShare:
+    """Sends this replica's own load on every node to the other replicas (UDP) every interval,
+    and stores the live ones' sums in the nodes' counters, which ``scored`` prices by."""
+
+    def __new__(cls, router: Router, listen: str, peers: list[str], interval_ms: int) -> ReplicaShare:
+        """Binds ``listen`` (``HOST:PORT``) and starts on ``router``'s runtime.
+
+        Raises:
+            ConfigError: the address cannot be bound.
+        """
+    @property
+    def listen(self) -> str:
+        """The address it listens on, ``HOST:PORT``."""
+    def stats(self) -> tuple[int, int, int, int]:
+        """Datagrams sent, received and refused as not this protocol, and the peers live now."""
+    def close(self) -> None:
+        """Stops sharing; the peers' load leaves the nodes."""

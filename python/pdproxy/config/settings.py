@@ -321,6 +321,60 @@ class RegistrySettings(SettingsGroup):
         return value
 
 
+def _host_port(value: str, name: str) -> str:
+    """``value`` as ``HOST:PORT`` (a port from 0 to 65535; an IPv6 host in brackets)."""
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise _refuse("{name} must be HOST:PORT, got {value}", name=name, value=value)
+    return value
+
+
+class ReplicaShareSettings(SettingsGroup):
+    """Replicas in front of the same engines telling each other their load on every node (UDP)."""
+
+    title: ClassVar[str] = "Load shared between replicas (--replica-listen)"
+
+    listen: str = _setting(
+        "",
+        (
+            "HOST:PORT to receive the other replicas' load on (UDP), and to share this one's with --replica-peer: "
+            "each prices a node by every replica's requests waiting there for a first token, and the prefill they "
+            "owe, not its own alone. Empty: not shared."
+        ),
+        name="replica_listen",
+    )
+    peers: Several = _setting(
+        (),
+        "Another replica's --replica-listen address (HOST:PORT); repeat for each. Each gets one datagram an interval.",
+        name="replica_peers",
+        flag="--replica-peer",
+    )
+    interval_ms: AtLeastOne = _setting(
+        20,
+        (
+            "Milliseconds between two datagrams to each peer; a peer silent for five intervals stops counting "
+            "(its load leaves the nodes)."
+        ),
+        name="replica_share_interval_ms",
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        return _host_port(value, "replica_listen") if value else value
+
+    @field_validator("peers")
+    @classmethod
+    def _peers(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(_host_port(peer, "replica_peers") for peer in value)
+
+    @model_validator(mode="after")
+    def _sharing(self) -> ReplicaShareSettings:
+        if self.peers and not self.listen:
+            raise _refuse("--replica-peer needs --replica-listen: peers send their load there")
+        return self
+
+
 class DiscoverySettings(SettingsGroup):
     """Nodes found where fleets run: Kubernetes pods by label selector, DNS names."""
 
@@ -1225,6 +1279,7 @@ GROUPS: tuple[type[SettingsGroup], ...] = (
     HealthSettings,
     EngineMetricsSettings,
     KvEventsSettings,
+    ReplicaShareSettings,
     TenantSettings,
     ObservabilitySettings,
 )
@@ -1243,6 +1298,7 @@ class Settings(BaseModel):
     # The order of the flat settings (``flat``, ``--print-config``) follows these.
     server: ServerSettings = Field(default_factory=ServerSettings)
     membership: RegistrySettings = Field(default_factory=RegistrySettings)
+    replicas: ReplicaShareSettings = Field(default_factory=ReplicaShareSettings)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
     routing: RoutingSettings = Field(default_factory=RoutingSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)

@@ -108,8 +108,20 @@ class NodeStatusRow(TypedDict):
     address: str | None
     found_by: JsonValue
     kv_events: dict[str, object] | None
+    replicas: ReplicaLoad | None
     links: NotRequired[list[LinkSummary]]
     preserved_sessions: NotRequired[int]
+
+
+class ReplicaLoad(TypedDict):
+    """The other replicas' load on a node, as they last said (``--replica-listen``)."""
+
+    #: Replicas whose last datagram is fresh (the same for every node).
+    peers: int
+    #: Their requests here still waiting for their first byte.
+    peer_unanswered: int
+    #: The prefill they expect the node to still owe them.
+    peer_prefill_ms_left: float
 
 
 class Fleet:
@@ -144,6 +156,10 @@ class Fleet:
         #: Follows the engines' KV events into the data plane's index (``--kv-events``), in
         #: every worker: each has its own data plane.
         self.kv_events: KvEventFollower | None = None
+        #: Shares this replica's load on the nodes with the other replicas (``--replica-listen``),
+        #: where the health checks run: in a worker group the leader, whose node counters every
+        #: worker reads.
+        self.replica_share: _pdproxy.ReplicaShare | None = None
         self._session: aiohttp.ClientSession | None = None
         self._lease_task: asyncio.Task[None] | None = None
         #: The disaggregation flow, when serving with DistServe (for the management API).
@@ -203,6 +219,12 @@ class Fleet:
             await self.health.start()
         if not self.engines.running and self.settings.engine_metrics.interval > 0:
             await self.engines.start()
+        replicas = self.settings.replicas
+        if self.replica_share is None and replicas.listen:
+            self.replica_share = _pdproxy.ReplicaShare(
+                self.router.core, replicas.listen, list(replicas.peers), replicas.interval_ms
+            )
+            log.info("sharing load with replicas %s from %s", ", ".join(replicas.peers), self.replica_share.listen)
 
     def session(self) -> aiohttp.ClientSession:
         """The session calls to the nodes go through (once started)."""
@@ -228,6 +250,8 @@ class Fleet:
     async def aclose(self) -> None:
         if self.kv_events is not None:
             await self.kv_events.aclose()
+        if self.replica_share is not None:
+            self.replica_share.close()
         for source in self.sources:
             await source.aclose()
         await _background.stop(self._lease_task)
@@ -475,11 +499,21 @@ class Fleet:
             address=view.address,
             found_by=found.shown() if (found := self.found.get(url)) is not None else None,
             kv_events=kv_events.get(url) if kv_events is not None else None,
+            replicas=self._replica_load(view),
         )
         if self.pd is not None and (held := self.pd.node_status(url)) is not None:
             row["links"] = held["links"]
             row["preserved_sessions"] = held["preserved_sessions"]
         return row
+
+    def _replica_load(self, view: NodeView) -> ReplicaLoad | None:
+        if self.replica_share is None:
+            return None
+        return ReplicaLoad(
+            peers=self.replica_share.stats()[3],
+            peer_unanswered=view.peer_unanswered,
+            peer_prefill_ms_left=round(view.peer_prefill_ms_left, 3),
+        )
 
     def sources_status(self) -> dict[str, JsonValue]:
         """How each node source fares: whether it reaches where it looks, since when not, why."""

@@ -128,6 +128,8 @@ class PdproxyCollector(Collector):
             yield from _source_metrics(fleet.sources)
         if fleet is not None and fleet.kv_events is not None:
             yield from _kv_index_metrics(router.core.kv_index_stats())
+        if fleet is not None and fleet.replica_share is not None:
+            yield from _replica_share_metrics(fleet.replica_share.stats())
 
         kept = fleet.pd.kept() if fleet is not None and fleet.pd is not None else None
         if kept is not None:
@@ -165,6 +167,22 @@ def _source_metrics(sources: list[NodeSource]) -> Iterator[Metric]:
         for kind, count in state.events.items():
             events.add_metric([source.name, kind], count)
     yield from (up, nodes, synced, restarts, events)
+
+
+def _replica_share_metrics(stats: tuple[int, int, int, int]) -> Iterator[Metric]:
+    """Load shared with the other replicas (``--replica-listen``): datagrams by direction, and
+    the peers whose last one is fresh."""
+    sent, received, malformed, live = stats
+    datagrams = CounterMetricFamily(
+        "pdproxy_replica_share_datagrams",
+        "Datagrams of load shared with other replicas: sent, received, or refused as not this protocol",
+        labels=["direction"],
+    )
+    for direction, count in (("sent", sent), ("received", received), ("malformed", malformed)):
+        datagrams.add_metric([direction], count)
+    peers = GaugeMetricFamily("pdproxy_replica_share_peers_live", "Other replicas whose load is fresh")
+    peers.add_metric([], live)
+    yield from (datagrams, peers)
 
 
 def _kv_index_metrics(stats: Mapping[str, object]) -> Iterator[Metric]:
