@@ -32,6 +32,7 @@ import math
 import os
 import platform
 import re
+import socket
 import statistics
 import sys
 import time
@@ -46,7 +47,7 @@ import peers
 from fleet_client import EVENT_WINDOW, Outcome, Played
 from fleet_client import run as play
 from fleet_workloads import WORKLOADS, EngineShape, Trace, Workload, engine_options, ideal_capacity, stats
-from pdproxy.testing.ports import free_port_range
+from pdproxy.testing.ports import free_port, free_port_range
 
 MODEL = "fleet-model"
 HERE = Path(__file__).resolve().parent
@@ -75,6 +76,9 @@ class Router:
     #: pdproxy: replicas in front of the same engines, requests sent to each in turn (each knows
     #: only the traffic it routes, and the engines' events).
     replicas: int = 1
+    #: pdproxy replicas: each tells the others its load on every engine (``--replica-listen``,
+    #: ``--replica-peer``).
+    shared: bool = False
 
     @property
     def is_pdproxy(self) -> bool:
@@ -173,9 +177,10 @@ def router(spec: Router, fleet_: Fleet, installed: dict[str, peers.Peer]) -> Ite
         extra = ("--policy", spec.policy)
         if spec.kv_events:
             extra += ("--kv-events", "auto", "--kv-tokenizer", "mock")
+        sharing = replica_sharing(spec.replicas) if spec.shared else [()] * spec.replicas
         with contextlib.ExitStack() as stack:
             services = [
-                stack.enter_context(harness.pdproxy(fleet_.engines, MODEL, extra=extra)) for _ in range(spec.replicas)
+                stack.enter_context(harness.pdproxy(fleet_.engines, MODEL, extra=extra + share)) for share in sharing
             ]
             if spec.kv_events:
                 for svc in services:
@@ -184,6 +189,29 @@ def router(spec: Router, fleet_: Fleet, installed: dict[str, peers.Peer]) -> Ite
     else:
         with installed[spec.peer].start(fleet_.engines, MODEL, spec.policy or None) as svc:
             yield [svc.url], [svc.proc.pid]
+
+
+def replica_sharing(replicas: int) -> list[tuple[str, ...]]:
+    """Each replica's flags to share its load with the others: its own UDP port to listen on,
+    and the others' as its peers."""
+    ports = [free_udp_port() for _ in range(replicas)]
+    listen = [f"127.0.0.1:{port}" for port in ports]
+    return [
+        ("--replica-listen", mine, *(flag for peer in listen if peer != mine for flag in ("--replica-peer", peer)))
+        for mine in listen
+    ]
+
+
+def free_udp_port() -> int:
+    """A port free for TCP (``free_port``: below the ephemeral range) and for UDP."""
+    while True:
+        port = free_port()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 def wait_kv_events_live(url: str, nodes: int, timeout: float = 30.0) -> None:
@@ -671,21 +699,22 @@ def choose_routers(names: str) -> list[Router]:
     """The routers named (any other "pdproxy POLICY" is pdproxy with that policy, weights too:
     "pdproxy scored:queue=0.5", following the engines' KV events: "pdproxy scored:queue=0.5
     kv-events"; a pdproxy router's name ending in " xN" is N replicas of it: "pdproxy scored
-    kv-events x4"), the references added where missing."""
+    kv-events x4", and in " xN shared" N replicas telling each other their load on the engines:
+    "pdproxy scored kv-events x4 shared"), the references added where missing."""
     listed = [n for n in names.split(";" if ";" in names else ",") if n]
     listed += [n for n in REFERENCES if n not in listed]
     return [router_named(n) for n in listed]
 
 
 def router_named(name: str) -> Router:
-    base, replicas = name, 1
-    if match := re.fullmatch(r"(pdproxy .+) x(\d+)", name):
-        base, replicas = match[1], int(match[2])
+    base, replicas, shared = name, 1, False
+    if match := re.fullmatch(r"(pdproxy .+) x(\d+)( shared)?", name):
+        base, replicas, shared = match[1], int(match[2]), bool(match[3])
     spec = ROUTERS.get(base)
     if spec is None:
         policy = base.removeprefix("pdproxy ")
         spec = Router(base, "pdproxy", policy.removesuffix(" kv-events"), kv_events=policy.endswith(" kv-events"))
-    return dataclasses.replace(spec, name=name, replicas=replicas) if replicas != 1 else spec
+    return dataclasses.replace(spec, name=name, replicas=replicas, shared=shared) if replicas != 1 else spec
 
 
 def check_events(workload: str, args: argparse.Namespace) -> None:

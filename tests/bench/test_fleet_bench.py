@@ -104,3 +104,13 @@ def test_router_names_give_policy_weights_events_and_replicas() -> None:
     plain = fleet.router_named("pdproxy scored:queue=0.5")
     assert (plain.policy, plain.kv_events, plain.replicas) == ("scored:queue=0.5", False, 1)
     assert fleet.router_named("pdproxy scored kv-events") == fleet.ROUTERS["pdproxy scored kv-events"]
+    shared = fleet.router_named("pdproxy scored kv-events x4 shared")
+    assert (shared.policy, shared.kv_events, shared.replicas, shared.shared) == ("scored", True, 4, True)
+    assert not named.shared, "replicas share nothing unless asked"
+    sharing = fleet.replica_sharing(3)
+    listens = [flags[1] for flags in sharing]
+    assert len(set(listens)) == 3
+    for flags, mine in zip(sharing, listens, strict=True):
+        assert flags[0] == "--replica-listen"
+        peers = [flags[i + 1] for i in range(2, len(flags), 2) if flags[i] == "--replica-peer"]
+        assert sorted(peers) == sorted(set(listens) - {mine}), "every other replica, never itself"
