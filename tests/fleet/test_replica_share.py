@@ -162,10 +162,10 @@ async def test_a_replica_sends_new_prompts_away_from_an_engine_busy_with_the_oth
             body = chat(f"question {i}: " + f"fresh words {i} " * 8, stream=False)
             async with pair.http.post(pair.b.url + "/v1/chat/completions", json=body) as r:
                 assert r.status == 200, await r.text()
-        assert not answer.done(), "A's long prefill was pending all along"
         sent = {url: row["requests"] for url, row in (await status(pair, pair.b)).items()}
         assert sent[busy] == 0, f"B sent {sent[busy]} of 4 fresh prompts to the engine busy with A's: {sent}"
         assert sum(sent.values()) == 4, sent
+        assert not answer.done(), "A's long prefill was pending all along"
 
 
 async def _b_counts(pair: Pair, node: str) -> bool:
