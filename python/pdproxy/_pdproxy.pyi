@@ -285,6 +285,9 @@ class NodeView:
     @property
     def peer_prefill_ms_left(self) -> float:
         """The prefill the other replicas expect the node to still owe them, milliseconds."""
+    @property
+    def peer_in_flight(self) -> int:
+        """The other replicas' requests here not yet ended."""
 
 @final
 class Router:

@@ -141,6 +141,7 @@ async def test_a_request_held_through_one_replica_shows_in_the_other(tmp_path: A
             row = (await status(pair, pair.b))[node]
             assert not answer.done(), "the prefill still runs: what B shows is A's request waiting"
             assert row["replicas"]["peer_prefill_ms_left"] > 0, row["replicas"]
+            assert row["replicas"]["peer_in_flight"] == 1, row["replicas"]
             assert row["in_flight"] == 0, "B sent nothing there itself"
             # A counts only its own: what it hears from B (nothing) adds nothing.
             assert set((await peer_unanswered(pair, pair.a)).values()) == {0}

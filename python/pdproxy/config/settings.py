@@ -350,10 +350,10 @@ class ReplicaShareSettings(SettingsGroup):
         flag="--replica-peer",
     )
     interval_ms: AtLeastOne = _setting(
-        20,
+        5,
         (
-            "Milliseconds between two datagrams to each peer; a peer silent for five intervals stops counting "
-            "(its load leaves the nodes)."
+            "Milliseconds between two datagrams to each peer; a peer silent for five intervals (and at least 50 ms) "
+            "stops counting (its load leaves the nodes)."
         ),
         name="replica_share_interval_ms",
     )

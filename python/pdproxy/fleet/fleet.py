@@ -122,6 +122,8 @@ class ReplicaLoad(TypedDict):
     peer_unanswered: int
     #: The prefill they expect the node to still owe them.
     peer_prefill_ms_left: float
+    #: Their requests here not yet ended (decoding, most of them).
+    peer_in_flight: int
 
 
 class Fleet:
@@ -513,6 +515,7 @@ class Fleet:
             peers=self.replica_share.stats()[3],
             peer_unanswered=view.peer_unanswered,
             peer_prefill_ms_left=round(view.peer_prefill_ms_left, 3),
+            peer_in_flight=view.peer_in_flight,
         )
 
     def sources_status(self) -> dict[str, JsonValue]:

@@ -19,12 +19,9 @@ use super::body::EdgeBody;
 use super::request::BodyError;
 use super::{EdgeConfig, Embedded, PdProtocol};
 use crate::distserve::{DistServe, DistServeConfig, LinkMaker};
-use crate::engine::{Engine, EngineConfig, RolePolicies};
+use crate::engine::Engine;
 use crate::error::Result;
-use crate::node::registry::Registry;
 use crate::node::{NodeSpec, NodeState, Role};
-use crate::select::PolicySpec;
-use crate::upstream::forward::ForwardConfig;
 
 /// What a fake node answers: raw bytes after the request, written in pieces with a pause
 /// before each.
@@ -117,37 +114,7 @@ fn stream_answer(events: &[&str], gap: Duration, stall: Duration) -> Answer {
 }
 
 fn engine(idle: Duration) -> Arc<Engine> {
-    let forward = ForwardConfig {
-        connect_timeout: Duration::from_secs(2),
-        first_byte_timeout: Duration::from_secs(5),
-        pool_idle_timeout: Duration::from_secs(30),
-        pool_max_idle_per_node: 8,
-        prefetch_limit: 64 * 1024,
-        stream_idle_timeout: idle,
-        stream_buffer_limit: 1 << 20,
-        stream_stall_timeout: Duration::from_secs(5),
-        node_ca_file: None,
-        tcp_keepalive: Duration::from_secs(30),
-        answer_buffer_limit: 1 << 20,
-        answer_timeout: Duration::from_secs(5),
-    };
-    let config = EngineConfig {
-        policies: RolePolicies::every_role(PolicySpec::RoundRobin),
-        engine_max_age_ms: 10_000,
-        queue_size: 16,
-        queue_timeout: Duration::from_secs(1),
-        request_timeout: None,
-        retries: 1,
-        retry_budget_ratio: 0.2,
-        retry_budget_floor: 10,
-        circuit_failures: 5,
-        circuit_cooldown: Duration::from_secs(10),
-        forward,
-        max_requests: 0,
-        max_n: 16,
-        tracing: None,
-    };
-    Arc::new(Engine::new(config, Registry::new()))
+    Engine::for_tests(idle)
 }
 
 fn embedded(engine: &Arc<Engine>, api_keys: &[&str], disaggregation: Option<PdProtocol>) -> Embedded {

@@ -472,3 +472,42 @@ impl Drop for WaitTimer<'_> {
         self.admission.waited.observe(self.since.elapsed());
     }
 }
+
+#[cfg(test)]
+impl Engine {
+    /// An engine with round robin for every role and the limits the tests run with, nodes
+    /// none yet; `stream_idle`: how long a stream may be silent.
+    pub(crate) fn for_tests(stream_idle: Duration) -> Arc<Self> {
+        let forward = ForwardConfig {
+            connect_timeout: Duration::from_secs(2),
+            first_byte_timeout: Duration::from_secs(5),
+            pool_idle_timeout: Duration::from_secs(30),
+            pool_max_idle_per_node: 8,
+            prefetch_limit: 64 * 1024,
+            stream_idle_timeout: stream_idle,
+            stream_buffer_limit: 1 << 20,
+            stream_stall_timeout: Duration::from_secs(5),
+            node_ca_file: None,
+            tcp_keepalive: Duration::from_secs(30),
+            answer_buffer_limit: 1 << 20,
+            answer_timeout: Duration::from_secs(5),
+        };
+        let config = EngineConfig {
+            policies: RolePolicies::every_role(crate::select::PolicySpec::RoundRobin),
+            engine_max_age_ms: 10_000,
+            queue_size: 16,
+            queue_timeout: Duration::from_secs(1),
+            request_timeout: None,
+            retries: 1,
+            retry_budget_ratio: 0.2,
+            retry_budget_floor: 10,
+            circuit_failures: 5,
+            circuit_cooldown: Duration::from_secs(10),
+            forward,
+            max_requests: 0,
+            max_n: 16,
+            tracing: None,
+        };
+        Arc::new(Self::new(config, Registry::new()))
+    }
+}

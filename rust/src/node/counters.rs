@@ -77,6 +77,9 @@ pub struct NodeCounters {
     /// When the node should be done with the prefill the other replicas expect it to owe them,
     /// summed (µs, `now_us`'s clock; 0: nothing).
     pub(crate) peer_prefill_done_at_us: AtomicU64,
+    /// The other replicas' requests in flight here, summed (`replica_share`; 0 without it):
+    /// only `scored`'s choice among nodes equally ready reads it, never a cap.
+    pub(crate) peer_in_flight: AtomicU64,
     /// Prompt bytes the routing policy expected the node to find in its cache, summed over
     /// the requests that had their first byte (so the engine has looked them up by then).
     pub(crate) predicted_cached_bytes: AtomicU64,
@@ -171,6 +174,7 @@ impl NodeCounters {
             &self.unanswered,
             &self.peer_unanswered,
             &self.peer_prefill_done_at_us,
+            &self.peer_in_flight,
             &self.predicted_cached_bytes,
             &self.answered_predicted_bytes,
             &self.answered_cached_tokens,

@@ -266,6 +266,8 @@ pub(crate) struct NodeView {
     pub(crate) peer_unanswered: u64,
     /// The prefill they expect the node to still owe them, milliseconds.
     pub(crate) peer_prefill_ms_left: f64,
+    /// Their requests here not yet ended.
+    pub(crate) peer_in_flight: u64,
 }
 
 impl NodeView {
@@ -311,6 +313,7 @@ impl NodeView {
             engine: EngineView::of(node, max_age_ms),
             peer_unanswered: counters.peer_unanswered.load(Ordering::Relaxed),
             peer_prefill_ms_left: counters.peer_prefill_left_ms(now_us()),
+            peer_in_flight: counters.peer_in_flight.load(Ordering::Relaxed),
         }
     }
 }

@@ -12,6 +12,7 @@ pub(crate) struct PeerLoad {
     pub(crate) unanswered: u64,
     /// The prefill they expect the node to still owe them, microseconds from now, summed.
     pub(crate) prefill_left_us: u64,
+    pub(crate) in_flight: u64,
 }
 
 /// A figure as received: `prefill_done_at_us` by this host's clock (arrival + time left).
@@ -19,6 +20,7 @@ pub(crate) struct PeerLoad {
 struct Held {
     unanswered: u32,
     prefill_done_at_us: u64,
+    in_flight: u32,
 }
 
 /// A snapshot whose datagrams are still arriving.
@@ -81,8 +83,8 @@ impl PeerTable {
             return false;
         }
         pending.seen[usize::from(datagram.part)] = true;
-        for (key, Figures { unanswered, prefill_left_us }) in datagram.entries {
-            let held = Held { unanswered, prefill_done_at_us: now_us + u64::from(prefill_left_us) };
+        for (key, Figures { unanswered, prefill_left_us, in_flight }) in datagram.entries {
+            let held = Held { unanswered, prefill_done_at_us: now_us + u64::from(prefill_left_us), in_flight };
             pending.figures.insert(key, held);
         }
         if !pending.seen.iter().all(|&seen| seen) {
@@ -121,6 +123,7 @@ impl PeerTable {
             let sum = sums.entry(*key).or_default();
             sum.unanswered += u64::from(held.unanswered);
             sum.prefill_left_us += held.prefill_done_at_us.saturating_sub(now_us);
+            sum.in_flight += u64::from(held.in_flight);
         }
         sums
     }
@@ -134,8 +137,10 @@ mod tests {
     const FRESH: u64 = 100_000;
 
     fn datagram(replica: u64, seq: u64, figures: &[(u64, u32, u32)]) -> Datagram {
-        let entries: Vec<(u64, Figures)> =
-            figures.iter().map(|&(k, u, l)| (k, Figures { unanswered: u, prefill_left_us: l })).collect();
+        let entries: Vec<(u64, Figures)> = figures
+            .iter()
+            .map(|&(k, u, l)| (k, Figures { unanswered: u, prefill_left_us: l, in_flight: u + 1 }))
+            .collect();
         decode(&encode(replica, seq, &entries)[0]).unwrap()
     }
 
@@ -145,8 +150,8 @@ mod tests {
         assert!(table.accept(datagram(2, 1, &[(10, 2, 5_000), (20, 1, 0)]), 1_000_000));
         assert!(table.accept(datagram(3, 1, &[(10, 1, 3_000)]), 1_000_000));
         let sums = table.sums(1_001_000);
-        assert_eq!(sums[&10], PeerLoad { unanswered: 3, prefill_left_us: 4_000 + 2_000 });
-        assert_eq!(sums[&20], PeerLoad { unanswered: 1, prefill_left_us: 0 });
+        assert_eq!(sums[&10], PeerLoad { unanswered: 3, prefill_left_us: 4_000 + 2_000, in_flight: 5 });
+        assert_eq!(sums[&20], PeerLoad { unanswered: 1, prefill_left_us: 0, in_flight: 2 });
         assert_eq!(table.live(1_001_000), 2);
     }
 
@@ -170,7 +175,7 @@ mod tests {
     #[test]
     fn a_split_snapshot_counts_once_whole() {
         let entries: Vec<(u64, Figures)> =
-            (0..100).map(|k| (k, Figures { unanswered: 1, prefill_left_us: 0 })).collect();
+            (0..100).map(|k| (k, Figures { unanswered: 1, prefill_left_us: 0, in_flight: 1 })).collect();
         let parts: Vec<Datagram> = encode(2, 1, &entries).iter().map(|d| decode(d).unwrap()).collect();
         assert_eq!(parts.len(), 2);
         let mut table = PeerTable::new(1, FRESH);
@@ -187,7 +192,7 @@ mod tests {
         table.accept(datagram(3, 1, &[(10, 1, 0)]), 60_000);
         assert_eq!(table.sums(FRESH)[&10].unanswered, 3);
         // Past the freshness of peer 2's snapshot: only peer 3 counts, even before expiry.
-        assert_eq!(table.sums(FRESH + 1)[&10], PeerLoad { unanswered: 1, prefill_left_us: 0 });
+        assert_eq!(table.sums(FRESH + 1)[&10], PeerLoad { unanswered: 1, prefill_left_us: 0, in_flight: 2 });
         assert_eq!(table.expire(FRESH + 1), 1, "peer 2 went");
         assert_eq!(table.live(FRESH + 1), 1);
         assert_eq!(table.expire(FRESH + 2), 0, "nothing more to forget");

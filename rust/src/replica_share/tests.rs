@@ -9,47 +9,14 @@ use tokio_util::sync::CancellationToken;
 
 use super::ReplicaShare;
 use crate::clock::now_us;
-use crate::engine::{Engine, EngineConfig, RolePolicies};
-use crate::node::registry::Registry;
+use crate::engine::Engine;
 use crate::node::{Node, NodeSpec};
-use crate::select::PolicySpec;
-use crate::upstream::forward::ForwardConfig;
 
 const NODE: &str = "http://127.0.0.1:9001";
 const INTERVAL: Duration = Duration::from_millis(10);
 
 fn engine() -> (Arc<Engine>, Arc<Node>) {
-    let forward = ForwardConfig {
-        connect_timeout: Duration::from_secs(2),
-        first_byte_timeout: Duration::from_secs(5),
-        pool_idle_timeout: Duration::from_secs(30),
-        pool_max_idle_per_node: 8,
-        prefetch_limit: 64 * 1024,
-        stream_idle_timeout: Duration::from_secs(5),
-        stream_buffer_limit: 1 << 20,
-        stream_stall_timeout: Duration::from_secs(5),
-        node_ca_file: None,
-        tcp_keepalive: Duration::from_secs(30),
-        answer_buffer_limit: 1 << 20,
-        answer_timeout: Duration::from_secs(5),
-    };
-    let config = EngineConfig {
-        policies: RolePolicies::every_role(PolicySpec::RoundRobin),
-        engine_max_age_ms: 10_000,
-        queue_size: 16,
-        queue_timeout: Duration::from_secs(1),
-        request_timeout: None,
-        retries: 1,
-        retry_budget_ratio: 0.2,
-        retry_budget_floor: 10,
-        circuit_failures: 5,
-        circuit_cooldown: Duration::from_secs(10),
-        forward,
-        max_requests: 0,
-        max_n: 16,
-        tracing: None,
-    };
-    let engine = Arc::new(Engine::new(config, Registry::new()));
+    let engine = Engine::for_tests(Duration::from_secs(5));
     let node = engine.registry.add(NODE, NodeSpec::default()).unwrap();
     (engine, node)
 }
@@ -107,4 +74,44 @@ fn peers_see_each_others_load_until_one_stops() {
     });
     assert!(b_counters.peer_prefill_left_ms(now_us()) <= 0.0, "nor its prefill");
     assert_eq!(b.stats.malformed.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn a_change_goes_out_at_once_not_at_the_next_tick() {
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let (engine_a, node_a) = engine();
+    let (engine_b, node_b) = engine();
+    // Ticks far apart: what B hears within the test's few seconds, after the first, came on a change.
+    let interval = Duration::from_secs(60);
+    let b_probe = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let b_listen = b_probe.local_addr().unwrap().to_string();
+    drop(b_probe);
+    let a = ReplicaShare::start(
+        &engine_a,
+        "127.0.0.1:0",
+        vec![b_listen.clone()],
+        interval,
+        &runtime,
+        CancellationToken::new(),
+    )
+    .unwrap();
+    let b = ReplicaShare::start(
+        &engine_b,
+        &b_listen,
+        vec![a.local.to_string()],
+        interval,
+        &runtime,
+        CancellationToken::new(),
+    )
+    .unwrap();
+    // A's first tick (at once) may come before B listens: a change makes it send again.
+    eventually("B to hear A's first snapshot", || {
+        crate::node::load_signal::load_changed();
+        b.stats.live_peers.load(Ordering::Relaxed) == 1
+    });
+    node_a.counters().unanswered.store(3, Ordering::Relaxed);
+    crate::node::load_signal::load_changed();
+    eventually("B to hear A's change long before A's next tick", || {
+        node_b.counters().peer_unanswered.load(Ordering::Relaxed) == 3
+    });
 }

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! header (26 bytes): "pdr" | version u8 | replica u64 | seq u64 | part u16 | parts u16 | count u16
-//! entry  (16 bytes): node key u64 | unanswered u32 | prefill left (µs) u32
+//! entry  (20 bytes): node key u64 | unanswered u32 | prefill left (µs) u32 | in flight u32
 //! ```
 //!
 //! A snapshot of many nodes is split into `parts` datagrams of one `seq`, each under
@@ -11,9 +11,9 @@
 
 /// The first three bytes of every datagram, then the version.
 const MAGIC: [u8; 3] = *b"pdr";
-const VERSION: u8 = 1;
+const VERSION: u8 = 2;
 const HEADER: usize = 26;
-const ENTRY: usize = 16;
+const ENTRY: usize = 20;
 /// The largest datagram sent: under the 1,280 bytes IPv6 guarantees, with room for headers.
 pub(crate) const MAX_DATAGRAM: usize = 1200;
 /// Nodes per datagram.
@@ -26,6 +26,8 @@ pub(crate) struct Figures {
     pub(crate) unanswered: u32,
     /// The prefill it still expects the node to owe them, microseconds from the sending.
     pub(crate) prefill_left_us: u32,
+    /// Requests it sent there not yet ended (decoding, most of them).
+    pub(crate) in_flight: u32,
 }
 
 /// One decoded datagram: part `part` of `parts` of snapshot `seq` of replica `replica`.
@@ -66,6 +68,7 @@ pub(crate) fn encode(replica: u64, seq: u64, entries: &[(u64, Figures)]) -> Vec<
                 out.extend_from_slice(&key.to_le_bytes());
                 out.extend_from_slice(&figures.unanswered.to_le_bytes());
                 out.extend_from_slice(&figures.prefill_left_us.to_le_bytes());
+                out.extend_from_slice(&figures.in_flight.to_le_bytes());
             }
             out
         })
@@ -91,7 +94,8 @@ pub(crate) fn decode(bytes: &[u8]) -> Option<Datagram> {
             let key = u64::from_le_bytes(e[..8].try_into().unwrap_or_default());
             let unanswered = u32::from_le_bytes(e[8..12].try_into().unwrap_or_default());
             let prefill_left_us = u32::from_le_bytes(e[12..16].try_into().unwrap_or_default());
-            (key, Figures { unanswered, prefill_left_us })
+            let in_flight = u32::from_le_bytes(e[16..20].try_into().unwrap_or_default());
+            (key, Figures { unanswered, prefill_left_us, in_flight })
         })
         .collect();
     Some(Datagram { replica: u64_at(4), seq: u64_at(12), part, parts, entries })
@@ -109,6 +113,7 @@ mod tests {
                     Figures {
                         unanswered: u32::try_from(i).unwrap(),
                         prefill_left_us: u32::try_from(i * 1000).unwrap(),
+                        in_flight: u32::try_from(i * 3).unwrap(),
                     },
                 )
             })
@@ -129,10 +134,10 @@ mod tests {
     fn many_nodes_are_split_under_the_size_limit() {
         let sent = entries(200);
         let datagrams = encode(1, 2, &sent);
-        assert_eq!(datagrams.len(), 3, "73 nodes a datagram");
+        assert_eq!(datagrams.len(), 4, "58 nodes a datagram");
         assert!(datagrams.iter().all(|d| d.len() <= MAX_DATAGRAM));
         let decoded: Vec<Datagram> = datagrams.iter().map(|d| decode(d).unwrap()).collect();
-        assert!(decoded.iter().enumerate().all(|(i, d)| usize::from(d.part) == i && d.parts == 3 && d.seq == 2));
+        assert!(decoded.iter().enumerate().all(|(i, d)| usize::from(d.part) == i && d.parts == 4 && d.seq == 2));
         let back: Vec<(u64, Figures)> = decoded.into_iter().flat_map(|d| d.entries).collect();
         assert_eq!(back, sent);
     }
@@ -155,7 +160,7 @@ mod tests {
         padded.push(0);
         assert_eq!(decode(&padded), None);
         let mut other_version = good.clone();
-        other_version[3] = 2;
+        other_version[3] = VERSION + 1;
         assert_eq!(decode(&other_version), None);
         let mut bad_part = good.clone();
         bad_part[20] = 1; // part 1 of 1

@@ -63,8 +63,13 @@
 //!   where half the prompt or more is new to the fleet (`FUTURE_MIN_FRESH`): in one run
 //!   (bench/results/2026-12-06-2009-fleet-future-gate.md) it then beat weight 0 on
 //!   `system_prompts` and `bursts` too, and on `unequal_engines` over seeds 1-3 its TTFT p99 was
-//!   407 ms (379-479) against 478 (407-643); but worse on `multi_turn` (159 ms against 133 over
-//!   two seeds), whose early turns it moves off their node. Hence not the default.
+//!   407 ms (379-479) against 478 (407-643). On all nine workloads beside the peers (two seeds,
+//!   bench/results/2026-12-07-0024-fleet-nine-future-term.md) it halved `agent_sessions`' (646
+//!   ms against 1,301) and bettered `multi_turn`'s, but was worse where prompts are fresh
+//!   because a cache lost them (`evict_restart` 791 against 502, `flush_restart` 1,039 against
+//!   731): the table cannot tell a prompt never seen from one evicted. Hence not the default.
+//!   It counts a fresh prompt's followers as the share of recent requests that followed a held
+//!   prompt (`followed_share`): none where prompts share nothing.
 //! - Engine speeds are learnt only from requests that waited for no other's prefill (see
 //!   `InFlightPermit::set_prediction`): fitted on every first token, the fixed part took in the
 //!   queue waits of a cold fleet's first seconds (277-604 ms) and the clock then counted them
@@ -583,7 +588,10 @@ impl Policy for Scored {
                 continue;
             }
             let counters = candidates[i].counters();
-            let key = (counters.in_flight(), counters.requests.load(Ordering::Relaxed));
+            // Other replicas' requests there too (`replica_share`): each replica's own count
+            // alone tells it nothing of how the others spread theirs.
+            let in_flight = counters.in_flight() + counters.peer_in_flight.load(Ordering::Relaxed);
+            let key = (in_flight, counters.requests.load(Ordering::Relaxed));
             if key < fewest {
                 (fewest, chosen, ties) = (key, Some(i), 1);
             } else if key == fewest {
