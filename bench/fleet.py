@@ -79,6 +79,9 @@ class Router:
     #: pdproxy replicas: each tells the others its load on every engine (``--replica-listen``,
     #: ``--replica-peer``).
     shared: bool = False
+    #: pdproxy replicas: every request through the first, the others idle beside it (what
+    #: running N replicas costs one host, apart from what each knows).
+    lead: bool = False
 
     @property
     def is_pdproxy(self) -> bool:
@@ -185,7 +188,8 @@ def router(spec: Router, fleet_: Fleet, installed: dict[str, peers.Peer]) -> Ite
             if spec.kv_events:
                 for svc in services:
                     wait_kv_events_live(svc.url, len(fleet_.engines))
-            yield [s.url for s in services], [s.proc.pid for s in services]
+            urls = [s.url for s in services]
+            yield urls[:1] if spec.lead else urls, [s.proc.pid for s in services]
     else:
         with installed[spec.peer].start(fleet_.engines, MODEL, spec.policy or None) as svc:
             yield [svc.url], [svc.proc.pid]
@@ -700,21 +704,22 @@ def choose_routers(names: str) -> list[Router]:
     "pdproxy scored:queue=0.5", following the engines' KV events: "pdproxy scored:queue=0.5
     kv-events"; a pdproxy router's name ending in " xN" is N replicas of it: "pdproxy scored
     kv-events x4", and in " xN shared" N replicas telling each other their load on the engines:
-    "pdproxy scored kv-events x4 shared"), the references added where missing."""
+    "pdproxy scored kv-events x4 shared"; with " lead" after, every request goes through the
+    first of them), the references added where missing."""
     listed = [n for n in names.split(";" if ";" in names else ",") if n]
     listed += [n for n in REFERENCES if n not in listed]
     return [router_named(n) for n in listed]
 
 
 def router_named(name: str) -> Router:
-    base, replicas, shared = name, 1, False
-    if match := re.fullmatch(r"(pdproxy .+) x(\d+)( shared)?", name):
-        base, replicas, shared = match[1], int(match[2]), bool(match[3])
+    base, replicas, shared, lead = name, 1, False, False
+    if match := re.fullmatch(r"(pdproxy .+) x(\d+)( shared)?( lead)?", name):
+        base, replicas, shared, lead = match[1], int(match[2]), bool(match[3]), bool(match[4])
     spec = ROUTERS.get(base)
     if spec is None:
         policy = base.removeprefix("pdproxy ")
         spec = Router(base, "pdproxy", policy.removesuffix(" kv-events"), kv_events=policy.endswith(" kv-events"))
-    return dataclasses.replace(spec, name=name, replicas=replicas, shared=shared) if replicas != 1 else spec
+    return dataclasses.replace(spec, name=name, replicas=replicas, shared=shared, lead=lead) if replicas != 1 else spec
 
 
 def check_events(workload: str, args: argparse.Namespace) -> None:

@@ -107,6 +107,9 @@ def test_router_names_give_policy_weights_events_and_replicas() -> None:
     shared = fleet.router_named("pdproxy scored kv-events x4 shared")
     assert (shared.policy, shared.kv_events, shared.replicas, shared.shared) == ("scored", True, 4, True)
     assert not named.shared, "replicas share nothing unless asked"
+    lead = fleet.router_named("pdproxy scored kv-events x4 shared lead")
+    assert (lead.replicas, lead.shared, lead.lead) == (4, True, True)
+    assert not shared.lead, "requests spread over the replicas unless asked"
     sharing = fleet.replica_sharing(3)
     listens = [flags[1] for flags in sharing]
     assert len(set(listens)) == 3
