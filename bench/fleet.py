@@ -32,7 +32,6 @@ import math
 import os
 import platform
 import re
-import socket
 import statistics
 import sys
 import time
@@ -47,7 +46,7 @@ import peers
 from fleet_client import EVENT_WINDOW, Outcome, Played
 from fleet_client import run as play
 from fleet_workloads import WORKLOADS, EngineShape, Trace, Workload, engine_options, ideal_capacity, stats
-from pdproxy.testing.ports import free_port, free_port_range
+from pdproxy.testing.ports import free_port_range, free_udp_port
 
 MODEL = "fleet-model"
 HERE = Path(__file__).resolve().parent
@@ -204,18 +203,6 @@ def replica_sharing(replicas: int) -> list[tuple[str, ...]]:
         ("--replica-listen", mine, *(flag for peer in listen if peer != mine for flag in ("--replica-peer", peer)))
         for mine in listen
     ]
-
-
-def free_udp_port() -> int:
-    """A port free for TCP (``free_port``: below the ephemeral range) and for UDP."""
-    while True:
-        port = free_port()
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
 
 
 def wait_kv_events_live(url: str, nodes: int, timeout: float = 30.0) -> None:

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 
 from pdproxy.testing.mock_engine import MockEngine
-from pdproxy.testing.ports import free_port
+from pdproxy.testing.ports import free_udp_port
 from servers import Process, eventually, pdproxy_serve
 
 pytestmark = pytest.mark.slow
@@ -29,15 +29,6 @@ ENGINE = {"model": MODEL, "simulate": True, "prefill_ms_per_token": 5.0, "decode
 LONG_PROMPT = "a long document to read. " * 160
 #: How long what a peer says takes to show: a few intervals of 20 ms, on a busy machine.
 SHOWS_WITHIN = 10.0
-
-
-def free_udp_port() -> int:
-    """A port free for TCP and UDP both, below the kernel's ephemeral range."""
-    while True:
-        port = free_port()
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe, contextlib.suppress(OSError):
-            probe.bind(("127.0.0.1", port))
-            return port
 
 
 @dataclass

@@ -15,7 +15,7 @@ import random
 import socket
 from pathlib import Path
 
-__all__ = ["free_port", "free_port_range"]
+__all__ = ["free_port", "free_port_range", "free_udp_port"]
 
 #: The lowest port handed out; below it sit well-known services.
 LOWEST_PORT = 12_000
@@ -34,6 +34,19 @@ _next_offset: int | None = None
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing uses at ``host`` now."""
     return free_port_range(1, host)
+
+
+def free_udp_port(host: str = "127.0.0.1") -> int:
+    """A port free at ``host`` for TCP (``free_port``) and for UDP both: a replica listens for
+    its peers' datagrams on it (``--replica-listen``)."""
+    while True:
+        port = free_port(host)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+        return port
 
 
 def free_port_range(count: int, host: str = "127.0.0.1") -> int:

@@ -165,7 +165,6 @@ impl InFlightPermit {
         }
         self.predicted_cached.store(prediction.cached, Ordering::Relaxed);
         self.checked_cached.store(prediction.cached, Ordering::Relaxed);
-        crate::node::load_signal::load_changed();
     }
 
     /// A piece of the node's answer: where the policy predicted cache hits, looks for what the
@@ -199,12 +198,9 @@ impl InFlightPermit {
     /// its first byte came, so how long it was pending is worth learning.
     fn settle_prefill(&self, answered: bool) {
         let counters = self.node.counters();
-        if self.unanswered.swap(false, Ordering::Relaxed) {
-            // The last request owed an answer has one: the node owes no prefill from now on.
-            if counters.unanswered.fetch_sub(1, Ordering::Relaxed) == 1 {
-                counters.prefill_done_at_us.store(now_us(), Ordering::Relaxed);
-            }
-            crate::node::load_signal::load_changed();
+        // The last request owed an answer has one: the node owes no prefill from now on.
+        if self.unanswered.swap(false, Ordering::Relaxed) && counters.unanswered.fetch_sub(1, Ordering::Relaxed) == 1 {
+            counters.prefill_done_at_us.store(now_us(), Ordering::Relaxed);
         }
         let due = self.first_token_due_us.swap(0, Ordering::Relaxed);
         if answered && due > 0 {

@@ -9,12 +9,11 @@
 //! there not yet ended. Figures received are never sent on, so nothing is counted twice. The
 //! same task receives the peers' datagrams, keeps each peer's latest snapshot (`peers`), and
 //! stores the live peers' sums in each node's `peer_unanswered`, `peer_prefill_done_at_us` and
-//! `peer_in_flight`: the request path only reads three more atomics. Besides every interval, a
-//! snapshot goes out as soon as this replica's load changes (a request priced onto a node, a
-//! first byte back), at most one every `MIN_GAP`; the request path pays a check of an atomic
-//! for it, and where a share runs the wake-up of its task. (On `bench/fleet.py`'s `multi_turn`,
-//! four replicas had 1.15-1.26x one replica's TTFT p99 with a 20 ms interval, about 1.1x with
-//! 5 ms, and 1.03-1.17x sending on change too: what remains is not the figures' age.) A peer that
+//! `peer_in_flight`: the request path only reads three more atomics, and sends nothing. (On
+//! `bench/fleet.py`'s `multi_turn`, four replicas had 1.15-1.26x one replica's TTFT p99 with a
+//! 20 ms interval and 1.01-1.27x with 5 ms; a snapshot sent on every change as well, at most one
+//! a millisecond, did no better, 1.03-1.17x, and woke this task from the request path: what
+//! remains is not the figures' age.) A peer that
 //! stops sending stops counting after `FRESH_INTERVALS` intervals (`FRESH_AT_LEAST`), checked on
 //! every tick, not only when a datagram comes.
 
@@ -32,7 +31,6 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::now_us;
 use crate::engine::Engine;
 use crate::error::{Error, Kind, Result};
-use crate::node::load_signal::{self, Running};
 use crate::node::Node;
 use peers::PeerTable;
 use wire::{decode, encode, node_key, Figures, MAX_DATAGRAM};
@@ -43,9 +41,6 @@ const FRESH_INTERVALS: u32 = 5;
 /// And never less than this: short intervals would otherwise drop a live peer whose datagrams a
 /// busy host delays by a few milliseconds.
 const FRESH_AT_LEAST: Duration = Duration::from_millis(50);
-/// The least time between two snapshots sent on a change: under load, a snapshot a
-/// millisecond, not one per request.
-const MIN_GAP: Duration = Duration::from_millis(1);
 /// How often the peers' names are resolved again (one may move).
 const RESOLVE_EVERY: Duration = Duration::from_secs(10);
 
@@ -148,26 +143,9 @@ impl Task {
         let mut resolved_at: Option<Instant> = None;
         let mut seq = 0u64;
         let mut buf = vec![0u8; MAX_DATAGRAM * 2];
-        let _running = Running::new();
-        // Registered before each wait, so a change while a snapshot goes out is not missed.
-        let changed = load_signal::changed();
-        tokio::pin!(changed);
-        changed.as_mut().enable();
-        let mut sent_at: Option<Instant> = None;
         loop {
             tokio::select! {
                 () = stop.cancelled() => break,
-                () = &mut changed => {
-                    changed.set(load_signal::changed());
-                    changed.as_mut().enable();
-                    let Some(engine) = self.engine.upgrade() else { break };
-                    if let Some(wait) = sent_at.and_then(|at| MIN_GAP.checked_sub(at.elapsed())) {
-                        tokio::time::sleep(wait).await;
-                    }
-                    seq += 1;
-                    self.send(&engine, seq).await;
-                    sent_at = Some(Instant::now());
-                }
                 _ = tick.tick() => {
                     let Some(engine) = self.engine.upgrade() else { break };
                     if resolved_at.is_none_or(|at| at.elapsed() >= RESOLVE_EVERY) {
@@ -176,7 +154,6 @@ impl Task {
                     }
                     seq += 1;
                     self.send(&engine, seq).await;
-                    sent_at = Some(Instant::now());
                     let now = now_us();
                     table.expire(now);
                     self.apply(&engine, &table, now);

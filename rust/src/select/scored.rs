@@ -479,14 +479,14 @@ impl Scored {
     /// had, its own count is the fresher of the two.
     fn behind(&self, node: &Node, load: Option<EngineLoad>) -> f64 {
         let counters = node.counters();
-        // The other replicas' own (`replica_share`): they wait at the same engine.
+        // This replica's and the others' that say so (`replica_share`): they wait at the same engine.
         #[allow(clippy::cast_precision_loss)]
-        let own =
+        let known =
             (counters.unanswered.load(Ordering::Relaxed) + counters.peer_unanswered.load(Ordering::Relaxed)) as f64;
         if self.weights.reported > 0.0 {
-            load.filter(EngineLoad::shows_others).map_or(own, |l| own.max(self.weights.reported * l.waiting()))
+            load.filter(EngineLoad::shows_others).map_or(known, |l| known.max(self.weights.reported * l.waiting()))
         } else {
-            own
+            known
         }
     }
 
