@@ -33,7 +33,7 @@ def test_the_kinds_are_the_data_planes_and_it_builds_each() -> None:
 def test_each_policy_carries_its_own_knobs_from_the_settings() -> None:
     policies = Settings().routing.policies
     assert policies.hybrid == ScoredPolicy(
-        prefix=2.0, queue=1.0, hidden=0.0, reported=0.0, future=0.0, bytes_per_token=4.0, **TABLE
+        prefix=2.0, queue=1.0, hidden=0.0, reported=0.0, future=3.0, bytes_per_token=4.0, **TABLE
     ), "the settings' defaults"
     assert policies.prefill == policies.decode == policies.hybrid
     assert policies.by_model == {}
@@ -58,7 +58,7 @@ def test_each_policy_carries_its_own_knobs_from_the_settings() -> None:
                 queue=1.0,
                 hidden=0.5,
                 reported=0.0,
-                future=0.0,
+                future=3.0,
                 block_bytes=64,
                 max_blocks=1024,
                 cache_entries=65536,
@@ -70,13 +70,13 @@ def test_each_policy_carries_its_own_knobs_from_the_settings() -> None:
 
 def test_a_scored_name_sets_its_own_weights_over_the_settings() -> None:
     policies = Settings(
-        policy="scored:prefix=1, queue=0.5,future=3", score_reported_weight=1.0, decode_policy="scored"
+        policy="scored:prefix=1, queue=0.5,future=0", score_reported_weight=1.0, decode_policy="scored"
     ).routing
     hybrid = policies.policies.hybrid
     assert isinstance(hybrid, ScoredPolicy)
-    assert (hybrid.prefix, hybrid.queue, hybrid.hidden, hybrid.reported, hybrid.future) == (1.0, 0.5, 0.0, 1.0, 3.0)
+    assert (hybrid.prefix, hybrid.queue, hybrid.hidden, hybrid.reported, hybrid.future) == (1.0, 0.5, 0.0, 1.0, 0.0)
     assert policies.policies.prefill == hybrid, "a role without its own policy takes the general one"
-    assert policies.policies.decode == hybrid.model_copy(update={"prefix": 2.0, "queue": 1.0, "future": 0.0})
+    assert policies.policies.decode == hybrid.model_copy(update={"prefix": 2.0, "queue": 1.0, "future": 3.0})
     assert Settings(policy="scored:").routing.policies.hybrid == Settings().routing.policies.hybrid
 
 

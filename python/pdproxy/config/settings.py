@@ -546,12 +546,12 @@ class RoutingSettings(SettingsGroup):
         ),
     )
     score_future_weight: Weight = _setting(
-        0.0,
+        3.0,
         (
             "scored: times the wait that a node's recent traffic, kept up, makes a request meet counts in its "
-            "cost, for the share of the prompt no node holds (a new session's first turn: its next turns follow "
-            "it there); the traffic is the prefill pdproxy sent there lately, or what the engine's KV events show "
-            "it computed, where more."
+            "cost, for the share of the prompt new to the fleet, held by no node and begun by no prompt sent "
+            "lately (a new session's first turn: its next turns follow it there); the traffic is the prefill "
+            "pdproxy sent there lately, or what the engine's KV events show it computed, where more; 0: off."
         ),
     )
     retries: NotNegative = _setting(

@@ -13,6 +13,7 @@ mod prefix_table;
 mod random;
 mod round_robin;
 mod scored;
+mod seen_prompts;
 
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;

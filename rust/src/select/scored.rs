@@ -50,26 +50,22 @@
 //!   replica 172 and 372. Not the default: one replica with it had a worse TTFT p99 on six of the
 //!   nine workloads (bench/results/2026-12-06-0318-fleet-nine-workloads-peers.md; `flush_restart`
 //!   960 ms against 585, `evict_restart` 510 against 319).
-//! - The future wait (`future`, `score_future_weight`, 0 by default) is what the node's recent
+//! - The future wait (`future`, `score_future_weight`, 3 by default) is what the node's recent
 //!   traffic, kept up, makes a request meet (`recent_work`: its prefill's busy share over the
 //!   last seconds, from what pdproxy sent there or, where more, what the engine's KV events show
-//!   it stored), for the share of the prompt no candidate holds: a new session's next turns
+//!   it stored), for the share of the prompt new to the fleet: a new session's next turns
 //!   follow its cache, so its first turn commits them to that node's queue, which the queue of
-//!   this instant (engines between their sessions' turns look idle) does not tell. On
-//!   `bench/fleet.py` at 80% load, seeds 1-2 (bench/results/2026-12-06-0531-fleet-future-term.md):
-//!   with 3, `agent_sessions` TTFT p99 563 and 646 ms against 1,123 and 1,722 (sglang-router's
-//!   `cache_aware` 719 and 1,204 in a run beside it), but worse on `unequal_engines` (642 and 709
-//!   against 438 and 412), `system_prompts`, `bursts` and `evict_restart`. Counted since only
-//!   where half the prompt or more is new to the fleet (`FUTURE_MIN_FRESH`): in one run
-//!   (bench/results/2026-12-06-2009-fleet-future-gate.md) it then beat weight 0 on
-//!   `system_prompts` and `bursts` too, and on `unequal_engines` over seeds 1-3 its TTFT p99 was
-//!   407 ms (379-479) against 478 (407-643). On all nine workloads beside the peers (two seeds,
-//!   bench/results/2026-12-07-0024-fleet-nine-future-term.md) it halved `agent_sessions`' (646
-//!   ms against 1,301) and bettered `multi_turn`'s, but was worse where prompts are fresh
-//!   because a cache lost them (`evict_restart` 791 against 502, `flush_restart` 1,039 against
-//!   731): the table cannot tell a prompt never seen from one evicted. Hence not the default.
-//!   It counts a fresh prompt's followers as the share of recent requests that followed a held
-//!   prompt (`followed_share`): none where prompts share nothing.
+//!   this instant (engines between their sessions' turns look idle) does not tell. New means
+//!   that no candidate holds it and no prompt sent lately began with it (`seen_prompts`): a
+//!   session's turn whose cache an engine evicted, flushed or lost in a restart commits nothing
+//!   its first turn did not, and the prefix table alone cannot tell it from a new session. It
+//!   counts only where half the prompt or more is new (`FUTURE_MIN_FRESH`), and then as many
+//!   followers as recent requests have had (`followed_share`: none where prompts share
+//!   nothing). On `bench/fleet.py` at 80% load, seeds 1-2: without the seen prompts it halved
+//!   `agent_sessions`' TTFT p99 but was worse where caches lose prompts (`evict_restart` 791 ms
+//!   against 502 with weight 0, `flush_restart` 1,039 against 731:
+//!   bench/results/2026-12-07-0024-fleet-nine-future-term.md); with them, 646 against 1,346,
+//!   296 against 567 and 657 against 754 (bench/results/2026-12-07-0252-fleet-future-seen.md).
 //! - Engine speeds are learnt only from requests that waited for no other's prefill (see
 //!   `InFlightPermit::set_prediction`): fitted on every first token, the fixed part took in the
 //!   queue waits of a cold fleet's first seconds (277-604 ms) and the clock then counted them
@@ -92,6 +88,7 @@ use arc_swap::ArcSwapOption;
 
 use super::kv_index::KvIndex;
 use super::prefix_table::{PrefixTable, PrefixTableConfig};
+use super::seen_prompts::SeenPrompts;
 use super::{available_indices, Policy, SelectCtx};
 use crate::clock::{now_ms, now_us};
 use crate::node::engine_report::EngineLoad;
@@ -192,6 +189,9 @@ pub(crate) struct Scored {
     /// f64 bits: the share of recent requests whose prompt was mostly held somewhere already
     /// (`committed_share` 0), faded by `FOLLOWED_ALPHA`; 1 until requests tell.
     followed: AtomicU64,
+    /// The prompts sent lately, held anywhere or not: the future term counts only what is new
+    /// to them (kept only while the term is on).
+    seen: SeenPrompts,
 }
 
 /// The median of the values given (`None`: none).
@@ -316,6 +316,7 @@ impl Scored {
             typical_capacity: AtomicU64::new(0),
             kv_index: ArcSwapOption::empty(),
             followed: AtomicU64::new(1.0f64.to_bits()),
+            seen: SeenPrompts::default(),
         }
     }
 
@@ -394,19 +395,21 @@ impl Scored {
         queue_wait_ms(busy, mean_ms)
     }
 
-    /// The share of the prompt that commits the node it goes to: the share no candidate holds,
-    /// what the request starts that nothing has drawn anywhere yet (a new session, a new
-    /// document), whose followers will come where it goes; 0 where that is less than
-    /// `FUTURE_MIN_FRESH` of the prompt. A prompt mostly held somewhere commits nothing new: its
-    /// followers go where it is held.
-    fn committed_share(&self, ctx: &SelectCtx<'_>, matched: &[usize]) -> f64 {
+    /// The share of the prompt that commits the node it goes to: the share no candidate holds
+    /// and no prompt sent lately began with, what the request starts that nothing has drawn
+    /// anywhere yet (a new session, a new document), whose followers will come where it goes;
+    /// 0 where that is less than `FUTURE_MIN_FRESH` of the prompt. A prompt mostly held
+    /// somewhere commits nothing new: its followers go where it is held. Nor does one a cache
+    /// lost (evicted, flushed, restarted), sent before: its session was priced when it began.
+    fn committed_share(&self, ctx: &SelectCtx<'_>, hashes: &[u64], matched: &[usize]) -> f64 {
         let prompt = ctx.prompt.map_or(0, <[u8]>::len);
         if prompt == 0 {
             return 1.0;
         }
-        let best = matched.iter().copied().max().unwrap_or(0);
+        let held = matched.iter().copied().max().unwrap_or(0);
+        let known = held.max(self.seen.seen_blocks(hashes, held));
         #[allow(clippy::cast_precision_loss)]
-        let fresh = self.uncached(ctx, best) as f64 / prompt as f64;
+        let fresh = self.uncached(ctx, known) as f64 / prompt as f64;
         // Pricing a node's recent traffic for a held prompt's small new tail only pulls requests
         // off their cache.
         if fresh < FUTURE_MIN_FRESH {
@@ -437,11 +440,11 @@ impl Scored {
     /// The share of the prompt whose followers the node it goes to will hold: the committed
     /// share, times how many followers fresh prompts have had lately. `learn`: count this
     /// request in that (once per request: its pick).
-    fn committed(&self, ctx: &SelectCtx<'_>, matched: &[usize], learn: bool) -> f64 {
+    fn committed(&self, ctx: &SelectCtx<'_>, hashes: &[u64], matched: &[usize], learn: bool) -> f64 {
         if self.weights.future <= 0.0 {
             return 0.0;
         }
-        let share = self.committed_share(ctx, matched);
+        let share = self.committed_share(ctx, hashes, matched);
         if learn && ctx.prompt.is_some_and(|p| !p.is_empty()) {
             self.note_followed(share <= 0.0);
         }
@@ -495,7 +498,7 @@ impl Scored {
     pub(crate) fn estimates(&self, candidates: &[Arc<Node>], ctx: &SelectCtx<'_>) -> Vec<Option<Estimate>> {
         let hashes = self.table.block_hashes(ctx);
         let matched = self.matched(&hashes, candidates, ctx);
-        let committed = self.committed(ctx, &matched, false);
+        let committed = self.committed(ctx, &hashes, &matched, false);
         self.estimates_for(candidates, ctx, &matched, committed)
     }
 
@@ -560,7 +563,7 @@ impl Policy for Scored {
         self.note_capacities(candidates);
         let hashes = self.table.block_hashes(ctx);
         let matched = self.matched(&hashes, candidates, ctx);
-        let committed = self.committed(ctx, &matched, true);
+        let committed = self.committed(ctx, &hashes, &matched, true);
         let estimates = self.estimates_for(candidates, ctx, &matched, committed);
         let all: Vec<Option<f64>> = estimates.iter().map(|e| e.map(|e| e.cost(self.weights))).collect();
         let matched = candidates
@@ -590,8 +593,7 @@ impl Policy for Scored {
             let counters = candidates[i].counters();
             // Other replicas' requests there too (`replica_share`): each replica's own count
             // alone tells it nothing of how the others spread theirs.
-            let in_flight = counters.in_flight() + counters.peer_in_flight.load(Ordering::Relaxed);
-            let key = (in_flight, counters.requests.load(Ordering::Relaxed));
+            let key = (counters.fleet_in_flight(), counters.requests.load(Ordering::Relaxed));
             if key < fewest {
                 (fewest, chosen, ties) = (key, Some(i), 1);
             } else if key == fewest {
@@ -615,7 +617,7 @@ impl Policy for Scored {
         let (hashes, matched, prefill_ms, first_token_ms) = picked.unwrap_or_else(|| {
             let hashes = self.table.block_hashes(ctx);
             let matched = self.matched(&hashes, std::slice::from_ref(node), ctx)[0];
-            let committed = self.committed(ctx, &[matched], false);
+            let committed = self.committed(ctx, &hashes, &[matched], false);
             let estimate = self.estimates_for(std::slice::from_ref(node), ctx, &[matched], committed)[0];
             let (prefill_ms, first_token_ms) =
                 estimate.map_or((0.0, 0.0), |e| (e.first_token + e.own, e.first_token_in_ms()));
@@ -635,6 +637,9 @@ impl Policy for Scored {
         let pending_until =
             if self.kv_index.load().is_some() { now_ms() + prefill_ms as u64 + EVENTS_LAG_MS } else { 0 };
         self.table.learn(node, &hashes, capacity, pending_until);
+        if self.weights.future > 0.0 {
+            self.seen.remember(&hashes, prompt, self.table.block_bytes());
+        }
         Prediction {
             prefill: u64::try_from(uncached).unwrap_or(u64::MAX),
             cached: u64::try_from(prompt - uncached).unwrap_or(u64::MAX),
@@ -886,6 +891,33 @@ mod tests {
         let estimates = weighed.estimates(&nodes, &ctx(next_turn.as_bytes()));
         assert!(estimates[0].unwrap().future.abs() < f64::EPSILON, "a held prompt's tail: {estimates:?}");
         assert_eq!(weighed.pick(&nodes, &ctx(next_turn.as_bytes())), Some(0));
+    }
+
+    #[test]
+    fn a_session_whose_cache_an_engine_lost_commits_no_new_followers() {
+        use crate::node::engine_report::EngineFigures;
+        let (_reg, nodes) = nodes(2);
+        for node in &nodes {
+            learn(node, 50.0, 500.0, 16);
+        }
+        let start = now_ms().saturating_sub(8_000);
+        for i in 0..54 {
+            nodes[0].counters().recent_work.add(100.0, start + i * 150);
+        }
+        let policy = scored(ScoreWeights { future: 3.0, ..WEIGHTS });
+        let session = "s".repeat(8192);
+        policy.selected(&nodes[0], &ctx(session.as_bytes()));
+        // Node 0's engine restarts: its cache, and the table's record of it, are gone.
+        let reading = |prompt| EngineFigures { prompt_tokens: Some(prompt), ..EngineFigures::default() };
+        nodes[0].counters().record_engine_report(&reading(100), 1);
+        nodes[0].counters().record_engine_report(&reading(5), 2);
+        let next_turn = format!("{session}{}", "t".repeat(1024));
+        let estimates = policy.estimates(&nodes, &ctx(next_turn.as_bytes()));
+        assert!(estimates.iter().all(|e| e.unwrap().own > 200.0), "held nowhere now: {estimates:?}");
+        assert!(estimates[0].unwrap().future.abs() < f64::EPSILON, "sent before: {estimates:?}");
+        // A session never sent is priced, on the same node.
+        let new_session = format!("{}{}", "n".repeat(8192), "t".repeat(1024));
+        assert!(policy.estimates(&nodes, &ctx(new_session.as_bytes()))[0].unwrap().future > 50.0);
     }
 
     #[test]
