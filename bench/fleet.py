@@ -205,6 +205,15 @@ def replica_sharing(replicas: int) -> list[tuple[str, ...]]:
     ]
 
 
+def nodes_statuses(urls: list[str]) -> list[dict[str, Any]]:
+    """Each pdproxy replica's ``/nodes/status`` (what it learnt of the engines), for ``--dump``."""
+    statuses = []
+    for url in urls:
+        with urllib.request.urlopen(url + "/nodes/status", timeout=5) as r:
+            statuses.append(json.loads(r.read()))
+    return statuses
+
+
 def wait_kv_events_live(url: str, nodes: int, timeout: float = 30.0) -> None:
     """Until pdproxy at ``url`` follows the KV events of all ``nodes`` live."""
     deadline = time.monotonic() + timeout
@@ -280,6 +289,7 @@ def run_one(
         played = asyncio.run(play(urls, MODEL, trace, trace.duration, args.drain, control=fleet_.oracle))
         elapsed = time.monotonic() - started
         cpu = {name: sum(harness.cpu_seconds(p) for p in ps) - before[name] for name, ps in watched.items()}
+        statuses = nodes_statuses(urls) if args.dump and spec.kind == "pdproxy" else []
     result = summarize(played.outcomes, warmup(trace.workload, args), trace.duration)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
@@ -287,6 +297,8 @@ def run_one(
         where = args.dump / f"{stem}-{len(list(args.dump.glob(stem + '-*.jsonl'))) + 1}.jsonl"
         where.write_text("".join(json.dumps(dataclasses.asdict(o)) + "\n" for o in played.outcomes))
         where.with_suffix(".engines.jsonl").write_text("".join(json.dumps(r) + "\n" for r in routes_taken(fleet_)))
+        if statuses:
+            where.with_suffix(".status.json").write_text(json.dumps(statuses, indent=1))
     result["cpu_cores"] = {name: round(seconds / elapsed, 3) for name, seconds in cpu.items()}
     engine = fleet_.stats()
     sims = [s["simulation"] for s in engine.values()]
