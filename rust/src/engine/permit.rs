@@ -158,6 +158,8 @@ impl InFlightPermit {
                 self.timed_since_ms.store(now, Ordering::Relaxed);
             }
         }
+        // Tells the other replicas at once of a long prefill, where they share their load.
+        crate::node::load_signal::prefill_routed(prediction.prefill_us);
         if prediction.prefill_us > 0 {
             counters.owe_prefill(prediction.prefill_us, now_us());
             #[allow(clippy::cast_precision_loss)]

@@ -7,6 +7,7 @@ pub(crate) mod counters;
 pub(crate) mod engine_report;
 pub(crate) mod engine_speed;
 pub(crate) mod hidden_load;
+pub(crate) mod load_signal;
 pub(crate) mod place;
 pub(crate) mod recent_work;
 pub(crate) mod registry;

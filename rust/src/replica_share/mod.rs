@@ -9,11 +9,15 @@
 //! there not yet ended. Figures received are never sent on, so nothing is counted twice. The
 //! same task receives the peers' datagrams, keeps each peer's latest snapshot (`peers`), and
 //! stores the live peers' sums in each node's `peer_unanswered`, `peer_prefill_done_at_us` and
-//! `peer_in_flight`: the request path only reads three more atomics, and sends nothing. (On
-//! `bench/fleet.py`'s `multi_turn`, four replicas had 1.15-1.26x one replica's TTFT p99 with a
-//! 20 ms interval and 1.01-1.27x with 5 ms; a snapshot sent on every change as well, at most one
-//! a millisecond, did no better, 1.03-1.17x, and woke this task from the request path: what
-//! remains is not the figures' age.) A peer that
+//! `peer_in_flight`: the request path only reads three more atomics. Besides every interval, a
+//! snapshot goes out at once when this replica routes a long prefill (`load_signal`, a fresh
+//! prompt of at least `CLAIM_PREFILL_US`): between two intervals the replicas see the same
+//! figures, and two of them routing new conversations' first turns within one interval sent
+//! them to the same engine. On `bench/fleet.py`'s `multi_turn` (four replicas against one, seeds
+//! 1-2, bench/results/2026-12-07-0233-fleet-replicas-first-turns.md) the first turns' TTFT p99
+//! went from 145-148 ms to 129-131 (one replica: 95-104), the whole run's from 1.03-1.11x one
+//! replica's to 0.95-1.06x. (A snapshot on every change, at most one a millisecond, had not
+//! helped: 1.03-1.17x.) A peer that
 //! stops sending stops counting after `FRESH_INTERVALS` intervals (`FRESH_AT_LEAST`), checked on
 //! every tick, not only when a datagram comes.
 
@@ -31,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::now_us;
 use crate::engine::Engine;
 use crate::error::{Error, Kind, Result};
+use crate::node::load_signal::{self, Running};
 use crate::node::Node;
 use peers::PeerTable;
 use wire::{decode, encode, node_key, Figures, MAX_DATAGRAM};
@@ -143,9 +148,21 @@ impl Task {
         let mut resolved_at: Option<Instant> = None;
         let mut seq = 0u64;
         let mut buf = vec![0u8; MAX_DATAGRAM * 2];
+        let _running = Running::new();
+        // Registered before each wait, so a route while a snapshot goes out is not missed.
+        let routed = load_signal::routed();
+        tokio::pin!(routed);
+        routed.as_mut().enable();
         loop {
             tokio::select! {
                 () = stop.cancelled() => break,
+                () = &mut routed => {
+                    routed.set(load_signal::routed());
+                    routed.as_mut().enable();
+                    let Some(engine) = self.engine.upgrade() else { break };
+                    seq += 1;
+                    self.send(&engine, seq).await;
+                }
                 _ = tick.tick() => {
                     let Some(engine) = self.engine.upgrade() else { break };
                     if resolved_at.is_none_or(|at| at.elapsed() >= RESOLVE_EVERY) {

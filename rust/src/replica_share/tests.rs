@@ -75,3 +75,44 @@ fn peers_see_each_others_load_until_one_stops() {
     assert!(b_counters.peer_prefill_left_ms(now_us()) <= 0.0, "nor its prefill");
     assert_eq!(b.stats.malformed.load(Ordering::Relaxed), 0);
 }
+
+#[test]
+fn a_long_prefill_routed_goes_out_at_once_not_at_the_next_tick() {
+    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+    let (engine_a, node_a) = engine();
+    let (engine_b, node_b) = engine();
+    // Ticks far apart: what B hears within the test's few seconds, after the first, came on a route.
+    let interval = Duration::from_secs(60);
+    let b_probe = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let b_listen = b_probe.local_addr().unwrap().to_string();
+    drop(b_probe);
+    let a = ReplicaShare::start(
+        &engine_a,
+        "127.0.0.1:0",
+        vec![b_listen.clone()],
+        interval,
+        &runtime,
+        CancellationToken::new(),
+    )
+    .unwrap();
+    let b = ReplicaShare::start(
+        &engine_b,
+        &b_listen,
+        vec![a.local.to_string()],
+        interval,
+        &runtime,
+        CancellationToken::new(),
+    )
+    .unwrap();
+    let long = crate::node::load_signal::CLAIM_PREFILL_US;
+    // A's first tick (at once) may come before B listens: a long route makes it send again.
+    eventually("B to hear A's first snapshot", || {
+        crate::node::load_signal::prefill_routed(long);
+        b.stats.live_peers.load(Ordering::Relaxed) == 1
+    });
+    node_a.counters().unanswered.store(3, Ordering::Relaxed);
+    crate::node::load_signal::prefill_routed(long);
+    eventually("B to hear A's long route long before A's next tick", || {
+        node_b.counters().peer_unanswered.load(Ordering::Relaxed) == 3
+    });
+}
