@@ -4,8 +4,9 @@
 //!
 //! Replicas sharing their load every few milliseconds all see the same figures in between: two
 //! fresh prompts routed by two replicas within one interval went to the same engine, and made
-//! the tail of the first turns of new conversations (see `replica_share`). Only prefills of at
-//! least `CLAIM_PREFILL_US` signal, a few a second on a busy fleet, not one per request.
+//! the tail of the first turns of new conversations (see `replica_share`). Only prefills priced
+//! at `CLAIM_PREFILL_US` or more signal, not every request: a prompt mostly held is cheap to
+//! meet twice.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

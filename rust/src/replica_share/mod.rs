@@ -15,10 +15,10 @@
 //! figures, and two of them routing new conversations' first turns within one interval sent
 //! them to the same engine. On `bench/fleet.py`'s `multi_turn` (four replicas against one, seeds
 //! 1-2, bench/results/2026-12-07-0233-fleet-replicas-first-turns.md) the first turns' TTFT p99
-//! went from 145-148 ms to 129-131 (one replica: 95-104), the whole run's from 1.03-1.11x one
-//! replica's to 0.95-1.06x. (A snapshot on every change, at most one a millisecond, had not
-//! helped: 1.03-1.17x.) A peer that
-//! stops sending stops counting after `FRESH_INTERVALS` intervals (`FRESH_AT_LEAST`), checked on
+//! went from 145-148 ms to 129-131 (one replica: 95-104), the whole run's from 1.05-1.11x one
+//! replica's to 0.95-1.06x; over seeds 1-6, 0.90-1.12x (median 1.06x). (A snapshot on every
+//! change, at most one a millisecond, had not helped: 1.03-1.17x.) A peer that stops sending
+//! stops counting after `FRESH_INTERVALS` intervals (`FRESH_AT_LEAST`), checked on
 //! every tick, not only when a datagram comes.
 
 mod peers;

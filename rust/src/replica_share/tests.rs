@@ -21,6 +21,36 @@ fn engine() -> (Arc<Engine>, Arc<Node>) {
     (engine, node)
 }
 
+/// Two shares, A and B, each with the other as its peer, ticking every `interval`; and each
+/// one's node. B's address is known once it is bound; A's is told to B after (a peer may come
+/// later).
+struct Pair {
+    a: ReplicaShare,
+    b: ReplicaShare,
+    node_a: Arc<Node>,
+    node_b: Arc<Node>,
+    /// Held for the test's length: a share ends with its engine.
+    _engines: (Arc<Engine>, Arc<Engine>),
+}
+
+fn pair(interval: Duration, runtime: &tokio::runtime::Runtime) -> Pair {
+    let (engine_a, node_a) = engine();
+    let (engine_b, node_b) = engine();
+    let b_probe = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let b_listen = b_probe.local_addr().unwrap().to_string();
+    drop(b_probe);
+    let start = |engine: &Arc<Engine>, listen: &str, peer: String| {
+        ReplicaShare::start(engine, listen, vec![peer], interval, runtime, CancellationToken::new()).unwrap()
+    };
+    let a = start(&engine_a, "127.0.0.1:0", b_listen.clone());
+    let b = start(&engine_b, &b_listen, a.local.to_string());
+    Pair { a, b, node_a, node_b, _engines: (engine_a, engine_b) }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap()
+}
+
 /// Polls `holds` for up to five seconds.
 fn eventually(what: &str, holds: impl Fn() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -32,27 +62,8 @@ fn eventually(what: &str, holds: impl Fn() -> bool) {
 
 #[test]
 fn peers_see_each_others_load_until_one_stops() {
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
-    let (engine_a, node_a) = engine();
-    let (engine_b, node_b) = engine();
-    let start = |engine: &Arc<Engine>, peer: &str| {
-        ReplicaShare::start(engine, "127.0.0.1:0", vec![peer.to_owned()], INTERVAL, &runtime, CancellationToken::new())
-            .unwrap()
-    };
-    // B's address is known once it is bound; A's is told to B after (a peer may come later).
-    let b_probe = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-    let b_listen = b_probe.local_addr().unwrap().to_string();
-    drop(b_probe);
-    let a = start(&engine_a, &b_listen);
-    let b = ReplicaShare::start(
-        &engine_b,
-        &b_listen,
-        vec![a.local.to_string()],
-        INTERVAL,
-        &runtime,
-        CancellationToken::new(),
-    )
-    .unwrap();
+    let runtime = runtime();
+    let Pair { a, b, node_a, node_b, _engines } = pair(INTERVAL, &runtime);
     node_a.counters().unanswered.store(2, Ordering::Relaxed);
     node_a.counters().prefill_done_at_us.store(now_us() + 2_000_000, Ordering::Relaxed);
     let b_counters = node_b.counters();
@@ -78,32 +89,9 @@ fn peers_see_each_others_load_until_one_stops() {
 
 #[test]
 fn a_long_prefill_routed_goes_out_at_once_not_at_the_next_tick() {
-    let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
-    let (engine_a, node_a) = engine();
-    let (engine_b, node_b) = engine();
+    let runtime = runtime();
     // Ticks far apart: what B hears within the test's few seconds, after the first, came on a route.
-    let interval = Duration::from_secs(60);
-    let b_probe = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
-    let b_listen = b_probe.local_addr().unwrap().to_string();
-    drop(b_probe);
-    let a = ReplicaShare::start(
-        &engine_a,
-        "127.0.0.1:0",
-        vec![b_listen.clone()],
-        interval,
-        &runtime,
-        CancellationToken::new(),
-    )
-    .unwrap();
-    let b = ReplicaShare::start(
-        &engine_b,
-        &b_listen,
-        vec![a.local.to_string()],
-        interval,
-        &runtime,
-        CancellationToken::new(),
-    )
-    .unwrap();
+    let Pair { a: _a, b, node_a, node_b, _engines } = pair(Duration::from_secs(60), &runtime);
     let long = crate::node::load_signal::CLAIM_PREFILL_US;
     // A's first tick (at once) may come before B listens: a long route makes it send again.
     eventually("B to hear A's first snapshot", || {

@@ -190,8 +190,8 @@ pub(crate) struct Scored {
     /// (`committed_share` 0), faded by `FOLLOWED_ALPHA`; 1 until requests tell.
     followed: AtomicU64,
     /// The prompts sent lately, held anywhere or not: the future term counts only what is new
-    /// to them (kept only while the term is on).
-    seen: SeenPrompts,
+    /// to them (none where the term is off: 512 KiB for nothing).
+    seen: Option<SeenPrompts>,
 }
 
 /// The median of the values given (`None`: none).
@@ -316,7 +316,7 @@ impl Scored {
             typical_capacity: AtomicU64::new(0),
             kv_index: ArcSwapOption::empty(),
             followed: AtomicU64::new(1.0f64.to_bits()),
-            seen: SeenPrompts::default(),
+            seen: (weights.future > 0.0).then(SeenPrompts::default),
         }
     }
 
@@ -406,16 +406,21 @@ impl Scored {
         if prompt == 0 {
             return 1.0;
         }
-        let held = matched.iter().copied().max().unwrap_or(0);
-        let known = held.max(self.seen.seen_blocks(hashes, held));
         #[allow(clippy::cast_precision_loss)]
-        let fresh = self.uncached(ctx, known) as f64 / prompt as f64;
+        let fresh = |blocks: usize| self.uncached(ctx, blocks) as f64 / prompt as f64;
+        let held = matched.iter().copied().max().unwrap_or(0);
         // Pricing a node's recent traffic for a held prompt's small new tail only pulls requests
-        // off their cache.
-        if fresh < FUTURE_MIN_FRESH {
+        // off their cache. (Checked before the seen prompts are looked through: most requests
+        // on a warm fleet stop here.)
+        if fresh(held) < FUTURE_MIN_FRESH {
+            return 0.0;
+        }
+        let seen = self.seen.as_ref().map_or(0, |seen| seen.seen_blocks(hashes, held));
+        let new = fresh(held.max(seen));
+        if new < FUTURE_MIN_FRESH {
             0.0
         } else {
-            fresh
+            new
         }
     }
 
@@ -637,8 +642,8 @@ impl Policy for Scored {
         let pending_until =
             if self.kv_index.load().is_some() { now_ms() + prefill_ms as u64 + EVENTS_LAG_MS } else { 0 };
         self.table.learn(node, &hashes, capacity, pending_until);
-        if self.weights.future > 0.0 {
-            self.seen.remember(&hashes, prompt, self.table.block_bytes());
+        if let Some(seen) = &self.seen {
+            seen.remember(&hashes, prompt, self.table.block_bytes());
         }
         Prediction {
             prefill: u64::try_from(uncached).unwrap_or(u64::MAX),
@@ -687,6 +692,19 @@ mod tests {
             speed.decoded(decode_ms);
         }
         speed.reported(slots, 1);
+    }
+
+    /// Two alike nodes; node 0 kept busy by its recent traffic, a 100 ms prefill every 150 ms.
+    fn alike_with_the_first_busy() -> (crate::node::registry::Registry, Vec<Arc<Node>>) {
+        let (reg, nodes) = nodes(2);
+        for node in &nodes {
+            learn(node, 50.0, 500.0, 16);
+        }
+        let start = now_ms().saturating_sub(8_000);
+        for i in 0..54 {
+            nodes[0].counters().recent_work.add(100.0, start + i * 150);
+        }
+        (reg, nodes)
     }
 
     #[test]
@@ -864,19 +882,12 @@ mod tests {
 
     #[test]
     fn a_new_session_goes_where_recent_traffic_is_lighter_its_next_turns_where_it_is() {
-        let (_reg, nodes) = nodes(2);
-        for node in &nodes {
-            learn(node, 50.0, 500.0, 16);
-        }
-        // Node 0 holds the short head every session shares and its sessions' turns keep it busy
-        // (a 100 ms prefill every 150 ms); nothing waits at either node right now.
+        // Node 0 holds the short head every session shares and its sessions' turns keep it busy;
+        // nothing waits at either node right now.
+        let (_reg, nodes) = alike_with_the_first_busy();
         let head = "h".repeat(1024);
         let off = scored(WEIGHTS);
         off.selected(&nodes[0], &ctx(head.as_bytes()));
-        let start = now_ms().saturating_sub(8_000);
-        for i in 0..54 {
-            nodes[0].counters().recent_work.add(100.0, start + i * 150);
-        }
         let session = format!("{head}{}", "s".repeat(8192));
         assert_eq!(off.pick(&nodes, &ctx(session.as_bytes())), Some(0), "without the term, the head draws it");
         let weighed = scored(ScoreWeights { future: 3.0, ..WEIGHTS });
@@ -896,14 +907,7 @@ mod tests {
     #[test]
     fn a_session_whose_cache_an_engine_lost_commits_no_new_followers() {
         use crate::node::engine_report::EngineFigures;
-        let (_reg, nodes) = nodes(2);
-        for node in &nodes {
-            learn(node, 50.0, 500.0, 16);
-        }
-        let start = now_ms().saturating_sub(8_000);
-        for i in 0..54 {
-            nodes[0].counters().recent_work.add(100.0, start + i * 150);
-        }
+        let (_reg, nodes) = alike_with_the_first_busy();
         let policy = scored(ScoreWeights { future: 3.0, ..WEIGHTS });
         let session = "s".repeat(8192);
         policy.selected(&nodes[0], &ctx(session.as_bytes()));
@@ -922,15 +926,7 @@ mod tests {
 
     #[test]
     fn a_fresh_prompt_commits_followers_only_while_prompts_have_had_them() {
-        let (_reg, nodes) = nodes(2);
-        for node in &nodes {
-            learn(node, 50.0, 500.0, 16);
-        }
-        // Node 0's recent traffic: a 100 ms prefill every 150 ms.
-        let start = now_ms().saturating_sub(8_000);
-        for i in 0..54 {
-            nodes[0].counters().recent_work.add(100.0, start + i * 150);
-        }
+        let (_reg, nodes) = alike_with_the_first_busy();
         let policy = scored(ScoreWeights { future: 3.0, ..WEIGHTS });
         let fresh = |i: usize| format!("{i:08}{}", "f".repeat(4096));
         let future = |prompt: &str| policy.estimates(&nodes, &ctx(prompt.as_bytes()))[0].unwrap().future;
