@@ -205,6 +205,12 @@ def replica_sharing(replicas: int) -> list[tuple[str, ...]]:
     ]
 
 
+def cpu_seconds(name: str, pids: list[int]) -> float:
+    """The CPU seconds used so far by the processes ``pids`` watched as ``name``: the client is
+    this process alone (the engines and the routers are its children)."""
+    return sum(harness.cpu_seconds(pid, descendants=name != "client") for pid in pids)
+
+
 def nodes_statuses(urls: list[str]) -> list[dict[str, Any]]:
     """Each pdproxy replica's ``/nodes/status`` (what it learnt of the engines), for ``--dump``."""
     statuses = []
@@ -285,16 +291,17 @@ def run_one(
     with router(spec, fleet_, installed) as (urls, pids):
         started = time.monotonic()
         watched = {"engines": [fleet_.pid], "client": [os.getpid()], **({"router": pids} if pids else {})}
-        before = {name: sum(harness.cpu_seconds(p) for p in ps) for name, ps in watched.items()}
+        before = {name: cpu_seconds(name, ps) for name, ps in watched.items()}
         played = asyncio.run(play(urls, MODEL, trace, trace.duration, args.drain, control=fleet_.oracle))
         elapsed = time.monotonic() - started
-        cpu = {name: sum(harness.cpu_seconds(p) for p in ps) - before[name] for name, ps in watched.items()}
+        cpu = {name: cpu_seconds(name, ps) - before[name] for name, ps in watched.items()}
         statuses = nodes_statuses(urls) if args.dump and spec.kind == "pdproxy" else []
     result = summarize(played.outcomes, warmup(trace.workload, args), trace.duration)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         stem = f"{trace.workload}-{spec.name.replace(' ', '_')}"
-        where = args.dump / f"{stem}-{len(list(args.dump.glob(stem + '-*.jsonl'))) + 1}.jsonl"
+        runs = [p for p in args.dump.glob(stem + "-*.jsonl") if not p.name.endswith(".engines.jsonl")]
+        where = args.dump / f"{stem}-{len(runs) + 1}.jsonl"
         where.write_text("".join(json.dumps(dataclasses.asdict(o)) + "\n" for o in played.outcomes))
         where.with_suffix(".engines.jsonl").write_text("".join(json.dumps(r) + "\n" for r in routes_taken(fleet_)))
         if statuses:
@@ -653,7 +660,7 @@ def arguments() -> argparse.Namespace:
         + ", ".join(ROUTERS)
         + ", or 'pdproxy POLICY' for any policy; "
         + " and ".join(REFERENCES)
-        + " are always run",
+        + " are always run (but with --no-references)",
     )
     parser.add_argument(
         "--duration", type=float, default=None, help="seconds of arrivals per run (default 15, quick 10)"
@@ -663,6 +670,11 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1, help="the traces' seed (the first, with --repeat)")
     parser.add_argument(
         "--repeat", type=int, default=1, help="runs of each cell, on traces of seeds SEED, SEED+1, ...: medians, spread"
+    )
+    parser.add_argument(
+        "--no-references",
+        action="store_true",
+        help="leave out " + " and ".join(REFERENCES) + " (to compare pdproxy's own variants in half the time)",
     )
     parser.add_argument("--retries", type=int, default=2, help="times a noisy run (machine too busy) is done again")
     parser.add_argument("--probes", type=int, default=5, help="bisection steps to find each workload's capacity")
@@ -698,15 +710,15 @@ def arguments() -> argparse.Namespace:
     return args
 
 
-def choose_routers(names: str) -> list[Router]:
+def choose_routers(names: str, references: bool = True) -> list[Router]:
     """The routers named (any other "pdproxy POLICY" is pdproxy with that policy, weights too:
     "pdproxy scored:queue=0.5", following the engines' KV events: "pdproxy scored:queue=0.5
     kv-events"; a pdproxy router's name ending in " xN" is N replicas of it: "pdproxy scored
     kv-events x4", and in " xN shared" N replicas telling each other their load on the engines:
     "pdproxy scored kv-events x4 shared"; with " lead" after, every request goes through the
-    first of them), the references added where missing."""
+    first of them), the references added where missing (``references``)."""
     listed = [n for n in names.split(";" if ";" in names else ",") if n]
-    listed += [n for n in REFERENCES if n not in listed]
+    listed += [n for n in REFERENCES if n not in listed and references]
     return [router_named(n) for n in listed]
 
 
@@ -804,7 +816,7 @@ def main() -> None:
     args = arguments()
     workloads = [w for w in args.workloads.split(",") if w]
     loads = [float(x) for x in args.loads.split(",") if x]
-    routers = choose_routers(args.routers)
+    routers = choose_routers(args.routers, references=not args.no_references)
     # The engines publish their events when a router follows them, and the router that does runs.
     if args.kv_events and not any(r.kv_events for r in routers):
         routers.insert(1, ROUTERS["pdproxy scored kv-events"])

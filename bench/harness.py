@@ -62,10 +62,10 @@ def process_tree(pid: int) -> list[int]:
     return out
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of ``pid`` and its descendants."""
+def cpu_seconds(pid: int, descendants: bool = True) -> float:
+    """User + system CPU of ``pid`` and (``descendants``) its descendants."""
     total = 0
-    for p in process_tree(pid):
+    for p in process_tree(pid) if descendants else [pid]:
         with contextlib.suppress(OSError):
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             total += int(fields[11]) + int(fields[12])  # utime, stime

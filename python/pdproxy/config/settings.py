@@ -352,8 +352,9 @@ class ReplicaShareSettings(SettingsGroup):
     interval_ms: AtLeastOne = _setting(
         5,
         (
-            "Milliseconds between two datagrams to each peer; a peer silent for five intervals (and at least 50 ms) "
-            "stops counting (its load leaves the nodes)."
+            "Milliseconds between two looks at this replica's load: a datagram goes to each peer when it changed, "
+            "and at least every quarter of the peers' freshness; a peer silent for five intervals (and at least "
+            "50 ms) stops counting (its load leaves the nodes)."
         ),
         name="replica_share_interval_ms",
     )

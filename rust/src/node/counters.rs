@@ -83,6 +83,10 @@ pub struct NodeCounters {
     /// on `bench/fleet.py`'s `multi_turn` had a TTFT p99 1.09-1.30x one replica's over six
     /// seeds, against 1.01-1.27x.)
     pub(crate) peer_in_flight: AtomicU64,
+    /// The other replicas routing here that said so lately (`replica_share`; 0 without it):
+    /// their choices, made on the same figures a datagram's trip apart, may coincide with this
+    /// one's (`scored` spreads long prefills then).
+    pub(crate) peer_replicas: AtomicU64,
     /// Prompt bytes the routing policy expected the node to find in its cache, summed over
     /// the requests that had their first byte (so the engine has looked them up by then).
     pub(crate) predicted_cached_bytes: AtomicU64,
@@ -178,6 +182,7 @@ impl NodeCounters {
             &self.peer_unanswered,
             &self.peer_prefill_done_at_us,
             &self.peer_in_flight,
+            &self.peer_replicas,
             &self.predicted_cached_bytes,
             &self.answered_predicted_bytes,
             &self.answered_cached_tokens,

@@ -3,13 +3,15 @@
 //! share of it (with four replicas, each saw a quarter, and sent new prompts to engines busy
 //! with the others').
 //!
-//! Every interval one task sends each peer (UDP, `wire`) this replica's own figures per node:
+//! Every interval where they changed (or went unsent for a quarter of the peers' freshness:
+//! the heartbeat) one task sends each peer (UDP, `wire`) this replica's own figures per node:
 //! the requests it sent there still waiting for their first byte, the prefill it expects the
 //! node to still owe them (time left, so no clock is shared between hosts), and its requests
 //! there not yet ended. Figures received are never sent on, so nothing is counted twice. The
 //! same task receives the peers' datagrams, keeps each peer's latest snapshot (`peers`), and
 //! stores the live peers' sums in each node's `peer_unanswered`, `peer_prefill_done_at_us` and
-//! `peer_in_flight`: the request path only reads three more atomics. Besides every interval, a
+//! `peer_in_flight`, and their number in `peer_replicas`: the request path only reads a few more
+//! atomics. Besides every interval, a
 //! snapshot goes out at once when this replica routes a long prefill (`load_signal`, a fresh
 //! prompt of at least `CLAIM_PREFILL_US`): between two intervals the replicas see the same
 //! figures, and two of them routing new conversations' first turns within one interval sent
@@ -48,6 +50,9 @@ const FRESH_INTERVALS: u32 = 5;
 const FRESH_AT_LEAST: Duration = Duration::from_millis(50);
 /// How often the peers' names are resolved again (one may move).
 const RESOLVE_EVERY: Duration = Duration::from_secs(10);
+/// A snapshot unchanged since the last sent goes out again only after this share of the
+/// peers' freshness: enough to stay live through two lost datagrams.
+const HEARTBEAT_SHARE: u32 = 4;
 
 /// What the task did, for `/metrics`.
 #[derive(Debug, Default)]
@@ -91,6 +96,7 @@ impl ReplicaShare {
             interval,
             stats: Arc::clone(&stats),
             me: fastrand::u64(..),
+            last_sent: LastSent::default(),
         };
         runtime.spawn(task.run(stop.clone()));
         Ok(Self { stats, local, stop })
@@ -136,12 +142,39 @@ struct Task {
     /// This replica's id in its datagrams: random at each start, so a restarted replica is a
     /// new peer and its sequence numbers start over safely.
     me: u64,
+    last_sent: LastSent,
+}
+
+/// This replica's own load on one node as it stands, its prefill as due by this host's clock
+/// (0: none owed): unlike the figures sent (time left), it changes only when the load does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct OwnLoad {
+    key: u64,
+    unanswered: u64,
+    prefill_done_at_us: u64,
+    in_flight: u64,
+}
+
+/// What this replica last sent, and when: a tick whose load is the same sends nothing until the
+/// heartbeat is due. (Every tick sending cost an idle replica as much as the rest of its work:
+/// waking, and waking each peer, 200 times a second.)
+#[derive(Debug, Default)]
+struct LastSent {
+    load: Vec<OwnLoad>,
+    at: Option<Instant>,
+}
+
+impl LastSent {
+    fn due(&self, load: &[OwnLoad], heartbeat: Duration) -> bool {
+        self.load != load || self.at.is_none_or(|at| at.elapsed() >= heartbeat)
+    }
 }
 
 impl Task {
     async fn run(mut self, stop: CancellationToken) {
-        let fresh_for =
-            u64::try_from((self.interval * FRESH_INTERVALS).max(FRESH_AT_LEAST).as_micros()).unwrap_or(u64::MAX);
+        let fresh = (self.interval * FRESH_INTERVALS).max(FRESH_AT_LEAST);
+        let fresh_for = u64::try_from(fresh.as_micros()).unwrap_or(u64::MAX);
+        let heartbeat = fresh / HEARTBEAT_SHARE;
         let mut table = PeerTable::new(self.me, fresh_for);
         let mut tick = tokio::time::interval(self.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -161,7 +194,7 @@ impl Task {
                     routed.as_mut().enable();
                     let Some(engine) = self.engine.upgrade() else { break };
                     seq += 1;
-                    self.send(&engine, seq).await;
+                    self.send(own_load(&engine, now_us()), seq).await;
                 }
                 _ = tick.tick() => {
                     let Some(engine) = self.engine.upgrade() else { break };
@@ -169,8 +202,11 @@ impl Task {
                         self.resolve().await;
                         resolved_at = Some(Instant::now());
                     }
-                    seq += 1;
-                    self.send(&engine, seq).await;
+                    let load = own_load(&engine, now_us());
+                    if self.last_sent.due(&load, heartbeat) {
+                        seq += 1;
+                        self.send(load, seq).await;
+                    }
                     let now = now_us();
                     table.expire(now);
                     self.apply(&engine, &table, now);
@@ -207,11 +243,12 @@ impl Task {
         }
     }
 
-    /// Sends every peer this replica's own figures (never what it heard from the others).
-    async fn send(&self, engine: &Engine, seq: u64) {
+    /// Sends every peer this replica's own load (never what it heard from the others).
+    async fn send(&mut self, load: Vec<OwnLoad>, seq: u64) {
         let now = now_us();
-        let own: Vec<(u64, Figures)> = engine.registry.load().nodes().iter().map(|n| own_figures(n, now)).collect();
-        let datagrams = encode(self.me, seq, &own);
+        let figures: Vec<(u64, Figures)> = load.iter().map(|l| l.figures(now)).collect();
+        let datagrams = encode(self.me, seq, &figures);
+        self.last_sent = LastSent { load, at: Some(Instant::now()) };
         for address in self.peers.iter().filter_map(|p| p.address) {
             for datagram in &datagrams {
                 if self.socket.send_to(datagram, address).await.is_ok() {
@@ -224,6 +261,7 @@ impl Task {
     /// Stores the live peers' sums in every node's counters.
     fn apply(&self, engine: &Engine, table: &PeerTable, now: u64) {
         let sums = table.sums(now);
+        let live = table.live(now) as u64;
         for node in engine.registry.load().nodes() {
             let load = sums.get(&node_key(node.url())).copied().unwrap_or_default();
             let counters = node.counters();
@@ -231,24 +269,41 @@ impl Task {
             counters.peer_in_flight.store(load.in_flight, Ordering::Relaxed);
             let done_at = if load.prefill_left_us > 0 { now + load.prefill_left_us } else { 0 };
             counters.peer_prefill_done_at_us.store(done_at, Ordering::Relaxed);
+            counters.peer_replicas.store(live, Ordering::Relaxed);
         }
-        self.stats.live_peers.store(table.live(now) as u64, Ordering::Relaxed);
+        self.stats.live_peers.store(live, Ordering::Relaxed);
     }
 }
 
-/// This replica's own load on `node`, by its key.
-fn own_figures(node: &Node, now_us: u64) -> (u64, Figures) {
-    let counters = node.counters();
-    let unanswered = counters.unanswered.load(Ordering::Relaxed);
-    let left = counters.prefill_done_at_us.load(Ordering::Relaxed).saturating_sub(now_us);
-    (
-        node_key(node.url()),
-        Figures {
-            unanswered: u32::try_from(unanswered).unwrap_or(u32::MAX),
-            prefill_left_us: u32::try_from(left).unwrap_or(u32::MAX),
-            in_flight: u32::try_from(counters.in_flight()).unwrap_or(u32::MAX),
-        },
-    )
+/// This replica's own load on every node of `engine`, at `now_us`.
+fn own_load(engine: &Engine, now_us: u64) -> Vec<OwnLoad> {
+    engine.registry.load().nodes().iter().map(|node| OwnLoad::of(node, now_us)).collect()
+}
+
+impl OwnLoad {
+    fn of(node: &Node, now_us: u64) -> Self {
+        let counters = node.counters();
+        let due = counters.prefill_done_at_us.load(Ordering::Relaxed);
+        Self {
+            key: node_key(node.url()),
+            unanswered: counters.unanswered.load(Ordering::Relaxed),
+            prefill_done_at_us: if due > now_us { due } else { 0 },
+            in_flight: counters.in_flight(),
+        }
+    }
+
+    /// As sent at `now_us`: the prefill as time left.
+    fn figures(&self, now_us: u64) -> (u64, Figures) {
+        let left = self.prefill_done_at_us.saturating_sub(now_us);
+        (
+            self.key,
+            Figures {
+                unanswered: u32::try_from(self.unanswered).unwrap_or(u32::MAX),
+                prefill_left_us: u32::try_from(left).unwrap_or(u32::MAX),
+                in_flight: u32::try_from(self.in_flight).unwrap_or(u32::MAX),
+            },
+        )
+    }
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use tokio_util::sync::CancellationToken;
 
-use super::ReplicaShare;
+use super::{LastSent, OwnLoad, ReplicaShare};
 use crate::clock::now_us;
 use crate::engine::Engine;
 use crate::node::{Node, NodeSpec};
@@ -72,6 +72,7 @@ fn peers_see_each_others_load_until_one_stops() {
     assert!(left > 1000.0 && left <= 2000.0, "A's prefill left, by B's clock: {left}");
     assert_eq!(node_a.counters().peer_unanswered.load(Ordering::Relaxed), 0, "B has nothing there");
     assert_eq!(b.stats.live_peers.load(Ordering::Relaxed), 1);
+    assert_eq!(b_counters.peer_replicas.load(Ordering::Relaxed), 1, "one other replica routes there");
     assert!(a.stats.sent.load(Ordering::Relaxed) > 0 && b.stats.received.load(Ordering::Relaxed) > 0);
     // A's request answered: B sees it within a few intervals.
     node_a.counters().unanswered.store(0, Ordering::Relaxed);
@@ -84,6 +85,7 @@ fn peers_see_each_others_load_until_one_stops() {
         b_counters.peer_unanswered.load(Ordering::Relaxed) == 0 && b.stats.live_peers.load(Ordering::Relaxed) == 0
     });
     assert!(b_counters.peer_prefill_left_ms(now_us()) <= 0.0, "nor its prefill");
+    assert_eq!(b_counters.peer_replicas.load(Ordering::Relaxed), 0, "no other replica routes there now");
     assert_eq!(b.stats.malformed.load(Ordering::Relaxed), 0);
 }
 
@@ -103,4 +105,38 @@ fn a_long_prefill_routed_goes_out_at_once_not_at_the_next_tick() {
     eventually("B to hear A's long route long before A's next tick", || {
         node_b.counters().peer_unanswered.load(Ordering::Relaxed) == 3
     });
+}
+
+#[test]
+fn an_unchanged_load_goes_out_again_only_at_the_heartbeat() {
+    let load = vec![OwnLoad { key: 1, unanswered: 2, prefill_done_at_us: 5_000, in_flight: 3 }];
+    let hour = Duration::from_secs(3600);
+    assert!(LastSent::default().due(&load, hour), "nothing sent yet");
+    let sent = LastSent { load: load.clone(), at: Some(Instant::now()) };
+    assert!(!sent.due(&load, hour), "the same load, sent just now");
+    for change in [
+        OwnLoad { unanswered: 1, ..load[0] },
+        OwnLoad { prefill_done_at_us: 9_000, ..load[0] },
+        OwnLoad { in_flight: 4, ..load[0] },
+    ] {
+        assert!(sent.due(&[change], hour), "{change:?}");
+    }
+    assert!(sent.due(&[], hour), "a node gone");
+    assert!(sent.due(&load, Duration::ZERO), "the heartbeat due");
+}
+
+#[test]
+fn an_idle_peer_stays_live_on_its_heartbeat() {
+    let runtime = runtime();
+    let Pair { a, b, _engines, .. } = pair(INTERVAL, &runtime);
+    eventually("B to hear A", || b.stats.live_peers.load(Ordering::Relaxed) == 1);
+    let first = a.stats.sent.load(Ordering::Relaxed);
+    // Ten times the freshness with nothing changing: A's heartbeats keep it live at B.
+    let fresh = super::FRESH_AT_LEAST.max(INTERVAL * super::FRESH_INTERVALS);
+    let until = Instant::now() + fresh * 10;
+    while Instant::now() < until {
+        std::thread::sleep(INTERVAL);
+        assert_eq!(b.stats.live_peers.load(Ordering::Relaxed), 1, "A dropped while idle");
+    }
+    assert!(a.stats.sent.load(Ordering::Relaxed) > first, "heartbeats went out");
 }

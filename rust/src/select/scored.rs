@@ -79,7 +79,10 @@
 //!
 //! Nodes within `TIE_SHARE` of the lowest cost count as equally ready: the one with the
 //! fewest requests in flight, then the one sent the fewest, then one at random, so that they
-//! share the decoding evenly and take turns.
+//! share the decoding evenly and take turns. With other replicas routing to the same nodes, a
+//! long prefill goes at random to any node within a quarter of its own prefill of the best
+//! (`spread_among_peers`): replicas deciding on the same figures otherwise send new
+//! conversations to the same engine.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -93,6 +96,7 @@ use super::{available_indices, Policy, SelectCtx};
 use crate::clock::{now_ms, now_us};
 use crate::node::engine_report::EngineLoad;
 use crate::node::engine_speed::{Fit, Samples, Speed};
+use crate::node::load_signal;
 use crate::node::recent_work::queue_wait_ms;
 use crate::node::Node;
 use crate::select::Prediction;
@@ -284,6 +288,42 @@ fn alike(relative: f64) -> f64 {
     } else {
         relative
     }
+}
+
+/// With other replicas routing to the same nodes, a long prefill may go to any node priced within
+/// this share of its own prefill of the best (`spread_among_peers`).
+const PEERS_SPREAD: f64 = 0.25;
+
+/// With other replicas routing to the candidates (`replica_share`), a long prefill (a prompt new
+/// to the fleet: at least `CLAIM_PREFILL_US` of its own at the best node) goes at random to any
+/// node priced within `PEERS_SPREAD` of its own prefill of the best (`None`: otherwise).
+/// Replicas deciding a datagram's trip apart see the same figures, so that two new
+/// conversations' first turns routed by two of them went to the same engine, one waiting for the
+/// other's whole prefill: the tail of four replicas' first turns. A node priced a quarter of a
+/// prefill worse costs that, once; two prefills on one engine cost a whole one. On
+/// `bench/fleet.py`'s `multi_turn` at 80% load, four replicas against one, seeds 1-4 pooled:
+/// TTFT p99 124 ms against one replica's 131 (first turns 106 against 103), where without it
+/// 133 against 127 (first turns 131 against 99; 35 of the slowest 201 requests were first
+/// turns, 13 with it): bench/results/2026-12-07-0615-fleet-replicas-spread.md.
+fn spread_among_peers(
+    candidates: &[Arc<Node>],
+    costs: &[Option<f64>],
+    estimates: &[Option<Estimate>],
+    best: f64,
+    tolerance: f64,
+) -> Option<usize> {
+    let peers = candidates.iter().any(|n| n.counters().peer_replicas.load(Ordering::Relaxed) > 0);
+    if !peers {
+        return None;
+    }
+    let own = costs.iter().zip(estimates).find_map(|(cost, e)| e.filter(|_| *cost == Some(best)).map(|e| e.own))?;
+    #[allow(clippy::cast_precision_loss)]
+    if own * 1000.0 < load_signal::CLAIM_PREFILL_US as f64 {
+        return None;
+    }
+    let within = best + tolerance.max(PEERS_SPREAD * own);
+    let band: Vec<usize> = (0..costs.len()).filter(|&i| costs[i].is_some_and(|c| c <= within)).collect();
+    band.get(fastrand::usize(..band.len().max(1))).copied()
 }
 
 /// What the last pick on this thread computed for its request: the policy's `selected` follows
@@ -585,6 +625,9 @@ impl Policy for Scored {
         LAST_PICK.with(|last| *last.borrow_mut() = Some(LastPick { key, hashes, matched }));
         let best = all.iter().flatten().copied().fold(f64::INFINITY, f64::min);
         let tolerance = (best * TIE_SHARE).max(TIE_MS);
+        if let Some(spread) = spread_among_peers(candidates, &all, &estimates, best, tolerance) {
+            return Some(spread);
+        }
         // Of the nodes within a hair of the best, the one with the fewest requests in flight,
         // then the one sent the fewest: nodes equally ready share the decoding evenly and take
         // turns, so each one's arrivals are spaced as round robin's are.
@@ -1002,6 +1045,35 @@ mod tests {
         // A prefill clock of the peers' in the past counts nothing.
         nodes[0].counters().peer_prefill_done_at_us.store(now_us() - 1000, Ordering::Relaxed);
         assert!(policy.estimates(&nodes, &ctx(miss.as_bytes()))[0].unwrap().ahead.abs() < f64::EPSILON);
+    }
+
+    #[test]
+    fn with_peers_a_long_prefill_goes_to_any_node_priced_near_the_best() {
+        let (_reg, nodes) = nodes(3);
+        for node in &nodes {
+            learn(node, 50.0, 500.0, 16);
+        }
+        let policy = scored(WEIGHTS);
+        // 8 KiB no node holds: 400 ms of prefill anywhere. Node 1 owes 50 ms of prefill (within a
+        // quarter of it), node 2 300 ms.
+        let miss = "q".repeat(8192);
+        nodes[1].counters().prefill_done_at_us.store(now_us() + 50_000, Ordering::Relaxed);
+        nodes[2].counters().prefill_done_at_us.store(now_us() + 300_000, Ordering::Relaxed);
+        let picks = |prompt: &str| {
+            let mut counts = [0; 3];
+            for _ in 0..300 {
+                counts[policy.pick(&nodes, &ctx(prompt.as_bytes())).unwrap()] += 1;
+            }
+            counts
+        };
+        assert_eq!(picks(&miss), [300, 0, 0], "alone: the best, always");
+        for node in &nodes {
+            node.counters().peer_replicas.store(3, Ordering::Relaxed);
+        }
+        let spread = picks(&miss);
+        assert!(spread[0] > 50 && spread[1] > 50 && spread[2] == 0, "with peers, the two near the best: {spread:?}");
+        // A short prefill (a few ms: cheap to meet twice) still goes to the best.
+        assert_eq!(picks(&"q".repeat(256)), [300, 0, 0]);
     }
 
     #[test]
