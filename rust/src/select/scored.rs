@@ -301,10 +301,10 @@ const PEERS_SPREAD: f64 = 0.25;
 /// conversations' first turns routed by two of them went to the same engine, one waiting for the
 /// other's whole prefill: the tail of four replicas' first turns. A node priced a quarter of a
 /// prefill worse costs that, once; two prefills on one engine cost a whole one. On
-/// `bench/fleet.py`'s `multi_turn` at 80% load, four replicas against one, seeds 1-4 pooled:
-/// TTFT p99 124 ms against one replica's 131 (first turns 106 against 103), where without it
-/// 133 against 127 (first turns 131 against 99; 35 of the slowest 201 requests were first
-/// turns, 13 with it): bench/results/2026-12-07-0615-fleet-replicas-spread.md.
+/// `bench/fleet.py`'s `multi_turn` at 80% load, four replicas against one, the requests of seeds
+/// 1-6 pooled: TTFT p99 124 ms against one replica's 133 (first turns 110 against 104); without
+/// it (seeds 1-4) 133 against 127 (first turns 131 against 99):
+/// bench/results/2026-12-07-0615-fleet-replicas-spread.md.
 fn spread_among_peers(
     candidates: &[Arc<Node>],
     costs: &[Option<f64>],
