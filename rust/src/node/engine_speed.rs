@@ -196,6 +196,14 @@ impl EngineSpeed {
         }
     }
 
+    /// Whether a batch of `running` is as large as any the engine reported: beside a queue, it
+    /// says the batch is full (a smaller one's queue is the requests come since its last step).
+    pub(crate) fn looks_full(&self, running: u64) -> bool {
+        #[allow(clippy::cast_precision_loss)]
+        let (running_f, most_f) = (running as f64, self.most_running.load(Ordering::Relaxed) as f64);
+        running > 0 && running_f >= FULL_SHARE * most_f
+    }
+
     /// Requests the engine runs at once while others wait, once a report showed it full.
     pub(crate) fn slots(&self) -> Option<f64> {
         Some(load(&self.slots)).filter(|&s| s > 0.0)
