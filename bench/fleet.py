@@ -220,6 +220,26 @@ def nodes_statuses(urls: list[str]) -> list[dict[str, Any]]:
     return statuses
 
 
+#: How far off a price counts as off, in `priced_off` (seconds).
+PRICED_OFF_S = 0.03
+
+
+def priced_off(statuses: list[dict[str, Any]]) -> dict[str, float]:
+    """Of the first tokens pdproxy priced (every node, every replica, the whole run), the shares
+    that came more than ``PRICED_OFF_S`` before and after their price (`first_token_lateness`)."""
+    early = late = total = 0
+    for status in statuses:
+        for node in status.values():
+            h = node["engine"]["learnt"]["first_token_lateness"]
+            bounds = h["bounds"]
+            # Bucket i holds the values above bounds[i - 1], up to bounds[i].
+            for lower, upper, count in zip([-math.inf, *bounds], [*bounds, math.inf], h["counts"], strict=True):
+                total += count
+                early += count if upper <= -PRICED_OFF_S else 0
+                late += count if lower >= PRICED_OFF_S else 0
+    return {"early": early / total if total else 0.0, "late": late / total if total else 0.0, "priced": total}
+
+
 def wait_kv_events_live(url: str, nodes: int, timeout: float = 30.0) -> None:
     """Until pdproxy at ``url`` follows the KV events of all ``nodes`` live."""
     deadline = time.monotonic() + timeout
@@ -295,8 +315,10 @@ def run_one(
         played = asyncio.run(play(urls, MODEL, trace, trace.duration, args.drain, control=fleet_.oracle))
         elapsed = time.monotonic() - started
         cpu = {name: cpu_seconds(name, ps) - before[name] for name, ps in watched.items()}
-        statuses = nodes_statuses(urls) if args.dump and spec.kind == "pdproxy" else []
+        statuses = nodes_statuses(urls) if spec.kind == "pdproxy" else []
     result = summarize(played.outcomes, warmup(trace.workload, args), trace.duration)
+    if statuses:
+        result["priced_off"] = priced_off(statuses)
     if args.dump:
         args.dump.mkdir(parents=True, exist_ok=True)
         stem = f"{trace.workload}-{spec.name.replace(' ', '_')}"
@@ -775,6 +797,12 @@ def measure_cell(
                 f"{r['throughput_rps']:.1f} req/s, errors {r['errors']}, "
                 f"lag p99 {_ms(r['send_lag_s']['p99'])} ms, "
                 f"late {r['engine_late_s']:.2f} s, cores {r['cpu_cores']}"
+                + (
+                    f", priced >{PRICED_OFF_S * 1e3:.0f} ms off: {r['priced_off']['early']:.1%} early, "
+                    f"{r['priced_off']['late']:.1%} late"
+                    if "priced_off" in r
+                    else ""
+                )
                 + "".join(
                     f", engine {e['engine']} {_pct(e.get('share_before'))} -> {_pct(e.get('share_next'))} "
                     f"after its {e['kind']}"

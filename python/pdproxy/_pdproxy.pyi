@@ -160,6 +160,10 @@ class LearntReading:
     def predicted_cached_bytes(self) -> int: ...
     @property
     def reported_cached_tokens(self) -> int: ...
+    @property
+    def first_token_lateness(self) -> HistogramReading:
+        """The first bytes the routing policy priced (`scored`'s streams and prefill legs):
+        seconds after the time priced for them (negative: before)."""
 
 @final
 class EngineReading:

@@ -1,5 +1,5 @@
-"""bench/fleet.py in a short run: eight simulated engines behind the oracle and behind round
-robin, on the shared-system-prompts workload. The oracle, which sees every engine's cache and
+"""bench/fleet.py in a short run: eight simulated engines behind the oracle, round robin and
+pdproxy, on the shared-system-prompts workload. The oracle, which sees every engine's cache and
 queue, must answer first and find more in the caches; if the simulation stopped simulating
 (caches, queues), the two would tie and this fails. And the fleet's control port: an engine's
 cache flushed, an engine restarted, as the benchmark's events do them mid-run."""
@@ -26,7 +26,7 @@ def test_the_oracle_answers_first_in_a_short_fleet_run(tmp_path: Path) -> None:
     out = tmp_path / "fleet.json"
     command = [sys.executable, str(FLEET), "--workloads", "system_prompts", "--loads", "0.8"]
     # A fixed capacity (no search), 6 s of arrivals, no second attempts: well under a minute.
-    command += ["--routers", "oracle,round robin", "--capacity", "system_prompts=60", "--duration", "6"]
+    command += ["--routers", "oracle,round robin,pdproxy scored", "--capacity", "system_prompts=60", "--duration", "6"]
     command += ["--warmup", "2", "--retries", "0", "--drain", "20", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=110, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -40,6 +40,12 @@ def test_the_oracle_answers_first_in_a_short_fleet_run(tmp_path: Path) -> None:
     # The engines' own count of cached prompt tokens agrees with what the answers said.
     assert oracle["cache_hit_rate"] > rr["cache_hit_rate"] > 0
     assert oracle["engine_cache_hit_rate"] > rr["engine_cache_hit_rate"] > 0
+    # pdproxy's prices, checked on every stream's first token, show in its row.
+    scored = rows["pdproxy scored"]
+    assert scored["errors"] == 0, scored
+    priced = scored["priced_off"]
+    assert priced["priced"] >= scored["requests"], "every stream priced (the warm-up's too)"
+    assert 0 <= priced["early"] + priced["late"] < 1, priced
 
 
 @pytest.mark.timeout(60)

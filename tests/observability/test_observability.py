@@ -71,6 +71,13 @@ async def test_metrics_parse_and_count(tmp_path: Path, http: aiohttp.ClientSessi
         ttft_count = [s.value for s in metrics["pdproxy_ttft_seconds"] if s.name.endswith("_count")]
         assert ttft_count == [2], "two streams"
         assert any(s.value > 0 for s in metrics["pdproxy_itl_seconds"] if s.name.endswith("_count"))
+        # `scored` (the default) priced each stream's first token; the price is checked on it.
+        # (Its buckets go below zero, so the format has no count or sum: +Inf counts them all.)
+        priced = {s.labels["le"]: s.value for s in metrics["pdproxy_first_token_lateness_seconds"]}
+        assert priced["+Inf"] == 2
+        learnt = get_json(proxy.url + "/nodes/status")[engine.url]["engine"]["learnt"]["first_token_lateness"]
+        assert learnt["count"] == 2 and sum(learnt["counts"]) == 2
+        assert len(learnt["counts"]) == len(learnt["bounds"]) + 1 and learnt["bounds"][0] < 0, "early shows too"
         assert metrics["process_resident_memory_bytes"][0].value > 0
         assert metrics["pdproxy_build_info"][0].labels["version"]
         by_model = {s.labels["model"]: s.value for s in metrics["pdproxy_model_requests"]}

@@ -49,6 +49,10 @@ class LearntSpeed(TypedDict):
     #: policy predicted for them (prompt bytes), and those the engine reported (tokens).
     predicted_cached_bytes: int
     reported_cached_tokens: int
+    #: The first bytes the policy priced (``scored``'s streams and prefill legs): seconds by
+    #: which each came after the time priced for it (negative: before). How far off its
+    #: prices are, per node.
+    first_token_lateness: Histogram
 
 
 class EngineReport(TypedDict):
@@ -139,6 +143,7 @@ def learnt_speed(learnt: LearntReading) -> LearntSpeed:
         samples=learnt.samples,
         predicted_cached_bytes=learnt.predicted_cached_bytes,
         reported_cached_tokens=learnt.reported_cached_tokens,
+        first_token_lateness=histogram(learnt.first_token_lateness),
     )
 
 

@@ -31,7 +31,7 @@ SESSION_ENDS: tuple[Literal["consumed", "freed", "free_failures"], ...] = ("cons
 
 
 def _histograms(nodes: list[NodeView]) -> Iterator[HistogramMetricFamily]:
-    """Per node, its three histograms (one reading of each per node)."""
+    """Per node, its histograms (one reading of each per node)."""
     labels = ["node", "role"]
     duration = HistogramMetricFamily(
         "pdproxy_request_duration_seconds", "Requests from admission to the end of the body", labels=labels
@@ -40,12 +40,19 @@ def _histograms(nodes: list[NodeView]) -> Iterator[HistogramMetricFamily]:
     itl = HistogramMetricFamily(
         "pdproxy_itl_seconds", "Streams: gaps between chunks (inter-token latency)", labels=labels
     )
+    lateness = HistogramMetricFamily(
+        "pdproxy_first_token_lateness_seconds",
+        "First bytes the routing policy priced: seconds after the time priced for them (negative: before)",
+        labels=labels,
+    )
     for node in nodes:
         histograms = node.histograms
         _add_histogram(duration, [node.url, node.role], histograms.duration)
         _add_histogram(ttft, [node.url, node.role], histograms.ttft)
         _add_histogram(itl, [node.url, node.role], histograms.itl)
-    yield from (duration, ttft, itl)
+        if (priced := node.engine.learnt.first_token_lateness).count:  # where a policy prices them
+            _add_histogram(lateness, [node.url, node.role], priced)
+    yield from (duration, ttft, itl, lateness)
 
 
 def _add_histogram(family: HistogramMetricFamily, labels: list[str], h: HistogramReading) -> None:

@@ -208,6 +208,7 @@ impl InFlightPermit {
         if answered && due > 0 {
             #[allow(clippy::cast_precision_loss)]
             let late_ms = (now_us() as f64 - due as f64) / 1000.0;
+            counters.first_token_lateness.observe_seconds(late_ms / 1000.0);
             counters.hidden.observe(late_ms, now_ms());
         }
         let timed = self.timed_bytes.swap(0, Ordering::Relaxed);
@@ -317,6 +318,32 @@ mod tests {
         let quiet = InFlightPermit::acquire(&node);
         quiet.set_prediction(Prediction { prefill: 1024, cached: 0, prefill_us: 0, ..Prediction::default() }, true);
         assert!(counters.prefill_left_ms(now_us()) <= 0.0);
+    }
+
+    #[test]
+    fn a_priced_first_byte_shows_how_far_off_its_price_was() {
+        let node = Registry::new().add("h:1", NodeSpec::default()).unwrap();
+        let lateness = &node.counters().first_token_lateness;
+        // Priced a second out, answered at once: about a second early.
+        let early = InFlightPermit::acquire(&node);
+        early.set_prediction(Prediction { first_token_us: 1_000_000, ..Prediction::default() }, true);
+        early.first_byte_seen();
+        early.first_byte_seen();
+        let seen = lateness.snapshot();
+        assert_eq!(seen.count, 1, "once per request");
+        assert!((-1.0..-0.9).contains(&seen.sum), "{}", seen.sum);
+        // Not priced, not timed (a whole answer's first byte is not its first token), or never
+        // answered: nothing to set against.
+        let unpriced = InFlightPermit::acquire(&node);
+        unpriced.set_prediction(Prediction::default(), true);
+        unpriced.first_byte_seen();
+        let untimed = InFlightPermit::acquire(&node);
+        untimed.set_prediction(Prediction { first_token_us: 1_000, ..Prediction::default() }, false);
+        untimed.first_byte_seen();
+        let cancelled = InFlightPermit::acquire(&node);
+        cancelled.set_prediction(Prediction { first_token_us: 1_000, ..Prediction::default() }, true);
+        drop(cancelled);
+        assert_eq!(lateness.snapshot().count, 1);
     }
 
     #[test]

@@ -10,7 +10,7 @@ use super::engine_speed::EngineSpeed;
 use super::hidden_load::HiddenLoad;
 use super::recent_work::RecentWork;
 use super::state::NodeState;
-use crate::observe::histogram::{Gap, Histogram, Latency};
+use crate::observe::histogram::{Gap, Histogram, Latency, Lateness};
 
 /// How a request ended, as recorded in the node's counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,6 +108,8 @@ pub struct NodeCounters {
     pub(crate) ttft: Histogram<Latency>,
     /// Streams: gaps between consecutive chunks (inter-token latency).
     pub(crate) itl: Histogram<Gap>,
+    /// First bytes priced by the policy (`scored`): how much later than priced they came.
+    pub(crate) first_token_lateness: Histogram<Lateness>,
     /// What the node's engine last said about itself (its `/metrics`).
     pub(crate) engine: EngineReport,
 }
@@ -198,6 +200,7 @@ impl NodeCounters {
         self.state.store(0, Ordering::Relaxed);
         self.duration.reset();
         self.ttft.reset();
+        self.first_token_lateness.reset();
         self.itl.reset();
         self.engine.reset();
         self.speed.reset();

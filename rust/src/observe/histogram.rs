@@ -19,6 +19,13 @@ impl Bounds for Latency {
         &[0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0];
 }
 
+/// How much later than priced a first token came (negative: earlier): `scored`'s prices checked.
+#[derive(Debug)]
+pub(crate) struct Lateness;
+impl Bounds for Lateness {
+    const BOUNDS: &'static [f64] = &[-1.0, -0.3, -0.1, -0.03, -0.01, -0.003, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0];
+}
+
 /// Gaps between streamed chunks (inter-token latency).
 #[derive(Debug)]
 pub(crate) struct Gap;
@@ -29,6 +36,7 @@ impl Bounds for Gap {
 #[derive(Debug)]
 pub(crate) struct Histogram<B: Bounds> {
     buckets: [AtomicU64; 16],
+    /// Microseconds, an `i64` in two's complement (observations may be negative: `Lateness`).
     sum_us: AtomicU64,
     count: AtomicU64,
     bounds: PhantomData<B>,
@@ -65,10 +73,19 @@ impl<B: Bounds> Histogram<B> {
     }
 
     pub(crate) fn observe(&self, value: Duration) {
-        let seconds = value.as_secs_f64();
+        self.observe_seconds(value.as_secs_f64());
+    }
+
+    /// An observation that may be negative (seconds; not finite: ignored).
+    pub(crate) fn observe_seconds(&self, seconds: f64) {
+        if !seconds.is_finite() {
+            return;
+        }
         let bucket = B::BOUNDS.iter().position(|&b| seconds <= b).unwrap_or(B::BOUNDS.len());
         self.buckets[bucket].fetch_add(1, Ordering::Relaxed);
-        self.sum_us.fetch_add(u64::try_from(value.as_micros()).unwrap_or(u64::MAX), Ordering::Relaxed);
+        // Wrapping adds of two's complement: a negative one subtracts. (`as` saturates.)
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        self.sum_us.fetch_add((seconds * 1e6).round() as i64 as u64, Ordering::Relaxed);
         self.count.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -81,8 +98,8 @@ impl<B: Bounds> Histogram<B> {
     }
 
     pub(crate) fn snapshot(&self) -> HistogramSnapshot {
-        #[allow(clippy::cast_precision_loss)]
-        let sum = self.sum_us.load(Ordering::Relaxed) as f64 / 1e6;
+        #[allow(clippy::cast_precision_loss, clippy::cast_possible_wrap)]
+        let sum = self.sum_us.load(Ordering::Relaxed) as i64 as f64 / 1e6;
         HistogramSnapshot {
             bounds: B::BOUNDS.to_vec(),
             counts: self.buckets[..=B::BOUNDS.len()].iter().map(|b| b.load(Ordering::Relaxed)).collect(),
@@ -111,5 +128,21 @@ mod tests {
         assert_eq!(s.counts, [2, 1, 1]);
         assert_eq!(s.count, 4);
         assert!((s.sum - 3.065).abs() < 1e-9);
+    }
+
+    #[test]
+    fn negative_observations_fall_below_zero_and_subtract_from_the_sum() {
+        let h = Histogram::<Lateness>::default();
+        h.observe_seconds(-2.0);
+        h.observe_seconds(-0.05);
+        h.observe_seconds(0.002);
+        h.observe_seconds(f64::NAN);
+        let s = h.snapshot();
+        assert_eq!(s.count, 3);
+        assert_eq!(s.counts[0], 1, "-2 s: at most the lowest bound, -1 s");
+        assert_eq!(s.counts[3], 1, "-0.05 s: above -0.1 s, at most -0.03 s");
+        let zero = Lateness::BOUNDS.iter().position(|&b| b > 0.0).unwrap();
+        assert_eq!(s.counts[zero], 1, "0.002 s: the first bucket above zero");
+        assert!((s.sum - (-2.048)).abs() < 1e-9, "{}", s.sum);
     }
 }

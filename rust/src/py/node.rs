@@ -160,6 +160,8 @@ pub(crate) struct LearntView {
     pub(crate) samples: f64,
     pub(crate) predicted_cached_bytes: u64,
     pub(crate) reported_cached_tokens: u64,
+    /// The first bytes the policy priced: seconds after the time priced for them.
+    pub(crate) first_token_lateness: HistogramView,
 }
 
 /// What a node's engine last reported about itself, and how fresh it is.
@@ -223,6 +225,7 @@ impl EngineView {
                 samples: speed.samples,
                 predicted_cached_bytes: counters.answered_predicted_bytes.load(Ordering::Relaxed),
                 reported_cached_tokens: counters.answered_cached_tokens.load(Ordering::Relaxed),
+                first_token_lateness: counters.first_token_lateness.snapshot().into(),
             },
         }
     }

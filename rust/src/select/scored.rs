@@ -80,6 +80,9 @@
 //! - First tokens are fitted on the samples of all the candidates together, each node scaled by
 //!   how its own samples compare (`speeds`); figures not learnt yet are the candidates' median,
 //!   or, before any, `PRIOR_MS_PER_KIB` and `PRIOR_DECODE_MS`.
+//! - Every first token priced is checked against its price, weighed or not: per node, a
+//!   histogram of how much later than priced they came (`first_token_lateness`, in
+//!   `/nodes/status` and `/metrics`), where a price wrong in one direction shows.
 //!
 //! Nodes within `TIE_SHARE` of the lowest cost count as equally ready: the one with the
 //! fewest requests in flight, then the one sent the fewest, then one at random, so that they
@@ -699,10 +702,11 @@ impl Policy for Scored {
             cached: u64::try_from(prompt - uncached).unwrap_or(u64::MAX),
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
             prefill_us: (prefill_ms * 1000.0) as u64,
-            // Its lateness is learnt only where it is priced: otherwise two atomics and an `exp`
-            // per answer for nothing.
+            // Checked against the first byte, always: `/nodes/status` and `/metrics` show how
+            // far off the prices are (`first_token_lateness`), which `hidden` may weigh. (At
+            // least 1: a prompt all cached, before any speed is learnt, is priced at once.)
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
-            first_token_us: if self.weights.hidden > 0.0 { (first_token_ms * 1000.0) as u64 } else { 0 },
+            first_token_us: ((first_token_ms * 1000.0) as u64).max(1),
         }
     }
 }
@@ -776,7 +780,8 @@ mod tests {
         let costs = off.costs(&nodes, &ctx(prompt));
         assert_eq!(costs[0], costs[1]);
         assert!(off.estimates(&nodes, &ctx(prompt))[0].unwrap().hidden.abs() < f64::EPSILON);
-        assert_eq!(off.selected(&nodes[0], &ctx(prompt)).first_token_us, 0, "nothing to learn lateness from");
+        // Priced either way: how far off the prices are shows whether it is weighed or not.
+        assert!(off.selected(&nodes[0], &ctx(prompt)).first_token_us > 0);
         assert!(weighed.selected(&nodes[0], &ctx(prompt)).first_token_us > 0);
     }
 
