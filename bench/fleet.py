@@ -800,7 +800,7 @@ def measure_cell(
                 + (
                     f", priced >{PRICED_OFF_S * 1e3:.0f} ms off: {r['priced_off']['early']:.1%} early, "
                     f"{r['priced_off']['late']:.1%} late"
-                    if "priced_off" in r
+                    if r.get("priced_off", {}).get("priced")
                     else ""
                 )
                 + "".join(

@@ -106,6 +106,10 @@ class ContinuousBatcher:
         self.model = model
         self.cache = PagedKvCache(model.kv_blocks)
         self.waiting: collections.deque[SimRequest] = collections.deque()
+        #: The requests the last step could not admit: what the engines' gauges of waiting
+        #: requests say (vLLM's and SGLang's schedulers set theirs after a step's admissions).
+        #: A request that came since, which the next step admits, is not in it.
+        self.queued = 0
         self.running: list[SimRequest] = []
         self.counters = EngineCounters()
         self._wake = asyncio.Event()
@@ -277,6 +281,7 @@ class ContinuousBatcher:
         while True:
             self._drop_cancelled()
             self._admit()
+            self.queued = len(self.waiting)
             if not self.running:
                 self._wake.clear()
                 await self._wake.wait()

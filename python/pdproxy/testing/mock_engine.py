@@ -167,7 +167,7 @@ class MockState:
         return EngineFigures(
             model=s.model,
             running=len(b.running),
-            waiting=len(b.waiting),
+            waiting=b.queued,
             kv_usage=b.cache.usage(),
             kv_blocks=s.kv_blocks,
             kv_block_tokens=s.kv_block_tokens,

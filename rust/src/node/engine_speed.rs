@@ -181,10 +181,9 @@ impl EngineSpeed {
 
     /// The engine reported `running` requests in its batch and `waiting` more in its queue.
     /// A queue beside a batch as large as any seen says the batch was full. A queue beside a
-    /// smaller one says nothing: those are the requests that came since the engine's last step
-    /// (every engine admits at its next step), which at any load a reading sometimes catches.
-    /// A batch seen running more than the slots learnt holds more: they are forgotten until a
-    /// full batch shows them again.
+    /// smaller one says nothing of the batch's size: the KV cache was full first (long
+    /// prompts), or the step's token budget (prefills). A batch seen running more than the
+    /// slots learnt holds more: they are forgotten until a full batch shows them again.
     pub(crate) fn reported(&self, running: u64, waiting: u64) {
         let most = self.most_running.fetch_max(running, Ordering::Relaxed).max(running);
         #[allow(clippy::cast_precision_loss)]
@@ -194,14 +193,6 @@ impl EngineSpeed {
         } else if FULL_SHARE * running_f > load(&self.slots) {
             store(&self.slots, 0.0);
         }
-    }
-
-    /// Whether a batch of `running` is as large as any the engine reported: beside a queue, it
-    /// says the batch is full (a smaller one's queue is the requests come since its last step).
-    pub(crate) fn looks_full(&self, running: u64) -> bool {
-        #[allow(clippy::cast_precision_loss)]
-        let (running_f, most_f) = (running as f64, self.most_running.load(Ordering::Relaxed) as f64);
-        running > 0 && running_f >= FULL_SHARE * most_f
     }
 
     /// Requests the engine runs at once while others wait, once a report showed it full.
