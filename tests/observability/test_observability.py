@@ -76,8 +76,10 @@ async def test_metrics_parse_and_count(tmp_path: Path, http: aiohttp.ClientSessi
         priced = {s.labels["le"]: s.value for s in metrics["pdproxy_first_token_lateness_seconds"]}
         assert priced["+Inf"] == 2
         learnt = get_json(proxy.url + "/nodes/status")[engine.url]["engine"]["learnt"]["first_token_lateness"]
-        assert learnt["count"] == 2 and sum(learnt["counts"]) == 2
-        assert len(learnt["counts"]) == len(learnt["bounds"]) + 1 and learnt["bounds"][0] < 0, "early shows too"
+        assert learnt["count"] == 2
+        assert sum(learnt["counts"]) == 2
+        assert len(learnt["counts"]) == len(learnt["bounds"]) + 1
+        assert learnt["bounds"][0] < 0, "early shows too"
         assert metrics["process_resident_memory_bytes"][0].value > 0
         assert metrics["pdproxy_build_info"][0].labels["version"]
         by_model = {s.labels["model"]: s.value for s in metrics["pdproxy_model_requests"]}

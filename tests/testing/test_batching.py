@@ -27,9 +27,11 @@ async def test_a_request_come_during_a_step_is_not_waiting_until_a_step_leaves_i
         first = batcher.submit([], [], prompt_tokens=100, output_tokens=2)
         await asyncio.sleep(0.05)  # the first step, prefilling it, runs
         second = batcher.submit([], [], prompt_tokens=100, output_tokens=2)
-        assert len(batcher.waiting) == 1 and batcher.queued == 0, "the next step admits it: no wait for a place"
+        assert len(batcher.waiting) == 1
+        assert batcher.queued == 0, "the next step admits it: no wait for a place"
         await asyncio.wait_for(second.progress.wait(), 2)
-        assert second.admitted and batcher.queued == 0
+        assert second.admitted
+        assert batcher.queued == 0
         await asyncio.wait_for(first.progress.wait(), 2)
     finally:
         await batcher.aclose()
