@@ -232,6 +232,8 @@ def priced_off(statuses: list[dict[str, Any]]) -> dict[str, float]:
         for node in status.values():
             h = node["engine"]["learnt"]["first_token_lateness"]
             bounds = h["bounds"]
+            if PRICED_OFF_S not in bounds or -PRICED_OFF_S not in bounds:
+                raise ValueError(f"the lateness buckets {bounds} do not split at ±{PRICED_OFF_S} s")
             # Bucket i holds the values above bounds[i - 1], up to bounds[i].
             for lower, upper, count in zip([-math.inf, *bounds], [*bounds, math.inf], h["counts"], strict=True):
                 total += count

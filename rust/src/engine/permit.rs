@@ -32,6 +32,8 @@ pub struct InFlightPermit {
     unanswered: AtomicBool,
     /// When the first byte should come (`now_us`'s clock; 0: not priced, or not a first token).
     first_token_due_us: AtomicU64,
+    /// Whether its lateness feeds the node's `hidden` mean (the policy weighs it).
+    weighs_lateness: AtomicBool,
     /// Prompt bytes the policy expected in the node's cache, added to its
     /// `predicted_cached_bytes` at the first byte.
     predicted_cached: AtomicU64,
@@ -99,6 +101,7 @@ impl InFlightPermit {
             report: Report::default(),
             unanswered: AtomicBool::new(true),
             first_token_due_us: AtomicU64::new(0),
+            weighs_lateness: AtomicBool::new(false),
             predicted_cached: AtomicU64::new(0),
             timed_bytes: AtomicU64::new(0),
             timed_since_ms: AtomicU64::new(0),
@@ -142,6 +145,7 @@ impl InFlightPermit {
         self.timed.store(timed, Ordering::Relaxed);
         if timed && prediction.first_token_us > 0 {
             self.first_token_due_us.store(now_us() + prediction.first_token_us, Ordering::Relaxed);
+            self.weighs_lateness.store(prediction.weighs_lateness, Ordering::Relaxed);
         }
         if timed {
             #[allow(clippy::cast_precision_loss)]
@@ -209,7 +213,9 @@ impl InFlightPermit {
             #[allow(clippy::cast_precision_loss)]
             let late_ms = (now_us() as f64 - due as f64) / 1000.0;
             counters.first_token_lateness.observe_seconds(late_ms / 1000.0);
-            counters.hidden.observe(late_ms, now_ms());
+            if self.weighs_lateness.load(Ordering::Relaxed) {
+                counters.hidden.observe(late_ms, now_ms());
+            }
         }
         let timed = self.timed_bytes.swap(0, Ordering::Relaxed);
         if answered && timed > 0 {
@@ -332,6 +338,16 @@ mod tests {
         let seen = lateness.snapshot();
         assert_eq!(seen.count, 1, "once per request");
         assert!((-1.0..-0.9).contains(&seen.sum), "{}", seen.sum);
+        let hidden = || node.counters().hidden.ms(crate::clock::now_ms());
+        assert!(hidden().abs() < f64::EPSILON, "not weighed: no fading mean kept");
+        let weighed = InFlightPermit::acquire(&node);
+        weighed.set_prediction(
+            Prediction { first_token_us: 1_000_000, weighs_lateness: true, ..Prediction::default() },
+            true,
+        );
+        weighed.first_byte_seen();
+        assert!(hidden() < -100.0, "weighed: the mean learns it was early, {}", hidden());
+        assert_eq!(lateness.snapshot().count, 2);
         // Not priced, not timed (a whole answer's first byte is not its first token), or never
         // answered: nothing to set against.
         let unpriced = InFlightPermit::acquire(&node);
@@ -343,7 +359,7 @@ mod tests {
         let cancelled = InFlightPermit::acquire(&node);
         cancelled.set_prediction(Prediction { first_token_us: 1_000, ..Prediction::default() }, true);
         drop(cancelled);
-        assert_eq!(lateness.snapshot().count, 1);
+        assert_eq!(lateness.snapshot().count, 2);
     }
 
     #[test]

@@ -65,6 +65,8 @@ pub struct Prediction {
     /// When the first token should come (µs after the selection; 0: not priced): all the
     /// policy knows of, so that coming later shows work there it did not know of.
     pub(crate) first_token_us: u64,
+    /// Whether the policy weighs the node's recent lateness (`HiddenLoad`): only then is it kept.
+    pub(crate) weighs_lateness: bool,
 }
 
 /// A routing policy picks one of the candidates that are available now.

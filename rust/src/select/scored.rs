@@ -706,6 +706,9 @@ impl Policy for Scored {
             // least 1: a prompt all cached, before any speed is learnt, is priced at once.)
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
             first_token_us: ((first_token_ms * 1000.0) as u64).max(1),
+            // Its fading mean is kept only where it is priced: otherwise an `exp` and two
+            // stores per answer for nothing.
+            weighs_lateness: self.weights.hidden > 0.0,
         }
     }
 }
@@ -782,6 +785,9 @@ mod tests {
         // Priced either way: how far off the prices are shows whether it is weighed or not.
         assert!(off.selected(&nodes[0], &ctx(prompt)).first_token_us > 0);
         assert!(weighed.selected(&nodes[0], &ctx(prompt)).first_token_us > 0);
+        // Its fading mean is kept only where it is weighed.
+        assert!(!off.selected(&nodes[0], &ctx(prompt)).weighs_lateness);
+        assert!(weighed.selected(&nodes[0], &ctx(prompt)).weighs_lateness);
     }
 
     #[test]
