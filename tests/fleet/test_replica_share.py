@@ -23,10 +23,11 @@ from servers import Process, eventually, pdproxy_serve
 pytestmark = pytest.mark.slow
 
 MODEL = "share-model"
-#: Simulated engines whose prefill is slow: 5 ms a token (4 bytes), so the long prompt below
-#: (about 1,000 tokens) waits about 5 s for its first token.
-ENGINE = {"model": MODEL, "simulate": True, "prefill_ms_per_token": 5.0, "decode_step_ms": 1.0}
-LONG_PROMPT = "a long document to read. " * 160
+#: Simulated engines whose prefill is slow: 1.7 ms a token (4 bytes), so the long prompt below
+#: (about 3,000 tokens) waits about 5 s for its first token. Long, so that pdproxy's price for its
+#: prefill (before any speed is learnt, about 300 ms) still runs when a busy machine reads it.
+ENGINE = {"model": MODEL, "simulate": True, "prefill_ms_per_token": 1.7, "decode_step_ms": 1.0}
+LONG_PROMPT = "a long document to read. " * 480
 #: How long what a peer says takes to show: a few intervals of 20 ms, on a busy machine.
 SHOWS_WITHIN = 10.0
 
@@ -128,10 +129,14 @@ async def test_a_request_held_through_one_replica_shows_in_the_other(tmp_path: A
             async def shown() -> bool:
                 return await peer_unanswered(pair, pair.b) == {e.url: int(e.url == node) for e in pair.engines}
 
+            async def prefill_shown() -> bool:
+                return bool((await status(pair, pair.b))[node]["replicas"]["peer_prefill_ms_left"] > 0)
+
             await eventually(shown, "B to count A's unanswered request on its node", timeout=SHOWS_WITHIN)
+            # The prefill A prices there (about 300 ms, its speed not learnt yet) shows too.
+            await eventually(prefill_shown, "B to show the prefill A owes there", timeout=SHOWS_WITHIN)
             row = (await status(pair, pair.b))[node]
             assert not answer.done(), "the prefill still runs: what B shows is A's request waiting"
-            assert row["replicas"]["peer_prefill_ms_left"] > 0, row["replicas"]
             assert row["replicas"]["peer_in_flight"] == 1, row["replicas"]
             assert row["in_flight"] == 0, "B sent nothing there itself"
             # A counts only its own: what it hears from B (nothing) adds nothing.

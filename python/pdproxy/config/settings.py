@@ -520,7 +520,8 @@ class RoutingSettings(SettingsGroup):
         2.0,
         (
             "scored: times a request's own prefill (in seconds, at that engine's learnt rate) counts for each "
-            "request whose first token it delays there: the next to come, and those queued or prefilling."
+            "request whose first token it delays there: the next to come, and those queued or prefilling; "
+            "and times its wait for a place in a full batch counts for those that come after it."
         ),
     )
     score_queue_weight: Weight = _setting(

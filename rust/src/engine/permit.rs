@@ -162,13 +162,14 @@ impl InFlightPermit {
                 self.timed_since_ms.store(now, Ordering::Relaxed);
             }
         }
-        // Tells the other replicas at once of a long prefill, where they share their load.
-        crate::node::load_signal::prefill_routed(prediction.prefill_us);
         if prediction.prefill_us > 0 {
             counters.owe_prefill(prediction.prefill_us, now_us());
             #[allow(clippy::cast_precision_loss)]
             counters.recent_work.add(prediction.prefill_us as f64 / 1000.0, now);
         }
+        // Tells the other replicas at once of a long prefill, where they share their load: once
+        // it is owed (told before, the snapshot sent could miss it).
+        crate::node::load_signal::prefill_routed(prediction.prefill_us);
         self.predicted_cached.store(prediction.cached, Ordering::Relaxed);
         self.checked_cached.store(prediction.cached, Ordering::Relaxed);
     }

@@ -4,7 +4,7 @@
 //! queue:
 //!
 //! ```text
-//! cost = queue  * (the wait for a place in the engine's batch
+//! cost = queue  * ((1 + prefix) * the wait for a place in the engine's batch
 //!                  + the prefill owed to the requests sent there before, at that engine's rate)
 //!      + hidden * (how much later than so priced the node's first tokens came lately)
 //!      + own    * (1 + prefix * (1 + the requests sent there still waiting for their first token))
@@ -21,6 +21,17 @@
 //! prefill delays for sure, did worse on `bench/fleet.py`'s workloads.) `prefix` (2) and
 //! `queue` (1) are the main weights; 2 was the best of 0.5, 1, 2 and 4 on the prefix-heavy
 //! workloads.
+//!
+//! A wait for a place is counted the same way. The request takes its place when one frees and
+//! holds it through its decoding, so each request that comes after it while the queue lasts
+//! waits one place longer; as many places free before its own as it waits for, so what it adds
+//! behind it is its own wait again, weighed by `prefix` as a prefill's delay to others is.
+//! Counted once, a popular prompt's nodes kept a queue rather than pay a prefill elsewhere: on
+//! `bench/fleet.py`'s `evict_restart` at 80% load the prompt stayed on two engines in some runs,
+//! whose first tokens came 250-300 ms (median) after their price, and the same traces gave a
+//! TTFT p99 of 289 ms in one run and 816 in the next; counted with what it adds, 285-386 ms on
+//! seeds 1-4, with the other workloads better or within their run-to-run spread (`multi_turn`
+//! 128-226 ms against 131-175; bench/results/2026-12-07-1618-fleet.md).
 //!
 //! - The prompt a node holds comes from the engines' own KV events where they are followed
 //!   (`kv_index`), and from routes so recent their events cannot have come yet; elsewhere from
@@ -179,7 +190,7 @@ impl Estimate {
     /// common whatever the node (a step of the batch, and waits it does not see), and a node's
     /// own speed shows in its other terms.
     fn cost(&self, w: ScoreWeights) -> f64 {
-        w.queue * (self.slot_wait + self.ahead)
+        w.queue * ((1.0 + w.prefix) * self.slot_wait + self.ahead)
             + w.hidden * self.hidden
             + w.queue * w.future * self.future
             + self.own * (1.0 + w.prefix * (1.0 + self.behind))
@@ -837,19 +848,24 @@ mod tests {
         let policy = scored(WEIGHTS);
         let system = "You are a helpful assistant. ".repeat(280); // about 8 KiB: 400 ms of prefill
         let home = route(&policy, &nodes, format!("{system} first").as_bytes());
-        // Four requests there: the fifth waits for one of four places, 125 ms < 3 x 400 ms (its
-        // own prefill elsewhere, counted for itself and twice for the next request there).
+        // Four requests there: the fifth waits for one of four places, 125 ms, counted for
+        // itself and twice for those that come after it (375 ms) < 3 x 400 ms (its own prefill
+        // elsewhere, counted for itself and twice for the next request there).
         set_in_flight(&nodes[home], 4);
         assert_eq!(route(&policy, &nodes, format!("{system} second").as_bytes()), home);
-        // Fourteen: 11 x 125 ms > 1200 ms; another node is cheaper now, and learns the prompt too.
-        set_in_flight(&nodes[home], 14);
+        // Eight: 5 x 125 ms, 3 x 625 ms > 1200 ms (once, 625 ms would not be); another node is
+        // cheaper now, and learns the prompt too.
+        set_in_flight(&nodes[home], 8);
         let other = route(&policy, &nodes, format!("{system} third").as_bytes());
         assert_ne!(other, home);
         let estimates = policy.estimates(&nodes, &ctx(format!("{system} fourth").as_bytes()));
         let third = (0..3).find(|&i| i != home && i != other).unwrap();
         let own = |i: usize| estimates[i].unwrap().own;
         assert!(own(other) < 10.0 && own(third) > 390.0, "{estimates:?}");
-        assert!((estimates[home].unwrap().slot_wait - 11.0 * 125.0).abs() < 1.0, "{estimates:?}");
+        assert!((estimates[home].unwrap().slot_wait - 5.0 * 125.0).abs() < 1.0, "{estimates:?}");
+        // Counted once, the wait (625 ms) would have kept it home: less than the prefill at the
+        // third node counted for itself and twice for the next request there.
+        assert!(estimates[home].unwrap().slot_wait < 3.0 * own(third), "{estimates:?}");
     }
 
     #[test]
