@@ -148,8 +148,12 @@ impl InFlightPermit {
             self.weighs_lateness.store(prediction.weighs_lateness, Ordering::Relaxed);
         }
         if timed {
+            // In a cold fleet's first seconds, before a report shows the batch full, requests
+            // sent beyond what it surely holds waited for a place: on bench/fleet.py's
+            // `system_prompts` such samples made the fixed part 240-370 ms (20 ms once warm),
+            // and the prefill clock, which adds it per request, priced first tokens seconds late.
             #[allow(clippy::cast_precision_loss)]
-            let full = counters.speed.slots().is_some_and(|slots| counters.in_flight() as f64 > slots);
+            let full = counters.fleet_in_flight() as f64 > counters.speed.places();
             // Only a request that waits for no other's prefill times the engine's own: one sent
             // behind others waits for what is left of theirs, which no count of their bytes
             // tells (half done, or sharing its step), and such samples flattened the fit's
@@ -217,6 +221,11 @@ impl InFlightPermit {
             if self.weighs_lateness.load(Ordering::Relaxed) {
                 counters.hidden.observe(late_ms, now_ms());
             }
+        }
+        if answered {
+            // Those answered and not yet done decode there now (this one among them).
+            let decoding = counters.in_flight().saturating_sub(counters.unanswered.load(Ordering::Relaxed));
+            counters.speed.seen_running(decoding);
         }
         let timed = self.timed_bytes.swap(0, Ordering::Relaxed);
         if answered && timed > 0 {
@@ -325,6 +334,30 @@ mod tests {
         let quiet = InFlightPermit::acquire(&node);
         quiet.set_prediction(Prediction { prefill: 1024, cached: 0, prefill_us: 0, ..Prediction::default() }, true);
         assert!(counters.prefill_left_ms(now_us()) <= 0.0);
+    }
+
+    #[test]
+    fn a_first_token_teaches_the_speed_only_within_the_places_sure_in_the_batch() {
+        let node = Registry::new().add("h:1", NodeSpec::default()).unwrap();
+        let samples = || node.counters().speed.samples().weight;
+        let timed = || {
+            let permit = InFlightPermit::acquire(&node);
+            permit.set_prediction(Prediction { prefill: 1024, ..Prediction::default() }, true);
+            permit
+        };
+        let first = timed();
+        first.first_byte_seen();
+        assert!((samples() - 1.0).abs() < 1e-9, "alone: a sample");
+        // Sent while the first decodes: two in flight, and only one seen running there so far.
+        let second = timed();
+        second.first_byte_seen();
+        assert!((samples() - 1.0).abs() < 1e-9, "it may have waited for a place: no sample");
+        // Two were seen decoding at once: a batch holds two.
+        drop(first);
+        let third = timed();
+        third.first_byte_seen();
+        assert!(samples() > 1.5, "within the places seen: a sample");
+        drop((second, third));
     }
 
     #[test]

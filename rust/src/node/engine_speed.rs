@@ -122,7 +122,8 @@ pub(crate) struct EngineSpeed {
     sum_xy: AtomicU64,
     decode_ms: AtomicU64,
     slots: AtomicU64,
-    /// The most requests any report showed running (a count, not f64 bits).
+    /// The most requests seen running at once (a count, not f64 bits): in a report, or
+    /// pdproxy's own requests decoding there.
     most_running: AtomicU64,
     ms_per_in_flight: AtomicU64,
     prefill_bound: AtomicU64,
@@ -198,6 +199,20 @@ impl EngineSpeed {
     /// Requests the engine runs at once while others wait, once a report showed it full.
     pub(crate) fn slots(&self) -> Option<f64> {
         Some(load(&self.slots)).filter(|&s| s > 0.0)
+    }
+
+    /// `running` of pdproxy's requests were decoding there at once: its batch holds at least
+    /// that many.
+    pub(crate) fn seen_running(&self, running: u64) {
+        self.most_running.fetch_max(running, Ordering::Relaxed);
+    }
+
+    /// Requests the engine surely runs at once: its batch's size once learnt, else the most
+    /// seen running (at least one). Before a report shows the batch full, a request sent
+    /// beyond that may wait for a place, and its first token tells nothing of the prefill.
+    pub(crate) fn places(&self) -> f64 {
+        #[allow(clippy::cast_precision_loss)]
+        self.slots().unwrap_or(self.most_running.load(Ordering::Relaxed).max(1) as f64)
     }
 
     /// The first-token samples' sums.
@@ -321,6 +336,19 @@ mod tests {
         assert!(close(speed.speed().slots, 16.0), "a reading of nothing running says nothing");
         speed.reset();
         assert_eq!(speed.speed(), Speed::default());
+    }
+
+    #[test]
+    fn the_places_sure_are_the_batch_learnt_else_the_most_seen_running() {
+        let speed = EngineSpeed::default();
+        assert!((speed.places() - 1.0).abs() < 1e-9, "one, before anything is seen");
+        speed.seen_running(5);
+        speed.seen_running(3);
+        assert!((speed.places() - 5.0).abs() < 1e-9);
+        speed.reported(16, 2);
+        assert!((speed.places() - 16.0).abs() < 1e-9, "a full batch reported");
+        speed.reset();
+        assert!((speed.places() - 1.0).abs() < 1e-9);
     }
 
     #[test]

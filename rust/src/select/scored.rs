@@ -77,10 +77,12 @@
 //!   against 502 with weight 0, `flush_restart` 1,039 against 731:
 //!   bench/results/2026-12-07-0024-fleet-nine-future-term.md); with them, 646 against 1,346,
 //!   296 against 567 and 657 against 754 (bench/results/2026-12-07-0252-fleet-future-seen.md).
-//! - Engine speeds are learnt only from requests that waited for no other's prefill (see
-//!   `InFlightPermit::set_prediction`): fitted on every first token, the fixed part took in the
-//!   queue waits of a cold fleet's first seconds (277-604 ms) and the clock then counted them
-//!   twice, so that on `system_prompts` the backlog cleared about 2 s after the oracle's.
+//! - Engine speeds are learnt only from requests that waited for no other's prefill, nor for a
+//!   place in the batch (see `InFlightPermit::set_prediction`): fitted on every first token, the
+//!   fixed part took in the queue waits of a cold fleet's first seconds (277-604 ms) and the
+//!   clock then counted them twice, so that on `system_prompts` the backlog cleared about 2 s
+//!   after the oracle's. Before a report shows an engine's batch full, only the requests it
+//!   was seen running at once are sure of a place.
 //! - The wait for a place in the batch: the requests the engine has (its last report adjusted
 //!   by pdproxy's traffic since; without one, pdproxy's in-flight count) beyond the number it
 //!   runs at once, each freeing a place as it finishes decoding. Before that number is learnt,
