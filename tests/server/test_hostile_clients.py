@@ -114,12 +114,13 @@ def flood_taken_in(proxy: Process, flood: list[socket.socket]) -> bool:
 
 
 def connections_to(url: str) -> set[int]:
-    """The local ports of the open connections to ``url`` (a node; only the proxy connects to it)."""
+    """The local ports of the open connections to ``url`` (a node; only the proxy connects to it):
+    established, or closed by the node and not yet by the proxy (its descriptor still open)."""
     port = int(url.rsplit(":", 1)[1])
     ports = set()
     for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
         fields = line.split()
-        if fields[3] == "01" and int(fields[2].split(":")[1], 16) == port:
+        if fields[3] in ("01", "08") and int(fields[2].split(":")[1], 16) == port:
             ports.add(int(fields[1].split(":")[1], 16))
     return ports
 
