@@ -150,7 +150,7 @@ impl InFlightPermit {
         if timed {
             // In a cold fleet's first seconds, before a report shows the batch full, requests
             // sent beyond what it surely holds waited for a place: on bench/fleet.py's
-            // `system_prompts` such samples made the fixed part 240-370 ms (20 ms once warm),
+            // `system_prompts` such samples made the fixed part 229-370 ms (15-25 ms once warm),
             // and the prefill clock, which adds it per request, priced first tokens seconds late.
             #[allow(clippy::cast_precision_loss)]
             let full = counters.fleet_in_flight() as f64 > counters.speed.places();

@@ -204,7 +204,10 @@ impl EngineSpeed {
     /// `running` of pdproxy's requests were decoding there at once: its batch holds at least
     /// that many.
     pub(crate) fn seen_running(&self, running: u64) {
-        self.most_running.fetch_max(running, Ordering::Relaxed);
+        // Once per request: a load, and a write only when the count is new (rarely, once warm).
+        if running > self.most_running.load(Ordering::Relaxed) {
+            self.most_running.fetch_max(running, Ordering::Relaxed);
+        }
     }
 
     /// Requests the engine surely runs at once: its batch's size once learnt, else the most
