@@ -37,6 +37,9 @@ class LearntSpeed(TypedDict):
     first_token_seconds: float | None
     #: Seconds a request decodes after its first token.
     decode_seconds: float | None
+    #: How far a request's decoding is from that, on the mean: near 0 where answers are
+    #: alike in length (a full batch's places then free as its oldest requests end).
+    decode_spread_seconds: float | None
     #: Requests the engine runs at once while others wait.
     batch_slots: float | None
     #: A whole request's seconds per request in flight when it was sent.
@@ -137,6 +140,7 @@ def learnt_speed(learnt: LearntReading) -> LearntSpeed:
         prefill_seconds_per_kib=learnt.prefill_seconds_per_kib,
         first_token_seconds=learnt.first_token_seconds,
         decode_seconds=learnt.decode_seconds,
+        decode_spread_seconds=learnt.decode_spread_seconds,
         batch_slots=learnt.batch_slots,
         seconds_per_request_in_flight=learnt.seconds_per_request_in_flight,
         prefill_bound_seconds_per_kib=learnt.prefill_bound_seconds_per_kib,

@@ -215,6 +215,7 @@ impl Relay {
     /// Records a burst from the node; returns what may go to the client now.
     fn arrived(&mut self, data: Bytes) -> Bytes {
         let now = Instant::now();
+        let first = self.report.first_byte.is_none();
         self.report.first_byte.get_or_insert_with(|| now - self.started);
         if let Some(session) = self.session.take() {
             session.consume();
@@ -222,6 +223,11 @@ impl Relay {
         let events = sse::count_events(&data, &mut self.last_was_newline);
         self.report.events += events;
         if let Some(permit) = &self.permit {
+            // A stream's first event is its first token: its decoding begins (a whole answer's
+            // first byte comes at its end).
+            if first && self.event_stream {
+                permit.decoding_began();
+            }
             permit.first_byte_seen();
             permit.saw(&data);
             // Each event's gap to the one before: events that came together had none.

@@ -205,6 +205,12 @@ impl InFlightPermit {
         }
     }
 
+    /// The answer's first token came (a stream's first event): when a full batch frees the
+    /// place this request holds depends on it.
+    pub(crate) fn decoding_began(&self) {
+        self.node.counters().decode_starts.record(now_ms());
+    }
+
     /// Takes this request out of the node's unanswered count (once); `answered`:
     /// its first byte came, so how long it was pending is worth learning.
     fn settle_prefill(&self, answered: bool) {

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::time::Duration;
 
 use super::circuit::Circuit;
+use super::decode_starts::DecodeStarts;
 use super::engine_report::{CountsThen, EngineFigures, EngineReport};
 use super::engine_speed::EngineSpeed;
 use super::hidden_load::HiddenLoad;
@@ -64,6 +65,8 @@ pub struct NodeCounters {
     pub(crate) prefill_done_at_us: AtomicU64,
     /// How fast the node's engine prefills and decodes, learnt from the requests sent to it.
     pub(crate) speed: EngineSpeed,
+    /// When the requests lately answered began decoding: when the places of a full batch free.
+    pub(crate) decode_starts: DecodeStarts,
     /// How much later than priced its first tokens came lately: work there pdproxy did not price.
     pub(crate) hidden: HiddenLoad,
     /// The prefill work sent to the node lately, as the wait it makes the next requests meet.
@@ -204,6 +207,7 @@ impl NodeCounters {
         self.itl.reset();
         self.engine.reset();
         self.speed.reset();
+        self.decode_starts.reset();
         self.hidden.reset();
         self.recent_work.reset();
     }

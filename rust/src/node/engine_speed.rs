@@ -41,6 +41,9 @@ pub(crate) struct Speed {
     pub(crate) first_token_ms: Option<f64>,
     /// Milliseconds from a request's first token to its end (its decoding).
     pub(crate) decode_ms: Option<f64>,
+    /// How far a decoding's time is from that mean, on the mean (ms): near 0 where answers
+    /// are alike in length, near `decode_ms` where they vary as chats' do.
+    pub(crate) decode_spread_ms: Option<f64>,
     /// Requests the engine runs at once when others wait (its batch, or what its KV cache holds).
     pub(crate) slots: Option<f64>,
     /// A whole request's time per request the node had in flight when it was sent: with `n` in
@@ -121,6 +124,7 @@ pub(crate) struct EngineSpeed {
     sum_xx: AtomicU64,
     sum_xy: AtomicU64,
     decode_ms: AtomicU64,
+    decode_spread_ms: AtomicU64,
     slots: AtomicU64,
     /// The most requests seen running at once (a count, not f64 bits): in a report, or
     /// pdproxy's own requests decoding there.
@@ -163,6 +167,11 @@ impl EngineSpeed {
     /// A request decoded for `ms` after its first token.
     pub(crate) fn decoded(&self, ms: f64) {
         if ms.is_finite() && ms >= 0.0 {
+            let mean = load(&self.decode_ms);
+            if mean > 0.0 {
+                // At least a microsecond: 0 is "not learnt yet", and alike answers are learnt.
+                moving_mean(&self.decode_spread_ms, (ms - mean).abs().max(1e-3), DECODE_ALPHA);
+            }
             moving_mean(&self.decode_ms, ms, DECODE_ALPHA);
         }
     }
@@ -238,6 +247,7 @@ impl EngineSpeed {
             prefill_ms_per_kib: fit.map(|f| f.ms_per_kib),
             first_token_ms: fit.map(|f| f.fixed_ms),
             decode_ms: positive(load(&self.decode_ms)),
+            decode_spread_ms: positive(load(&self.decode_spread_ms)),
             slots: positive(load(&self.slots)),
             ms_per_in_flight: positive(load(&self.ms_per_in_flight)),
             prefill_bound_ms_per_kib: positive(load(&self.prefill_bound)),
@@ -254,6 +264,7 @@ impl EngineSpeed {
             &self.sum_xx,
             &self.sum_xy,
             &self.decode_ms,
+            &self.decode_spread_ms,
             &self.slots,
             &self.most_running,
             &self.ms_per_in_flight,
@@ -333,8 +344,12 @@ mod tests {
         speed.reported(16, 3);
         assert!(close(speed.speed().decode_ms, 600.0));
         assert!(close(speed.speed().slots, 16.0));
+        assert_eq!(speed.speed().decode_spread_ms, None, "one decoding says nothing of their spread");
         speed.decoded(700.0);
         assert!(close(speed.speed().decode_ms, 610.0));
+        assert!(close(speed.speed().decode_spread_ms, 100.0));
+        speed.decoded(610.0);
+        assert!(speed.speed().decode_spread_ms.is_some_and(|s| s > 0.0), "alike, and learnt so");
         speed.reported(0, 2);
         assert!(close(speed.speed().slots, 16.0), "a reading of nothing running says nothing");
         speed.reset();

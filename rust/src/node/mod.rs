@@ -4,6 +4,7 @@
 pub(crate) mod address;
 pub(crate) mod circuit;
 pub(crate) mod counters;
+pub(crate) mod decode_starts;
 pub(crate) mod engine_report;
 pub(crate) mod engine_speed;
 pub(crate) mod hidden_load;

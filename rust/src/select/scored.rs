@@ -84,8 +84,16 @@
 //!   after the oracle's. Before a report shows an engine's batch full, only the requests it
 //!   was seen running at once are sure of a place.
 //! - The wait for a place in the batch: the requests the engine has (its last report adjusted
-//!   by pdproxy's traffic since; without one, pdproxy's in-flight count) beyond the number it
-//!   runs at once, each freeing a place as it finishes decoding. Before that number is learnt,
+//!   by pdproxy's traffic since, and never fewer than pdproxy's own in flight there) beyond the
+//!   number it runs at once, each freeing a place as it finishes decoding. Where answers are
+//!   alike in length, requests that began decoding together end together, and the place comes
+//!   when the oldest of those decoding ends (`decode_starts`); where they vary, ends spread
+//!   out and each place frees after a share of a decoding; the two are weighed by how much
+//!   decodings vary (`decode_spread_ms`). On `bench/fleet.py`'s `evict_restart` (seed 2) the
+//!   popular prompt stayed on two engines running 16-20 requests on 16 places, a place priced
+//!   0-94 ms (a sixteenth of a decoding, or nothing where a report a second old showed 14
+//!   running) while the first tokens sent there came 400-440 ms later: the batch had begun
+//!   together. Before that number is learnt,
 //!   a reported queue beside a batch is a wait for a place in it: vLLM's and SGLang's gauges
 //!   count a request as waiting only once a step left it out (the batch or the KV cache full).
 //!   (The mock engine once counted the requests come since its last step too: one beside six
@@ -258,10 +266,11 @@ fn speeds(candidates: &[Arc<Node>]) -> Vec<Speed> {
             }
         }
     }
-    let fields: [fn(&mut Speed) -> &mut Option<f64>; 5] = [
+    let fields: [fn(&mut Speed) -> &mut Option<f64>; 6] = [
         |s| &mut s.prefill_ms_per_kib,
         |s| &mut s.first_token_ms,
         |s| &mut s.decode_ms,
+        |s| &mut s.decode_spread_ms,
         |s| &mut s.slots,
         |s| &mut s.ms_per_in_flight,
     ];
@@ -521,9 +530,10 @@ impl Scored {
     /// at once, each place freed as a running request ends its decoding. Where neither the
     /// batch's size nor a queue is known, a whole answer (not a stream) is taken to share the
     /// engine with those in flight: each of them adds what a request took per request in flight.
-    fn slot_wait_ms(node: &Node, load: Option<EngineLoad>, speed: &Speed, stream: bool) -> f64 {
+    fn slot_wait_ms(node: &Node, load: Option<EngineLoad>, speed: &Speed, stream: bool, now_ms: u64) -> f64 {
+        let counters = node.counters();
         #[allow(clippy::cast_precision_loss)]
-        let in_flight = node.counters().in_flight() as f64;
+        let in_flight = counters.in_flight() as f64;
         let queue_known = speed.slots.is_some() || load.is_some_and(|l| l.waiting() > 0.0);
         if !stream && !queue_known {
             return speed.ms_per_in_flight.map_or(0.0, |ms| in_flight * ms);
@@ -531,14 +541,39 @@ impl Scored {
         let decode_ms = speed.decode_ms.unwrap_or(PRIOR_DECODE_MS);
         // The places to be freed before this request has one, and how many free up at once.
         let (frees, slots) = match speed.slots {
-            Some(slots) => (load.map_or(in_flight, |l| l.requests()) + 1.0 - slots, slots),
+            // The engine has at least pdproxy's own requests, whatever a report adjusted by
+            // the traffic since says.
+            Some(slots) => {
+                let requests = load.map_or(in_flight, |l| l.requests().max(in_flight));
+                (requests + 1.0 - slots, slots)
+            }
             None => match load.filter(|l| l.waiting() > 0.0 && l.running > 0) {
                 #[allow(clippy::cast_precision_loss)]
                 Some(l) => (l.waiting() + 1.0, l.running as f64),
                 None => return 0.0,
             },
         };
-        frees.max(0.0) * decode_ms / slots
+        if frees <= 0.0 {
+            return 0.0;
+        }
+        let shared = frees * decode_ms / slots;
+        // Requests that began decoding together end together where answers are alike in
+        // length: the place comes when the `frees`-th oldest of those decoding ends. Where
+        // lengths vary, ends spread out and the share per place holds; weighed between the two
+        // by how much decodings vary.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+        let k = frees.ceil() as usize;
+        let decoding = counters.in_flight().saturating_sub(counters.unanswered.load(Ordering::Relaxed));
+        let (Some(started), Some(spread)) = (
+            counters.decode_starts.kth_oldest(usize::try_from(decoding).unwrap_or(usize::MAX), k),
+            speed.decode_spread_ms,
+        ) else {
+            return shared;
+        };
+        #[allow(clippy::cast_precision_loss)]
+        let ends_in = (started as f64 + decode_ms - now_ms as f64).max(0.0);
+        let varied = (spread / decode_ms).min(1.0);
+        varied * shared + (1.0 - varied) * ends_in
     }
 
     /// The requests at the node still waiting for their first token: those pdproxy sent, or
@@ -591,7 +626,7 @@ impl Scored {
             // Read once: both the batch's wait and the queue ahead come from it.
             let load = node.engine_load(self.max_age_ms, now);
             out[i] = Some(Estimate {
-                slot_wait: Self::slot_wait_ms(node, load, speed, ctx.stream),
+                slot_wait: Self::slot_wait_ms(node, load, speed, ctx.stream, now),
                 ahead: node.counters().prefill_left_ms(now_us) + node.counters().peer_prefill_left_ms(now_us),
                 first_token: speed.first_token_ms.unwrap_or(0.0),
                 own: own_kib * ms_per_kib,
@@ -957,6 +992,56 @@ mod tests {
             set_in_flight(node, 14);
         }
         assert_eq!(route(&policy, &nodes, shared.as_bytes()), 2);
+    }
+
+    /// One node running a full batch of 16 (all answered and decoding), that learnt decodings
+    /// of `decodes` ms (in turn) and saw their first tokens come `started_ago` ms ago.
+    fn full_batch(decodes: &[f64], started_ago: &[u64]) -> (crate::node::registry::Registry, Vec<Arc<Node>>) {
+        let (reg, nodes) = nodes(1);
+        learn(&nodes[0], 50.0, decodes[0], 16);
+        for i in 0..200 {
+            nodes[0].counters().speed.decoded(decodes[i % decodes.len()]);
+        }
+        let now = now_ms();
+        for ago in started_ago {
+            nodes[0].counters().decode_starts.record(now - ago);
+        }
+        set_in_flight(&nodes[0], 16);
+        (reg, nodes)
+    }
+
+    #[test]
+    fn a_full_batch_of_alike_answers_frees_a_place_when_its_oldest_decoding_ends() {
+        let wait = |started_ago: u64| {
+            let (_reg, nodes) = full_batch(&[500.0], &[started_ago; 16]);
+            let policy = scored(WEIGHTS);
+            policy.estimates(&nodes, &ctx(b"a prompt".as_slice()))[0].unwrap().slot_wait
+        };
+        // Sixteen that began together 100 ms ago end in 400 ms, not in a sixteenth of 500.
+        assert!((wait(100) - 400.0).abs() < 20.0, "{}", wait(100));
+        assert!((wait(450) - 50.0).abs() < 20.0, "{}", wait(450));
+        // Overdue: a place any moment.
+        assert!(wait(900) < 0.01, "{}", wait(900));
+    }
+
+    #[test]
+    fn where_answers_vary_in_length_a_place_frees_for_a_share_of_a_decoding() {
+        // Decodings of 100 and 900 ms in turn: they spread as far as they last.
+        let (_reg, nodes) = full_batch(&[100.0, 900.0], &[100; 16]);
+        let policy = scored(WEIGHTS);
+        let estimate = policy.estimates(&nodes, &ctx(b"a prompt".as_slice()))[0].unwrap();
+        let share = 500.0 / 16.0;
+        assert!(estimate.slot_wait > share && estimate.slot_wait < 0.3 * 400.0 + share, "{estimate:?}");
+    }
+
+    #[test]
+    fn a_place_is_waited_for_while_pdproxy_alone_fills_the_batch_a_report_said_had_room() {
+        let (_reg, nodes) = full_batch(&[500.0], &[100; 16]);
+        // Read with all sixteen in flight: the engine counted thirteen (three not there yet).
+        report(&nodes[0], 13, 0, 0.5);
+        let policy = scored(WEIGHTS);
+        let wait = policy.estimates(&nodes, &ctx(b"a prompt".as_slice()))[0].unwrap().slot_wait;
+        assert!((wait - 400.0).abs() < 20.0, "{wait}");
     }
 
     #[test]
