@@ -90,12 +90,13 @@
 //!   when the oldest of those decoding ends (`decode_starts`); where they vary, ends spread
 //!   out and each place frees after a share of a decoding; the two are weighed by how much
 //!   decodings vary (`decode_spread_ms`). On `bench/fleet.py`'s `evict_restart` (seed 2) the
-//!   popular prompt stayed on two engines running 16-20 requests on 16 places, a place priced
-//!   0-94 ms (a sixteenth of a decoding, or nothing where a report a second old showed 14
-//!   running) while the first tokens sent there came 400-440 ms later: the batch had begun
-//!   together. Before that number is learnt,
-//!   a reported queue beside a batch is a wait for a place in it: vLLM's and SGLang's gauges
-//!   count a request as waiting only once a step left it out (the batch or the KV cache full).
+//!   popular prompt stayed on two engines running 14-20 requests on 16 places, a place priced
+//!   0-94 ms (a sixteenth of a decoding, or nothing where a report read up to a second before
+//!   showed 14 running) while the first tokens sent there came 400-440 ms later: the batch had
+//!   begun together (bench/results/2026-12-07-2300-fleet-batch-ends.md). Before that number is
+//!   learnt, a reported queue beside a batch is a wait for a place in it: vLLM's and SGLang's
+//!   gauges count a request as waiting only once a step left it out (the batch or the KV cache
+//!   full).
 //!   (The mock engine once counted the requests come since its last step too: one beside six
 //!   running, at `no_reuse`'s 0.8 s decode, priced an engine 270 ms too dear until the next
 //!   reading, and one first token in twenty came 100 ms or more before its price.)
