@@ -230,8 +230,7 @@ impl InFlightPermit {
         }
         if answered {
             // Those answered and not yet done decode there now (this one among them).
-            let decoding = counters.in_flight().saturating_sub(counters.unanswered.load(Ordering::Relaxed));
-            counters.speed.seen_running(decoding);
+            counters.speed.seen_running(counters.decoding());
         }
         let timed = self.timed_bytes.swap(0, Ordering::Relaxed);
         if answered && timed > 0 {

@@ -274,6 +274,11 @@ impl NodeCounters {
         self.in_flight.load(Ordering::Relaxed)
     }
 
+    /// This replica's requests decoding there: answered (a first byte came) and not yet done.
+    pub(crate) fn decoding(&self) -> u64 {
+        self.in_flight().saturating_sub(self.unanswered.load(Ordering::Relaxed))
+    }
+
     /// True when the node may be selected now: healthy, its circuit not open, below its cap.
     pub(crate) fn is_available(&self) -> bool {
         self.state() == NodeState::Healthy

@@ -8,8 +8,9 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Starts kept: as many as a batch's places are learnt to be in the fleets it serves (16-256);
-/// beyond it, a full batch's wait falls back on the share per place.
+/// Starts kept. Where more requests than this decode at a node (vLLM's and SGLang's batches
+/// run up to 256), the oldest of them are not kept, and a full batch's wait is the share of a
+/// decoding per place.
 pub(crate) const KEPT: usize = 32;
 
 #[derive(Debug, Default)]

@@ -92,7 +92,7 @@
 //!   decodings vary (`decode_spread_ms`). On `bench/fleet.py`'s `evict_restart` (seed 2) the
 //!   popular prompt stayed on two engines running 14-20 requests on 16 places, a place priced
 //!   0-94 ms (a sixteenth of a decoding, or nothing where a report read up to a second before
-//!   showed 14 running) while the first tokens sent there came 400-440 ms later: the batch had
+//!   showed 14 running) while the first tokens sent there came 360-440 ms later: the batch had
 //!   begun together (bench/results/2026-12-07-2300-fleet-batch-ends.md). Before that number is
 //!   learnt, a reported queue beside a batch is a wait for a place in it: vLLM's and SGLang's
 //!   gauges count a request as waiting only once a step left it out (the batch or the KV cache
@@ -564,9 +564,8 @@ impl Scored {
         // by how much decodings vary.
         #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         let k = frees.ceil() as usize;
-        let decoding = counters.in_flight().saturating_sub(counters.unanswered.load(Ordering::Relaxed));
         let (Some(started), Some(spread)) = (
-            counters.decode_starts.kth_oldest(usize::try_from(decoding).unwrap_or(usize::MAX), k),
+            counters.decode_starts.kth_oldest(usize::try_from(counters.decoding()).unwrap_or(usize::MAX), k),
             speed.decode_spread_ms,
         ) else {
             return shared;
