@@ -202,6 +202,9 @@ class EngineReading:
     @property
     def restarts(self) -> int: ...
     @property
+    def flushes(self) -> int:
+        """Times pdproxy had the engine's prefix cache flushed (``POST /flush_cache``)."""
+    @property
     def failures(self) -> int: ...
     @property
     def failing(self) -> int:
@@ -401,6 +404,14 @@ class Router:
 
     def set_max_concurrency(self, url: str, max_concurrency: int | None) -> None:
         """Sets (or with None lifts) a node's hard cap on requests in flight."""
+
+    def cache_flushed(self, url: str) -> None:
+        """The node's engine flushed its prefix cache at pdproxy's request: what the policies
+        learnt it holds is void.
+
+        Raises:
+            NodeNotFound: no node with this URL is registered.
+        """
 
     def models(self) -> list[str]:
         """Models served by the registered nodes, deduplicated."""

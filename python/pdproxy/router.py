@@ -243,6 +243,12 @@ class Router:
         """Sets (or with ``None`` lifts) a node's hard cap on requests in flight."""
         self._core.set_max_concurrency(url, max_concurrency)
 
+    def cache_flushed(self, url: str) -> None:
+        """Tells the policies that a node's engine emptied its prefix cache (a flush sent to it
+        directly: ``POST /flush_cache`` through pdproxy tells them itself), so that they forget
+        what they learnt it holds rather than wait for its answers to show it."""
+        self._core.cache_flushed(url)
+
     def views(self) -> list[NodeView]:
         """Every node, typed (``_pdproxy.NodeView``), copied at one moment: its record (never the
         key), state, counters, latencies, histograms, and what its engine last reported."""

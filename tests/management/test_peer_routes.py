@@ -84,6 +84,10 @@ async def test_flush_cache_reaches_every_node_with_each_result(
         for engine in engines:
             async with http.get(engine.url + "/mock/stats") as r:
                 assert (await r.json())["flushes"] == 1
+        # What the policies learnt each node holds went with its cache.
+        async with http.get(proxy.url + "/nodes/status") as r:
+            status = await r.json()
+        assert [status[url]["engine"]["flushes"] for url in (a.url, b.url)] == [1, 1]
         await b.stop()
         async with http.post(proxy.url + "/flush_cache") as r:
             assert r.status == 502

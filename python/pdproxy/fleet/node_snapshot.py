@@ -80,6 +80,8 @@ class EngineReport(TypedDict):
     #: traffic that bypasses it), at least (while fresh).
     others: int | None
     restarts: int
+    #: Times pdproxy had its prefix cache flushed (``POST /flush_cache``).
+    flushes: int
     failures: int
     #: Readings failed in a row.
     failing: int
@@ -166,6 +168,7 @@ def engine_report(engine: EngineReading) -> EngineReport:
         requests_estimate=engine.requests_estimate,
         others=engine.others,
         restarts=engine.restarts,
+        flushes=engine.flushes,
         failures=engine.failures,
         failing=engine.failing,
         learnt=learnt_speed(engine.learnt),

@@ -16,6 +16,7 @@ shapes for the lists and the workers); their failures are pdproxy's own error bo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING, TypedDict
 from urllib.parse import parse_qs
@@ -83,6 +84,12 @@ async def flush_cache(fleet: Fleet, scope: HTTPScope, receive: HTTPReceive) -> t
     async with node_session(fleet.settings.security.node_ca_file, fleet.settings.timeouts.admin) as session:
         answers = await asyncio.gather(*(_flush(session, url, fleet.api_key_of(url)) for url in urls))
     results = dict(zip(urls, answers, strict=True))
+    for url, result in results.items():
+        status = result.get("status")
+        if isinstance(status, int) and 200 <= status < 300:
+            # What the policies learnt each node holds went with its cache.
+            with contextlib.suppress(NodeNotFound):
+                fleet.router.cache_flushed(url)
     failed = [url for url, result in results.items() if "error" in result]
     return (502 if failed else 200), {"results": results, "failed": failed}
 

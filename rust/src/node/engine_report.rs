@@ -66,6 +66,8 @@ pub(crate) struct EngineReport {
     predicted_then: AtomicU64,
     /// Times the engine's counters went back: it restarted with an empty cache.
     restarts: AtomicU32,
+    /// Times pdproxy had the engine's prefix cache flushed (`POST /flush_cache`).
+    flushes: AtomicU32,
     failures: AtomicU64,
     /// Consecutive failed readings since the last good one.
     failing: AtomicU32,
@@ -149,6 +151,7 @@ pub(crate) struct EngineReportSnapshot {
     /// Milliseconds since the last good reading.
     pub(crate) age_ms: Option<u64>,
     pub(crate) restarts: u32,
+    pub(crate) flushes: u32,
     pub(crate) failures: u64,
     pub(crate) failing: u32,
 }
@@ -223,6 +226,17 @@ impl EngineReport {
         self.restarts.load(Ordering::Relaxed)
     }
 
+    /// The engine's prefix cache was flushed at pdproxy's request.
+    pub(crate) fn flushed(&self) {
+        self.flushes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Times the engine's prefix cache was lost, restarted or flushed: what pdproxy knows of
+    /// what it holds is void each time this changes.
+    pub(crate) fn cache_losses(&self) -> u32 {
+        self.restarts().wrapping_add(self.flushes.load(Ordering::Relaxed))
+    }
+
     /// When the last good reading was taken (wall-clock ms, 0: never), the engine's
     /// cumulative prefix-cache hits (tokens) then if it exports them, and the node's
     /// `predicted_cached_bytes` then.
@@ -268,6 +282,7 @@ impl EngineReport {
             figures,
             age_ms: (read_at != 0).then(|| now_ms.saturating_sub(read_at)),
             restarts: self.restarts.load(Ordering::Relaxed),
+            flushes: self.flushes.load(Ordering::Relaxed),
             failures: self.failures.load(Ordering::Relaxed),
             failing: self.failing.load(Ordering::Relaxed),
         }
@@ -295,6 +310,7 @@ impl EngineReport {
             value.store(option_u64(None), Ordering::Relaxed);
         }
         self.restarts.store(0, Ordering::Relaxed);
+        self.flushes.store(0, Ordering::Relaxed);
         self.failing.store(0, Ordering::Relaxed);
     }
 }

@@ -183,6 +183,8 @@ pub(crate) struct EngineView {
     /// Requests the engine had at the reading that pdproxy cannot have sent, at least.
     pub(crate) others: Option<u64>,
     pub(crate) restarts: u32,
+    /// Times pdproxy had its prefix cache flushed (`POST /flush_cache`).
+    pub(crate) flushes: u32,
     pub(crate) failures: u64,
     pub(crate) failing: u32,
     pub(crate) learnt: LearntView,
@@ -214,6 +216,7 @@ impl EngineView {
             requests_estimate: load.map(|l| l.requests()),
             others: load.map(|l| l.others),
             restarts: report.restarts,
+            flushes: report.flushes,
             failures: report.failures,
             failing: report.failing,
             learnt: LearntView {

@@ -206,6 +206,13 @@ impl Router {
         Ok(())
     }
 
+    /// The node's engine flushed its prefix cache at pdproxy's request: what the policies
+    /// learnt it holds is void.
+    fn cache_flushed(&self, url: &str) -> PyResult<()> {
+        self.lookup(url)?.counters().engine.flushed();
+        Ok(())
+    }
+
     /// Counts a failed reading of a node's engine metrics.
     fn record_engine_failure(&self, url: &str) -> PyResult<()> {
         self.lookup(url)?.counters().engine.record_failure();

@@ -10,8 +10,9 @@
 //!   to find, for the requests it has answered): when the engine found less in its cache than the table
 //!   expected, the table holds too much for that node (the engine evicted it), and the node's
 //!   share shrinks to what the hits bear out; it grows back while predictions hold;
-//! - a node whose engine restarted (its counters went back), or whose engine found next to
-//!   nothing of what the table expected it to (its cache was flushed), forgets everything.
+//! - a node whose engine restarted (its counters went back), whose cache pdproxy had flushed
+//!   (`POST /flush_cache`), or whose engine found next to nothing of what the table expected
+//!   it to (its cache was flushed by someone else), forgets everything.
 //!
 //! The prompt is cut into blocks of `block_bytes` and each block's hash chains the previous
 //! one, so a hash names the whole prefix up to its block. Memory is bounded: about `entries`
@@ -102,8 +103,8 @@ struct NodeBlocks {
     /// current one are stale and skipped.
     order: VecDeque<(u64, u64)>,
     live: usize,
-    /// The engine's restart count when the blocks were learned.
-    restarts: u32,
+    /// The engine's cache losses (restarts, flushes pdproxy asked for) when the blocks were learned.
+    losses: u32,
     last_used: u64,
     /// What the engine's hits bear out (blocks); None until a check found too few hits.
     share: Option<usize>,
@@ -253,12 +254,12 @@ impl Inner {
         }
     }
 
-    /// Drops the node's blocks (its engine restarted, now `restarts` times, or emptied its
-    /// cache), keeping where its checks are: the answers and readings before it are not judged again.
-    fn clear(&mut self, generation: u64, restarts: u32) {
+    /// Drops the node's blocks (its engine lost its cache, now `losses` times, or emptied it
+    /// unasked), keeping where its checks are: the answers and readings before it are not judged again.
+    fn clear(&mut self, generation: u64, losses: u32) {
         if let Some(node) = self.nodes.get_mut(&generation) {
             let order = std::mem::take(&mut node.order);
-            (node.live, node.share, node.restarts) = (0, None, restarts);
+            (node.live, node.share, node.losses) = (0, None, losses);
             (node.missed_in_a_row, node.missed_looks) = (0, 0);
             self.drop_blocks(generation, order);
         }
@@ -314,9 +315,9 @@ impl PrefixTable {
         let mut out = vec![0; candidates.len()];
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         for node in candidates {
-            let restarts = node.counters().engine.restarts();
-            if inner.nodes.get(&node.generation()).is_some_and(|n| n.restarts != restarts) {
-                inner.clear(node.generation(), restarts);
+            let losses = node.counters().engine.cache_losses();
+            if inner.nodes.get(&node.generation()).is_some_and(|n| n.losses != losses) {
+                inner.clear(node.generation(), losses);
             }
         }
         let mut pending = vec![0; if now_ms.is_some() { candidates.len() } else { 0 }];
@@ -348,10 +349,10 @@ impl PrefixTable {
             return;
         }
         let generation = node.generation();
-        let restarts = node.counters().engine.restarts();
+        let losses = node.counters().engine.cache_losses();
         let mut inner = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        if inner.nodes.get(&generation).is_some_and(|n| n.restarts != restarts) {
-            inner.clear(generation, restarts);
+        if inner.nodes.get(&generation).is_some_and(|n| n.losses != losses) {
+            inner.clear(generation, losses);
         }
         if !inner.nodes.contains_key(&generation) && inner.nodes.len() >= MAX_NODES {
             let oldest = inner.nodes.iter().min_by_key(|(_, n)| n.last_used).map(|(g, _)| *g);
@@ -369,10 +370,10 @@ impl PrefixTable {
 
         let bytes_per_token = self.config.bytes_per_token;
         if inner.nodes.get_mut(&generation).is_some_and(|b| b.check(node, bytes_per_token, ceiling)) {
-            inner.clear(generation, restarts);
+            inner.clear(generation, losses);
         }
         let Inner { holders, nodes, clock } = &mut *inner;
-        let blocks = nodes.entry(generation).or_insert_with(|| NodeBlocks { restarts, ..NodeBlocks::default() });
+        let blocks = nodes.entry(generation).or_insert_with(|| NodeBlocks { losses, ..NodeBlocks::default() });
         blocks.check(node, bytes_per_token, ceiling);
         let capacity = blocks.share.unwrap_or(ceiling).min(ceiling);
         // A prompt the node took lately (its deepest block among the newest eighth of what it
@@ -504,6 +505,20 @@ mod tests {
         counters.record_engine_report(&reading(5), 2);
         assert_eq!(t.matched(&a, &nodes), vec![0, 4]);
         assert_eq!(t.blocks_of(nodes[0].generation()), 0);
+    }
+
+    #[test]
+    fn a_node_whose_cache_pdproxy_had_flushed_forgets_everything() {
+        let (_reg, nodes) = nodes(2);
+        let t = table(1000);
+        let a = hashes(&t, &"a".repeat(64));
+        t.learn(&nodes[0], &a, None, 0);
+        t.learn(&nodes[1], &a, None, 0);
+        nodes[1].counters().engine.flushed();
+        assert_eq!(t.matched(&a, &nodes), vec![4, 0]);
+        // What it takes after the flush, it holds.
+        t.learn(&nodes[1], &a, None, 0);
+        assert_eq!(t.matched(&a, &nodes), vec![4, 4]);
     }
 
     #[test]
