@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::admission::Admission;
 use crate::clock::{now_ms, now_us};
+use crate::node::running_late::Entry;
 use crate::node::{Node, Outcome};
 use crate::select::Prediction;
 
@@ -32,6 +33,8 @@ pub struct InFlightPermit {
     unanswered: AtomicBool,
     /// When the first byte should come (`now_us`'s clock; 0: not priced, or not a first token).
     first_token_due_us: AtomicU64,
+    /// Its entry among the node's requests waiting for a first token (`RunningLate`; 0: none).
+    late_entry: AtomicU64,
     /// Whether its lateness feeds the node's `hidden` mean (the policy weighs it).
     weighs_lateness: AtomicBool,
     /// Prompt bytes the policy expected in the node's cache, added to its
@@ -101,6 +104,7 @@ impl InFlightPermit {
             report: Report::default(),
             unanswered: AtomicBool::new(true),
             first_token_due_us: AtomicU64::new(0),
+            late_entry: AtomicU64::new(0),
             weighs_lateness: AtomicBool::new(false),
             predicted_cached: AtomicU64::new(0),
             timed_bytes: AtomicU64::new(0),
@@ -167,7 +171,14 @@ impl InFlightPermit {
             }
         }
         if prediction.prefill_us > 0 {
-            counters.owe_prefill(prediction.prefill_us, now_us());
+            let due_us = counters.owe_prefill(prediction.prefill_us, now_us());
+            // Where the first byte is the first token, it tells whether the node runs late.
+            if timed {
+                let entry = counters.running_late.enter(due_us / 1000);
+                if let Some(before) = Entry::from_bits(self.late_entry.swap(entry.bits(), Ordering::Relaxed)) {
+                    counters.running_late.leave(before);
+                }
+            }
             #[allow(clippy::cast_precision_loss)]
             counters.recent_work.add(prediction.prefill_us as f64 / 1000.0, now);
         }
@@ -218,6 +229,9 @@ impl InFlightPermit {
         // The last request owed an answer has one: the node owes no prefill from now on.
         if self.unanswered.swap(false, Ordering::Relaxed) && counters.unanswered.fetch_sub(1, Ordering::Relaxed) == 1 {
             counters.prefill_done_at_us.store(now_us(), Ordering::Relaxed);
+        }
+        if let Some(entry) = Entry::from_bits(self.late_entry.swap(0, Ordering::Relaxed)) {
+            counters.running_late.leave(entry);
         }
         let due = self.first_token_due_us.swap(0, Ordering::Relaxed);
         if answered && due > 0 {
@@ -339,6 +353,31 @@ mod tests {
         let quiet = InFlightPermit::acquire(&node);
         quiet.set_prediction(Prediction { prefill: 1024, cached: 0, prefill_us: 0, ..Prediction::default() }, true);
         assert!(counters.prefill_left_ms(now_us()) <= 0.0);
+    }
+
+    #[test]
+    fn a_streamed_request_counts_in_how_late_the_node_runs_until_its_first_token() {
+        let node = Registry::new().add("h:1", NodeSpec::default()).unwrap();
+        let late = |in_ms: u64| node.counters().running_late.overdue_ms(crate::clock::now_ms() + in_ms);
+        let priced = |timed: bool| {
+            let permit = InFlightPermit::acquire(&node);
+            permit.set_prediction(Prediction { prefill: 1024, prefill_us: 100_000, ..Prediction::default() }, timed);
+            permit
+        };
+        // Due when its 100 ms on the clock end: a second later it is 900 ms overdue.
+        let first = priced(true);
+        assert!((late(1_000) - 900.0).abs() < 20.0, "{}", late(1_000));
+        let second = priced(true);
+        assert!((late(1_000) - 900.0).abs() < 20.0, "the oldest sets it: {}", late(1_000));
+        first.first_byte_seen();
+        assert!((late(1_000) - 800.0).abs() < 20.0, "due after the first: {}", late(1_000));
+        // Gone unanswered, it is taken out as well.
+        drop(second);
+        assert!(late(1_000).abs() < f64::EPSILON);
+        // A whole answer's first byte is its last: it tells nothing of the first token.
+        let whole = priced(false);
+        assert!(late(1_000).abs() < f64::EPSILON);
+        drop((first, whole));
     }
 
     #[test]

@@ -10,6 +10,7 @@ use super::engine_report::{CountsThen, EngineFigures, EngineReport};
 use super::engine_speed::EngineSpeed;
 use super::hidden_load::HiddenLoad;
 use super::recent_work::RecentWork;
+use super::running_late::RunningLate;
 use super::state::NodeState;
 use crate::observe::histogram::{Gap, Histogram, Latency, Lateness};
 
@@ -69,6 +70,9 @@ pub struct NodeCounters {
     pub(crate) decode_starts: DecodeStarts,
     /// How much later than priced its first tokens came lately: work there pdproxy did not price.
     pub(crate) hidden: HiddenLoad,
+    /// How long ago, by the prefill clock, the oldest request still waiting for its first token
+    /// there was due.
+    pub(crate) running_late: RunningLate,
     /// The prefill work sent to the node lately, as the wait it makes the next requests meet.
     pub(crate) recent_work: RecentWork,
     /// Requests sent to the node that have not had the first byte of their answer yet: waiting
@@ -208,6 +212,7 @@ impl NodeCounters {
         self.engine.reset();
         self.speed.reset();
         self.decode_starts.reset();
+        self.running_late.reset();
         self.hidden.reset();
         self.recent_work.reset();
     }
@@ -244,11 +249,15 @@ impl NodeCounters {
         self.max_concurrency.store(max.unwrap_or(0), Ordering::Relaxed);
     }
 
-    /// Adds `us` of prefill after what the node already owes (from now, if it owes nothing).
-    pub(crate) fn owe_prefill(&self, us: u64, now_us: u64) {
-        let _ = self
+    /// Adds `us` of prefill after what the node already owes (from now, if it owes nothing);
+    /// returns when the node should be done with it.
+    pub(crate) fn owe_prefill(&self, us: u64, now_us: u64) -> u64 {
+        let after = |done: u64| done.max(now_us).saturating_add(us);
+        let before = self
             .prefill_done_at_us
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |done| Some(done.max(now_us).saturating_add(us)));
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |done| Some(after(done)))
+            .unwrap_or_else(|done| done);
+        after(before)
     }
 
     /// The prefill the node still owes, by its clock (ms).

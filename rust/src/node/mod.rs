@@ -12,6 +12,7 @@ pub(crate) mod load_signal;
 pub(crate) mod place;
 pub(crate) mod recent_work;
 pub(crate) mod registry;
+pub(crate) mod running_late;
 pub(crate) mod shared;
 pub(crate) mod state;
 mod url;

@@ -45,6 +45,18 @@
 //!   whole gave a TTFT p99 of 249 and 225 ms on two seeds against round robin's 164 and 157;
 //!   with the clock, 176 and 165 against 164 and 156). With `replica_share`, the other replicas'
 //!   clocks (as they last said, time left) count after this one's.
+//! - Where the oldest request sent there still waiting for its first token is past its due time
+//!   on that clock, the node runs late by as much, and so does all it owes (`running_late`): the
+//!   clock runs out while requests still wait, and a request priced by it alone meets all of it.
+//!   On `bench/fleet.py`'s `flush_restart`, the flushed engine's prompts were priced as hits
+//!   (the table learns of a flush it did not send only from answers that end a second or more
+//!   later) while it prefilled each whole: requests kept going there at a clock's 0-45 ms
+//!   ahead, with their first tokens 1.0-1.6 s later; priced late, 190-1,100 ms ahead. They
+//!   still went there (a prompt held nowhere else costs three times its prefill elsewhere),
+//!   and that workload's TTFT p99 was the same over six seeds; on `system_prompts` and
+//!   `unequal_engines`, where engines fall behind their prices under load, it was lower (seeds
+//!   1-2: 159 and 66 ms against 624 and 124; 244 and 482 against 513 and 637), the other
+//!   workloads within their run-to-run spread (bench/results/2026-12-08-0200-fleet-running-late.md).
 //! - The lateness (`hidden_load`) is the work there pdproxy did not send, or this replica did
 //!   not: with four replicas in front of the same engines, each one's clock holds a quarter of
 //!   the prefill owed. Off by default (`hidden` 0): on `bench/fleet.py` at 80% load (one
@@ -627,7 +639,9 @@ impl Scored {
             let load = node.engine_load(self.max_age_ms, now);
             out[i] = Some(Estimate {
                 slot_wait: Self::slot_wait_ms(node, load, speed, ctx.stream, now),
-                ahead: node.counters().prefill_left_ms(now_us) + node.counters().peer_prefill_left_ms(now_us),
+                ahead: node.counters().prefill_left_ms(now_us)
+                    + node.counters().peer_prefill_left_ms(now_us)
+                    + node.counters().running_late.overdue_ms(now),
                 first_token: speed.first_token_ms.unwrap_or(0.0),
                 own: own_kib * ms_per_kib,
                 #[allow(clippy::cast_precision_loss)]
@@ -808,6 +822,30 @@ mod tests {
             nodes[0].counters().recent_work.add(100.0, start + i * 150);
         }
         (reg, nodes)
+    }
+
+    #[test]
+    fn a_node_running_late_on_its_first_tokens_is_priced_by_how_late() {
+        let (_reg, nodes) = nodes(2);
+        for node in &nodes {
+            learn(node, 50.0, 500.0, 16);
+        }
+        let policy = scored(WEIGHTS);
+        let prompt = "p".repeat(2048);
+        policy.selected(&nodes[0], &ctx(prompt.as_bytes()));
+        assert_eq!(policy.pick(&nodes, &ctx(prompt.as_bytes())), Some(0), "the node holding it");
+        // A request sent there was due 600 ms ago by the prefill clock, and has no first token
+        // yet: the cache it was priced on may be gone, and all queued there waits as long.
+        let counters = nodes[0].counters();
+        let entry = counters.running_late.enter(now_ms() - 600);
+        counters.unanswered.store(1, Ordering::Relaxed);
+        let estimate = policy.estimates(&nodes, &ctx(prompt.as_bytes()))[0].unwrap();
+        assert!((estimate.ahead - 600.0).abs() < 20.0, "{estimate:?}");
+        assert_eq!(policy.pick(&nodes, &ctx(prompt.as_bytes())), Some(1), "a 100 ms prefill elsewhere is sooner");
+        // Its first token came: the node is on time again.
+        counters.running_late.leave(entry);
+        counters.unanswered.store(0, Ordering::Relaxed);
+        assert_eq!(policy.pick(&nodes, &ctx(prompt.as_bytes())), Some(0));
     }
 
     #[test]
@@ -1175,11 +1213,11 @@ mod tests {
             learn(node, 50.0, 500.0, 16);
         }
         let policy = scored(WEIGHTS);
-        // 8 KiB no node holds: 400 ms of prefill anywhere. Node 1 owes 50 ms of prefill (within a
-        // quarter of it), node 2 300 ms.
-        let miss = "q".repeat(8192);
-        nodes[1].counters().prefill_done_at_us.store(now_us() + 50_000, Ordering::Relaxed);
-        nodes[2].counters().prefill_done_at_us.store(now_us() + 300_000, Ordering::Relaxed);
+        // 80 KiB no node holds: 4 s of prefill anywhere. Node 1 owes 500 ms of prefill (within a
+        // quarter of it), node 2 3 s. (Clocks that long run down little while the test picks.)
+        let miss = "q".repeat(81920);
+        nodes[1].counters().prefill_done_at_us.store(now_us() + 500_000, Ordering::Relaxed);
+        nodes[2].counters().prefill_done_at_us.store(now_us() + 3_000_000, Ordering::Relaxed);
         let picks = |prompt: &str| {
             let mut counts = [0; 3];
             for _ in 0..300 {
