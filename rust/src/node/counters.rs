@@ -267,6 +267,15 @@ impl NodeCounters {
         left / 1000.0
     }
 
+    /// How late the node runs on the first tokens it owes (ms, see `RunningLate`): its ring
+    /// is read only where a request waits for one (it is empty otherwise).
+    pub(crate) fn running_late_ms(&self, now_ms: u64) -> f64 {
+        if self.unanswered.load(Ordering::Relaxed) == 0 {
+            return 0.0;
+        }
+        self.running_late.overdue_ms(now_ms)
+    }
+
     /// The prefill the other replicas expect the node to still owe them (ms; 0 without them).
     pub(crate) fn peer_prefill_left_ms(&self, now_us: u64) -> f64 {
         #[allow(clippy::cast_precision_loss)]

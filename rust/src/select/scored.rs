@@ -57,6 +57,9 @@
 //!   `unequal_engines`, where engines fall behind their prices under load, it was lower (seeds
 //!   1-2: 159 and 66 ms against 624 and 124; 244 and 482 against 513 and 637), the other
 //!   workloads within their run-to-run spread (bench/results/2026-12-08-0200-fleet-running-late.md).
+//!   Due by their whole price instead (a wait for a place in the batch included, which the
+//!   clock leaves out) was no better: `bursts` 883 and 575 ms against 760 and 525, TTFT p90
+//!   433 and 310 against 387 and 229.
 //! - The lateness (`hidden_load`) is the work there pdproxy did not send, or this replica did
 //!   not: with four replicas in front of the same engines, each one's clock holds a quarter of
 //!   the prefill owed. Off by default (`hidden` 0): on `bench/fleet.py` at 80% load (one
@@ -641,7 +644,7 @@ impl Scored {
                 slot_wait: Self::slot_wait_ms(node, load, speed, ctx.stream, now),
                 ahead: node.counters().prefill_left_ms(now_us)
                     + node.counters().peer_prefill_left_ms(now_us)
-                    + node.counters().running_late.overdue_ms(now),
+                    + node.counters().running_late_ms(now),
                 first_token: speed.first_token_ms.unwrap_or(0.0),
                 own: own_kib * ms_per_kib,
                 #[allow(clippy::cast_precision_loss)]
