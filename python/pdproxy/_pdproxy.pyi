@@ -203,7 +203,8 @@ class EngineReading:
     def restarts(self) -> int: ...
     @property
     def flushes(self) -> int:
-        """Times pdproxy had the engine's prefix cache flushed (``POST /flush_cache``)."""
+        """Times pdproxy was told the engine's prefix cache was flushed (``POST /flush_cache``,
+        ``Router.cache_flushed``)."""
     @property
     def failures(self) -> int: ...
     @property
@@ -406,8 +407,8 @@ class Router:
         """Sets (or with None lifts) a node's hard cap on requests in flight."""
 
     def cache_flushed(self, url: str) -> None:
-        """The node's engine flushed its prefix cache at pdproxy's request: what the policies
-        learnt it holds is void.
+        """The node's engine flushed its prefix cache (``POST /flush_cache``, or a flush sent to it
+        directly): what the policies learnt it holds is void.
 
         Raises:
             NodeNotFound: no node with this URL is registered.

@@ -80,7 +80,7 @@ class EngineReport(TypedDict):
     #: traffic that bypasses it), at least (while fresh).
     others: int | None
     restarts: int
-    #: Times pdproxy had its prefix cache flushed (``POST /flush_cache``).
+    #: Times pdproxy was told its prefix cache was flushed (``POST /flush_cache``, ``Router.cache_flushed``).
     flushes: int
     failures: int
     #: Readings failed in a row.

@@ -66,7 +66,8 @@ pub(crate) struct EngineReport {
     predicted_then: AtomicU64,
     /// Times the engine's counters went back: it restarted with an empty cache.
     restarts: AtomicU32,
-    /// Times pdproxy had the engine's prefix cache flushed (`POST /flush_cache`).
+    /// Times pdproxy was told the engine's prefix cache was flushed (`POST /flush_cache`,
+    /// `Router.cache_flushed`).
     flushes: AtomicU32,
     failures: AtomicU64,
     /// Consecutive failed readings since the last good one.
@@ -226,7 +227,7 @@ impl EngineReport {
         self.restarts.load(Ordering::Relaxed)
     }
 
-    /// The engine's prefix cache was flushed at pdproxy's request.
+    /// The engine's prefix cache was flushed, and pdproxy told so.
     pub(crate) fn flushed(&self) {
         self.flushes.fetch_add(1, Ordering::Relaxed);
     }

@@ -183,7 +183,7 @@ pub(crate) struct EngineView {
     /// Requests the engine had at the reading that pdproxy cannot have sent, at least.
     pub(crate) others: Option<u64>,
     pub(crate) restarts: u32,
-    /// Times pdproxy had its prefix cache flushed (`POST /flush_cache`).
+    /// Times pdproxy was told its prefix cache was flushed (`POST /flush_cache`, `Router.cache_flushed`).
     pub(crate) flushes: u32,
     pub(crate) failures: u64,
     pub(crate) failing: u32,

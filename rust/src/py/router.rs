@@ -206,8 +206,8 @@ impl Router {
         Ok(())
     }
 
-    /// The node's engine flushed its prefix cache at pdproxy's request: what the policies
-    /// learnt it holds is void.
+    /// The node's engine flushed its prefix cache (`POST /flush_cache`, or a flush sent to it
+    /// directly): what the policies learnt it holds is void.
     fn cache_flushed(&self, url: &str) -> PyResult<()> {
         self.lookup(url)?.counters().engine.flushed();
         Ok(())
